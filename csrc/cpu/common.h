@@ -1,0 +1,55 @@
+// Helpers shared by the C++ CPU kernels.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <type_traits>
+
+namespace wiola::cpu {
+
+// torch.empty for kernel outputs; filled with NaN (floats) or -1 (integers) when the
+// environment sets WIOLA_POISON_OUTPUTS=1, so a test sees any element a kernel skips.
+inline at::Tensor empty_output(at::IntArrayRef sizes, const at::TensorOptions& options) {
+  at::Tensor out = at::empty(sizes, options);
+  const char* flag = std::getenv("WIOLA_POISON_OUTPUTS");
+  if (flag != nullptr && flag[0] != '\0' && std::strcmp(flag, "0") != 0) {
+    if (at::isFloatingType(out.scalar_type())) {
+      out.fill_(std::numeric_limits<double>::quiet_NaN());
+    } else {
+      out.fill_(-1);
+    }
+  }
+  return out;
+}
+
+// Accumulation type: double stays double, every other float type computes in float.
+template <typename scalar_t>
+using acc_type = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
+
+// dst[i] = (acc_t) src[i], vectorised for the reduced-precision types.
+template <typename scalar_t, typename acc_t>
+inline void load_row(const scalar_t* src, acc_t* dst, int64_t n) {
+  if constexpr (std::is_same_v<scalar_t, acc_t>) {
+    std::memcpy(dst, src, n * sizeof(acc_t));
+  } else {
+    at::vec::convert(src, dst, n);
+  }
+}
+
+// dst[i] = (scalar_t) src[i].
+template <typename acc_t, typename scalar_t>
+inline void store_row(const acc_t* src, scalar_t* dst, int64_t n) {
+  if constexpr (std::is_same_v<scalar_t, acc_t>) {
+    std::memcpy(dst, src, n * sizeof(acc_t));
+  } else {
+    at::vec::convert(src, dst, n);
+  }
+}
+
+#define WIOLA_CHECK_ARG(cond, ...) TORCH_CHECK_VALUE(cond, __VA_ARGS__)
+
+}  // namespace wiola::cpu

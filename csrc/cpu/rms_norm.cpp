@@ -1,0 +1,185 @@
+// WiolaRMSNorm on the CPU (SPEC §3): z = x + δ, y = γ z / sqrt(mean(z²) + ε).
+//
+// Forward: rows in parallel; each row is read once into a float scratch row (it stays
+// in L1), reduced, and written once. Backward: rows are split into a fixed number of
+// chunks (independent of the thread count, so results are bitwise reproducible); each
+// chunk accumulates ∂γ and ∂δ partials of shape (d,), then the partials are summed in
+// chunk order.
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <vector>
+
+#include "common.h"
+
+namespace wiola::cpu {
+namespace {
+
+constexpr int64_t kBackwardChunks = 64;  // partial sums for ∂γ/∂δ; fixed for determinism
+
+template <typename acc_t>
+using Vec = at::vec::Vectorized<acc_t>;
+
+// z = x + s (in place in z, which already holds x); returns Σ z².
+template <typename acc_t>
+inline acc_t shift_and_sum_squares(acc_t* z, const acc_t* s, int64_t d) {
+  Vec<acc_t> acc(0);
+  int64_t i = 0;
+  for (; i + Vec<acc_t>::size() <= d; i += Vec<acc_t>::size()) {
+    Vec<acc_t> v = Vec<acc_t>::loadu(z + i) + Vec<acc_t>::loadu(s + i);
+    v.store(z + i);
+    acc = at::vec::fmadd(v, v, acc);
+  }
+  acc_t total = at::vec::vec_reduce_all<acc_t>([](Vec<acc_t> a, Vec<acc_t> b) { return a + b; }, acc);
+  for (; i < d; ++i) {
+    z[i] += s[i];
+    total += z[i] * z[i];
+  }
+  return total;
+}
+
+template <typename scalar_t>
+void forward_rows(const scalar_t* x, const acc_type<scalar_t>* w, const acc_type<scalar_t>* s, scalar_t* y,
+                  acc_type<scalar_t>* rstd, int64_t rows, int64_t d, double eps) {
+  using acc_t = acc_type<scalar_t>;
+  at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / d), [&](int64_t begin, int64_t end) {
+    std::vector<acc_t> z(d), out(d);
+    for (int64_t r = begin; r < end; ++r) {
+      load_row(x + r * d, z.data(), d);
+      const acc_t inv = acc_t(1) / std::sqrt(shift_and_sum_squares(z.data(), s, d) / acc_t(d) + acc_t(eps));
+      rstd[r] = inv;
+      const Vec<acc_t> vinv(inv);
+      int64_t i = 0;
+      for (; i + Vec<acc_t>::size() <= d; i += Vec<acc_t>::size()) {
+        (Vec<acc_t>::loadu(w + i) * Vec<acc_t>::loadu(z.data() + i) * vinv).store(out.data() + i);
+      }
+      for (; i < d; ++i) out[i] = w[i] * z[i] * inv;
+      store_row(out.data(), y + r * d, d);
+    }
+  });
+}
+
+template <typename scalar_t>
+void backward_rows(const scalar_t* g_in, const scalar_t* x, const acc_type<scalar_t>* w,
+                   const acc_type<scalar_t>* s, const acc_type<scalar_t>* rstd, scalar_t* dx,
+                   acc_type<scalar_t>* dw_partial, acc_type<scalar_t>* ds_partial, int64_t rows, int64_t d,
+                   int64_t chunks) {
+  using acc_t = acc_type<scalar_t>;
+  using V = Vec<acc_t>;
+  constexpr int64_t L = V::size();
+  const int64_t rows_per_chunk = (rows + chunks - 1) / chunks;
+  at::parallel_for(0, chunks, 1, [&](int64_t chunk_begin, int64_t chunk_end) {
+    std::vector<acc_t> z(d), g(d), out(d);
+    for (int64_t c = chunk_begin; c < chunk_end; ++c) {
+      acc_t* dw = dw_partial + c * d;
+      acc_t* ds = ds_partial + c * d;
+      std::fill(dw, dw + d, acc_t(0));
+      std::fill(ds, ds + d, acc_t(0));
+      const int64_t r_end = std::min(rows, (c + 1) * rows_per_chunk);
+      for (int64_t r = c * rows_per_chunk; r < r_end; ++r) {
+        load_row(x + r * d, z.data(), d);
+        load_row(g_in + r * d, g.data(), d);
+        const acc_t inv = rstd[r];
+        // z = x + δ and Σ γ g z in one sweep.
+        V vdot(0);
+        int64_t i = 0;
+        for (; i + L <= d; i += L) {
+          V vz = V::loadu(z.data() + i) + V::loadu(s + i);
+          vz.store(z.data() + i);
+          vdot = at::vec::fmadd(V::loadu(w + i) * V::loadu(g.data() + i), vz, vdot);
+        }
+        acc_t dot = at::vec::vec_reduce_all<acc_t>([](V a, V b) { return a + b; }, vdot);
+        for (; i < d; ++i) {
+          z[i] += s[i];
+          dot += w[i] * g[i] * z[i];
+        }
+        const acc_t coef = dot * inv * inv * inv / acc_t(d);
+        const V vinv(inv), vcoef(coef);
+        i = 0;
+        for (; i + L <= d; i += L) {
+          const V vz = V::loadu(z.data() + i), vg = V::loadu(g.data() + i);
+          const V dz = V::loadu(w + i) * vg * vinv - vcoef * vz;
+          dz.store(out.data() + i);
+          (V::loadu(ds + i) + dz).store(ds + i);
+          at::vec::fmadd(vg * vz, vinv, V::loadu(dw + i)).store(dw + i);
+        }
+        for (; i < d; ++i) {
+          const acc_t dz = w[i] * g[i] * inv - coef * z[i];
+          out[i] = dz;
+          ds[i] += dz;
+          dw[i] += g[i] * z[i] * inv;
+        }
+        store_row(out.data(), dx + r * d, d);
+      }
+    }
+  });
+}
+
+void check_inputs(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& shift) {
+  WIOLA_CHECK_ARG(x.dim() == 2 && x.is_contiguous(), "x must be a contiguous (rows, d) tensor, got ", x.sizes());
+  WIOLA_CHECK_ARG(weight.dim() == 1 && weight.size(0) == x.size(1), "weight must have shape (d,) = (", x.size(1),
+                  ",), got ", weight.sizes());
+  WIOLA_CHECK_ARG(shift.dim() == 1 && shift.size(0) == x.size(1), "shift must have shape (d,) = (", x.size(1),
+                  ",), got ", shift.sizes());
+}
+
+at::ScalarType acc_scalar_type(const at::Tensor& x) {
+  return x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+}
+
+std::tuple<at::Tensor, at::Tensor> rms_norm_fwd(const at::Tensor& x, const at::Tensor& weight,
+                                                const at::Tensor& shift, double eps) {
+  check_inputs(x, weight, shift);
+  const int64_t rows = x.size(0), d = x.size(1);
+  const auto acc = acc_scalar_type(x);
+  const at::Tensor w = weight.to(acc).contiguous(), s = shift.to(acc).contiguous();
+  at::Tensor y = empty_output(x.sizes(), x.options());
+  at::Tensor rstd = empty_output({rows}, x.options().dtype(acc));
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "wiola_rms_norm_fwd", [&] {
+    using acc_t = acc_type<scalar_t>;
+    forward_rows<scalar_t>(x.const_data_ptr<scalar_t>(), w.const_data_ptr<acc_t>(), s.const_data_ptr<acc_t>(),
+                           y.mutable_data_ptr<scalar_t>(), rstd.mutable_data_ptr<acc_t>(), rows, d, eps);
+  });
+  return {y, rstd};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> rms_norm_bwd(const at::Tensor& grad_y, const at::Tensor& x,
+                                                            const at::Tensor& weight, const at::Tensor& shift,
+                                                            const at::Tensor& rstd) {
+  check_inputs(x, weight, shift);
+  WIOLA_CHECK_ARG(grad_y.sizes() == x.sizes() && grad_y.is_contiguous() && grad_y.scalar_type() == x.scalar_type(),
+                  "grad_y must be contiguous with the shape and dtype of x");
+  const int64_t rows = x.size(0), d = x.size(1);
+  const auto acc = acc_scalar_type(x);
+  WIOLA_CHECK_ARG(rstd.dim() == 1 && rstd.size(0) == rows && rstd.scalar_type() == acc && rstd.is_contiguous(),
+                  "rstd must be a contiguous (rows,) tensor of the accumulation dtype");
+  const at::Tensor w = weight.to(acc).contiguous(), s = shift.to(acc).contiguous();
+  at::Tensor grad_x = empty_output(x.sizes(), x.options());
+  const int64_t chunks = std::max<int64_t>(1, std::min(rows, kBackwardChunks));
+  at::Tensor dw_partial = at::empty({chunks, d}, x.options().dtype(acc));
+  at::Tensor ds_partial = at::empty({chunks, d}, x.options().dtype(acc));
+  if (rows == 0) {
+    dw_partial.zero_();
+    ds_partial.zero_();
+  } else {
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "wiola_rms_norm_bwd", [&] {
+      using acc_t = acc_type<scalar_t>;
+      backward_rows<scalar_t>(grad_y.const_data_ptr<scalar_t>(), x.const_data_ptr<scalar_t>(),
+                              w.const_data_ptr<acc_t>(), s.const_data_ptr<acc_t>(), rstd.const_data_ptr<acc_t>(),
+                              grad_x.mutable_data_ptr<scalar_t>(), dw_partial.mutable_data_ptr<acc_t>(),
+                              ds_partial.mutable_data_ptr<acc_t>(), rows, d, chunks);
+    });
+  }
+  // Column sums of the partials: a fixed-shape reduction, so the result does not
+  // depend on the thread count.
+  return {grad_x, dw_partial.sum(0).to(weight.scalar_type()), ds_partial.sum(0).to(shift.scalar_type())};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(wiola, CPU, m) {
+  m.impl("_rms_norm_fwd", &rms_norm_fwd);
+  m.impl("_rms_norm_bwd", &rms_norm_bwd);
+}
+
+}  // namespace wiola::cpu

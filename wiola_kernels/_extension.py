@@ -1,0 +1,36 @@
+"""Loading the compiled extension ``wiola_kernels._C`` (C++ CPU and CUDA kernels).
+
+The package works without it (reference and Triton backends); a failed load is
+reported once, with the reason, and :func:`wiola_kernels.backends` repeats it.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import warnings
+
+
+@functools.lru_cache(maxsize=None)
+def _load() -> tuple[object | None, str | None]:
+    try:
+        module = importlib.import_module("wiola_kernels._C")
+    except ImportError as exc:
+        reason = (
+            f"the C++ extension wiola_kernels._C is not available ({exc}); "
+            "build it with `pip install -e . --no-build-isolation`"
+        )
+        warnings.warn(f"wiola_kernels: {reason}. Falling back to the reference/Triton backends.", stacklevel=3)
+        return None, reason
+    return module, None
+
+
+def load_error() -> str | None:
+    """None when the extension loaded, else why it did not."""
+    return _load()[1]
+
+
+def has_cuda_kernels() -> bool:
+    """True when the extension was compiled with its CUDA kernels."""
+    module = _load()[0]
+    return bool(module is not None and getattr(module, "WITH_CUDA", False))

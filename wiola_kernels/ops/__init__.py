@@ -1,0 +1,1 @@
+"""Registered ops (``torch.ops.wiola.*``) and their public Python functions."""

@@ -1,0 +1,115 @@
+"""WiolaRMSNorm as a registered op: ``torch.ops.wiola.rms_norm`` (+ ``rms_norm_backward``).
+
+The op works on a 2-D view ``(rows, d)``; the public :func:`rms_norm` validates,
+flattens leading dimensions and picks the backend (see :mod:`wiola_kernels.dispatch`).
+Each backend provides ``forward(x, weight, shift, eps) -> (y, rstd)`` and
+``backward(grad_y, x, weight, shift, rstd) -> (grad_x, grad_weight, grad_shift)``
+on contiguous 2-D ``x``; ``rstd`` is float32 (float64 for float64 inputs).
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+from torch import Tensor
+
+from .. import dispatch
+from ..reference.rms_norm import compute_dtype, rms_norm_backward, rms_norm_forward
+from ..validation import check_rank, check_same_device, check_shape, check_tensor, check_positive
+
+OP = "rms_norm"
+
+
+def _cpu_forward(x: Tensor, weight: Tensor, shift: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    return torch.ops.wiola._rms_norm_fwd(x, weight, shift, eps)
+
+
+def _cpu_backward(grad_y, x, weight, shift, rstd):
+    return torch.ops.wiola._rms_norm_bwd(grad_y, x, weight, shift, rstd)
+
+
+def _triton_forward(x, weight, shift, eps):
+    from ..triton import rms_norm as tk
+
+    return tk.rms_norm_forward(x, weight, shift, eps)
+
+
+def _triton_backward(grad_y, x, weight, shift, rstd):
+    from ..triton import rms_norm as tk
+
+    return tk.rms_norm_backward(grad_y, x, weight, shift, rstd)
+
+
+dispatch.register(OP, "reference", SimpleNamespace(forward=rms_norm_forward, backward=rms_norm_backward))
+dispatch.register(OP, "cpu", SimpleNamespace(forward=_cpu_forward, backward=_cpu_backward))
+dispatch.register(OP, "triton", SimpleNamespace(forward=_triton_forward, backward=_triton_backward))
+
+
+@torch.library.custom_op("wiola::rms_norm", mutates_args=())
+def rms_norm_op(x: Tensor, weight: Tensor, shift: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """Forward on ``x (rows, d)``: returns ``(y, rstd)``."""
+    return dispatch.implementation(OP, x.device).forward(x.contiguous(), weight.contiguous(), shift.contiguous(), eps)
+
+
+@rms_norm_op.register_fake
+def _(x, weight, shift, eps):
+    return torch.empty_like(x, memory_format=torch.contiguous_format), x.new_empty(
+        x.shape[:-1], dtype=compute_dtype(x.dtype))
+
+
+@torch.library.custom_op("wiola::rms_norm_backward", mutates_args=())
+def rms_norm_backward_op(grad_y: Tensor, x: Tensor, weight: Tensor, shift: Tensor,
+                         rstd: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Backward on 2-D tensors: returns ``(grad_x, grad_weight, grad_shift)``."""
+    impl = dispatch.implementation(OP, x.device)
+    return impl.backward(grad_y.contiguous(), x.contiguous(), weight.contiguous(), shift.contiguous(), rstd)
+
+
+@rms_norm_backward_op.register_fake
+def _(grad_y, x, weight, shift, rstd):
+    return (torch.empty_like(x, memory_format=torch.contiguous_format), torch.empty_like(weight),
+            torch.empty_like(shift))
+
+
+def _setup_context(ctx, inputs, output):
+    x, weight, shift, _eps = inputs
+    ctx.save_for_backward(x, weight, shift, output[1])
+
+
+def _backward(ctx, grad_y, _grad_rstd):
+    x, weight, shift, rstd = ctx.saved_tensors
+    grad_x, grad_weight, grad_shift = rms_norm_backward_op(grad_y, x, weight, shift, rstd)
+    return grad_x, grad_weight, grad_shift, None
+
+
+torch.library.register_autograd("wiola::rms_norm", _backward, setup_context=_setup_context)
+
+
+def rms_norm(x: Tensor, weight: Tensor, shift: Tensor, eps: float = 1e-6) -> Tensor:
+    """WiolaRMSNorm over the last dimension (SPEC §3): ``γ ⊙ (x + δ) / sqrt(mean((x + δ)²) + ε)``.
+
+    Args:
+        x: input of shape ``(..., d)``; float32, float64, bfloat16 or float16. Any
+            strides (non-contiguous inputs are copied once).
+        weight: γ, shape ``(d,)``, any float dtype.
+        shift: δ, shape ``(d,)``, any float dtype.
+        eps: ε > 0 added to the mean square.
+
+    Returns:
+        ``y`` with the shape and dtype of ``x``. Statistics are computed in float32
+        (float64 for float64 input). Differentiable in ``x``, ``weight`` and ``shift``.
+    """
+    check_tensor("x", x)
+    check_tensor("weight", weight)
+    check_tensor("shift", shift)
+    check_rank("x", x, range(1, 64), "(..., d)")
+    d = x.shape[-1]
+    check_shape("weight", weight, (d,), "(d,)")
+    check_shape("shift", shift, (d,), "(d,)")
+    check_same_device(x=x, weight=weight, shift=shift)
+    eps = check_positive("eps", eps)
+    if d == 0:
+        raise ValueError("x must have a non-empty last dimension d, got d = 0")
+    y, _ = rms_norm_op(x.reshape(-1, d), weight, shift, eps)
+    return y.view(x.shape)

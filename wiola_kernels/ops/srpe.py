@@ -1,0 +1,143 @@
+"""SRPE as a registered op: ``torch.ops.wiola.srpe`` (+ ``srpe_backward``).
+
+Each backend provides ``apply(q, k, positions, theta, spiral_divisor, radial_amplitude,
+radial_frequency, transpose) -> (q_out, k_out)`` on contiguous ``q (B, H, T, d_h)``,
+``k (B, H_kv, T, d_h)`` and int64 ``positions (B, T)``. ``transpose=False`` applies
+``R(p)`` (forward); ``transpose=True`` applies ``R(p)ᵀ`` (the backward: rotation by
+``−Θ`` scaled by ``r``), so one kernel serves both directions.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+from torch import Tensor
+
+from .. import dispatch
+from ..reference.srpe import srpe as srpe_reference
+from ..reference.srpe import srpe_backward as srpe_reference_backward
+from ..reference.srpe import srpe_frequencies
+from ..validation import check_positive, check_rank, check_real, check_same_device, check_same_dtype, check_tensor
+
+OP = "srpe"
+
+
+def _reference_apply(q, k, positions, theta, spiral_divisor, radial_amplitude, radial_frequency, transpose):
+    fn = srpe_reference_backward if transpose else srpe_reference
+    return fn(q, k, positions, theta, spiral_divisor, radial_amplitude, radial_frequency)
+
+
+def _cpu_apply(q, k, positions, theta, spiral_divisor, radial_amplitude, radial_frequency, transpose):
+    angle_freq, radial_freq = srpe_frequencies(q.shape[-1], theta, spiral_divisor, radial_frequency)
+    return torch.ops.wiola._srpe(q, k, positions, angle_freq, radial_freq, radial_amplitude, transpose)
+
+
+def _triton_apply(q, k, positions, theta, spiral_divisor, radial_amplitude, radial_frequency, transpose):
+    from ..triton import srpe as tk
+
+    return tk.srpe_apply(q, k, positions, theta, spiral_divisor, radial_amplitude, radial_frequency, transpose)
+
+
+dispatch.register(OP, "reference", SimpleNamespace(apply=_reference_apply))
+dispatch.register(OP, "cpu", SimpleNamespace(apply=_cpu_apply))
+dispatch.register(OP, "triton", SimpleNamespace(apply=_triton_apply))
+
+
+@torch.library.custom_op("wiola::srpe", mutates_args=())
+def srpe_op(q: Tensor, k: Tensor, positions: Tensor, theta: float, spiral_divisor: float,
+            radial_amplitude: float, radial_frequency: float) -> tuple[Tensor, Tensor]:
+    """``(R(p) q, R(p) k)`` for ``positions (B, T)`` int64."""
+    impl = dispatch.implementation(OP, q.device)
+    return impl.apply(q.contiguous(), k.contiguous(), positions.contiguous(), theta, spiral_divisor,
+                      radial_amplitude, radial_frequency, False)
+
+
+@srpe_op.register_fake
+def _(q, k, positions, theta, spiral_divisor, radial_amplitude, radial_frequency):
+    return (torch.empty_like(q, memory_format=torch.contiguous_format),
+            torch.empty_like(k, memory_format=torch.contiguous_format))
+
+
+@torch.library.custom_op("wiola::srpe_backward", mutates_args=())
+def srpe_backward_op(grad_q: Tensor, grad_k: Tensor, positions: Tensor, theta: float, spiral_divisor: float,
+                     radial_amplitude: float, radial_frequency: float) -> tuple[Tensor, Tensor]:
+    """``(R(p)ᵀ grad_q, R(p)ᵀ grad_k)``."""
+    impl = dispatch.implementation(OP, grad_q.device)
+    return impl.apply(grad_q.contiguous(), grad_k.contiguous(), positions.contiguous(), theta, spiral_divisor,
+                      radial_amplitude, radial_frequency, True)
+
+
+@srpe_backward_op.register_fake
+def _(grad_q, grad_k, positions, theta, spiral_divisor, radial_amplitude, radial_frequency):
+    return (torch.empty_like(grad_q, memory_format=torch.contiguous_format),
+            torch.empty_like(grad_k, memory_format=torch.contiguous_format))
+
+
+def _setup_context(ctx, inputs, output):
+    _q, _k, positions, *params = inputs
+    ctx.save_for_backward(positions)
+    ctx.params = params
+
+
+def _backward(ctx, grad_q, grad_k):
+    (positions,) = ctx.saved_tensors
+    grad_q_in, grad_k_in = srpe_backward_op(grad_q, grad_k, positions, *ctx.params)
+    return grad_q_in, grad_k_in, None, None, None, None, None
+
+
+torch.library.register_autograd("wiola::srpe", _backward, setup_context=_setup_context)
+
+
+def srpe(q: Tensor, k: Tensor, position_ids: Tensor, theta: float = 10000.0, spiral_divisor: float = 8.0,
+         radial_amplitude: float = 0.1, radial_frequency: float = 0.01) -> tuple[Tensor, Tensor]:
+    """Spiral rotary position encoding of queries and keys (SPEC §4), in one launch.
+
+    For pair ``(j, j + d_h/2)`` at position ``p``: rotation by
+    ``Θ_j(p) = p ω_j (1 + 1/k_s)`` scaled by ``r_j(p) = 1 + a_s sin(p f_s ω_j)``, with
+    ``ω_j = θ₀^(−2j/d_h)``. Angles are reduced modulo 2π in float64, so float32
+    outputs stay accurate at positions up to 2^20.
+
+    Args:
+        q: queries ``(B, H, T, d_h)``; float32, float64, bfloat16 or float16.
+        k: keys ``(B, H_kv, T, d_h)``, same dtype and device; ``H`` a multiple of ``H_kv``.
+        position_ids: integer positions ``(B, T)`` or ``(T,)`` (shared by the batch).
+        theta: θ₀ > 0.  spiral_divisor: k_s ≠ 0.  radial_amplitude: a_s.
+        radial_frequency: f_s.
+
+    Returns:
+        ``(q_out, k_out)``: new contiguous tensors with the shapes and dtype of
+        ``q``/``k``; the inputs are never modified. Differentiable in ``q`` and ``k``.
+    """
+    check_tensor("q", q)
+    check_tensor("k", k)
+    check_tensor("position_ids", position_ids, dtypes=(torch.int64, torch.int32, torch.int16, torch.uint8))
+    check_rank("q", q, 4, "(B, H, T, d_h)")
+    check_rank("k", k, 4, "(B, H_kv, T, d_h)")
+    check_same_dtype(q=q, k=k)
+    check_same_device(q=q, k=k, position_ids=position_ids)
+    b, h, t, dh = q.shape
+    if dh % 2 != 0 or dh == 0:
+        raise ValueError(f"q must have an even, non-zero head dim d_h (rotate-half pairs), got d_h = {dh}")
+    if k.shape[0] != b or k.shape[2] != t or k.shape[3] != dh:
+        raise ValueError(f"k must have shape (B, H_kv, T, d_h) = ({b}, H_kv, {t}, {dh}) to match q, got {tuple(k.shape)}")
+    h_kv = k.shape[1]
+    if h_kv == 0 or h % h_kv != 0:
+        raise ValueError(f"q's heads H = {h} must be a multiple of k's heads H_kv = {h_kv}")
+    if position_ids.dim() == 1:
+        if position_ids.shape[0] != t:
+            raise ValueError(f"position_ids must have shape (T,) = ({t},) or (B, T) = ({b}, {t}), got {tuple(position_ids.shape)}")
+        positions = position_ids.to(torch.int64).expand(b, t)
+    elif position_ids.dim() == 2:
+        if tuple(position_ids.shape) != (b, t):
+            raise ValueError(f"position_ids must have shape (B, T) = ({b}, {t}) or (T,) = ({t},), got {tuple(position_ids.shape)}")
+        positions = position_ids.to(torch.int64)
+    else:
+        raise ValueError(f"position_ids must have shape (B, T) or (T,), got {tuple(position_ids.shape)}")
+    theta = check_positive("theta", theta)
+    spiral_divisor = check_real("spiral_divisor", spiral_divisor)
+    if spiral_divisor == 0.0:
+        raise ValueError("spiral_divisor must be non-zero (the angle uses 1 + 1/k_s)")
+    radial_amplitude = check_real("radial_amplitude", radial_amplitude)
+    radial_frequency = check_real("radial_frequency", radial_frequency)
+    return srpe_op(q, k, positions, theta, spiral_divisor, radial_amplitude, radial_frequency)

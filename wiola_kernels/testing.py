@@ -1,0 +1,67 @@
+"""Helpers for testing kernels against the float64 reference (SPEC §9).
+
+Used by this project's tests and offered to users who check their own builds
+(``python -m wiola_kernels check`` runs on them).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Iterator
+
+import torch
+
+from . import dispatch
+
+#: SPEC §9 relative-error tolerances against the float64 reference.
+TOLERANCE = {
+    "elementwise": {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-2},
+    "attention": {torch.float64: 1e-10, torch.float32: 1e-4, torch.bfloat16: 1e-2, torch.float16: 1e-2},
+}
+
+
+def tolerance(dtype: torch.dtype, kind: str = "elementwise") -> float:
+    """The SPEC §9 relative tolerance for outputs of ``dtype`` (``kind``: elementwise|attention)."""
+    return TOLERANCE[kind][dtype]
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """``‖out − ref‖ / ‖ref‖`` in float64 (0 when both are all zeros); NaN anywhere gives inf."""
+    if out.shape != ref.shape:
+        raise ValueError(f"shape mismatch: out {tuple(out.shape)} vs ref {tuple(ref.shape)}")
+    o, r = out.detach().to(torch.float64), ref.detach().to(torch.float64)
+    if not torch.isfinite(o).all() and not (torch.isnan(o) == torch.isnan(r)).all():
+        return float("inf")
+    num = torch.linalg.vector_norm(torch.nan_to_num(o - r, nan=float("inf")))
+    den = torch.linalg.vector_norm(r)
+    if den == 0:
+        return float(num)
+    return float(num / den)
+
+
+def assert_close_rel(out: torch.Tensor, ref: torch.Tensor, tol: float, what: str = "output") -> None:
+    """Assert shape and dtype-free closeness ``rel_err(out, ref) <= tol`` with a useful message."""
+    assert out.shape == ref.shape, f"{what}: shape {tuple(out.shape)} != reference {tuple(ref.shape)}"
+    err = rel_err(out, ref)
+    assert err <= tol, f"{what}: relative error {err:.3e} > tolerance {tol:.1e}"
+
+
+@contextlib.contextmanager
+def poisoned_outputs() -> Iterator[None]:
+    """Inside the block, kernel outputs are filled with NaN / -1 before kernels write them."""
+    old = os.environ.get("WIOLA_POISON_OUTPUTS")
+    os.environ["WIOLA_POISON_OUTPUTS"] = "1"
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ["WIOLA_POISON_OUTPUTS"]
+        else:
+            os.environ["WIOLA_POISON_OUTPUTS"] = old
+
+
+def available_backends(op: str, device: str | torch.device = "cpu") -> list[str]:
+    """Backends of ``op`` that can run on ``device`` here."""
+    device = torch.device(device)
+    return [b for b in dispatch.implemented(op) if dispatch.BACKENDS[b].unavailable_reason(device) is None]

@@ -1,0 +1,1 @@
+"""Triton kernels (GPU, or the CPU interpreter under ``TRITON_INTERPRET=1``)."""

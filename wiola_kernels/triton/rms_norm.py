@@ -1,0 +1,138 @@
+"""WiolaRMSNorm Triton kernels (SPEC §3).
+
+Forward: one program per block of rows; each row is loaded once, shifted by δ,
+its mean square reduced in float32, and ``γ z / r`` written in the input dtype.
+``rstd = 1/r`` is stored per row for the backward.
+
+Backward, per row with ``z = x + δ`` and ``g = ∂L/∂y``:
+
+    c      = rstd³/d · Σ_k γ_k g_k z_k
+    ∂L/∂x  = rstd γ g − c z                 (= ∂L/∂z)
+    ∂L/∂γ += g z rstd,    ∂L/∂δ += ∂L/∂z    (summed over rows)
+
+The column sums are done in two stages: each program accumulates its rows into a
+float32 partial of shape (d,), stored in a (programs, d) buffer, and one ``.sum(0)``
+reduces the partials. No atomics, so the result is deterministic.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..ops._common import empty_output
+from ..reference.rms_norm import compute_dtype
+
+
+@triton.jit
+def _rms_norm_fwd_kernel(
+    x_ptr,        # (rows, d) input, contiguous
+    w_ptr,        # (d,) γ in the accumulation dtype
+    s_ptr,        # (d,) δ in the accumulation dtype
+    y_ptr,        # (rows, d) output, dtype of x
+    rstd_ptr,     # (rows,) 1/r in the accumulation dtype
+    rows, d, eps,
+    ROWS_PER_PROGRAM: tl.constexpr,
+    BLOCK_D: tl.constexpr,       # next power of two >= d: a whole row per tile
+):
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_D)
+    col_mask = cols < d
+    w = tl.load(w_ptr + cols, mask=col_mask, other=0.0)
+    s = tl.load(s_ptr + cols, mask=col_mask, other=0.0)
+    for i in range(ROWS_PER_PROGRAM):
+        row = pid.to(tl.int64) * ROWS_PER_PROGRAM + i  # int64: rows * d can pass 2^31
+        if row < rows:
+            x = tl.load(x_ptr + row * d + cols, mask=col_mask, other=0.0).to(w.dtype)
+            z = tl.where(col_mask, x + s, 0.0)
+            rstd = 1.0 / tl.sqrt(tl.sum(z * z, axis=0) / d + eps)
+            tl.store(y_ptr + row * d + cols, (w * z * rstd).to(y_ptr.dtype.element_ty), mask=col_mask)
+            tl.store(rstd_ptr + row, rstd)
+
+
+@triton.jit
+def _rms_norm_bwd_kernel(
+    g_ptr,        # (rows, d) ∂L/∂y, contiguous
+    x_ptr,        # (rows, d) input
+    w_ptr,        # (d,) γ, accumulation dtype
+    s_ptr,        # (d,) δ, accumulation dtype
+    rstd_ptr,     # (rows,) saved 1/r
+    dx_ptr,       # (rows, d) ∂L/∂x, dtype of x
+    dw_partial_ptr,  # (programs, d) per-program partial of ∂L/∂γ
+    ds_partial_ptr,  # (programs, d) per-program partial of ∂L/∂δ
+    rows, d,
+    ROWS_PER_PROGRAM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_D)
+    col_mask = cols < d
+    w = tl.load(w_ptr + cols, mask=col_mask, other=0.0)
+    s = tl.load(s_ptr + cols, mask=col_mask, other=0.0)
+    dw_acc = tl.zeros((BLOCK_D,), dtype=w.dtype)
+    ds_acc = tl.zeros((BLOCK_D,), dtype=w.dtype)
+    for i in range(ROWS_PER_PROGRAM):
+        row = pid.to(tl.int64) * ROWS_PER_PROGRAM + i  # int64: rows * d can pass 2^31
+        if row < rows:
+            x = tl.load(x_ptr + row * d + cols, mask=col_mask, other=0.0).to(w.dtype)
+            g = tl.load(g_ptr + row * d + cols, mask=col_mask, other=0.0).to(w.dtype)
+            rstd = tl.load(rstd_ptr + row)
+            z = tl.where(col_mask, x + s, 0.0)
+            gw = g * w
+            c = tl.sum(gw * z, axis=0) * rstd * rstd * rstd / d
+            dz = gw * rstd - c * z
+            tl.store(dx_ptr + row * d + cols, dz.to(dx_ptr.dtype.element_ty), mask=col_mask)
+            dw_acc += g * z * rstd
+            ds_acc += dz
+    tl.store(dw_partial_ptr + pid * d + cols, dw_acc, mask=col_mask)
+    tl.store(ds_partial_ptr + pid * d + cols, ds_acc, mask=col_mask)
+
+
+def _launch_config(rows: int, d: int, device: torch.device) -> tuple[int, int, int]:
+    """(BLOCK_D, ROWS_PER_PROGRAM, programs): a whole row per tile; on the GPU about
+    4 programs per SM, in the interpreter few programs (each launch is slow there)."""
+    block_d = triton.next_power_of_2(d)
+    if device.type == "cuda":
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        target = 4 * sms
+    else:
+        target = 4
+    rows_per_program = max(1, triton.cdiv(rows, target))
+    return block_d, rows_per_program, max(1, triton.cdiv(rows, rows_per_program))
+
+
+def _num_warps(block_d: int) -> int:
+    return min(16, max(1, block_d // 256))
+
+
+def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, shift: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launch the forward on contiguous ``x (rows, d)``; returns ``(y, rstd)``."""
+    rows, d = x.shape
+    acc = compute_dtype(x.dtype)
+    y = empty_output((rows, d), dtype=x.dtype, device=x.device)
+    rstd = empty_output((rows,), dtype=acc, device=x.device)
+    if rows == 0:
+        return y, rstd
+    block_d, per_program, programs = _launch_config(rows, d, x.device)
+    _rms_norm_fwd_kernel[(programs,)](
+        x, weight.to(acc).contiguous(), shift.to(acc).contiguous(), y, rstd, rows, d, eps,
+        ROWS_PER_PROGRAM=per_program, BLOCK_D=block_d, num_warps=_num_warps(block_d))
+    return y, rstd
+
+
+def rms_norm_backward(grad_y, x, weight, shift, rstd):
+    """Launch the backward; returns ``(grad_x, grad_weight, grad_shift)``."""
+    rows, d = x.shape
+    acc = compute_dtype(x.dtype)
+    grad_x = empty_output((rows, d), dtype=x.dtype, device=x.device)
+    if rows == 0:
+        return grad_x, torch.zeros_like(weight), torch.zeros_like(shift)
+    block_d, per_program, programs = _launch_config(rows, d, x.device)
+    dw_partial = empty_output((programs, d), dtype=acc, device=x.device)
+    ds_partial = empty_output((programs, d), dtype=acc, device=x.device)
+    _rms_norm_bwd_kernel[(programs,)](
+        grad_y, x, weight.to(acc).contiguous(), shift.to(acc).contiguous(), rstd, grad_x, dw_partial, ds_partial,
+        rows, d, ROWS_PER_PROGRAM=per_program, BLOCK_D=block_d, num_warps=_num_warps(block_d))
+    return grad_x, dw_partial.sum(0).to(weight.dtype), ds_partial.sum(0).to(shift.dtype)
