@@ -1,0 +1,83 @@
+"""Benchmark cases, shared by ``python -m wiola_kernels bench`` and ``benchmarks/``.
+
+A case names an op, builds its inputs on a device, and gives three callables that
+compute the same thing: ``fused`` (the public op, on whatever backend dispatch picks),
+``eager`` (the plain PyTorch baseline) and ``reference`` (what ``torch.compile``
+compiles; by default the eager baseline). Each op contributes a factory decorated
+with :func:`case_factory` that returns its cases for a device; ``small=True`` asks for
+shapes that run in seconds (smoke tests, CI).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+
+from .. import reference
+from ..ops.rms_norm import rms_norm
+
+
+@dataclass
+class BenchCase:
+    """One benchmark: an op at one shape and dtype."""
+
+    op: str                                         # registry name: "rms_norm", "srpe", ...
+    shape: str                                      # human-readable, e.g. "x (16384, 1024)"
+    dtype: torch.dtype
+    make_inputs: Callable[[], tuple[torch.Tensor, ...]]  # fresh leaf tensors on the device
+    fused: Callable[..., object]                    # the fused op
+    eager: Callable[..., object]                    # eager PyTorch baseline
+    reference: Callable[..., object] | None = None  # what torch.compile compiles (default: eager)
+    differentiable: Sequence[int] | None = None     # input indices that get gradients (default: float ones)
+    min_bytes: Callable[[str, tuple, tuple, tuple], int] | None = None  # override of the byte count
+    notes: dict = field(default_factory=dict)       # extra numbers a case wants reported
+    tolerance_kind: str = "elementwise"             # SPEC §9 class for `check`: elementwise|attention
+
+    def compiled_source(self) -> Callable[..., object]:
+        return self.reference if self.reference is not None else self.eager
+
+
+_factories: list[Callable[[torch.device, bool], list[BenchCase]]] = []
+
+
+def case_factory(fn: Callable[[torch.device, bool], list[BenchCase]]):
+    """Register ``fn(device, small) -> [BenchCase, ...]``."""
+    _factories.append(fn)
+    return fn
+
+
+def all_cases(device: torch.device | str, small: bool = False, ops: Sequence[str] | None = None) -> list[BenchCase]:
+    """Every registered case for ``device``, optionally only the named ops."""
+    device = torch.device(device)
+    cases = [c for factory in _factories for c in factory(device, small)]
+    if ops:
+        known = sorted({c.op for c in cases})
+        unknown = [o for o in ops if o not in known]
+        if unknown:
+            raise ValueError(f"--ops: unknown op(s) {unknown}; known: {known}")
+        cases = [c for c in cases if c.op in ops]
+    return cases
+
+
+def _default_dtype(device: torch.device) -> torch.dtype:
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+@case_factory
+def rms_norm_cases(device: torch.device, small: bool) -> list[BenchCase]:
+    rows, d = (256, 1024) if small else (16384, 1024)
+    dtype = _default_dtype(device)
+
+    def make_inputs():
+        x = torch.randn(rows, d, device=device, dtype=dtype)
+        weight = torch.rand(d, device=device, dtype=dtype) + 0.5
+        shift = 0.1 * torch.randn(d, device=device, dtype=dtype)
+        return x, weight, shift
+
+    return [BenchCase(
+        op="rms_norm", shape=f"x ({rows}, {d})", dtype=dtype, make_inputs=make_inputs,
+        fused=lambda x, w, s: rms_norm(x, w, s, 1e-6),
+        eager=lambda x, w, s: reference.rms_norm(x, w, s, 1e-6),
+    )]
