@@ -18,6 +18,16 @@ TORCH_LIBRARY_FRAGMENT(wiola, m) {
         " float radial_amplitude, bool transpose) -> (Tensor q_out, Tensor k_out)");
   // --- GCLA summary-augmented attention (SPEC §5.5) ---
   // --- ATM greedy adjacent merge (SPEC §6) ---
+  // x (B, T, d) contiguous; positions (B, T), lengths (B,) int64; threshold τ in [-1, 1].
+  // merged (B, T, d): row b's T'_b tokens then zeros; merged_positions (B, T) int64 (0 after
+  // T'_b); merged_lengths (B,) int64 = T'_b; index_map (B, T) int64 (token -> merged slot).
+  m.def("_atm_merge(Tensor x, Tensor positions, Tensor lengths, float threshold)"
+        " -> (Tensor merged, Tensor merged_positions, Tensor merged_lengths, Tensor index_map)");
+  // grad_x[b, t] = w_t grad_merged[b, map[b, t]], w: 1/2 in a pair, 1 alone, 0 padding (map >= T'_b).
+  m.def("_atm_merge_bwd(Tensor grad_merged, Tensor index_map, Tensor merged_lengths) -> Tensor grad_x");
+  // restored[b, t] = y[b, map[b, t]]; its backward sums the tokens of each slot, in token order.
+  m.def("_atm_unmerge(Tensor y, Tensor index_map) -> Tensor restored");
+  m.def("_atm_unmerge_bwd(Tensor grad_restored, Tensor index_map) -> Tensor grad_y");
 }
 
 PYBIND11_MODULE(_C, m) {

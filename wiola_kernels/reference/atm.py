@@ -1,0 +1,132 @@
+"""ATM — adaptive token merging (SPEC §6) in plain PyTorch: the oracle for every backend.
+
+Per row ``b`` of ``x (B, T, d)`` with length ``L_b`` (tokens ``t ≥ L_b`` are padding):
+
+    s_t   = clamp(⟨x_t, x_{t+1}⟩ / (‖x_t‖·‖x_{t+1}‖), −1, 1)      t ∈ [0, T−1)
+            (s_t = 0 when ‖x_t‖·‖x_{t+1}‖ = 0: a zero vector is never "similar")
+    c_t   = s_t > τ  and  t + 1 < L_b                               candidate edges
+    take  = greedy left to right, non-overlapping; in parallel form: in every maximal
+            run of consecutive candidate edges starting at edge a, take a, a+2, a+4, …
+    slot(t) = t − #{taken edges e < t}                              the index map
+    T'_b  = L_b − #{taken edges}
+
+Norms and dot products are computed in float32 (float64 for float64 input) as
+``dot / (sqrt(Σx_t²)·sqrt(Σx_{t+1}²))``; the comparison ``s_t > τ`` is made in
+float64 (``τ`` is a Python float, it is never rounded to float32). With exactly
+representable sums (e.g. small integer inputs) every backend computes the same
+``s_t`` bit for bit.
+
+Outputs (static shapes): ``merged (B, T, d)`` — slot ``s < T'_b`` holds the singleton
+``x_t`` or the pair mean ``(x_t + x_{t+1})/2`` (computed as ``x_t/2 + x_{t+1}/2`` in the
+accumulation dtype, rounded once), slots ``s ≥ T'_b`` hold zeros; ``merged_position_ids
+(B, T)`` int64 — the first member's position, **0** in the zero region; ``merged_lengths
+(B,)`` int64 = ``T'_b``; ``index_map (B, T)`` int64 = ``slot(t)`` (padding token ``t``
+maps to ``T'_b + (t − L_b)``, inside the zero region).
+
+Unmerge: ``restored[b, t] = y[b, index_map[b, t]]``.
+
+Backward (decisions are constants):
+
+    merge:    ∂L/∂x_t = w_t · ∂L/∂merged_{slot(t)},  w_t = 1/2 in a pair, 1 alone, 0 padding
+    unmerge:  ∂L/∂y_s = Σ_{t : map(t) = s} ∂L/∂restored_t
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Accumulation dtype for an input dtype: float64 stays, everything else float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def atm_similarity(x: Tensor) -> Tensor:
+    """Adjacent cosine similarities ``s (B, T−1)`` of ``x (B, T, d)`` in the accumulation dtype."""
+    acc = compute_dtype(x.dtype)
+    xa = x.to(acc)
+    norm = xa.pow(2).sum(-1).sqrt()                                     # (B, T)
+    dot = (xa[:, :-1] * xa[:, 1:]).sum(-1)                              # (B, T-1)
+    den = norm[:, :-1] * norm[:, 1:]
+    s = torch.where(den == 0, torch.zeros_like(dot), dot / torch.where(den == 0, torch.ones_like(den), den))
+    return s.clamp(-1.0, 1.0)
+
+
+def atm_decisions(x: Tensor, lengths: Tensor, threshold: float) -> Tensor:
+    """Taken edges ``(B, T−1)`` bool: the parallel form of the greedy rule."""
+    b, t = x.shape[0], x.shape[1]
+    s = atm_similarity(x)
+    edge = torch.arange(max(t - 1, 0), device=x.device)
+    cand = (s.to(torch.float64) > threshold) & (edge + 1 < lengths.unsqueeze(-1))   # (B, T-1)
+    prev = torch.cat([torch.zeros_like(cand[:, :1]), cand[:, :-1]], dim=1)
+    is_start = cand & ~prev
+    # Start of the run containing edge e: the last run start at or before e.
+    run_start = torch.where(is_start, edge, torch.zeros_like(edge)).cummax(dim=1).values if t > 1 else \
+        edge.expand(b, 0)
+    return cand & ((edge - run_start) % 2 == 0)
+
+
+def _index_map(taken: Tensor, t: int) -> Tensor:
+    b = taken.shape[0]
+    before = torch.cat([taken.new_zeros(b, 1, dtype=torch.int64), taken.to(torch.int64).cumsum(dim=1)], dim=1)
+    return torch.arange(t, device=taken.device) - before                 # (B, T)
+
+
+def _merge_weights(index_map: Tensor, merged_lengths: Tensor, dtype: torch.dtype) -> Tensor:
+    """``w_t``: 1/2 for a member of a pair, 1 for a singleton, 0 for padding."""
+    same_prev = torch.zeros_like(index_map, dtype=torch.bool)
+    same_next = torch.zeros_like(index_map, dtype=torch.bool)
+    same_prev[:, 1:] = index_map[:, 1:] == index_map[:, :-1]
+    same_next[:, :-1] = index_map[:, :-1] == index_map[:, 1:]
+    w = torch.where(same_prev | same_next, 0.5, 1.0).to(dtype)
+    return torch.where(index_map < merged_lengths.unsqueeze(-1), w, torch.zeros_like(w))
+
+
+def atm_merge(x: Tensor, position_ids: Tensor, threshold: float, lengths: Tensor | None = None
+              ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Merge of SPEC §6.2, differentiable in ``x`` by autograd (through the averaging).
+
+    ``x (B, T, d)``, ``position_ids (B, T)`` integer, ``lengths (B,)`` integer or None (all T).
+    Returns ``(merged, merged_position_ids, merged_lengths, index_map)``.
+    """
+    b, t, d = x.shape
+    if lengths is None:
+        lengths = torch.full((b,), t, dtype=torch.int64, device=x.device)
+    lengths = lengths.to(torch.int64)
+    position_ids = position_ids.to(torch.int64).expand(b, t)
+    acc = compute_dtype(x.dtype)
+    taken = atm_decisions(x.detach(), lengths, threshold)
+    index_map = _index_map(taken, t)
+    merged_lengths = lengths - taken.sum(dim=1)
+    w = _merge_weights(index_map, merged_lengths, acc)                  # (B, T)
+    src = x.to(acc) * w.unsqueeze(-1)
+    merged = torch.zeros(b, t, d, dtype=acc, device=x.device).scatter_add(
+        1, index_map.unsqueeze(-1).expand(b, t, d), src).to(x.dtype)
+    second = torch.zeros_like(index_map, dtype=torch.bool)
+    second[:, 1:] = taken
+    first_real = ~second & (torch.arange(t, device=x.device) < lengths.unsqueeze(-1))
+    merged_pos = torch.zeros(b, t, dtype=torch.int64, device=x.device).scatter_add(
+        1, index_map, torch.where(first_real, position_ids, torch.zeros_like(position_ids)))
+    return merged, merged_pos, merged_lengths, index_map
+
+
+def atm_unmerge(y: Tensor, index_map: Tensor) -> Tensor:
+    """Unmerge of SPEC §6.3: ``restored[b, t] = y[b, index_map[b, t]]`` (differentiable in ``y``)."""
+    return y.gather(1, index_map.unsqueeze(-1).expand(*index_map.shape, y.shape[-1]))
+
+
+def atm_merge_backward(grad_merged: Tensor, index_map: Tensor, merged_lengths: Tensor) -> Tensor:
+    """Explicit merge backward: ``w_t · grad_merged[slot(t)]`` (SPEC §6.4)."""
+    acc = compute_dtype(grad_merged.dtype)
+    w = _merge_weights(index_map, merged_lengths, acc)
+    return (atm_unmerge(grad_merged.to(acc), index_map) * w.unsqueeze(-1)).to(grad_merged.dtype)
+
+
+def atm_unmerge_backward(grad_restored: Tensor, index_map: Tensor) -> Tensor:
+    """Explicit unmerge backward: each slot sums the gradients of the tokens mapped to it."""
+    acc = compute_dtype(grad_restored.dtype)
+    b, t, d = grad_restored.shape
+    out = torch.zeros(b, t, d, dtype=acc, device=grad_restored.device)
+    out.scatter_add_(1, index_map.unsqueeze(-1).expand(b, t, d), grad_restored.to(acc))
+    return out.to(grad_restored.dtype)
