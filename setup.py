@@ -39,7 +39,7 @@ def _extensions() -> tuple[list, dict]:
     import torch
     from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
 
-    sources = [os.path.relpath(p, HERE) for p in ["csrc/wiola_ops.cpp", *sorted(glob.glob(f"{HERE}/csrc/cpu/*.cpp"))]]
+    sources = [os.path.relpath(p, HERE) for p in ["csrc/python_module.cpp", "csrc/wiola_ops.cpp", *sorted(glob.glob(f"{HERE}/csrc/cpu/*.cpp"))]]
     cxx = ["-O3", "-fopenmp", *_cpu_arch_flags()]  # torch picks the C++ standard
     with_cuda = os.environ.get("WIOLA_FORCE_CUDA", "0") == "1" or (
         torch.version.cuda is not None and CUDA_HOME is not None)

@@ -1,11 +1,11 @@
-// Every wiola:: kernel schema, declared once, and the Python module `wiola_kernels._C`.
+// Every wiola:: kernel schema, declared once (the Python module is csrc/python_module.cpp).
 //
 // These `_`-prefixed ops are the raw kernels (one implementation per backend, in
 // csrc/cpu/<op>.cpp and csrc/cuda/<op>_binding.cpp). The public ops
 // (torch.ops.wiola.rms_norm, ...) are defined in Python (wiola_kernels/ops/) so the
 // package also works without this extension; they call these kernels when the
 // dispatcher (wiola_kernels/dispatch.py) picks the `cpu` or `cuda` backend.
-#include <torch/extension.h>
+#include <torch/library.h>
 
 TORCH_LIBRARY_FRAGMENT(wiola, m) {
   // WiolaRMSNorm (SPEC §3) on contiguous x (rows, d); rstd is float32 (float64 for double x).
@@ -17,6 +17,13 @@ TORCH_LIBRARY_FRAGMENT(wiola, m) {
   m.def("_srpe(Tensor q, Tensor k, Tensor positions, Tensor angle_freq, Tensor radial_freq,"
         " float radial_amplitude, bool transpose) -> (Tensor q_out, Tensor k_out)");
   // --- GCLA summary-augmented attention (SPEC §5.5) ---
+  // q_rot, q (B, H, T, dh); k_rot, v (B, H_kv, T, dh); kc, vc (B, H, S, L, dh), S in {1, T};
+  // gate (H,); lengths (B,) int64 or None. lse (B, H, T) float32 (float64 for double inputs).
+  m.def("_gcla_attention_fwd(Tensor q_rot, Tensor k_rot, Tensor v, Tensor q, Tensor kc, Tensor vc,"
+        " Tensor gate, Tensor? lengths) -> (Tensor out, Tensor lse)");
+  m.def("_gcla_attention_bwd(Tensor grad_out, Tensor q_rot, Tensor k_rot, Tensor v, Tensor q, Tensor kc,"
+        " Tensor vc, Tensor gate, Tensor? lengths, Tensor out, Tensor lse) -> (Tensor grad_q_rot,"
+        " Tensor grad_k_rot, Tensor grad_v, Tensor grad_q, Tensor grad_kc, Tensor grad_vc, Tensor grad_gate)");
   // --- ATM greedy adjacent merge (SPEC §6) ---
   // x (B, T, d) contiguous; positions (B, T), lengths (B,) int64; threshold τ in [-1, 1].
   // merged (B, T, d): row b's T'_b tokens then zeros; merged_positions (B, T) int64 (0 after
@@ -28,13 +35,4 @@ TORCH_LIBRARY_FRAGMENT(wiola, m) {
   // restored[b, t] = y[b, map[b, t]]; its backward sums the tokens of each slot, in token order.
   m.def("_atm_unmerge(Tensor y, Tensor index_map) -> Tensor restored");
   m.def("_atm_unmerge_bwd(Tensor grad_restored, Tensor index_map) -> Tensor grad_y");
-}
-
-PYBIND11_MODULE(_C, m) {
-  m.doc() = "wiola_kernels compiled kernels (C++ CPU, and CUDA when built with it)";
-#ifdef WIOLA_WITH_CUDA
-  m.attr("WITH_CUDA") = true;
-#else
-  m.attr("WITH_CUDA") = false;
-#endif
 }

@@ -20,22 +20,32 @@ constexpr int64_t kBackwardChunks = 64;  // partial sums for ∂γ/∂δ; fixed 
 template <typename acc_t>
 using Vec = at::vec::Vectorized<acc_t>;
 
-// z = x + s (in place in z, which already holds x); returns Σ z².
 template <typename acc_t>
-inline acc_t shift_and_sum_squares(acc_t* z, const acc_t* s, int64_t d) {
-  Vec<acc_t> acc(0);
+inline acc_t forward_row(const acc_t* x, const acc_t* w, const acc_t* s, acc_t* y, int64_t d, double eps) {
+  using V = Vec<acc_t>;
+  constexpr int64_t L = V::size();
+  V acc0(0), acc1(0);
   int64_t i = 0;
-  for (; i + Vec<acc_t>::size() <= d; i += Vec<acc_t>::size()) {
-    Vec<acc_t> v = Vec<acc_t>::loadu(z + i) + Vec<acc_t>::loadu(s + i);
-    v.store(z + i);
-    acc = at::vec::fmadd(v, v, acc);
+  for (; i + 2 * L <= d; i += 2 * L) {  // two accumulators hide the FMA latency
+    const V z0 = V::loadu(x + i) + V::loadu(s + i);
+    const V z1 = V::loadu(x + i + L) + V::loadu(s + i + L);
+    acc0 = at::vec::fmadd(z0, z0, acc0);
+    acc1 = at::vec::fmadd(z1, z1, acc1);
   }
-  acc_t total = at::vec::vec_reduce_all<acc_t>([](Vec<acc_t> a, Vec<acc_t> b) { return a + b; }, acc);
-  for (; i < d; ++i) {
-    z[i] += s[i];
-    total += z[i] * z[i];
+  for (; i + L <= d; i += L) {
+    const V z0 = V::loadu(x + i) + V::loadu(s + i);
+    acc0 = at::vec::fmadd(z0, z0, acc0);
   }
-  return total;
+  acc_t sum = at::vec::vec_reduce_all<acc_t>([](V a, V b) { return a + b; }, acc0 + acc1);
+  for (; i < d; ++i) sum += (x[i] + s[i]) * (x[i] + s[i]);
+  const acc_t inv = acc_t(1) / std::sqrt(sum / acc_t(d) + acc_t(eps));
+  const V vinv(inv);
+  i = 0;
+  for (; i + L <= d; i += L) {  // x is still in L1
+    (V::loadu(w + i) * (V::loadu(x + i) + V::loadu(s + i)) * vinv).store(y + i);
+  }
+  for (; i < d; ++i) y[i] = w[i] * (x[i] + s[i]) * inv;
+  return inv;
 }
 
 template <typename scalar_t>
@@ -43,18 +53,15 @@ void forward_rows(const scalar_t* x, const acc_type<scalar_t>* w, const acc_type
                   acc_type<scalar_t>* rstd, int64_t rows, int64_t d, double eps) {
   using acc_t = acc_type<scalar_t>;
   at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / d), [&](int64_t begin, int64_t end) {
-    std::vector<acc_t> z(d), out(d);
-    for (int64_t r = begin; r < end; ++r) {
-      load_row(x + r * d, z.data(), d);
-      const acc_t inv = acc_t(1) / std::sqrt(shift_and_sum_squares(z.data(), s, d) / acc_t(d) + acc_t(eps));
-      rstd[r] = inv;
-      const Vec<acc_t> vinv(inv);
-      int64_t i = 0;
-      for (; i + Vec<acc_t>::size() <= d; i += Vec<acc_t>::size()) {
-        (Vec<acc_t>::loadu(w + i) * Vec<acc_t>::loadu(z.data() + i) * vinv).store(out.data() + i);
+    if constexpr (std::is_same_v<scalar_t, acc_t>) {
+      for (int64_t r = begin; r < end; ++r) rstd[r] = forward_row(x + r * d, w, s, y + r * d, d, eps);
+    } else {
+      std::vector<acc_t> xs(d), ys(d);
+      for (int64_t r = begin; r < end; ++r) {
+        load_row(x + r * d, xs.data(), d);
+        rstd[r] = forward_row(xs.data(), w, s, ys.data(), d, eps);
+        store_row(ys.data(), y + r * d, d);
       }
-      for (; i < d; ++i) out[i] = w[i] * z[i] * inv;
-      store_row(out.data(), y + r * d, d);
     }
   });
 }

@@ -1,0 +1,33 @@
+"""One benchmark per (op case, pass, implementation); see conftest.py for how to run."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from wiola_kernels.bench import all_cases
+from wiola_kernels.bench.runner import PASSES, make_pass
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+IMPLS = ("fused", "eager", "compile")
+
+
+def pytest_generate_tests(metafunc):
+    if "case" in metafunc.fixturenames:
+        enabled = not metafunc.config.getoption("benchmark_disable", False)
+        cases = all_cases(DEVICE, small=not enabled)
+        metafunc.parametrize("case", cases, ids=[f"{c.op}[{c.shape}]" for c in cases])
+
+
+@pytest.mark.parametrize("pass_", PASSES)
+@pytest.mark.parametrize("impl", IMPLS)
+def test_bench(benchmark, case, pass_, impl):
+    if impl == "compile" and benchmark.disabled:
+        pytest.skip("torch.compile baselines are timed only with --benchmark-enable (compiling is slow)")
+    fn = {"fused": case.fused, "eager": case.eager,
+          "compile": torch.compile(case.compiled_source(), dynamic=False) if impl == "compile" else None}[impl]
+    run = make_pass(case, fn, pass_, case.make_inputs())
+    benchmark.group = f"{case.op} {case.shape} {pass_}"
+    benchmark.extra_info.update(op=case.op, shape=case.shape, dtype=str(case.dtype), impl=impl)
+    out = benchmark(run)
+    assert out is not None
