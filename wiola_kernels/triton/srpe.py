@@ -1,0 +1,139 @@
+"""SRPE, spiral rotary position encoding, as one Triton kernel for Q and K (SPEC §4).
+
+For position ``p`` (from ``positions``, not the row index) and pair ``j ∈ [0, d_h/2)``
+(rotate-half layout: pairs ``(j, j + d_h/2)``)::
+
+    ω_j    = θ₀^(−2j/d_h)
+    Θ_j(p) = p · ω_j (1 + 1/k_s)          = p · angle_freq_j
+    r_j(p) = 1 + a_s sin(p · f_s ω_j)     = 1 + a_s sin(p · radial_freq_j)
+    c = r cos Θ,   s = r sin Θ
+    y_j       = x_j c − x_{j+d_h/2} s
+    y_{j+d_h/2} = x_j s + x_{j+d_h/2} c
+
+The backward is the transpose, ``∂L/∂x = R(p)ᵀ ∂L/∂y``: the same map with ``s → −s``
+(``TRANSPOSE``), so one kernel serves both directions.
+
+Precision: ``p · freq`` is formed and reduced to ``[−π, π)`` in float64 (a float32
+product loses ~4e-4 relative at p = 65,536, SPEC §4), then cos/sin and the rotation run
+in float32 (float64 throughout for float64 inputs).
+
+Work split: one program per block of ``BLOCK_T`` flattened positions ``(b, t)``. It
+computes the ``(BLOCK_T, d_h/2)`` tile of ``(c, s)`` once and applies it to every head
+of Q (``H``) and of K (``H_kv``): per head, the tile's rows are consecutive ``d_h``-wide
+rows of memory, so loads and stores are coalesced, and the trigonometry is amortised
+over ``H + H_kv`` heads. Memory traffic is one read and one write of Q and K.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from ..ops._common import empty_output
+from ..reference.srpe import srpe_frequencies
+
+_TWO_PI = 2.0 * math.pi
+
+
+@triton.jit
+def _srpe_kernel(
+    q_ptr,        # (B, H, T, d_h) queries (or ∂L/∂q_out for the backward), contiguous
+    k_ptr,        # (B, H_kv, T, d_h) keys (or ∂L/∂k_out), contiguous
+    pos_ptr,      # (B, T) int64 positions, contiguous
+    freq_ptr,     # (4, d_h/2) float64 rows: angle_freq, radial_freq, a_s, 2π (float64 scalars
+                  # cannot be passed as arguments: Triton types a Python float as float32)
+    q_out_ptr,    # (B, H, T, d_h) output, dtype of q
+    k_out_ptr,    # (B, H_kv, T, d_h) output, dtype of k
+    BT,           # B·T: number of positions
+    T,            # sequence length (row stride of positions, head stride unit of q/k)
+    H,            # query heads
+    H_KV,         # key heads
+    HALF,         # d_h / 2
+    BLOCK_T: tl.constexpr,     # positions per program
+    BLOCK_HALF: tl.constexpr,  # next power of two >= d_h/2
+    TRANSPOSE: tl.constexpr,   # apply R(p)ᵀ (the backward) instead of R(p)
+    F64: tl.constexpr,         # float64 inputs: trigonometry and rotation in float64
+):
+    pid = tl.program_id(0)
+    rows = pid.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)  # flattened b·T + t, int64
+    row_mask = rows < BT
+    j = tl.arange(0, BLOCK_HALF)
+    col_mask = j < HALF
+    mask = row_mask[:, None] & col_mask[None, :]
+
+    # (c, s) for the tile, once. Angles in float64, reduced to [−π, π).
+    p = tl.load(pos_ptr + rows, mask=row_mask, other=0).to(tl.float64)
+    angle_freq = tl.load(freq_ptr + j, mask=col_mask, other=0.0)
+    radial_freq = tl.load(freq_ptr + HALF + j, mask=col_mask, other=0.0)
+    amplitude = tl.load(freq_ptr + 2 * HALF + j, mask=col_mask, other=0.0)
+    two_pi = tl.load(freq_ptr + 3 * HALF + j, mask=col_mask, other=1.0)
+    angle = p[:, None] * angle_freq[None, :]
+    angle = angle - two_pi[None, :] * tl.floor(angle / two_pi[None, :] + 0.5)
+    radial = p[:, None] * radial_freq[None, :]
+    radial = radial - two_pi[None, :] * tl.floor(radial / two_pi[None, :] + 0.5)
+    if F64:
+        radius = 1.0 + amplitude[None, :] * tl.sin(radial)
+        c = radius * tl.cos(angle)
+        s = radius * tl.sin(angle)
+    else:
+        radius = 1.0 + amplitude.to(tl.float32)[None, :] * tl.sin(radial.to(tl.float32))
+        angle32 = angle.to(tl.float32)
+        c = radius * tl.cos(angle32)
+        s = radius * tl.sin(angle32)
+    if TRANSPOSE:
+        s = -s
+
+    b = rows // T
+    t = rows - b * T
+    cols = j[None, :]
+    # Queries: every head at these positions. Offsets in int64 (sizes can pass 2^31).
+    for h in range(H):
+        x1_off = (((b * H + h) * T + t) * (2 * HALF))[:, None] + cols
+        x1 = tl.load(q_ptr + x1_off, mask=mask, other=0.0).to(c.dtype)
+        x2 = tl.load(q_ptr + x1_off + HALF, mask=mask, other=0.0).to(c.dtype)
+        tl.store(q_out_ptr + x1_off, (x1 * c - x2 * s).to(q_out_ptr.dtype.element_ty), mask=mask)
+        tl.store(q_out_ptr + x1_off + HALF, (x1 * s + x2 * c).to(q_out_ptr.dtype.element_ty), mask=mask)
+    # Keys: the same tile of (c, s).
+    for h in range(H_KV):
+        x1_off = (((b * H_KV + h) * T + t) * (2 * HALF))[:, None] + cols
+        x1 = tl.load(k_ptr + x1_off, mask=mask, other=0.0).to(c.dtype)
+        x2 = tl.load(k_ptr + x1_off + HALF, mask=mask, other=0.0).to(c.dtype)
+        tl.store(k_out_ptr + x1_off, (x1 * c - x2 * s).to(k_out_ptr.dtype.element_ty), mask=mask)
+        tl.store(k_out_ptr + x1_off + HALF, (x1 * s + x2 * c).to(k_out_ptr.dtype.element_ty), mask=mask)
+
+
+def _launch_config(bt: int, half: int, device: torch.device) -> tuple[int, int, int]:
+    """(BLOCK_T, BLOCK_HALF, num_warps). GPU: tiles of ~2K pairs (4 warps); the
+    interpreter: large tiles, few programs (each program is slow there)."""
+    block_half = triton.next_power_of_2(half)
+    if device.type == "cuda":
+        block_t = max(1, min(triton.next_power_of_2(bt), max(1, 2048 // block_half)))
+        return block_t, block_half, 4
+    return max(1, min(triton.next_power_of_2(bt), 64)), block_half, 1
+
+
+def srpe_apply(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, theta: float, spiral_divisor: float,
+               radial_amplitude: float, radial_frequency: float,
+               transpose: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(R q, R k)`` (``Rᵀ`` when ``transpose``) on contiguous ``q (B, H, T, d_h)``,
+    ``k (B, H_kv, T, d_h)`` and int64 ``positions (B, T)``; new outputs."""
+    b, h, t, dh = q.shape
+    h_kv = k.shape[1]
+    half = dh // 2
+    q_out = empty_output(q.shape, dtype=q.dtype, device=q.device)
+    k_out = empty_output(k.shape, dtype=k.dtype, device=k.device)
+    if b * t == 0 or half == 0:
+        return q_out, k_out
+    angle_freq, radial_freq = srpe_frequencies(dh, theta, spiral_divisor, radial_frequency, q.device)
+    freqs = torch.stack((angle_freq, radial_freq, torch.full_like(angle_freq, radial_amplitude),
+                         torch.full_like(angle_freq, _TWO_PI))).contiguous()
+    block_t, block_half, num_warps = _launch_config(b * t, half, q.device)
+    grid = (triton.cdiv(b * t, block_t),)
+    _srpe_kernel[grid](
+        q, k, positions, freqs, q_out, k_out, b * t, t, h, h_kv, half,
+        BLOCK_T=block_t, BLOCK_HALF=block_half, TRANSPOSE=bool(transpose), F64=q.dtype == torch.float64,
+        num_warps=num_warps)
+    return q_out, k_out
