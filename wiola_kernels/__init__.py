@@ -4,6 +4,7 @@ Public ops (each registered as ``torch.ops.wiola.<name>`` with autograd):
 
 * :func:`rms_norm` — WiolaRMSNorm (SPEC §3)
 * :func:`srpe` — spiral rotary position encoding of Q and K (SPEC §4)
+* :func:`gcla_attention` — GCLA summary-augmented causal attention (SPEC §5.5)
 * :func:`atm_merge` / :func:`atm_unmerge` — ATM greedy adjacent token merging (SPEC §6)
 
 Backends are chosen per device (see :mod:`wiola_kernels.dispatch`); force one with
@@ -17,9 +18,10 @@ _extension.load_error()  # import the C++ extension (registers its kernels), war
 
 from .modules import SpiralRotaryEmbedding, WiolaRMSNorm  # noqa: E402
 from .ops.atm import atm_merge, atm_unmerge  # noqa: E402
+from .ops.gcla_attention import gcla_attention  # noqa: E402
 from .ops.rms_norm import rms_norm  # noqa: E402
 from .ops.srpe import srpe  # noqa: E402
 
 __version__ = "0.1.0"
 
-__all__ = ["SpiralRotaryEmbedding", "WiolaRMSNorm", "atm_merge", "atm_unmerge", "backends", "rms_norm", "srpe", "use_backend"]
+__all__ = ["SpiralRotaryEmbedding", "WiolaRMSNorm", "atm_merge", "atm_unmerge", "backends", "gcla_attention", "rms_norm", "srpe", "use_backend"]

@@ -17,6 +17,7 @@ import torch
 
 from .. import reference
 from ..ops.rms_norm import rms_norm
+from ..ops.srpe import srpe
 
 
 @dataclass
@@ -80,4 +81,24 @@ def rms_norm_cases(device: torch.device, small: bool) -> list[BenchCase]:
         op="rms_norm", shape=f"x ({rows}, {d})", dtype=dtype, make_inputs=make_inputs,
         fused=lambda x, w, s: rms_norm(x, w, s, 1e-6),
         eager=lambda x, w, s: reference.rms_norm(x, w, s, 1e-6),
+    )]
+
+
+@case_factory
+def srpe_cases(device: torch.device, small: bool) -> list[BenchCase]:
+    # wiola-360m attention shapes: H = 16, H_kv = 4, d_h = 64.
+    b, h, h_kv, t, dh = (2, 4, 1, 128, 64) if small else (4, 16, 4, 2048, 64)
+    dtype = _default_dtype(device)
+
+    def make_inputs():
+        q = torch.randn(b, h, t, dh, device=device, dtype=dtype)
+        k = torch.randn(b, h_kv, t, dh, device=device, dtype=dtype)
+        positions = torch.arange(t, device=device).expand(b, t).contiguous()
+        return q, k, positions
+
+    return [BenchCase(
+        op="srpe", shape=f"q ({b}, {h}, {t}, {dh}), k ({b}, {h_kv}, {t}, {dh})", dtype=dtype,
+        make_inputs=make_inputs,
+        fused=lambda q, k, p: srpe(q, k, p),
+        eager=lambda q, k, p: reference.srpe(q, k, p),
     )]

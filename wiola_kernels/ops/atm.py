@@ -74,13 +74,22 @@ def _kernel_unmerge_backward(grad, index_map):
     return torch.ops.wiola._atm_unmerge_bwd(grad, index_map)
 
 
+def _kernel_unless_float64(kernel, fallback):
+    """The CUDA kernels cover float32/float16/bfloat16; float64 CUDA tensors use the reference."""
+    def run(t: Tensor, *args):
+        return (fallback if t.dtype == torch.float64 else kernel)(t, *args)
+    return run
+
+
+_REFERENCE = SimpleNamespace(merge=_reference_merge, merge_backward=ref.atm_merge_backward, unmerge=_reference_unmerge,
+                             unmerge_backward=_reference_unmerge_backward)
 _KERNELS = SimpleNamespace(merge=_kernel_merge, merge_backward=_kernel_merge_backward, unmerge=_kernel_unmerge,
                            unmerge_backward=_kernel_unmerge_backward)
-dispatch.register(OP, "reference", SimpleNamespace(
-    merge=_reference_merge, merge_backward=ref.atm_merge_backward, unmerge=_reference_unmerge,
-    unmerge_backward=_reference_unmerge_backward))
-dispatch.register(OP, "cpu", _KERNELS)   # csrc/cpu/atm.cpp
-dispatch.register(OP, "cuda", _KERNELS)  # csrc/cuda/atm.cu (the dispatcher routes by device)
+dispatch.register(OP, "reference", _REFERENCE)
+dispatch.register(OP, "cpu", _KERNELS)  # csrc/cpu/atm.cpp (every float dtype)
+dispatch.register(OP, "cuda", SimpleNamespace(**{  # csrc/cuda/atm.cu via csrc/cuda/atm_binding.cpp
+    name: _kernel_unless_float64(getattr(_KERNELS, name), getattr(_REFERENCE, name))
+    for name in ("merge", "merge_backward", "unmerge", "unmerge_backward")}))
 
 
 # --- merge ---------------------------------------------------------------------------
