@@ -2,17 +2,21 @@
 
 The package works without it (reference and Triton backends); a failed load is
 reported once, with the reason, and :func:`wiola_kernels.backends` repeats it.
+``WIOLA_DISABLE_EXTENSION=1`` skips loading it (to compare, or to test that fallback).
 """
 
 from __future__ import annotations
 
 import functools
 import importlib
+import os
 import warnings
 
 
 @functools.lru_cache(maxsize=None)
 def _load() -> tuple[object | None, str | None]:
+    if os.environ.get("WIOLA_DISABLE_EXTENSION", "0") not in ("", "0"):
+        return None, "the C++ extension is disabled by WIOLA_DISABLE_EXTENSION=1"
     try:
         module = importlib.import_module("wiola_kernels._C")
     except ImportError as exc:
