@@ -1,0 +1,423 @@
+"""The Wiola decoder (SPEC §2), one readable file, modules in dependency order.
+
+    X⁰ = Embed(ids)
+    for ℓ in 0..L-1:
+        X̃  = WRMSNorm_ℓ(Xˡ)
+        [ATM merge of X̃ — training only, layers L/3 ≤ ℓ < 2L/3]
+        A  = GCLA_ℓ(X̃, Cˡ)                 Cˡ: summaries of the Λ layers before ℓ
+        [ATM unmerge of A]
+        X' = Xˡ + A
+        Xˡ⁺¹ = X' + DSFF_ℓ(WRMSNorm'_ℓ(X'))
+        record the summary s⁽ˡ⁾ of Xˡ⁺¹
+    logits = WRMSNorm_final(Xᴸ) · Eᵀ       (tied head)
+
+The heavy lifting is done by ``wiola_kernels`` ops (``rms_norm``, ``srpe``,
+``gcla_attention``, ``atm_merge``/``atm_unmerge``); which implementation runs is chosen
+by ``config.kernel_backend`` through :func:`wiola_kernels.use_backend` around the
+forward. Backward kernels are chosen when backward runs: to force a backend for the
+backward too, run it inside ``with model.kernel_backend():`` (``python -m wiola train``
+does).
+
+Summaries (SPEC §5.1). ``gcla_summary="causal"`` (default): ``s⁽ˡ⁾_t`` is the mean of
+``Xˡ⁺¹_u`` over ``u ≤ t``; the model is causal and the generation cache carries each
+layer's running sum, so cached decoding reproduces the full forward.
+``gcla_summary="paper"``: ``s⁽ˡ⁾`` is the mean over the whole sequence (paper eq. 20);
+every position sees later tokens through it, so the model is *not* causal and a KV
+cache cannot reproduce a full forward (the past keys themselves depend on the future).
+In that mode ``generate()`` turns the cache off and recomputes the whole sequence at
+every step, and ``forward`` refuses a non-empty cache.
+
+ATM (SPEC §6) runs only in training mode and only in the middle third of layers; a
+merged pair lets position t see token t+1, a training-time leak the tests show.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from transformers import GenerationMixin, PreTrainedModel
+from transformers import initialization as init
+from transformers.cache_utils import Cache, DynamicCache
+from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+
+import wiola_kernels
+from wiola_kernels import SpiralRotaryEmbedding, WiolaRMSNorm
+from wiola_kernels.reference import dsff as dsff_reference
+
+from .configuration_wiola import WiolaConfig
+
+# WiolaRMSNorm (SPEC §3) and SpiralRotaryEmbedding (SPEC §4) are the wiola_kernels
+# modules: RMSNorm with a learned shift δ before the RMS, and the spiral rotary map.
+
+
+# ----------------------------------------------------------------------------------------
+# Summaries and the cache (SPEC §5.1)
+# ----------------------------------------------------------------------------------------
+
+def summarize(x: Tensor, mode: str, lengths: Tensor | None = None) -> Tensor:
+    """Summary of a layer's output ``x (B, T, d)``: ``(B, T, d)`` prefix means (causal) or
+    ``(B, 1, d)`` sequence means over the first ``lengths[b]`` positions (paper)."""
+    b, t, _ = x.shape
+    xf = x.float()
+    if mode == "paper":
+        if lengths is None:
+            return xf.mean(1, keepdim=True).to(x.dtype)
+        valid = (torch.arange(t, device=x.device) < lengths[:, None]).unsqueeze(-1)  # (B, T, 1)
+        total = (xf * valid).sum(1, keepdim=True)
+        return (total / lengths.clamp(min=1)[:, None, None].float()).to(x.dtype)
+    count = torch.arange(1, t + 1, device=x.device, dtype=torch.float32)[None, :, None]
+    return (xf.cumsum(1) / count).to(x.dtype)
+
+
+class WiolaCache(DynamicCache):
+    """KV cache (rotated keys and values per layer) plus each layer's running summary sum.
+
+    ``summary(layer_idx, x, past)`` turns the new positions' outputs ``x (B, T_new, d)``
+    into prefix means over all ``past + T_new`` positions and advances the running sum,
+    so cached decoding with causal summaries equals the full forward.
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.summary_sums: dict[int, Tensor] = {}  # layer -> (B, d) float32 Σ_u Xˡ⁺¹_u
+
+    def summary(self, layer_idx: int, x: Tensor, past: int) -> Tensor:
+        b, t, _ = x.shape
+        running = self.summary_sums.get(layer_idx)
+        prefix = x.float().cumsum(1)  # (B, T_new, d)
+        if running is not None:
+            prefix = prefix + running[:, None, :]
+        self.summary_sums[layer_idx] = prefix[:, -1, :]
+        count = torch.arange(past + 1, past + t + 1, device=x.device, dtype=torch.float32)[None, :, None]
+        return (prefix / count).to(x.dtype)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor):  # beam search
+        super().reorder_cache(beam_idx)
+        for k, s in self.summary_sums.items():
+            self.summary_sums[k] = s.index_select(0, beam_idx.to(s.device))
+
+    def batch_repeat_interleave(self, repeats: int):  # num_return_sequences > 1
+        super().batch_repeat_interleave(repeats)
+        for k, s in self.summary_sums.items():
+            self.summary_sums[k] = s.repeat_interleave(repeats, dim=0)
+
+    def crop(self, max_length: int):
+        if self.summary_sums and max_length < self.get_seq_length():
+            raise NotImplementedError("WiolaCache cannot be cropped: running summary sums cannot be rewound")
+        super().crop(max_length)
+
+
+# ----------------------------------------------------------------------------------------
+# GCLA: gated cross-layer attention (SPEC §5)
+# ----------------------------------------------------------------------------------------
+
+def gcla_attention_cached(q_rot: Tensor, k_rot: Tensor, v: Tensor, q: Tensor, kc: Tensor, vc: Tensor,
+                          gate: Tensor) -> Tensor:
+    """GCLA for ``T_new`` queries against ``T_k ≥ T_new`` cached keys, in plain PyTorch.
+
+    ``q_rot, q (B, H, T_new, d_h)``, ``k_rot, v (B, H_kv, T_k, d_h)`` (the last ``T_new``
+    keys are the queries' own positions), ``kc, vc (B, H, S, Λ', d_h)``. Used for decoding
+    steps, where queries and keys have different lengths (the fused op takes one T).
+    """
+    b, h, t_new, dh = q_rot.shape
+    h_kv, t_k = k_rot.shape[1], k_rot.shape[2]
+    # Head h uses key/value group h mod H_kv (SPEC §5.2): repeat, not repeat_interleave.
+    k_rot, v = k_rot.repeat(1, h // h_kv, 1, 1), v.repeat(1, h // h_kv, 1, 1)  # (B, H, T_k, d_h)
+    q_pos = torch.arange(t_k - t_new, t_k, device=q.device)
+    allowed = torch.arange(t_k, device=q.device)[None, :] <= q_pos[:, None]  # (T_new, T_k)
+    scores = (q_rot.float() @ k_rot.float().transpose(-1, -2)) / math.sqrt(dh)  # (B, H, T_new, T_k)
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    out = torch.softmax(scores, -1) @ v.float()  # (B, H, T_new, d_h)
+    if kc.shape[3] > 0:
+        kc = kc.float().expand(b, h, t_new, -1, dh)  # (B, H, T_new, Λ', d_h)
+        vc = vc.float().expand(b, h, t_new, -1, dh)
+        a = torch.softmax(torch.einsum("bhtd,bhtld->bhtl", q.float(), kc) / math.sqrt(dh), -1)
+        out = out + torch.sigmoid(gate.float())[None, :, None, None] * torch.einsum("bhtl,bhtld->bhtd", a, vc)
+    return out.to(q.dtype)
+
+
+class WiolaAttention(nn.Module):
+    """GCLA: SRPE self-attention with GQA plus a gated sub-attention over the summaries of
+    earlier layers (SPEC §5.2–5.4).
+
+    ``O_h = softmax(Q̃_h K̃_gᵀ/√d_h + M) V_g + σ(g_h) softmax_λ(Q_h Kᶜ_h/√d_h) Vᶜ_h``,
+    ``A = [O_1 … O_H] W_O``, with ``g = h mod H_kv``.
+    """
+
+    def __init__(self, config: WiolaConfig, layer_idx: int):
+        super().__init__()
+        d, h, h_kv, dh = config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim
+        self.layer_idx, self.n_head, self.n_kv_head, self.head_dim = layer_idx, h, h_kv, dh
+        self.q_proj = nn.Linear(d, h * dh, bias=False)       # W_Q
+        self.k_proj = nn.Linear(d, h_kv * dh, bias=False)    # W_K
+        self.v_proj = nn.Linear(d, h_kv * dh, bias=False)    # W_V
+        self.o_proj = nn.Linear(h * dh, d, bias=False)       # W_O
+        self.kc_proj = nn.Linear(d, h * dh, bias=False)      # W_Kc: context keys, all H heads, no SRPE
+        self.vc_proj = nn.Linear(d, h * dh, bias=False)      # W_Vc: context values
+        self.gate = nn.Parameter(torch.full((h,), float(config.gcla_gate_init)))  # g, σ(g) blends the context
+        self.srpe = SpiralRotaryEmbedding(dh, config.srpe_theta, config.srpe_spiral_divisor,
+                                          config.srpe_radial_amplitude, config.srpe_radial_frequency)
+
+    def forward(self, x: Tensor, position_ids: Tensor, context: Tensor, lengths: Tensor | None = None,
+                cache: WiolaCache | None = None) -> Tensor:
+        """``x (B, T, d)``, ``position_ids (B, T)``, ``context (B, S, Λ', d)`` with S ∈ {1, T}."""
+        b, t, _ = x.shape
+        h, h_kv, dh = self.n_head, self.n_kv_head, self.head_dim
+        q = self.q_proj(x).view(b, t, h, dh).transpose(1, 2)       # (B, H, T, d_h)
+        k = self.k_proj(x).view(b, t, h_kv, dh).transpose(1, 2)    # (B, H_kv, T, d_h)
+        v = self.v_proj(x).view(b, t, h_kv, dh).transpose(1, 2)    # (B, H_kv, T, d_h)
+        q_rot, k_rot = self.srpe(q, k, position_ids)               # SRPE on Q and K, one launch
+        s, n_ctx = context.shape[1], context.shape[2]
+        kc = self.kc_proj(context).view(b, s, n_ctx, h, dh).permute(0, 3, 1, 2, 4)  # (B, H, S, Λ', d_h)
+        vc = self.vc_proj(context).view(b, s, n_ctx, h, dh).permute(0, 3, 1, 2, 4)  # (B, H, S, Λ', d_h)
+        if cache is not None and cache.get_seq_length(self.layer_idx) > 0:
+            k_all, v_all = cache.update(k_rot, v, self.layer_idx)  # (B, H_kv, T_past + T, d_h)
+            out = gcla_attention_cached(q_rot, k_all, v_all, q, kc, vc, self.gate)
+        else:
+            if cache is not None:
+                cache.update(k_rot, v, self.layer_idx)
+            out = wiola_kernels.gcla_attention(q_rot, k_rot, v, q, kc, vc, self.gate, lengths)  # (B, H, T, d_h)
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, h * dh))  # (B, T, d)
+
+
+# ----------------------------------------------------------------------------------------
+# DSFF: dual-stream feed-forward (SPEC §7)
+# ----------------------------------------------------------------------------------------
+
+class WiolaDSFF(nn.Module):
+    """``σ(β) ⊙ W_n2(SiLU(W_n1 x) ⊙ W_n3 x) + (1 − σ(β)) ⊙ W_w2(GELU_tanh(W_w1 x) ⊙ W_w3 x)``."""
+
+    def __init__(self, config: WiolaConfig):
+        super().__init__()
+        d, n, w = config.hidden_size, config.dsff_narrow_size, config.dsff_wide_size
+        self.w_n1 = nn.Linear(d, n, bias=False)   # narrow gate (SiLU)
+        self.w_n3 = nn.Linear(d, n, bias=False)   # narrow up
+        self.w_n2 = nn.Linear(n, d, bias=False)   # narrow down
+        self.w_w1 = nn.Linear(d, w, bias=False)   # wide gate (tanh-GELU)
+        self.w_w3 = nn.Linear(d, w, bias=False)   # wide up
+        self.w_w2 = nn.Linear(w, d, bias=False)   # wide down
+        self.beta = nn.Parameter(torch.zeros(d))  # β: per-channel blend σ(β), starts at 1/2
+
+    def forward(self, x: Tensor) -> Tensor:  # (B, T, d) -> (B, T, d)
+        fn = getattr(wiola_kernels, "dsff", dsff_reference)  # a fused DSFF op when the package has one
+        return fn(x, self.w_n1.weight, self.w_n3.weight, self.w_n2.weight, self.w_w1.weight, self.w_w3.weight,
+                  self.w_w2.weight, self.beta)
+
+
+# ----------------------------------------------------------------------------------------
+# One decoder layer (SPEC §2, one iteration of the loop)
+# ----------------------------------------------------------------------------------------
+
+class WiolaBlock(GradientCheckpointingLayer):
+    def __init__(self, config: WiolaConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.atm_threshold = float(config.atm_threshold)
+        self.merges = bool(config.atm_enabled) and config.is_merge_layer(layer_idx)  # ATM here (training)
+        self.attn_norm = WiolaRMSNorm(config.hidden_size, config.rms_norm_eps)  # WRMSNorm_ℓ
+        self.attn = WiolaAttention(config, layer_idx)                            # GCLA_ℓ
+        self.ffn_norm = WiolaRMSNorm(config.hidden_size, config.rms_norm_eps)   # WRMSNorm'_ℓ
+        self.ffn = WiolaDSFF(config)                                            # DSFF_ℓ
+
+    def forward(self, x: Tensor, position_ids: Tensor, context: Tensor, lengths: Tensor | None = None,
+                cache: WiolaCache | None = None) -> Tensor:
+        """``x (B, T, d)`` → ``Xˡ⁺¹ (B, T, d)``; ``context (B, S, Λ', d)``."""
+        h = self.attn_norm(x)  # X̃ (B, T, d)
+        if self.merges and self.training and cache is None:
+            # ATM (SPEC §6): merge similar neighbours, attend over the shorter rows, restore length T.
+            merged, merged_pos, merged_len, index_map = wiola_kernels.atm_merge(h, position_ids, self.atm_threshold,
+                                                                               lengths)
+            if context.shape[1] > 1:  # causal summaries: each slot reads the context at its first member
+                context = context.gather(1, first_member(index_map)[:, :, None, None].expand_as(context))
+            a = self.attn(merged, merged_pos, context, merged_len)  # (B, T, d), zero past merged_len
+            a = wiola_kernels.atm_unmerge(a, index_map)            # A_t = A'_{map(t)}
+        else:
+            a = self.attn(h, position_ids, context, lengths, cache)
+        x = x + a                                  # X'
+        return x + self.ffn(self.ffn_norm(x))      # Xˡ⁺¹
+
+
+def first_member(index_map: Tensor) -> Tensor:
+    """``(B, T)`` slot → the first original position mapped to it (0 for empty slots)."""
+    b, t = index_map.shape
+    pos = torch.arange(t, device=index_map.device).expand(b, t)
+    first = torch.zeros_like(index_map)
+    return first.scatter_reduce(1, index_map, pos, reduce="amin", include_self=False)
+
+
+# ----------------------------------------------------------------------------------------
+# The model and the Hugging Face glue
+# ----------------------------------------------------------------------------------------
+
+class WiolaPreTrainedModel(PreTrainedModel):
+    config_class = WiolaConfig
+    config: WiolaConfig
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["WiolaBlock"]
+    _supports_sdpa = False
+
+    def _init_weights(self, module: nn.Module) -> None:
+        std = self.config.initializer_range
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            init.normal_(module.weight, mean=0.0, std=std)
+        elif isinstance(module, WiolaRMSNorm):
+            init.ones_(module.weight)   # γ
+            init.zeros_(module.shift)   # δ
+        elif isinstance(module, WiolaAttention):
+            init.constant_(module.gate, float(self.config.gcla_gate_init))
+        elif isinstance(module, WiolaDSFF):
+            init.zeros_(module.beta)
+
+
+class WiolaModel(WiolaPreTrainedModel):
+    """Embedding, L blocks with the summary context, final norm: hidden states ``(B, T, d)``."""
+
+    def __init__(self, config: WiolaConfig):
+        super().__init__(config)
+        config.check()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)  # E
+        self.layers = nn.ModuleList(WiolaBlock(config, i) for i in range(config.num_hidden_layers))
+        self.norm = WiolaRMSNorm(config.hidden_size, config.rms_norm_eps)         # WRMSNorm_final
+        self.gradient_checkpointing = False
+        self.post_init()
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.embed_tokens
+
+    def set_input_embeddings(self, value: nn.Embedding) -> None:
+        self.embed_tokens = value
+
+    def forward(self, input_ids: Tensor | None = None, attention_mask: Tensor | None = None,
+                position_ids: Tensor | None = None, cache: Cache | None = None, inputs_embeds: Tensor | None = None,
+                use_cache: bool | None = None, **kwargs) -> BaseModelOutputWithPast:
+        cfg = self.config
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("WiolaModel: pass exactly one of input_ids or inputs_embeds")
+        x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds  # X⁰ (B, T, d)
+        b, t, _ = x.shape
+        use_cache = cfg.use_cache if use_cache is None else use_cache
+        if use_cache and cache is None and not (self.gradient_checkpointing and self.training):
+            cache = WiolaCache()
+        if not use_cache:
+            cache = None
+        if cache is not None and not isinstance(cache, WiolaCache):
+            raise TypeError(f"cache must be a WiolaCache (it carries the summary sums), got {type(cache).__name__}")
+        past = cache.get_seq_length() if cache is not None else 0
+        if past > 0 and cfg.gcla_summary == "paper":
+            raise ValueError("gcla_summary='paper': summaries are means over the whole sequence, so a KV cache "
+                             "cannot reproduce the full forward; call with use_cache=False (generate() does)")
+        lengths = right_padding_lengths(attention_mask, past, t)
+        if position_ids is None:
+            position_ids = torch.arange(past, past + t, device=x.device)
+        position_ids = position_ids.expand(b, t) if position_ids.dim() == 1 or position_ids.shape[0] == 1 \
+            else position_ids  # (B, T)
+
+        lookback = cfg.gcla_lookback
+        summaries: list[Tensor] = []  # s⁽ˡ⁾, (B, S, d) each, oldest first
+        for i, layer in enumerate(self.layers):
+            if summaries and lookback > 0:
+                context = torch.stack(summaries[-lookback:], dim=2)  # Cˡ (B, S, Λ', d)
+            else:
+                context = x.new_zeros(b, 1, 0, x.shape[-1])           # no earlier layers: plain attention
+            x = layer(x, position_ids, context, lengths=lengths, cache=cache)
+            if lookback > 0 and i < len(self.layers) - 1:  # the last layer's summary is never read
+                if cache is not None and cfg.gcla_summary == "causal":
+                    summaries.append(cache.summary(i, x, past))
+                else:
+                    summaries.append(summarize(x, cfg.gcla_summary, lengths))
+                summaries = summaries[-lookback:]
+        return BaseModelOutputWithPast(last_hidden_state=self.norm(x), cache=cache)
+
+
+def right_padding_lengths(attention_mask: Tensor | None, past: int, t: int) -> Tensor | None:
+    """Per-row lengths ``(B,)`` of a right-padded ``attention_mask``; None when nothing is padded."""
+    if attention_mask is None or bool(attention_mask.all()):
+        return None
+    if attention_mask.dim() != 2:
+        raise ValueError(f"attention_mask must have shape (B, T), got {tuple(attention_mask.shape)}")
+    if past > 0:
+        raise ValueError("attention_mask: padding is not supported with a non-empty cache (use equal-length rows)")
+    mask = attention_mask.bool()
+    lengths = mask.sum(-1)
+    expected = torch.arange(mask.shape[1], device=mask.device)[None, :] < lengths[:, None]
+    if not torch.equal(mask, expected):
+        raise ValueError("attention_mask: only right padding (ones, then zeros) is supported")
+    return lengths
+
+
+class WiolaForCausalLM(WiolaPreTrainedModel, GenerationMixin):
+    """Wiola decoder with the tied language-model head; next-token loss when ``labels`` are given."""
+
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+
+    def __init__(self, config: WiolaConfig):
+        super().__init__(config)
+        self.model = WiolaModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)  # Eᵀ, tied
+        self.post_init()
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.model.embed_tokens
+
+    def set_input_embeddings(self, value: nn.Embedding) -> None:
+        self.model.embed_tokens = value
+
+    def get_output_embeddings(self) -> nn.Linear:
+        return self.lm_head
+
+    def set_output_embeddings(self, value: nn.Linear) -> None:
+        self.lm_head = value
+
+    @contextlib.contextmanager
+    def kernel_backend(self) -> Iterator[None]:
+        """``wiola_kernels.use_backend(config.kernel_backend)``: wrap ``loss.backward()`` in it so
+        the backward kernels follow the configured backend too (forward does it itself)."""
+        with wiola_kernels.use_backend(self.config.kernel_backend):
+            yield
+
+    def forward(self, input_ids: Tensor | None = None, attention_mask: Tensor | None = None,
+                position_ids: Tensor | None = None, cache: Cache | None = None,
+                inputs_embeds: Tensor | None = None, labels: Tensor | None = None, use_cache: bool | None = None,
+                logits_to_keep: int = 0, **kwargs) -> CausalLMOutputWithPast:
+        """``input_ids (B, T)`` → ``logits (B, T, V)``; ``labels (B, T)`` (−100 ignored) are
+        shifted inside, like Hugging Face causal LMs."""
+        if cache is None:
+            cache = kwargs.pop("past_key_values", None)
+        with self.kernel_backend():
+            out = self.model(input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
+                             inputs_embeds=inputs_embeds, use_cache=use_cache)
+            hidden = out.last_hidden_state                                   # (B, T, d)
+            if logits_to_keep:
+                hidden = hidden[:, -logits_to_keep:]
+            logits = self.lm_head(hidden)                                    # (B, T, V)
+        loss = None
+        if labels is not None:
+            loss = F.cross_entropy(logits[:, :-1].float().reshape(-1, logits.shape[-1]),
+                                   labels[:, 1:].reshape(-1).to(logits.device), ignore_index=-100)
+        return CausalLMOutputWithPast(loss=loss, logits=logits, cache=out.cache)
+
+    # -- generation --------------------------------------------------------------------
+
+    def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
+        super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
+        cache = model_kwargs.get("cache")
+        if cache is not None and not isinstance(cache, WiolaCache) and cache.get_seq_length() == 0:
+            model_kwargs["cache"] = WiolaCache()  # carries the summary sums as well as K and V
+
+    def generate(self, *args, **kwargs):
+        """Hugging Face ``generate``. With ``gcla_summary="paper"`` the cache is turned off
+        (cached decoding cannot match a full forward there) and every step recomputes the
+        whole sequence."""
+        if self.config.gcla_summary == "paper":
+            kwargs["use_cache"] = False
+        return super().generate(*args, **kwargs)
+
+
+__all__ = ["WiolaCache", "WiolaForCausalLM", "WiolaModel", "WiolaPreTrainedModel", "summarize"]
