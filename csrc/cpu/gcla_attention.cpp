@@ -1,0 +1,588 @@
+// GCLA summary-augmented attention on the CPU (SPEC §5.5), FlashAttention-2 style.
+//
+//   O_i = Σ_j softmax_j(c q̃_i·k̃_j) v_j  +  σ(g_h) Σ_λ softmax_λ(c q_i·kc_iλ) vc_iλ,   c = 1/√d_h
+//
+// Head h reads kv group h mod H_kv; keys j ≤ i and j < len_b; rows i ≥ len_b are 0.
+//
+// Forward: one task per (b, h, query block of kBlockQ rows), at::parallel_for over them.
+// Each task streams key blocks of kBlockK (only those at or left of the diagonal, and
+// only below len_b) with an online softmax: S = c Q Kᵀ and O += P V are BLAS gemms on
+// small float (double for double inputs) tiles; the exponentials are vectorised. The
+// epilogue normalises O, adds the tiny cross softmax over the Λ' summary slots with
+// the un-rotated q, applies the gate and writes O once; it stores lse = m + log l.
+//
+// Backward (recompute P = exp(S − lse)), two passes, no atomics, deterministic:
+//   A. per (b, h, query block): the cross part (dq, dkc, dvc, gate partial),
+//      D_i = dO_i · (O_i − σ O^cross_i), then dq̃ = c Σ_j dS_ij k̃_j over the key blocks.
+//   B. per (b, kv group, key block): dk̃, dv summed over the group's heads (in head
+//      order) and the query blocks at or below the diagonal.
+// S = 1 summaries give dkc/dvc partials per query block and dgate partials per
+// (b, h, query block); both are summed afterwards in a fixed order.
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <optional>
+#include <vector>
+
+#include "common.h"
+
+namespace wiola::cpu {
+namespace {
+
+constexpr int64_t kBlockQ = 64;   // query rows per task / tile
+constexpr int64_t kBlockK = 128;  // key rows per tile
+
+template <typename acc_t>
+using Vec = at::vec::Vectorized<acc_t>;
+
+// ---- Small dense tiles: a register-blocked gemm on at::vec (no BLAS dependency) ----
+//
+// C (M×N) (+)= alpha · A (M×K) · B (K×N), all row-major. N is rounded up to a multiple of
+// two vectors: B and C must have that many readable/writable columns (the tiles below are
+// padded; the extra columns hold finite junk that is never read back).
+template <typename acc_t, int MR>
+inline void gemm_rows(int64_t K, int64_t N, acc_t alpha, const acc_t* A, int64_t lda, const acc_t* B, int64_t ldb,
+                      acc_t* C, int64_t ldc, bool accumulate) {
+  using V = Vec<acc_t>;
+  constexpr int64_t W = V::size();
+  const V valpha(alpha);
+  for (int64_t j = 0; j < N; j += 2 * W) {
+    V acc[MR][2];
+    for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = V(acc_t(0));
+    for (int64_t k = 0; k < K; ++k) {
+      const V b0 = V::loadu(B + k * ldb + j), b1 = V::loadu(B + k * ldb + j + W);
+      for (int r = 0; r < MR; ++r) {
+        const V a(A[r * lda + k]);
+        acc[r][0] = at::vec::fmadd(a, b0, acc[r][0]);
+        acc[r][1] = at::vec::fmadd(a, b1, acc[r][1]);
+      }
+    }
+    for (int r = 0; r < MR; ++r) {
+      acc_t* c = C + r * ldc + j;
+      if (accumulate) {
+        at::vec::fmadd(valpha, acc[r][0], V::loadu(c)).store(c);
+        at::vec::fmadd(valpha, acc[r][1], V::loadu(c + W)).store(c + W);
+      } else {
+        (valpha * acc[r][0]).store(c);
+        (valpha * acc[r][1]).store(c + W);
+      }
+    }
+  }
+}
+
+template <typename acc_t>
+inline void gemm(int64_t M, int64_t N, int64_t K, acc_t alpha, const acc_t* A, int64_t lda, const acc_t* B,
+                 int64_t ldb, acc_t* C, int64_t ldc, bool accumulate) {
+  constexpr int MR = 6;
+  int64_t i = 0;
+  for (; i + MR <= M; i += MR) gemm_rows<acc_t, MR>(K, N, alpha, A + i * lda, lda, B, ldb, C + i * ldc, ldc, accumulate);
+  const acc_t* a = A + i * lda;
+  acc_t* c = C + i * ldc;
+  switch (M - i) {
+    case 5: gemm_rows<acc_t, 5>(K, N, alpha, a, lda, B, ldb, c, ldc, accumulate); break;
+    case 4: gemm_rows<acc_t, 4>(K, N, alpha, a, lda, B, ldb, c, ldc, accumulate); break;
+    case 3: gemm_rows<acc_t, 3>(K, N, alpha, a, lda, B, ldb, c, ldc, accumulate); break;
+    case 2: gemm_rows<acc_t, 2>(K, N, alpha, a, lda, B, ldb, c, ldc, accumulate); break;
+    case 1: gemm_rows<acc_t, 1>(K, N, alpha, a, lda, B, ldb, c, ldc, accumulate); break;
+    default: break;
+  }
+}
+
+// dst[c * ldd + r] = src[r * lds + c] for r < rows, c < cols.
+template <typename acc_t>
+inline void transpose(const acc_t* src, int64_t rows, int64_t cols, int64_t lds, acc_t* dst, int64_t ldd) {
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; ++c) dst[c * ldd + r] = src[r * lds + c];
+}
+
+// Rows [0, n) of a (·, dh) scalar_t matrix into an acc_t tile with row stride ldd.
+template <typename scalar_t, typename acc_t>
+inline void load_tile(const scalar_t* src, int64_t n, int64_t dh, acc_t* dst, int64_t ldd) {
+  for (int64_t r = 0; r < n; ++r) load_row(src + r * dh, dst + r * ldd, dh);
+}
+
+// The transpose (dh × n, row stride ldd) of rows [0, n) of a (·, dh) scalar_t matrix.
+template <typename scalar_t, typename acc_t>
+inline void load_tile_t(const scalar_t* src, int64_t n, int64_t dh, acc_t* dst, int64_t ldd, acc_t* row) {
+  for (int64_t r = 0; r < n; ++r) {
+    load_row(src + r * dh, row, dh);
+    for (int64_t e = 0; e < dh; ++e) dst[e * ldd + r] = row[e];
+  }
+}
+
+// Tile widths rounded up to two vectors of the widest accumulation type (16 floats).
+constexpr int64_t kPad = 16;
+inline int64_t padded(int64_t n) { return (n + kPad - 1) / kPad * kPad; }
+
+template <typename acc_t>
+inline acc_t dot(const acc_t* a, const acc_t* b, int64_t n) {
+  using V = Vec<acc_t>;
+  V acc(0);
+  int64_t i = 0;
+  for (; i + V::size() <= n; i += V::size()) acc = at::vec::fmadd(V::loadu(a + i), V::loadu(b + i), acc);
+  acc_t total = at::vec::vec_reduce_all<acc_t>([](V x, V y) { return x + y; }, acc);
+  for (; i < n; ++i) total += a[i] * b[i];
+  return total;
+}
+
+// y = alpha * x + beta * y
+template <typename acc_t>
+inline void axpby(acc_t alpha, const acc_t* x, acc_t beta, acc_t* y, int64_t n) {
+  using V = Vec<acc_t>;
+  const V va(alpha), vb(beta);
+  int64_t i = 0;
+  for (; i + V::size() <= n; i += V::size()) (va * V::loadu(x + i) + vb * V::loadu(y + i)).store(y + i);
+  for (; i < n; ++i) y[i] = alpha * x[i] + beta * y[i];
+}
+
+// p[j] = exp(s[j] - m); returns Σ p.
+template <typename acc_t>
+inline acc_t exp_sub(const acc_t* s, acc_t m, acc_t* p, int64_t n) {
+  using V = Vec<acc_t>;
+  const V vm(m);
+  V vsum(0);
+  int64_t j = 0;
+  for (; j + V::size() <= n; j += V::size()) {
+    const V e = (V::loadu(s + j) - vm).exp();
+    e.store(p + j);
+    vsum = vsum + e;
+  }
+  acc_t total = at::vec::vec_reduce_all<acc_t>([](V x, V y) { return x + y; }, vsum);
+  for (; j < n; ++j) {
+    p[j] = std::exp(s[j] - m);
+    total += p[j];
+  }
+  return total;
+}
+
+struct Dims {
+  int64_t B, H, Hkv, T, dh, S, L;
+  double scale;
+};
+
+// Cross part for one row: a (L), o_cross (dh) from q (dh), kc/vc rows (L×dh, scalar_t).
+template <typename scalar_t, typename acc_t>
+inline void cross_row(const acc_t* q, const scalar_t* kc, const scalar_t* vc, int64_t L, int64_t dh, acc_t scale,
+                      acc_t* a, acc_t* o_cross, acc_t* row) {
+  std::fill(o_cross, o_cross + dh, acc_t(0));
+  if (L == 0) return;
+  acc_t zmax = -std::numeric_limits<acc_t>::infinity();
+  for (int64_t l = 0; l < L; ++l) {
+    load_row(kc + l * dh, row, dh);
+    a[l] = scale * dot(q, row, dh);
+    zmax = std::max(zmax, a[l]);
+  }
+  acc_t sum = 0;
+  for (int64_t l = 0; l < L; ++l) {
+    a[l] = std::exp(a[l] - zmax);
+    sum += a[l];
+  }
+  for (int64_t l = 0; l < L; ++l) {
+    a[l] /= sum;
+    load_row(vc + l * dh, row, dh);
+    axpby(a[l], row, acc_t(1), o_cross, dh);
+  }
+}
+
+inline int64_t row_length(const int64_t* lengths, int64_t b, int64_t T) {
+  return lengths == nullptr ? T : std::clamp<int64_t>(lengths[b], 0, T);
+}
+
+// ---------------------------------------------------------------------------------
+// Forward
+// ---------------------------------------------------------------------------------
+template <typename scalar_t>
+void forward_impl(const Dims& d, const scalar_t* q_rot, const scalar_t* k_rot, const scalar_t* v, const scalar_t* q,
+                  const scalar_t* kc, const scalar_t* vc, const acc_type<scalar_t>* gate, const int64_t* lengths,
+                  scalar_t* out, acc_type<scalar_t>* lse) {
+  using acc_t = acc_type<scalar_t>;
+  const int64_t B = d.B, H = d.H, Hkv = d.Hkv, T = d.T, dh = d.dh, S = d.S, L = d.L;
+  const acc_t scale = acc_t(d.scale);
+  const acc_t neg_inf = -std::numeric_limits<acc_t>::infinity();
+  const int64_t nqb = (T + kBlockQ - 1) / kBlockQ;
+  at::parallel_for(0, B * H * nqb, 1, [&](int64_t begin, int64_t end) {
+    const int64_t dp = padded(dh);
+    std::vector<acc_t> qbuf(kBlockQ * dp), ktbuf(dh * kBlockK), vbuf(kBlockK * dp), sbuf(kBlockQ * kBlockK),
+        obuf(kBlockQ * dp), m(kBlockQ), l(kBlockQ), a(std::max<int64_t>(L, 1)), oc(dh), row(dh), qrow(dh);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t qb = task % nqb, h = (task / nqb) % H, b = task / (nqb * H);
+      const int64_t g = h % Hkv;
+      const int64_t len = row_length(lengths, b, T);
+      const int64_t i0 = qb * kBlockQ, i1 = std::min(T, i0 + kBlockQ);
+      const int64_t bh = b * H + h;
+      scalar_t* out_bh = out + bh * T * dh;
+      acc_t* lse_bh = lse + bh * T;
+      const int64_t nq = std::max<int64_t>(0, std::min(i1, len) - i0);  // valid rows
+      // Rows past the length: exactly zero, lse 0.
+      for (int64_t i = i0 + nq; i < i1; ++i) {
+        std::fill(out_bh + i * dh, out_bh + (i + 1) * dh, scalar_t(0));
+        lse_bh[i] = 0;
+      }
+      if (nq == 0) continue;
+      load_tile(q_rot + (bh * T + i0) * dh, nq, dh, qbuf.data(), dp);
+      const scalar_t* K_g = k_rot + (b * Hkv + g) * T * dh;
+      const scalar_t* V_g = v + (b * Hkv + g) * T * dh;
+      std::fill(m.begin(), m.begin() + nq, neg_inf);
+      std::fill(l.begin(), l.begin() + nq, acc_t(0));
+      std::fill(obuf.begin(), obuf.begin() + nq * dp, acc_t(0));
+      const int64_t kv_end = i0 + nq;  // keys j ≤ last valid row (< len)
+      for (int64_t j0 = 0; j0 < kv_end; j0 += kBlockK) {
+        const int64_t nk = std::min(kBlockK, kv_end - j0);
+        load_tile_t(K_g + j0 * dh, nk, dh, ktbuf.data(), kBlockK, row.data());
+        load_tile(V_g + j0 * dh, nk, dh, vbuf.data(), dp);
+        acc_t* Sb = sbuf.data();
+        gemm<acc_t>(nq, nk, dh, scale, qbuf.data(), dp, ktbuf.data(), kBlockK, Sb, kBlockK, false);
+        const bool diagonal = j0 + nk - 1 > i0;  // some key lies right of some row
+        for (int64_t r = 0; r < nq; ++r) {
+          acc_t* s = Sb + r * kBlockK;
+          const int64_t i = i0 + r;
+          const int64_t ncol = diagonal ? std::clamp<int64_t>(i - j0 + 1, 0, nk) : nk;
+          for (int64_t c = ncol; c < nk; ++c) s[c] = neg_inf;
+          acc_t mx = m[r];
+          for (int64_t c = 0; c < ncol; ++c) mx = std::max(mx, s[c]);
+          // ncol ≥ 1 always holds for the first key block (key 0 ≤ i), so mx is finite.
+          const acc_t corr = std::exp(m[r] - mx);
+          const acc_t sum = exp_sub(s, mx, s, nk);
+          l[r] = l[r] * corr + sum;
+          m[r] = mx;
+          if (corr != acc_t(1)) {
+            acc_t* o = obuf.data() + r * dp;
+            for (int64_t e = 0; e < dh; ++e) o[e] *= corr;
+          }
+        }
+        gemm<acc_t>(nq, dh, nk, acc_t(1), Sb, kBlockK, vbuf.data(), dp, obuf.data(), dp, true);
+      }
+      // Epilogue: normalise, cross part, gate, one write.
+      const acc_t sig = acc_t(1) / (acc_t(1) + std::exp(-gate[h]));
+      for (int64_t r = 0; r < nq; ++r) {
+        const int64_t i = i0 + r;
+        acc_t* o = obuf.data() + r * dp;
+        const acc_t inv_l = acc_t(1) / l[r];
+        lse_bh[i] = m[r] + std::log(l[r]);
+        if (L > 0) {
+          load_row(q + (bh * T + i) * dh, qrow.data(), dh);
+          const int64_t s_idx = S == 1 ? 0 : i;
+          const int64_t off = ((bh * S + s_idx) * L) * dh;
+          cross_row(qrow.data(), kc + off, vc + off, L, dh, scale, a.data(), oc.data(), row.data());
+          for (int64_t e = 0; e < dh; ++e) o[e] = o[e] * inv_l + sig * oc[e];
+        } else {
+          for (int64_t e = 0; e < dh; ++e) o[e] *= inv_l;
+        }
+        store_row(o, out_bh + i * dh, dh);
+      }
+    }
+  });
+}
+
+// ---------------------------------------------------------------------------------
+// Backward
+// ---------------------------------------------------------------------------------
+template <typename scalar_t>
+void backward_impl(const Dims& d, const scalar_t* grad_out, const scalar_t* q_rot, const scalar_t* k_rot,
+                   const scalar_t* v, const scalar_t* q, const scalar_t* kc, const scalar_t* vc,
+                   const acc_type<scalar_t>* gate, const int64_t* lengths, const scalar_t* out,
+                   const acc_type<scalar_t>* lse, scalar_t* dq_rot, scalar_t* dk_rot, scalar_t* dv, scalar_t* dq,
+                   scalar_t* dkc, scalar_t* dvc, acc_type<scalar_t>* dbuf, acc_type<scalar_t>* dkc_part,
+                   acc_type<scalar_t>* dvc_part, acc_type<scalar_t>* dgate_part) {
+  using acc_t = acc_type<scalar_t>;
+  const int64_t B = d.B, H = d.H, Hkv = d.Hkv, T = d.T, dh = d.dh, S = d.S, L = d.L;
+  const acc_t scale = acc_t(d.scale);
+  const int64_t nqb = (T + kBlockQ - 1) / kBlockQ;
+  const int64_t group = H / Hkv;
+
+  // ---- Pass A: per (b, h, query block): cross part, D, dq̃ ----
+  at::parallel_for(0, B * H * nqb, 1, [&](int64_t begin, int64_t end) {
+    const int64_t dp = padded(dh);
+    std::vector<acc_t> qbuf(kBlockQ * dp), dobuf(kBlockQ * dp), ktbuf(dh * kBlockK), vtbuf(dh * kBlockK),
+        kbuf(kBlockK * dp), sbuf(kBlockQ * kBlockK), dpbuf(kBlockQ * kBlockK), dqacc(kBlockQ * dp),
+        a(std::max<int64_t>(L, 1)),
+        oc(dh), row(dh), qrow(dh), orow(dh), dqc(dh);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t qb = task % nqb, h = (task / nqb) % H, b = task / (nqb * H);
+      const int64_t g = h % Hkv;
+      const int64_t len = row_length(lengths, b, T);
+      const int64_t i0 = qb * kBlockQ, i1 = std::min(T, i0 + kBlockQ);
+      const int64_t bh = b * H + h;
+      const int64_t nq = std::max<int64_t>(0, std::min(i1, len) - i0);
+      acc_t* dkc_p = S == 1 ? dkc_part + task * L * dh : nullptr;
+      acc_t* dvc_p = S == 1 ? dvc_part + task * L * dh : nullptr;
+      if (S == 1) {
+        std::fill(dkc_p, dkc_p + L * dh, acc_t(0));
+        std::fill(dvc_p, dvc_p + L * dh, acc_t(0));
+      }
+      // Rows past the length: zero gradients.
+      for (int64_t i = i0 + nq; i < i1; ++i) {
+        std::fill(dq_rot + (bh * T + i) * dh, dq_rot + (bh * T + i + 1) * dh, scalar_t(0));
+        std::fill(dq + (bh * T + i) * dh, dq + (bh * T + i + 1) * dh, scalar_t(0));
+        if (S != 1) {
+          std::fill(dkc + (bh * T + i) * L * dh, dkc + (bh * T + i + 1) * L * dh, scalar_t(0));
+          std::fill(dvc + (bh * T + i) * L * dh, dvc + (bh * T + i + 1) * L * dh, scalar_t(0));
+        }
+        dbuf[bh * T + i] = 0;
+      }
+      acc_t gate_acc = 0;
+      const acc_t sig = acc_t(1) / (acc_t(1) + std::exp(-gate[h]));
+      load_tile(grad_out + (bh * T + i0) * dh, nq, dh, dobuf.data(), dp);
+      // Cross part and D, row by row.
+      for (int64_t r = 0; r < nq; ++r) {
+        const int64_t i = i0 + r;
+        const acc_t* dO = dobuf.data() + r * dp;
+        load_row(out + (bh * T + i) * dh, orow.data(), dh);
+        if (L > 0) {
+          load_row(q + (bh * T + i) * dh, qrow.data(), dh);
+          const int64_t s_idx = S == 1 ? 0 : i;
+          const int64_t off = ((bh * S + s_idx) * L) * dh;
+          cross_row(qrow.data(), kc + off, vc + off, L, dh, scale, a.data(), oc.data(), row.data());
+          const acc_t do_oc = dot(dO, oc.data(), dh);
+          gate_acc += do_oc;
+          std::fill(dqc.begin(), dqc.end(), acc_t(0));
+          for (int64_t l = 0; l < L; ++l) {
+            load_row(vc + off + l * dh, row.data(), dh);
+            const acc_t dz = a[l] * sig * (dot(dO, row.data(), dh) - do_oc);  // dOc = σ dO
+            load_row(kc + off + l * dh, row.data(), dh);
+            axpby(scale * dz, row.data(), acc_t(1), dqc.data(), dh);
+            if (S == 1) {
+              axpby(scale * dz, qrow.data(), acc_t(1), dkc_p + l * dh, dh);
+              axpby(a[l] * sig, dO, acc_t(1), dvc_p + l * dh, dh);
+            } else {
+              for (int64_t e = 0; e < dh; ++e) row[e] = scale * dz * qrow[e];
+              store_row(row.data(), dkc + off + l * dh, dh);
+              for (int64_t e = 0; e < dh; ++e) row[e] = a[l] * sig * dO[e];
+              store_row(row.data(), dvc + off + l * dh, dh);
+            }
+          }
+          store_row(dqc.data(), dq + (bh * T + i) * dh, dh);
+          // O^self = O − σ O^cross
+          axpby(-sig, oc.data(), acc_t(1), orow.data(), dh);
+        } else {
+          std::fill(dq + (bh * T + i) * dh, dq + (bh * T + i + 1) * dh, scalar_t(0));
+        }
+        dbuf[bh * T + i] = dot(dO, orow.data(), dh);
+      }
+      dgate_part[task] = sig * (acc_t(1) - sig) * gate_acc;
+      if (nq == 0) continue;
+      // Self part: dq̃ over the key blocks.
+      load_tile(q_rot + (bh * T + i0) * dh, nq, dh, qbuf.data(), dp);
+      const acc_t* lse_bh = lse + bh * T;
+      const acc_t* D_bh = dbuf + bh * T;
+      const scalar_t* K_g = k_rot + (b * Hkv + g) * T * dh;
+      const scalar_t* V_g = v + (b * Hkv + g) * T * dh;
+      std::fill(dqacc.begin(), dqacc.begin() + nq * dp, acc_t(0));
+      const int64_t kv_end = i0 + nq;
+      for (int64_t j0 = 0; j0 < kv_end; j0 += kBlockK) {
+        const int64_t nk = std::min(kBlockK, kv_end - j0);
+        load_tile(K_g + j0 * dh, nk, dh, kbuf.data(), dp);
+        transpose(kbuf.data(), nk, dh, dp, ktbuf.data(), kBlockK);
+        load_tile_t(V_g + j0 * dh, nk, dh, vtbuf.data(), kBlockK, row.data());
+        acc_t* Sb = sbuf.data();
+        acc_t* dP = dpbuf.data();
+        gemm<acc_t>(nq, nk, dh, scale, qbuf.data(), dp, ktbuf.data(), kBlockK, Sb, kBlockK, false);
+        gemm<acc_t>(nq, nk, dh, acc_t(1), dobuf.data(), dp, vtbuf.data(), kBlockK, dP, kBlockK, false);
+        for (int64_t r = 0; r < nq; ++r) {
+          const int64_t i = i0 + r;
+          const int64_t ncol = std::clamp<int64_t>(i - j0 + 1, 0, nk);
+          acc_t* s = Sb + r * kBlockK;
+          const acc_t* dpr = dP + r * kBlockK;
+          exp_sub(s, lse_bh[i], s, ncol);
+          const acc_t Di = D_bh[i];
+          for (int64_t c = 0; c < ncol; ++c) s[c] = s[c] * (dpr[c] - Di);  // dS
+          for (int64_t c = ncol; c < nk; ++c) s[c] = 0;
+        }
+        gemm<acc_t>(nq, dh, nk, scale, Sb, kBlockK, kbuf.data(), dp, dqacc.data(), dp, true);
+      }
+      for (int64_t r = 0; r < nq; ++r) store_row(dqacc.data() + r * dp, dq_rot + (bh * T + i0 + r) * dh, dh);
+    }
+  });
+
+  // ---- Pass B: per (b, kv group, key block): dk̃, dv ----
+  const int64_t nkb = (T + kBlockK - 1) / kBlockK;
+  at::parallel_for(0, B * Hkv * nkb, 1, [&](int64_t begin, int64_t end) {
+    const int64_t dp = padded(dh);
+    std::vector<acc_t> ktbuf(dh * kBlockK), vtbuf(dh * kBlockK), qbuf(kBlockQ * dp), dobuf(kBlockQ * dp),
+        sbuf(kBlockQ * kBlockK), dpbuf(kBlockQ * kBlockK), ptbuf(kBlockK * kBlockQ), dstbuf(kBlockK * kBlockQ),
+        dkacc(kBlockK * dp), dvacc(kBlockK * dp), row(dh);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t kb = task % nkb, g = (task / nkb) % Hkv, b = task / (nkb * Hkv);
+      const int64_t len = row_length(lengths, b, T);
+      const int64_t j0 = kb * kBlockK, j1 = std::min(T, j0 + kBlockK);
+      const int64_t bg = b * Hkv + g;
+      const int64_t nk = std::max<int64_t>(0, std::min(j1, len) - j0);
+      for (int64_t j = j0 + nk; j < j1; ++j) {
+        std::fill(dk_rot + (bg * T + j) * dh, dk_rot + (bg * T + j + 1) * dh, scalar_t(0));
+        std::fill(dv + (bg * T + j) * dh, dv + (bg * T + j + 1) * dh, scalar_t(0));
+      }
+      if (nk == 0) continue;
+      load_tile_t(k_rot + (bg * T + j0) * dh, nk, dh, ktbuf.data(), kBlockK, row.data());
+      load_tile_t(v + (bg * T + j0) * dh, nk, dh, vtbuf.data(), kBlockK, row.data());
+      std::fill(dkacc.begin(), dkacc.begin() + nk * dp, acc_t(0));
+      std::fill(dvacc.begin(), dvacc.begin() + nk * dp, acc_t(0));
+      for (int64_t hi = 0; hi < group; ++hi) {
+        const int64_t h = g + hi * Hkv;
+        const int64_t bh = b * H + h;
+        const acc_t* lse_bh = lse + bh * T;
+        const acc_t* D_bh = dbuf + bh * T;
+        for (int64_t i0 = j0; i0 < len; i0 += kBlockQ) {  // queries i ≥ j0 see these keys
+          const int64_t nq = std::min(kBlockQ, len - i0);
+          load_tile(q_rot + (bh * T + i0) * dh, nq, dh, qbuf.data(), dp);
+          load_tile(grad_out + (bh * T + i0) * dh, nq, dh, dobuf.data(), dp);
+          acc_t* Sb = sbuf.data();
+          acc_t* dP = dpbuf.data();
+          gemm<acc_t>(nq, nk, dh, scale, qbuf.data(), dp, ktbuf.data(), kBlockK, Sb, kBlockK, false);
+          gemm<acc_t>(nq, nk, dh, acc_t(1), dobuf.data(), dp, vtbuf.data(), kBlockK, dP, kBlockK, false);
+          for (int64_t r = 0; r < nq; ++r) {
+            const int64_t i = i0 + r;
+            const int64_t ncol = std::clamp<int64_t>(i - j0 + 1, 0, nk);
+            acc_t* s = Sb + r * kBlockK;
+            acc_t* dpr = dP + r * kBlockK;
+            exp_sub(s, lse_bh[i], s, ncol);  // P
+            for (int64_t c = ncol; c < nk; ++c) s[c] = 0;
+            const acc_t Di = D_bh[i];
+            for (int64_t c = 0; c < nk; ++c) dpr[c] = s[c] * (dpr[c] - Di);  // dS
+          }
+          transpose(Sb, nq, nk, kBlockK, ptbuf.data(), kBlockQ);
+          transpose(dP, nq, nk, kBlockK, dstbuf.data(), kBlockQ);
+          gemm<acc_t>(nk, dh, nq, acc_t(1), ptbuf.data(), kBlockQ, dobuf.data(), dp, dvacc.data(), dp, true);
+          gemm<acc_t>(nk, dh, nq, scale, dstbuf.data(), kBlockQ, qbuf.data(), dp, dkacc.data(), dp, true);
+        }
+      }
+      for (int64_t r = 0; r < nk; ++r) {
+        store_row(dkacc.data() + r * dp, dk_rot + (bg * T + j0 + r) * dh, dh);
+        store_row(dvacc.data() + r * dp, dv + (bg * T + j0 + r) * dh, dh);
+      }
+    }
+  });
+}
+
+// ---------------------------------------------------------------------------------
+// Entry points
+// ---------------------------------------------------------------------------------
+Dims check_inputs(const at::Tensor& q_rot, const at::Tensor& k_rot, const at::Tensor& v, const at::Tensor& q,
+                  const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& gate,
+                  const std::optional<at::Tensor>& lengths) {
+  WIOLA_CHECK_ARG(q_rot.dim() == 4 && q_rot.is_contiguous(), "q_rot must be a contiguous (B, H, T, d_h) tensor, got ",
+                  q_rot.sizes());
+  const int64_t B = q_rot.size(0), H = q_rot.size(1), T = q_rot.size(2), dh = q_rot.size(3);
+  WIOLA_CHECK_ARG(k_rot.dim() == 4 && k_rot.is_contiguous() && k_rot.size(0) == B && k_rot.size(2) == T &&
+                      k_rot.size(3) == dh,
+                  "k_rot must be a contiguous (B, H_kv, T, d_h) tensor, got ", k_rot.sizes());
+  const int64_t Hkv = k_rot.size(1);
+  WIOLA_CHECK_ARG(Hkv > 0 && H % Hkv == 0, "H = ", H, " must be a multiple of H_kv = ", Hkv);
+  WIOLA_CHECK_ARG(v.sizes() == k_rot.sizes() && v.is_contiguous(), "v must be a contiguous (B, H_kv, T, d_h) tensor");
+  WIOLA_CHECK_ARG(q.sizes() == q_rot.sizes() && q.is_contiguous(), "q must be a contiguous (B, H, T, d_h) tensor");
+  WIOLA_CHECK_ARG(kc.dim() == 5 && kc.is_contiguous() && kc.size(0) == B && kc.size(1) == H &&
+                      (kc.size(2) == 1 || kc.size(2) == T) && kc.size(4) == dh,
+                  "kc must be a contiguous (B, H, S, L, d_h) tensor with S in {1, T}, got ", kc.sizes());
+  WIOLA_CHECK_ARG(vc.sizes() == kc.sizes() && vc.is_contiguous(), "vc must be a contiguous tensor shaped like kc");
+  WIOLA_CHECK_ARG(gate.dim() == 1 && gate.size(0) == H, "gate must have shape (H,)");
+  for (const at::Tensor* t : {&k_rot, &v, &q, &kc, &vc}) {
+    WIOLA_CHECK_ARG(t->scalar_type() == q_rot.scalar_type(), "q_rot, k_rot, v, q, kc, vc must share one dtype");
+  }
+  if (lengths.has_value()) {
+    WIOLA_CHECK_ARG(lengths->dim() == 1 && lengths->size(0) == B && lengths->scalar_type() == at::kLong &&
+                        lengths->is_contiguous(),
+                    "lengths must be a contiguous (B,) int64 tensor");
+  }
+  return Dims{B, H, Hkv, T, dh, kc.size(2), kc.size(3), 1.0 / std::sqrt(static_cast<double>(dh))};
+}
+
+at::ScalarType acc_scalar_type(const at::Tensor& x) {
+  return x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+}
+
+std::tuple<at::Tensor, at::Tensor> gcla_attention_fwd(const at::Tensor& q_rot, const at::Tensor& k_rot,
+                                                      const at::Tensor& v, const at::Tensor& q, const at::Tensor& kc,
+                                                      const at::Tensor& vc, const at::Tensor& gate,
+                                                      const std::optional<at::Tensor>& lengths) {
+  const Dims d = check_inputs(q_rot, k_rot, v, q, kc, vc, gate, lengths);
+  const auto acc = acc_scalar_type(q_rot);
+  const at::Tensor gate_acc = gate.to(acc).contiguous();
+  at::Tensor out = empty_output(q_rot.sizes(), q_rot.options());
+  at::Tensor lse = empty_output({d.B, d.H, d.T}, q_rot.options().dtype(acc));
+  const int64_t* len_ptr = lengths.has_value() ? lengths->const_data_ptr<int64_t>() : nullptr;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q_rot.scalar_type(), "wiola_gcla_attention_fwd", [&] {
+    using acc_t = acc_type<scalar_t>;
+    forward_impl<scalar_t>(d, q_rot.const_data_ptr<scalar_t>(), k_rot.const_data_ptr<scalar_t>(),
+                           v.const_data_ptr<scalar_t>(), q.const_data_ptr<scalar_t>(), kc.const_data_ptr<scalar_t>(),
+                           vc.const_data_ptr<scalar_t>(), gate_acc.const_data_ptr<acc_t>(), len_ptr,
+                           out.mutable_data_ptr<scalar_t>(), lse.mutable_data_ptr<acc_t>());
+  });
+  return {out, lse};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> gcla_attention_bwd(
+    const at::Tensor& grad_out, const at::Tensor& q_rot, const at::Tensor& k_rot, const at::Tensor& v,
+    const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& gate,
+    const std::optional<at::Tensor>& lengths, const at::Tensor& out, const at::Tensor& lse) {
+  const Dims d = check_inputs(q_rot, k_rot, v, q, kc, vc, gate, lengths);
+  const auto acc = acc_scalar_type(q_rot);
+  WIOLA_CHECK_ARG(grad_out.sizes() == q_rot.sizes() && grad_out.is_contiguous() &&
+                      grad_out.scalar_type() == q_rot.scalar_type(),
+                  "grad_out must be contiguous with the shape and dtype of q_rot");
+  WIOLA_CHECK_ARG(out.sizes() == q_rot.sizes() && out.is_contiguous() && out.scalar_type() == q_rot.scalar_type(),
+                  "out must be contiguous with the shape and dtype of q_rot");
+  WIOLA_CHECK_ARG(lse.dim() == 3 && lse.size(0) == d.B && lse.size(1) == d.H && lse.size(2) == d.T &&
+                      lse.is_contiguous() && lse.scalar_type() == acc,
+                  "lse must be a contiguous (B, H, T) tensor of the accumulation dtype");
+  const at::Tensor gate_acc = gate.to(acc).contiguous();
+  at::Tensor dq_rot = empty_output(q_rot.sizes(), q_rot.options());
+  at::Tensor dk_rot = empty_output(k_rot.sizes(), k_rot.options());
+  at::Tensor dv = empty_output(v.sizes(), v.options());
+  at::Tensor dq = empty_output(q.sizes(), q.options());
+  const int64_t nqb = (d.T + kBlockQ - 1) / kBlockQ;
+  const int64_t ntasks = d.B * d.H * nqb;
+  const at::TensorOptions acc_opts = q_rot.options().dtype(acc);
+  at::Tensor dbuf = at::empty({d.B, d.H, d.T}, acc_opts);
+  at::Tensor dgate_part = at::zeros({d.B, d.H, nqb}, acc_opts);
+  const bool shared = d.S == 1;
+  at::Tensor dkc_part = at::empty({shared ? ntasks : 0, d.L, d.dh}, acc_opts);
+  at::Tensor dvc_part = at::empty({shared ? ntasks : 0, d.L, d.dh}, acc_opts);
+  at::Tensor dkc = shared ? at::Tensor() : empty_output(kc.sizes(), kc.options());
+  at::Tensor dvc = shared ? at::Tensor() : empty_output(vc.sizes(), vc.options());
+  const int64_t* len_ptr = lengths.has_value() ? lengths->const_data_ptr<int64_t>() : nullptr;
+  if (d.B * d.H * d.T * d.dh > 0) {
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q_rot.scalar_type(), "wiola_gcla_attention_bwd", [&] {
+      using acc_t = acc_type<scalar_t>;
+      backward_impl<scalar_t>(
+          d, grad_out.const_data_ptr<scalar_t>(), q_rot.const_data_ptr<scalar_t>(), k_rot.const_data_ptr<scalar_t>(),
+          v.const_data_ptr<scalar_t>(), q.const_data_ptr<scalar_t>(), kc.const_data_ptr<scalar_t>(),
+          vc.const_data_ptr<scalar_t>(), gate_acc.const_data_ptr<acc_t>(), len_ptr, out.const_data_ptr<scalar_t>(),
+          lse.const_data_ptr<acc_t>(), dq_rot.mutable_data_ptr<scalar_t>(), dk_rot.mutable_data_ptr<scalar_t>(),
+          dv.mutable_data_ptr<scalar_t>(), dq.mutable_data_ptr<scalar_t>(),
+          shared ? nullptr : dkc.mutable_data_ptr<scalar_t>(), shared ? nullptr : dvc.mutable_data_ptr<scalar_t>(),
+          dbuf.mutable_data_ptr<acc_t>(), shared ? dkc_part.mutable_data_ptr<acc_t>() : nullptr,
+          shared ? dvc_part.mutable_data_ptr<acc_t>() : nullptr, dgate_part.mutable_data_ptr<acc_t>());
+    });
+  } else {
+    dq_rot.zero_();
+    dk_rot.zero_();
+    dv.zero_();
+    dq.zero_();
+    dkc_part.zero_();
+    dvc_part.zero_();
+  }
+  if (shared) {
+    // (B, H, nqb, L, dh) partials summed over the query blocks: a fixed-shape reduction.
+    const int64_t nb = d.B * d.H * d.T > 0 ? nqb : 0;
+    if (nb > 0) {
+      dkc = dkc_part.view({d.B, d.H, nb, d.L, d.dh}).sum(2, /*keepdim=*/true).to(kc.scalar_type());
+      dvc = dvc_part.view({d.B, d.H, nb, d.L, d.dh}).sum(2, /*keepdim=*/true).to(vc.scalar_type());
+    } else {
+      dkc = at::zeros(kc.sizes(), kc.options());
+      dvc = at::zeros(vc.sizes(), vc.options());
+    }
+  }
+  at::Tensor dgate = dgate_part.sum({0, 2}).to(gate.scalar_type());
+  return {dq_rot, dk_rot, dv, dq, dkc, dvc, dgate};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(wiola, CPU, m) {
+  m.impl("_gcla_attention_fwd", &gcla_attention_fwd);
+  m.impl("_gcla_attention_bwd", &gcla_attention_bwd);
+}
+
+}  // namespace wiola::cpu

@@ -1,0 +1,375 @@
+"""GCLA summary-augmented attention (SPEC §5.5): every CPU-runnable backend against the
+float64 reference and an independent naive float64 implementation."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import wiola_kernels
+from wiola_kernels.ops.gcla_attention import gcla_attention_backward_op, gcla_attention_op
+from wiola_kernels.reference.gcla_attention import (gcla_attention_backward, gcla_attention_forward,
+                                                    gcla_context_kv, gcla_summary)
+from wiola_kernels.testing import available_backends, rel_err, tolerance
+
+BACKENDS = [b for b in available_backends("gcla_attention", "cpu") if b in ("cpu", "reference")]
+NAMES = ("q_rot", "k_rot", "v", "q", "kc", "vc", "gate")
+
+
+def make_inputs(B, H, H_kv, T, dh, S, L, dtype=torch.float32, lengths=None, requires_grad=False, seed=0):
+    g = torch.Generator().manual_seed(seed)
+
+    def r(*shape):
+        return torch.randn(*shape, generator=g, dtype=torch.float64).to(dtype).requires_grad_(requires_grad)
+
+    ins = [r(B, H, T, dh), r(B, H_kv, T, dh), r(B, H_kv, T, dh), r(B, H, T, dh), r(B, H, S, L, dh),
+           r(B, H, S, L, dh), r(H)]
+    lens = None if lengths is None else torch.tensor(lengths, dtype=torch.int64)
+    return ins, lens
+
+
+def naive(q_rot, k_rot, v, q, kc, vc, gate, lengths=None):
+    """Position by position, in float64: softmax over keys u ≤ t (u < len), plus the slots."""
+    q_rot, k_rot, v, q, kc, vc, gate = (t.detach().double() for t in (q_rot, k_rot, v, q, kc, vc, gate))
+    B, H, T, dh = q_rot.shape
+    H_kv = k_rot.shape[1]
+    groups = [h % H_kv for h in range(H)]
+    k_h, v_h = k_rot[:, groups], v[:, groups]
+    lens = [T] * B if lengths is None else [int(x) for x in lengths]
+    out = torch.zeros(B, H, T, dh, dtype=torch.float64)
+    for b in range(B):
+        for t in range(lens[b]):
+            w = torch.einsum("hd,hud->hu", q_rot[b, :, t], k_h[b, :, : t + 1]) / math.sqrt(dh)
+            o = torch.einsum("hu,hud->hd", torch.softmax(w, -1), v_h[b, :, : t + 1])
+            if kc.shape[3] > 0:
+                s = 0 if kc.shape[2] == 1 else t
+                z = torch.einsum("hd,hld->hl", q[b, :, t], kc[b, :, s]) / math.sqrt(dh)
+                o = o + torch.sigmoid(gate)[:, None] * torch.einsum("hl,hld->hd", torch.softmax(z, -1), vc[b, :, s])
+            out[b, :, t] = o
+    return out
+
+
+def run(backend, ins, lengths):
+    with wiola_kernels.use_backend(backend):
+        return wiola_kernels.gcla_attention(*ins, lengths=lengths)
+
+
+def run_grad(backend, ins, lengths, grad):
+    """Forward and backward, both on ``backend`` (the backward runs inside the override too)."""
+    with wiola_kernels.use_backend(backend):
+        out = wiola_kernels.gcla_attention(*ins, lengths=lengths)
+        return out, torch.autograd.grad(out, ins, grad(out) if callable(grad) else grad)
+
+
+def close(out, ref, tol, what, floor=0.25):
+    """Relative error, with the reference norm floored at ``floor`` per element (inputs are
+    unit-scale): some gradients are exactly zero in exact arithmetic (T = 1: dq̃, dk̃), where
+    kernels see the rounding noise of the FlashAttention identity D = dO·O (O rounded to
+    the input dtype)."""
+    assert out.shape == ref.shape, f"{what}: shape {tuple(out.shape)} != {tuple(ref.shape)}"
+    o, r = out.detach().double(), ref.detach().double()
+    assert torch.isfinite(o).all(), f"{what}: non-finite values"
+    den = max(float(r.norm()), floor * math.sqrt(max(r.numel(), 1)))
+    err = float((o - r).norm()) / den
+    assert err <= tol, f"{what}: relative error {err:.3e} > {tol:.1e}"
+
+
+# (T, mode, lengths-or-None, Λ', H, H_kv); lengths chosen off any block boundary.
+def _cases():
+    cases = []
+    for T in (1, 7, 64, 257):
+        for mode in ("paper", "causal"):
+            for with_len in (False, True):
+                for L, (H, H_kv) in ((0, (4, 4)), (1, (4, 1)), (2, (4, 4)), (2, (4, 1))):
+                    lens = None
+                    if with_len:
+                        lens = [T, 0] if T == 1 else [T - 3 if T > 3 else T, max(1, T // 3 + 1)]
+                    cases.append((T, mode, lens, L, H, H_kv))
+    return cases
+
+
+CASES = _cases()
+
+
+def _ids(c):
+    T, mode, lens, L, H, H_kv = c
+    return f"T{T}-{mode}-{'len' if lens else 'full'}-L{L}-H{H}kv{H_kv}"
+
+
+NAIVE_CASES = [c for c in CASES[::3] if c[0] < 257] + [(257, "causal", [250, 100], 2, 4, 1)]
+
+
+@pytest.mark.parametrize("case", NAIVE_CASES, ids=_ids)
+def test_reference_matches_naive(case):
+    T, mode, lens, L, H, H_kv = case
+    S = 1 if mode == "paper" else T
+    ins, lt = make_inputs(2, H, H_kv, T, 8, S, L, torch.float64, lens)
+    ref = gcla_attention_forward(*ins, lt)[0]
+    close(ref, naive(*ins, lt), 1e-12, "reference vs naive")
+
+
+@pytest.mark.parametrize("case", CASES, ids=_ids)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_fp32_forward_and_grads(backend, case):
+    T, mode, lens, L, H, H_kv = case
+    if backend == "reference" and CASES.index(case) % 2:
+        pytest.skip("the reference backend runs every other case (it is the oracle's code)")
+    S = 1 if mode == "paper" else T
+    dh = 16 if T < 257 else 8
+    ins, lt = make_inputs(2, H, H_kv, T, dh, S, L, torch.float32, lens, requires_grad=True)
+    grad = torch.randn(2, H, T, dh)
+    out, grads = run_grad(backend, ins, lt, grad)
+    assert out.dtype == torch.float32 and out.shape == (2, H, T, dh)
+    ins64 = [x.detach().double().requires_grad_() for x in ins]
+    ref = gcla_attention_forward(*ins64, lt)[0]
+    tol = tolerance(torch.float32, "attention")
+    close(out, ref, tol, "out")
+    ref_grads = torch.autograd.grad(ref, ins64, grad.double())
+    for name, g, rg in zip(NAMES, grads, ref_grads):
+        assert g.dtype == torch.float32
+        close(g, rg, tol, f"grad {name}")
+    if lt is not None:
+        for b, n in enumerate(lens):
+            assert (out[b, :, n:] == 0).all(), "outputs past the length must be exactly zero"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", CASES[1::4], ids=_ids)
+def test_bf16_forward_and_grads(backend, case):
+    T, mode, lens, L, H, H_kv = case
+    S = 1 if mode == "paper" else T
+    ins, lt = make_inputs(2, H, H_kv, T, 16, S, L, torch.bfloat16, lens, requires_grad=True)
+    ins[-1] = ins[-1].detach().float().requires_grad_()  # gate: a float32 parameter beside bf16 activations
+    grad = torch.randn(2, H, T, 16, dtype=torch.float64)
+    out, grads = run_grad(backend, ins, lt, grad.to(torch.bfloat16))
+    assert out.dtype == torch.bfloat16
+    ins64 = [x.detach().double().requires_grad_() for x in ins]
+    ref = gcla_attention_forward(*ins64, lt)[0]
+    tol = tolerance(torch.bfloat16, "attention")
+    close(out, ref, tol, "out")
+    ref_grads = torch.autograd.grad(ref, ins64, grad)
+    for name, g, x, rg in zip(NAMES, grads, ins, ref_grads):
+        assert g.dtype == x.dtype
+        # floor 1: at T = 1, dq̃ and dk̃ are exactly 0 and bf16 O leaves ~1e-2 noise in D
+        close(g, rg, tol, f"grad {name}", floor=1.0)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("mode", ["paper", "causal"])
+def test_head_dim_64(backend, mode):
+    T = 40
+    ins, lt = make_inputs(1, 4, 2, T, 64, 1 if mode == "paper" else T, 2, torch.float32, [37], requires_grad=True)
+    out, grads = run_grad(backend, ins, lt, torch.ones(1, 4, T, 64))
+    close(out, naive(*ins, lt), tolerance(torch.float32, "attention"), "out")
+    ins64 = [x.detach().double().requires_grad_() for x in ins]
+    ref = gcla_attention_forward(*ins64, lt)[0]
+    ref_grads = torch.autograd.grad(ref.sum(), ins64)
+    for name, g, rg in zip(NAMES, grads, ref_grads):
+        close(g, rg, tolerance(torch.float32, "attention"), f"grad {name}")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("T, mode, lens, L, H_kv", [
+    (5, "paper", None, 2, 1), (6, "causal", [6, 3], 2, 2), (3, "causal", [0, 2], 1, 1), (4, "paper", [4, 1], 0, 2),
+])
+def test_gradcheck_float64(backend, T, mode, lens, L, H_kv):
+    S = 1 if mode == "paper" else T
+    ins, lt = make_inputs(2, 2, H_kv, T, 4, S, L, torch.float64, lens, requires_grad=True)
+    with wiola_kernels.use_backend(backend):
+        assert torch.autograd.gradcheck(lambda *a: wiola_kernels.gcla_attention(*a, lengths=lt), ins,
+                                        fast_mode=True)
+
+
+@pytest.mark.parametrize("mode", ["paper", "causal"])
+@pytest.mark.parametrize("lens", [None, [9, 4]])
+def test_reference_backward_matches_autograd(mode, lens):
+    T = 9
+    ins, lt = make_inputs(2, 4, 2, T, 8, 1 if mode == "paper" else T, 2, torch.float64, lens, requires_grad=True)
+    out, lse = gcla_attention_forward(*ins, lt)
+    grad = torch.randn_like(out)
+    auto = torch.autograd.grad(out, ins, grad)
+    explicit = gcla_attention_backward(grad, *[x.detach() for x in ins], lt, out.detach(), lse.detach())
+    for name, a, e in zip(NAMES, auto, explicit):
+        assert e.shape == a.shape and e.dtype == a.dtype, name
+        torch.testing.assert_close(e, a, rtol=1e-10, atol=1e-12, msg=name)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_lse_matches_reference(backend):
+    ins, lt = make_inputs(2, 4, 1, 37, 8, 37, 2, torch.float32, [37, 20])
+    with wiola_kernels.use_backend(backend):
+        _, lse = gcla_attention_op(*ins, lt)
+    _, ref = gcla_attention_forward(*[x.double() for x in ins], lt)
+    assert lse.dtype == torch.float32
+    assert rel_err(lse, ref) < 1e-6
+    assert (lse[1, :, 20:] == 0).all()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("mode", ["paper", "causal"])
+def test_causality(backend, mode):
+    """Perturbing k/v (and causal summaries) at positions > t never changes outputs ≤ t."""
+    T = 70
+    S = 1 if mode == "paper" else T
+    ins, _ = make_inputs(1, 4, 2, T, 8, S, 2, torch.float64)
+    base = run(backend, ins, None)
+    for t in (0, 1, 31, 32, 63, 64, 68):
+        pert = [x.clone() for x in ins]
+        pert[1][:, :, t + 1:] += 3.0  # k_rot
+        pert[2][:, :, t + 1:] -= 2.0  # v
+        if S == T:
+            pert[4][:, :, t + 1:] += 1.0
+            pert[5][:, :, t + 1:] += 1.0
+        out = run(backend, pert, None)
+        assert torch.equal(out[:, :, : t + 1], base[:, :, : t + 1]), f"position <= {t} saw the future"
+        assert not torch.equal(out[:, :, t + 1:], base[:, :, t + 1:])
+    # and the diagonal itself is attended: changing key t changes output t
+    pert = [x.clone() for x in ins]
+    pert[2][:, :, 5] += 1.0
+    assert not torch.equal(run(backend, pert, None)[:, :, 5], base[:, :, 5])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_lengths_padding(backend):
+    """Outputs at t ≥ len_b are exactly zero, keys there do not matter, gradients there are zero."""
+    T, lens = 50, [50, 17]
+    ins, lt = make_inputs(2, 4, 2, T, 8, T, 2, torch.float32, lens, requires_grad=True)
+    out, grads = run_grad(backend, ins, lt, torch.randn_like)
+    assert (out[1, :, 17:] == 0).all()
+    pert = [x.detach().clone() for x in ins]
+    junk = float("nan") if backend != "reference" else 1e3  # the oracle multiplies masked keys by 0
+    for i in range(6):
+        pert[i][1, :, 17:] = junk if i in (1, 2) else 1e3  # padding content is never read
+    out2 = run(backend, pert, lt)
+    if backend == "reference":
+        torch.testing.assert_close(out2, out.detach(), rtol=0, atol=1e-6)
+    else:
+        assert torch.equal(out2, out.detach())
+    for name, g in zip(NAMES[:6], grads[:6]):
+        assert (g[1, :, 17:] == 0).all(), f"grad {name} past the length"
+    # a row of length T equals the unpadded op
+    full = run(backend, [x.detach() for x in ins], None)
+    assert torch.equal(full[0], out.detach()[0]) or rel_err(full[0], out[0]) < 1e-6
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_gate(backend):
+    """σ(g) blends the cross part: g → −∞ is plain attention; the gate gradient is Σ σ'(g) dO·O^cross."""
+    ins, _ = make_inputs(2, 4, 1, 20, 8, 1, 2, torch.float64, requires_grad=True)
+    plain = run(backend, [*ins[:4], ins[4][:, :, :, :0], ins[5][:, :, :, :0], ins[6]], None)
+    off = run(backend, [*ins[:6], torch.full((4,), -1e4, dtype=torch.float64)], None)
+    torch.testing.assert_close(off, plain, rtol=0, atol=1e-12)
+    with wiola_kernels.use_backend(backend):
+        out = wiola_kernels.gcla_attention(*ins)
+        (dg,) = torch.autograd.grad(out.sum(), [ins[6]])
+    sig = torch.sigmoid(ins[6].detach())
+    o_cross = (out.detach() - plain.detach()) / sig[None, :, None, None]
+    torch.testing.assert_close(dg, sig * (1 - sig) * o_cross.sum((0, 2, 3)), rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_noncontiguous_and_deterministic(backend):
+    ins, lt = make_inputs(2, 4, 2, 40, 8, 1, 2, torch.float32, [40, 29])
+    nc = [x.transpose(-1, -2).contiguous().transpose(-1, -2).requires_grad_() for x in ins[:6]]
+    nc.append(ins[6].clone().requires_grad_())
+    assert not nc[0].is_contiguous()
+    g = torch.randn(2, 4, 40, 8)
+    out, g1 = run_grad(backend, nc, lt, g)
+    close(out, gcla_attention_forward(*[x.detach().double() for x in ins], lt)[0], 1e-4, "out")
+    _, g2 = run_grad(backend, nc, lt, g)
+    for name, a, b in zip(NAMES, g1, g2):
+        assert torch.equal(a, b), f"grad {name} not bitwise reproducible"
+
+
+def test_opcheck():
+    for lens in (None, torch.tensor([7, 3])):
+        ins, _ = make_inputs(2, 4, 2, 7, 4, 7, 2, torch.float32, requires_grad=True)
+        torch.library.opcheck(gcla_attention_op, (*ins, lens))
+        out, lse = gcla_attention_op(*[x.detach() for x in ins], lens)
+        torch.library.opcheck(gcla_attention_backward_op,
+                              (torch.randn_like(out), *[x.detach() for x in ins], lens, out, lse))
+
+
+def test_torch_compile_fullgraph():
+    ins, lt = make_inputs(2, 4, 2, 9, 8, 1, 2, torch.float32, [9, 5], requires_grad=True)
+
+    def f(*args):
+        return wiola_kernels.gcla_attention(*args, lengths=lt).square().sum()
+
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    loss = compiled(*ins)
+    grads = torch.autograd.grad(loss, ins)
+    ref_loss = f(*ins)
+    ref_grads = torch.autograd.grad(ref_loss, ins)
+    torch.testing.assert_close(loss, ref_loss)
+    for a, b in zip(grads, ref_grads):
+        torch.testing.assert_close(a, b)
+
+
+def test_summaries_and_context():
+    x = torch.randn(2, 6, 8, dtype=torch.float64)
+    paper = gcla_summary(x, "paper")
+    causal = gcla_summary(x, "causal")
+    assert paper.shape == (2, 1, 8) and causal.shape == (2, 6, 8)
+    torch.testing.assert_close(causal[:, -1:], paper)
+    torch.testing.assert_close(causal[:, 2], x[:, :3].mean(1))
+    torch.testing.assert_close(gcla_summary(x, "paper", torch.tensor([6, 2]))[1, 0], x[1, :2].mean(0))
+    summ = torch.stack([causal, 2 * causal], dim=2)  # (B, S, Λ', d)
+    w_kc, w_vc = torch.randn(8, 4 * 2, dtype=torch.float64), torch.randn(8, 4 * 2, dtype=torch.float64)
+    kc, vc = gcla_context_kv(summ, w_kc, w_vc, num_heads=4)
+    assert kc.shape == vc.shape == (2, 4, 6, 2, 2)
+    torch.testing.assert_close(kc[1, 3, 4, 1], (2 * causal[1, 4] @ w_kc)[6:8])
+    assert gcla_context_kv(summ[:, :, :0], w_kc, w_vc, 4)[0].shape == (2, 4, 6, 0, 2)
+    with pytest.raises(ValueError, match="mode"):
+        gcla_summary(x, "bogus")
+
+
+def _good():
+    ins, _ = make_inputs(2, 4, 2, 5, 8, 5, 2)
+    return ins
+
+
+@pytest.mark.parametrize("mutate, exc, match", [
+    (lambda a: a.__setitem__(1, torch.randn(2, 3, 5, 8)), ValueError, "multiple of"),
+    (lambda a: a.__setitem__(1, torch.randn(2, 2, 4, 8)), ValueError, "k_rot"),
+    (lambda a: a.__setitem__(2, torch.randn(2, 2, 5, 6)), ValueError, "v must have shape"),
+    (lambda a: a.__setitem__(3, torch.randn(2, 4, 5, 6)), ValueError, "q must have shape"),
+    (lambda a: [a.__setitem__(i, torch.randn(*a[i].shape[:3], 7)) for i in (0, 1, 2, 3)], ValueError, "even"),
+    (lambda a: a.__setitem__(4, torch.randn(2, 4, 3, 2, 8)), ValueError, "S in"),
+    (lambda a: a.__setitem__(5, torch.randn(2, 4, 5, 1, 8)), ValueError, "vc must have the shape of kc"),
+    (lambda a: a.__setitem__(4, torch.randn(2, 4, 5, 8)), ValueError, "kc must have shape"),
+    (lambda a: a.__setitem__(6, torch.randn(3)), ValueError, "gate"),
+    (lambda a: a.__setitem__(0, torch.randn(2, 4, 5)), ValueError, "q_rot"),
+    (lambda a: a.__setitem__(2, a[2].double()), TypeError, "v must have dtype"),
+    (lambda a: a.__setitem__(0, a[0].int()), TypeError, "q_rot must have dtype"),
+    (lambda a: a.__setitem__(6, [0.0] * 4), TypeError, "gate must be a torch.Tensor"),
+])
+def test_bad_inputs(mutate, exc, match):
+    args = _good()
+    mutate(args)
+    with pytest.raises(exc, match=match):
+        wiola_kernels.gcla_attention(*args)
+
+
+@pytest.mark.parametrize("lengths, exc, match", [
+    (torch.tensor([5, 6]), ValueError, r"\[0, T\]"),
+    (torch.tensor([-1, 2]), ValueError, r"\[0, T\]"),
+    (torch.tensor([5.0, 2.0]), TypeError, "lengths must have dtype"),
+    (torch.tensor([5, 2, 1]), ValueError, r"lengths must have shape \(B,\)"),
+])
+def test_bad_lengths(lengths, exc, match):
+    with pytest.raises(exc, match=match):
+        wiola_kernels.gcla_attention(*_good(), lengths=lengths)
+
+
+def test_int32_lengths_and_plain_attention():
+    ins, _ = make_inputs(1, 4, 4, 12, 8, 1, 0, torch.float64)
+    out = wiola_kernels.gcla_attention(*ins, lengths=torch.tensor([9], dtype=torch.int32))
+    q_rot, k_rot, v = ins[:3]
+    ref = torch.nn.functional.scaled_dot_product_attention(q_rot[:, :, :9], k_rot[:, :, :9], v[:, :, :9],
+                                                           is_causal=True)
+    torch.testing.assert_close(out[:, :, :9], ref)
+    assert (out[:, :, 9:] == 0).all()
+

@@ -1,0 +1,161 @@
+"""GCLA summary-augmented attention as a registered op (SPEC §5.5):
+``torch.ops.wiola.gcla_attention`` (+ ``gcla_attention_backward``).
+
+``O = softmax_causal(q̃ k̃ᵀ/√d_h) v + σ(g) · softmax_λ(q kcᵀ/√d_h) vc`` per head, with kv
+group ``h mod H_kv``; see :mod:`wiola_kernels.reference.gcla_attention` for the maths.
+
+Each backend provides, on contiguous tensors (``lengths`` int64 or ``None``):
+
+* ``forward(q_rot, k_rot, v, q, kc, vc, gate, lengths) -> (out, lse)``
+* ``backward(grad_out, q_rot, k_rot, v, q, kc, vc, gate, lengths, out, lse)
+  -> (d q_rot, d k_rot, d v, d q, d kc, d vc, d gate)``
+
+``lse (B, H, T)`` is the self-attention log-sum-exp in float32 (float64 for float64
+inputs), 0 on rows past the length.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from .. import dispatch
+from ..reference.gcla_attention import gcla_attention_backward, gcla_attention_forward
+from ..reference.rms_norm import compute_dtype
+from ..validation import check_rank, check_same_device, check_same_dtype, check_shape, check_tensor
+
+OP = "gcla_attention"
+
+
+def _kernel_forward(q_rot, k_rot, v, q, kc, vc, gate, lengths):
+    return torch.ops.wiola._gcla_attention_fwd(q_rot, k_rot, v, q, kc, vc, gate, lengths)
+
+
+def _kernel_backward(grad_out, q_rot, k_rot, v, q, kc, vc, gate, lengths, out, lse):
+    return torch.ops.wiola._gcla_attention_bwd(grad_out, q_rot, k_rot, v, q, kc, vc, gate, lengths, out, lse)
+
+
+# The C++ CPU kernel and the CUDA kernel share one schema; the dispatcher picks by device.
+_KERNEL = SimpleNamespace(forward=_kernel_forward, backward=_kernel_backward)
+dispatch.register(OP, "reference", SimpleNamespace(forward=gcla_attention_forward, backward=gcla_attention_backward))
+dispatch.register(OP, "cpu", _KERNEL)
+dispatch.register(OP, "cuda", _KERNEL)
+
+
+def _contig(t: Optional[Tensor]) -> Optional[Tensor]:
+    return None if t is None else t.contiguous()
+
+
+@torch.library.custom_op("wiola::gcla_attention", mutates_args=())
+def gcla_attention_op(q_rot: Tensor, k_rot: Tensor, v: Tensor, q: Tensor, kc: Tensor, vc: Tensor, gate: Tensor,
+                      lengths: Optional[Tensor]) -> tuple[Tensor, Tensor]:
+    """Forward: returns ``(out (B, H, T, d_h), lse (B, H, T))``."""
+    impl = dispatch.implementation(OP, q_rot.device)
+    return impl.forward(q_rot.contiguous(), k_rot.contiguous(), v.contiguous(), q.contiguous(), kc.contiguous(),
+                        vc.contiguous(), gate.contiguous(), _contig(lengths))
+
+
+@gcla_attention_op.register_fake
+def _(q_rot, k_rot, v, q, kc, vc, gate, lengths):
+    B, H, T, _ = q_rot.shape
+    return (torch.empty_like(q_rot, memory_format=torch.contiguous_format),
+            q_rot.new_empty((B, H, T), dtype=compute_dtype(q_rot.dtype)))
+
+
+@torch.library.custom_op("wiola::gcla_attention_backward", mutates_args=())
+def gcla_attention_backward_op(grad_out: Tensor, q_rot: Tensor, k_rot: Tensor, v: Tensor, q: Tensor, kc: Tensor,
+                               vc: Tensor, gate: Tensor, lengths: Optional[Tensor], out: Tensor, lse: Tensor
+                               ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Backward: ``(d q_rot, d k_rot, d v, d q, d kc, d vc, d gate)``."""
+    impl = dispatch.implementation(OP, q_rot.device)
+    return impl.backward(grad_out.contiguous(), q_rot.contiguous(), k_rot.contiguous(), v.contiguous(),
+                         q.contiguous(), kc.contiguous(), vc.contiguous(), gate.contiguous(), _contig(lengths),
+                         out.contiguous(), lse.contiguous())
+
+
+@gcla_attention_backward_op.register_fake
+def _(grad_out, q_rot, k_rot, v, q, kc, vc, gate, lengths, out, lse):
+    def like(t):
+        return torch.empty_like(t, memory_format=torch.contiguous_format)
+
+    return like(q_rot), like(k_rot), like(v), like(q), like(kc), like(vc), like(gate)
+
+
+def _setup_context(ctx, inputs, output):
+    ctx.save_for_backward(*inputs[:7], inputs[7], output[0], output[1])
+
+
+def _backward(ctx, grad_out, _grad_lse):
+    q_rot, k_rot, v, q, kc, vc, gate, lengths, out, lse = ctx.saved_tensors
+    grads = gcla_attention_backward_op(grad_out, q_rot, k_rot, v, q, kc, vc, gate, lengths, out, lse)
+    return (*grads, None)
+
+
+torch.library.register_autograd("wiola::gcla_attention", _backward, setup_context=_setup_context)
+
+
+_INT_DTYPES = (torch.int32, torch.int64)
+
+
+def gcla_attention(q_rot: Tensor, k_rot: Tensor, v: Tensor, q: Tensor, kc: Tensor, vc: Tensor, gate: Tensor,
+                   lengths: Optional[Tensor] = None) -> Tensor:
+    """GCLA summary-augmented attention (SPEC §5.5): ``O = O^self + σ(gate) · O^cross``.
+
+    Args:
+        q_rot: SRPE-rotated queries ``(B, H, T, d_h)``; float32, float64, bfloat16 or float16.
+        k_rot: SRPE-rotated keys ``(B, H_kv, T, d_h)``; head ``h`` reads group ``h mod H_kv``.
+        v: values ``(B, H_kv, T, d_h)``.
+        q: un-rotated queries ``(B, H, T, d_h)`` for the cross part.
+        kc, vc: context keys/values ``(B, H, S, Λ', d_h)``, ``S = 1`` (paper summaries,
+            shared by all positions) or ``S = T`` (causal summaries); ``Λ' = 0`` gives
+            plain causal attention. Same dtype as ``q_rot`` (all six tensors share one).
+        gate: ``(H,)`` gate logits ``g`` (any float dtype); the cross part is scaled by ``σ(g_h)``.
+        lengths: optional ``(B,)`` int32/int64 in ``[0, T]``: keys at ``t ≥ len_b`` are
+            masked, outputs there are exactly zero, and no work is done past ``len_b``.
+
+    Returns:
+        ``O (B, H, T, d_h)`` in the dtype of ``q_rot``; softmax statistics in float32
+        (float64 for float64 inputs). Causal, scale ``1/√d_h``. Differentiable in every
+        tensor argument except ``lengths``.
+    """
+    for name, t in (("q_rot", q_rot), ("k_rot", k_rot), ("v", v), ("q", q), ("kc", kc), ("vc", vc),
+                    ("gate", gate)):
+        check_tensor(name, t)
+    check_rank("q_rot", q_rot, 4, "(B, H, T, d_h)")
+    B, H, T, dh = q_rot.shape
+    check_rank("k_rot", k_rot, 4, "(B, H_kv, T, d_h)")
+    H_kv = k_rot.shape[1]
+    if k_rot.shape[0] != B or k_rot.shape[2] != T or k_rot.shape[3] != dh:
+        raise ValueError(f"k_rot must have shape (B, H_kv, T, d_h) = ({B}, H_kv, {T}, {dh}), got {tuple(k_rot.shape)}")
+    if H_kv == 0 or H % H_kv != 0:
+        raise ValueError(f"the number of query heads H = {H} (q_rot dim 1) must be a multiple of "
+                         f"H_kv = {H_kv} (k_rot dim 1)")
+    if dh == 0 or dh % 2 != 0:
+        raise ValueError(f"head width d_h (last dim of q_rot) must be even and > 0, got {dh}")
+    check_shape("v", v, (B, H_kv, T, dh), "(B, H_kv, T, d_h)")
+    check_shape("q", q, (B, H, T, dh), "(B, H, T, d_h)")
+    check_rank("kc", kc, 5, "(B, H, S, Λ', d_h)")
+    if kc.shape[0] != B or kc.shape[1] != H or kc.shape[4] != dh or kc.shape[2] not in (1, T):
+        raise ValueError(f"kc must have shape (B, H, S, Λ', d_h) = ({B}, {H}, S, Λ', {dh}) with S in "
+                         f"{{1, T = {T}}}, got {tuple(kc.shape)}")
+    check_rank("vc", vc, 5, "(B, H, S, Λ', d_h)")
+    if tuple(vc.shape) != tuple(kc.shape):
+        raise ValueError(f"vc must have the shape of kc (B, H, S, Λ', d_h) = {tuple(kc.shape)} (same S and Λ'), "
+                         f"got {tuple(vc.shape)}")
+    check_shape("gate", gate, (H,), "(H,)")
+    check_same_dtype(q_rot=q_rot, k_rot=k_rot, v=v, q=q, kc=kc, vc=vc)
+    check_same_device(q_rot=q_rot, k_rot=k_rot, v=v, q=q, kc=kc, vc=vc, gate=gate, lengths=lengths)
+    if lengths is not None:
+        check_tensor("lengths", lengths, dtypes=_INT_DTYPES)
+        check_shape("lengths", lengths, (B,), "(B,)")
+        # A value check needs the data; under torch.compile the kernels clamp instead.
+        if not torch.compiler.is_compiling() and B > 0:
+            lo, hi = int(lengths.min()), int(lengths.max())
+            if lo < 0 or hi > T:
+                raise ValueError(f"lengths must lie in [0, T] = [0, {T}], got values in [{lo}, {hi}]")
+        lengths = lengths.to(torch.int64)
+    out, _ = gcla_attention_op(q_rot, k_rot, v, q, kc, vc, gate, lengths)
+    return out
