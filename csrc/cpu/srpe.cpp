@@ -59,48 +59,68 @@ inline void advise_huge_pages(const at::Tensor& out) {
 #endif
 }
 
-// sin and cos of x (any finite double), vectorised. Range reduction x = n·π/2 + r with
-// |r| ≤ π/4: n·PIO2_HI is exact while |n| < 2^20 (PIO2_HI has 33 significant bits), so r
-// keeps ~1e-16 absolute accuracy for |x| up to ~1.6e6 (every position < 2^20 at the
-// default frequencies); beyond that it degrades gracefully like any double reduction.
-// Kernels on [−π/4, π/4]: fdlibm's minimax polynomials (|error| < 1 ulp-ish).
-inline void sincos_vec(const VD& x, VD& sin_out, VD& cos_out) {
+// Vectorised double sin/cos of any finite x (four lanes with AVX2).
+//
+// Range reduction x = n·π/2 + r, |r| ≤ π/4 (Cody–Waite): n·pio2_hi is exact while
+// |n| < 2^20 (pio2_hi has 33 significant bits), so r keeps ~1e-16 absolute accuracy for
+// |x| up to ~1.6e6 (every position < 2^20 at the default frequencies); beyond that it
+// degrades gracefully, like the rounding of p·freq itself. On [−π/4, π/4], fdlibm's
+// minimax polynomials (error below ~1 ulp). Returns r, and q = n mod 4 ∈ {0, 1, 2, 3}.
+inline VD reduce_pio2(const VD& x, VD& q) {
   const VD two_over_pi(0.63661977236758134308);
   const VD pio2_hi(1.57079632673412561417e+00);   // first 33 bits of π/2
   const VD pio2_lo(6.07710050650619224932e-11);   // π/2 − pio2_hi
   const VD n = (x * two_over_pi).round();          // nearest integer (ties to even)
-  const VD r = at::vec::fmadd(n, -pio2_lo, at::vec::fmadd(n, -pio2_hi, x));
-  const VD z = r * r;
-  // sin r = r + r³ (S1 + z (S2 + … + z S6))
+  q = n - VD(4.0) * (n * VD(0.25)).floor();
+  return at::vec::fmadd(n, -pio2_lo, at::vec::fmadd(n, -pio2_hi, x));
+}
+
+// sin r on |r| ≤ π/4: r + r³ (S1 + z (S2 + … + z S6)), z = r².
+inline VD sin_kernel(const VD& r, const VD& z) {
   VD ps(1.58969099521155010221e-10);
   ps = at::vec::fmadd(ps, z, VD(-2.50507602534068634195e-08));
   ps = at::vec::fmadd(ps, z, VD(2.75573137070700676789e-06));
   ps = at::vec::fmadd(ps, z, VD(-1.98412698298579493134e-04));
   ps = at::vec::fmadd(ps, z, VD(8.33333333332248946124e-03));
   ps = at::vec::fmadd(ps, z, VD(-1.66666666666666324348e-01));
-  const VD sr = at::vec::fmadd(ps * z, r, r);
-  // cos r = 1 − z/2 + z² (C1 + z (C2 + … + z C6))
+  return at::vec::fmadd(ps * z, r, r);
+}
+
+// cos r on |r| ≤ π/4: 1 − z/2 + z² (C1 + z (C2 + … + z C6)).
+inline VD cos_kernel(const VD& z) {
   VD pc(-1.13596475577881948265e-11);
   pc = at::vec::fmadd(pc, z, VD(2.08757232129817482790e-09));
   pc = at::vec::fmadd(pc, z, VD(-2.75573143513906633035e-07));
   pc = at::vec::fmadd(pc, z, VD(2.48015872894767294178e-05));
   pc = at::vec::fmadd(pc, z, VD(-1.38888888888741095749e-03));
   pc = at::vec::fmadd(pc, z, VD(4.16666666666666019037e-02));
-  const VD cr = at::vec::fmadd(pc * z, z, at::vec::fmadd(z, VD(-0.5), VD(1.0)));
-  // Quadrant q = n mod 4 ∈ {0, 1, 2, 3} (exact in double):
-  //   q   sin  cos
-  //   0   sr   cr
-  //   1   cr  −sr
-  //   2  −sr  −cr
-  //   3  −cr   sr
-  const VD q = n - VD(4.0) * (n * VD(0.25)).floor();
+  return at::vec::fmadd(pc * z, z, at::vec::fmadd(z, VD(-0.5), VD(1.0)));
+}
+
+// By quadrant q:   q   sin  cos
+//                  0   sr   cr
+//                  1   cr  −sr
+//                  2  −sr  −cr
+//                  3  −cr   sr
+inline void sincos_vec(const VD& x, VD& sin_out, VD& cos_out) {
+  VD q;
+  const VD r = reduce_pio2(x, q);
+  const VD z = r * r;
+  const VD sr = sin_kernel(r, z), cr = cos_kernel(z);
   const VD odd = (q == VD(1.0)) | (q == VD(3.0));
   const VD s0 = VD::blendv(sr, cr, odd);
   const VD c0 = VD::blendv(cr, sr, odd);
-  const VD neg_s = q >= VD(2.0);
-  const VD neg_c = (q == VD(1.0)) | (q == VD(2.0));
-  sin_out = VD::blendv(s0, s0.neg(), neg_s);
-  cos_out = VD::blendv(c0, c0.neg(), neg_c);
+  sin_out = VD::blendv(s0, s0.neg(), q >= VD(2.0));
+  cos_out = VD::blendv(c0, c0.neg(), (q == VD(1.0)) | (q == VD(2.0)));
+}
+
+inline VD sin_vec(const VD& x) {
+  VD q;
+  const VD r = reduce_pio2(x, q);
+  const VD z = r * r;
+  const VD odd = (q == VD(1.0)) | (q == VD(3.0));
+  const VD s0 = VD::blendv(sin_kernel(r, z), cos_kernel(z), odd);
+  return VD::blendv(s0, s0.neg(), q >= VD(2.0));
 }
 
 // (c, s) of one position for every pair, written as acc_t; frequencies padded to a
@@ -113,10 +133,9 @@ inline void position_table(double p, const double* angle_freq, const double* rad
   double* sd = scratch + half_padded;
   const VD vp(p), va(amplitude), one(1.0);
   for (int64_t j = 0; j < half_padded; j += VD::size()) {
-    VD sin_t, cos_t, sin_r, cos_r;
+    VD sin_t, cos_t;
     sincos_vec(vp * VD::loadu(angle_freq + j), sin_t, cos_t);
-    sincos_vec(vp * VD::loadu(radial_freq + j), sin_r, cos_r);
-    const VD radius = at::vec::fmadd(va, sin_r, one);
+    const VD radius = at::vec::fmadd(va, sin_vec(vp * VD::loadu(radial_freq + j)), one);
     (radius * cos_t).store(cd + j);
     (transpose ? (radius * sin_t).neg() : radius * sin_t).store(sd + j);
   }

@@ -16,6 +16,7 @@ from typing import Callable, Sequence
 import torch
 
 from .. import reference
+from ..ops.atm import atm_merge, atm_unmerge
 from ..ops.rms_norm import rms_norm
 from ..ops.srpe import srpe
 
@@ -102,3 +103,40 @@ def srpe_cases(device: torch.device, small: bool) -> list[BenchCase]:
         fused=lambda q, k, p: srpe(q, k, p),
         eager=lambda q, k, p: reference.srpe(q, k, p),
     )]
+
+
+@case_factory
+def atm_cases(device: torch.device, small: bool) -> list[BenchCase]:
+    # ATM merge + unmerge at τ = 0.92 on random tokens with ~10% of adjacent pairs planted as
+    # near-duplicates (cos ≈ 0.998; unplanted pairs have |cos| ≈ 0.03 at d = 1024).
+    b, t, d = (2, 256, 256) if small else (8, 2048, 1024)
+    dtype = torch.float32 if device.type == "cpu" else _default_dtype(device)
+    tau, planted = 0.92, 0.10
+    notes: dict = {"tau": tau, "planted_pair_rate": planted}
+
+    def make_inputs():
+        g = torch.Generator(device="cpu").manual_seed(0)
+        copy_prev = torch.rand(b, t, generator=g) < planted           # token t repeats token t-1
+        copy_prev[:, 0] = False
+        group = torch.cumsum(~copy_prev, dim=1) - 1                    # (B, T) source token
+        base = torch.randn(b, t, d, generator=g)
+        x = base.gather(1, group.unsqueeze(-1).expand(b, t, d)) + 0.05 * torch.randn(b, t, d, generator=g)
+        x = x.to(device=device, dtype=dtype)
+        positions = torch.arange(t, device=device).expand(b, t).contiguous()
+        with torch.no_grad():
+            merged_len = reference.atm_merge(x, positions, tau)[2].double()
+        # Attention FLOPs scale with T² per row (a causal mask halves both sides alike).
+        notes["merged_token_pct"] = round(100.0 * float(1 - merged_len.sum() / (b * t)), 2)
+        notes["attention_flops_saved_pct"] = round(100.0 * float(1 - (merged_len ** 2).sum() / (b * t * t)), 2)
+        return x, positions
+
+    def fused(x, positions):
+        merged, _, _, index_map = atm_merge(x, positions, tau)
+        return atm_unmerge(merged, index_map)
+
+    def eager(x, positions):
+        merged, _, _, index_map = reference.atm_merge(x, positions, tau)
+        return reference.atm_unmerge(merged, index_map)
+
+    return [BenchCase(op="atm", shape=f"x ({b}, {t}, {d}), merge+unmerge", dtype=dtype, make_inputs=make_inputs,
+                      fused=fused, eager=eager, differentiable=(0,), notes=notes)]

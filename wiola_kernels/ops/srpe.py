@@ -9,6 +9,7 @@ radial_frequency, transpose) -> (q_out, k_out)`` on contiguous ``q (B, H, T, d_h
 
 from __future__ import annotations
 
+import functools
 from types import SimpleNamespace
 
 import torch
@@ -28,8 +29,15 @@ def _reference_apply(q, k, positions, theta, spiral_divisor, radial_amplitude, r
     return fn(q, k, positions, theta, spiral_divisor, radial_amplitude, radial_frequency)
 
 
+@functools.lru_cache(maxsize=64)
+def _cpu_frequencies(head_dim: int, theta: float, spiral_divisor: float,
+                     radial_frequency: float) -> tuple[Tensor, Tensor]:
+    # Five small tensor ops per call add up for decoding (T = 1); never mutated.
+    return srpe_frequencies(head_dim, theta, spiral_divisor, radial_frequency)
+
+
 def _cpu_apply(q, k, positions, theta, spiral_divisor, radial_amplitude, radial_frequency, transpose):
-    angle_freq, radial_freq = srpe_frequencies(q.shape[-1], theta, spiral_divisor, radial_frequency)
+    angle_freq, radial_freq = _cpu_frequencies(q.shape[-1], theta, spiral_divisor, radial_frequency)
     return torch.ops.wiola._srpe(q, k, positions, angle_freq, radial_freq, radial_amplitude, transpose)
 
 

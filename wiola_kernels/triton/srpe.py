@@ -26,6 +26,7 @@ over ``H + H_kv`` heads. Memory traffic is one read and one write of Q and K.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -105,6 +106,26 @@ def _srpe_kernel(
         tl.store(k_out_ptr + x1_off + HALF, (x1 * s + x2 * c).to(k_out_ptr.dtype.element_ty), mask=mask)
 
 
+def _build_frequency_table(head_dim: int, theta: float, spiral_divisor: float, radial_amplitude: float,
+                           radial_frequency: float, device: torch.device) -> torch.Tensor:
+    """The kernel's ``(4, d_h/2)`` float64 table."""
+    angle_freq, radial_freq = srpe_frequencies(head_dim, theta, spiral_divisor, radial_frequency, device)
+    return torch.stack((angle_freq, radial_freq, torch.full_like(angle_freq, radial_amplitude),
+                        torch.full_like(angle_freq, _TWO_PI))).contiguous()
+
+
+_cached_frequency_table = functools.lru_cache(maxsize=64)(_build_frequency_table)
+
+
+def _frequency_table(head_dim, theta, spiral_divisor, radial_amplitude, radial_frequency, device):
+    """The table, built once per configuration and device (it costs a handful of tiny
+    launches) and never written afterwards. Not cached while a CUDA graph is being
+    captured: captured kernels do not run, so the cached tensor would stay unwritten."""
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return _build_frequency_table(head_dim, theta, spiral_divisor, radial_amplitude, radial_frequency, device)
+    return _cached_frequency_table(head_dim, theta, spiral_divisor, radial_amplitude, radial_frequency, device)
+
+
 def _launch_config(bt: int, half: int, device: torch.device) -> tuple[int, int, int]:
     """(BLOCK_T, BLOCK_HALF, num_warps). GPU: tiles of ~2K pairs (4 warps); the
     interpreter: large tiles, few programs (each program is slow there)."""
@@ -127,9 +148,7 @@ def srpe_apply(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, theta:
     k_out = empty_output(k.shape, dtype=k.dtype, device=k.device)
     if b * t == 0 or half == 0:
         return q_out, k_out
-    angle_freq, radial_freq = srpe_frequencies(dh, theta, spiral_divisor, radial_frequency, q.device)
-    freqs = torch.stack((angle_freq, radial_freq, torch.full_like(angle_freq, radial_amplitude),
-                         torch.full_like(angle_freq, _TWO_PI))).contiguous()
+    freqs = _frequency_table(dh, theta, spiral_divisor, radial_amplitude, radial_frequency, q.device)
     block_t, block_half, num_warps = _launch_config(b * t, half, q.device)
     grid = (triton.cdiv(b * t, block_t),)
     _srpe_kernel[grid](
