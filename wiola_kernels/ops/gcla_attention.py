@@ -30,19 +30,40 @@ from ..validation import check_rank, check_same_device, check_same_dtype, check_
 OP = "gcla_attention"
 
 
-def _kernel_forward(q_rot, k_rot, v, q, kc, vc, gate, lengths):
+def _cpu_forward(q_rot, k_rot, v, q, kc, vc, gate, lengths):
     return torch.ops.wiola._gcla_attention_fwd(q_rot, k_rot, v, q, kc, vc, gate, lengths)
 
 
-def _kernel_backward(grad_out, q_rot, k_rot, v, q, kc, vc, gate, lengths, out, lse):
+def _cpu_backward(grad_out, q_rot, k_rot, v, q, kc, vc, gate, lengths, out, lse):
     return torch.ops.wiola._gcla_attention_bwd(grad_out, q_rot, k_rot, v, q, kc, vc, gate, lengths, out, lse)
 
 
-# The C++ CPU kernel and the CUDA kernel share one schema; the dispatcher picks by device.
-_KERNEL = SimpleNamespace(forward=_kernel_forward, backward=_kernel_backward)
+CUDA_HEAD_DIMS = (64, 128)
+CUDA_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _cuda_supports(q_rot: Tensor) -> bool:
+    """The CUDA kernels are instantiated for d_h ∈ {64, 128} and fp32/fp16/bf16; other CUDA
+    inputs (float64 for gradcheck, odd head widths) run the reference."""
+    return q_rot.shape[-1] in CUDA_HEAD_DIMS and q_rot.dtype in CUDA_DTYPES
+
+
+def _cuda_forward(q_rot, k_rot, v, q, kc, vc, gate, lengths):
+    if not _cuda_supports(q_rot):
+        return gcla_attention_forward(q_rot, k_rot, v, q, kc, vc, gate, lengths)
+    return torch.ops.wiola._gcla_attention_fwd(q_rot, k_rot, v, q, kc, vc, gate, lengths)
+
+
+def _cuda_backward(grad_out, q_rot, k_rot, v, q, kc, vc, gate, lengths, out, lse):
+    if not _cuda_supports(q_rot):
+        return gcla_attention_backward(grad_out, q_rot, k_rot, v, q, kc, vc, gate, lengths, out, lse)
+    return torch.ops.wiola._gcla_attention_bwd(grad_out, q_rot, k_rot, v, q, kc, vc, gate, lengths, out, lse)
+
+
+# The C++ CPU and CUDA kernels share one schema (csrc/wiola_ops.cpp); the dispatcher picks by device.
 dispatch.register(OP, "reference", SimpleNamespace(forward=gcla_attention_forward, backward=gcla_attention_backward))
-dispatch.register(OP, "cpu", _KERNEL)
-dispatch.register(OP, "cuda", _KERNEL)
+dispatch.register(OP, "cpu", SimpleNamespace(forward=_cpu_forward, backward=_cpu_backward))
+dispatch.register(OP, "cuda", SimpleNamespace(forward=_cuda_forward, backward=_cuda_backward))
 
 
 def _contig(t: Optional[Tensor]) -> Optional[Tensor]:

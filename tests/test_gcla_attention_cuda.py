@@ -1,0 +1,103 @@
+"""GCLA attention CUDA kernels against the float64 reference (skipped without a GPU or
+without the extension's CUDA kernels). Run by scripts/gpu_check.sh on a lent GPU."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import wiola_kernels
+from wiola_kernels import dispatch
+from wiola_kernels.ops.gcla_attention import gcla_attention_op
+from wiola_kernels.reference.gcla_attention import gcla_attention_forward
+from wiola_kernels.testing import tolerance
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+NAMES = ("q_rot", "k_rot", "v", "q", "kc", "vc", "gate")
+
+
+@pytest.fixture(autouse=True)
+def _need_cuda_kernels():
+    reason = dispatch.BACKENDS["cuda"].unavailable_reason(torch.device("cuda"))
+    if reason is not None:
+        pytest.skip(reason)
+
+
+def make_inputs(B, H, H_kv, T, dh, S, L, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+
+    def r(*shape):
+        return torch.randn(*shape, generator=g, dtype=torch.float64).to("cuda", dtype).requires_grad_()
+
+    return [r(B, H, T, dh), r(B, H_kv, T, dh), r(B, H_kv, T, dh), r(B, H, T, dh), r(B, H, S, L, dh),
+            r(B, H, S, L, dh), torch.randn(H, generator=g).cuda().requires_grad_()]
+
+
+def close(out, ref, tol, what, floor=0.25):
+    o, r = out.detach().double().cpu(), ref.detach().double().cpu()
+    assert o.shape == r.shape, what
+    assert torch.isfinite(o).all(), f"{what}: non-finite"
+    den = max(float(r.norm()), floor * math.sqrt(max(r.numel(), 1)))
+    err = float((o - r).norm()) / den
+    assert err <= tol, f"{what}: relative error {err:.3e} > {tol:.1e}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dh", [64, 128])
+@pytest.mark.parametrize("T, mode, lens, L, H_kv", [
+    (1, "paper", None, 2, 4), (7, "causal", [7, 3], 1, 1), (64, "paper", None, 0, 4),
+    (257, "causal", [257, 100], 2, 1), (300, "paper", [0, 299], 2, 2),
+])
+def test_cuda_matches_reference(dtype, dh, T, mode, lens, L, H_kv):
+    S = 1 if mode == "paper" else T
+    ins = make_inputs(2, 4, H_kv, T, dh, S, L, dtype)
+    lt = None if lens is None else torch.tensor(lens, device="cuda")
+    grad = torch.randn(2, 4, T, dh, dtype=torch.float64, device="cuda")
+    with wiola_kernels.use_backend("cuda"):
+        out = wiola_kernels.gcla_attention(*ins, lengths=lt)
+        grads = torch.autograd.grad(out, ins, grad.to(dtype))
+    ins64 = [x.detach().double().requires_grad_() for x in ins]
+    ref = gcla_attention_forward(*ins64, lt)[0]
+    ref_grads = torch.autograd.grad(ref, ins64, grad)
+    tol = tolerance(dtype, "attention")
+    floor = 0.25 if dtype == torch.float32 else 1.0
+    close(out, ref, tol, "out")
+    for name, g, rg in zip(NAMES, grads, ref_grads):
+        close(g, rg, tol, f"grad {name}", floor)
+    if lt is not None:
+        for b, n in enumerate(lens):
+            assert (out[b, :, n:] == 0).all()
+
+
+def test_cuda_lse_and_determinism():
+    ins = make_inputs(2, 8, 2, 200, 64, 1, 2, torch.bfloat16)
+    lt = torch.tensor([200, 77], device="cuda")
+    with wiola_kernels.use_backend("cuda"):
+        _, lse = gcla_attention_op(*[x.detach() for x in ins], lt)
+        _, ref = gcla_attention_forward(*[x.detach().double() for x in ins], lt)
+        assert lse.dtype == torch.float32
+        torch.testing.assert_close(lse.double(), ref, rtol=0, atol=2e-2)
+        g = torch.randn(2, 8, 200, 64, device="cuda", dtype=torch.bfloat16)
+        out = wiola_kernels.gcla_attention(*ins, lengths=lt)
+        g1 = torch.autograd.grad(out, ins, g, retain_graph=True)
+        g2 = torch.autograd.grad(out, ins, g)
+    for name, a, b in zip(NAMES, g1, g2):
+        assert torch.equal(a, b), f"grad {name} not bitwise reproducible"
+
+
+def test_cuda_float64_and_odd_head_dim_use_reference():
+    ins = make_inputs(1, 2, 1, 5, 8, 1, 1, torch.float64)
+    with wiola_kernels.use_backend("cuda"):
+        assert torch.autograd.gradcheck(lambda *a: wiola_kernels.gcla_attention(*a), ins, fast_mode=True)
+
+
+def test_cuda_kernel_rejects_unsupported_head_dim():
+    ins = [x.detach().float() for x in make_inputs(1, 2, 1, 5, 32, 1, 1, torch.float32)]
+    with pytest.raises(ValueError, match="d_h in"):
+        torch.ops.wiola._gcla_attention_fwd(*ins, None)
