@@ -4,9 +4,9 @@
 // Merge runs in three parallel phases over the flattened (B·T) tokens / rows:
 //   1. per token t: ‖x_t‖² and ⟨x_t, x_{t+1}⟩ in one sweep over both rows (the next
 //      row stays in cache for the following token, so x is read from memory once);
-//   2. per row: s_t = dot / (‖x_t‖·‖x_{t+1}‖) clamped to [−1, 1] (0 for a zero norm),
-//      compared with τ in double, then the greedy left-to-right scan (sequential within
-//      a row), which also yields the index map, the merged positions and T'_b;
+//   2. per row: the candidate test s_t > τ (decided in double from the sums, without a
+//      square root; 0 similarity for a zero norm), then the greedy left-to-right scan
+//      (sequential within a row), which also yields the index map, merged positions, T'_b;
 //   3. per merged slot: copy the singleton or write x_t/2 + x_{t+1}/2, zeros after T'_b.
 // Unmerge is a row gather. Backwards: merge is a gather scaled by ½ / 1 / 0; unmerge
 // is a segment sum done per (row, column block) in token order, so it is
@@ -95,6 +95,15 @@ void norms_and_dots(const scalar_t* x, acc_type<scalar_t>* nsq, acc_type<scalar_
   });
 }
 
+// s_t > τ decided in double without a square root (wiola_kernels/reference/atm.py):
+// n = ‖x_t‖²·‖x_{t+1}‖², D = ⟨x_t, x_{t+1}⟩. NaN sums are never candidates.
+inline bool is_candidate(double D, double n, double tau) {
+  if (!(tau < 1.0)) return false;
+  if (n == 0.0) return tau < 0.0;
+  const double d2 = D * D, t2n = (tau * tau) * n;
+  return D > 0.0 ? (tau < 0.0 || d2 > t2n) : (tau < 0.0 && d2 < t2n);
+}
+
 // Phase 2, one row: decisions, index map, merged positions, T'; src[s] = 2·first + paired
 // for s < T', −1 after.
 template <typename acc_t>
@@ -104,10 +113,7 @@ void scan_row(const acc_t* nsq, const acc_t* dot, const int64_t* pos, int64_t le
   while (t < len) {
     bool take = false;
     if (t + 1 < len) {
-      const acc_t den = std::sqrt(nsq[t]) * std::sqrt(nsq[t + 1]);
-      acc_t s = den == acc_t(0) ? acc_t(0) : dot[t] / den;
-      s = s > acc_t(1) ? acc_t(1) : (s < acc_t(-1) ? acc_t(-1) : s);  // NaN stays NaN (never taken)
-      take = static_cast<double>(s) > tau;
+      take = is_candidate(dot[t], static_cast<double>(nsq[t]) * static_cast<double>(nsq[t + 1]), tau);
     }
     index_map[t] = slot;
     merged_pos[slot] = pos[t];
@@ -265,7 +271,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> atm_merge(const at::T
     int64_t* mpos = merged_pos.mutable_data_ptr<int64_t>();
     int64_t* mlen = merged_len.mutable_data_ptr<int64_t>();
     int64_t* srcp = src.mutable_data_ptr<int64_t>();
-    at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
+    at::parallel_for(0, B, std::max<int64_t>(1, 16384 / T), [&](int64_t b0, int64_t b1) {  // tiny rows: inline
       for (int64_t b = b0; b < b1; ++b) {
         scan_row<acc_t>(nsq_p + b * T, dot_p + b * T, pos + b * T, len[b], threshold, T, map + b * T,
                         mpos + b * T, mlen + b, srcp + b * T);
@@ -370,7 +376,8 @@ at::Tensor atm_unmerge_bwd(const at::Tensor& grad_restored, const at::Tensor& in
     using acc_t = acc_type<scalar_t>;
     const scalar_t* g = grad_restored.const_data_ptr<scalar_t>();
     scalar_t* out = grad_y.mutable_data_ptr<scalar_t>();
-    at::parallel_for(0, B * blocks, 1, [&](int64_t begin, int64_t end) {
+    const int64_t task_work = T * std::min(d, kColumnBlock);
+    at::parallel_for(0, B * blocks, std::max<int64_t>(1, 32768 / task_work), [&](int64_t begin, int64_t end) {
       std::vector<acc_t> acc(kColumnBlock), tmp(kColumnBlock);
       std::vector<char> written(T);
       for (int64_t task = begin; task < end; ++task) {

@@ -2,19 +2,26 @@
 
 Per row ``b`` of ``x (B, T, d)`` with length ``L_b`` (tokens ``t ≥ L_b`` are padding):
 
-    s_t   = clamp(⟨x_t, x_{t+1}⟩ / (‖x_t‖·‖x_{t+1}‖), −1, 1)      t ∈ [0, T−1)
-            (s_t = 0 when ‖x_t‖·‖x_{t+1}‖ = 0: a zero vector is never "similar")
+    s_t   = ⟨x_t, x_{t+1}⟩ / (‖x_t‖·‖x_{t+1}‖)                      t ∈ [0, T−1)
+            (s_t = 0 when a norm is 0: a zero vector is never "similar"; s_t ≤ 1)
     c_t   = s_t > τ  and  t + 1 < L_b                               candidate edges
     take  = greedy left to right, non-overlapping; in parallel form: in every maximal
             run of consecutive candidate edges starting at edge a, take a, a+2, a+4, …
     slot(t) = t − #{taken edges e < t}                              the index map
     T'_b  = L_b − #{taken edges}
 
-Norms and dot products are computed in float32 (float64 for float64 input) as
-``dot / (sqrt(Σx_t²)·sqrt(Σx_{t+1}²))``; the comparison ``s_t > τ`` is made in
-float64 (``τ`` is a Python float, it is never rounded to float32). With exactly
-representable sums (e.g. small integer inputs) every backend computes the same
-``s_t`` bit for bit.
+The sums ``D = ⟨x_t, x_{t+1}⟩``, ``n_t = ‖x_t‖²`` are accumulated in float32 (float64
+for float64 input). The test ``s_t > τ`` is then decided without a square root, in IEEE
+float64 (``N = n_t·n_{t+1}``, ``τ²N`` computed as ``(τ·τ)·N``)::
+
+    τ = 1           → never a candidate (s_t ≤ 1; rounding cannot make a pair pass)
+    N = 0           → candidate iff τ < 0        (s_t = 0)
+    D > 0           → candidate iff τ < 0 or D² > τ²N
+    D ≤ 0           → candidate iff τ < 0 and D² < τ²N
+
+so every backend that accumulates the same ``D, n`` (e.g. small-integer inputs) makes
+the same decision bit for bit, whatever its ``sqrt`` (torch's CPU ``sqrt`` is not
+always correctly rounded). NaN sums are never candidates.
 
 Outputs (static shapes): ``merged (B, T, d)`` — slot ``s < T'_b`` holds the singleton
 ``x_t`` or the pair mean ``(x_t + x_{t+1})/2`` (computed as ``x_t/2 + x_{t+1}/2`` in the
@@ -42,23 +49,36 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def atm_sums(x: Tensor) -> tuple[Tensor, Tensor]:
+    """``(dot (B, T−1), norm_sq (B, T))`` of ``x (B, T, d)`` in the accumulation dtype."""
+    xa = x.to(compute_dtype(x.dtype))
+    return (xa[:, :-1] * xa[:, 1:]).sum(-1), xa.pow(2).sum(-1)
+
+
 def atm_similarity(x: Tensor) -> Tensor:
-    """Adjacent cosine similarities ``s (B, T−1)`` of ``x (B, T, d)`` in the accumulation dtype."""
-    acc = compute_dtype(x.dtype)
-    xa = x.to(acc)
-    norm = xa.pow(2).sum(-1).sqrt()                                     # (B, T)
-    dot = (xa[:, :-1] * xa[:, 1:]).sum(-1)                              # (B, T-1)
-    den = norm[:, :-1] * norm[:, 1:]
-    s = torch.where(den == 0, torch.zeros_like(dot), dot / torch.where(den == 0, torch.ones_like(den), den))
-    return s.clamp(-1.0, 1.0)
+    """Adjacent cosine similarities ``s (B, T−1)`` (for inspection; decisions use :func:`atm_candidates`)."""
+    dot, nsq = atm_sums(x)
+    den = (nsq[:, :-1] * nsq[:, 1:]).sqrt()
+    return torch.where(den == 0, torch.zeros_like(dot), dot / torch.where(den == 0, torch.ones_like(den), den))
+
+
+def atm_candidates(dot: Tensor, norm_sq: Tensor, threshold: float) -> Tensor:
+    """``s_t > τ`` for every edge, decided in float64 without a square root (module docstring)."""
+    d = dot.to(torch.float64)
+    n = norm_sq[:, :-1].to(torch.float64) * norm_sq[:, 1:].to(torch.float64)
+    d2, t2n = d * d, (threshold * threshold) * n
+    negative_tau = threshold < 0
+    cand = torch.where(d > 0, (d2 > t2n) | negative_tau, (d2 < t2n) & negative_tau)
+    cand = torch.where(n == 0, torch.full_like(cand, 0.0 > threshold), cand)
+    return cand & (threshold < 1)
 
 
 def atm_decisions(x: Tensor, lengths: Tensor, threshold: float) -> Tensor:
     """Taken edges ``(B, T−1)`` bool: the parallel form of the greedy rule."""
     b, t = x.shape[0], x.shape[1]
-    s = atm_similarity(x)
+    dot, nsq = atm_sums(x)
     edge = torch.arange(max(t - 1, 0), device=x.device)
-    cand = (s.to(torch.float64) > threshold) & (edge + 1 < lengths.unsqueeze(-1))   # (B, T-1)
+    cand = atm_candidates(dot, nsq, threshold) & (edge + 1 < lengths.unsqueeze(-1))   # (B, T-1)
     prev = torch.cat([torch.zeros_like(cand[:, :1]), cand[:, :-1]], dim=1)
     is_start = cand & ~prev
     # Start of the run containing edge e: the last run start at or before e.

@@ -1,0 +1,352 @@
+// ATM greedy adjacent merge / unmerge on CUDA (SPEC §6; formulas in
+// wiola_kernels/reference/atm.py). No torch headers: parameters come from
+// csrc/include/wiola/atm.h, filled by csrc/cuda/atm_binding.cpp.
+//
+// Merge = three launches, each over all B rows:
+//   1. norms_and_dots: a block owns kSimTokens consecutive tokens of one row and reads
+//      each of their elements once (plus one look-ahead row), keeping the previous
+//      token's value in a register: ‖x_t‖² and ⟨x_t, x_{t+1}⟩, reduced in a fixed order.
+//   2. select (one block per row): candidate when s_t > τ and t + 1 < L, decided in
+//      double from the sums without a square root, with IEEE-rounded products (so
+//      --use_fast_math cannot change a decision), as the reference does. The greedy
+//      rule in parallel form is a segmented scan: an inclusive max-scan of
+//      (candidate ? −1 : t) gives, for every candidate edge, the last non-candidate edge
+//      before it, hence the start a of its run, and the edge is taken when t − a is even.
+//      An exclusive sum-scan of the taken edges gives slot(t) = t − #taken before t.
+//   3. gather_average: one block per merged slot copies x_t or writes x_t/2 + x_{t+1}/2,
+//      zeros after T'_b.
+// Unmerge is a gather. Backwards: merge is a gather scaled by ½ / 1 / 0; unmerge is a
+// segment sum where one thread owns one column of a row and walks the tokens in order
+// (no atomics: deterministic for any index map).
+#include <cub/block/block_scan.cuh>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include "wiola/atm.h"
+
+namespace wiola::atm {
+namespace {
+
+constexpr int kSimTokens = 8;     // tokens per block in norms_and_dots
+constexpr int kSimThreads = 256;
+constexpr int kScanThreads = 256;  // select: one block per row, tiles of kScanThreads·kScanItems tokens
+constexpr int kScanItems = 4;
+constexpr int kTile = kScanThreads * kScanItems;
+constexpr int kRowThreads = 128;  // gather kernels: one block per token / slot
+constexpr int kColumnThreads = 128;  // unmerge backward: one thread per column
+
+__device__ __forceinline__ float to_float(float v) { return v; }
+__device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
+__device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
+
+template <typename T>
+__device__ __forceinline__ T from_float(float v);
+template <>
+__device__ __forceinline__ float from_float<float>(float v) { return v; }
+template <>
+__device__ __forceinline__ __half from_float<__half>(float v) { return __float2half_rn(v); }
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
+
+__device__ __forceinline__ float quiet_nan() { return __int_as_float(0x7fc00000); }
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
+  return v;
+}
+
+struct MaxOp {
+  __device__ __forceinline__ int operator()(int a, int b) const { return a > b ? a : b; }
+};
+
+// ‖x_t‖² and ⟨x_t, x_{t+1}⟩ for kSimTokens tokens of one row per block.
+template <typename scalar_t>
+__global__ void __launch_bounds__(kSimThreads)
+    norms_and_dots_kernel(const scalar_t* __restrict__ x, float* __restrict__ norm_sq, float* __restrict__ dot,
+                          int64_t T, int64_t d, int64_t chunks_per_row) {
+  const int64_t b = blockIdx.x / chunks_per_row;
+  const int64_t t0 = (blockIdx.x % chunks_per_row) * kSimTokens;
+  const int n = static_cast<int>(T - t0 < kSimTokens ? T - t0 : kSimTokens);  // tokens owned
+  const bool look_ahead = t0 + n < T;
+  const scalar_t* row = x + (b * T + t0) * d;
+  float ns[kSimTokens], dt[kSimTokens];
+#pragma unroll
+  for (int k = 0; k < kSimTokens; ++k) ns[k] = dt[k] = 0.f;
+  for (int64_t j = threadIdx.x; j < d; j += blockDim.x) {
+    float prev = to_float(row[j]);
+#pragma unroll
+    for (int k = 0; k < kSimTokens; ++k) {
+      if (k < n) {
+        const float next = (k + 1 < n || look_ahead) ? to_float(row[(k + 1) * d + j]) : 0.f;
+        ns[k] = fmaf(prev, prev, ns[k]);
+        dt[k] = fmaf(prev, next, dt[k]);
+        prev = next;
+      }
+    }
+  }
+  __shared__ float partial[kSimThreads / 32][2 * kSimTokens];
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+#pragma unroll
+  for (int k = 0; k < kSimTokens; ++k) {
+    const float a = warp_sum(ns[k]), c = warp_sum(dt[k]);
+    if (lane == 0) {
+      partial[warp][k] = a;
+      partial[warp][kSimTokens + k] = c;
+    }
+  }
+  __syncthreads();
+  if (threadIdx.x < 2 * kSimTokens) {
+    const int k = threadIdx.x % kSimTokens;
+    float total = 0.f;
+    for (int w = 0; w < static_cast<int>(blockDim.x / 32); ++w) total += partial[w][threadIdx.x];  // fixed order
+    if (k < n) (threadIdx.x < kSimTokens ? norm_sq : dot)[b * T + t0 + k] = total;
+  }
+}
+
+// Candidate test s_t > τ of SPEC §6.1, decided in double without a square root exactly as
+// the reference does (wiola_kernels/reference/atm.py); NaN sums are never candidates.
+__device__ __forceinline__ bool is_candidate(float nsq0, float nsq1, float dot, double tau) {
+  if (!(tau < 1.0)) return false;
+  const double n = __dmul_rn(static_cast<double>(nsq0), static_cast<double>(nsq1));
+  if (n == 0.0) return tau < 0.0;
+  const double D = static_cast<double>(dot);
+  const double d2 = __dmul_rn(D, D), t2n = __dmul_rn(__dmul_rn(tau, tau), n);
+  return D > 0.0 ? (tau < 0.0 || d2 > t2n) : (tau < 0.0 && d2 < t2n);
+}
+
+// One block per row: decisions, index map, merged positions / lengths, slot sources.
+__global__ void __launch_bounds__(kScanThreads)
+    select_kernel(const float* __restrict__ norm_sq, const float* __restrict__ dot,
+                  const int64_t* __restrict__ positions, const int64_t* __restrict__ lengths, double tau, int64_t T,
+                  int64_t* __restrict__ index_map, int64_t* __restrict__ merged_positions,
+                  int64_t* __restrict__ merged_lengths, int64_t* __restrict__ slot_source) {
+  using Scan = cub::BlockScan<int, kScanThreads>;
+  __shared__ typename Scan::TempStorage scan_storage;
+  __shared__ unsigned char taken_shared[kTile + 1];  // [0]: last edge of the previous tile
+  const int64_t b = blockIdx.x;
+  int64_t len = lengths[b];
+  len = len < 0 ? 0 : (len > T ? T : len);
+  const float* ns = norm_sq + b * T;
+  const float* dt = dot + b * T;
+  int last_break = -1;      // last non-candidate edge before this tile
+  int taken_before = 0;     // taken edges before this tile
+  unsigned char last_taken = 0;
+  for (int64_t base = 0; base < T; base += kTile) {
+    int key[kScanItems], taken[kScanItems], before[kScanItems];
+    bool cand[kScanItems];
+#pragma unroll
+    for (int i = 0; i < kScanItems; ++i) {
+      const int t = static_cast<int>(base) + threadIdx.x * kScanItems + i;
+      cand[i] = t + 1 < len && is_candidate(ns[t], ns[t + 1], dt[t], tau);
+      key[i] = cand[i] ? -1 : t;
+    }
+    int tile_break;
+    Scan(scan_storage).InclusiveScan(key, key, MaxOp(), tile_break);
+    __syncthreads();
+#pragma unroll
+    for (int i = 0; i < kScanItems; ++i) {
+      const int t = static_cast<int>(base) + threadIdx.x * kScanItems + i;
+      const int run_start = (key[i] > last_break ? key[i] : last_break) + 1;
+      taken[i] = cand[i] && ((t - run_start) & 1) == 0 ? 1 : 0;
+    }
+    last_break = tile_break > last_break ? tile_break : last_break;
+    int tile_taken;
+    Scan(scan_storage).ExclusiveSum(taken, before, tile_taken);
+#pragma unroll
+    for (int i = 0; i < kScanItems; ++i) taken_shared[1 + threadIdx.x * kScanItems + i] = taken[i];
+    if (threadIdx.x == 0) taken_shared[0] = last_taken;
+    __syncthreads();
+#pragma unroll
+    for (int i = 0; i < kScanItems; ++i) {
+      const int local = threadIdx.x * kScanItems + i;
+      const int64_t t = base + local;
+      if (t >= T) continue;
+      const int64_t slot = t - (taken_before + before[i]);  // padding lands at T' + (t − len)
+      index_map[b * T + t] = slot;
+      if (t < len && !taken_shared[local]) {  // first member or singleton
+        merged_positions[b * T + slot] = positions[b * T + t];
+        slot_source[b * T + slot] = 2 * t + taken[i];
+      }
+    }
+    taken_before += tile_taken;
+    last_taken = taken_shared[kTile];
+    __syncthreads();  // taken_shared and scan_storage are reused by the next tile
+  }
+  const int64_t merged_len = len - taken_before;
+  if (threadIdx.x == 0) merged_lengths[b] = merged_len;
+  for (int64_t s = merged_len + threadIdx.x; s < T; s += blockDim.x) {
+    merged_positions[b * T + s] = 0;
+    slot_source[b * T + s] = -1;
+  }
+}
+
+// One block per merged slot (flattened b·T + s).
+template <typename scalar_t>
+__global__ void __launch_bounds__(kRowThreads)
+    gather_average_kernel(const scalar_t* __restrict__ x, const int64_t* __restrict__ slot_source,
+                          scalar_t* __restrict__ merged, int64_t T, int64_t d) {
+  const int64_t slot = blockIdx.x;
+  const int64_t code = slot_source[slot];
+  scalar_t* out = merged + slot * d;
+  if (code < 0) {
+    for (int64_t j = threadIdx.x; j < d; j += blockDim.x) out[j] = from_float<scalar_t>(0.f);
+    return;
+  }
+  const scalar_t* x0 = x + ((slot / T) * T + (code >> 1)) * d;
+  if (code & 1) {
+    const scalar_t* x1 = x0 + d;
+    for (int64_t j = threadIdx.x; j < d; j += blockDim.x) {
+      out[j] = from_float<scalar_t>(__fadd_rn(__fmul_rn(0.5f, to_float(x0[j])), __fmul_rn(0.5f, to_float(x1[j]))));
+    }
+  } else {
+    for (int64_t j = threadIdx.x; j < d; j += blockDim.x) out[j] = x0[j];
+  }
+}
+
+// One block per token: grad_x_t = w_t · g_{slot(t)}.
+template <typename scalar_t>
+__global__ void __launch_bounds__(kRowThreads)
+    merge_backward_kernel(const scalar_t* __restrict__ grad, const int64_t* __restrict__ index_map,
+                          const int64_t* __restrict__ merged_lengths, scalar_t* __restrict__ grad_x, int64_t T,
+                          int64_t d) {
+  const int64_t i = blockIdx.x;
+  const int64_t b = i / T, t = i % T, slot = index_map[i];
+  scalar_t* out = grad_x + i * d;
+  float w;
+  if (slot < 0 || slot >= T) {
+    w = quiet_nan();  // invalid map: visible, never silent
+  } else if (slot >= merged_lengths[b]) {
+    w = 0.f;  // padding
+  } else {
+    const bool paired = (t > 0 && index_map[i - 1] == slot) || (t + 1 < T && index_map[i + 1] == slot);
+    w = paired ? 0.5f : 1.f;
+  }
+  if (!(w == w) || w == 0.f) {
+    for (int64_t j = threadIdx.x; j < d; j += blockDim.x) out[j] = from_float<scalar_t>(w);
+    return;
+  }
+  const scalar_t* g = grad + (b * T + slot) * d;
+  for (int64_t j = threadIdx.x; j < d; j += blockDim.x) out[j] = from_float<scalar_t>(w * to_float(g[j]));
+}
+
+// One block per token: restored_t = y_{slot(t)} (NaN for an out-of-range slot).
+template <typename scalar_t>
+__global__ void __launch_bounds__(kRowThreads)
+    unmerge_kernel(const scalar_t* __restrict__ y, const int64_t* __restrict__ index_map, scalar_t* __restrict__ out,
+                   int64_t T, int64_t d) {
+  const int64_t i = blockIdx.x;
+  const int64_t slot = index_map[i];
+  scalar_t* o = out + i * d;
+  if (slot < 0 || slot >= T) {
+    for (int64_t j = threadIdx.x; j < d; j += blockDim.x) o[j] = from_float<scalar_t>(quiet_nan());
+    return;
+  }
+  const scalar_t* src = y + ((i / T) * T + slot) * d;
+  for (int64_t j = threadIdx.x; j < d; j += blockDim.x) o[j] = src[j];
+}
+
+// grid (column blocks, B): one thread owns column j of row b and walks the tokens in
+// order, summing runs of equal slots in float and adding each run to its slot once.
+template <typename scalar_t>
+__global__ void __launch_bounds__(kColumnThreads)
+    unmerge_backward_kernel(const scalar_t* __restrict__ grad, const int64_t* __restrict__ index_map,
+                            scalar_t* __restrict__ grad_y, int64_t T, int64_t d) {
+  const int64_t j = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (j >= d) return;
+  const int64_t b = blockIdx.y;
+  const int64_t* map = index_map + b * T;
+  const scalar_t* g = grad + b * T * d + j;
+  scalar_t* out = grad_y + b * T * d + j;
+  for (int64_t s = 0; s < T; ++s) out[s * d] = from_float<scalar_t>(0.f);
+  int64_t cur = -1;
+  float acc = 0.f;
+  for (int64_t t = 0; t < T; ++t) {
+    const int64_t slot = map[t];
+    if (slot < 0 || slot >= T) continue;  // invalid entries contribute nothing
+    const float v = to_float(g[t * d]);
+    if (slot == cur) {
+      acc += v;
+      continue;
+    }
+    if (cur >= 0) out[cur * d] = from_float<scalar_t>(to_float(out[cur * d]) + acc);
+    cur = slot;
+    acc = v;
+  }
+  if (cur >= 0) out[cur * d] = from_float<scalar_t>(to_float(out[cur * d]) + acc);
+}
+
+template <typename scalar_t>
+cudaError_t merge_typed(const MergeParams& p, cudaStream_t stream) {
+  const int64_t chunks = (p.T + kSimTokens - 1) / kSimTokens;
+  norms_and_dots_kernel<scalar_t><<<static_cast<unsigned>(p.B * chunks), kSimThreads, 0, stream>>>(
+      static_cast<const scalar_t*>(p.x), p.norm_sq, p.dot, p.T, p.d, chunks);
+  select_kernel<<<static_cast<unsigned>(p.B), kScanThreads, 0, stream>>>(
+      p.norm_sq, p.dot, p.positions, p.lengths, p.threshold, p.T, p.index_map, p.merged_positions,
+      p.merged_lengths, p.slot_source);
+  gather_average_kernel<scalar_t><<<static_cast<unsigned>(p.B * p.T), kRowThreads, 0, stream>>>(
+      static_cast<const scalar_t*>(p.x), p.slot_source, static_cast<scalar_t*>(p.merged), p.T, p.d);
+  return cudaGetLastError();
+}
+
+template <typename scalar_t>
+cudaError_t merge_backward_typed(const MergeBackwardParams& p, cudaStream_t stream) {
+  merge_backward_kernel<scalar_t><<<static_cast<unsigned>(p.B * p.T), kRowThreads, 0, stream>>>(
+      static_cast<const scalar_t*>(p.grad_merged), p.index_map, p.merged_lengths, static_cast<scalar_t*>(p.grad_x),
+      p.T, p.d);
+  return cudaGetLastError();
+}
+
+template <typename scalar_t>
+cudaError_t unmerge_typed(const UnmergeParams& p, cudaStream_t stream) {
+  unmerge_kernel<scalar_t><<<static_cast<unsigned>(p.B * p.T), kRowThreads, 0, stream>>>(
+      static_cast<const scalar_t*>(p.in), p.index_map, static_cast<scalar_t*>(p.out), p.T, p.d);
+  return cudaGetLastError();
+}
+
+template <typename scalar_t>
+cudaError_t unmerge_backward_typed(const UnmergeParams& p, cudaStream_t stream) {
+  const dim3 grid(static_cast<unsigned>((p.d + kColumnThreads - 1) / kColumnThreads), static_cast<unsigned>(p.B));
+  unmerge_backward_kernel<scalar_t><<<grid, kColumnThreads, 0, stream>>>(
+      static_cast<const scalar_t*>(p.in), p.index_map, static_cast<scalar_t*>(p.out), p.T, p.d);
+  return cudaGetLastError();
+}
+
+// Calls fn.template operator()<scalar_t>() for the runtime dtype.
+template <typename Fn>
+cudaError_t dispatch_dtype(DType dtype, Fn&& fn) {
+  switch (dtype) {
+    case DType::kFloat32:
+      return fn(float{});
+    case DType::kFloat16:
+      return fn(__half{});
+    case DType::kBFloat16:
+      return fn(__nv_bfloat16{});
+  }
+  return cudaErrorInvalidValue;
+}
+
+}  // namespace
+
+cudaError_t launch_merge(const MergeParams& p, cudaStream_t stream) {
+  if (p.B == 0 || p.T == 0) return cudaSuccess;
+  if (p.d <= 0 || p.T >= (int64_t{1} << 30)) return cudaErrorInvalidValue;
+  return dispatch_dtype(p.dtype, [&](auto tag) { return merge_typed<decltype(tag)>(p, stream); });
+}
+
+cudaError_t launch_merge_backward(const MergeBackwardParams& p, cudaStream_t stream) {
+  if (p.B == 0 || p.T == 0 || p.d == 0) return cudaSuccess;
+  return dispatch_dtype(p.dtype, [&](auto tag) { return merge_backward_typed<decltype(tag)>(p, stream); });
+}
+
+cudaError_t launch_unmerge(const UnmergeParams& p, cudaStream_t stream) {
+  if (p.B == 0 || p.T == 0 || p.d == 0) return cudaSuccess;
+  return dispatch_dtype(p.dtype, [&](auto tag) { return unmerge_typed<decltype(tag)>(p, stream); });
+}
+
+cudaError_t launch_unmerge_backward(const UnmergeParams& p, cudaStream_t stream) {
+  if (p.B == 0 || p.T == 0 || p.d == 0) return cudaSuccess;
+  return dispatch_dtype(p.dtype, [&](auto tag) { return unmerge_backward_typed<decltype(tag)>(p, stream); });
+}
+
+}  // namespace wiola::atm

@@ -1,0 +1,130 @@
+// Torch side of the ATM CUDA kernels (csrc/cuda/atm.cu): checks tensors, allocates
+// outputs and workspaces, fills the params structs of csrc/include/wiola/atm.h and
+// launches on the current stream. float32, float16 and bfloat16 (float64 CUDA inputs are
+// routed to the reference by wiola_kernels/ops/atm.py).
+#include <c10/cuda/CUDAStream.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/library.h>
+
+#include "../cpu/common.h"
+#include "wiola/atm.h"
+
+namespace wiola::cuda_atm {
+namespace {
+
+using wiola::cpu::empty_output;
+
+atm::DType kernel_dtype(const at::Tensor& t, const char* name) {
+  switch (t.scalar_type()) {
+    case at::kFloat:
+      return atm::DType::kFloat32;
+    case at::kHalf:
+      return atm::DType::kFloat16;
+    case at::kBFloat16:
+      return atm::DType::kBFloat16;
+    default:
+      TORCH_CHECK_TYPE(false, name, " must be float32, float16 or bfloat16 for the CUDA kernels, got ",
+                       t.scalar_type());
+  }
+  return atm::DType::kFloat32;
+}
+
+void check_x(const char* name, const at::Tensor& x) {
+  TORCH_CHECK_VALUE(x.is_cuda() && x.dim() == 3 && x.is_contiguous() && x.size(2) > 0, name,
+                    " must be a contiguous CUDA (B, T, d) tensor with d > 0, got ", x.sizes());
+  TORCH_CHECK_VALUE(x.size(1) < (int64_t{1} << 30), name, ": T must be below 2^30, got ", x.size(1));
+}
+
+void check_int(const char* name, const at::Tensor& t, const at::Tensor& like, at::IntArrayRef sizes) {
+  TORCH_CHECK_VALUE(t.device() == like.device() && t.scalar_type() == at::kLong && t.is_contiguous() &&
+                        t.sizes() == sizes,
+                    name, " must be a contiguous int64 tensor of shape ", sizes, " on ", like.device(), ", got ",
+                    t.sizes(), " ", t.scalar_type(), " on ", t.device());
+}
+
+void check_launch(cudaError_t err, const char* what) {
+  TORCH_CHECK(err == cudaSuccess, "wiola atm: ", what, " launch failed: ", cudaGetErrorString(err));
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> atm_merge(const at::Tensor& x, const at::Tensor& positions,
+                                                                     const at::Tensor& lengths, double threshold) {
+  check_x("x", x);
+  const int64_t B = x.size(0), T = x.size(1), d = x.size(2);
+  check_int("positions", positions, x, {B, T});
+  check_int("lengths", lengths, x, {B});
+  TORCH_CHECK_VALUE(threshold >= -1.0 && threshold <= 1.0, "threshold must lie in [-1, 1], got ", threshold);
+  const c10::cuda::CUDAGuard guard(x.device());
+  at::Tensor merged = empty_output(x.sizes(), x.options());
+  at::Tensor merged_positions = empty_output({B, T}, positions.options());
+  at::Tensor merged_lengths = empty_output({B}, lengths.options());
+  at::Tensor index_map = empty_output({B, T}, positions.options());
+  if (B * T == 0) return {merged, merged_positions, merged_lengths.copy_(lengths.clamp(0, T)), index_map};
+  at::Tensor work = at::empty({2 * B * T}, x.options().dtype(at::kFloat));
+  at::Tensor slot_source = at::empty({B * T}, positions.options());
+  atm::MergeParams p{};
+  p.x = x.const_data_ptr();
+  p.positions = positions.const_data_ptr<int64_t>();
+  p.lengths = lengths.const_data_ptr<int64_t>();
+  p.threshold = threshold;
+  p.merged = merged.mutable_data_ptr();
+  p.merged_positions = merged_positions.mutable_data_ptr<int64_t>();
+  p.merged_lengths = merged_lengths.mutable_data_ptr<int64_t>();
+  p.index_map = index_map.mutable_data_ptr<int64_t>();
+  p.norm_sq = work.mutable_data_ptr<float>();
+  p.dot = p.norm_sq + B * T;
+  p.slot_source = slot_source.mutable_data_ptr<int64_t>();
+  p.B = B;
+  p.T = T;
+  p.d = d;
+  p.dtype = kernel_dtype(x, "x");
+  check_launch(atm::launch_merge(p, c10::cuda::getCurrentCUDAStream()), "merge");
+  return {merged, merged_positions, merged_lengths, index_map};
+}
+
+at::Tensor atm_merge_bwd(const at::Tensor& grad_merged, const at::Tensor& index_map,
+                         const at::Tensor& merged_lengths) {
+  check_x("grad_merged", grad_merged);
+  const int64_t B = grad_merged.size(0), T = grad_merged.size(1), d = grad_merged.size(2);
+  check_int("index_map", index_map, grad_merged, {B, T});
+  check_int("merged_lengths", merged_lengths, grad_merged, {B});
+  const c10::cuda::CUDAGuard guard(grad_merged.device());
+  at::Tensor grad_x = empty_output(grad_merged.sizes(), grad_merged.options());
+  atm::MergeBackwardParams p{grad_merged.const_data_ptr(), index_map.const_data_ptr<int64_t>(),
+                             merged_lengths.const_data_ptr<int64_t>(), grad_x.mutable_data_ptr(), B, T, d,
+                             kernel_dtype(grad_merged, "grad_merged")};
+  check_launch(atm::launch_merge_backward(p, c10::cuda::getCurrentCUDAStream()), "merge backward");
+  return grad_x;
+}
+
+at::Tensor unmerge_common(const at::Tensor& in, const at::Tensor& index_map, bool backward) {
+  check_x(backward ? "grad_restored" : "y", in);
+  const int64_t B = in.size(0), T = in.size(1), d = in.size(2);
+  check_int("index_map", index_map, in, {B, T});
+  const c10::cuda::CUDAGuard guard(in.device());
+  at::Tensor out = empty_output(in.sizes(), in.options());
+  atm::UnmergeParams p{in.const_data_ptr(), index_map.const_data_ptr<int64_t>(), out.mutable_data_ptr(), B, T, d,
+                       kernel_dtype(in, backward ? "grad_restored" : "y")};
+  const auto stream = c10::cuda::getCurrentCUDAStream();
+  check_launch(backward ? atm::launch_unmerge_backward(p, stream) : atm::launch_unmerge(p, stream),
+               backward ? "unmerge backward" : "unmerge");
+  return out;
+}
+
+at::Tensor atm_unmerge(const at::Tensor& y, const at::Tensor& index_map) {
+  return unmerge_common(y, index_map, false);
+}
+
+at::Tensor atm_unmerge_bwd(const at::Tensor& grad_restored, const at::Tensor& index_map) {
+  return unmerge_common(grad_restored, index_map, true);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(wiola, CUDA, m) {
+  m.impl("_atm_merge", &atm_merge);
+  m.impl("_atm_merge_bwd", &atm_merge_bwd);
+  m.impl("_atm_unmerge", &atm_unmerge);
+  m.impl("_atm_unmerge_bwd", &atm_unmerge_bwd);
+}
+
+}  // namespace wiola::cuda_atm

@@ -1,0 +1,96 @@
+"""ATM CUDA kernels (csrc/cuda/atm.cu) against the reference and the greedy loop of
+tests/test_atm.py: decisions exactly, values within SPEC §9 tolerances. Skipped
+without a GPU or without the extension's CUDA kernels."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given
+
+import wiola_kernels as wk
+from wiola_kernels import dispatch
+from wiola_kernels.reference import atm as ref
+from wiola_kernels.testing import assert_close_rel, tolerance
+
+from test_atm import _robust_inputs, _tensors, greedy_loop, planted_rows
+
+_REASON = ("no CUDA device" if not torch.cuda.is_available()
+           else dispatch.BACKENDS["cuda"].unavailable_reason(torch.device("cuda")))
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_REASON is not None, reason=f"cuda backend unavailable: {_REASON}")]
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@given(case=planted_rows(max_t=40))
+def test_cuda_matches_greedy_loop(dtype, case):
+    rows, positions, lengths, tau = case
+    x, pos, lens = (t.cuda() for t in _tensors(rows, positions, lengths, dtype))
+    ex, ep, elen, emap = greedy_loop(rows, positions, lengths, tau)
+    with wk.use_backend("cuda"):
+        merged, mpos, mlen, imap = wk.atm_merge(x, pos, tau, lens)
+    assert mlen.tolist() == elen and imap.tolist() == emap and mpos.tolist() == ep
+    assert torch.equal(merged.double().cpu(), torch.tensor(ex, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(3, 37, 40), (2, 3001, 96), (1, 1, 8), (5, 1024, 33)])
+def test_cuda_against_reference(dtype, shape):
+    """Several scan tiles (1024 tokens each), odd sizes, T = 1; values and gradients."""
+    b, t, d = shape
+    x64 = _robust_inputs(b, t, d, seed=7)
+    pos = torch.randint(0, 10_000, (b, t))
+    lens = torch.randint(0, t + 1, (b,))
+    lens[0] = t
+    x64 = x64.to(dtype).double()                                    # the input as the kernel sees it
+    m_ref, p_ref, l_ref, i_ref = ref.atm_merge(x64, pos, 0.5, lens)
+    g64 = torch.randn(b, t, d, dtype=torch.float64)
+    x = x64.to(dtype).cuda().requires_grad_()
+    y = g64.flip(1).to(dtype).cuda().requires_grad_()
+    with wk.use_backend("cuda"):
+        merged, mpos, mlen, imap = wk.atm_merge(x, pos.cuda(), 0.5, lens.cuda())
+        restored = wk.atm_unmerge(y, imap)
+    assert torch.equal(imap.cpu(), i_ref) and torch.equal(mlen.cpu(), l_ref) and torch.equal(mpos.cpu(), p_ref)
+    tol = tolerance(dtype)
+    assert_close_rel(merged.cpu(), m_ref, tol, "merged")
+    assert_close_rel(restored.cpu(), ref.atm_unmerge(g64.flip(1), i_ref), tol, "restored")
+    (gx,) = torch.autograd.grad(merged, x, g64.to(dtype).cuda())
+    (gy,) = torch.autograd.grad(restored, y, g64.to(dtype).cuda())
+    assert_close_rel(gx.cpu(), ref.atm_merge_backward(g64, i_ref, l_ref), tol, "grad_x")
+    assert_close_rel(gy.cpu(), ref.atm_unmerge_backward(g64, i_ref), tol, "grad_y")
+
+
+def test_cuda_backward_deterministic_any_map():
+    g = torch.randn(2, 9, 300, device="cuda")
+    imap = torch.tensor([[3, 3, 0, 3, 8, 8, 8, 1, 0], [0, 1, 2, 3, 4, 5, 6, 7, 8]], device="cuda")
+    with wk.use_backend("cuda"):
+        a = torch.ops.wiola.atm_unmerge_backward(g, imap)
+        b = torch.ops.wiola.atm_unmerge_backward(g, imap)
+    assert torch.equal(a, b)
+    torch.testing.assert_close(a.cpu(), ref.atm_unmerge_backward(g.cpu().double(), imap.cpu()).float())
+
+
+def test_cuda_float64_and_opcheck():
+    x = _robust_inputs(2, 7, 5, seed=4).cuda().requires_grad_()
+    pos, lens = torch.arange(7, device="cuda").expand(2, 7).contiguous(), torch.tensor([7, 4], device="cuda")
+    with wk.use_backend("cuda"):
+        merged, _, mlen, imap = wk.atm_merge(x, pos, 0.5, lens)                # float64: reference path
+        assert torch.equal(imap.cpu(), ref.atm_merge(x.detach().cpu(), pos.cpu(), 0.5, lens.cpu())[3])
+        xf = x.detach().float().requires_grad_()
+        torch.library.opcheck(torch.ops.wiola.atm_merge.default, (xf, pos, lens, 0.5))
+        torch.library.opcheck(torch.ops.wiola.atm_unmerge.default, (xf, imap))
+
+
+def test_cuda_torch_compile_fullgraph():
+    def layer(x, pos):
+        merged, mpos, _, imap = wk.atm_merge(x, pos, 0.5)
+        return wk.atm_unmerge(torch.tanh(merged) * (mpos.unsqueeze(-1) + 1), imap)
+
+    x = _robust_inputs(2, 300, 64, dtype=torch.float32, seed=5).cuda().requires_grad_()
+    pos = torch.arange(300, device="cuda")
+    torch._dynamo.reset()
+    with wk.use_backend("cuda"):
+        out = torch.compile(layer, fullgraph=True)(x, pos)
+        eager = layer(x, pos)
+    torch.testing.assert_close(out, eager)
