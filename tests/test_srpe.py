@@ -12,6 +12,8 @@ import math
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 import wiola_kernels
 from wiola_kernels import SpiralRotaryEmbedding, use_backend
@@ -231,6 +233,23 @@ def test_norm_scaled_by_radius_not_preserved(backend):
     assert not torch.allclose(q_out.norm(), q.norm(), rtol=1e-3)
 
 
+@pytest.mark.parametrize("backend", [b for b in BACKENDS if b != "triton"])  # the interpreter is too slow
+@given(b=st.integers(1, 3), h_kv=st.integers(1, 3), group=st.integers(1, 3), t=st.integers(1, 40),
+       half=st.integers(1, 40), lo=st.integers(-2**20, 2**20), data=st.data())
+def test_random_shapes_and_positions(backend, b, h_kv, group, t, half, lo, data):
+    """Property test: any shape, any (also negative) positions, fp32 within tolerance."""
+    span = data.draw(st.integers(0, 2**20), label="span")
+    gen = torch.Generator().manual_seed(b * 1000003 + t * 1009 + half)
+    q = torch.randn(b, h_kv * group, t, 2 * half, generator=gen)
+    k = torch.randn(b, h_kv, t, 2 * half, generator=gen)
+    pos = torch.randint(lo, lo + span + 1, (b, t), generator=gen)
+    with use_backend(backend):
+        q_out, k_out = wiola_kernels.srpe(q, k, pos)
+    q_ref, k_ref = reference_srpe(q.double(), k.double(), pos)
+    assert_close_rel(q_out, q_ref, tolerance(torch.float32), f"{backend} q_out")
+    assert_close_rel(k_out, k_ref, tolerance(torch.float32), f"{backend} k_out")
+
+
 def _bad_cases():
     q, k, pos = torch.randn(2, 4, 3, 8), torch.randn(2, 2, 3, 8), torch.arange(3)
     return [
@@ -248,6 +267,7 @@ def _bad_cases():
         ("int dtype q", (q.long(), k, pos), TypeError, "q must have dtype"),
         ("dtype mismatch", (q, k.double(), pos), TypeError, "k must have dtype"),
         ("not a tensor", (q.tolist(), k, pos), TypeError, "q must be a torch.Tensor"),
+        ("device mismatch", (q, k, pos.to("meta")), ValueError, "position_ids must be on cpu"),
     ]
 
 

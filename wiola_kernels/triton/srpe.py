@@ -44,8 +44,8 @@ def _srpe_kernel(
     q_ptr,        # (B, H, T, d_h) queries (or ∂L/∂q_out for the backward), contiguous
     k_ptr,        # (B, H_kv, T, d_h) keys (or ∂L/∂k_out), contiguous
     pos_ptr,      # (B, T) int64 positions, contiguous
-    freq_ptr,     # (4, d_h/2) float64 rows: angle_freq, radial_freq, a_s, 2π (float64 scalars
-                  # cannot be passed as arguments: Triton types a Python float as float32)
+    freq_ptr,     # (5, d_h/2) float64 rows: angle_freq, radial_freq, a_s, 2π, 1/(2π) (float64
+                  # scalars cannot be arguments: Triton types a Python float as float32)
     q_out_ptr,    # (B, H, T, d_h) output, dtype of q
     k_out_ptr,    # (B, H_kv, T, d_h) output, dtype of k
     BT,           # B·T: number of positions
@@ -70,11 +70,12 @@ def _srpe_kernel(
     angle_freq = tl.load(freq_ptr + j, mask=col_mask, other=0.0)
     radial_freq = tl.load(freq_ptr + HALF + j, mask=col_mask, other=0.0)
     amplitude = tl.load(freq_ptr + 2 * HALF + j, mask=col_mask, other=0.0)
-    two_pi = tl.load(freq_ptr + 3 * HALF + j, mask=col_mask, other=1.0)
+    two_pi = tl.load(freq_ptr + 3 * HALF + j, mask=col_mask, other=0.0)[None, :]
+    inv_two_pi = tl.load(freq_ptr + 4 * HALF + j, mask=col_mask, other=0.0)[None, :]
     angle = p[:, None] * angle_freq[None, :]
-    angle = angle - two_pi[None, :] * tl.floor(angle / two_pi[None, :] + 0.5)
+    angle = angle - two_pi * tl.floor(angle * inv_two_pi + 0.5)  # no float64 division
     radial = p[:, None] * radial_freq[None, :]
-    radial = radial - two_pi[None, :] * tl.floor(radial / two_pi[None, :] + 0.5)
+    radial = radial - two_pi * tl.floor(radial * inv_two_pi + 0.5)
     if F64:
         radius = 1.0 + amplitude[None, :] * tl.sin(radial)
         c = radius * tl.cos(angle)
@@ -108,10 +109,10 @@ def _srpe_kernel(
 
 def _build_frequency_table(head_dim: int, theta: float, spiral_divisor: float, radial_amplitude: float,
                            radial_frequency: float, device: torch.device) -> torch.Tensor:
-    """The kernel's ``(4, d_h/2)`` float64 table."""
+    """The kernel's ``(5, d_h/2)`` float64 table."""
     angle_freq, radial_freq = srpe_frequencies(head_dim, theta, spiral_divisor, radial_frequency, device)
-    return torch.stack((angle_freq, radial_freq, torch.full_like(angle_freq, radial_amplitude),
-                        torch.full_like(angle_freq, _TWO_PI))).contiguous()
+    constants = [torch.full_like(angle_freq, v) for v in (radial_amplitude, _TWO_PI, 1.0 / _TWO_PI)]
+    return torch.stack((angle_freq, radial_freq, *constants)).contiguous()
 
 
 _cached_frequency_table = functools.lru_cache(maxsize=64)(_build_frequency_table)
@@ -127,12 +128,15 @@ def _frequency_table(head_dim, theta, spiral_divisor, radial_amplitude, radial_f
 
 
 def _launch_config(bt: int, half: int, device: torch.device) -> tuple[int, int, int]:
-    """(BLOCK_T, BLOCK_HALF, num_warps). GPU: tiles of ~2K pairs (4 warps); the
+    """(BLOCK_T, BLOCK_HALF, num_warps). GPU: enough programs to fill the SMs about
+    four times over, tiles of at most 2K pairs, one warp per 256 pairs (up to 4); the
     interpreter: large tiles, few programs (each program is slow there)."""
     block_half = triton.next_power_of_2(half)
     if device.type == "cuda":
-        block_t = max(1, min(triton.next_power_of_2(bt), max(1, 2048 // block_half)))
-        return block_t, block_half, 4
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        block_t = triton.next_power_of_2(triton.cdiv(bt, 4 * sms))
+        block_t = max(1, min(block_t, max(1, 2048 // block_half)))
+        return block_t, block_half, max(1, min(4, block_t * block_half // 256))
     return max(1, min(triton.next_power_of_2(bt), 64)), block_half, 1
 
 
