@@ -128,6 +128,9 @@ def _logits_and_grads(model, ids, backend):
 @pytest.mark.parametrize("mode", ["causal", "paper"])
 @pytest.mark.parametrize("training", [False, True])
 def test_reference_and_auto_backends_agree(mode, training):
+    chosen = {op: wiola_kernels.dispatch.select(op, torch.device("cpu")) for op in wiola_kernels.dispatch.ops()}
+    if set(chosen.values()) == {"reference"}:
+        pytest.skip(f"no fused backend can run here, 'auto' is the reference: {chosen}")
     model = make(small(gcla_summary=mode), gate=0.0).train(training)
     ids = torch.randint(3, 259, (3, 23))
     ref_logits, ref_grads = _logits_and_grads(model, ids, "reference")
@@ -191,7 +194,8 @@ def test_atm_in_training_leaks_and_eval_does_not():
 def test_atm_merges_happen_and_training_runs():
     model = make(small(atm_threshold=-1.0, kernel_backend="reference"), gate=0.0).train()
     ids = torch.randint(3, 259, (2, 16))
-    out = model(ids, labels=ids, use_cache=False)
+    out = model(ids, labels=ids)  # training mode: no cache by default, so ATM runs
+    assert out.cache is None
     out.loss.backward()
     assert torch.isfinite(out.loss)
     assert all(torch.isfinite(p.grad).all() for p in model.parameters())

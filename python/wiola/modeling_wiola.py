@@ -14,9 +14,9 @@
 The heavy lifting is done by ``wiola_kernels`` ops (``rms_norm``, ``srpe``,
 ``gcla_attention``, ``atm_merge``/``atm_unmerge``); which implementation runs is chosen
 by ``config.kernel_backend`` through :func:`wiola_kernels.use_backend` around the
-forward. Backward kernels are chosen when backward runs: to force a backend for the
-backward too, run it inside ``with model.kernel_backend():`` (``python -m wiola train``
-does).
+forward (``"auto"``: no override, each op picks the best backend for the device).
+Backward kernels are chosen when backward runs: to force a backend for the backward
+too, run it inside ``with model.kernel_backend():`` (``python -m wiola train`` does).
 
 Summaries (SPEC §5.1). ``gcla_summary="causal"`` (default): ``s⁽ˡ⁾_t`` is the mean of
 ``Xˡ⁺¹_u`` over ``u ≤ t``; the model is causal and the generation cache carries each
@@ -35,8 +35,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Iterator
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -302,8 +300,9 @@ class WiolaModel(WiolaPreTrainedModel):
             raise ValueError("WiolaModel: pass exactly one of input_ids or inputs_embeds")
         x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds  # X⁰ (B, T, d)
         b, t, _ = x.shape
-        use_cache = cfg.use_cache if use_cache is None else use_cache
-        if use_cache and cache is None and not (self.gradient_checkpointing and self.training):
+        if use_cache is None:  # no cache while training by default (and ATM needs none)
+            use_cache = cfg.use_cache and not self.training
+        if use_cache and cache is None:
             cache = WiolaCache()
         if not use_cache:
             cache = None
@@ -352,6 +351,12 @@ def right_padding_lengths(attention_mask: Tensor | None, past: int, t: int) -> T
     return lengths
 
 
+def backend_scope(name: str) -> contextlib.AbstractContextManager:
+    """``wiola_kernels.use_backend(name)``; ``"auto"`` adds no override, so the ops choose
+    per device and a process-wide ``WIOLA_BACKEND`` still applies."""
+    return contextlib.nullcontext() if name == "auto" else wiola_kernels.use_backend(name)
+
+
 class WiolaForCausalLM(WiolaPreTrainedModel, GenerationMixin):
     """Wiola decoder with the tied language-model head; next-token loss when ``labels`` are given."""
 
@@ -375,12 +380,10 @@ class WiolaForCausalLM(WiolaPreTrainedModel, GenerationMixin):
     def set_output_embeddings(self, value: nn.Linear) -> None:
         self.lm_head = value
 
-    @contextlib.contextmanager
-    def kernel_backend(self) -> Iterator[None]:
-        """``wiola_kernels.use_backend(config.kernel_backend)``: wrap ``loss.backward()`` in it so
+    def kernel_backend(self) -> contextlib.AbstractContextManager:
+        """:func:`backend_scope` of ``config.kernel_backend``: wrap ``loss.backward()`` in it so
         the backward kernels follow the configured backend too (forward does it itself)."""
-        with wiola_kernels.use_backend(self.config.kernel_backend):
-            yield
+        return backend_scope(self.config.kernel_backend)
 
     def forward(self, input_ids: Tensor | None = None, attention_mask: Tensor | None = None,
                 position_ids: Tensor | None = None, cache: Cache | None = None,
@@ -420,4 +423,4 @@ class WiolaForCausalLM(WiolaPreTrainedModel, GenerationMixin):
         return super().generate(*args, **kwargs)
 
 
-__all__ = ["WiolaCache", "WiolaForCausalLM", "WiolaModel", "WiolaPreTrainedModel", "summarize"]
+__all__ = ["WiolaCache", "backend_scope", "WiolaForCausalLM", "WiolaModel", "WiolaPreTrainedModel", "summarize"]

@@ -29,10 +29,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-import wiola_kernels
-
 from .configuration_wiola import WiolaConfig
-from .modeling_wiola import WiolaForCausalLM
+from .modeling_wiola import WiolaForCausalLM, backend_scope
 
 PAD, BOS, EOS, OFFSET = 0, 1, 2, 3  # byte b has id b + OFFSET
 
@@ -149,7 +147,7 @@ def train_steps(model: torch.nn.Module, config: WiolaConfig, batches, steps: int
         for group in opt.param_groups:
             group["lr"] = lr_at(step, steps, lr, warmup)
         t0 = time.perf_counter()
-        with wiola_kernels.use_backend(config.kernel_backend):
+        with backend_scope(config.kernel_backend):
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_bf16):
                 loss = model(local, labels=local, use_cache=False).loss
             loss.backward()
