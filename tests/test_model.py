@@ -18,6 +18,7 @@ from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
 from wiola import WiolaCache, WiolaConfig, WiolaForCausalLM  # noqa: E402
 from wiola.configuration_wiola import NOMINAL_PARAMETERS, PRESETS  # noqa: E402
 from wiola.train import batch_iterator, build_model, corpus_tensor, decode, encode, train_steps  # noqa: E402
+from wiola.train import generate_main, main as train_main  # noqa: E402
 from wiola_kernels.testing import rel_err  # noqa: E402
 
 SEED_CONFIG = "/work/shared/seed/wiola-360m-config.json"
@@ -138,6 +139,11 @@ def test_reference_and_auto_backends_agree(mode, training):
     assert rel_err(logits, ref_logits) <= 1e-5
     for name, g in ref_grads.items():
         assert rel_err(grads[name], g) <= 1e-4, name
+
+
+def test_gradient_checkpointing_from_the_config():
+    model = WiolaForCausalLM(small(gradient_checkpointing=True))
+    assert model.is_gradient_checkpointing and model.model.layers[0].gradient_checkpointing
 
 
 def test_gradient_checkpointing_gives_the_same_gradients():
@@ -314,3 +320,12 @@ def test_convergence_reference_vs_fused_30_steps():
     assert ref[-1] < ref[0] - 0.5, f"loss did not fall: {ref[0]:.3f} -> {ref[-1]:.3f}"
     for step, (a, b) in enumerate(zip(ref, fused)):
         assert abs(a - b) <= 1e-3 * abs(a), f"step {step}: reference {a:.6f} vs fused {b:.6f}"
+
+
+def test_train_and_generate_command_line(tmp_path, capsys):
+    losses = train_main(["--steps", "3", "--batch-size", "2", "--seq-len", "16", "--out", str(tmp_path),
+                         "--no-progress", "--losses-json", str(tmp_path / "losses.json")])
+    assert len(losses) == 3 and all(loss == loss for loss in losses)
+    assert (tmp_path / "model.safetensors").exists() and (tmp_path / "train_state.json").exists()
+    text = generate_main(["--checkpoint", str(tmp_path), "--max-new-tokens", "6", "--temperature", "0", "Hi"])
+    assert "Hi" + text in capsys.readouterr().out

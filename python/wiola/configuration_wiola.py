@@ -5,6 +5,9 @@ Field names are the ones of the published ``wiola-360m`` ``config.json`` (SPEC ย
 file as is. Two fields go beyond the paper: ``gcla_summary`` (how GCLA summarises a
 layer, SPEC ยง5.1) and ``kernel_backend`` (which ``wiola_kernels`` backend runs the ops).
 
+Gradient checkpointing: ``WiolaConfig(..., gradient_checkpointing=True)`` (Hugging Face
+turns it on when the model is built) or ``model.gradient_checkpointing_enable()``.
+
 Presets by name::
 
     WiolaConfig.from_name("wiola-360m")                    # the published model
