@@ -104,18 +104,40 @@ inline void load_tile(const scalar_t* src, int64_t n, int64_t dh, acc_t* dst, in
   for (int64_t r = 0; r < n; ++r) load_row(src + r * dh, dst + r * ldd, dh);
 }
 
-// The transpose (dh × n, row stride ldd) of rows [0, n) of a (·, dh) scalar_t matrix.
-template <typename scalar_t, typename acc_t>
-inline void load_tile_t(const scalar_t* src, int64_t n, int64_t dh, acc_t* dst, int64_t ldd, acc_t* row) {
-  for (int64_t r = 0; r < n; ++r) {
-    load_row(src + r * dh, row, dh);
-    for (int64_t e = 0; e < dh; ++e) dst[e * ldd + r] = row[e];
-  }
-}
-
 // Tile widths rounded up to two vectors of the widest accumulation type (16 floats).
 constexpr int64_t kPad = 16;
 inline int64_t padded(int64_t n) { return (n + kPad - 1) / kPad * kPad; }
+
+// K/V of every (b, kv group) converted once to the accumulation type, in the layouts the
+// tile gemms read: transposed (n, dh, ldt) with ldt = padded(T) (zero columns past T), or
+// row-padded (n, T, padded(dh)). Linear in T, and saves a conversion per tile pair.
+template <typename scalar_t, typename acc_t>
+std::vector<acc_t> pack_transposed(const scalar_t* src, int64_t n, int64_t T, int64_t dh) {
+  const int64_t ldt = padded(T);
+  std::vector<acc_t> out(n * dh * ldt, acc_t(0));
+  at::parallel_for(0, n * ((T + kBlockK - 1) / kBlockK), 1, [&](int64_t begin, int64_t end) {
+    std::vector<acc_t> row(dh);
+    const int64_t nb = (T + kBlockK - 1) / kBlockK;
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t k = task / nb, t0 = (task % nb) * kBlockK, t1 = std::min(T, t0 + kBlockK);
+      for (int64_t t = t0; t < t1; ++t) {
+        load_row(src + (k * T + t) * dh, row.data(), dh);
+        for (int64_t e = 0; e < dh; ++e) out[(k * dh + e) * ldt + t] = row[e];
+      }
+    }
+  });
+  return out;
+}
+
+template <typename scalar_t, typename acc_t>
+std::vector<acc_t> pack_rows(const scalar_t* src, int64_t rows, int64_t dh) {
+  const int64_t dp = padded(dh);
+  std::vector<acc_t> out(rows * dp, acc_t(0));
+  at::parallel_for(0, rows, 256, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) load_row(src + r * dh, out.data() + r * dp, dh);
+  });
+  return out;
+}
 
 template <typename acc_t>
 inline acc_t dot(const acc_t* a, const acc_t* b, int64_t n) {
@@ -138,6 +160,29 @@ inline void axpby(acc_t alpha, const acc_t* x, acc_t beta, acc_t* y, int64_t n) 
   for (; i < n; ++i) y[i] = alpha * x[i] + beta * y[i];
 }
 
+// exp on a vector: the 20-ulp variant for float (plenty for softmax weights summed in
+// float; ATen's CPU flash attention uses it too), the accurate one for double.
+template <typename acc_t>
+inline Vec<acc_t> vexp(const Vec<acc_t>& x) {
+  if constexpr (std::is_same_v<acc_t, float>) {
+    return x.exp_u20();
+  } else {
+    return x.exp();
+  }
+}
+
+// max(m, s[0..n))
+template <typename acc_t>
+inline acc_t row_max(const acc_t* s, int64_t n, acc_t m) {
+  using V = Vec<acc_t>;
+  V vm(m);
+  int64_t j = 0;
+  for (; j + V::size() <= n; j += V::size()) vm = at::vec::maximum(vm, V::loadu(s + j));
+  acc_t total = at::vec::vec_reduce_all<acc_t>([](V x, V y) { return at::vec::maximum(x, y); }, vm);
+  for (; j < n; ++j) total = std::max(total, s[j]);
+  return total;
+}
+
 // p[j] = exp(s[j] - m); returns Σ p.
 template <typename acc_t>
 inline acc_t exp_sub(const acc_t* s, acc_t m, acc_t* p, int64_t n) {
@@ -146,7 +191,7 @@ inline acc_t exp_sub(const acc_t* s, acc_t m, acc_t* p, int64_t n) {
   V vsum(0);
   int64_t j = 0;
   for (; j + V::size() <= n; j += V::size()) {
-    const V e = (V::loadu(s + j) - vm).exp();
+    const V e = vexp<acc_t>(V::loadu(s + j) - vm);
     e.store(p + j);
     vsum = vsum + e;
   }
@@ -203,10 +248,12 @@ void forward_impl(const Dims& d, const scalar_t* q_rot, const scalar_t* k_rot, c
   const acc_t scale = acc_t(d.scale);
   const acc_t neg_inf = -std::numeric_limits<acc_t>::infinity();
   const int64_t nqb = (T + kBlockQ - 1) / kBlockQ;
+  const int64_t dp = padded(dh), ldt = padded(T);
+  const std::vector<acc_t> kt_all = pack_transposed<scalar_t, acc_t>(k_rot, B * Hkv, T, dh);
+  const std::vector<acc_t> v_all = pack_rows<scalar_t, acc_t>(v, B * Hkv * T, dh);
   at::parallel_for(0, B * H * nqb, 1, [&](int64_t begin, int64_t end) {
-    const int64_t dp = padded(dh);
-    std::vector<acc_t> qbuf(kBlockQ * dp), ktbuf(dh * kBlockK), vbuf(kBlockK * dp), sbuf(kBlockQ * kBlockK),
-        obuf(kBlockQ * dp), m(kBlockQ), l(kBlockQ), a(std::max<int64_t>(L, 1)), oc(dh), row(dh), qrow(dh);
+    std::vector<acc_t> qbuf(kBlockQ * dp), sbuf(kBlockQ * kBlockK), obuf(kBlockQ * dp), m(kBlockQ), l(kBlockQ),
+        a(std::max<int64_t>(L, 1)), oc(dh), row(dh), qrow(dh);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t qb = task % nqb, h = (task / nqb) % H, b = task / (nqb * H);
       const int64_t g = h % Hkv;
@@ -223,26 +270,23 @@ void forward_impl(const Dims& d, const scalar_t* q_rot, const scalar_t* k_rot, c
       }
       if (nq == 0) continue;
       load_tile(q_rot + (bh * T + i0) * dh, nq, dh, qbuf.data(), dp);
-      const scalar_t* K_g = k_rot + (b * Hkv + g) * T * dh;
-      const scalar_t* V_g = v + (b * Hkv + g) * T * dh;
+      const acc_t* KT_g = kt_all.data() + (b * Hkv + g) * dh * ldt;
+      const acc_t* V_g = v_all.data() + (b * Hkv + g) * T * dp;
       std::fill(m.begin(), m.begin() + nq, neg_inf);
       std::fill(l.begin(), l.begin() + nq, acc_t(0));
       std::fill(obuf.begin(), obuf.begin() + nq * dp, acc_t(0));
       const int64_t kv_end = i0 + nq;  // keys j ≤ last valid row (< len)
       for (int64_t j0 = 0; j0 < kv_end; j0 += kBlockK) {
         const int64_t nk = std::min(kBlockK, kv_end - j0);
-        load_tile_t(K_g + j0 * dh, nk, dh, ktbuf.data(), kBlockK, row.data());
-        load_tile(V_g + j0 * dh, nk, dh, vbuf.data(), dp);
         acc_t* Sb = sbuf.data();
-        gemm<acc_t>(nq, nk, dh, scale, qbuf.data(), dp, ktbuf.data(), kBlockK, Sb, kBlockK, false);
+        gemm<acc_t>(nq, nk, dh, scale, qbuf.data(), dp, KT_g + j0, ldt, Sb, kBlockK, false);
         const bool diagonal = j0 + nk - 1 > i0;  // some key lies right of some row
         for (int64_t r = 0; r < nq; ++r) {
           acc_t* s = Sb + r * kBlockK;
           const int64_t i = i0 + r;
           const int64_t ncol = diagonal ? std::clamp<int64_t>(i - j0 + 1, 0, nk) : nk;
           for (int64_t c = ncol; c < nk; ++c) s[c] = neg_inf;
-          acc_t mx = m[r];
-          for (int64_t c = 0; c < ncol; ++c) mx = std::max(mx, s[c]);
+          const acc_t mx = row_max(s, ncol, m[r]);
           // ncol ≥ 1 always holds for the first key block (key 0 ≤ i), so mx is finite.
           const acc_t corr = std::exp(m[r] - mx);
           const acc_t sum = exp_sub(s, mx, s, nk);
@@ -250,10 +294,10 @@ void forward_impl(const Dims& d, const scalar_t* q_rot, const scalar_t* k_rot, c
           m[r] = mx;
           if (corr != acc_t(1)) {
             acc_t* o = obuf.data() + r * dp;
-            for (int64_t e = 0; e < dh; ++e) o[e] *= corr;
+            for (int64_t e = 0; e < dp; e += Vec<acc_t>::size()) (Vec<acc_t>::loadu(o + e) * Vec<acc_t>(corr)).store(o + e);
           }
         }
-        gemm<acc_t>(nq, dh, nk, acc_t(1), Sb, kBlockK, vbuf.data(), dp, obuf.data(), dp, true);
+        gemm<acc_t>(nq, dh, nk, acc_t(1), Sb, kBlockK, V_g + j0 * dp, dp, obuf.data(), dp, true);
       }
       // Epilogue: normalise, cross part, gate, one write.
       const acc_t sig = acc_t(1) / (acc_t(1) + std::exp(-gate[h]));
@@ -293,12 +337,15 @@ void backward_impl(const Dims& d, const scalar_t* grad_out, const scalar_t* q_ro
   const int64_t nqb = (T + kBlockQ - 1) / kBlockQ;
   const int64_t group = H / Hkv;
 
+  const int64_t dp = padded(dh), ldt = padded(T);
+  const std::vector<acc_t> kt_all = pack_transposed<scalar_t, acc_t>(k_rot, B * Hkv, T, dh);
+  const std::vector<acc_t> vt_all = pack_transposed<scalar_t, acc_t>(v, B * Hkv, T, dh);
+  const std::vector<acc_t> k_all = pack_rows<scalar_t, acc_t>(k_rot, B * Hkv * T, dh);
+
   // ---- Pass A: per (b, h, query block): cross part, D, dq̃ ----
   at::parallel_for(0, B * H * nqb, 1, [&](int64_t begin, int64_t end) {
-    const int64_t dp = padded(dh);
-    std::vector<acc_t> qbuf(kBlockQ * dp), dobuf(kBlockQ * dp), ktbuf(dh * kBlockK), vtbuf(dh * kBlockK),
-        kbuf(kBlockK * dp), sbuf(kBlockQ * kBlockK), dpbuf(kBlockQ * kBlockK), dqacc(kBlockQ * dp),
-        a(std::max<int64_t>(L, 1)),
+    std::vector<acc_t> qbuf(kBlockQ * dp), dobuf(kBlockQ * dp), sbuf(kBlockQ * kBlockK), dpbuf(kBlockQ * kBlockK),
+        dqacc(kBlockQ * dp), a(std::max<int64_t>(L, 1)),
         oc(dh), row(dh), qrow(dh), orow(dh), dqc(dh);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t qb = task % nqb, h = (task / nqb) % H, b = task / (nqb * H);
@@ -368,19 +415,17 @@ void backward_impl(const Dims& d, const scalar_t* grad_out, const scalar_t* q_ro
       load_tile(q_rot + (bh * T + i0) * dh, nq, dh, qbuf.data(), dp);
       const acc_t* lse_bh = lse + bh * T;
       const acc_t* D_bh = dbuf + bh * T;
-      const scalar_t* K_g = k_rot + (b * Hkv + g) * T * dh;
-      const scalar_t* V_g = v + (b * Hkv + g) * T * dh;
+      const acc_t* KT_g = kt_all.data() + (b * Hkv + g) * dh * ldt;
+      const acc_t* VT_g = vt_all.data() + (b * Hkv + g) * dh * ldt;
+      const acc_t* K_g = k_all.data() + (b * Hkv + g) * T * dp;
       std::fill(dqacc.begin(), dqacc.begin() + nq * dp, acc_t(0));
       const int64_t kv_end = i0 + nq;
       for (int64_t j0 = 0; j0 < kv_end; j0 += kBlockK) {
         const int64_t nk = std::min(kBlockK, kv_end - j0);
-        load_tile(K_g + j0 * dh, nk, dh, kbuf.data(), dp);
-        transpose(kbuf.data(), nk, dh, dp, ktbuf.data(), kBlockK);
-        load_tile_t(V_g + j0 * dh, nk, dh, vtbuf.data(), kBlockK, row.data());
         acc_t* Sb = sbuf.data();
         acc_t* dP = dpbuf.data();
-        gemm<acc_t>(nq, nk, dh, scale, qbuf.data(), dp, ktbuf.data(), kBlockK, Sb, kBlockK, false);
-        gemm<acc_t>(nq, nk, dh, acc_t(1), dobuf.data(), dp, vtbuf.data(), kBlockK, dP, kBlockK, false);
+        gemm<acc_t>(nq, nk, dh, scale, qbuf.data(), dp, KT_g + j0, ldt, Sb, kBlockK, false);
+        gemm<acc_t>(nq, nk, dh, acc_t(1), dobuf.data(), dp, VT_g + j0, ldt, dP, kBlockK, false);
         for (int64_t r = 0; r < nq; ++r) {
           const int64_t i = i0 + r;
           const int64_t ncol = std::clamp<int64_t>(i - j0 + 1, 0, nk);
@@ -391,7 +436,7 @@ void backward_impl(const Dims& d, const scalar_t* grad_out, const scalar_t* q_ro
           for (int64_t c = 0; c < ncol; ++c) s[c] = s[c] * (dpr[c] - Di);  // dS
           for (int64_t c = ncol; c < nk; ++c) s[c] = 0;
         }
-        gemm<acc_t>(nq, dh, nk, scale, Sb, kBlockK, kbuf.data(), dp, dqacc.data(), dp, true);
+        gemm<acc_t>(nq, dh, nk, scale, Sb, kBlockK, K_g + j0 * dp, dp, dqacc.data(), dp, true);
       }
       for (int64_t r = 0; r < nq; ++r) store_row(dqacc.data() + r * dp, dq_rot + (bh * T + i0 + r) * dh, dh);
     }
@@ -400,10 +445,8 @@ void backward_impl(const Dims& d, const scalar_t* grad_out, const scalar_t* q_ro
   // ---- Pass B: per (b, kv group, key block): dk̃, dv ----
   const int64_t nkb = (T + kBlockK - 1) / kBlockK;
   at::parallel_for(0, B * Hkv * nkb, 1, [&](int64_t begin, int64_t end) {
-    const int64_t dp = padded(dh);
-    std::vector<acc_t> ktbuf(dh * kBlockK), vtbuf(dh * kBlockK), qbuf(kBlockQ * dp), dobuf(kBlockQ * dp),
-        sbuf(kBlockQ * kBlockK), dpbuf(kBlockQ * kBlockK), ptbuf(kBlockK * kBlockQ), dstbuf(kBlockK * kBlockQ),
-        dkacc(kBlockK * dp), dvacc(kBlockK * dp), row(dh);
+    std::vector<acc_t> qbuf(kBlockQ * dp), dobuf(kBlockQ * dp), sbuf(kBlockQ * kBlockK), dpbuf(kBlockQ * kBlockK),
+        ptbuf(kBlockK * kBlockQ), dstbuf(kBlockK * kBlockQ), dkacc(kBlockK * dp), dvacc(kBlockK * dp);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t kb = task % nkb, g = (task / nkb) % Hkv, b = task / (nkb * Hkv);
       const int64_t len = row_length(lengths, b, T);
@@ -415,8 +458,8 @@ void backward_impl(const Dims& d, const scalar_t* grad_out, const scalar_t* q_ro
         std::fill(dv + (bg * T + j) * dh, dv + (bg * T + j + 1) * dh, scalar_t(0));
       }
       if (nk == 0) continue;
-      load_tile_t(k_rot + (bg * T + j0) * dh, nk, dh, ktbuf.data(), kBlockK, row.data());
-      load_tile_t(v + (bg * T + j0) * dh, nk, dh, vtbuf.data(), kBlockK, row.data());
+      const acc_t* KT = kt_all.data() + bg * dh * ldt + j0;
+      const acc_t* VT = vt_all.data() + bg * dh * ldt + j0;
       std::fill(dkacc.begin(), dkacc.begin() + nk * dp, acc_t(0));
       std::fill(dvacc.begin(), dvacc.begin() + nk * dp, acc_t(0));
       for (int64_t hi = 0; hi < group; ++hi) {
@@ -430,8 +473,8 @@ void backward_impl(const Dims& d, const scalar_t* grad_out, const scalar_t* q_ro
           load_tile(grad_out + (bh * T + i0) * dh, nq, dh, dobuf.data(), dp);
           acc_t* Sb = sbuf.data();
           acc_t* dP = dpbuf.data();
-          gemm<acc_t>(nq, nk, dh, scale, qbuf.data(), dp, ktbuf.data(), kBlockK, Sb, kBlockK, false);
-          gemm<acc_t>(nq, nk, dh, acc_t(1), dobuf.data(), dp, vtbuf.data(), kBlockK, dP, kBlockK, false);
+          gemm<acc_t>(nq, nk, dh, scale, qbuf.data(), dp, KT, ldt, Sb, kBlockK, false);
+          gemm<acc_t>(nq, nk, dh, acc_t(1), dobuf.data(), dp, VT, ldt, dP, kBlockK, false);
           for (int64_t r = 0; r < nq; ++r) {
             const int64_t i = i0 + r;
             const int64_t ncol = std::clamp<int64_t>(i - j0 + 1, 0, nk);
