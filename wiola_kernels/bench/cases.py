@@ -140,3 +140,51 @@ def atm_cases(device: torch.device, small: bool) -> list[BenchCase]:
 
     return [BenchCase(op="atm", shape=f"x ({b}, {t}, {d}), merge+unmerge", dtype=dtype, make_inputs=make_inputs,
                       fused=fused, eager=eager, differentiable=(0,), notes=notes)]
+
+
+def _gcla_eager(num_heads: int, num_kv_heads: int):
+    """GCLA as eager PyTorch pieces: SDPA (causal, GQA) + cross softmax + blend.
+
+    SDPA's GQA gives query head p the kv group p // (H/H_kv); GCLA uses h mod H_kv, so the
+    query heads are permuted in (p ← h = (p mod G)·H_kv + p // G) and back out.
+    """
+    import torch.nn.functional as F
+
+    groups = num_heads // num_kv_heads
+    perm = [(p % groups) * num_kv_heads + p // groups for p in range(num_heads)]
+    inv = sorted(range(num_heads), key=lambda p: perm[p])
+
+    def eager(q_rot, k_rot, v, q, kc, vc, gate):
+        o_self = F.scaled_dot_product_attention(q_rot[:, perm], k_rot, v, is_causal=True, enable_gqa=True)[:, inv]
+        z = (q.unsqueeze(-2) * kc).sum(-1) * q.shape[-1] ** -0.5
+        o_cross = (torch.softmax(z, dim=-1).unsqueeze(-1) * vc).sum(-2)
+        return o_self + torch.sigmoid(gate)[None, :, None, None].to(o_self.dtype) * o_cross
+
+    return eager
+
+
+@case_factory
+def gcla_attention_cases(device: torch.device, small: bool) -> list[BenchCase]:
+    # wiola-360m attention (H 16, H_kv 4, d_h 64) with Λ' = 2 causal (prefix-mean) summaries.
+    from ..ops.gcla_attention import gcla_attention
+
+    h, h_kv, dh, lam = 16, 4, 64, 2
+    if device.type == "cuda":
+        b, t = (1, 256) if small else (4, 4096)
+    else:
+        b, t = (1, 256) if small else (1, 2048)
+    dtype = _default_dtype(device)
+
+    def make_inputs():
+        def r(*shape):
+            return torch.randn(*shape, device=device, dtype=dtype)
+
+        gate = -3.0 + 0.5 * torch.randn(h, device=device)
+        return r(b, h, t, dh), r(b, h_kv, t, dh), r(b, h_kv, t, dh), r(b, h, t, dh), r(b, h, t, lam, dh), \
+            r(b, h, t, lam, dh), gate
+
+    return [BenchCase(
+        op="gcla_attention", shape=f"q ({b}, {h}, {t}, {dh}), kv heads {h_kv}, Λ' {lam} causal", dtype=dtype,
+        make_inputs=make_inputs, fused=gcla_attention, eager=_gcla_eager(h, h_kv),
+        reference=reference.gcla_attention, tolerance_kind="attention",
+    )]
