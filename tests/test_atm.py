@@ -228,6 +228,28 @@ def test_special_cases(backend):
         assert torch.equal(merged[1], torch.zeros(6, 4)) and torch.equal(merged[0, 3:], torch.zeros(3, 4))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_streaming_and_phased_paths_agree(dtype):
+    """csrc/cpu/atm.cpp streams rows when B >= threads and runs phased steps otherwise;
+    both must give bitwise the same outputs (same sums, same decisions)."""
+    if dispatch.BACKENDS["cpu"].unavailable_reason(torch.device("cpu")) is not None:
+        pytest.skip("cpu backend unavailable")
+    x = (_robust_inputs(3, 50, 37, seed=9) + 0.3 * torch.randn(3, 50, 37, dtype=torch.float64)).to(dtype)
+    lens = torch.tensor([50, 31, 0])
+    threads = torch.get_num_threads()
+    outs = []
+    try:
+        for n in (1, 8):                                  # B = 3 >= 1: streaming; 3 < 8: phased
+            torch.set_num_threads(n)
+            with wk.use_backend("cpu"):
+                outs.append(wk.atm_merge(x, torch.arange(50), 0.2, lens))
+    finally:
+        torch.set_num_threads(threads)
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
+    assert int((lens - outs[0][2]).sum()) > 0
+
+
 # --- gradients -------------------------------------------------------------------------
 
 def test_reference_backward_matches_autograd():
