@@ -251,29 +251,30 @@ __global__ void __launch_bounds__(kRowThreads)
 template <typename scalar_t>
 __global__ void __launch_bounds__(kColumnThreads)
     unmerge_backward_kernel(const scalar_t* __restrict__ grad, const int64_t* __restrict__ index_map,
-                            scalar_t* __restrict__ grad_y, int64_t T, int64_t d) {
+                            scalar_t* __restrict__ grad_y, int64_t B, int64_t T, int64_t d) {
   const int64_t j = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (j >= d) return;
-  const int64_t b = blockIdx.y;
-  const int64_t* map = index_map + b * T;
-  const scalar_t* g = grad + b * T * d + j;
-  scalar_t* out = grad_y + b * T * d + j;
-  for (int64_t s = 0; s < T; ++s) out[s * d] = from_float<scalar_t>(0.f);
-  int64_t cur = -1;
-  float acc = 0.f;
-  for (int64_t t = 0; t < T; ++t) {
-    const int64_t slot = map[t];
-    if (slot < 0 || slot >= T) continue;  // invalid entries contribute nothing
-    const float v = to_float(g[t * d]);
-    if (slot == cur) {
-      acc += v;
-      continue;
+  for (int64_t b = blockIdx.y; b < B; b += gridDim.y) {  // gridDim.y ≤ 65535
+    const int64_t* map = index_map + b * T;
+    const scalar_t* g = grad + b * T * d + j;
+    scalar_t* out = grad_y + b * T * d + j;
+    for (int64_t s = 0; s < T; ++s) out[s * d] = from_float<scalar_t>(0.f);
+    int64_t cur = -1;
+    float acc = 0.f;
+    for (int64_t t = 0; t < T; ++t) {
+      const int64_t slot = map[t];
+      if (slot < 0 || slot >= T) continue;  // invalid entries contribute nothing
+      const float v = to_float(g[t * d]);
+      if (slot == cur) {
+        acc += v;
+        continue;
+      }
+      if (cur >= 0) out[cur * d] = from_float<scalar_t>(to_float(out[cur * d]) + acc);
+      cur = slot;
+      acc = v;
     }
     if (cur >= 0) out[cur * d] = from_float<scalar_t>(to_float(out[cur * d]) + acc);
-    cur = slot;
-    acc = v;
   }
-  if (cur >= 0) out[cur * d] = from_float<scalar_t>(to_float(out[cur * d]) + acc);
 }
 
 template <typename scalar_t>
@@ -306,9 +307,10 @@ cudaError_t unmerge_typed(const UnmergeParams& p, cudaStream_t stream) {
 
 template <typename scalar_t>
 cudaError_t unmerge_backward_typed(const UnmergeParams& p, cudaStream_t stream) {
-  const dim3 grid(static_cast<unsigned>((p.d + kColumnThreads - 1) / kColumnThreads), static_cast<unsigned>(p.B));
+  const dim3 grid(static_cast<unsigned>((p.d + kColumnThreads - 1) / kColumnThreads),
+                  static_cast<unsigned>(p.B < 65535 ? p.B : 65535));
   unmerge_backward_kernel<scalar_t><<<grid, kColumnThreads, 0, stream>>>(
-      static_cast<const scalar_t*>(p.in), p.index_map, static_cast<scalar_t*>(p.out), p.T, p.d);
+      static_cast<const scalar_t*>(p.in), p.index_map, static_cast<scalar_t*>(p.out), p.B, p.T, p.d);
   return cudaGetLastError();
 }
 
