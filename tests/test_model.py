@@ -197,6 +197,13 @@ def test_atm_in_training_leaks_and_eval_does_not():
     assert _changes_before(model, ids, 0) == 0.0
 
 
+def test_first_member_of_each_merged_slot():
+    from wiola.modeling_wiola import first_member
+
+    index_map = torch.tensor([[0, 0, 1, 2, 2, 3], [0, 1, 2, 3, 4, 5]])
+    assert first_member(index_map).tolist() == [[0, 2, 3, 5, 0, 0], [0, 1, 2, 3, 4, 5]]
+
+
 def test_atm_merges_happen_and_training_runs():
     model = make(small(atm_threshold=-1.0, kernel_backend="reference"), gate=0.0).train()
     ids = torch.randint(3, 259, (2, 16))

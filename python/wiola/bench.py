@@ -73,7 +73,8 @@ def _case(args: dict, queue) -> None:
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     step = statistics.median(times[1:])
     merged_frac = merged["tokens"] / max(1, merged["calls"] * args["batch"] * args["seq"])
-    queue.put(dict(backend=args["backend"], atm=args["atm"], step_s=step, tokens_per_s=args["batch"] * args["seq"] / step,
+    queue.put(dict(backend=args["backend"], atm=args["atm"], step_s=step,
+                   tokens_per_s=args["batch"] * args["seq"] / step,
                    peak_rss_mb=peak, step_peak_mb=peak - baseline, loss=loss.item(), ops=used,
                    atm_merged_fraction=merged_frac if args["atm"] else None, threads=torch.get_num_threads()))
 
@@ -119,7 +120,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     speed = fused["tokens_per_s"] / ref["tokens_per_s"]
     mem = fused["step_peak_mb"] / max(ref["step_peak_mb"], 1e-9)
     mem_rss = fused["peak_rss_mb"] / ref["peak_rss_mb"]
-    print(f"fused/reference (ATM off): {speed:.2f}x tokens/s (target >= 1.25x: {'met' if speed >= 1.25 else 'NOT met'}), "
+    print(f"fused/reference (ATM off): {speed:.2f}x tokens/s "
+          f"(target >= 1.25x: {'met' if speed >= 1.25 else 'NOT met'}), "
           f"step memory {mem:.2f}x, process peak {mem_rss:.2f}x (target <= 0.9x: "
           f"{'met' if mem <= 0.9 else 'NOT met'} on step memory)")
     atm_speed = results[2]["tokens_per_s"] / fused["tokens_per_s"]
