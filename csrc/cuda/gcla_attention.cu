@@ -1,6 +1,8 @@
 // GCLA summary-augmented attention on CUDA (SPEC §5.5), FlashAttention-2 style, plain
 // CUDA with shared-memory tiles and fp32 FMA (no torch headers; see wiola/gcla_attention.h).
 //
+// Grids are 1-D ((b, head) major, tile minor), so large B·H never meets gridDim.y's limit.
+//
 // Forward (one block per (b, h, 32-query tile), 4 warps, 8 rows per warp): key/value
 // tiles of 32 keys are staged in shared memory (fp32), only tiles at or left of the
 // diagonal and below len_b are visited; lane j scores key j of the tile, the warp keeps
@@ -115,9 +117,10 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(ForwardParams p) {
   float* Ks = Qs + kTileQ * DH;        // [kTileK][LDK]
   float* Vs = Ks + kTileK * LDK;       // [kTileK][DH]
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int64_t bh = blockIdx.y, b = bh / p.H, h = bh % p.H, g = h % p.Hkv;
+  const int64_t ntiles = (p.T + kTileQ - 1) / kTileQ;  // 1-D grid: (b, h) major, query tile minor
+  const int64_t bh = int64_t(blockIdx.x) / ntiles, b = bh / p.H, h = bh % p.H, g = h % p.Hkv;
   const int64_t T = p.T, len = row_length(p.lengths, b, T);
-  const int64_t i0 = int64_t(blockIdx.x) * kTileQ;
+  const int64_t i0 = (int64_t(blockIdx.x) % ntiles) * kTileQ;
   const scalar_t* q_rot = static_cast<const scalar_t*>(p.q_rot) + bh * T * DH;
   const scalar_t* k_g = static_cast<const scalar_t*>(p.k_rot) + (b * p.Hkv + g) * T * DH;
   const scalar_t* v_g = static_cast<const scalar_t*>(p.v) + (b * p.Hkv + g) * T * DH;
@@ -209,9 +212,10 @@ __global__ void __launch_bounds__(kThreads) rows_kernel(BackwardParams bp) {
   constexpr int C = DH / 32;
   const ForwardParams& p = bp.fwd;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int64_t bh = blockIdx.y, b = bh / p.H, h = bh % p.H;
+  const int64_t nblk = (p.T + kWarps - 1) / kWarps;
+  const int64_t bh = int64_t(blockIdx.x) / nblk, b = bh / p.H, h = bh % p.H;
   const int64_t T = p.T, len = row_length(p.lengths, b, T);
-  const int64_t i = int64_t(blockIdx.x) * kWarps + warp;
+  const int64_t i = (int64_t(blockIdx.x) % nblk) * kWarps + warp;
   if (i >= T) return;
   const int64_t row = bh * T + i;
   const int64_t L = p.L;
@@ -312,9 +316,10 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(BackwardParams bp) {
   float* Ks = dOs + kTileQ * DH;    // [kTileK][LDK]
   float* Vs = Ks + kTileK * LDK;    // [kTileK][LDK]
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int64_t bh = blockIdx.y, b = bh / p.H, h = bh % p.H, g = h % p.Hkv;
+  const int64_t ntiles = (p.T + kTileQ - 1) / kTileQ;
+  const int64_t bh = int64_t(blockIdx.x) / ntiles, b = bh / p.H, h = bh % p.H, g = h % p.Hkv;
   const int64_t T = p.T, len = row_length(p.lengths, b, T);
-  const int64_t i0 = int64_t(blockIdx.x) * kTileQ;
+  const int64_t i0 = (int64_t(blockIdx.x) % ntiles) * kTileQ;
   const int64_t row_end = i0 + kTileQ < len ? i0 + kTileQ : len;
   const scalar_t* k_g = static_cast<const scalar_t*>(p.k_rot) + (b * p.Hkv + g) * T * DH;
   const scalar_t* v_g = static_cast<const scalar_t*>(p.v) + (b * p.Hkv + g) * T * DH;
@@ -384,9 +389,10 @@ __global__ void __launch_bounds__(kThreads) dkdv_kernel(BackwardParams bp) {
   float* lse_s = dOs + kTileQ * LD;  // [kTileQ]
   float* del_s = lse_s + kTileQ;     // [kTileQ]
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int64_t bg = blockIdx.y, b = bg / p.Hkv, g = bg % p.Hkv;
+  const int64_t ntiles = (p.T + kTileK - 1) / kTileK;
+  const int64_t bg = int64_t(blockIdx.x) / ntiles, b = bg / p.Hkv, g = bg % p.Hkv;
   const int64_t T = p.T, len = row_length(p.lengths, b, T);
-  const int64_t j0 = int64_t(blockIdx.x) * kTileK;
+  const int64_t j0 = (int64_t(blockIdx.x) % ntiles) * kTileK;
   const int64_t key_end = j0 + kTileK < len ? j0 + kTileK : len;
   float dk[kKeysPerWarp][C], dv[kKeysPerWarp][C];
 #pragma unroll
@@ -491,7 +497,7 @@ cudaError_t forward_typed(const ForwardParams& p, cudaStream_t stream) {
   const size_t smem = sizeof(float) * (kTileQ * DH + kTileK * (DH + 1) + kTileK * DH);
   cudaError_t err = set_smem(forward_kernel<scalar_t, DH>, smem);
   if (err != cudaSuccess) return err;
-  const dim3 grid(static_cast<unsigned>((p.T + kTileQ - 1) / kTileQ), static_cast<unsigned>(p.B * p.H));
+  const dim3 grid(static_cast<unsigned>((p.T + kTileQ - 1) / kTileQ * p.B * p.H));
   forward_kernel<scalar_t, DH><<<grid, kThreads, smem, stream>>>(p);
   return cudaGetLastError();
 }
@@ -503,19 +509,19 @@ cudaError_t backward_typed(const BackwardParams& bp, cudaStream_t stream) {
   const bool shared = p.S == 1;
   cudaError_t err = cudaSuccess;
   if (BH * p.T > 0) {
-    const dim3 rows_grid(static_cast<unsigned>((p.T + kWarps - 1) / kWarps), static_cast<unsigned>(BH));
+    const dim3 rows_grid(static_cast<unsigned>((p.T + kWarps - 1) / kWarps * BH));
     rows_kernel<scalar_t, DH><<<rows_grid, kThreads, 0, stream>>>(bp);
     if ((err = cudaGetLastError()) != cudaSuccess) return err;
 
     const size_t dq_smem = sizeof(float) * (2 * kTileQ * DH + 2 * kTileK * (DH + 1));
     if ((err = set_smem(dq_kernel<scalar_t, DH>, dq_smem)) != cudaSuccess) return err;
-    const dim3 q_grid(static_cast<unsigned>((p.T + kTileQ - 1) / kTileQ), static_cast<unsigned>(BH));
+    const dim3 q_grid(static_cast<unsigned>((p.T + kTileQ - 1) / kTileQ * BH));
     dq_kernel<scalar_t, DH><<<q_grid, kThreads, dq_smem, stream>>>(bp);
     if ((err = cudaGetLastError()) != cudaSuccess) return err;
 
     const size_t kv_smem = sizeof(float) * ((2 * kTileK + 2 * kTileQ) * (DH + 1) + 2 * kTileQ);
     if ((err = set_smem(dkdv_kernel<scalar_t, DH>, kv_smem)) != cudaSuccess) return err;
-    const dim3 k_grid(static_cast<unsigned>((p.T + kTileK - 1) / kTileK), static_cast<unsigned>(p.B * p.Hkv));
+    const dim3 k_grid(static_cast<unsigned>((p.T + kTileK - 1) / kTileK * p.B * p.Hkv));
     dkdv_kernel<scalar_t, DH><<<k_grid, kThreads, kv_smem, stream>>>(bp);
     if ((err = cudaGetLastError()) != cudaSuccess) return err;
   }
