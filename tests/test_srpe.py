@@ -181,6 +181,25 @@ def test_large_positions_float32(backend):
     assert rel_err(naive, q_ref) > 10 * tol
 
 
+@pytest.mark.skipif("cpu" not in BACKENDS, reason="C++ extension not built")
+@pytest.mark.parametrize("shared_positions", [True, False])
+def test_cpu_large_output_paths(shared_positions):
+    """17 MB of float32 output (>= 16 MiB): the C++ kernel's non-temporal-store and
+    multi-thread paths, with positions shared by the batch (table reuse) or not."""
+    b, t = 3, 1400  # t: not a multiple of the kernel's 32-row tiles
+    q, k = torch.randn(b, 8, t, 64), torch.randn(b, 8, t, 64)
+    pos = torch.randint(0, 2**20, (t,)).expand(b, t) if shared_positions else torch.randint(0, 2**20, (b, t))
+    with use_backend("cpu"):
+        q_out, k_out = wiola_kernels.srpe(q, k, pos)
+        gq, gk = torch.ops.wiola.srpe_backward(q, k, pos.contiguous(), 10000.0, 8.0, 0.1, 0.01)
+    q_ref, k_ref = reference_srpe(q.double(), k.double(), pos)
+    assert_close_rel(q_out, q_ref, tolerance(torch.float32), "q_out")
+    assert_close_rel(k_out, k_ref, tolerance(torch.float32), "k_out")
+    bq, bk = reference_srpe_backward(q.double(), k.double(), pos)
+    assert_close_rel(gq, bq, tolerance(torch.float32), "backward q")
+    assert_close_rel(gk, bk, tolerance(torch.float32), "backward k")
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_positions_1d_equal_2d_and_int32(backend):
     q, k, pos = _inputs(3, 4, 2, 5, 10)
