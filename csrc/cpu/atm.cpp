@@ -14,8 +14,6 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#include <sys/mman.h>
-
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -30,26 +28,6 @@ template <typename acc_t>
 using Vec = at::vec::Vectorized<acc_t>;
 
 constexpr int64_t kColumnBlock = 512;  // unmerge backward: columns per task
-
-// Large outputs are fresh mmap'd memory whose first-touch page faults cost several times
-// the writes themselves on 2 cores (measured: 64 MiB clone 165 ms vs 53 ms with huge
-// pages). Ask for transparent huge pages before the kernel's first write; a hint only
-// (ignored where THP is off). The same idea is used by csrc/cpu/srpe.cpp.
-at::Tensor large_output(at::IntArrayRef sizes, const at::TensorOptions& options) {
-  at::Tensor out = at::empty(sizes, options);
-#if defined(__linux__) && defined(MADV_HUGEPAGE)
-  constexpr uintptr_t kHuge = uintptr_t(1) << 21;
-  const uintptr_t begin = reinterpret_cast<uintptr_t>(out.data_ptr());
-  const uintptr_t first = (begin + kHuge - 1) & ~(kHuge - 1);
-  const uintptr_t last = (begin + static_cast<uintptr_t>(out.nbytes())) & ~(kHuge - 1);
-  if (out.nbytes() >= 4 * kHuge && last > first) madvise(reinterpret_cast<void*>(first), last - first, MADV_HUGEPAGE);
-#endif
-  const char* flag = std::getenv("WIOLA_POISON_OUTPUTS");  // as empty_output (floats only here)
-  if (flag != nullptr && flag[0] != '\0' && std::strcmp(flag, "0") != 0) {
-    out.fill_(std::numeric_limits<double>::quiet_NaN());
-  }
-  return out;
-}
 
 // ‖a‖² and ⟨a, b⟩. Every backend path computes each sum with these two functions, so a
 // token's norm is the same number whichever path (streaming or phased) computed it.
@@ -330,7 +308,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> atm_merge(const at::T
     WIOLA_CHECK_ARG(len[b] >= 0 && len[b] <= T, "lengths must lie in [0, T] = [0, ", T, "], got ", len[b]);
   }
   const auto acc = x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
-  at::Tensor merged = large_output(x.sizes(), x.options());
+  at::Tensor merged = empty_output(x.sizes(), x.options());
   at::Tensor merged_pos = empty_output({B, T}, positions.options());
   at::Tensor merged_len = empty_output({B}, lengths.options());
   at::Tensor index_map = empty_output({B, T}, positions.options());
@@ -380,7 +358,7 @@ at::Tensor atm_merge_bwd(const at::Tensor& grad_merged, const at::Tensor& index_
   WIOLA_CHECK_ARG(merged_lengths.dim() == 1 && merged_lengths.size(0) == B &&
                       merged_lengths.scalar_type() == at::kLong && merged_lengths.is_contiguous(),
                   "merged_lengths must be a contiguous int64 (B,) tensor");
-  at::Tensor grad_x = large_output(grad_merged.sizes(), grad_merged.options());
+  at::Tensor grad_x = empty_output(grad_merged.sizes(), grad_merged.options());
   const int64_t* map = index_map.const_data_ptr<int64_t>();
   const int64_t* mlen = merged_lengths.const_data_ptr<int64_t>();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, grad_merged.scalar_type(), "wiola_atm_merge_bwd", [&] {
@@ -394,7 +372,7 @@ at::Tensor atm_unmerge(const at::Tensor& y, const at::Tensor& index_map) {
   check_x("y", y);
   const int64_t B = y.size(0), T = y.size(1), d = y.size(2);
   check_index_map(index_map, B, T);
-  at::Tensor out = large_output(y.sizes(), y.options());
+  at::Tensor out = empty_output(y.sizes(), y.options());
   const int64_t* map = index_map.const_data_ptr<int64_t>();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, y.scalar_type(), "wiola_atm_unmerge", [&] {
     const scalar_t* yp = y.const_data_ptr<scalar_t>();
@@ -451,7 +429,7 @@ at::Tensor atm_unmerge_bwd(const at::Tensor& grad_restored, const at::Tensor& in
   check_x("grad_restored", grad_restored);
   const int64_t B = grad_restored.size(0), T = grad_restored.size(1), d = grad_restored.size(2);
   check_index_map(index_map, B, T);
-  at::Tensor grad_y = large_output(grad_restored.sizes(), grad_restored.options());
+  at::Tensor grad_y = empty_output(grad_restored.sizes(), grad_restored.options());
   const int64_t blocks = (d + kColumnBlock - 1) / kColumnBlock;
   const int64_t* map = index_map.const_data_ptr<int64_t>();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, grad_restored.scalar_type(), "wiola_atm_unmerge_bwd",
