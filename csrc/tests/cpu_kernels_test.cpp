@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstdio>
 #include <functional>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -106,11 +107,338 @@ void test_rms_norm() {
          "rms_norm rejects a non-contiguous x with ValueError");
 }
 
+
+// ---- SRPE (SPEC §4) -----------------------------------------------------------------------
+
+// Naive SRPE in double: pair (j, j + half) rotated by Θ = p·af_j and scaled by r = 1 + a·sin(p·rf_j);
+// `transpose` rotates by −Θ (the backward).
+at::Tensor naive_srpe(const at::Tensor& x, const at::Tensor& pos, const std::vector<double>& af,
+                      const std::vector<double>& rf, double amp, bool transpose) {
+  const at::Tensor xd = x.to(at::kDouble).contiguous();
+  at::Tensor y = at::empty_like(xd);
+  auto X = xd.accessor<double, 4>();
+  auto Y = y.accessor<double, 4>();
+  auto P = pos.accessor<int64_t, 2>();
+  const int64_t half = xd.size(3) / 2;
+  for (int64_t b = 0; b < xd.size(0); ++b)
+    for (int64_t h = 0; h < xd.size(1); ++h)
+      for (int64_t t = 0; t < xd.size(2); ++t)
+        for (int64_t j = 0; j < half; ++j) {
+          const double p = static_cast<double>(P[b][t]);
+          const double r = 1.0 + amp * std::sin(p * rf[j]);
+          const double c = r * std::cos(p * af[j]), s = (transpose ? -r : r) * std::sin(p * af[j]);
+          const double a = X[b][h][t][j], e = X[b][h][t][j + half];
+          Y[b][h][t][j] = a * c - e * s;
+          Y[b][h][t][j + half] = a * s + e * c;
+        }
+  return y;
+}
+
+void test_srpe() {
+  using Fn = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                                const at::Tensor&, const at::Tensor&, double, bool);
+  auto srpe = op("wiola::_srpe").typed<Fn>();
+  const double theta = 10000.0, k_s = 8.0, f_s = 0.01, amp = 0.1;
+  for (int64_t dh : {2, 6, 16, 34}) {
+    std::vector<double> af(dh / 2), rf(dh / 2);
+    for (int64_t j = 0; j < dh / 2; ++j) {
+      const double omega = std::pow(theta, -2.0 * j / dh);
+      af[j] = omega * (1.0 + 1.0 / k_s);
+      rf[j] = omega * f_s;
+    }
+    const at::Tensor af_t = at::tensor(af, at::kDouble), rf_t = at::tensor(rf, at::kDouble);
+    for (auto dtype : {at::kFloat, at::kDouble, at::kBFloat16}) {
+      for (bool transpose : {false, true}) {
+        const int64_t B = 2, H = 4, Hkv = 2, T = 19;
+        const at::Tensor q = at::randn({B, H, T, dh}).to(dtype), k = at::randn({B, Hkv, T, dh}).to(dtype);
+        const at::Tensor pos = at::randint(0, 1 << 20, {B, T}, at::kLong);
+        auto [qo, ko] = srpe.call(q, k, pos, af_t, rf_t, amp, transpose);
+        const double tol = dtype == at::kBFloat16 ? 1e-2 : (dtype == at::kFloat ? 1e-5 : 1e-12);
+        const double eq = rel_err(qo, naive_srpe(q, pos, af, rf, amp, transpose));
+        const double ek = rel_err(ko, naive_srpe(k, pos, af, rf, amp, transpose));
+        expect(eq <= tol && ek <= tol && qo.scalar_type() == dtype && ko.sizes() == k.sizes(),
+               "srpe dh=" + std::to_string(dh) + " " + c10::toString(dtype) + (transpose ? " transpose" : "") +
+                   " rel err q " + std::to_string(eq) + " k " + std::to_string(ek));
+      }
+    }
+  }
+  const at::Tensor f3 = at::ones({3}, at::kDouble);
+  expect(throws_value_error([&] {
+           srpe.call(at::randn({1, 2, 3, 5}), at::randn({1, 2, 3, 5}), at::zeros({1, 3}, at::kLong), f3, f3, 0.1,
+                     false);
+         }),
+         "srpe rejects an odd head dim with ValueError");
+  expect(throws_value_error([&] {
+           srpe.call(at::randn({1, 3, 3, 6}), at::randn({1, 2, 3, 6}), at::zeros({1, 3}, at::kLong), f3, f3, 0.1,
+                     false);
+         }),
+         "srpe rejects H not a multiple of H_kv with ValueError");
+}
+
+// ---- GCLA attention (SPEC §5.5) -----------------------------------------------------------
+
+struct GclaInputs {
+  at::Tensor q_rot, k_rot, v, q, kc, vc, gate;
+  std::optional<at::Tensor> lengths;
+};
+
+// Naive GCLA in double: O_i = Σ_{j ≤ i, j < len} softmax(c q̃_i·k̃_j) v_j + σ(g_h) Σ_λ softmax_λ(c q_i·kc) vc,
+// rows i ≥ len zero; also returns the self-attention lse (0 on rows past the length).
+std::pair<at::Tensor, at::Tensor> naive_gcla(const GclaInputs& in) {
+  auto D = [](const at::Tensor& t) { return t.to(at::kDouble).contiguous(); };
+  const at::Tensor qr = D(in.q_rot), kr = D(in.k_rot), vv = D(in.v), qq = D(in.q), kc = D(in.kc), vc = D(in.vc),
+                   g = D(in.gate);
+  const int64_t B = qr.size(0), H = qr.size(1), T = qr.size(2), dh = qr.size(3), Hkv = kr.size(1);
+  const int64_t S = kc.size(2), L = kc.size(3);
+  const double c = 1.0 / std::sqrt(static_cast<double>(dh));
+  at::Tensor out = at::zeros_like(qr), lse = at::zeros({B, H, T}, at::kDouble);
+  auto Qr = qr.accessor<double, 4>(), Kr = kr.accessor<double, 4>(), V = vv.accessor<double, 4>(),
+       Q = qq.accessor<double, 4>(), O = out.accessor<double, 4>();
+  auto KC = kc.accessor<double, 5>(), VC = vc.accessor<double, 5>();
+  auto G = g.accessor<double, 1>();
+  auto LSE = lse.accessor<double, 3>();
+  std::vector<double> s(std::max<int64_t>(T, L));
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t len = in.lengths ? in.lengths->to(at::kLong)[b].item<int64_t>() : T;
+    for (int64_t h = 0; h < H; ++h) {
+      const int64_t grp = h % Hkv;
+      const double sig = 1.0 / (1.0 + std::exp(-G[h]));
+      for (int64_t i = 0; i < std::min(T, len); ++i) {
+        double m = -INFINITY;
+        for (int64_t j = 0; j <= i; ++j) {
+          double dot = 0;
+          for (int64_t e = 0; e < dh; ++e) dot += Qr[b][h][i][e] * Kr[b][grp][j][e];
+          s[j] = c * dot;
+          m = std::max(m, s[j]);
+        }
+        double l = 0;
+        for (int64_t j = 0; j <= i; ++j) l += std::exp(s[j] - m);
+        LSE[b][h][i] = m + std::log(l);
+        for (int64_t j = 0; j <= i; ++j)
+          for (int64_t e = 0; e < dh; ++e) O[b][h][i][e] += std::exp(s[j] - m) / l * V[b][grp][j][e];
+        if (L == 0) continue;
+        const int64_t si = S == 1 ? 0 : i;
+        double mc = -INFINITY;
+        for (int64_t a = 0; a < L; ++a) {
+          double dot = 0;
+          for (int64_t e = 0; e < dh; ++e) dot += Q[b][h][i][e] * KC[b][h][si][a][e];
+          s[a] = c * dot;
+          mc = std::max(mc, s[a]);
+        }
+        double lc = 0;
+        for (int64_t a = 0; a < L; ++a) lc += std::exp(s[a] - mc);
+        for (int64_t a = 0; a < L; ++a)
+          for (int64_t e = 0; e < dh; ++e) O[b][h][i][e] += sig * std::exp(s[a] - mc) / lc * VC[b][h][si][a][e];
+      }
+    }
+  }
+  return {out, lse};
+}
+
+void test_gcla_attention() {
+  using Fwd = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                                 const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                                 const at::Tensor&, const std::optional<at::Tensor>&);
+  using Bwd = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
+      const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+      const at::Tensor&, const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, const at::Tensor&,
+      const at::Tensor&);
+  auto fwd = op("wiola::_gcla_attention_fwd").typed<Fwd>();
+  auto bwd = op("wiola::_gcla_attention_bwd").typed<Bwd>();
+  struct Case {
+    int64_t B, H, Hkv, T, dh, S, L;
+    bool with_lengths;
+  };
+  // T = 70 crosses a 64-row query block; S = 1 and S = T; Λ' = 0; lengths 0, partial, T.
+  for (const Case& cs : {Case{2, 4, 2, 70, 16, 70, 3, true}, Case{1, 2, 1, 1, 6, 1, 2, false},
+                         Case{3, 3, 3, 21, 10, 1, 0, true}, Case{2, 2, 1, 9, 8, 9, 1, false}}) {
+    for (auto dtype : {at::kFloat, at::kDouble, at::kBFloat16}) {
+      const auto mk = [&](std::initializer_list<int64_t> shape) { return at::randn(shape).to(dtype); };
+      GclaInputs in{mk({cs.B, cs.H, cs.T, cs.dh}),          mk({cs.B, cs.Hkv, cs.T, cs.dh}),
+                    mk({cs.B, cs.Hkv, cs.T, cs.dh}),        mk({cs.B, cs.H, cs.T, cs.dh}),
+                    mk({cs.B, cs.H, cs.S, cs.L, cs.dh}),    mk({cs.B, cs.H, cs.S, cs.L, cs.dh}),
+                    at::randn({cs.H}),                      std::nullopt};
+      if (cs.with_lengths) {
+        std::vector<int64_t> len(cs.B);
+        for (int64_t b = 0; b < cs.B; ++b) len[b] = b == 0 ? cs.T : (b == 1 ? 0 : cs.T / 2 + 1);
+        in.lengths = at::tensor(len, at::kLong);
+      }
+      auto [out, lse] = fwd.call(in.q_rot, in.k_rot, in.v, in.q, in.kc, in.vc, in.gate, in.lengths);
+      auto [want, want_lse] = naive_gcla(in);
+      const double tol = dtype == at::kBFloat16 ? 1e-2 : (dtype == at::kFloat ? 1e-4 : 1e-10);
+      const double err = rel_err(out, want), err_lse = rel_err(lse, want_lse);
+      const std::string name = "gcla B=" + std::to_string(cs.B) + " H=" + std::to_string(cs.H) + "/" +
+                               std::to_string(cs.Hkv) + " T=" + std::to_string(cs.T) + " dh=" +
+                               std::to_string(cs.dh) + " S=" + std::to_string(cs.S) + " L=" +
+                               std::to_string(cs.L) + (cs.with_lengths ? " lengths " : " ") + c10::toString(dtype);
+      expect(err <= tol && err_lse <= std::max(tol, 1e-5) && out.scalar_type() == dtype,
+             name + " fwd rel err " + std::to_string(err) + " lse " + std::to_string(err_lse));
+      if (dtype != at::kDouble) continue;
+      // Backward: <dX, V> must equal the directional derivative of <G, naive(X)> along V,
+      // for each of the seven differentiable inputs (central differences in double).
+      const at::Tensor g = at::randn(out.sizes(), at::kDouble);
+      auto grads = bwd.call(g, in.q_rot, in.k_rot, in.v, in.q, in.kc, in.vc, in.gate, in.lengths, out, lse);
+      const std::vector<at::Tensor> dx = {std::get<0>(grads), std::get<1>(grads), std::get<2>(grads),
+                                          std::get<3>(grads), std::get<4>(grads), std::get<5>(grads),
+                                          std::get<6>(grads)};
+      const char* names[] = {"q_rot", "k_rot", "v", "q", "kc", "vc", "gate"};
+      at::Tensor GclaInputs::*members[] = {&GclaInputs::q_rot, &GclaInputs::k_rot, &GclaInputs::v, &GclaInputs::q,
+                                           &GclaInputs::kc,    &GclaInputs::vc,    &GclaInputs::gate};
+      for (int a = 0; a < 7; ++a) {
+        if ((in.*members[a]).numel() == 0) continue;
+        const at::Tensor dir = at::randn((in.*members[a]).sizes(), at::kDouble);
+        const double h = 1e-6;
+        GclaInputs plus = in, minus = in;
+        plus.*members[a] = in.*members[a] + h * dir;
+        minus.*members[a] = in.*members[a] - h * dir;
+        const double fd = ((naive_gcla(plus).first - naive_gcla(minus).first) * g).sum().item<double>() / (2 * h);
+        const double an = (dx[a] * dir).sum().item<double>();
+        expect(dx[a].sizes() == (in.*members[a]).sizes() && std::abs(fd - an) <= 1e-6 * std::max(1.0, std::abs(fd)),
+               name + " bwd d" + names[a] + " (finite differences) " + std::to_string(an) + " vs " +
+                   std::to_string(fd));
+      }
+    }
+  }
+  const auto r = [](std::initializer_list<int64_t> shape) { return at::randn(shape); };
+  expect(throws_value_error([&] {
+           fwd.call(r({1, 3, 4, 8}), r({1, 2, 4, 8}), r({1, 2, 4, 8}), r({1, 3, 4, 8}), r({1, 3, 1, 1, 8}),
+                    r({1, 3, 1, 1, 8}), r({3}), std::nullopt);
+         }),
+         "gcla rejects H not a multiple of H_kv with ValueError");
+  expect(throws_value_error([&] {
+           fwd.call(r({1, 2, 4, 8}), r({1, 2, 4, 8}), r({1, 2, 4, 8}), r({1, 2, 4, 8}), r({1, 2, 3, 1, 8}),
+                    r({1, 2, 3, 1, 8}), r({2}), std::nullopt);
+         }),
+         "gcla rejects summaries with S not in {1, T} with ValueError");
+}
+
+// ---- ATM (SPEC §6) ------------------------------------------------------------------------
+
+// Naive greedy merge in double. Inputs are small integers so D = <x_t, x_t+1> and N = |x_t|²|x_t+1|²
+// are exact; s = D / sqrt(N) > τ is decided exactly (τ ∈ {−0.5, 0, 0.5} is a binary fraction).
+struct NaiveMerge {
+  at::Tensor merged, positions, lengths, index_map;
+};
+
+bool cos_above(double D, double N, double tau) {
+  if (N == 0) return 0.0 > tau;
+  if (tau >= 0) return D > 0 && D * D > tau * tau * N;
+  return D >= 0 || D * D < tau * tau * N;
+}
+
+NaiveMerge naive_merge(const at::Tensor& x, const at::Tensor& pos, const at::Tensor& len, double tau) {
+  const at::Tensor xd = x.to(at::kDouble).contiguous();
+  const int64_t B = xd.size(0), T = xd.size(1), d = xd.size(2);
+  NaiveMerge r{at::zeros_like(xd), at::zeros({B, T}, at::kLong), at::zeros({B}, at::kLong),
+               at::zeros({B, T}, at::kLong)};
+  auto X = xd.accessor<double, 3>();
+  auto M = r.merged.accessor<double, 3>();
+  auto P = pos.accessor<int64_t, 2>();
+  auto MP = r.positions.accessor<int64_t, 2>();
+  auto MAP = r.index_map.accessor<int64_t, 2>();
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t n = len[b].item<int64_t>();
+    int64_t slot = 0, t = 0;
+    while (t < n) {
+      bool take = false;
+      if (t + 1 < n) {
+        double D = 0, n0 = 0, n1 = 0;
+        for (int64_t e = 0; e < d; ++e) {
+          D += X[b][t][e] * X[b][t + 1][e];
+          n0 += X[b][t][e] * X[b][t][e];
+          n1 += X[b][t + 1][e] * X[b][t + 1][e];
+        }
+        take = tau < 1 && cos_above(D, n0 * n1, tau);
+      }
+      MP[b][slot] = P[b][t];
+      for (int64_t e = 0; e < d; ++e) M[b][slot][e] = take ? (X[b][t][e] + X[b][t + 1][e]) / 2 : X[b][t][e];
+      MAP[b][t] = slot;
+      if (take) MAP[b][t + 1] = slot;
+      t += take ? 2 : 1;
+      ++slot;
+    }
+    r.lengths[b] = slot;
+    for (int64_t u = n; u < T; ++u) MAP[b][u] = slot + (u - n);
+  }
+  return r;
+}
+
+void test_atm() {
+  using Merge = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
+                                                                           const at::Tensor&, double);
+  auto merge = op("wiola::_atm_merge").typed<Merge>();
+  auto merge_bwd = op("wiola::_atm_merge_bwd")
+                       .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&)>();
+  auto unmerge = op("wiola::_atm_unmerge").typed<at::Tensor(const at::Tensor&, const at::Tensor&)>();
+  auto unmerge_bwd = op("wiola::_atm_unmerge_bwd").typed<at::Tensor(const at::Tensor&, const at::Tensor&)>();
+  struct Case {
+    int64_t B, T, d;
+  };
+  // B = 1 and B = 7 take the kernel's two merge paths (fewer rows than threads / row-parallel).
+  for (const Case& cs : {Case{1, 1, 3}, Case{1, 40, 5}, Case{7, 33, 9}, Case{3, 2, 1}}) {
+    for (double tau : {-1.0, -0.5, 0.0, 0.5, 1.0}) {
+      for (auto dtype : {at::kFloat, at::kDouble, at::kBFloat16}) {
+        // Few distinct small-integer rows, so many adjacent pairs are similar (and some are zero).
+        const at::Tensor x = at::randint(-1, 2, {cs.B, cs.T, cs.d}).to(dtype);
+        const at::Tensor pos = at::randint(0, 1000, {cs.B, cs.T}, at::kLong);
+        const at::Tensor len = at::randint(0, cs.T + 1, {cs.B}, at::kLong);
+        len[0] = cs.T;
+        auto [merged, mpos, mlen, map] = merge.call(x, pos, len, tau);
+        const NaiveMerge want = naive_merge(x, pos, len, tau);
+        const std::string name = "atm B=" + std::to_string(cs.B) + " T=" + std::to_string(cs.T) + " d=" +
+                                 std::to_string(cs.d) + " tau=" + std::to_string(tau) + " " + c10::toString(dtype);
+        const bool same_decisions = at::equal(mlen, want.lengths) && at::equal(map, want.index_map) &&
+                                    at::equal(mpos, want.positions);
+        expect(same_decisions && merged.scalar_type() == dtype && at::equal(merged.to(at::kDouble), want.merged),
+               name + " merge (lengths, map, positions, values exact)");
+        if (!same_decisions) continue;
+        // Merge backward: w_t · g[map(t)], w = 1/2 in a pair, 1 alone, 0 padding.
+        const at::Tensor g = at::randn({cs.B, cs.T, cs.d}).to(dtype);
+        const at::Tensor gd = g.to(at::kDouble);
+        at::Tensor want_gx = at::zeros({cs.B, cs.T, cs.d}, at::kDouble);
+        at::Tensor want_un = at::zeros({cs.B, cs.T, cs.d}, at::kDouble);
+        at::Tensor want_gy = at::zeros({cs.B, cs.T, cs.d}, at::kDouble);
+        auto MAP = want.index_map.accessor<int64_t, 2>();
+        for (int64_t b = 0; b < cs.B; ++b) {
+          const int64_t ml = want.lengths[b].item<int64_t>();
+          for (int64_t t = 0; t < cs.T; ++t) {
+            const int64_t s = MAP[b][t];
+            const bool pair = (t > 0 && MAP[b][t - 1] == s) || (t + 1 < cs.T && MAP[b][t + 1] == s);
+            const double w = s >= ml ? 0.0 : (pair ? 0.5 : 1.0);
+            want_gx[b][t] = w * gd[b][s];
+            want_un[b][t] = gd[b][s];
+            want_gy[b][s] += gd[b][t];
+          }
+        }
+        const double tol = dtype == at::kBFloat16 ? 1e-2 : (dtype == at::kFloat ? 1e-6 : 1e-14);
+        const double e1 = rel_err(merge_bwd.call(g, map, mlen), want_gx);
+        const double e2 = rel_err(unmerge.call(g, map), want_un);
+        const double e3 = rel_err(unmerge_bwd.call(g, map), want_gy);
+        expect(e1 <= tol && e2 <= tol && e3 <= tol, name + " merge_bwd/unmerge/unmerge_bwd rel err " +
+                                                        std::to_string(e1) + " " + std::to_string(e2) + " " +
+                                                        std::to_string(e3));
+      }
+    }
+  }
+  const at::Tensor x = at::randn({2, 5, 4});
+  const at::Tensor pos = at::zeros({2, 5}, at::kLong), len = at::full({2}, 5, at::kLong);
+  expect(throws_value_error([&] { merge.call(x, pos, len, 1.5); }), "atm_merge rejects threshold 1.5 with ValueError");
+  expect(throws_value_error([&] { merge.call(x, pos, at::full({2}, 6, at::kLong), 0.5); }),
+         "atm_merge rejects lengths > T with ValueError");
+  expect(throws_value_error([&] { unmerge.call(x, at::full({2, 5}, 5, at::kLong)); }),
+         "atm_unmerge rejects an index_map value >= T with ValueError");
+  expect(throws_value_error([&] { unmerge_bwd.call(x, at::full({2, 5}, -1, at::kLong)); }),
+         "atm_unmerge_bwd rejects a negative index_map value with ValueError");
+}
+
 }  // namespace
 
 int main() {
   at::manual_seed(0);
   test_rms_norm();
+  test_srpe();
+  test_gcla_attention();
+  test_atm();
   std::printf("%d passed, %d failed\n", passes, failures);
   return failures == 0 ? 0 : 1;
 }
