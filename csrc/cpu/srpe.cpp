@@ -28,9 +28,6 @@
 #include <cstdint>
 #include <vector>
 
-#ifdef __linux__
-#include <sys/mman.h>
-#endif
 #if defined(CPU_CAPABILITY_AVX2)
 #include <immintrin.h>
 #endif
@@ -45,27 +42,6 @@ constexpr int64_t kMinElemsPerThread = int64_t(1) << 18;  // parallel grain, in 
 constexpr int64_t kStreamMinBytes = int64_t(16) << 20;    // outputs from here on: non-temporal stores
 
 using VD = at::vec::Vectorized<double>;
-
-// Ask Linux for transparent huge pages on the 2 MiB-aligned interior of a large, freshly
-// allocated output. A new multi-MB tensor is fresh mmap memory, and taking one page
-// fault per 4 KiB page while the kernel first writes it costs more than the kernel
-// itself (measured on a busy 2-core VM: allocating and writing 40 MB took 80 ms with
-// 4 KiB pages, 32 ms with huge pages, against 16 ms for a copy into existing memory);
-// huge pages mean 512× fewer faults. A hint only: ignored where THP is off, and the
-// whole buffer is written anyway, so no memory is wasted.
-inline void advise_huge_pages(const at::Tensor& out) {
-#if defined(__linux__) && defined(MADV_HUGEPAGE)
-  constexpr uintptr_t kHuge = uintptr_t(1) << 21;
-  const uintptr_t begin = reinterpret_cast<uintptr_t>(out.data_ptr());
-  const uintptr_t end = begin + static_cast<uintptr_t>(out.nbytes());
-  const uintptr_t first = (begin + kHuge - 1) & ~(kHuge - 1), last = end & ~(kHuge - 1);
-  if (out.nbytes() >= 4 * kHuge && last > first) {
-    madvise(reinterpret_cast<void*>(first), last - first, MADV_HUGEPAGE);  // best effort
-  }
-#else
-  (void)out;
-#endif
-}
 
 // Vectorised double sin/cos of any finite x (four lanes with AVX2).
 //
@@ -285,8 +261,6 @@ std::tuple<at::Tensor, at::Tensor> srpe(const at::Tensor& q, const at::Tensor& k
   at::Tensor q_out = empty_output(q.sizes(), q.options());
   at::Tensor k_out = empty_output(k.sizes(), k.options());
   if (B * T == 0) return {q_out, k_out};
-  advise_huge_pages(q_out);
-  advise_huge_pages(k_out);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "wiola_srpe", [&] {
     srpe_kernel<scalar_t>(q.const_data_ptr<scalar_t>(), k.const_data_ptr<scalar_t>(),
                           positions.const_data_ptr<int64_t>(), angle_freq.const_data_ptr<double>(),
