@@ -6,8 +6,9 @@ under ``torch.no_grad``; ``fwd+bwd`` runs the forward with gradients and
 
 Bandwidth: ``gbps`` counts the fewest bytes the pass must move — each input read
 once and each output written once (for ``fwd+bwd``: inputs, output gradients,
-outputs and input gradients). ``copy_gbps`` is a same-size ``Tensor.copy_`` timed in
-the same run, so ``pct_of_copy`` says how close the pass is to the memory limit.
+outputs and input gradients). ``copy_gbps`` is a same-size allocating copy
+(``Tensor.clone``) timed in alternation with the fused op, so both see the same machine
+load, and ``pct_of_copy`` says how close the pass is to the memory limit.
 """
 
 from __future__ import annotations
@@ -75,6 +76,24 @@ def time_ms(fn: Callable[[], object], device: torch.device, repeats: int = 10, w
     return statistics.median(samples)
 
 
+def time_interleaved_ms(fns: list[Callable[[], object]], device: torch.device, repeats: int = 10,
+                        warmup: int = 2) -> list[float]:
+    """Median times of several callables run in alternation (a, b, a, b, ...), so that
+    each sees the same machine load; used to time an op against its copy baseline."""
+    for _ in range(warmup):
+        for fn in fns:
+            fn()
+    _sync(device)
+    samples: list[list[float]] = [[] for _ in fns]
+    for _ in range(repeats):
+        for i, fn in enumerate(fns):
+            t0 = time.perf_counter()
+            fn()
+            _sync(device)
+            samples[i].append((time.perf_counter() - t0) * 1e3)
+    return [statistics.median(s) for s in samples]
+
+
 def _tensors(obj) -> tuple[torch.Tensor, ...]:
     if isinstance(obj, torch.Tensor):
         return (obj,)
@@ -128,8 +147,8 @@ def min_bytes(case: BenchCase, pass_: str, inputs: tuple) -> int:
     return total
 
 
-def copy_gbps(nbytes: int, device: torch.device, repeats: int) -> float:
-    """Bandwidth of a same-size copy: ``nbytes`` moved as nbytes/2 read + nbytes/2 written.
+def copy_baseline(nbytes: int, device: torch.device) -> tuple[Callable[[], object], int]:
+    """A same-size copy moving ``nbytes`` (nbytes/2 read + nbytes/2 written), and its byte count.
 
     The copy allocates its output (``Tensor.clone``), as every op here does: on a
     virtual machine the first touch of freshly mapped pages can cost more than the copy
@@ -137,8 +156,7 @@ def copy_gbps(nbytes: int, device: torch.device, repeats: int) -> float:
     """
     n = max(1, nbytes // 2 // 4)
     src = torch.randn(n, device=device)
-    ms = time_ms(lambda: src.clone(), device, repeats=repeats)
-    return 2 * n * 4 / (ms * 1e-3) / 1e9
+    return (lambda: src.clone()), 2 * n * 4
 
 
 def run_case(case: BenchCase, device: torch.device, *, repeats: int = 10, compile: bool = True,
@@ -150,17 +168,21 @@ def run_case(case: BenchCase, device: torch.device, *, repeats: int = 10, compil
     records = []
     for pass_ in passes:
         timings = {}
+        nbytes = min_bytes(case, pass_, inputs)
+        copy_fn, copy_bytes = copy_baseline(nbytes, device)
         for label, fn in (("fused", case.fused), ("eager", case.eager), ("compile", compiled)):
+            if progress is not None:
+                progress.set_postfix_str(f"{case.op} {pass_} {label}")
             if fn is None:
                 timings[label] = None
+            elif label == "fused":  # timed in alternation with its copy baseline
+                timings["fused"], copy_ms = time_interleaved_ms([make_pass(case, fn, pass_, inputs), copy_fn],
+                                                                device, repeats=repeats)
             else:
-                if progress is not None:
-                    progress.set_postfix_str(f"{case.op} {pass_} {label}")
                 timings[label] = time_ms(make_pass(case, fn, pass_, inputs), device, repeats=repeats)
             if progress is not None:
                 progress.update(1)
-        nbytes = min_bytes(case, pass_, inputs)
-        copy = copy_gbps(nbytes, device, repeats)
+        copy = copy_bytes / (copy_ms * 1e-3) / 1e9
         gbps = nbytes / (timings["fused"] * 1e-3) / 1e9
         records.append(Record(
             op=case.op, backend=backend, shape=case.shape, dtype=str(case.dtype).replace("torch.", ""),
