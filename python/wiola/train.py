@@ -201,8 +201,11 @@ def main(argv: list[str] | None = None) -> list[float]:
     p.add_argument("--out", default="checkpoints/wiola-tiny", help="checkpoint folder")
     p.add_argument("--save-every", type=int, default=0, help="also checkpoint every N steps (0: only at the end)")
     p.add_argument("--losses-json", default=None, help="write the loss curve here (rank 0)")
+    p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     rank, world = dist_setup()
     if args.batch_size % world:
