@@ -23,6 +23,7 @@
 #include <cuda_fp16.h>
 
 #include "wiola/atm.h"
+#include "wiola/cuda_convert.cuh"
 
 namespace wiola::atm {
 namespace {
@@ -35,18 +36,8 @@ constexpr int kTile = kScanThreads * kScanItems;
 constexpr int kRowThreads = 128;  // gather kernels: one block per token / slot
 constexpr int kColumnThreads = 128;  // unmerge backward: one thread per column
 
-__device__ __forceinline__ float to_float(float v) { return v; }
-__device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
-__device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
-
-template <typename T>
-__device__ __forceinline__ T from_float(float v);
-template <>
-__device__ __forceinline__ float from_float<float>(float v) { return v; }
-template <>
-__device__ __forceinline__ __half from_float<__half>(float v) { return __float2half_rn(v); }
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
+using wiola::cuda::from_float;
+using wiola::cuda::to_float;
 
 __device__ __forceinline__ float quiet_nan() { return __int_as_float(0x7fc00000); }
 

@@ -23,6 +23,7 @@
 #include <cmath>
 
 #include "wiola/gcla_attention.h"
+#include "wiola/cuda_convert.cuh"
 
 namespace wiola::gcla {
 namespace {
@@ -34,18 +35,8 @@ constexpr int kTileK = 32;   // keys per shared-memory tile (= lanes)
 constexpr int kRowsPerWarp = kTileQ / kWarps;
 constexpr int kKeysPerWarp = kTileK / kWarps;
 
-__device__ __forceinline__ float to_float(float x) { return x; }
-__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
-__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
-
-template <typename scalar_t>
-__device__ __forceinline__ scalar_t from_float(float x);
-template <>
-__device__ __forceinline__ float from_float<float>(float x) { return x; }
-template <>
-__device__ __forceinline__ __half from_float<__half>(float x) { return __float2half_rn(x); }
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
+using wiola::cuda::from_float;
+using wiola::cuda::to_float;
 
 __device__ __forceinline__ float warp_sum(float x) {
 #pragma unroll
