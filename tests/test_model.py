@@ -6,20 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
+from transformers import AutoConfig, AutoModelForCausalLM
+
 import wiola_kernels
-
-if not hasattr(wiola_kernels, "gcla_attention"):  # until the GCLA op lands: its reference
-    from wiola_kernels.reference.gcla_attention import gcla_attention as _gcla_reference
-
-    wiola_kernels.gcla_attention = _gcla_reference
-
-from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
-
-from wiola import WiolaCache, WiolaConfig, WiolaForCausalLM  # noqa: E402
-from wiola.configuration_wiola import NOMINAL_PARAMETERS, PRESETS  # noqa: E402
-from wiola.train import batch_iterator, build_model, corpus_tensor, decode, encode, train_steps  # noqa: E402
-from wiola.train import generate_main, main as train_main  # noqa: E402
-from wiola_kernels.testing import rel_err  # noqa: E402
+from wiola import WiolaCache, WiolaConfig, WiolaForCausalLM
+from wiola.configuration_wiola import NOMINAL_PARAMETERS, PRESETS
+from wiola.train import batch_iterator, build_model, corpus_tensor, decode, encode, generate_main, train_steps
+from wiola.train import main as train_main
+from wiola_kernels.testing import rel_err
 
 SEED_CONFIG = "/work/shared/seed/wiola-360m-config.json"
 
