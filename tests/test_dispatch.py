@@ -116,3 +116,55 @@ def test_package_works_without_the_extension(how):
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().endswith("ok")
+
+
+def _count_calls(monkeypatch, op, backend, attr):
+    calls = []
+    impl = dispatch._registry[op][backend]
+    original = getattr(impl, attr)
+
+    def counted(*args, **kwargs):
+        calls.append(attr)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(impl, attr, counted)
+    return calls
+
+
+def test_backward_runs_on_the_forwards_backend(monkeypatch):
+    """use_backend around the forward also governs its backward, even when backward()
+    runs after the block has closed (as in a training loop)."""
+    calls = _count_calls(monkeypatch, "rms_norm", "reference", "backward")
+    x = torch.randn(4, 8, requires_grad=True)
+    with wk.use_backend("reference"):
+        y = wk.rms_norm(x, torch.ones(8), torch.zeros(8))
+    y.sum().backward()
+    assert calls == ["backward"]
+    if "cpu" in available_backends("rms_norm"):
+        calls.clear()
+        x.grad = None
+        wk.rms_norm(x, torch.ones(8), torch.zeros(8)).sum().backward()  # auto: cpu, not reference
+        assert calls == []
+        with wk.use_backend("reference"):  # backward inside a different override: still the forward's
+            y = wk.rms_norm(x, torch.ones(8), torch.zeros(8))
+        with wk.use_backend("auto"):
+            y.sum().backward()
+        assert calls == ["backward"]
+
+
+@pytest.mark.parametrize("op, attr, call", [
+    ("srpe", "apply", lambda: wk.srpe(torch.randn(1, 2, 3, 4, requires_grad=True), torch.randn(1, 1, 3, 4),
+                                      torch.arange(3))[0]),
+    ("gcla_attention", "backward", lambda: wk.gcla_attention(
+        *[torch.randn(1, h, 5, 8, requires_grad=True) for h in (2, 1, 1, 2)],
+        torch.randn(1, 2, 5, 1, 8), torch.randn(1, 2, 5, 1, 8), torch.zeros(2))),
+    ("atm", "unmerge_backward", lambda: wk.atm_unmerge(torch.randn(1, 4, 3, requires_grad=True),
+                                                       torch.tensor([[0, 0, 1, 2]]))),
+])
+def test_every_op_backward_follows_its_forward(monkeypatch, op, attr, call):
+    calls = _count_calls(monkeypatch, op, "reference", attr)
+    with wk.use_backend("reference"):
+        out = call()
+    n_forward = len(calls)
+    out.sum().backward()
+    assert len(calls) == n_forward + 1

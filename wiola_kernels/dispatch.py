@@ -144,6 +144,18 @@ def implementation(op: str, device: torch.device) -> object:
     return _registry[op][select(op, device)]
 
 
+def backward_implementation(op: str, device: torch.device, backend: str) -> object:
+    """The implementation a backward op runs: ``backend`` — the one its forward ran, pinned
+    by the op's ``setup_context`` so that the backward follows the forward even when it
+    runs outside the forward's :func:`use_backend` block — or :func:`implementation` for
+    ``"auto"`` (a backward op called directly)."""
+    if backend == "auto":
+        return implementation(op, device)
+    if backend not in _registry[op]:
+        raise ValueError(f"backend must be 'auto' or one of {implemented(op)} for {op}, got {backend!r}")
+    return _registry[op][backend]
+
+
 @contextlib.contextmanager
 def use_backend(name: str) -> Iterator[None]:
     """Force every op that implements backend ``name`` to use it inside the block.

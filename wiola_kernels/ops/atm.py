@@ -112,25 +112,27 @@ def _(x, positions, lengths, threshold):
 
 
 @torch.library.custom_op("wiola::atm_merge_backward", mutates_args=())
-def atm_merge_backward_op(grad_merged: Tensor, index_map: Tensor, merged_lengths: Tensor) -> Tensor:
+def atm_merge_backward_op(grad_merged: Tensor, index_map: Tensor, merged_lengths: Tensor,
+                          backend: str = "auto") -> Tensor:
     """``grad_x[b, t] = w_t · grad_merged[b, index_map[b, t]]`` (w: ½ pair, 1 single, 0 padding)."""
-    impl = dispatch.implementation(OP, grad_merged.device)
+    impl = dispatch.backward_implementation(OP, grad_merged.device, backend)
     return impl.merge_backward(grad_merged.contiguous(), index_map.contiguous(), merged_lengths.contiguous())
 
 
 @atm_merge_backward_op.register_fake
-def _(grad_merged, index_map, merged_lengths):
+def _(grad_merged, index_map, merged_lengths, backend="auto"):
     return torch.empty_like(grad_merged, memory_format=torch.contiguous_format)
 
 
 def _merge_setup_context(ctx, inputs, output):
     _merged, _positions, merged_lengths, index_map = output
     ctx.save_for_backward(index_map, merged_lengths)
+    ctx.backend = dispatch.select(OP, index_map.device)
 
 
 def _merge_backward(ctx, grad_merged, _g_pos, _g_len, _g_map):
     index_map, merged_lengths = ctx.saved_tensors
-    return atm_merge_backward_op(grad_merged, index_map, merged_lengths), None, None, None
+    return atm_merge_backward_op(grad_merged, index_map, merged_lengths, ctx.backend), None, None, None
 
 
 torch.library.register_autograd("wiola::atm_merge", _merge_backward, setup_context=_merge_setup_context)
@@ -150,24 +152,25 @@ def _(y, index_map):
 
 
 @torch.library.custom_op("wiola::atm_unmerge_backward", mutates_args=())
-def atm_unmerge_backward_op(grad_restored: Tensor, index_map: Tensor) -> Tensor:
+def atm_unmerge_backward_op(grad_restored: Tensor, index_map: Tensor, backend: str = "auto") -> Tensor:
     """``grad_y[b, s] = Σ_{t : index_map[b, t] = s} grad_restored[b, t]`` (deterministic)."""
-    impl = dispatch.implementation(OP, grad_restored.device)
+    impl = dispatch.backward_implementation(OP, grad_restored.device, backend)
     return impl.unmerge_backward(grad_restored.contiguous(), index_map.contiguous())
 
 
 @atm_unmerge_backward_op.register_fake
-def _(grad_restored, index_map):
+def _(grad_restored, index_map, backend="auto"):
     return torch.empty_like(grad_restored, memory_format=torch.contiguous_format)
 
 
 def _unmerge_setup_context(ctx, inputs, output):
     ctx.save_for_backward(inputs[1])
+    ctx.backend = dispatch.select(OP, inputs[1].device)
 
 
 def _unmerge_backward(ctx, grad_restored):
     (index_map,) = ctx.saved_tensors
-    return atm_unmerge_backward_op(grad_restored, index_map), None
+    return atm_unmerge_backward_op(grad_restored, index_map, ctx.backend), None
 
 
 torch.library.register_autograd("wiola::atm_unmerge", _unmerge_backward, setup_context=_unmerge_setup_context)

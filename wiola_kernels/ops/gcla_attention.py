@@ -88,17 +88,17 @@ def _(q_rot, k_rot, v, q, kc, vc, gate, lengths):
 
 @torch.library.custom_op("wiola::gcla_attention_backward", mutates_args=())
 def gcla_attention_backward_op(grad_out: Tensor, q_rot: Tensor, k_rot: Tensor, v: Tensor, q: Tensor, kc: Tensor,
-                               vc: Tensor, gate: Tensor, lengths: Optional[Tensor], out: Tensor, lse: Tensor
-                               ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """Backward: ``(d q_rot, d k_rot, d v, d q, d kc, d vc, d gate)``."""
-    impl = dispatch.implementation(OP, q_rot.device)
+                               vc: Tensor, gate: Tensor, lengths: Optional[Tensor], out: Tensor, lse: Tensor,
+                               backend: str = "auto") -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Backward: ``(d q_rot, d k_rot, d v, d q, d kc, d vc, d gate)`` on the forward's ``backend``."""
+    impl = dispatch.backward_implementation(OP, q_rot.device, backend)
     return impl.backward(grad_out.contiguous(), q_rot.contiguous(), k_rot.contiguous(), v.contiguous(),
                          q.contiguous(), kc.contiguous(), vc.contiguous(), gate.contiguous(), _contig(lengths),
                          out.contiguous(), lse.contiguous())
 
 
 @gcla_attention_backward_op.register_fake
-def _(grad_out, q_rot, k_rot, v, q, kc, vc, gate, lengths, out, lse):
+def _(grad_out, q_rot, k_rot, v, q, kc, vc, gate, lengths, out, lse, backend="auto"):
     def like(t):
         return torch.empty_like(t, memory_format=torch.contiguous_format)
 
@@ -107,11 +107,13 @@ def _(grad_out, q_rot, k_rot, v, q, kc, vc, gate, lengths, out, lse):
 
 def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(*inputs[:7], inputs[7], output[0], output[1])
+    ctx.backend = dispatch.select(OP, inputs[0].device)
 
 
 def _backward(ctx, grad_out, _grad_lse):
     q_rot, k_rot, v, q, kc, vc, gate, lengths, out, lse = ctx.saved_tensors
-    grads = gcla_attention_backward_op(grad_out, q_rot, k_rot, v, q, kc, vc, gate, lengths, out, lse)
+    grads = gcla_attention_backward_op(grad_out, q_rot, k_rot, v, q, kc, vc, gate, lengths, out, lse,
+                                       ctx.backend)
     return (*grads, None)
 
 

@@ -59,15 +59,16 @@ def _(x, weight, shift, eps):
 
 
 @torch.library.custom_op("wiola::rms_norm_backward", mutates_args=())
-def rms_norm_backward_op(grad_y: Tensor, x: Tensor, weight: Tensor, shift: Tensor,
-                         rstd: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """Backward on 2-D tensors: returns ``(grad_x, grad_weight, grad_shift)``."""
-    impl = dispatch.implementation(OP, x.device)
+def rms_norm_backward_op(grad_y: Tensor, x: Tensor, weight: Tensor, shift: Tensor, rstd: Tensor,
+                         backend: str = "auto") -> tuple[Tensor, Tensor, Tensor]:
+    """Backward on 2-D tensors: returns ``(grad_x, grad_weight, grad_shift)``; ``backend``
+    is the forward's (see :func:`wiola_kernels.dispatch.backward_implementation`)."""
+    impl = dispatch.backward_implementation(OP, x.device, backend)
     return impl.backward(grad_y.contiguous(), x.contiguous(), weight.contiguous(), shift.contiguous(), rstd)
 
 
 @rms_norm_backward_op.register_fake
-def _(grad_y, x, weight, shift, rstd):
+def _(grad_y, x, weight, shift, rstd, backend="auto"):
     return (torch.empty_like(x, memory_format=torch.contiguous_format), torch.empty_like(weight),
             torch.empty_like(shift))
 
@@ -75,11 +76,12 @@ def _(grad_y, x, weight, shift, rstd):
 def _setup_context(ctx, inputs, output):
     x, weight, shift, _eps = inputs
     ctx.save_for_backward(x, weight, shift, output[1])
+    ctx.backend = dispatch.select(OP, x.device)
 
 
 def _backward(ctx, grad_y, _grad_rstd):
     x, weight, shift, rstd = ctx.saved_tensors
-    grad_x, grad_weight, grad_shift = rms_norm_backward_op(grad_y, x, weight, shift, rstd)
+    grad_x, grad_weight, grad_shift = rms_norm_backward_op(grad_y, x, weight, shift, rstd, ctx.backend)
     return grad_x, grad_weight, grad_shift, None
 
 

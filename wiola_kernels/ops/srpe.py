@@ -69,15 +69,16 @@ def _(q, k, positions, theta, spiral_divisor, radial_amplitude, radial_frequency
 
 @torch.library.custom_op("wiola::srpe_backward", mutates_args=())
 def srpe_backward_op(grad_q: Tensor, grad_k: Tensor, positions: Tensor, theta: float, spiral_divisor: float,
-                     radial_amplitude: float, radial_frequency: float) -> tuple[Tensor, Tensor]:
-    """``(R(p)ᵀ grad_q, R(p)ᵀ grad_k)``."""
-    impl = dispatch.implementation(OP, grad_q.device)
+                     radial_amplitude: float, radial_frequency: float,
+                     backend: str = "auto") -> tuple[Tensor, Tensor]:
+    """``(R(p)ᵀ grad_q, R(p)ᵀ grad_k)`` on the forward's ``backend``."""
+    impl = dispatch.backward_implementation(OP, grad_q.device, backend)
     return impl.apply(grad_q.contiguous(), grad_k.contiguous(), positions.contiguous(), theta, spiral_divisor,
                       radial_amplitude, radial_frequency, True)
 
 
 @srpe_backward_op.register_fake
-def _(grad_q, grad_k, positions, theta, spiral_divisor, radial_amplitude, radial_frequency):
+def _(grad_q, grad_k, positions, theta, spiral_divisor, radial_amplitude, radial_frequency, backend="auto"):
     return (torch.empty_like(grad_q, memory_format=torch.contiguous_format),
             torch.empty_like(grad_k, memory_format=torch.contiguous_format))
 
@@ -86,11 +87,12 @@ def _setup_context(ctx, inputs, output):
     _q, _k, positions, *params = inputs
     ctx.save_for_backward(positions)
     ctx.params = params
+    ctx.backend = dispatch.select(OP, positions.device)
 
 
 def _backward(ctx, grad_q, grad_k):
     (positions,) = ctx.saved_tensors
-    grad_q_in, grad_k_in = srpe_backward_op(grad_q, grad_k, positions, *ctx.params)
+    grad_q_in, grad_k_in = srpe_backward_op(grad_q, grad_k, positions, *ctx.params, ctx.backend)
     return grad_q_in, grad_k_in, None, None, None, None, None
 
 
