@@ -15,8 +15,8 @@ The heavy lifting is done by ``wiola_kernels`` ops (``rms_norm``, ``srpe``,
 ``gcla_attention``, ``atm_merge``/``atm_unmerge``); which implementation runs is chosen
 by ``config.kernel_backend`` through :func:`wiola_kernels.use_backend` around the
 forward (``"auto"``: no override, each op picks the best backend for the device).
-Backward kernels are chosen when backward runs: to force a backend for the backward
-too, run it inside ``with model.kernel_backend():`` (``python -m wiola train`` does).
+Each op's backward runs on the backend its forward used (``wiola_kernels`` pins it),
+so ``loss.backward()`` needs no extra scope.
 
 Summaries (SPEC §5.1). ``gcla_summary="causal"`` (default): ``s⁽ˡ⁾_t`` is the mean of
 ``Xˡ⁺¹_u`` over ``u ≤ t``; the model is causal and the generation cache carries each
@@ -381,8 +381,8 @@ class WiolaForCausalLM(WiolaPreTrainedModel, GenerationMixin):
         self.lm_head = value
 
     def kernel_backend(self) -> contextlib.AbstractContextManager:
-        """:func:`backend_scope` of ``config.kernel_backend``: wrap ``loss.backward()`` in it so
-        the backward kernels follow the configured backend too (forward does it itself)."""
+        """:func:`backend_scope` of ``config.kernel_backend`` (the forward enters it itself;
+        backward kernels follow the forward's choice without it)."""
         return backend_scope(self.config.kernel_backend)
 
     def forward(self, input_ids: Tensor | None = None, attention_mask: Tensor | None = None,
