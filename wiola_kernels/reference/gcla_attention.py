@@ -60,6 +60,20 @@ def _masks(B: int, T: int, lengths: Tensor | None, device: torch.device) -> tupl
     return allowed[:, None], row_ok[:, None]
 
 
+def _zero_padding(row_ok: Tensor, *ts: Tensor) -> list[Tensor]:
+    """Zero every position ``t ≥ len_b`` of the T-indexed tensors (``(B, ·, T, ...)``; context
+    tensors with ``S = 1`` are passed through). Padded keys/rows only ever meet a zero weight,
+    but ``0 · NaN = NaN``: garbage in the padding must not reach the valid rows."""
+    T = row_ok.shape[-1]
+    out = []
+    for t in ts:
+        if t.shape[2] == T:  # kc, vc with S = 1 < T are shared by the whole row: kept
+            mask = ~row_ok.reshape(row_ok.shape[0], 1, T, *([1] * (t.dim() - 3)))
+            t = t.masked_fill(mask, 0.0)
+        out.append(t)
+    return out
+
+
 def _cross(q: Tensor, kc: Tensor, vc: Tensor, scale: float) -> tuple[Tensor, Tensor]:
     """``(a (B, H, T, Λ'), O^cross (B, H, T, d_h))`` in the dtype of the arguments."""
     z = (q.unsqueeze(-2) * kc).sum(-1) * scale  # (B, H, T, Λ'); kc broadcasts S = 1 over T
@@ -81,6 +95,8 @@ def gcla_attention_forward(q_rot: Tensor, k_rot: Tensor, v: Tensor, q: Tensor, k
     scale = 1.0 / math.sqrt(dh)
     idx = _group_index(H, k_rot.shape[1], q_rot.device)
     allowed, row_ok = _masks(B, T, lengths, q_rot.device)
+    if lengths is not None:
+        q_rot, k_rot, v, q, kc, vc = _zero_padding(row_ok, q_rot, k_rot, v, q, kc, vc)
     s = (q_rot.to(acc) @ k_rot.to(acc)[:, idx].transpose(-1, -2)) * scale  # (B, H, T, T)
     s_masked = s.masked_fill(~allowed, float("-inf"))
     # Rows past the length have no key: take the lse of zeros there (finite, no NaN in
@@ -114,6 +130,8 @@ def gcla_attention_backward(grad_out: Tensor, q_rot: Tensor, k_rot: Tensor, v: T
     scale = 1.0 / math.sqrt(dh)
     idx = _group_index(H, H_kv, q_rot.device)
     allowed, row_ok = _masks(B, T, lengths, q_rot.device)
+    if lengths is not None:
+        q_rot, k_rot, v, q, kc, vc = _zero_padding(row_ok, q_rot, k_rot, v, q, kc, vc)
     qr, qq = q_rot.to(acc), q.to(acc)
     kk, vv = k_rot.to(acc)[:, idx], v.to(acc)[:, idx]  # (B, H, T, dh)
     kcc, vcc = kc.to(acc), vc.to(acc)
