@@ -16,6 +16,8 @@ TORCH_LIBRARY_FRAGMENT(wiola, m) {
   // angle_freq / radial_freq (dh/2,) float64. `transpose` applies R(p)^T (the backward).
   m.def("_srpe(Tensor q, Tensor k, Tensor positions, Tensor angle_freq, Tensor radial_freq,"
         " float radial_amplitude, bool transpose) -> (Tensor q_out, Tensor k_out)");
+  // The benchmark's copy baseline: a copy allocated like every kernel's output.
+  m.def("_copy(Tensor x) -> Tensor");
   // --- GCLA summary-augmented attention (SPEC §5.5) ---
   // q_rot, q (B, H, T, dh); k_rot, v (B, H_kv, T, dh); kc, vc (B, H, S, L, dh), S in {1, T};
   // gate (H,); lengths (B,) int64 or None. lse (B, H, T) float32 (float64 for double inputs).

@@ -6,8 +6,8 @@ under ``torch.no_grad``; ``fwd+bwd`` runs the forward with gradients and
 
 Bandwidth: ``gbps`` counts the fewest bytes the pass must move — each input read
 once and each output written once (for ``fwd+bwd``: inputs, output gradients,
-outputs and input gradients). ``copy_gbps`` is a same-size allocating copy
-(``Tensor.clone``) timed in alternation with the fused op, so both see the same machine
+outputs and input gradients). ``copy_gbps`` is a same-size copy that allocates its output
+like the ops do (:func:`copy_baseline`), timed in alternation with the fused op, so both see the same machine
 load, and ``pct_of_copy`` says how close the pass is to the memory limit.
 """
 
@@ -150,12 +150,16 @@ def min_bytes(case: BenchCase, pass_: str, inputs: tuple) -> int:
 def copy_baseline(nbytes: int, device: torch.device) -> tuple[Callable[[], object], int]:
     """A same-size copy moving ``nbytes`` (nbytes/2 read + nbytes/2 written), and its byte count.
 
-    The copy allocates its output (``Tensor.clone``), as every op here does: on a
-    virtual machine the first touch of freshly mapped pages can cost more than the copy
-    itself, and a copy into a warm buffer would hide that cost from the baseline only.
+    The copy allocates its output, as every op here does. On the CPU it is the
+    extension's ``wiola::_copy``, whose output is allocated exactly like the kernels'
+    (with the huge-page hint: on a virtual machine the first touch of fresh 4 KiB pages
+    can cost more than the copy itself); without the extension, ``Tensor.clone``.
     """
     n = max(1, nbytes // 2 // 4)
     src = torch.randn(n, device=device)
+    if device.type == "cpu" and hasattr(torch.ops.wiola, "_copy") and dispatch.BACKENDS["cpu"].unavailable_reason(
+            device) is None:
+        return (lambda: torch.ops.wiola._copy(src)), 2 * n * 4
     return (lambda: src.clone()), 2 * n * 4
 
 

@@ -1,0 +1,78 @@
+"""The benchmark harness and the `bench`/`check` commands (no timing is asserted)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from wiola_kernels.bench import all_cases
+from wiola_kernels.bench.runner import copy_baseline, min_bytes
+
+REQUIRED_KEYS = {"op", "backend", "shape", "dtype", "pass", "ms", "ms_eager", "ms_compile", "speedup_vs_eager",
+                 "speedup_vs_compile", "gbps", "copy_gbps", "pct_of_copy"}
+
+
+def test_every_op_has_a_case():
+    assert {c.op for c in all_cases("cpu", small=True)} == {"rms_norm", "srpe", "gcla_attention", "atm"}
+
+
+def test_default_shapes_are_the_issues():
+    shapes = {c.op: c.shape for c in all_cases("cpu")}
+    assert "16384, 1024" in shapes["rms_norm"]
+    assert "(4, 16, 2048, 64)" in shapes["srpe"] and "(4, 4, 2048, 64)" in shapes["srpe"]
+
+
+def test_min_bytes_counts_each_tensor_once():
+    case = next(c for c in all_cases("cpu", small=True) if c.op == "rms_norm")
+    inputs = case.make_inputs()
+    x, w, s = inputs
+    x_bytes, p_bytes = x.numel() * 4, w.numel() * 4
+    assert min_bytes(case, "fwd", inputs) == 2 * x_bytes + 2 * p_bytes  # read x, w, s; write y
+    # fwd+bwd: + read dy, + write dx, dw, ds
+    assert min_bytes(case, "fwd+bwd", inputs) == 4 * x_bytes + 4 * p_bytes
+
+
+def test_copy_baseline_copies():
+    fn, nbytes = copy_baseline(4096, torch.device("cpu"))
+    out = fn()
+    assert nbytes == 4096 and out.numel() * out.element_size() * 2 == 4096
+
+
+@pytest.mark.skipif(not hasattr(torch.ops.wiola, "_copy"), reason="needs the C++ extension")
+def test_extension_copy_is_exact():
+    x = torch.randn(3, 1000, 777)
+    assert torch.equal(torch.ops.wiola._copy(x), x)
+
+
+def test_bench_command_writes_json_and_plot(tmp_path):
+    out_json, out_png = tmp_path / "b.json", tmp_path / "b.png"
+    cmd = [sys.executable, "-m", "wiola_kernels", "bench", "--small", "--ops", "rms_norm,atm", "--repeats", "1",
+           "--no-compile", "--json", str(out_json), "--plot", str(out_png)]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    records = json.loads(out_json.read_text())
+    assert {(r["op"], r["pass"]) for r in records} == {(o, p) for o in ("rms_norm", "atm") for p in ("fwd", "fwd+bwd")}
+    for r in records:
+        assert REQUIRED_KEYS <= set(r)
+        assert r["ms"] > 0 and r["gbps"] > 0 and r["ms_compile"] is None
+    assert out_png.stat().st_size > 1000
+    assert "x eager" in run.stdout and "% copy" in run.stdout
+
+
+def test_bench_rejects_unknown_op():
+    run = subprocess.run([sys.executable, "-m", "wiola_kernels", "bench", "--ops", "nope"], capture_output=True,
+                         text=True, timeout=120)
+    assert run.returncode != 0 and "unknown op" in run.stderr
+
+
+def test_check_command_passes():
+    run = subprocess.run([sys.executable, "-m", "wiola_kernels", "check", "--device", "cpu"], capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
+    lines = [ln for ln in run.stdout.splitlines() if ln.startswith(("PASS", "FAIL"))]
+    assert lines and all(ln.startswith("PASS") for ln in lines)
+    assert run.stdout.strip().endswith("all checks passed")
