@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -241,6 +242,20 @@ class WiolaBlock(GradientCheckpointingLayer):
         return x + self.ffn(self.ffn_norm(x))      # Xˡ⁺¹
 
 
+def refuse_pickle_only_directory(who: str, path, subfolder: str) -> None:
+    """``OSError`` when a local checkpoint directory has pickled weights but no safetensors."""
+    folder = os.path.join(str(path), subfolder) if subfolder else str(path)
+    if not os.path.isdir(folder):
+        return  # a Hub id or a file: use_safetensors=True makes Hugging Face refuse pickles there
+    names = os.listdir(folder)
+    if not any(n.endswith(".safetensors") or n.endswith(".safetensors.index.json") for n in names):
+        pickles = sorted(n for n in names if n.endswith((".bin", ".pt", ".pth", ".ckpt", ".pkl")))
+        if pickles:
+            raise OSError(f"{who}.from_pretrained: {folder} holds only pickled weights ({', '.join(pickles)}); "
+                          "Wiola loads safetensors only, never pickle (SECURITY.md). Convert the checkpoint to "
+                          "model.safetensors with a trusted tool first.")
+
+
 def first_member(index_map: Tensor) -> Tensor:
     """``(B, T)`` slot → the first original position mapped to it (0 for empty slots)."""
     b, t = index_map.shape
@@ -260,6 +275,40 @@ class WiolaPreTrainedModel(PreTrainedModel):
     supports_gradient_checkpointing = True
     _no_split_modules = ["WiolaBlock"]
     _supports_sdpa = False
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
+        """Hugging Face ``from_pretrained``, strict and safetensors only (SECURITY.md).
+
+        * Weights are read from ``model.safetensors`` (or a sharded safetensors index),
+          never from a pickle (``pytorch_model.bin``…): a directory holding only pickled
+          weights is an ``OSError``, and ``use_safetensors=False`` a ``ValueError``.
+        * Every parameter must be in the checkpoint with the model's shape, and every
+          checkpoint tensor must be a parameter: a missing, unexpected or wrongly shaped
+          tensor is a ``ValueError`` naming it (Hugging Face would warn and initialise it
+          at random). ``ignore_mismatched_sizes=True`` is refused for the same reason.
+        """
+        if kwargs.get("use_safetensors") is False:
+            raise ValueError(f"{cls.__name__}.from_pretrained: use_safetensors=False is refused; Wiola checkpoints "
+                             "load from safetensors only, never pickle (SECURITY.md)")
+        if kwargs.get("ignore_mismatched_sizes"):
+            raise ValueError(f"{cls.__name__}.from_pretrained: ignore_mismatched_sizes=True is refused; loading is "
+                             "strict (a mismatched tensor would be initialised at random)")
+        refuse_pickle_only_directory(cls.__name__, pretrained_model_name_or_path, kwargs.get("subfolder") or "")
+        want_info = kwargs.pop("output_loading_info", False)
+        kwargs["use_safetensors"] = True
+        kwargs["ignore_mismatched_sizes"] = True  # report mismatches in the loading info, refused just below
+        model, info = super().from_pretrained(pretrained_model_name_or_path, *args, output_loading_info=True,
+                                              **kwargs)
+        problems = [f"missing {k}" for k in sorted(info["missing_keys"])]
+        problems += [f"unexpected {k}" for k in sorted(info["unexpected_keys"])]
+        problems += [f"{k}: shape {tuple(ckpt)} in the checkpoint, {tuple(want)} in the model"
+                     for k, ckpt, want in sorted(info["mismatched_keys"], key=lambda m: m[0])]
+        problems += [str(e) for e in info["error_msgs"]]
+        if problems:
+            raise ValueError(f"{cls.__name__}.from_pretrained({str(pretrained_model_name_or_path)!r}): the checkpoint "
+                             f"does not match the config; refusing a partial load: " + "; ".join(problems))
+        return (model, info) if want_info else model
 
     def _init_weights(self, module: nn.Module) -> None:
         std = self.config.initializer_range
@@ -309,6 +358,7 @@ class WiolaModel(WiolaPreTrainedModel):
         if cache is not None and not isinstance(cache, WiolaCache):
             raise TypeError(f"cache must be a WiolaCache (it carries the summary sums), got {type(cache).__name__}")
         past = cache.get_seq_length() if cache is not None else 0
+        check_length(t, past, cfg.max_position_embeddings)
         if past > 0 and cfg.gcla_summary == "paper":
             raise ValueError("gcla_summary='paper': summaries are means over the whole sequence, so a KV cache "
                              "cannot reproduce the full forward; call with use_cache=False (generate() does)")
@@ -333,6 +383,16 @@ class WiolaModel(WiolaPreTrainedModel):
                     summaries.append(summarize(x, cfg.gcla_summary, lengths))
                 summaries = summaries[-lookback:]
         return BaseModelOutputWithPast(last_hidden_state=self.norm(x), cache=cache)
+
+
+def check_length(t: int, past: int, max_positions: int) -> None:
+    """A forward needs ``T ≥ 1`` new positions and ``past + T ≤ max_position_embeddings``
+    (the longest sequence the model is defined for; SRPE itself has no limit)."""
+    if t == 0:
+        raise ValueError("input_ids is empty (T = 0): a forward needs at least one position")
+    if past + t > max_positions:
+        raise ValueError(f"sequence too long: {past} cached + {t} new positions exceed "
+                         f"max_position_embeddings = {max_positions}")
 
 
 def right_padding_lengths(attention_mask: Tensor | None, past: int, t: int) -> Tensor | None:
@@ -414,13 +474,38 @@ class WiolaForCausalLM(WiolaPreTrainedModel, GenerationMixin):
         if cache is not None and not isinstance(cache, WiolaCache) and cache.get_seq_length() == 0:
             model_kwargs["cache"] = WiolaCache()  # carries the summary sums as well as K and V
 
-    def generate(self, *args, **kwargs):
+    def generate(self, inputs: Tensor | None = None, *args, **kwargs):
         """Hugging Face ``generate``. With ``gcla_summary="paper"`` the cache is turned off
         (cached decoding cannot match a full forward there) and every step recomputes the
-        whole sequence."""
+        whole sequence.
+
+        Lengths: the prompt must have at least one token, and the whole sequence — prompt
+        plus ``max_new_tokens`` (or ``max_length``) — must fit in
+        ``config.max_position_embeddings``. Otherwise a ``ValueError`` is raised before
+        anything is computed (an empty prompt, ``(B, 0)``, has no position to continue
+        from; an empty prompt is not replaced by ``bos_token_id``)."""
+        prompt = next((x for x in (inputs, kwargs.get("input_ids"), kwargs.get("inputs_embeds")) if x is not None),
+                      None)
+        if isinstance(prompt, Tensor) and prompt.dim() >= 2:
+            if prompt.shape[1] == 0:
+                raise ValueError(f"generate: the prompt is empty (shape {tuple(prompt.shape)}); pass at least one "
+                                 f"token, e.g. bos_token_id = {self.config.bos_token_id}")
+            if prompt.shape[1] > self.config.max_position_embeddings:
+                raise ValueError(f"generate: the prompt has {prompt.shape[1]} tokens, more than "
+                                 f"max_position_embeddings = {self.config.max_position_embeddings}")
         if self.config.gcla_summary == "paper":
             kwargs["use_cache"] = False
-        return super().generate(*args, **kwargs)
+        return super().generate(inputs, *args, **kwargs)
+
+    def _validate_generated_length(self, generation_config, input_ids_length, has_default_max_length):
+        # Hugging Face hook, called once max_length = prompt + max_new_tokens is known.
+        super()._validate_generated_length(generation_config, input_ids_length, has_default_max_length)
+        limit = self.config.max_position_embeddings
+        if generation_config.max_length > limit:
+            raise ValueError(f"generate: prompt ({input_ids_length} tokens) + new tokens = "
+                             f"{generation_config.max_length} positions exceed max_position_embeddings = {limit}; "
+                             f"lower max_new_tokens to at most {max(limit - input_ids_length, 0)}")
 
 
-__all__ = ["WiolaCache", "backend_scope", "WiolaForCausalLM", "WiolaModel", "WiolaPreTrainedModel", "summarize"]
+__all__ = ["WiolaCache", "backend_scope", "check_length", "WiolaForCausalLM", "WiolaModel", "WiolaPreTrainedModel",
+           "summarize"]
