@@ -14,6 +14,9 @@
 #if defined(__linux__)
 #include <sys/mman.h>
 #endif
+#if defined(CPU_CAPABILITY_AVX2)
+#include <immintrin.h>
+#endif
 
 namespace wiola::cpu {
 
@@ -73,6 +76,42 @@ inline void store_row(const acc_t* src, scalar_t* dst, int64_t n) {
   } else {
     at::vec::convert(src, dst, n);
   }
+}
+
+// Float outputs too large to stay in cache are written with non-temporal stores: they
+// skip the read-for-ownership of every output line (measured: SRPE fp32 3.4 → 2.4 ms,
+// i.e. copy speed). Small outputs keep ordinary stores so their consumer finds them in
+// cache. Streaming needs 32-byte-aligned rows; kernels that stream call stream_fence()
+// before returning.
+constexpr int64_t kStreamMinBytes = int64_t(16) << 20;
+
+template <typename scalar_t>
+inline bool use_streaming_stores(const scalar_t* out, int64_t out_bytes, int64_t row_elems) {
+#if defined(CPU_CAPABILITY_AVX2)
+  return std::is_same_v<scalar_t, float> && out_bytes >= kStreamMinBytes && row_elems % 8 == 0 &&
+         reinterpret_cast<uintptr_t>(out) % 32 == 0;
+#else
+  (void)out, (void)out_bytes, (void)row_elems;
+  return false;
+#endif
+}
+
+// v.store(p), non-temporal when kStream (float only; p 32-byte aligned).
+template <bool kStream, typename acc_t>
+inline void store_vec(const at::vec::Vectorized<acc_t>& v, acc_t* p) {
+#if defined(CPU_CAPABILITY_AVX2)
+  if constexpr (kStream && std::is_same_v<acc_t, float>) {
+    _mm256_stream_ps(p, v);
+    return;
+  }
+#endif
+  v.store(p);
+}
+
+inline void stream_fence() {
+#if defined(CPU_CAPABILITY_AVX2)
+  _mm_sfence();
+#endif
 }
 
 #define WIOLA_CHECK_ARG(cond, ...) TORCH_CHECK_VALUE(cond, __VA_ARGS__)

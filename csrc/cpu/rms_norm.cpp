@@ -20,7 +20,7 @@ constexpr int64_t kBackwardChunks = 64;  // partial sums for ∂γ/∂δ; fixed 
 template <typename acc_t>
 using Vec = at::vec::Vectorized<acc_t>;
 
-template <typename acc_t>
+template <bool kStream, typename acc_t>
 inline acc_t forward_row(const acc_t* x, const acc_t* w, const acc_t* s, acc_t* y, int64_t d, double eps) {
   using V = Vec<acc_t>;
   constexpr int64_t L = V::size();
@@ -42,7 +42,7 @@ inline acc_t forward_row(const acc_t* x, const acc_t* w, const acc_t* s, acc_t* 
   const V vinv(inv);
   i = 0;
   for (; i + L <= d; i += L) {  // x is still in L1
-    (V::loadu(w + i) * (V::loadu(x + i) + V::loadu(s + i)) * vinv).store(y + i);
+    store_vec<kStream>(V::loadu(w + i) * (V::loadu(x + i) + V::loadu(s + i)) * vinv, y + i);
   }
   for (; i < d; ++i) y[i] = w[i] * (x[i] + s[i]) * inv;
   return inv;
@@ -54,16 +54,54 @@ void forward_rows(const scalar_t* x, const acc_type<scalar_t>* w, const acc_type
   using acc_t = acc_type<scalar_t>;
   at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / d), [&](int64_t begin, int64_t end) {
     if constexpr (std::is_same_v<scalar_t, acc_t>) {
-      for (int64_t r = begin; r < end; ++r) rstd[r] = forward_row(x + r * d, w, s, y + r * d, d, eps);
+      if (use_streaming_stores(y, rows * d * int64_t(sizeof(scalar_t)), d)) {
+        for (int64_t r = begin; r < end; ++r) rstd[r] = forward_row<true>(x + r * d, w, s, y + r * d, d, eps);
+        stream_fence();
+      } else {
+        for (int64_t r = begin; r < end; ++r) rstd[r] = forward_row<false>(x + r * d, w, s, y + r * d, d, eps);
+      }
     } else {
       std::vector<acc_t> xs(d), ys(d);
       for (int64_t r = begin; r < end; ++r) {
         load_row(x + r * d, xs.data(), d);
-        rstd[r] = forward_row(xs.data(), w, s, ys.data(), d, eps);
+        rstd[r] = forward_row<false>(xs.data(), w, s, ys.data(), d, eps);
         store_row(ys.data(), y + r * d, d);
       }
     }
   });
+}
+
+// One row of the backward on acc_t rows: writes ∂L/∂x to `dx` and adds this row's
+// terms to the ∂γ/∂δ partials `dw`, `ds`.
+template <bool kStream, typename acc_t>
+inline void backward_row(const acc_t* x, const acc_t* g, const acc_t* w, const acc_t* s, acc_t inv, acc_t* dx,
+                         acc_t* dw, acc_t* ds, int64_t d) {
+  using V = Vec<acc_t>;
+  constexpr int64_t L = V::size();
+  V vdot(0);  // Σ γ g z
+  int64_t i = 0;
+  for (; i + L <= d; i += L) {
+    vdot = at::vec::fmadd(V::loadu(w + i) * V::loadu(g + i), V::loadu(x + i) + V::loadu(s + i), vdot);
+  }
+  acc_t dot = at::vec::vec_reduce_all<acc_t>([](V a, V b) { return a + b; }, vdot);
+  for (; i < d; ++i) dot += w[i] * g[i] * (x[i] + s[i]);
+  const acc_t coef = dot * inv * inv * inv / acc_t(d);
+  const V vinv(inv), vcoef(coef);
+  i = 0;
+  for (; i + L <= d; i += L) {  // x and g are still in L1
+    const V vz = V::loadu(x + i) + V::loadu(s + i), vg = V::loadu(g + i);
+    const V dz = V::loadu(w + i) * vg * vinv - vcoef * vz;
+    store_vec<kStream>(dz, dx + i);
+    (V::loadu(ds + i) + dz).store(ds + i);
+    at::vec::fmadd(vg * vz, vinv, V::loadu(dw + i)).store(dw + i);
+  }
+  for (; i < d; ++i) {
+    const acc_t z = x[i] + s[i];
+    const acc_t dz = w[i] * g[i] * inv - coef * z;
+    dx[i] = dz;
+    ds[i] += dz;
+    dw[i] += g[i] * z * inv;
+  }
 }
 
 template <typename scalar_t>
@@ -72,11 +110,13 @@ void backward_rows(const scalar_t* g_in, const scalar_t* x, const acc_type<scala
                    acc_type<scalar_t>* dw_partial, acc_type<scalar_t>* ds_partial, int64_t rows, int64_t d,
                    int64_t chunks) {
   using acc_t = acc_type<scalar_t>;
-  using V = Vec<acc_t>;
-  constexpr int64_t L = V::size();
   const int64_t rows_per_chunk = (rows + chunks - 1) / chunks;
+  const bool stream = use_streaming_stores(dx, rows * d * int64_t(sizeof(scalar_t)), d);
   at::parallel_for(0, chunks, 1, [&](int64_t chunk_begin, int64_t chunk_end) {
-    std::vector<acc_t> z(d), g(d), out(d);
+    std::vector<acc_t> xs, gs, out;  // conversion rows for reduced-precision inputs
+    if constexpr (!std::is_same_v<scalar_t, acc_t>) {
+      xs.resize(d), gs.resize(d), out.resize(d);
+    }
     for (int64_t c = chunk_begin; c < chunk_end; ++c) {
       acc_t* dw = dw_partial + c * d;
       acc_t* ds = ds_partial + c * d;
@@ -84,41 +124,21 @@ void backward_rows(const scalar_t* g_in, const scalar_t* x, const acc_type<scala
       std::fill(ds, ds + d, acc_t(0));
       const int64_t r_end = std::min(rows, (c + 1) * rows_per_chunk);
       for (int64_t r = c * rows_per_chunk; r < r_end; ++r) {
-        load_row(x + r * d, z.data(), d);
-        load_row(g_in + r * d, g.data(), d);
-        const acc_t inv = rstd[r];
-        // z = x + δ and Σ γ g z in one sweep.
-        V vdot(0);
-        int64_t i = 0;
-        for (; i + L <= d; i += L) {
-          V vz = V::loadu(z.data() + i) + V::loadu(s + i);
-          vz.store(z.data() + i);
-          vdot = at::vec::fmadd(V::loadu(w + i) * V::loadu(g.data() + i), vz, vdot);
+        if constexpr (std::is_same_v<scalar_t, acc_t>) {
+          if (stream) {
+            backward_row<true>(x + r * d, g_in + r * d, w, s, rstd[r], dx + r * d, dw, ds, d);
+          } else {
+            backward_row<false>(x + r * d, g_in + r * d, w, s, rstd[r], dx + r * d, dw, ds, d);
+          }
+        } else {
+          load_row(x + r * d, xs.data(), d);
+          load_row(g_in + r * d, gs.data(), d);
+          backward_row<false>(xs.data(), gs.data(), w, s, rstd[r], out.data(), dw, ds, d);
+          store_row(out.data(), dx + r * d, d);
         }
-        acc_t dot = at::vec::vec_reduce_all<acc_t>([](V a, V b) { return a + b; }, vdot);
-        for (; i < d; ++i) {
-          z[i] += s[i];
-          dot += w[i] * g[i] * z[i];
-        }
-        const acc_t coef = dot * inv * inv * inv / acc_t(d);
-        const V vinv(inv), vcoef(coef);
-        i = 0;
-        for (; i + L <= d; i += L) {
-          const V vz = V::loadu(z.data() + i), vg = V::loadu(g.data() + i);
-          const V dz = V::loadu(w + i) * vg * vinv - vcoef * vz;
-          dz.store(out.data() + i);
-          (V::loadu(ds + i) + dz).store(ds + i);
-          at::vec::fmadd(vg * vz, vinv, V::loadu(dw + i)).store(dw + i);
-        }
-        for (; i < d; ++i) {
-          const acc_t dz = w[i] * g[i] * inv - coef * z[i];
-          out[i] = dz;
-          ds[i] += dz;
-          dw[i] += g[i] * z[i] * inv;
-        }
-        store_row(out.data(), dx + r * d, d);
       }
     }
+    if (stream) stream_fence();
   });
 }
 

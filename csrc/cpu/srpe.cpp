@@ -28,9 +28,6 @@
 #include <cstdint>
 #include <vector>
 
-#if defined(CPU_CAPABILITY_AVX2)
-#include <immintrin.h>
-#endif
 
 #include "common.h"
 
@@ -39,7 +36,6 @@ namespace {
 
 constexpr int64_t kTileT = 32;  // rows (positions) per task; table = kTileT·d_h/2 (c, s) pairs
 constexpr int64_t kMinElemsPerThread = int64_t(1) << 18;  // parallel grain, in q/k elements
-constexpr int64_t kStreamMinBytes = int64_t(16) << 20;    // outputs from here on: non-temporal stores
 
 using VD = at::vec::Vectorized<double>;
 
@@ -141,15 +137,8 @@ inline void rotate_row(const acc_t* x, const acc_t* c, const acc_t* s, acc_t* ou
     const V x1 = V::loadu(x + j), x2 = V::loadu(x + half + j);
     const V vc = V::loadu(c + j), vs = V::loadu(s + j);
     const V y1 = at::vec::fmsub(x1, vc, x2 * vs), y2 = at::vec::fmadd(x1, vs, x2 * vc);
-#if defined(CPU_CAPABILITY_AVX2)
-    if constexpr (kStream && std::is_same_v<acc_t, float>) {
-      _mm256_stream_ps(out + j, y1);
-      _mm256_stream_ps(out + half + j, y2);
-      continue;
-    }
-#endif
-    y1.store(out + j);
-    y2.store(out + half + j);
+    store_vec<kStream>(y1, out + j);
+    store_vec<kStream>(y2, out + half + j);
   }
   for (; j < half; ++j) {
     const acc_t x1 = x[j], x2 = x[half + j];
@@ -170,13 +159,10 @@ void srpe_kernel(const scalar_t* q, const scalar_t* k, const int64_t* positions,
   std::copy(angle_freq, angle_freq + half, af.begin());
   std::copy(radial_freq, radial_freq + half, rf.begin());
   const int64_t tiles = (T + kTileT - 1) / kTileT;
-  // Non-temporal stores for float outputs too large to stay in cache: they skip the
-  // read-for-ownership of every output line (measured: 3.4 → 2.4 ms, i.e. copy speed, on
-  // q (2, 16, 2048, 64) fp32 with one thread). Small outputs keep ordinary stores so the
-  // consumer finds them in cache. Needs 32-byte-aligned rows (d_h/2 a multiple of 8).
+  // Non-temporal stores for large float outputs (see common.h); q and k rows both aligned.
   const int64_t out_bytes = (H + H_kv) * B * T * dh * static_cast<int64_t>(sizeof(scalar_t));
-  const bool stream = std::is_same_v<scalar_t, float> && out_bytes >= kStreamMinBytes && half % 8 == 0 &&
-                      reinterpret_cast<uintptr_t>(q_out) % 32 == 0 && reinterpret_cast<uintptr_t>(k_out) % 32 == 0;
+  const bool stream = half % 8 == 0 && use_streaming_stores(q_out, out_bytes, dh) &&
+                      use_streaming_stores(k_out, kStreamMinBytes, dh);
   // Each task moves (H + H_kv)·kTileT·d_h elements. A thread gets at least
   // kMinElemsPerThread of them (~1 MB read + written in fp32, ~0.1 ms): below that, waking
   // another thread costs more than it saves, and on a busy machine far more (measured:
@@ -226,7 +212,7 @@ void srpe_kernel(const scalar_t* q, const scalar_t* k, const int64_t* positions,
       sweep(k, k_out, H_kv);
     }
 #if defined(CPU_CAPABILITY_AVX2)
-    if (stream) _mm_sfence();
+    if (stream) stream_fence();
 #endif
   });
 }
