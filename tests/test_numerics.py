@@ -36,8 +36,8 @@ for the default ``k_s = 8`` that is ``p ≤ 4.0e10 ≈ 2^35.2``; for ``k_s = 1``
 mpmath evaluation): relative error 5e-8 at 2^31, 4e-7 at 2^35, 3.4e-6 at 2^38,
 1.6e-5 at 2^40 — the whole-vector error is ~10× below the worst-pair bound. The SPEC
 requires 2^20; tests below check 2^31 (and 2^34 against mpmath). Positions are int64;
-beyond 2^53 the float64 conversion of p itself is inexact (no backend warns; see the
-report of issue 6).
+beyond 2^53 the float64 conversion of p itself is inexact. ``wk.srpe`` refuses CPU
+positions beyond ``wiola_kernels.ops.srpe.max_accurate_position(k_s)`` (tested below).
 """
 
 from __future__ import annotations
@@ -541,3 +541,18 @@ def test_atm_nonfinite_token_is_confined(backend, bad):
     slot_hit = torch.zeros(t, dtype=torch.bool)
     slot_hit[int(imap0[0, 7])] = True
     assert torch.isfinite(gy[[1, 2]]).all() and torch.isfinite(gy[0][~slot_hit]).all()
+
+
+@pytest.mark.parametrize("k_s", [8.0, 1.0, 0.5])
+def test_srpe_refuses_positions_beyond_the_accurate_range(k_s):
+    from wiola_kernels.ops.srpe import max_accurate_position
+
+    limit = max_accurate_position(k_s)
+    assert limit == int(1e-5 * 2.0**52 / abs(1 + 1 / k_s))
+    q, k = torch.randn(1, 2, 2, 8), torch.randn(1, 1, 2, 8)
+    wk.srpe(q, k, torch.tensor([0, limit]), spiral_divisor=k_s)  # at the limit: accepted
+    with pytest.raises(ValueError, match="position_ids must lie within"):
+        wk.srpe(q, k, torch.tensor([0, limit + 1]), spiral_divisor=k_s)
+    with pytest.raises(ValueError, match="position_ids must lie within"):
+        wk.srpe(q, k, torch.tensor([-(limit + 1), 0]), spiral_divisor=k_s)
+    assert max_accurate_position(-1.0) == 2**53  # 1 + 1/k_s = 0: no rotation at all

@@ -52,10 +52,35 @@ dispatch.register(OP, "cpu", SimpleNamespace(apply=_cpu_apply))
 dispatch.register(OP, "triton", SimpleNamespace(apply=_triton_apply))
 
 
+def max_accurate_position(spiral_divisor: float) -> int:
+    """Largest ``|p|`` at which float32 outputs still meet SPEC §9's 1e-5.
+
+    Every backend forms ``p·ω_j·(1 + 1/k_s)`` in float64, whose rounding error is about
+    ``p·(1 + 1/k_s)·2^-52`` radians for the worst pair (``ω_0 = 1``); a pair rotated by a
+    wrong angle δ has relative error ≈ δ. So ``p ≤ 1e-5·2^52/|1 + 1/k_s|``: about 2^35
+    for the default ``k_s = 8``, 2^34 for any ``k_s ≥ 1`` (derivation and mpmath checks
+    in tests/test_numerics.py). Capped at 2^53, where int64 → float64 stops being exact.
+    """
+    factor = abs(1.0 + 1.0 / spiral_divisor)
+    return 2**53 if factor == 0.0 else min(2**53, int(1e-5 * 2.0**52 / factor))
+
+
+def _check_positions(positions: Tensor, spiral_divisor: float) -> None:
+    # Inside the op (opaque to torch.compile); CPU only: on a GPU this check would cost a
+    # device sync on every call, so CUDA callers get the documented limit without a check.
+    if positions.device.type == "cpu" and positions.numel():
+        limit = max_accurate_position(spiral_divisor)
+        largest = int(positions.abs().max())
+        if largest > limit:
+            raise ValueError(f"position_ids must lie within ±{limit} (float32 SRPE outputs lose SPEC accuracy "
+                             f"beyond it for spiral_divisor={spiral_divisor}), got |p| = {largest}")
+
+
 @torch.library.custom_op("wiola::srpe", mutates_args=())
 def srpe_op(q: Tensor, k: Tensor, positions: Tensor, theta: float, spiral_divisor: float,
             radial_amplitude: float, radial_frequency: float) -> tuple[Tensor, Tensor]:
     """``(R(p) q, R(p) k)`` for ``positions (B, T)`` int64."""
+    _check_positions(positions, spiral_divisor)
     impl = dispatch.implementation(OP, q.device)
     return impl.apply(q.contiguous(), k.contiguous(), positions.contiguous(), theta, spiral_divisor,
                       radial_amplitude, radial_frequency, False)
