@@ -91,6 +91,19 @@ inline void gemm(int64_t M, int64_t N, int64_t K, acc_t alpha, const acc_t* A, i
   }
 }
 
+// C += alpha · A · B on a tile that crosses the causal diagonal: row r of A (query
+// i0 + r) multiplies only its own causal keys j ≤ i0 + r, i.e. the first
+// clamp(i0 + r − j0 + 1, 0, K) rows of B (keys from j0). A's masked entries are exactly 0,
+// but 0 · NaN is NaN: a non-finite value at a later key must not reach earlier rows.
+template <typename acc_t>
+inline void gemm_causal_rows(int64_t M, int64_t N, int64_t K, int64_t i0, int64_t j0, acc_t alpha, const acc_t* A,
+                             int64_t lda, const acc_t* B, int64_t ldb, acc_t* C, int64_t ldc) {
+  for (int64_t r = 0; r < M; ++r) {
+    const int64_t k = std::clamp<int64_t>(i0 + r - j0 + 1, 0, K);
+    if (k > 0) gemm_rows<acc_t, 1>(k, N, alpha, A + r * lda, lda, B, ldb, C + r * ldc, ldc, true);
+  }
+}
+
 // dst[c * ldd + r] = src[r * lds + c] for r < rows, c < cols.
 template <typename acc_t>
 inline void transpose(const acc_t* src, int64_t rows, int64_t cols, int64_t lds, acc_t* dst, int64_t ldd) {
@@ -297,7 +310,11 @@ void forward_impl(const Dims& d, const scalar_t* q_rot, const scalar_t* k_rot, c
             for (int64_t e = 0; e < dp; e += Vec<acc_t>::size()) (Vec<acc_t>::loadu(o + e) * Vec<acc_t>(corr)).store(o + e);
           }
         }
-        gemm<acc_t>(nq, dh, nk, acc_t(1), Sb, kBlockK, V_g + j0 * dp, dp, obuf.data(), dp, true);
+        if (diagonal) {
+          gemm_causal_rows<acc_t>(nq, dh, nk, i0, j0, acc_t(1), Sb, kBlockK, V_g + j0 * dp, dp, obuf.data(), dp);
+        } else {
+          gemm<acc_t>(nq, dh, nk, acc_t(1), Sb, kBlockK, V_g + j0 * dp, dp, obuf.data(), dp, true);
+        }
       }
       // Epilogue: normalise, cross part, gate, one write.
       const acc_t sig = acc_t(1) / (acc_t(1) + std::exp(-gate[h]));
@@ -436,7 +453,11 @@ void backward_impl(const Dims& d, const scalar_t* grad_out, const scalar_t* q_ro
           for (int64_t c = 0; c < ncol; ++c) s[c] = s[c] * (dpr[c] - Di);  // dS
           for (int64_t c = ncol; c < nk; ++c) s[c] = 0;
         }
-        gemm<acc_t>(nq, dh, nk, scale, Sb, kBlockK, K_g + j0 * dp, dp, dqacc.data(), dp, true);
+        if (j0 + nk - 1 > i0) {  // crosses the diagonal (see gemm_causal_rows)
+          gemm_causal_rows<acc_t>(nq, dh, nk, i0, j0, scale, Sb, kBlockK, K_g + j0 * dp, dp, dqacc.data(), dp);
+        } else {
+          gemm<acc_t>(nq, dh, nk, scale, Sb, kBlockK, K_g + j0 * dp, dp, dqacc.data(), dp, true);
+        }
       }
       for (int64_t r = 0; r < nq; ++r) store_row(dqacc.data() + r * dp, dq_rot + (bh * T + i0 + r) * dh, dh);
     }
