@@ -71,9 +71,8 @@ def _setup(args: dict, backend: str, atm: bool):
 
 def _step(model, opt, ids) -> float:
     t0 = time.perf_counter()
-    with model.kernel_backend():
-        loss = model(ids, labels=ids, use_cache=False).loss
-        loss.backward()
+    loss = model(ids, labels=ids, use_cache=False).loss  # backward follows the forward's backend
+    loss.backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
     return time.perf_counter() - t0

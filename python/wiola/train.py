@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .configuration_wiola import WiolaConfig
-from .modeling_wiola import WiolaForCausalLM, backend_scope
+from .modeling_wiola import WiolaForCausalLM
 
 PAD, BOS, EOS, OFFSET = 0, 1, 2, 3  # byte b has id b + OFFSET
 
@@ -147,10 +147,10 @@ def train_steps(model: torch.nn.Module, config: WiolaConfig, batches, steps: int
         for group in opt.param_groups:
             group["lr"] = lr_at(step, steps, lr, warmup)
         t0 = time.perf_counter()
-        with backend_scope(config.kernel_backend):
-            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_bf16):
-                loss = model(local, labels=local, use_cache=False).loss
-            loss.backward()
+        # The forward applies config.kernel_backend; each op's backward follows its forward.
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_bf16):
+            loss = model(local, labels=local, use_cache=False).loss
+        loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)

@@ -40,6 +40,18 @@ _TWO_PI = 2.0 * math.pi
 
 
 @triton.jit
+def _rotate_heads(x_ptr, out_ptr, c, s, b, t, j, mask, T, HEADS, HALF):
+    """Rotate rows (b, head, t) of ``x (B, HEADS, T, 2·HALF)`` for every head by the
+    ``(BLOCK_T, BLOCK_HALF)`` tile ``(c, s)``; offsets are int64 (``b``, ``t`` are)."""
+    for h in range(HEADS):
+        x1_off = (((b * HEADS + h) * T + t) * (2 * HALF))[:, None] + j[None, :]
+        x1 = tl.load(x_ptr + x1_off, mask=mask, other=0.0).to(c.dtype)
+        x2 = tl.load(x_ptr + x1_off + HALF, mask=mask, other=0.0).to(c.dtype)
+        tl.store(out_ptr + x1_off, (x1 * c - x2 * s).to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(out_ptr + x1_off + HALF, (x1 * s + x2 * c).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _srpe_kernel(
     q_ptr,        # (B, H, T, d_h) queries (or ∂L/∂q_out for the backward), contiguous
     k_ptr,        # (B, H_kv, T, d_h) keys (or ∂L/∂k_out), contiguous
@@ -90,21 +102,9 @@ def _srpe_kernel(
 
     b = rows // T
     t = rows - b * T
-    cols = j[None, :]
-    # Queries: every head at these positions. Offsets in int64 (sizes can pass 2^31).
-    for h in range(H):
-        x1_off = (((b * H + h) * T + t) * (2 * HALF))[:, None] + cols
-        x1 = tl.load(q_ptr + x1_off, mask=mask, other=0.0).to(c.dtype)
-        x2 = tl.load(q_ptr + x1_off + HALF, mask=mask, other=0.0).to(c.dtype)
-        tl.store(q_out_ptr + x1_off, (x1 * c - x2 * s).to(q_out_ptr.dtype.element_ty), mask=mask)
-        tl.store(q_out_ptr + x1_off + HALF, (x1 * s + x2 * c).to(q_out_ptr.dtype.element_ty), mask=mask)
-    # Keys: the same tile of (c, s).
-    for h in range(H_KV):
-        x1_off = (((b * H_KV + h) * T + t) * (2 * HALF))[:, None] + cols
-        x1 = tl.load(k_ptr + x1_off, mask=mask, other=0.0).to(c.dtype)
-        x2 = tl.load(k_ptr + x1_off + HALF, mask=mask, other=0.0).to(c.dtype)
-        tl.store(k_out_ptr + x1_off, (x1 * c - x2 * s).to(k_out_ptr.dtype.element_ty), mask=mask)
-        tl.store(k_out_ptr + x1_off + HALF, (x1 * s + x2 * c).to(k_out_ptr.dtype.element_ty), mask=mask)
+    # Every head of Q, then of K, at these positions, with the same tile of (c, s).
+    _rotate_heads(q_ptr, q_out_ptr, c, s, b, t, j, mask, T, H, HALF)
+    _rotate_heads(k_ptr, k_out_ptr, c, s, b, t, j, mask, T, H_KV, HALF)
 
 
 def _build_frequency_table(head_dim: int, theta: float, spiral_divisor: float, radial_amplitude: float,
