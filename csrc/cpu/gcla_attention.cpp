@@ -104,6 +104,18 @@ inline void gemm_causal_rows(int64_t M, int64_t N, int64_t K, int64_t i0, int64_
   }
 }
 
+// The transpose of the above for the key-side gradients: C (K×N) += alpha · A (K×M) · B (M×N)
+// where row c of A (key j0 + c) multiplies only the query rows that see it, i ≥ j0 + c,
+// i.e. rows clamp(j0 + c − i0, 0, M) .. M of B (queries from i0).
+template <typename acc_t>
+inline void gemm_anticausal_rows(int64_t K, int64_t N, int64_t M, int64_t i0, int64_t j0, acc_t alpha, const acc_t* A,
+                                 int64_t lda, const acc_t* B, int64_t ldb, acc_t* C, int64_t ldc) {
+  for (int64_t c = 0; c < K; ++c) {
+    const int64_t r0 = std::clamp<int64_t>(j0 + c - i0, 0, M);
+    if (r0 < M) gemm_rows<acc_t, 1>(M - r0, N, alpha, A + c * lda + r0, lda, B + r0 * ldb, ldb, C + c * ldc, ldc, true);
+  }
+}
+
 // dst[c * ldd + r] = src[r * lds + c] for r < rows, c < cols.
 template <typename acc_t>
 inline void transpose(const acc_t* src, int64_t rows, int64_t cols, int64_t lds, acc_t* dst, int64_t ldd) {
@@ -508,8 +520,15 @@ void backward_impl(const Dims& d, const scalar_t* grad_out, const scalar_t* q_ro
           }
           transpose(Sb, nq, nk, kBlockK, ptbuf.data(), kBlockQ);
           transpose(dP, nq, nk, kBlockK, dstbuf.data(), kBlockQ);
-          gemm<acc_t>(nk, dh, nq, acc_t(1), ptbuf.data(), kBlockQ, dobuf.data(), dp, dvacc.data(), dp, true);
-          gemm<acc_t>(nk, dh, nq, scale, dstbuf.data(), kBlockQ, qbuf.data(), dp, dkacc.data(), dp, true);
+          if (j0 + nk - 1 > i0) {  // crosses the diagonal: a row's NaN must not reach later keys
+            gemm_anticausal_rows<acc_t>(nk, dh, nq, i0, j0, acc_t(1), ptbuf.data(), kBlockQ, dobuf.data(), dp,
+                                        dvacc.data(), dp);
+            gemm_anticausal_rows<acc_t>(nk, dh, nq, i0, j0, scale, dstbuf.data(), kBlockQ, qbuf.data(), dp,
+                                        dkacc.data(), dp);
+          } else {
+            gemm<acc_t>(nk, dh, nq, acc_t(1), ptbuf.data(), kBlockQ, dobuf.data(), dp, dvacc.data(), dp, true);
+            gemm<acc_t>(nk, dh, nq, scale, dstbuf.data(), kBlockQ, qbuf.data(), dp, dkacc.data(), dp, true);
+          }
         }
       }
       for (int64_t r = 0; r < nk; ++r) {

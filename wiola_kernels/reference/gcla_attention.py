@@ -74,6 +74,36 @@ def _zero_padding(row_ok: Tensor, *ts: Tensor) -> list[Tensor]:
     return out
 
 
+def _nonfinite_terms(a: Tensor, allowed: Tensor, b: Tensor) -> Tensor:
+    """``a @ b`` over allowed pairs only, for ``b`` holding NaN/Inf: the finite part by one product
+    with NaN/Inf zeroed, then every output that an allowed non-finite term reaches set to what
+    IEEE arithmetic gives (NaN for NaN or 0·Inf or Inf − Inf, else ±Inf)."""
+    finite = torch.isfinite(b)
+    out = a @ b.masked_fill(~finite, 0.0)
+    allowed = allowed.expand(a.shape)
+    pos, neg, zero = (allowed & (a > 0)), (allowed & (a < 0)), (allowed & (a == 0))
+    b_nan, b_pinf, b_ninf = b.isnan().to(a.dtype), (b == math.inf).to(a.dtype), (b == -math.inf).to(a.dtype)
+    pos, neg, zero, allowed = pos.to(a.dtype), neg.to(a.dtype), zero.to(a.dtype), allowed.to(a.dtype)
+    nan_hits = allowed @ b_nan + zero @ (b_pinf + b_ninf)
+    pinf_hits = pos @ b_pinf + neg @ b_ninf
+    ninf_hits = pos @ b_ninf + neg @ b_pinf
+    out = torch.where(pinf_hits > 0, out + math.inf, out)
+    out = torch.where(ninf_hits > 0, out - math.inf, out)
+    return torch.where(nan_hits > 0, math.nan, out)
+
+
+def _masked_matmul(a: Tensor, allowed: Tensor, b: Tensor) -> Tensor:
+    """``Σ_j a_ij b_j`` over the allowed ``(i, j)`` only (``allowed`` broadcasts against ``a``).
+
+    A dense ``a @ b`` multiplies a masked (zero) weight by every ``b_j``, and ``0 · NaN = NaN``
+    would carry a later key's NaN/Inf into earlier rows; the kernels never touch masked pairs,
+    and neither does this. The exact path runs only when ``b`` is not all finite (``torch.cond``
+    keeps it one graph under ``torch.compile``).
+    """
+    a = a.masked_fill(~allowed, 0.0)
+    return torch.cond(torch.isfinite(b).all(), lambda a, m, b: a @ b, _nonfinite_terms, (a, allowed, b))
+
+
 def _cross(q: Tensor, kc: Tensor, vc: Tensor, scale: float) -> tuple[Tensor, Tensor]:
     """``(a (B, H, T, Λ'), O^cross (B, H, T, d_h))`` in the dtype of the arguments."""
     z = (q.unsqueeze(-2) * kc).sum(-1) * scale  # (B, H, T, Λ'); kc broadcasts S = 1 over T
@@ -103,7 +133,7 @@ def gcla_attention_forward(q_rot: Tensor, k_rot: Tensor, v: Tensor, q: Tensor, k
     # autograd) and report 0.
     lse = torch.logsumexp(s_masked.masked_fill(~row_ok[..., None], 0.0), dim=-1)
     p = torch.exp(s_masked - lse[..., None])
-    o_self = p @ v.to(acc)[:, idx]
+    o_self = _masked_matmul(p, allowed, v.to(acc)[:, idx])
     _, o_cross = _cross(q.to(acc), kc.to(acc), vc.to(acc), scale)
     sig = torch.sigmoid(gate.to(acc))[None, :, None, None]
     out = (o_self + sig * o_cross).masked_fill(~row_ok[..., None], 0.0)
@@ -140,13 +170,14 @@ def gcla_attention_backward(grad_out: Tensor, q_rot: Tensor, k_rot: Tensor, v: T
     # Self part: recompute P from lse.
     s = (qr @ kk.transpose(-1, -2)) * scale
     p = torch.exp(s.masked_fill(~allowed, float("-inf")) - lse.to(acc)[..., None])
-    o_self = p @ vv
-    dv_h = p.transpose(-1, -2) @ d_o
+    allowed_t = allowed.transpose(-1, -2)
+    o_self = _masked_matmul(p, allowed, vv)
+    dv_h = _masked_matmul(p.transpose(-1, -2), allowed_t, d_o)
     dp = d_o @ vv.transpose(-1, -2)
     big_d = (d_o * o_self).sum(-1, keepdim=True)
-    ds = p * (dp - big_d)
-    dq_rot = (ds @ kk) * scale
-    dk_h = (ds.transpose(-1, -2) @ qr) * scale
+    ds = (p * (dp - big_d)).masked_fill(~allowed, 0.0)  # dp of a masked pair may be 0 · NaN
+    dq_rot = _masked_matmul(ds, allowed, kk) * scale
+    dk_h = _masked_matmul(ds.transpose(-1, -2), allowed_t, qr) * scale
     dk = torch.zeros(B, H_kv, T, dh, dtype=acc, device=q_rot.device).index_add_(1, idx, dk_h)
     dv = torch.zeros(B, H_kv, T, dh, dtype=acc, device=q_rot.device).index_add_(1, idx, dv_h)
 
