@@ -101,3 +101,26 @@ def test_cuda_kernel_rejects_unsupported_head_dim():
     ins = [x.detach().float() for x in make_inputs(1, 2, 1, 5, 32, 1, 1, torch.float32)]
     with pytest.raises(ValueError, match="d_h in"):
         torch.ops.wiola._gcla_attention_fwd(*ins, None)
+
+
+@pytest.mark.parametrize("where", ["v", "k_rot", "q_rot", "grad_out"])
+def test_cuda_nonfinite_stays_causal(where):
+    """A NaN at position 40 reaches only the rows/keys that attend to it: outputs and dq of rows
+    < 40 stay finite for a NaN key/value, dk/dv of keys > 40 for a NaN query row or gradient
+    (T = 80 spans tiles, so a kernel multiplying masked zeros by a whole tile would fail)."""
+    ins = [x.detach() for x in make_inputs(1, 4, 2, 80, 64, 1, 2, torch.float32)]
+    grad = torch.randn(1, 4, 80, 64, device="cuda")
+    index = {"v": 2, "k_rot": 1, "q_rot": 0}.get(where)
+    if index is None:
+        grad[0, 1, 40, 3] = float("nan")
+    else:
+        ins[index][0, 1, 40, 3] = float("nan")
+    ins = [x.requires_grad_() for x in ins]
+    with wiola_kernels.use_backend("cuda"):
+        out = wiola_kernels.gcla_attention(*ins)
+        grads = torch.autograd.grad(out, ins, grad)
+    if where in ("v", "k_rot"):
+        assert torch.isfinite(out[0, :, :40]).all() and torch.isfinite(grads[0][0, :, :40]).all()
+        assert not torch.isfinite(out[0, :, 40:]).all()
+    else:
+        assert torch.isfinite(grads[1][0, :, 41:]).all() and torch.isfinite(grads[2][0, :, 41:]).all()

@@ -154,7 +154,9 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(ForwardParams p) {
         m[r] = m_new;
 #pragma unroll
         for (int c = 0; c < C; ++c) acc[r][c] *= corr;
-        for (int jj = 0; jj < kTileK; ++jj) {
+        // Only this row's causal keys: 0 · NaN would carry a later key's NaN/Inf into row i.
+        const int jn = static_cast<int>(i - j0 + 1 < kTileK ? i - j0 + 1 : kTileK);  // warp-uniform
+        for (int jj = 0; jj < jn; ++jj) {
           const float pjj = __shfl_sync(0xffffffffu, pj, jj);
 #pragma unroll
           for (int c = 0; c < C; ++c) acc[r][c] += pjj * Vs[jj * DH + lane + 32 * c];
@@ -347,7 +349,8 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(BackwardParams bp) {
           const float pj = __expf(s * p.scale - lse[i]);
           ds = pj * (dp - delta[i]);
         }
-        for (int jj = 0; jj < kTileK; ++jj) {
+        const int jn = static_cast<int>(i - j0 + 1 < kTileK ? i - j0 + 1 : kTileK);  // causal keys only
+        for (int jj = 0; jj < jn; ++jj) {
           const float dsj = __shfl_sync(0xffffffffu, ds, jj);
 #pragma unroll
           for (int c = 0; c < C; ++c) acc[r][c] += dsj * Ks[jj * LDK + lane + 32 * c];
@@ -424,7 +427,10 @@ __global__ void __launch_bounds__(kThreads) dkdv_kernel(BackwardParams bp) {
             pj = __expf(s * p.scale - lse_s[lane]);
             ds = pj * (dp - del_s[lane]);
           }
-          for (int ii = 0; ii < kTileQ; ++ii) {
+          // Only the queries that see key j (j ≤ i < len): an earlier row's NaN must not reach it.
+          const int ii0 = static_cast<int>(j > i0 ? j - i0 : 0);  // warp-uniform
+          const int ii1 = static_cast<int>(len - i0 < kTileQ ? len - i0 : kTileQ);
+          for (int ii = ii0; ii < ii1; ++ii) {
             const float pi = __shfl_sync(0xffffffffu, pj, ii);
             const float dsi = __shfl_sync(0xffffffffu, ds, ii);
 #pragma unroll
