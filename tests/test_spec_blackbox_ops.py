@@ -963,19 +963,7 @@ GCLA_BAD = {
 }
 
 
-GCLA_BAD_BUGS = {
-    "lengths_list": "BUG: gcla_attention(lengths=[5, 5]) raises AttributeError "
-                    "('list' object has no attribute 'device') from check_same_device, not a "
-                    "ValueError/TypeError naming lengths (SPEC §9: never a crash)",
-    "lengths_int": "BUG: gcla_attention(lengths=5) raises AttributeError ('int' object has no "
-                   "attribute 'device'), not a TypeError naming lengths (SPEC §9)",
-}
-
-
-@pytest.mark.parametrize("case", [
-    pytest.param(c, marks=pytest.mark.xfail(strict=True, reason=GCLA_BAD_BUGS[c])) if c in GCLA_BAD_BUGS else c
-    for c in GCLA_BAD
-])
+@pytest.mark.parametrize("case", list(GCLA_BAD))
 def test_gcla_bad_inputs(case):
     over, names = GCLA_BAD[case]
     _raises_naming((ValueError, TypeError), names, lambda: _gcla_bad_call(**over))

@@ -36,6 +36,9 @@ def check_shape(name: str, t: torch.Tensor, expected: Sequence[int], layout: str
 def check_same_device(**tensors: torch.Tensor | None) -> torch.device:
     """All given tensors live on one device; returns it."""
     items = [(n, t) for n, t in tensors.items() if t is not None]
+    for n, t in items:
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{n} must be a torch.Tensor, got {type(t).__name__}")
     device = items[0][1].device
     for n, t in items[1:]:
         if t.device != device:

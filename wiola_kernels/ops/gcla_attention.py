@@ -170,9 +170,10 @@ def gcla_attention(q_rot: Tensor, k_rot: Tensor, v: Tensor, q: Tensor, kc: Tenso
                          f"got {tuple(vc.shape)}")
     check_shape("gate", gate, (H,), "(H,)")
     check_same_dtype(q_rot=q_rot, k_rot=k_rot, v=v, q=q, kc=kc, vc=vc)
-    check_same_device(q_rot=q_rot, k_rot=k_rot, v=v, q=q, kc=kc, vc=vc, gate=gate, lengths=lengths)
     if lengths is not None:
         check_tensor("lengths", lengths, dtypes=_INT_DTYPES)
+    check_same_device(q_rot=q_rot, k_rot=k_rot, v=v, q=q, kc=kc, vc=vc, gate=gate, lengths=lengths)
+    if lengths is not None:
         check_shape("lengths", lengths, (B,), "(B,)")
         # A value check needs the data; under torch.compile the kernels clamp instead.
         if not torch.compiler.is_compiling() and B > 0:
