@@ -364,3 +364,17 @@ def test_module():
         mod(torch.randn(2, 4, 5, 8), torch.randn(2, 2, 5, 8), pos)
     with pytest.raises(ValueError, match="head_dim"):
         SpiralRotaryEmbedding(7)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_position_ids_shared_by_the_batch(backend):
+    """``(1, T)`` and ``(T,)`` position_ids (the Hugging Face habit) mean the same positions for
+    every batch row; checked against the scalar oracle with those positions per row."""
+    q, k, _ = _inputs(3, 4, 2, 5, 8)
+    pos = torch.tensor([7, 0, 4096, 3, 65536])
+    want_q, want_k = _naive_srpe(q, pos.expand(3, 5)), _naive_srpe(k, pos.expand(3, 5))
+    with use_backend(backend):
+        for shared in (pos, pos[None]):
+            got_q, got_k = wiola_kernels.srpe(q, k, shared)
+            assert rel_err(got_q, want_q) <= tolerance(torch.float32)
+            assert rel_err(got_k, want_k) <= tolerance(torch.float32)

@@ -136,7 +136,7 @@ def srpe(q: Tensor, k: Tensor, position_ids: Tensor, theta: float = 10000.0, spi
     Args:
         q: queries ``(B, H, T, d_h)``; float32, float64, bfloat16 or float16.
         k: keys ``(B, H_kv, T, d_h)``, same dtype and device; ``H`` a multiple of ``H_kv``.
-        position_ids: integer positions ``(B, T)`` or ``(T,)`` (shared by the batch).
+        position_ids: integer positions ``(B, T)``, or ``(1, T)`` / ``(T,)`` shared by the batch.
         theta: θ₀ > 0.  spiral_divisor: k_s ≠ 0.  radial_amplitude: a_s.
         radial_frequency: f_s.
 
@@ -164,9 +164,10 @@ def srpe(q: Tensor, k: Tensor, position_ids: Tensor, theta: float = 10000.0, spi
             raise ValueError(f"position_ids must have shape (T,) = ({t},) or (B, T) = ({b}, {t}), got {tuple(position_ids.shape)}")
         positions = position_ids.to(torch.int64).expand(b, t)
     elif position_ids.dim() == 2:
-        if tuple(position_ids.shape) != (b, t):
-            raise ValueError(f"position_ids must have shape (B, T) = ({b}, {t}) or (T,) = ({t},), got {tuple(position_ids.shape)}")
-        positions = position_ids.to(torch.int64)
+        if tuple(position_ids.shape) not in ((b, t), (1, t)):
+            raise ValueError(f"position_ids must have shape (B, T) = ({b}, {t}), (1, T) or (T,) = ({t},), "
+                             f"got {tuple(position_ids.shape)}")
+        positions = position_ids.to(torch.int64).expand(b, t)
     else:
         raise ValueError(f"position_ids must have shape (B, T) or (T,), got {tuple(position_ids.shape)}")
     theta = check_positive("theta", theta)
