@@ -48,6 +48,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutpu
 import wiola_kernels
 from wiola_kernels import SpiralRotaryEmbedding, WiolaRMSNorm
 from wiola_kernels.reference import dsff as dsff_reference
+from wiola_kernels.reference.rms_norm import compute_dtype
 
 from .configuration_wiola import WiolaConfig
 
@@ -63,14 +64,15 @@ def summarize(x: Tensor, mode: str, lengths: Tensor | None = None) -> Tensor:
     """Summary of a layer's output ``x (B, T, d)``: ``(B, T, d)`` prefix means (causal) or
     ``(B, 1, d)`` sequence means over the first ``lengths[b]`` positions (paper)."""
     b, t, _ = x.shape
-    xf = x.float()
+    acc = compute_dtype(x.dtype)
+    xf = x.to(acc)
     if mode == "paper":
         if lengths is None:
             return xf.mean(1, keepdim=True).to(x.dtype)
         valid = (torch.arange(t, device=x.device) < lengths[:, None]).unsqueeze(-1)  # (B, T, 1)
         total = (xf * valid).sum(1, keepdim=True)
-        return (total / lengths.clamp(min=1)[:, None, None].float()).to(x.dtype)
-    count = torch.arange(1, t + 1, device=x.device, dtype=torch.float32)[None, :, None]
+        return (total / lengths.clamp(min=1)[:, None, None].to(acc)).to(x.dtype)
+    count = torch.arange(1, t + 1, device=x.device, dtype=acc)[None, :, None]
     return (xf.cumsum(1) / count).to(x.dtype)
 
 
@@ -84,16 +86,17 @@ class WiolaCache(DynamicCache):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.summary_sums: dict[int, Tensor] = {}  # layer -> (B, d) float32 Σ_u Xˡ⁺¹_u
+        self.summary_sums: dict[int, Tensor] = {}  # layer -> (B, d) Σ_u Xˡ⁺¹_u, float32 (float64 models: 64)
 
     def summary(self, layer_idx: int, x: Tensor, past: int) -> Tensor:
         b, t, _ = x.shape
         running = self.summary_sums.get(layer_idx)
-        prefix = x.float().cumsum(1)  # (B, T_new, d)
+        acc = compute_dtype(x.dtype)
+        prefix = x.to(acc).cumsum(1)  # (B, T_new, d)
         if running is not None:
             prefix = prefix + running[:, None, :]
         self.summary_sums[layer_idx] = prefix[:, -1, :]
-        count = torch.arange(past + 1, past + t + 1, device=x.device, dtype=torch.float32)[None, :, None]
+        count = torch.arange(past + 1, past + t + 1, device=x.device, dtype=acc)[None, :, None]
         return (prefix / count).to(x.dtype)
 
     def reorder_cache(self, beam_idx: torch.LongTensor):  # beam search
@@ -130,14 +133,15 @@ def gcla_attention_cached(q_rot: Tensor, k_rot: Tensor, v: Tensor, q: Tensor, kc
     k_rot, v = k_rot.repeat(1, h // h_kv, 1, 1), v.repeat(1, h // h_kv, 1, 1)  # (B, H, T_k, d_h)
     q_pos = torch.arange(t_k - t_new, t_k, device=q.device)
     allowed = torch.arange(t_k, device=q.device)[None, :] <= q_pos[:, None]  # (T_new, T_k)
-    scores = (q_rot.float() @ k_rot.float().transpose(-1, -2)) / math.sqrt(dh)  # (B, H, T_new, T_k)
+    acc = compute_dtype(q.dtype)
+    scores = (q_rot.to(acc) @ k_rot.to(acc).transpose(-1, -2)) / math.sqrt(dh)  # (B, H, T_new, T_k)
     scores = scores.masked_fill(~allowed, float("-inf"))
-    out = torch.softmax(scores, -1) @ v.float()  # (B, H, T_new, d_h)
+    out = torch.softmax(scores, -1) @ v.to(acc)  # (B, H, T_new, d_h)
     if kc.shape[3] > 0:
-        kc = kc.float().expand(b, h, t_new, -1, dh)  # (B, H, T_new, Λ', d_h)
-        vc = vc.float().expand(b, h, t_new, -1, dh)
-        a = torch.softmax(torch.einsum("bhtd,bhtld->bhtl", q.float(), kc) / math.sqrt(dh), -1)
-        out = out + torch.sigmoid(gate.float())[None, :, None, None] * torch.einsum("bhtl,bhtld->bhtd", a, vc)
+        kc = kc.to(acc).expand(b, h, t_new, -1, dh)  # (B, H, T_new, Λ', d_h)
+        vc = vc.to(acc).expand(b, h, t_new, -1, dh)
+        a = torch.softmax(torch.einsum("bhtd,bhtld->bhtl", q.to(acc), kc) / math.sqrt(dh), -1)
+        out = out + torch.sigmoid(gate.to(acc))[None, :, None, None] * torch.einsum("bhtl,bhtld->bhtd", a, vc)
     return out.to(q.dtype)
 
 
@@ -347,6 +351,12 @@ class WiolaModel(WiolaPreTrainedModel):
         cfg = self.config
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("WiolaModel: pass exactly one of input_ids or inputs_embeds")
+        if inputs_embeds is None:
+            check_input_ids(input_ids, cfg.vocab_size)
+        elif not isinstance(inputs_embeds, Tensor) or inputs_embeds.dim() != 3 \
+                or inputs_embeds.shape[-1] != cfg.hidden_size:
+            raise ValueError(f"inputs_embeds must be a (B, T, hidden_size = {cfg.hidden_size}) tensor, got "
+                             f"{tuple(inputs_embeds.shape) if isinstance(inputs_embeds, Tensor) else type(inputs_embeds).__name__}")
         x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds  # X⁰ (B, T, d)
         b, t, _ = x.shape
         if use_cache is None:  # no cache while training by default (and ATM needs none)
@@ -383,6 +393,21 @@ class WiolaModel(WiolaPreTrainedModel):
                     summaries.append(summarize(x, cfg.gcla_summary, lengths))
                 summaries = summaries[-lookback:]
         return BaseModelOutputWithPast(last_hidden_state=self.norm(x), cache=cache)
+
+
+def check_input_ids(input_ids: object, vocab_size: int) -> None:
+    """``input_ids`` must be an integer ``(B, T)`` tensor of ids in ``[0, vocab_size)``: an
+    out-of-range id would otherwise be an IndexError on the CPU and a device assert on CUDA."""
+    if not isinstance(input_ids, Tensor):
+        raise TypeError(f"input_ids must be a torch.Tensor, got {type(input_ids).__name__}")
+    if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex or input_ids.dtype == torch.bool:
+        raise TypeError(f"input_ids must be an integer tensor, got {input_ids.dtype}")
+    if input_ids.dim() != 2:
+        raise ValueError(f"input_ids must have shape (B, T), got {tuple(input_ids.shape)}")
+    if input_ids.numel() and not torch.compiler.is_compiling():
+        lo, hi = int(input_ids.min()), int(input_ids.max())
+        if lo < 0 or hi >= vocab_size:
+            raise ValueError(f"input_ids must lie in [0, vocab_size) = [0, {vocab_size}), got values in [{lo}, {hi}]")
 
 
 def check_length(t: int, past: int, max_positions: int) -> None:
@@ -462,7 +487,7 @@ class WiolaForCausalLM(WiolaPreTrainedModel, GenerationMixin):
             logits = self.lm_head(hidden)                                    # (B, T, V)
         loss = None
         if labels is not None:
-            loss = F.cross_entropy(logits[:, :-1].float().reshape(-1, logits.shape[-1]),
+            loss = F.cross_entropy(logits[:, :-1].to(compute_dtype(logits.dtype)).reshape(-1, logits.shape[-1]),
                                    labels[:, 1:].reshape(-1).to(logits.device), ignore_index=-100)
         return CausalLMOutputWithPast(loss=loss, logits=logits, cache=out.cache)
 
