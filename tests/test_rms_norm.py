@@ -183,6 +183,46 @@ def test_nan_stays_in_its_row(backend):
     assert torch.isfinite(y[[0, 2, 3]]).all()
 
 
+@pytest.mark.parametrize("dtype,scale", [(torch.float32, 1e25), (torch.float32, 2e38), (torch.bfloat16, 1e37),
+                                         (torch.float64, 1e300)])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_huge_rows_match_rescaled_oracle(backend, dtype, scale):
+    """Rows so large that Σz² overflows the statistic's dtype are rescaled by the kernel.
+    Oracle: the float64 reference row by row on the inputs divided by c_r = 2^k ≈ scale
+    (exact), where y(x, δ; ε) = y(x/c, δ/c; ε/c²), ∂L/∂x scales by 1/c and ∂L/∂γ does
+    not change. Row 1 stays normal (c_1 = 1), beside the huge rows."""
+    g = torch.Generator().manual_seed(5)
+    d = 33
+    c = [2.0 ** round(math.log2(scale)) if r != 1 else 1.0 for r in range(4)]
+    x = torch.randn(4, d, generator=g, dtype=torch.float64).clamp(-1.5, 1.5)
+    x *= torch.tensor(c, dtype=torch.float64).unsqueeze(1)
+    w = torch.rand(d, generator=g, dtype=torch.float64) + 0.5
+    s = 0.3 * torch.randn(d, generator=g, dtype=torch.float64)
+    grad = torch.randn(4, d, generator=g, dtype=torch.float64)
+    x, w, s, grad = x.to(dtype), w.to(dtype), s.to(dtype), grad.to(dtype)
+    assert torch.isfinite(x).all() and not torch.isfinite((x + s)[0].float().pow(2).sum())
+    y, dx, dw, ds = run(backend, x, w, s, grad=grad)
+    with wk.use_backend(backend):
+        _, rstd = torch.ops.wiola.rms_norm(x, w, s, 1e-6)
+
+    tol = tolerance(dtype)
+    gtol = tol * (10 if dtype == torch.bfloat16 else 1)  # the grads sum many rounded terms
+    dw_want, ds_want = torch.zeros(d, dtype=torch.float64), torch.zeros(d, dtype=torch.float64)
+    for r in range(4):
+        xo, wo, so = (t.double().requires_grad_() for t in (x[r:r + 1] / c[r], w, s / c[r]))  # exact
+        yo = reference.rms_norm(xo, wo, so, 1e-6 / c[r] / c[r])
+        gxo, gwo = torch.autograd.grad(yo, (xo, wo), grad[r:r + 1].double())
+        assert_close_rel(y[r], yo[0], tol, f"y row {r}")
+        assert_close_rel(dx[r], gxo[0] / c[r], gtol, f"dx row {r}")
+        dw_want += gwo
+        ds_want += gxo[0] / c[r]
+        # rstd is subnormal once r > 2^126 (float32): still ≥ 21 significant bits.
+        rstd_want = 1 / (c[r] * math.sqrt((xo + so).detach().pow(2).mean() + 1e-6 / c[r] / c[r]))
+        assert abs(rstd[r].item() - rstd_want) <= 2.0**-20 * rstd_want, f"rstd row {r}"
+    assert_close_rel(dw, dw_want, gtol, "dweight")
+    assert_close_rel(ds, ds_want, gtol, "dshift")
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_inputs_not_modified(backend):
     x, w, s = make((4, 24), torch.float32)

@@ -1,13 +1,18 @@
 // WiolaRMSNorm on the CPU (SPEC §3): z = x + δ, y = γ z / sqrt(mean(z²) + ε).
 //
 // Forward: rows in parallel; each row is read once into a float scratch row (it stays
-// in L1), reduced, and written once. Backward: rows are split into a fixed number of
-// chunks (independent of the thread count, so results are bitwise reproducible); each
-// chunk accumulates ∂γ and ∂δ partials of shape (d,), then the partials are summed in
-// chunk order.
+// in L1), reduced, and written once. A finite row whose float Σz² overflows (|z| ≳
+// 1.8e19/√d; 1.3e154/√d in double) takes a rare slow path that rescales it by an exact
+// power of two (as the reference does); the fast path pays one compare per row.
+// Backward: works with ẑ = z·rstd (|ẑ| ≤ √d), so nothing grows with |z|; rows are split
+// into a fixed number of chunks (independent of the thread count, so results are bitwise
+// reproducible); each chunk accumulates ∂γ and ∂δ partials of shape (d,), then the
+// partials are summed in chunk order.
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <cmath>
+#include <limits>
 #include <vector>
 
 #include "common.h"
@@ -19,6 +24,31 @@ constexpr int64_t kBackwardChunks = 64;  // partial sums for ∂γ/∂δ; fixed 
 
 template <typename acc_t>
 using Vec = at::vec::Vectorized<acc_t>;
+
+template <typename acc_t>
+acc_t max_abs_z(const acc_t* x, const acc_t* s, int64_t d) {
+  acc_t m = 0;
+  for (int64_t i = 0; i < d; ++i) m = std::max(m, std::abs(x[i] + s[i]));
+  return m;
+}
+
+// The slow path for a finite row whose Σz² overflows: with max|z| = f·2^e (f ∈ [½, 1)),
+// sc = 2^(2−e) is a normal power of two, |z|·sc < 4, so z·sc is exact and
+// r = sqrt(mean((z·sc)²) + ε·sc²) / sc (ε·sc² may underflow to 0: ε is negligible here).
+// Returns rstd = sc/r: subnormal once r > 2^126 (float) / 2^1022 (double), with ≥ 21 / 50
+// significant bits left. y uses z·sc and 1/(r·sc), both normal, so y keeps full precision.
+template <typename acc_t>
+C10_NOINLINE acc_t forward_row_rescaled(const acc_t* x, const acc_t* w, const acc_t* s, acc_t* y, int64_t d,
+                                        double eps) {
+  int e = 0;
+  std::frexp(max_abs_z(x, s, d), &e);
+  const acc_t sc = std::ldexp(acc_t(1), 2 - e);
+  acc_t sum = 0;
+  for (int64_t i = 0; i < d; ++i) sum += ((x[i] + s[i]) * sc) * ((x[i] + s[i]) * sc);
+  const acc_t inv_s = acc_t(1) / std::sqrt(sum / acc_t(d) + std::ldexp(acc_t(eps), 2 * (2 - e)));
+  for (int64_t i = 0; i < d; ++i) y[i] = w[i] * ((x[i] + s[i]) * sc) * inv_s;
+  return inv_s * sc;
+}
 
 template <bool kStream, typename acc_t>
 inline acc_t forward_row(const acc_t* x, const acc_t* w, const acc_t* s, acc_t* y, int64_t d, double eps) {
@@ -38,6 +68,11 @@ inline acc_t forward_row(const acc_t* x, const acc_t* w, const acc_t* s, acc_t* 
   }
   acc_t sum = at::vec::vec_reduce_all<acc_t>([](V a, V b) { return a + b; }, acc0 + acc1);
   for (; i < d; ++i) sum += (x[i] + s[i]) * (x[i] + s[i]);
+  // Σz² = inf with no NaN in z: every |z| is inf, or the finite row's sum overflowed.
+  if (C10_UNLIKELY(sum == std::numeric_limits<acc_t>::infinity()) &&
+      max_abs_z(x, s, d) <= std::numeric_limits<acc_t>::max()) {
+    return forward_row_rescaled(x, w, s, y, d, eps);
+  }
   const acc_t inv = acc_t(1) / std::sqrt(sum / acc_t(d) + acc_t(eps));
   const V vinv(inv);
   i = 0;
@@ -71,36 +106,37 @@ void forward_rows(const scalar_t* x, const acc_type<scalar_t>* w, const acc_type
   });
 }
 
-// One row of the backward on acc_t rows: writes ∂L/∂x to `dx` and adds this row's
-// terms to the ∂γ/∂δ partials `dw`, `ds`.
+// One row of the backward on acc_t rows: writes ∂L/∂x = rstd (γg − ẑ mean(γgẑ)) to `dx`
+// and adds this row's terms (g ẑ, ∂L/∂x) to the ∂γ/∂δ partials `dw`, `ds`.
 template <bool kStream, typename acc_t>
 inline void backward_row(const acc_t* x, const acc_t* g, const acc_t* w, const acc_t* s, acc_t inv, acc_t* dx,
                          acc_t* dw, acc_t* ds, int64_t d) {
   using V = Vec<acc_t>;
   constexpr int64_t L = V::size();
-  V vdot(0);  // Σ γ g z
+  const V vinv(inv);
+  V vdot(0);  // Σ γ g ẑ, ẑ = z·rstd
   int64_t i = 0;
   for (; i + L <= d; i += L) {
-    vdot = at::vec::fmadd(V::loadu(w + i) * V::loadu(g + i), V::loadu(x + i) + V::loadu(s + i), vdot);
+    vdot = at::vec::fmadd(V::loadu(w + i) * V::loadu(g + i), (V::loadu(x + i) + V::loadu(s + i)) * vinv, vdot);
   }
   acc_t dot = at::vec::vec_reduce_all<acc_t>([](V a, V b) { return a + b; }, vdot);
-  for (; i < d; ++i) dot += w[i] * g[i] * (x[i] + s[i]);
-  const acc_t coef = dot * inv * inv * inv / acc_t(d);
-  const V vinv(inv), vcoef(coef);
+  for (; i < d; ++i) dot += w[i] * g[i] * ((x[i] + s[i]) * inv);
+  const acc_t coef = dot / acc_t(d);
+  const V vcoef(coef);
   i = 0;
   for (; i + L <= d; i += L) {  // x and g are still in L1
-    const V vz = V::loadu(x + i) + V::loadu(s + i), vg = V::loadu(g + i);
-    const V dz = V::loadu(w + i) * vg * vinv - vcoef * vz;
+    const V zh = (V::loadu(x + i) + V::loadu(s + i)) * vinv, vg = V::loadu(g + i);
+    const V dz = at::vec::fnmadd(vcoef, zh, V::loadu(w + i) * vg) * vinv;
     store_vec<kStream>(dz, dx + i);
     (V::loadu(ds + i) + dz).store(ds + i);
-    at::vec::fmadd(vg * vz, vinv, V::loadu(dw + i)).store(dw + i);
+    at::vec::fmadd(vg, zh, V::loadu(dw + i)).store(dw + i);
   }
   for (; i < d; ++i) {
-    const acc_t z = x[i] + s[i];
-    const acc_t dz = w[i] * g[i] * inv - coef * z;
+    const acc_t zh = (x[i] + s[i]) * inv;
+    const acc_t dz = (w[i] * g[i] - coef * zh) * inv;
     dx[i] = dz;
     ds[i] += dz;
-    dw[i] += g[i] * z * inv;
+    dw[i] += g[i] * zh;
   }
 }
 

@@ -105,6 +105,75 @@ void test_rms_norm() {
          "rms_norm rejects a weight of the wrong size with ValueError");
   expect(throws_value_error([&] { fwd.call(at::randn({4, 8}).t(), at::ones({4}), at::zeros({4}), 1e-6); }),
          "rms_norm rejects a non-contiguous x with ValueError");
+
+  // Huge rows: Σz² overflows float (float/bf16 inputs) or double (double inputs), so the
+  // kernel rescales them. Oracle: the plain SPEC §3 formulas in long double, whose 15-bit
+  // exponent holds Σz² of any finite double row (skipped where long double is double).
+  // Rows 0, 1, 3 are huge (up to ~the dtype's maximum), row 2 normal, row 4 holds an inf.
+  struct HugeCase {
+    at::ScalarType dtype;
+    double scale, tol;
+  };
+  const bool wide_long_double = std::numeric_limits<long double>::max_exponent >= 2 * 1024;
+  for (const HugeCase& hc : {HugeCase{at::kFloat, 1e25, 1e-5}, HugeCase{at::kFloat, 1.1e38, 1e-5},
+                             HugeCase{at::kBFloat16, 1e37, 1e-2}, HugeCase{at::kDouble, 1e200, 1e-12},
+                             HugeCase{at::kDouble, 5e307, 1e-12}}) {
+    if (hc.dtype == at::kDouble && !wide_long_double) continue;
+    const int64_t rows = 5, d = 1003;  // d: vector loops and a scalar tail
+    const auto acc = hc.dtype == at::kDouble ? at::kDouble : at::kFloat;
+    at::Tensor xd = at::randn({rows, d}, at::kDouble).clamp(-3, 3) * hc.scale;
+    xd[2].div_(hc.scale);
+    xd[4][0] = std::numeric_limits<double>::infinity();
+    const at::Tensor x = xd.to(hc.dtype), w = at::rand({d}, at::kDouble).add(0.5).to(acc),
+                     s = at::randn({d}, at::kDouble).mul(0.3).to(acc), g = at::randn({rows, d}).to(hc.dtype);
+    auto [y, rstd] = fwd.call(x, w, s, 1e-6);
+    const at::Tensor x4 = x.narrow(0, 0, 4).contiguous(), g4 = g.narrow(0, 0, 4).contiguous();
+    auto [dx, dw, ds] = bwd.call(g4, x4, w, s, rstd.narrow(0, 0, 4).contiguous());
+    const at::Tensor Xt = x.to(at::kDouble), Gt = g.to(at::kDouble), Wt = w.to(at::kDouble), St = s.to(at::kDouble);
+    auto X = Xt.accessor<double, 2>();
+    auto G = Gt.accessor<double, 2>();
+    auto W = Wt.accessor<double, 1>();
+    auto S = St.accessor<double, 1>();
+    // dx of a huge row is ~1/scale (subnormal near the maximum): compare it times the
+    // row's scale, so the norms in rel_err stay normal.
+    at::Tensor y_ref = at::empty({4, d}, at::kDouble), dx_ref = at::empty({4, d}, at::kDouble);
+    std::vector<long double> dw_ref(d, 0), ds_ref(d, 0);
+    bool rows_ok = true, rstd_ok = true;
+    const double gtol = hc.dtype == at::kBFloat16 ? 1e-1 : hc.tol;  // bf16 grads sum many rounded terms
+    for (int64_t r = 0; r < 4; ++r) {
+      const double row_scale = r == 2 ? 1.0 : hc.scale;
+      long double ss = 0, dot = 0;
+      for (int64_t i = 0; i < d; ++i) {
+        const long double z = (long double)X[r][i] + S[i];
+        ss += z * z;
+        dot += (long double)W[i] * G[r][i] * z;
+      }
+      const long double inv = 1.0L / std::sqrt(ss / d + 1e-6L);
+      for (int64_t i = 0; i < d; ++i) {
+        const long double z = (long double)X[r][i] + S[i];
+        const long double dz = inv * ((long double)W[i] * G[r][i] - z * inv * inv * dot / d);
+        y_ref[r][i] = double(W[i] * z * inv);
+        dx_ref[r][i] = double(dz * row_scale);
+        dw_ref[i] += G[r][i] * z * inv;
+        ds_ref[i] += dz;
+      }
+      rows_ok = rows_ok && rel_err(y[r], y_ref[r]) <= hc.tol &&
+                rel_err(dx[r].to(at::kDouble) * row_scale, dx_ref[r]) <= gtol;
+      // rstd is subnormal once r > 2^126 (float) / 2^1022 (double), with ≥ 21 / 50 bits
+      // left; the bound here is the statistic's summation error over d = 1003 terms.
+      const long double rel = hc.dtype == at::kDouble ? 1e-14L : 4e-6L;
+      rstd_ok = rstd_ok && std::abs(rstd[r].item<double>() - inv) <= rel * inv;
+    }
+    std::vector<double> dw_d(dw_ref.begin(), dw_ref.end()), ds_d(ds_ref.begin(), ds_ref.end());
+    char scale_str[32];
+    std::snprintf(scale_str, sizeof scale_str, "%g", hc.scale);
+    const std::string what = std::string(c10::toString(hc.dtype)) + " scale " + scale_str;
+    expect(rows_ok && rstd_ok, "rms_norm huge rows match the long double oracle (y, dx per row, rstd): " + what);
+    expect(rel_err(dw, at::tensor(dw_d, at::kDouble)) <= gtol && rel_err(ds, at::tensor(ds_d, at::kDouble)) <= gtol,
+           "rms_norm huge rows: dweight, dshift match the long double oracle: " + what);
+    expect(!at::isfinite(y[4]).all().item<bool>() && at::isfinite(y.narrow(0, 0, 4)).all().item<bool>(),
+           "rms_norm huge rows: the inf row is non-finite, the others finite: " + what);
+  }
 }
 
 

@@ -3,12 +3,26 @@
     z = x + δ,   r = sqrt(mean(z²) + ε),   y = γ ⊙ z / r
 
 Statistics in float32 (float64 for float64 inputs); output in the input dtype.
-Backward (per row, g = ∂L/∂y):
+Backward (per row, g = ∂L/∂y), written with the normalised row ẑ = z / r so that no
+intermediate grows with |z|:
 
-    ∂L/∂z_i = (1/r) (γ_i g_i − z_i/(d r²) Σ_k γ_k g_k z_k) = ∂L/∂x_i
-    ∂L/∂δ   = Σ_rows ∂L/∂z,        ∂L/∂γ_i = Σ_rows g_i z_i / r
+    ∂L/∂z = (1/r) (γ ⊙ g − ẑ · mean(γ ⊙ g ⊙ ẑ)) = ∂L/∂x
+    ∂L/∂δ = Σ_rows ∂L/∂z,        ∂L/∂γ = Σ_rows g ⊙ ẑ
 
-(the paper's eq. 10 wrongly puts γ_i on the second term too).
+(the same as SPEC §3's (1/r)(γ_i g_i − z_i/(d r²) Σ_k γ_k g_k z_k); the paper's eq. 10
+wrongly puts γ_i on the second term too).
+
+Huge rows. Σz² overflows (float32: |z| ≳ 1.8e19/√d; float64: ≳ 1.3e154/√d) long
+before z does. A finite row whose Σz² is infinite is rescaled by an exact power of two
+s = 2^(2−e), with max|z| = f·2^e, f ∈ [½, 1) (so |z|·s < 4 and s stays a normal
+number), and
+
+    r = sqrt(mean((s z)²) + ε s²) / s,   y = γ ⊙ (s z) · s/r
+
+(ε s² may underflow to 0: ε is negligible there). Other rows have s = 1, the plain
+formula. Rows holding NaN/Inf are not rescaled and stay NaN/Inf. rstd = 1/r is saved
+for the backward; it is subnormal once r > 2^126 (float32) / 2^1022 (float64), i.e.
+keeps ≥ 21 (float32) / 50 (float64) significant bits even at the dtype's maximum.
 """
 
 from __future__ import annotations
@@ -22,21 +36,41 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def rms_norm(x: Tensor, weight: Tensor, shift: Tensor, eps: float = 1e-6) -> Tensor:
-    """WiolaRMSNorm over the last dimension, differentiable by autograd."""
+def overflow_scale(z: Tensor, mean_sq: Tensor) -> Tensor:
+    """Per-row power of two ``s`` (shape ``(..., 1)``, a constant for autograd): 2^(2−e)
+    for a finite row whose ``mean_sq`` overflowed (``max|z| = f·2^e``, f ∈ [½, 1)), else 1."""
+    m = torch.linalg.vector_norm(z.detach(), float("inf"), dim=-1, keepdim=True)  # max|z|
+    _, e = torch.frexp(m)
+    overflow = torch.isinf(mean_sq.detach()) & torch.isfinite(m)
+    return torch.ldexp(torch.ones_like(m), torch.where(overflow, 2 - e, 0))
+
+
+def _normalise(x: Tensor, weight: Tensor, shift: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """(y in the accumulation dtype, rstd of shape (..., 1)), rescaling overflowing rows."""
     acc = compute_dtype(x.dtype)
     z = x.to(acc) + shift.to(acc)
-    rstd = torch.rsqrt(z.pow(2).mean(-1, keepdim=True) + eps)
-    return (weight.to(acc) * z * rstd).to(x.dtype)
+    mean_sq = z.pow(2).mean(-1, keepdim=True)
+    # The rare path, for rows whose Σz² overflowed. Under torch.compile it is always
+    # taken (no data-dependent branch): s = 1 leaves the other rows bit-identical.
+    if torch.compiler.is_compiling() or bool(torch.isinf(mean_sq).any()):
+        s = overflow_scale(z, mean_sq)
+        z = z * s  # exact: s is a power of two
+        rstd_s = torch.rsqrt(z.pow(2).mean(-1, keepdim=True) + eps * s * s)
+        return weight.to(acc) * z * rstd_s, rstd_s * s
+    rstd = torch.rsqrt(mean_sq + eps)
+    return weight.to(acc) * z * rstd, rstd
+
+
+def rms_norm(x: Tensor, weight: Tensor, shift: Tensor, eps: float = 1e-6) -> Tensor:
+    """WiolaRMSNorm over the last dimension, differentiable by autograd."""
+    y, _ = _normalise(x, weight, shift, eps)
+    return y.to(x.dtype)
 
 
 def rms_norm_forward(x: Tensor, weight: Tensor, shift: Tensor, eps: float) -> tuple[Tensor, Tensor]:
     """Forward that also returns ``rstd = 1/r`` per row (accumulation dtype), for the backward."""
-    acc = compute_dtype(x.dtype)
-    z = x.to(acc) + shift.to(acc)
-    rstd = torch.rsqrt(z.pow(2).mean(-1) + eps)
-    y = (weight.to(acc) * z * rstd.unsqueeze(-1)).to(x.dtype)
-    return y, rstd
+    y, rstd = _normalise(x, weight, shift, eps)
+    return y.to(x.dtype), rstd.squeeze(-1)
 
 
 def rms_norm_backward(
@@ -44,14 +78,12 @@ def rms_norm_backward(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Explicit backward of SPEC §3: returns ``(grad_x, grad_weight, grad_shift)``."""
     acc = compute_dtype(x.dtype)
-    d = x.shape[-1]
-    z = x.to(acc) + shift.to(acc)
     g = grad_y.to(acc)
     r_inv = rstd.to(acc).unsqueeze(-1)
+    z_hat = (x.to(acc) + shift.to(acc)) * r_inv  # |ẑ| ≤ √d whatever |z|
     gw = g * weight.to(acc)
-    dot = (gw * z).sum(-1, keepdim=True)
-    grad_z = r_inv * (gw - z * (r_inv * r_inv) * dot / d)
+    grad_z = r_inv * (gw - z_hat * (gw * z_hat).mean(-1, keepdim=True))
     rows = tuple(range(x.dim() - 1))
-    grad_weight = (g * z * r_inv).sum(rows) if rows else g * z * r_inv
+    grad_weight = (g * z_hat).sum(rows) if rows else g * z_hat
     grad_shift = grad_z.sum(rows) if rows else grad_z
     return grad_z.to(x.dtype), grad_weight.to(weight.dtype), grad_shift.to(shift.dtype)

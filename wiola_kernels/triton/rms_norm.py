@@ -2,13 +2,17 @@
 
 Forward: one program per block of rows; each row is loaded once, shifted by δ,
 its mean square reduced in float32, and ``γ z / r`` written in the input dtype.
-``rstd = 1/r`` is stored per row for the backward.
+``rstd = 1/r`` is stored per row for the backward. A finite row whose Σz² overflows
+is rescaled in registers by an exact power of two ``s = 2^(2−e)`` (``max|z| = f·2^e``,
+f ∈ [½, 1)), as in the reference; other rows take the plain path (a runtime branch on
+the one overflow flag).
 
-Backward, per row with ``z = x + δ`` and ``g = ∂L/∂y``:
+Backward, per row with ``z = x + δ``, ``g = ∂L/∂y`` and ``ẑ = z·rstd`` (|ẑ| ≤ √d,
+so nothing grows with |z|):
 
-    c      = rstd³/d · Σ_k γ_k g_k z_k
-    ∂L/∂x  = rstd γ g − c z                 (= ∂L/∂z)
-    ∂L/∂γ += g z rstd,    ∂L/∂δ += ∂L/∂z    (summed over rows)
+    c      = Σ_k γ_k g_k ẑ_k / d
+    ∂L/∂x  = rstd (γ g − c ẑ)               (= ∂L/∂z)
+    ∂L/∂γ += g ẑ,         ∂L/∂δ += ∂L/∂z    (summed over rows)
 
 The column sums are done in two stages: each program accumulates its rows into a
 float32 partial of shape (d,), stored in a (programs, d) buffer, and one ``.sum(0)``
@@ -35,6 +39,7 @@ def _rms_norm_fwd_kernel(
     rows, d, eps,
     ROWS_PER_PROGRAM: tl.constexpr,
     BLOCK_D: tl.constexpr,       # next power of two >= d: a whole row per tile
+    IS_FP64: tl.constexpr,       # accumulation dtype float64 (else float32)
 ):
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_D)
@@ -46,9 +51,26 @@ def _rms_norm_fwd_kernel(
         if row < rows:
             x = tl.load(x_ptr + row * d + cols, mask=col_mask, other=0.0).to(w.dtype)
             z = tl.where(col_mask, x + s, 0.0)
-            rstd = 1.0 / tl.sqrt(tl.sum(z * z, axis=0) / d + eps)
-            tl.store(y_ptr + row * d + cols, (w * z * rstd).to(y_ptr.dtype.element_ty), mask=col_mask)
-            tl.store(rstd_ptr + row, rstd)
+            ss = tl.sum(z * z, axis=0)
+            scale = tl.full((), 1.0, w.dtype)
+            if ss == float("inf"):  # no NaN in z; rare, so a branch rather than a select
+                m = tl.max(tl.abs(z), axis=0)
+                # A finite row (m normal here) gets s = 2^(2−e), built from m's biased
+                # exponent B as the float with exponent field 2·bias+1−B: normal, m·s in [2, 4).
+                if IS_FP64:
+                    biased = (m.to(tl.int64, bitcast=True) >> 52) & 0x7FF
+                    pow2 = ((2047 - biased) << 52).to(tl.float64, bitcast=True)
+                else:
+                    biased = (m.to(tl.int32, bitcast=True) >> 23) & 0xFF
+                    pow2 = ((255 - biased) << 23).to(tl.float32, bitcast=True)
+                if m < float("inf"):
+                    scale = pow2
+                    z = z * scale  # exact: a power of two
+                    ss = tl.sum(z * z, axis=0)
+            # ε·s² may underflow to 0: ε is negligible for rescaled rows.
+            rstd_s = 1.0 / tl.sqrt(ss / d + eps * scale * scale)
+            tl.store(y_ptr + row * d + cols, (w * z * rstd_s).to(y_ptr.dtype.element_ty), mask=col_mask)
+            tl.store(rstd_ptr + row, rstd_s * scale)  # subnormal once r > 2^126 (fp32): ≥ 21 bits
 
 
 @triton.jit
@@ -78,12 +100,12 @@ def _rms_norm_bwd_kernel(
             x = tl.load(x_ptr + row * d + cols, mask=col_mask, other=0.0).to(w.dtype)
             g = tl.load(g_ptr + row * d + cols, mask=col_mask, other=0.0).to(w.dtype)
             rstd = tl.load(rstd_ptr + row)
-            z = tl.where(col_mask, x + s, 0.0)
+            z_hat = tl.where(col_mask, x + s, 0.0) * rstd
             gw = g * w
-            c = tl.sum(gw * z, axis=0) * rstd * rstd * rstd / d
-            dz = gw * rstd - c * z
+            c = tl.sum(gw * z_hat, axis=0) / d
+            dz = (gw - c * z_hat) * rstd
             tl.store(dx_ptr + row * d + cols, dz.to(dx_ptr.dtype.element_ty), mask=col_mask)
-            dw_acc += g * z * rstd
+            dw_acc += g * z_hat
             ds_acc += dz
     tl.store(dw_partial_ptr + pid * d + cols, dw_acc, mask=col_mask)
     tl.store(ds_partial_ptr + pid * d + cols, ds_acc, mask=col_mask)
@@ -118,7 +140,8 @@ def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, shift: torch.Tensor,
     block_d, per_program, programs = _launch_config(rows, d, x.device)
     _rms_norm_fwd_kernel[(programs,)](
         x, weight.to(acc).contiguous(), shift.to(acc).contiguous(), y, rstd, rows, d, eps,
-        ROWS_PER_PROGRAM=per_program, BLOCK_D=block_d, num_warps=_num_warps(block_d))
+        ROWS_PER_PROGRAM=per_program, BLOCK_D=block_d, IS_FP64=acc == torch.float64,
+        num_warps=_num_warps(block_d))
     return y, rstd
 
 
