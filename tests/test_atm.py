@@ -45,8 +45,13 @@ def is_candidate(a: list[int], b: list[int], tau: float) -> bool:
         return False
     if n == 0:
         return tau < 0
-    d2, t2n = dot * dot, (tau * tau) * n
-    return (tau < 0 or d2 > t2n) if dot > 0 else (tau < 0 and d2 < t2n)
+    if (dot > 0) != (tau >= 0):
+        return dot > 0                  # signs alone decide
+    # The squares as with an unbounded exponent range (a tiny τ must not square to 0).
+    e = math.frexp(max(abs(dot), abs(tau)))[1]
+    ds, ts = math.ldexp(dot, -e), math.ldexp(tau, -e)
+    d2, t2n = ds * ds, (ts * ts) * n
+    return d2 > t2n if dot > 0 else d2 < t2n
 
 
 def greedy_loop(rows: list[list[list[int]]], positions: list[list[int]], lengths: list[int], tau: float):
@@ -160,6 +165,63 @@ def test_merge_matches_greedy_loop(backend, dtype, case):
     assert torch.equal(merged.double(), torch.tensor(ex, dtype=torch.float64))
 
 
+# Exponents k for which v·2^k is exact in the dtype for every planted |v| ≤ 65, with every
+# pair mean's halves still normal (so the mean is rounded once).
+SCALE_EXPONENTS = {torch.float32: (-125, 120), torch.bfloat16: (-125, 120), torch.float16: (-13, 9),
+                   torch.float64: (-1021, 1015)}
+
+
+def scaled_tensors(rows, positions, lengths, dtype, exponents):
+    """_tensors with token (b, t) multiplied by 2^exponents[b][t] (exact)."""
+    x, pos, lens = _tensors(rows, positions, lengths, torch.float64)
+    x = x * torch.tensor([[2.0 ** k for k in row] for row in exponents], dtype=torch.float64).unsqueeze(-1)
+    assert torch.equal(x.to(dtype).double(), x)
+    return x.to(dtype), pos, lens
+
+
+def expected_merged(x64: torch.Tensor, index_map: list[list[int]], merged_lengths: list[int]) -> torch.Tensor:
+    """Slot means of x64 (B, T, d) in float64 for a given (oracle) index map."""
+    out = torch.zeros_like(x64)
+    for r, (row_map, n) in enumerate(zip(index_map, merged_lengths)):
+        for s in range(n):
+            members = [t for t, m in enumerate(row_map) if m == s][:2]
+            out[r, s] = x64[r, members].sum(0) / len(members) if len(members) == 2 else x64[r, members[0]]
+    return out
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
+@given(case=planted_rows(), data=st.data())
+def test_decisions_invariant_under_power_of_two_scaling(backend, dtype, case, data):
+    """s_t > τ is homogeneous in each token: scaling every token by its own power of two,
+    anywhere in the dtype's range (huge, tiny, subnormal sums), must not change a decision."""
+    rows, positions, lengths, tau = case
+    lo, hi = SCALE_EXPONENTS[dtype]
+    exponents = [data.draw(st.lists(st.one_of(st.integers(lo, hi), st.sampled_from([lo, hi, 0])),
+                                    min_size=len(row), max_size=len(row))) for row in rows]
+    x, pos, lens = scaled_tensors(rows, positions, lengths, dtype, exponents)
+    _, ep, elen, emap = greedy_loop(rows, positions, lengths, tau)       # decisions of the unscaled rows
+    with wk.use_backend(backend):
+        merged, mpos, mlen, imap = wk.atm_merge(x, pos, tau, lens)
+    assert mlen.tolist() == elen and imap.tolist() == emap and mpos.tolist() == ep
+    want = expected_merged(x.double(), emap, elen)
+    assert torch.isfinite(merged).all()
+    torch.testing.assert_close(merged.double(), want, rtol=tolerance(dtype), atol=0)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
+def test_merged_values_near_the_dtype_maximum(backend, dtype):
+    """m = x_t/2 + x_{t+1}/2 never overflows, even where x_t + x_{t+1} would."""
+    top = torch.finfo(dtype).max
+    x = torch.tensor([[[top, -top], [top, -top], [top / 2, top], [top, top / 2]]], dtype=torch.float64).to(dtype)
+    with wk.use_backend(backend):
+        merged, _, mlen, imap = wk.atm_merge(x, torch.arange(4), 0.5)
+    assert mlen.tolist() == [2] and imap.tolist() == [[0, 0, 1, 1]]
+    want = torch.tensor([[[top, -top], [0.75 * top, 0.75 * top], [0, 0], [0, 0]]], dtype=torch.float64)
+    torch.testing.assert_close(merged.double(), want, rtol=tolerance(dtype), atol=0)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @given(case=planted_rows(max_t=16))
 def test_round_trip(backend, case):
@@ -220,6 +282,21 @@ def test_special_cases(backend):
         assert wk.atm_merge(x, torch.arange(2), 0.5)[2].tolist() == [2]
         assert wk.atm_merge(x, torch.arange(2), math.nextafter(0.5, 0.0))[2].tolist() == [1]
         assert wk.atm_merge(-x[:, [0, 1]] * torch.tensor([[[1.0], [-1.0]]]), torch.arange(2), -0.5)[2].tolist() == [2]
+        # τ or D far below 2^-511: their squares must not flush to 0 (s = 0 > τ = −5e-324;
+        # s = 1e-200 > 0 in float64, s ≈ 1e-40 > 1e-41 in float32).
+        x = torch.tensor([[[1.0, 0], [0, 1]]])
+        assert wk.atm_merge(x, torch.arange(2), -5e-324)[2].tolist() == [1]
+        assert wk.atm_merge(x, torch.arange(2), 5e-324)[2].tolist() == [2]
+        x = torch.tensor([[[1.0, 0], [1e-200, 1]]], dtype=torch.float64)
+        assert [wk.atm_merge(x, torch.arange(2), tau)[2].item() for tau in (0.0, 1e-201, 1e-199)] == [1, 1, 2]
+        x = torch.tensor([[[1.0, 0], [1e-40, 1]]])
+        assert [wk.atm_merge(x, torch.arange(2), tau)[2].item() for tau in (0.0, 1e-41, 1e-39)] == [1, 1, 2]
+        # NaN/Inf tokens never merge, even at τ = −1.
+        for bad in (float("nan"), float("inf"), -float("inf")):
+            x = torch.ones(1, 5, 3)
+            x[0, 2, 1] = bad
+            _, _, mlen, imap = wk.atm_merge(x, torch.arange(5), -1.0)
+            assert imap.tolist() == [[0, 0, 1, 2, 2]] and mlen.tolist() == [3]
         # Non-contiguous x and a length that cuts a run.
         base = torch.ones(6, 2, 4).transpose(0, 1)                 # (2, 6, 4), non-contiguous
         merged, _, mlen, imap = wk.atm_merge(base, torch.arange(6), 0.5, torch.tensor([5, 0], dtype=torch.int32))
@@ -234,7 +311,10 @@ def test_cpu_streaming_and_phased_paths_agree(dtype):
     both must give bitwise the same outputs (same sums, same decisions)."""
     if dispatch.BACKENDS["cpu"].unavailable_reason(torch.device("cpu")) is not None:
         pytest.skip("cpu backend unavailable")
-    x = (_robust_inputs(3, 50, 37, seed=9) + 0.3 * torch.randn(3, 50, 37, dtype=torch.float64)).to(dtype)
+    x = _robust_inputs(3, 50, 37, seed=9) + 0.3 * torch.randn(3, 50, 37, dtype=torch.float64)
+    x[:2, 5:20] *= 1e30                 # tokens that take the rescaled path (norm overflows / underflows)
+    x[:2, 12:30] *= 1e-45
+    x = x.to(dtype)
     lens = torch.tensor([50, 31, 0])
     threads = torch.get_num_threads()
     outs = []

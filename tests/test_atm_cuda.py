@@ -6,14 +6,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import given, strategies as st
 
 import wiola_kernels as wk
 from wiola_kernels import dispatch
 from wiola_kernels.reference import atm as ref
 from wiola_kernels.testing import assert_close_rel, tolerance
 
-from test_atm import _robust_inputs, _tensors, greedy_loop, planted_rows
+from test_atm import (SCALE_EXPONENTS, _robust_inputs, _tensors, expected_merged, greedy_loop, planted_rows,
+                      scaled_tensors)
 
 _REASON = ("no CUDA device" if not torch.cuda.is_available()
            else dispatch.BACKENDS["cuda"].unavailable_reason(torch.device("cuda")))
@@ -94,3 +95,55 @@ def test_cuda_torch_compile_fullgraph():
         out = torch.compile(layer, fullgraph=True)(x, pos)
         eager = layer(x, pos)
     torch.testing.assert_close(out, eager)
+
+
+# --- magnitudes at the edges of each dtype's range -------------------------------------------
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@given(case=planted_rows(max_t=40), data=st.data())
+def test_cuda_decisions_invariant_under_power_of_two_scaling(dtype, case, data):
+    """Every token scaled by its own power of two, anywhere in the dtype's range (the
+    rescaled double path of norms_and_dots, subnormal float32 under -ftz): same decisions."""
+    rows, positions, lengths, tau = case
+    lo, hi = SCALE_EXPONENTS[dtype]
+    exponents = [data.draw(st.lists(st.one_of(st.integers(lo, hi), st.sampled_from([lo, hi, 0])),
+                                    min_size=len(row), max_size=len(row))) for row in rows]
+    x, pos, lens = scaled_tensors(rows, positions, lengths, dtype, exponents)
+    _, ep, elen, emap = greedy_loop(rows, positions, lengths, tau)
+    with wk.use_backend("cuda"):
+        merged, mpos, mlen, imap = wk.atm_merge(x.cuda(), pos.cuda(), tau, lens.cuda())
+    assert mlen.tolist() == elen and imap.tolist() == emap and mpos.tolist() == ep
+    torch.testing.assert_close(merged.double().cpu(), expected_merged(x.double(), emap, elen),
+                               rtol=tolerance(dtype), atol=0)
+
+
+@pytest.mark.parametrize("dtype,scale", [(torch.float32, 1e25), (torch.float32, 1e-25), (torch.float32, 2e38),
+                                         (torch.float32, 1e-40), (torch.bfloat16, 1e38), (torch.bfloat16, 1e-38),
+                                         (torch.float16, 4e4), (torch.float16, 1e-7)])
+@pytest.mark.parametrize("d", [4, 1000])
+def test_cuda_scale_invariant_extreme(dtype, scale, d):
+    """Identical neighbours merge, orthogonal ones don't, s = −1 never merges, at every
+    magnitude; 12 tokens span two norms_and_dots blocks (the look-ahead token is rescaled)."""
+    x = torch.zeros(2, 12, d, dtype=torch.float64)
+    x[:, 0, 0] = x[:, 1, 0] = 1.5          # identical: merge
+    x[:, 2, 1] = 1.0                       # orthogonal to both neighbours
+    x[:, 3, 2] = x[:, 4, 2] = -0.75        # identical: merge
+    x[:, 5, 3] = 1.25
+    x[:, 6, 3] = -1.25                     # opposite (s = −1)
+    x[:, 7, 0] = 1.0
+    x[:, 8, 0] = x[:, 9, 0] = 1.0          # run of three: (7, 8) merges, 9 alone
+    x[:, 10, 1] = x[:, 11, 1] = 0.5
+    k = 20 if dtype == torch.float16 else 60
+    x[1, :8] *= 2.0 ** (-k if scale > 1 else k)   # row 1: magnitudes far apart inside one block
+    xs = (x * scale).to(dtype)
+    lens = torch.tensor([12, 12])
+    with wk.use_backend("cuda"):
+        merged, _, mlen, imap = wk.atm_merge(xs.cuda(), torch.arange(12).expand(2, 12).cuda(), 0.5, lens.cuda())
+        _, _, mlen1, _ = wk.atm_merge(xs.cuda(), torch.arange(12).expand(2, 12).cuda(), 1.0, lens.cuda())
+    want_map = torch.tensor([0, 0, 1, 2, 2, 3, 4, 5, 5, 6, 7, 7]).expand(2, 12)
+    assert torch.equal(imap.cpu(), want_map) and (mlen.cpu() == 8).all() and (mlen1.cpu() == 12).all()
+    if dtype == torch.float32 and scale < 1e-37:
+        return                             # -ftz: merged subnormal float32 pairs are flushed (atm.cu)
+    m_ref = ref.atm_merge(xs.double(), torch.arange(12), 0.5, lens)[0]
+    assert torch.isfinite(merged).all()
+    torch.testing.assert_close(merged.double().cpu(), m_ref, rtol=tolerance(dtype), atol=0)

@@ -3,8 +3,9 @@
 //
 // Merge, with at least as many rows as threads: rows in parallel, each streamed once —
 // per token, ‖x_{t+1}‖² and ⟨x_t, x_{t+1}⟩, the candidate test s_t > τ (decided in double
-// from the sums, without a square root; similarity 0 for a zero norm), the greedy step, and
-// the slot write (x_t, or x_t/2 + x_{t+1}/2) while both rows are in L1: x is read from
+// from the sums, without a square root; similarity 0 for a zero norm; a token whose norm is
+// out of the safe range is first rescaled by a power of two), the greedy step, and
+// the slot write (x_t, or the pair mean) while both rows are in L1: x is read from
 // memory once and merged written once. With fewer rows than threads, three parallel
 // steps instead (sums over all tokens, greedy scan per row, gather per slot); both paths
 // compute every sum with the same functions, so they decide identically.
@@ -17,6 +18,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <vector>
 
 #include "common.h"
@@ -62,30 +64,70 @@ inline acc_t row_dot(const acc_t* a, const acc_t* b, int64_t d) {
   return total;
 }
 
-// Rows of x as acc_t: a pointer into x for float/double, else converted into one of two
-// scratch rows (the two most recently used tokens stay converted).
+// Squared norms at which the unscaled sums are exact up to ordinary rounding: no partial
+// sum overflows (|D| ≤ √(n_t n_{t+1})), N = n_t·n_{t+1} is a normal double, and subnormal
+// roundings (≤ d·2^-150 absolute in float) stay far below one ulp of the sums.
+template <typename acc_t>
+struct SafeNorm;
+template <>
+struct SafeNorm<float> {
+  static constexpr float lo = 0x1p-60f, hi = 0x1p100f;
+};
+template <>
+struct SafeNorm<double> {
+  static constexpr double lo = 0x1p-500, hi = 0x1p500;
+};
+
+// Tokens of x as acc_t rows with their squared norms, cached for the two most recent
+// tokens. s_t > τ is homogeneous in each token, so a token whose norm is outside SafeNorm
+// (overflowed, underflowed, or too small for full precision) is replaced by x_t·2^-e,
+// e = exponent of max|x_t| (max lands in [0.5, 1); exact but for elements ~2^-126 below
+// the max): the decision is then the same at every magnitude. Zero and non-finite tokens
+// stay as they are. Every path takes its norms and rows from here, so they all agree.
 template <typename scalar_t>
-class AccRows {
+class Tokens {
  public:
   using acc_t = acc_type<scalar_t>;
-  AccRows(const scalar_t* x, int64_t d) : x_(x), d_(d) {
+  struct Token {
+    const acc_t* row;
+    acc_t norm_sq;
+  };
+  Tokens(const scalar_t* x, int64_t d) : x_(x), d_(d) {
     if constexpr (!std::is_same_v<scalar_t, acc_t>) {
       buf_[0].resize(d);
       buf_[1].resize(d);
     }
   }
-  const acc_t* row(int64_t t) {
-    if constexpr (std::is_same_v<scalar_t, acc_t>) {
-      return x_ + t * d_;
-    } else {
-      for (int k = 0; k < 2; ++k) {
-        if (tag_[k] == t) return buf_[k].data();
-      }
-      const int k = tag_[0] < tag_[1] ? 0 : 1;  // replace the older token
-      load_row(x_ + t * d_, buf_[k].data(), d_);
-      tag_[k] = t;
-      return buf_[k].data();
+  // The returned row stays valid until the token after next is requested.
+  Token get(int64_t t) {
+    for (int k = 0; k < 2; ++k) {
+      if (tag_[k] == t) return tok_[k];
     }
+    const int k = tag_[0] < tag_[1] ? 0 : 1;  // replace the older token
+    const acc_t* p;
+    if constexpr (std::is_same_v<scalar_t, acc_t>) {
+      p = x_ + t * d_;
+    } else {
+      load_row(x_ + t * d_, buf_[k].data(), d_);
+      p = buf_[k].data();
+    }
+    acc_t n = row_norm_sq(p, d_);
+    if (!(n >= SafeNorm<acc_t>::lo && n <= SafeNorm<acc_t>::hi) && !std::isnan(n)) {  // NaN: a NaN element
+      acc_t mx = 0;
+      for (int64_t i = 0; i < d_; ++i) mx = std::max(mx, std::abs(p[i]));
+      if (mx > 0 && std::isfinite(mx)) {
+        int e = 0;
+        std::frexp(mx, &e);
+        buf_[k].resize(d_);  // no reallocation when p already points into it
+        acc_t* q = buf_[k].data();
+        for (int64_t i = 0; i < d_; ++i) q[i] = std::ldexp(p[i], -e);
+        p = q;
+        n = row_norm_sq(p, d_);
+      }
+    }
+    tag_[k] = t;
+    tok_[k] = Token{p, n};
+    return tok_[k];
   }
 
  private:
@@ -93,18 +135,28 @@ class AccRows {
   int64_t d_;
   std::vector<acc_t> buf_[2];
   int64_t tag_[2] = {-2, -1};
+  Token tok_[2] = {};
 };
 
-// s_t > τ decided in double without a square root (wiola_kernels/reference/atm.py):
-// n = ‖x_t‖²·‖x_{t+1}‖², D = ⟨x_t, x_{t+1}⟩. NaN sums are never candidates.
-inline bool is_candidate(double D, double n, double tau) {
+// s_t > τ decided in double without a square root (wiola_kernels/reference/atm.py), with
+// D = ⟨x_t, x_{t+1}⟩, n_t = ‖x_t‖². D and τ are scaled together by a power of two so that
+// D² and τ²N neither underflow nor overflow: the comparison is that of an unbounded
+// exponent range. NaN/Inf tokens are never candidates.
+inline bool is_candidate(double D, double n0, double n1, double tau) {
   if (!(tau < 1.0)) return false;
+  const double n = n0 * n1;
+  if (!std::isfinite(n) || !std::isfinite(D)) return false;
   if (n == 0.0) return tau < 0.0;
-  const double d2 = D * D, t2n = (tau * tau) * n;
-  return D > 0.0 ? (tau < 0.0 || d2 > t2n) : (tau < 0.0 && d2 < t2n);
+  if (D > 0.0 && tau < 0.0) return true;
+  if (!(D > 0.0) && !(tau < 0.0)) return false;
+  int e = 0;
+  std::frexp(std::max(std::abs(D), std::abs(tau)), &e);  // > 0 here
+  const double ds = std::ldexp(D, -e), ts = std::ldexp(tau, -e);
+  const double d2 = ds * ds, t2n = (ts * ts) * n;
+  return D > 0.0 ? d2 > t2n : d2 < t2n;
 }
 
-// One merged slot: a copy of x0, or x0/2 + x1/2 rounded once (x1 == nullptr: singleton).
+// One merged slot: a copy of x0, or the mean of x0 and x1 (x1 == nullptr: singleton).
 template <typename scalar_t>
 inline void write_slot(const scalar_t* x0, const scalar_t* x1, scalar_t* out, int64_t d,
                        std::vector<acc_type<scalar_t>>& scratch) {
@@ -129,10 +181,19 @@ inline void write_slot(const scalar_t* x0, const scalar_t* x1, scalar_t* out, in
     p0 = o = scratch.data();
     p1 = scratch.data() + d;
   }
-  const V half(acc_t(0.5));
+  // (a + b)·½ is the correctly rounded mean (a sum below 2^-125 is exact; above, halving
+  // is), except where a + b overflows: there a·½ + b·½ is (both halves are exact).
+  const V half(acc_t(0.5)), inf(std::numeric_limits<acc_t>::infinity());
   int64_t j = 0;
-  for (; j + L <= d; j += L) (V::loadu(p0 + j) * half + V::loadu(p1 + j) * half).store(o + j);
-  for (; j < d; ++j) o[j] = p0[j] * acc_t(0.5) + p1[j] * acc_t(0.5);
+  for (; j + L <= d; j += L) {
+    const V a = V::loadu(p0 + j), b = V::loadu(p1 + j);
+    const V m = (a + b) * half;
+    V::blendv(m, a * half + b * half, m.abs() == inf).store(o + j);
+  }
+  for (; j < d; ++j) {
+    const acc_t m = (p0[j] + p1[j]) * acc_t(0.5);
+    o[j] = std::isinf(m) ? p0[j] * acc_t(0.5) + p1[j] * acc_t(0.5) : m;
+  }
   if constexpr (!std::is_same_v<scalar_t, acc_t>) store_row(o, out, d);
 }
 
@@ -152,45 +213,36 @@ template <typename scalar_t>
 void merge_row_streaming(const scalar_t* x, const int64_t* pos, int64_t len, double tau, int64_t T, int64_t d,
                          scalar_t* merged, int64_t* map, int64_t* mpos, int64_t* mlen,
                          std::vector<acc_type<scalar_t>>& scratch) {
-  using acc_t = acc_type<scalar_t>;
-  AccRows<scalar_t> rows(x, d);
+  Tokens<scalar_t> tokens(x, d);
   int64_t slot = 0, t = 0;
-  acc_t n_cur = len > 0 ? row_norm_sq(rows.row(0), d) : acc_t(0);
   while (t < len) {
     bool take = false;
-    acc_t n_next = 0;
     if (t + 1 < len) {
-      n_next = row_norm_sq(rows.row(t + 1), d);
-      const acc_t dot = row_dot(rows.row(t), rows.row(t + 1), d);
-      take = is_candidate(dot, static_cast<double>(n_cur) * static_cast<double>(n_next), tau);
+      const auto a = tokens.get(t), b = tokens.get(t + 1);
+      take = is_candidate(row_dot(a.row, b.row, d), a.norm_sq, b.norm_sq, tau);
     }
     map[t] = slot;
     mpos[slot] = pos[t];
     write_slot<scalar_t>(x + t * d, take ? x + (t + 1) * d : nullptr, merged + slot * d, d, scratch);
-    if (take) {
-      map[t + 1] = slot;
-      t += 2;
-      n_cur = t < len ? row_norm_sq(rows.row(t), d) : acc_t(0);
-    } else {
-      t += 1;
-      n_cur = n_next;
-    }
+    if (take) map[t + 1] = slot;
+    t += take ? 2 : 1;
     ++slot;
   }
   *mlen = slot;
   finish_row(slot, len, T, d, map, mpos, merged);
 }
 
-// Phased merge (fewer rows than threads), step 1 over flattened tokens:
-// nsq[i] = ‖x_i‖², dot[i] = ⟨x_i, x_{i+1}⟩ (0 at a row's end).
+// Phased merge (fewer rows than threads), step 1 over flattened tokens (rescaled as Tokens
+// does): nsq[i] = ‖x_i‖², dot[i] = ⟨x_i, x_{i+1}⟩ (0 at a row's end).
 template <typename scalar_t>
 void norms_and_dots(const scalar_t* x, acc_type<scalar_t>* nsq, acc_type<scalar_t>* dot, int64_t n_tokens,
                     int64_t T, int64_t d) {
   at::parallel_for(0, n_tokens, std::max<int64_t>(1, 32768 / d), [&](int64_t begin, int64_t end) {
-    AccRows<scalar_t> rows(x, d);
+    Tokens<scalar_t> tokens(x, d);
     for (int64_t i = begin; i < end; ++i) {
-      nsq[i] = row_norm_sq(rows.row(i), d);
-      dot[i] = (i % T) + 1 < T ? row_dot(rows.row(i), rows.row(i + 1), d) : 0;
+      const auto a = tokens.get(i);
+      nsq[i] = a.norm_sq;
+      dot[i] = (i % T) + 1 < T ? row_dot(a.row, tokens.get(i + 1).row, d) : 0;
     }
   });
 }
@@ -203,7 +255,7 @@ void scan_row(const acc_t* nsq, const acc_t* dot, const int64_t* pos, int64_t le
   while (t < len) {
     bool take = false;
     if (t + 1 < len) {
-      take = is_candidate(dot[t], static_cast<double>(nsq[t]) * static_cast<double>(nsq[t + 1]), tau);
+      take = is_candidate(dot[t], nsq[t], nsq[t + 1], tau);
     }
     index_map[t] = slot;
     merged_pos[slot] = pos[t];

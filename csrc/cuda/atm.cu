@@ -5,16 +5,23 @@
 // Merge = three launches, each over all B rows:
 //   1. norms_and_dots: a block owns kSimTokens consecutive tokens of one row and reads
 //      each of their elements once (plus one look-ahead row), keeping the previous
-//      token's value in a register: ‖x_t‖² and ⟨x_t, x_{t+1}⟩, reduced in a fixed order.
+//      token's value in a register: ‖x_t‖² and ⟨x_t, x_{t+1}⟩, reduced in a fixed order,
+//      and max|x_t|. A block with a token whose max lies outside [2^-30, 2^40) (sums
+//      could over/underflow or lose precision) recomputes its sums in double with each
+//      such token scaled by 2^-e (max lands in [0.5, 1)): the test is homogeneous in each
+//      token, so this changes only the range (SPEC §6; wiola_kernels/reference/atm.py).
 //   2. select (one block per row): candidate when s_t > τ and t + 1 < L, decided in
 //      double from the sums without a square root, with IEEE-rounded products (so
-//      --use_fast_math cannot change a decision), as the reference does. The greedy
+//      --use_fast_math cannot change a decision) and D, τ scaled together by a power of
+//      two (no under/overflow of D², τ²N), as the reference does. The greedy
 //      rule in parallel form is a segmented scan: an inclusive max-scan of
 //      (candidate ? −1 : t) gives, for every candidate edge, the last non-candidate edge
 //      before it, hence the start a of its run, and the edge is taken when t − a is even.
 //      An exclusive sum-scan of the taken edges gives slot(t) = t − #taken before t.
-//   3. gather_average: one block per merged slot copies x_t or writes x_t/2 + x_{t+1}/2,
-//      zeros after T'_b.
+//   3. gather_average: one block per merged slot copies x_t or writes the pair mean
+//      (x_t + x_{t+1})·½, or x_t·½ + x_{t+1}·½ where the sum overflows; zeros after T'_b.
+//      (--use_fast_math flushes float32 subnormals here: a merged pair of subnormal
+//      float32 tokens comes out as 0; decisions are unaffected, see exact_double.)
 // Unmerge is a gather. Backwards: merge is a gather scaled by ½ / 1 / 0; unmerge is a
 // segment sum where one thread owns one column of a row and walks the tokens in order
 // (no atomics: deterministic for any index map).
@@ -47,6 +54,53 @@ __device__ __forceinline__ float warp_sum(float v) {
   return v;
 }
 
+__device__ __forceinline__ unsigned warp_max(unsigned v) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) v = max(v, __shfl_xor_sync(0xffffffffu, v, offset));
+  return v;
+}
+
+// Sum over the block in a fixed order, returned to every thread; `scratch` has one slot per warp.
+__device__ __forceinline__ double block_sum(double v, double* scratch) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
+  if (threadIdx.x % 32 == 0) scratch[threadIdx.x / 32] = v;
+  __syncthreads();
+  double total = 0.0;
+  for (int w = 0; w < static_cast<int>(blockDim.x / 32); ++w) total += scratch[w];
+  __syncthreads();  // scratch is reused by the next call
+  return total;
+}
+
+// Tokens are classed by the bits of max|x_t|: integer compares, exact under -ftz and
+// independent of summation order, so a token read as look-ahead is classed as by its owner.
+constexpr unsigned kFastLo = (127u - 30u) << 23;  // 2^-30: ‖x‖² ≥ 2^-60
+constexpr unsigned kFastHi = (127u + 40u) << 23;  // 2^40: ‖x‖² < d·2^80, far from FLT_MAX
+constexpr unsigned kInfBits = 0x7f800000u;
+
+__device__ __forceinline__ unsigned abs_bits(float v) { return __float_as_uint(v) & 0x7fffffffu; }
+
+// Finite, nonzero and outside the fast range (zero and NaN/Inf tokens stay as they are).
+__device__ __forceinline__ bool needs_rescale(unsigned max_bits) {
+  return max_bits != 0u && max_bits < kInfBits && (max_bits < kFastLo || max_bits >= kFastHi);
+}
+
+// 2^-e with max·2^-e ∈ [0.5, 1) for a token that needs rescaling, else 1.
+__device__ __forceinline__ double rescale_factor(unsigned max_bits) {
+  if (!needs_rescale(max_bits)) return 1.0;
+  const int biased = static_cast<int>(max_bits >> 23);
+  const int e = biased != 0 ? biased - 126 : (31 - __clz(static_cast<int>(max_bits))) - 148;  // subnormal max
+  return __longlong_as_double(static_cast<long long>(1023 - e) << 52);
+}
+
+// v as a double, exactly also for a subnormal v (a float conversion under -ftz flushes it).
+__device__ __forceinline__ double exact_double(float v) {
+  const unsigned u = __float_as_uint(v);
+  if ((u & kInfBits) != 0u) return static_cast<double>(v);
+  const double m = static_cast<double>(u & 0x7fffffu) * 0x1p-149;
+  return (u >> 31) ? -m : m;
+}
+
 struct MaxOp {
   __device__ __forceinline__ int operator()(int a, int b) const { return a > b ? a : b; }
 };
@@ -62,14 +116,19 @@ __global__ void __launch_bounds__(kSimThreads)
   const bool look_ahead = t0 + n < T;
   const scalar_t* row = x + (b * T + t0) * d;
   float ns[kSimTokens], dt[kSimTokens];
+  unsigned mx[kSimTokens + 1];  // bits of max|x| of each token and of the look-ahead
 #pragma unroll
   for (int k = 0; k < kSimTokens; ++k) ns[k] = dt[k] = 0.f;
+#pragma unroll
+  for (int k = 0; k <= kSimTokens; ++k) mx[k] = 0u;
   for (int64_t j = threadIdx.x; j < d; j += blockDim.x) {
     float prev = to_float(row[j]);
+    mx[0] = max(mx[0], abs_bits(prev));
 #pragma unroll
     for (int k = 0; k < kSimTokens; ++k) {
       if (k < n) {
         const float next = (k + 1 < n || look_ahead) ? to_float(row[(k + 1) * d + j]) : 0.f;
+        mx[k + 1] = max(mx[k + 1], abs_bits(next));
         ns[k] = fmaf(prev, prev, ns[k]);
         dt[k] = fmaf(prev, next, dt[k]);
         prev = next;
@@ -77,7 +136,9 @@ __global__ void __launch_bounds__(kSimThreads)
     }
   }
   __shared__ float partial[kSimThreads / 32][2 * kSimTokens];
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  __shared__ unsigned partial_max[kSimThreads / 32][kSimTokens + 1];
+  __shared__ double scratch[kSimThreads / 32];
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = static_cast<int>(blockDim.x / 32);
 #pragma unroll
   for (int k = 0; k < kSimTokens; ++k) {
     const float a = warp_sum(ns[k]), c = warp_sum(dt[k]);
@@ -86,24 +147,63 @@ __global__ void __launch_bounds__(kSimThreads)
       partial[warp][kSimTokens + k] = c;
     }
   }
+#pragma unroll
+  for (int k = 0; k <= kSimTokens; ++k) {
+    const unsigned m = warp_max(mx[k]);
+    if (lane == 0) partial_max[warp][k] = m;
+  }
   __syncthreads();
-  if (threadIdx.x < 2 * kSimTokens) {
-    const int k = threadIdx.x % kSimTokens;
-    float total = 0.f;
-    for (int w = 0; w < static_cast<int>(blockDim.x / 32); ++w) total += partial[w][threadIdx.x];  // fixed order
-    if (k < n) (threadIdx.x < kSimTokens ? norm_sq : dot)[b * T + t0 + k] = total;
+  const auto token_max = [&](int k) {
+    unsigned m = 0u;
+    for (int w = 0; w < warps; ++w) m = max(m, partial_max[w][k]);
+    return m;
+  };
+  bool rescale = false;  // block-uniform
+  for (int k = 0; k <= n; ++k) rescale = rescale || needs_rescale(token_max(k));
+  if (!rescale) {
+    if (threadIdx.x < 2 * kSimTokens) {
+      const int k = threadIdx.x % kSimTokens;
+      float total = 0.f;
+      for (int w = 0; w < warps; ++w) total += partial[w][threadIdx.x];  // fixed order
+      if (k < n) (threadIdx.x < kSimTokens ? norm_sq : dot)[b * T + t0 + k] = total;
+    }
+    return;
+  }
+  // Rare: recompute in double, one token at a time, with the out-of-range tokens rescaled.
+  for (int k = 0; k < n; ++k) {
+    const double s0 = rescale_factor(token_max(k)), s1 = rescale_factor(token_max(k + 1));
+    const bool has_next = k + 1 < n || look_ahead;
+    double a = 0.0, c = 0.0;
+    for (int64_t j = threadIdx.x; j < d; j += blockDim.x) {
+      const double u = exact_double(to_float(row[k * d + j])) * s0;
+      a = fma(u, u, a);
+      if (has_next) c = fma(u, exact_double(to_float(row[(k + 1) * d + j])) * s1, c);
+    }
+    a = block_sum(a, scratch);
+    c = block_sum(c, scratch);
+    if (threadIdx.x == 0) {
+      norm_sq[b * T + t0 + k] = static_cast<float>(a);
+      dot[b * T + t0 + k] = static_cast<float>(c);
+    }
   }
 }
 
 // Candidate test s_t > τ of SPEC §6.1, decided in double without a square root exactly as
-// the reference does (wiola_kernels/reference/atm.py); NaN sums are never candidates.
+// the reference does (wiola_kernels/reference/atm.py): D and τ scaled together by a power
+// of two so that D² and τ²N neither underflow nor overflow; NaN/Inf tokens never merge.
 __device__ __forceinline__ bool is_candidate(float nsq0, float nsq1, float dot, double tau) {
   if (!(tau < 1.0)) return false;
   const double n = __dmul_rn(static_cast<double>(nsq0), static_cast<double>(nsq1));
-  if (n == 0.0) return tau < 0.0;
   const double D = static_cast<double>(dot);
-  const double d2 = __dmul_rn(D, D), t2n = __dmul_rn(__dmul_rn(tau, tau), n);
-  return D > 0.0 ? (tau < 0.0 || d2 > t2n) : (tau < 0.0 && d2 < t2n);
+  if (!isfinite(n) || !isfinite(D)) return false;
+  if (n == 0.0) return tau < 0.0;
+  if (D > 0.0 && tau < 0.0) return true;
+  if (!(D > 0.0) && !(tau < 0.0)) return false;
+  int e = 0;
+  frexp(fmax(fabs(D), fabs(tau)), &e);  // > 0 here
+  const double ds = ldexp(D, -e), ts = ldexp(tau, -e);
+  const double d2 = __dmul_rn(ds, ds), t2n = __dmul_rn(__dmul_rn(ts, ts), n);
+  return D > 0.0 ? d2 > t2n : d2 < t2n;
 }
 
 // One block per row: decisions, index map, merged positions / lengths, slot sources.
@@ -187,8 +287,10 @@ __global__ void __launch_bounds__(kRowThreads)
   const scalar_t* x0 = x + ((slot / T) * T + (code >> 1)) * d;
   if (code & 1) {
     const scalar_t* x1 = x0 + d;
-    for (int64_t j = threadIdx.x; j < d; j += blockDim.x) {
-      out[j] = from_float<scalar_t>(__fadd_rn(__fmul_rn(0.5f, to_float(x0[j])), __fmul_rn(0.5f, to_float(x1[j]))));
+    for (int64_t j = threadIdx.x; j < d; j += blockDim.x) {  // as csrc/cpu/atm.cpp write_slot
+      const float a = to_float(x0[j]), c = to_float(x1[j]);
+      const float m = __fmul_rn(0.5f, __fadd_rn(a, c));
+      out[j] = from_float<scalar_t>(isinf(m) ? __fadd_rn(__fmul_rn(0.5f, a), __fmul_rn(0.5f, c)) : m);
     }
   } else {
     for (int64_t j = threadIdx.x; j < d; j += blockDim.x) out[j] = x0[j];

@@ -432,6 +432,60 @@ NaiveMerge naive_merge(const at::Tensor& x, const at::Tensor& pos, const at::Ten
   return r;
 }
 
+// Decisions at the edges of each dtype's range, against the unscaled pattern's decision:
+// s_t > τ is homogeneous in each token, so scaling tokens by powers of two changes nothing.
+void test_atm_extreme_magnitudes() {
+  using Merge = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
+                                                                           const at::Tensor&, double);
+  auto merge = op("wiola::_atm_merge").typed<Merge>();
+  // Pattern (d = 3): t0 = t1 (merge), t2 ⟂ t1, t3 ∥ t2 (merge), t4 = −t3 (s = −1), t5 = t4 (merge).
+  const std::vector<std::vector<double>> u = {{1.5, -1, 0.5}, {1.5, -1, 0.5}, {1, 1.5, 0},
+                                              {2, 3, 0},      {-2, -3, 0},    {-2, -3, 0}};
+  struct Scales {
+    at::ScalarType dtype;
+    std::vector<int> exps;  // per token: x_t = u_t · 2^exps[t]
+  };
+  for (const Scales& sc : {Scales{at::kFloat, {120, 120, -140, 120, -140, -140}},
+                           Scales{at::kFloat, {-145, -145, -130, -60, 70, 70}},
+                           Scales{at::kBFloat16, {120, -125, -125, 120, 0, -120}},
+                           Scales{at::kDouble, {1000, 1000, -1070, 1000, -1070, -1070}},
+                           Scales{at::kDouble, {-1060, -1060, 500, -500, 1020, 1020}}}) {
+    for (const int64_t B : {int64_t{1}, int64_t{7}}) {  // phased and row-parallel paths
+      at::Tensor xd = at::empty({B, 6, 3}, at::kDouble);
+      for (int64_t b = 0; b < B; ++b) {
+        for (int64_t t = 0; t < 6; ++t) {
+          for (int64_t e = 0; e < 3; ++e) xd[b][t][e] = std::ldexp(u[t][e], sc.exps[t]);
+        }
+      }
+      const at::Tensor x = xd.to(sc.dtype);
+      const bool exact = at::equal(x.to(at::kDouble), xd);
+      const at::Tensor pos = at::arange(6, at::kLong).expand({B, 6}).contiguous(), len = at::full({B}, 6, at::kLong);
+      const std::string name = std::string("atm extreme magnitudes ") + c10::toString(sc.dtype) + " exps[0]=" +
+                               std::to_string(sc.exps[0]) + " B=" + std::to_string(B);
+      auto [merged, mpos, mlen, map] = merge.call(x, pos, len, 0.5);
+      const at::Tensor want_map = at::tensor({0, 0, 1, 1, 2, 2}, at::kLong).expand({B, 6});
+      const bool finite = at::isfinite(merged.to(at::kDouble)).all().item<bool>();
+      expect(exact && at::equal(map, want_map) && finite, name + " tau=0.5 (pairs merge, s=-1 does not)");
+      auto [m1, p1, l1, map1] = merge.call(x, pos, len, 1.0);
+      expect(at::equal(l1, at::full({B}, 6, at::kLong)), name + " tau=1 never merges");
+      auto [m2, p2, l2, map2] = merge.call(x, pos, len, -1.0);  // every edge but (t3, t4): s = −1
+      const at::Tensor want_map2 = at::tensor({0, 0, 1, 1, 2, 2}, at::kLong).expand({B, 6});
+      expect(at::equal(map2, want_map2), name + " tau=-1");
+    }
+  }
+  // A NaN/Inf token never merges, even at τ = −1; a tiny τ keeps its sign (s = 0 > −5e-324).
+  at::Tensor x = at::ones({1, 4, 3});
+  x[0][1][2] = std::numeric_limits<float>::infinity();
+  const at::Tensor pos = at::arange(4, at::kLong).unsqueeze(0), len = at::full({1}, 4, at::kLong);
+  expect(at::equal(std::get<3>(merge.call(x, pos, len, -1.0)), at::tensor({0, 1, 2, 2}, at::kLong).unsqueeze(0)),
+         "atm Inf token never merges at tau=-1");
+  const at::Tensor orth = at::tensor({1.0, 0.0, 0.0, 1.0}, at::kDouble).reshape({1, 2, 2});
+  const at::Tensor pos2 = at::arange(2, at::kLong).unsqueeze(0), len2 = at::full({1}, 2, at::kLong);
+  expect(std::get<2>(merge.call(orth, pos2, len2, -5e-324)).item<int64_t>() == 1 &&
+             std::get<2>(merge.call(orth, pos2, len2, 5e-324)).item<int64_t>() == 2,
+         "atm tiny tau: s = 0 > -5e-324, not > 5e-324");
+}
+
 void test_atm() {
   using Merge = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
                                                                            const at::Tensor&, double);
@@ -498,6 +552,7 @@ void test_atm() {
          "atm_unmerge rejects an index_map value >= T with ValueError");
   expect(throws_value_error([&] { unmerge_bwd.call(x, at::full({2, 5}, -1, at::kLong)); }),
          "atm_unmerge_bwd rejects a negative index_map value with ValueError");
+  test_atm_extreme_magnitudes();
 }
 
 }  // namespace

@@ -10,22 +10,39 @@ Per row ``b`` of ``x (B, T, d)`` with length ``L_b`` (tokens ``t ≥ L_b`` are p
     slot(t) = t − #{taken edges e < t}                              the index map
     T'_b  = L_b − #{taken edges}
 
-The sums ``D = ⟨x_t, x_{t+1}⟩``, ``n_t = ‖x_t‖²`` are accumulated in float32 (float64
-for float64 input). The test ``s_t > τ`` is then decided without a square root, in IEEE
+The test is homogeneous in each token, so every backend evaluates it on tokens rescaled
+by a power of two: ``x̂_t = x_t·2^−e_t`` with ``e_t`` the exponent of ``max|x_t|`` (so
+``max|x̂_t| ∈ [0.5, 1)``; exact, except that elements below ~2^−126·max|x_t| (float32) are
+rounded, a negligible contribution). Zero and non-finite tokens are left as they are.
+This reference always rescales; the kernels keep the unscaled sums when they are already
+safely in range (float32 accumulation: ``2^−60 ≤ ‖x_t‖² ≤ 2^100``; float64: ``2^±500``),
+where rescaling would change nothing but rounding far below one ulp of the sums. The
+sums ``D = ⟨x̂_t, x̂_{t+1}⟩``, ``n_t = ‖x̂_t‖²`` are accumulated in float32 (float64 for
+float64 input). The test ``s_t > τ`` is then decided without a square root, in IEEE
 float64 (``N = n_t·n_{t+1}``, ``τ²N`` computed as ``(τ·τ)·N``)::
 
     τ = 1           → never a candidate (s_t ≤ 1; rounding cannot make a pair pass)
-    N = 0           → candidate iff τ < 0        (s_t = 0)
+    D or N non-finite (a NaN/Inf token) → never a candidate
+    N = 0           → candidate iff τ < 0        (s_t = 0: a zero token)
     D > 0           → candidate iff τ < 0 or D² > τ²N
     D ≤ 0           → candidate iff τ < 0 and D² < τ²N
 
-so every backend that accumulates the same ``D, n`` (e.g. small-integer inputs) makes
-the same decision bit for bit, whatever its ``sqrt`` (torch's CPU ``sqrt`` is not
-always correctly rounded). NaN sums are never candidates.
+where the squares are evaluated as if float64 had an unbounded exponent range: ``D`` and
+``τ`` are first scaled together by the power of two that brings ``max(|D|, |τ|)`` into
+``[0.5, 1)`` (this changes no rounding where nothing over/underflows, and keeps a tiny
+``τ`` or ``D`` from flushing to 0). So the decision for ``(2^a x_t, 2^b x_{t+1})`` is that
+for ``(x_t, x_{t+1})`` for every finite input and every power-of-two scaling that keeps
+the tokens representable (bit for bit, except that elements ~2^−126 (float32
+accumulation) below their token's max are rounded differently, which can only matter at
+an exact rounding tie), and every backend that accumulates the same ``D, n`` (e.g.
+small-integer inputs) makes the same decision bit for bit, whatever its ``sqrt`` (torch's
+CPU ``sqrt`` is not always correctly rounded).
 
 Outputs (static shapes): ``merged (B, T, d)`` — slot ``s < T'_b`` holds the singleton
-``x_t`` or the pair mean ``(x_t + x_{t+1})/2`` (computed as ``x_t/2 + x_{t+1}/2`` in the
-accumulation dtype, rounded once), slots ``s ≥ T'_b`` hold zeros; ``merged_position_ids
+``x_t`` or the pair mean ``(x_t + x_{t+1})/2``, computed in the accumulation dtype as
+``(x_t + x_{t+1})·½`` — the correctly rounded mean, subnormals included — or, where that
+sum overflows, as ``x_t·½ + x_{t+1}·½`` (exact halves: no overflow up to the dtype's
+maximum); then rounded to the input dtype. Slots ``s ≥ T'_b`` hold zeros; ``merged_position_ids
 (B, T)`` int64 — the first member's position, **0** in the zero region; ``merged_lengths
 (B,)`` int64 = ``T'_b``; ``index_map (B, T)`` int64 = ``slot(t)`` (padding token ``t``
 maps to ``T'_b + (t − L_b)``, inside the zero region).
@@ -49,9 +66,39 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def atm_sums(x: Tensor) -> tuple[Tensor, Tensor]:
-    """``(dot (B, T−1), norm_sq (B, T))`` of ``x (B, T, d)`` in the accumulation dtype."""
+def _pow2(k: Tensor) -> Tensor:
+    """``2^k`` exactly as float64, for int64 ``k ∈ [−1022, 1023]`` (built from its bits)."""
+    return ((k + 1023) << 52).view(torch.float64)
+
+
+def _times_pow2(x: Tensor, k: Tensor) -> Tensor:
+    """``x·2^k`` (float64, int64 ``k ∈ [−1024, 2046]`` broadcastable), rounded once like ``ldexp``
+    unless the result is subnormal."""
+    first = torch.where(k > 0, k // 2, k.clamp(min=-1022))   # scaling up: two exact steps
+    return x * _pow2(first) * _pow2(k - first)
+
+
+def _exponent(m: Tensor) -> Tensor:
+    """``e`` with ``m·2^−e ∈ [0.5, 1)`` for finite ``m > 0``; 0 elsewhere (int64)."""
+    e = torch.frexp(m.to(torch.float64)).exponent.to(torch.int64)
+    return torch.where(torch.isfinite(m) & (m > 0), e, torch.zeros_like(e))
+
+
+def atm_normalize(x: Tensor) -> Tensor:
+    """Each token ``x_t·2^−e_t`` (``e_t``: exponent of ``max|x_t|``) in the accumulation dtype.
+
+    The factor must be representable, so a token whose max is subnormal is scaled by the
+    largest power of two instead (its max lands in ``[2^−22, 1)``; every element stays exact).
+    """
     xa = x.to(compute_dtype(x.dtype))
+    top = 127 if xa.dtype == torch.float32 else 1023               # 2^top: the largest power of two
+    k = (-_exponent(xa.abs().amax(dim=-1, keepdim=True))).clamp(max=top)
+    return xa * _times_pow2(torch.ones_like(k, dtype=torch.float64), k).to(xa.dtype)
+
+
+def atm_sums(x: Tensor) -> tuple[Tensor, Tensor]:
+    """``(dot (B, T−1), norm_sq (B, T))`` of the normalised tokens, in the accumulation dtype."""
+    xa = atm_normalize(x)
     return (xa[:, :-1] * xa[:, 1:]).sum(-1), xa.pow(2).sum(-1)
 
 
@@ -66,11 +113,14 @@ def atm_candidates(dot: Tensor, norm_sq: Tensor, threshold: float) -> Tensor:
     """``s_t > τ`` for every edge, decided in float64 without a square root (module docstring)."""
     d = dot.to(torch.float64)
     n = norm_sq[:, :-1].to(torch.float64) * norm_sq[:, 1:].to(torch.float64)
-    d2, t2n = d * d, (threshold * threshold) * n
+    tau = torch.full_like(d, threshold)
+    k = -_exponent(torch.maximum(d.abs(), tau.abs()))      # D, τ scaled together: no under/overflow
+    ds, ts = _times_pow2(d, k), _times_pow2(tau, k)
+    d2, t2n = ds * ds, (ts * ts) * n
     negative_tau = threshold < 0
     cand = torch.where(d > 0, (d2 > t2n) | negative_tau, (d2 < t2n) & negative_tau)
     cand = torch.where(n == 0, torch.full_like(cand, 0.0 > threshold), cand)
-    return cand & (threshold < 1)
+    return cand & torch.isfinite(n) & torch.isfinite(d) & (threshold < 1)
 
 
 def atm_decisions(x: Tensor, lengths: Tensor, threshold: float) -> Tensor:
@@ -119,10 +169,16 @@ def atm_merge(x: Tensor, position_ids: Tensor, threshold: float, lengths: Tensor
     taken = atm_decisions(x.detach(), lengths, threshold)
     index_map = _index_map(taken, t)
     merged_lengths = lengths - taken.sum(dim=1)
-    w = _merge_weights(index_map, merged_lengths, acc)                  # (B, T)
-    src = x.to(acc) * w.unsqueeze(-1)
-    merged = torch.zeros(b, t, d, dtype=acc, device=x.device).scatter_add(
-        1, index_map.unsqueeze(-1).expand(b, t, d), src).to(x.dtype)
+    w = _merge_weights(index_map, merged_lengths, acc).unsqueeze(-1)    # (B, T, 1)
+    slots = index_map.unsqueeze(-1).expand(b, t, d)
+    xa = x.to(acc)
+    # (x_t + x_{t+1})·½ (the correctly rounded mean), or x_t·½ + x_{t+1}·½ where the sum overflows.
+    total = torch.zeros(b, t, d, dtype=acc, device=x.device).scatter_add(1, slots, xa * (w > 0))
+    halves = torch.zeros(b, t, d, dtype=acc, device=x.device).scatter_add(1, slots, xa * w)
+    is_pair = torch.zeros(b, t, 1, dtype=torch.bool, device=x.device).scatter_add(
+        1, index_map.unsqueeze(-1), w == 0.5)
+    mean = torch.where(is_pair, total * 0.5, total)
+    merged = torch.where(mean.isinf(), halves, mean).to(x.dtype)
     second = torch.zeros_like(index_map, dtype=torch.bool)
     second[:, 1:] = taken
     first_real = ~second & (torch.arange(t, device=x.device) < lengths.unsqueeze(-1))

@@ -24,8 +24,8 @@ struct MergeParams {
   int64_t* merged_positions;   // out (B, T): first member's position, 0 after T'_b
   int64_t* merged_lengths;     // out (B,): T'_b
   int64_t* index_map;          // out (B, T): token -> slot
-  float* norm_sq;              // workspace (B·T): ‖x_t‖²
-  float* dot;                  // workspace (B·T): ⟨x_t, x_{t+1}⟩ (0 at a row's end)
+  float* norm_sq;              // workspace (B·T): ‖x_t‖² (x_t rescaled by 2^-e when out of range, atm.cu)
+  float* dot;                  // workspace (B·T): ⟨x_t, x_{t+1}⟩ of those tokens (0 at a row's end)
   int64_t* slot_source;        // workspace (B·T): 2·(first member) + paired, −1 after T'_b
   int64_t B, T, d;
   DType dtype;
