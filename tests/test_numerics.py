@@ -8,20 +8,24 @@ What must hold, op by op:
 * rms_norm — ``y = γ z / sqrt(mean z² + ε)`` is scale-invariant once ``mean z² ≫ ε``,
   so ``y(s·x) = y(x)`` for every representable ``s·x``; tiny inputs (``mean z² ≪ ε``)
   give ``γ z / √ε`` (ε does its job), all-zero rows give exactly 0 and finite
-  gradients. KNOWN BUG (xfail below): the float32 statistic ``Σ z²`` overflows when
-  ``|z| ≳ 1.8e19 / √d`` (fp32 and bf16 inputs), and y silently becomes 0 (NaN near
-  the float32 maximum) instead of ``y(x)``.
+  gradients. Huge rows too: where the statistic ``Σ z²`` overflows (float32: ``|z| ≳
+  1.8e19/√d``, fp32/bf16 inputs; float64: ``≳ 1.3e154/√d``) a finite row is rescaled by
+  an exact power of two, so y and the gradients match the float64 oracle for every
+  finite z up to the dtype's maximum (gradients work with ẑ = z/r, nothing overflows);
+  rows with NaN/Inf stay non-finite and alone.
 * srpe — linear in q, k: huge/tiny magnitudes keep the relative tolerance as long as
   the output is representable.
 * gcla_attention — rows whose keys are all masked by ``lengths`` are exactly 0 with
   zero (finite) gradients; scores up to ~1e30 in float32 saturate the softmax correctly.
 * ATM — ``τ = 1`` never merges (cos ≤ 1); ``τ = −1`` merges every non-opposite adjacent
   pair greedily (zero vectors have s = 0 > −1; exactly opposite vectors have s = −1 and
-  never merge). The criterion is scale-invariant while the sums stay normal: KNOWN
-  LIMIT (xfail below) in fp32/bf16/fp16 the float32 ``‖x‖²`` overflows for |x| ≳ 1e19 and
-  underflows to a zero norm for |x| ≲ 1e-19, and the sqrt-free float64 test
-  ``D² > τ² n_t n_{t+1}`` (∝ |x|⁴) limits float64 input to ~1e-77 < |x| < ~1e77;
-  outside, identical tokens are never merged.
+  never merge; NaN/Inf tokens never merge). The criterion is exactly scale-invariant at
+  every magnitude: a token whose ``‖x‖²`` would overflow, underflow or lose precision in
+  the accumulation dtype is rescaled by a power of two first (the test is homogeneous in
+  each token), and ``D² > τ² n_t n_{t+1}`` is compared as with an unbounded exponent
+  range, so scaling any token by any power of two that keeps it representable never
+  changes a decision — from subnormal to the dtype's maximum, in every dtype. The pair
+  mean is ``x_t/2 + x_{t+1}/2``: no overflow up to the dtype's maximum.
 
 SRPE position range. Every backend computes the angle ``p·ω_j·(1 + 1/k_s)`` in float64
 and reduces it modulo 2π in float64 (the CPU kernel's Cody–Waite reduction uses FMA, so
@@ -101,17 +105,78 @@ def test_rms_norm_scale_invariant_in_range(backend, scale):
     assert rel_err(ys, reference.rms_norm((x * scale).double(), w.double(), s.double(), 1e-12)) <= 1e-5
 
 
-@pytest.mark.xfail(strict=True, reason="rms_norm: the float32 statistic sum(z^2) overflows for |z| >~ 1.8e19/sqrt(d); "
-                                       "y becomes 0 (NaN near FLT_MAX) instead of y(x) (issue 6 report)")
+def _rms_rescaled_oracle(x, w, grad, eps=1e-6):
+    """float64 ``(y, ∂L/∂x, ∂L/∂γ)`` of rms_norm with δ = 0, row by row: each row is
+    first scaled by an exact power of two 2^-k to max|x| < 1, using y(x; ε) = y(2^-k x;
+    2^-2k ε) and ∂y/∂x(x; ε) = 2^-k ∂y/∂x(2^-k x; 2^-2k ε), so the float64 reference
+    never sees a huge row (nor the code path under test)."""
+    wd = w.double()
+    ys, gxs, gw = [], [], torch.zeros_like(wd)
+    for xr, gr in zip(x.double(), grad.double()):
+        c = 2.0 ** -int(torch.frexp(xr.abs().max()).exponent)
+        xs, wr = (xr * c).unsqueeze(0).requires_grad_(), wd.clone().requires_grad_()
+        y = reference.rms_norm(xs, wr, torch.zeros_like(wd), eps * c * c)
+        gx, gwr = torch.autograd.grad(y, (xs, wr), gr.unsqueeze(0))
+        ys.append(y[0].detach())
+        gxs.append(gx[0] * c)
+        gw += gwr
+    return torch.stack(ys), torch.stack(gxs), gw
+
+
 @pytest.mark.parametrize("backend", RMS_BACKENDS)
-@pytest.mark.parametrize("dtype,scale", [(torch.float32, 1e30), (torch.float32, 1e20), (torch.bfloat16, 1e37)])
+@pytest.mark.parametrize("dtype,scale", [(torch.float32, 1e20), (torch.float32, 1e30), (torch.float32, 1e38),
+                                         (torch.float32, 1.1e38), (torch.bfloat16, 1e37), (torch.float64, 1e200),
+                                         (torch.float64, 5e307)])
 def test_rms_norm_scale_invariant_huge(backend, dtype, scale):
+    """Rows whose Σz² overflows the statistic's dtype (every other row here; |x| up to
+    3·scale, i.e. to the dtype's maximum) give y(x) and the float64 oracle's gradients;
+    the normal rows beside them are unaffected."""
     g = _gen()
-    x = torch.randn(8, 64, generator=g).clamp(-3, 3)
+    x = torch.randn(8, 64, generator=g, dtype=torch.float64).clamp(-3, 3)
     w, s = torch.rand(64, generator=g) + 0.5, torch.zeros(64)
-    y1, _ = _rms(backend, x.to(dtype), w.to(dtype), s.to(dtype))
-    ys, _ = _rms(backend, (x * scale).to(dtype), w.to(dtype), s.to(dtype))
-    assert rel_err(ys, y1) <= tolerance(dtype)
+    huge = [0, 2, 4, 6]
+    xs = x.clone()
+    xs[huge] *= scale
+    x, xs, w, s = x.to(dtype), xs.to(dtype), w.to(dtype), s.to(dtype)
+    grad = torch.randn(8, 64, generator=g).to(dtype)
+    assert torch.isfinite(xs).all() and torch.isinf(xs[0].double().pow(2).sum().to(dtype).float())
+    y1, _ = _rms(backend, x, w, s)
+    ys, (gx, gw, gs) = _rms(backend, xs, w, s, grad=grad)
+    assert ys.dtype == dtype and _finite(ys, gx, gw, gs)
+    assert rel_err(ys[huge], y1[huge]) <= max(tolerance(dtype), 1e-5)  # ε/mean z² ~ 1e-6 at scale 1
+    want_y, want_gx, want_gw = _rms_rescaled_oracle(xs, w, grad)
+    tol = tolerance(dtype)
+    gtol = tol * (10 if dtype == torch.bfloat16 else 1)  # the grad sums many rounded terms
+    for r in range(8):  # row by row: huge rows' ∂L/∂x are ~1/scale of the others'
+        assert rel_err(ys[r], want_y[r]) <= tol, f"y row {r}"
+        assert rel_err(gx[r], want_gx[r]) <= gtol, f"grad_x row {r}"
+    assert rel_err(gw, want_gw) <= gtol
+    assert rel_err(gs, want_gx.sum(0)) <= gtol
+
+
+@pytest.mark.parametrize("backend", RMS_BACKENDS)
+@pytest.mark.parametrize("dtype,scale", [(torch.float32, 1e30), (torch.bfloat16, 1e37), (torch.float64, 1e200)])
+def test_rms_norm_huge_row_beside_nonfinite_rows(backend, dtype, scale):
+    """A huge (rescaled) row next to a NaN row and an Inf row: the huge row is right,
+    the bad rows are non-finite, and the other rows are bitwise what they are alone."""
+    g = _gen(4)
+    x = torch.randn(6, 40, generator=g, dtype=torch.float64)
+    x[1] *= scale
+    w, s = (torch.rand(40, generator=g) + 0.5).to(dtype), torch.zeros(40, dtype=dtype)
+    grad = torch.randn(6, 40, generator=g).to(dtype)
+    x = x.to(dtype)
+    xb = x.clone()
+    xb[3, 5] = float("nan")
+    xb[4, 9] = float("inf")
+    y0, (gx0, _, _) = _rms(backend, x, w, s, grad=grad)
+    y, (gx, _, _) = _rms(backend, xb, w, s, grad=grad)
+    clean = [0, 1, 2, 5]
+    assert torch.equal(y[clean], y0[clean]) and torch.equal(gx[clean], gx0[clean])
+    for bad in (3, 4):
+        assert not torch.isfinite(y[bad]).all() and not torch.isfinite(gx[bad]).all()
+    want_y, want_gx, _ = _rms_rescaled_oracle(x[1:2], w, grad[1:2])
+    assert rel_err(y[1], want_y[0]) <= tolerance(dtype)
+    assert rel_err(gx[1], want_gx[0]) <= tolerance(dtype) * (10 if dtype == torch.bfloat16 else 1)
 
 
 @pytest.mark.parametrize("backend", RMS_BACKENDS)
@@ -381,12 +446,7 @@ def test_gcla_nonfinite_padding_is_ignored(backend, bad):
         assert torch.equal(gr[:, :, :12] if gr.dim() > 1 else gr, gr0[:, :, :12] if gr0.dim() > 1 else gr0), name
 
 
-@pytest.mark.parametrize("backend", [
-    pytest.param(b, marks=pytest.mark.xfail(strict=True, reason=(
-        "the reference oracle computes P @ V as one dense product: a masked probability is 0, "
-        "but 0 * NaN = NaN carries a later key's NaN/Inf into earlier rows (the kernels multiply "
-        "each row by its causal keys only)"))) if b == "reference" else b
-    for b in GCLA_BACKENDS])
+@pytest.mark.parametrize("backend", GCLA_BACKENDS)
 @pytest.mark.parametrize("where", ["v", "k_rot"])
 def test_gcla_nonfinite_future_value_does_not_reach_earlier_rows(backend, where):
     """A NaN/Inf at key 40 never reaches query rows < 40 (outputs or dq): the T = 80 rows
@@ -400,6 +460,29 @@ def test_gcla_nonfinite_future_value_does_not_reach_earlier_rows(backend, where)
     assert torch.isfinite(out[0, :, :40]).all()
     assert not torch.isfinite(out[0, :, 40:]).all()  # the rows that see it do show it
     assert torch.isfinite(grads[0][0, :, :40]).all()  # dq_rot of the clean rows
+    clean, _ = _gcla(backend, _gcla_inputs(T=80, S=1))
+    torch.testing.assert_close(out[0, :, :40], clean[0, :, :40], rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("backend", GCLA_BACKENDS)
+@pytest.mark.parametrize("where", ["q_rot", "grad_out"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_gcla_nonfinite_query_row_does_not_reach_later_keys(backend, where, bad):
+    """A NaN/Inf in query row 40 (or in its upstream gradient) reaches dk/dv only of the keys
+    that row attends to (j ≤ 40): keys j > 40 are never seen by it, so their gradients stay
+    finite (a dense dS^T @ Q or P^T @ dO would give 0 · NaN = NaN there)."""
+    ins = _gcla_inputs(T=80, S=1)
+    grad = torch.randn(2, 4, 80, 8, generator=_gen(12))
+    if where == "q_rot":
+        ins = _poison(ins, 0, (0, 1, 40, 3), bad)
+    else:
+        grad[0, 1, 40, 3] = bad
+    _, grads = _gcla(backend, ins, grad=grad)
+    dk, dv = grads[1], grads[2]
+    assert torch.isfinite(dk[0, :, 41:]).all() and torch.isfinite(dv[0, :, 41:]).all()
+    assert torch.isfinite(dk[1]).all() and torch.isfinite(dv[1]).all()
+    if where == "grad_out":  # row 40 does reach its own keys
+        assert not torch.isfinite(dv[0, 1, :41]).all()
 
 
 # =====================================================================================
@@ -496,18 +579,46 @@ def test_atm_scale_invariant_in_range(backend, dtype, scale):
     assert rel_err(merged, (want * scale).to(dtype).double()) <= tolerance(dtype) and _finite(merged)
 
 
-@pytest.mark.xfail(strict=True, reason="ATM sums |x|^2 in float32 for fp32/bf16/fp16 inputs: |x| >~ 1e19 overflows "
-                                       "and |x| <~ 1e-19 underflows to a zero norm, so identical tokens never merge; "
-                                       "the sqrt-free test squares again (N = n_t n_t+1 ~ |x|^4): float64 input is "
-                                       "limited to ~1e-77 < |x| < ~1e77")
 @pytest.mark.parametrize("backend", ATM_BACKENDS)
-@pytest.mark.parametrize("dtype,scale", [(torch.float32, 1e25), (torch.float32, 1e-25), (torch.bfloat16, 1e30),
-                                         (torch.float64, 1e150), (torch.float64, 1e-150)])
+@pytest.mark.parametrize("dtype,scale", [(torch.float32, 1e25), (torch.float32, 1e-25), (torch.float32, 2e38),
+                                         (torch.float32, 1e-40), (torch.float32, 1e-44),
+                                         (torch.bfloat16, 1e30), (torch.bfloat16, 1e38), (torch.bfloat16, 1e-38),
+                                         (torch.float16, 4e4), (torch.float16, 1e-7),
+                                         (torch.float64, 1e150), (torch.float64, 1e-150), (torch.float64, 1e300),
+                                         (torch.float64, 1e-300), (torch.float64, 1e-320)])
 def test_atm_scale_invariant_extreme(backend, dtype, scale):
-    x = torch.zeros(1, 2, 4)
+    """As in range, out to the dtype's limits (|x| up to ~1.5·scale, subnormals included):
+    identical neighbours merge, orthogonal ones don't; τ = 1 still never merges."""
+    test_atm_scale_invariant_in_range(backend, dtype, scale)
+    x = torch.zeros(1, 2, 4, dtype=torch.float64)
     x[0, :, 0] = 1.5
-    _, _, mlen, _ = _merge(backend, (x * scale).to(dtype), 0.5)
-    assert int(mlen[0]) == 1
+    assert int(_merge(backend, (x * scale).to(dtype), 1.0)[2][0]) == 2
+
+
+# A huge and a tiny token (powers of two, so exact in the dtype) times the same direction u.
+_U = [1.0, 2.0, -1.0, 0.5]
+_HUGE_TINY = [(torch.float32, 2.0 ** 125, 2.0 ** -140), (torch.bfloat16, 2.0 ** 125, 2.0 ** -125),
+              (torch.float16, 2.0 ** 14, 2.0 ** -23), (torch.float64, 2.0 ** 1020, 2.0 ** -1070)]
+
+
+@pytest.mark.parametrize("backend", ATM_BACKENDS)
+@pytest.mark.parametrize("dtype,huge,tiny", _HUGE_TINY)
+def test_atm_huge_and_tiny_parallel_neighbours(backend, dtype, huge, tiny):
+    """cos(huge·u, tiny·u) = 1 and cos(huge·u, −tiny·u) = −1 whatever the magnitudes."""
+    u = torch.tensor(_U, dtype=torch.float64)
+    x = torch.stack([huge * u, tiny * u, -huge * u, tiny * u, -tiny * u, huge * u]).unsqueeze(0)
+    xs = x.to(dtype)
+    assert torch.equal(xs.double(), x)
+    merged, _, mlen, imap = _merge(backend, xs, 0.5)
+    assert imap.tolist() == [[0, 0, 1, 2, 3, 4]] and mlen.tolist() == [5]   # (−tiny·u, huge·u): s = −1
+    want = torch.zeros_like(x)
+    want[0, 0] = (huge * u + tiny * u) / 2
+    want[0, 1:5] = x[0, 2:6]
+    torch.testing.assert_close(merged.double(), want, rtol=tolerance(dtype), atol=0)
+    # s = −1 exactly: never > τ, even at τ = −1; s = +1 never > 1.
+    assert _merge(backend, xs[:, 3:5], -1.0)[2].tolist() == [2]
+    assert _merge(backend, xs[:, 0:2], 1.0)[2].tolist() == [2]
+    assert _merge(backend, xs[:, 0:2], math.nextafter(1.0, 0.0))[2].tolist() == [1]
 
 
 @pytest.mark.parametrize("backend", ATM_BACKENDS)
