@@ -81,8 +81,15 @@ def rms_norm_cases(device: torch.device, small: bool) -> list[BenchCase]:
     return [BenchCase(
         op="rms_norm", shape=f"x ({rows}, {d})", dtype=dtype, make_inputs=make_inputs,
         fused=lambda x, w, s: rms_norm(x, w, s, 1e-6),
-        eager=lambda x, w, s: reference.rms_norm(x, w, s, 1e-6),
+        eager=lambda x, w, s: _rms_norm_eager(x, w, s, 1e-6),
     )]
+
+
+def _rms_norm_eager(x, weight, shift, eps):
+    """WiolaRMSNorm as plain eager PyTorch, the way a model author writes it (float32 statistics,
+    none of the oracle's overflow care, which would slow the baseline down)."""
+    z = x.float() + shift.float()
+    return (weight.float() * z * torch.rsqrt(z.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
 @case_factory
@@ -103,6 +110,27 @@ def srpe_cases(device: torch.device, small: bool) -> list[BenchCase]:
         fused=lambda q, k, p: srpe(q, k, p),
         eager=lambda q, k, p: reference.srpe(q, k, p),
     )]
+
+
+def _atm_merge_eager(x, positions, tau):
+    """ATM merge as plain eager PyTorch, the way a model author writes it: ``F.cosine_similarity``,
+    the parallel form of the greedy rule, a scatter-add mean (none of the oracle's care for
+    extreme magnitudes, which would slow the baseline down). Returns what ``atm_merge`` does."""
+    import torch.nn.functional as F
+
+    b, t, d = x.shape
+    cand = F.cosine_similarity(x[:, :-1].float(), x[:, 1:].float(), dim=-1) > tau  # (B, T-1)
+    edge = torch.arange(t - 1, device=x.device)
+    run_start = torch.where(cand & ~F.pad(cand[:, :-1], (1, 0)), edge, 0).cummax(1).values
+    taken = cand & ((edge - run_start) % 2 == 0)  # a, a+2, ... of every run of candidates
+    index_map = torch.arange(t, device=x.device) - F.pad(taken.long().cumsum(1), (1, 0))
+    slots = index_map.unsqueeze(-1)
+    count = torch.zeros(b, t, 1, device=x.device).scatter_add(1, slots, torch.ones(b, t, 1, device=x.device))
+    merged = torch.zeros(b, t, d, device=x.device).scatter_add(1, slots.expand(b, t, d), x.float())
+    merged = (merged / count.clamp(min=1)).to(x.dtype)
+    merged_positions = torch.full_like(positions, t).scatter_reduce(1, index_map, positions, "amin")
+    merged_lengths = t - taken.sum(1)
+    return merged, merged_positions, merged_lengths, index_map
 
 
 @case_factory
@@ -135,8 +163,8 @@ def atm_cases(device: torch.device, small: bool) -> list[BenchCase]:
         return atm_unmerge(merged, index_map)
 
     def eager(x, positions):
-        merged, _, _, index_map = reference.atm_merge(x, positions, tau)
-        return reference.atm_unmerge(merged, index_map)
+        merged, _, _, index_map = _atm_merge_eager(x, positions, tau)
+        return merged.gather(1, index_map.unsqueeze(-1).expand_as(x))
 
     return [BenchCase(op="atm", shape=f"x ({b}, {t}, {d}), merge+unmerge", dtype=dtype, make_inputs=make_inputs,
                       fused=fused, eager=eager, differentiable=(0,), notes=notes)]
