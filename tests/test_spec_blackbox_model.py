@@ -523,6 +523,18 @@ def test_causal_mode_is_causal_paper_mode_is_not():
             assert d > 1e-6
 
 
+def _decode_step_by_step(model, ids, prompt_len):
+    """Logits of a cached forward of ``ids[:, :prompt_len]``, then one token per step."""
+    with torch.no_grad():
+        out = model(ids[:, :prompt_len], use_cache=True)
+        steps, cache = [out.logits], out.cache
+        for t in range(prompt_len, ids.shape[1]):
+            out = model(ids[:, t:t + 1], cache=cache, use_cache=True)
+            steps.append(out.logits)
+            cache = out.cache
+    return torch.cat(steps, 1)
+
+
 def test_cached_step_by_step_equals_full_forward():
     model, cfg = make_model(seed=9)
     oracle = Oracle(model, cfg)
@@ -530,13 +542,7 @@ def test_cached_step_by_step_equals_full_forward():
     want = oracle.forward(ids)
     with torch.no_grad():
         full = model(ids).logits
-        out = model(ids[:, :4], use_cache=True)
-        steps, cache = [out.logits], out.cache
-        for t in range(4, 10):
-            out = model(ids[:, t:t + 1], cache=cache, use_cache=True)
-            steps.append(out.logits)
-            cache = out.cache
-    stepped = torch.cat(steps, 1)
+    stepped = _decode_step_by_step(model, ids, 4)
     assert rel(full, want) < TOL
     assert rel(stepped, want) < TOL
 
@@ -697,14 +703,7 @@ def test_float64_forward_is_float64_accurate(mode):
 def test_float64_cached_decoding_is_float64_accurate():
     model, cfg = make_model(seed=15, gcla_lookback=0)  # no summaries: isolates the attention path
     ids = torch.randint(0, cfg.vocab_size, (1, 8))
-    with torch.no_grad():
-        out = model(ids[:, :3], use_cache=True)
-        steps, cache = [out.logits], out.cache
-        for t in range(3, 8):
-            out = model(ids[:, t:t + 1], cache=cache, use_cache=True)
-            steps.append(out.logits)
-            cache = out.cache
-    assert rel(torch.cat(steps, 1), Oracle(model, cfg).forward(ids)) < TIGHT
+    assert rel(_decode_step_by_step(model, ids, 3), Oracle(model, cfg).forward(ids)) < TIGHT
 
 
 def _oracle_grads(model, cfg, ids, **kw):
