@@ -12,10 +12,12 @@
 // the un-rotated q, applies the gate and writes O once; it stores lse = m + log l.
 //
 // Backward (recompute P = exp(S − lse)), two passes, no atomics, deterministic:
-//   A. per (b, h, query block): the cross part (dq, dkc, dvc, gate partial),
-//      D_i = dO_i · (O_i − σ O^cross_i), then dq̃ = c Σ_j dS_ij k̃_j over the key blocks.
-//   B. per (b, kv group, key block): dk̃, dv summed over the group's heads (in head
-//      order) and the query blocks at or below the diagonal.
+//   A. per (b, h, query block): the cross part (dq, dkc, dvc, gate partial) and
+//      D_i = dO_i · (O_i − σ O^cross_i).
+//   B. per (b, kv group): the self part in one sweep over the group's heads (in head
+//      order), their query blocks and the key blocks at or left of the diagonal; each tile
+//      pair recomputes S and dP once (5 tile gemms, 1 exp pass) and feeds dq̃ (a query
+//      block's accumulator) and dk̃, dv (the task's T-row accumulators).
 // S = 1 summaries give dkc/dvc partials per query block and dgate partials per
 // (b, h, query block); both are summed afterwards in a fixed order.
 #include <ATen/Parallel.h>
@@ -371,14 +373,11 @@ void backward_impl(const Dims& d, const scalar_t* grad_out, const scalar_t* q_ro
   const std::vector<acc_t> vt_all = pack_transposed<scalar_t, acc_t>(v, B * Hkv, T, dh);
   const std::vector<acc_t> k_all = pack_rows<scalar_t, acc_t>(k_rot, B * Hkv * T, dh);
 
-  // ---- Pass A: per (b, h, query block): cross part, D, dq̃ ----
+  // ---- Pass A: per (b, h, query block): cross part, D ----
   at::parallel_for(0, B * H * nqb, 1, [&](int64_t begin, int64_t end) {
-    std::vector<acc_t> qbuf(kBlockQ * dp), dobuf(kBlockQ * dp), sbuf(kBlockQ * kBlockK), dpbuf(kBlockQ * kBlockK),
-        dqacc(kBlockQ * dp), a(std::max<int64_t>(L, 1)),
-        oc(dh), row(dh), qrow(dh), orow(dh), dqc(dh);
+    std::vector<acc_t> dobuf(kBlockQ * dp), a(std::max<int64_t>(L, 1)), oc(dh), row(dh), qrow(dh), orow(dh), dqc(dh);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t qb = task % nqb, h = (task / nqb) % H, b = task / (nqb * H);
-      const int64_t g = h % Hkv;
       const int64_t len = row_length(lengths, b, T);
       const int64_t i0 = qb * kBlockQ, i1 = std::min(T, i0 + kBlockQ);
       const int64_t bh = b * H + h;
@@ -439,101 +438,84 @@ void backward_impl(const Dims& d, const scalar_t* grad_out, const scalar_t* q_ro
         dbuf[bh * T + i] = dot(dO, orow.data(), dh);
       }
       dgate_part[task] = sig * (acc_t(1) - sig) * gate_acc;
-      if (nq == 0) continue;
-      // Self part: dq̃ over the key blocks.
-      load_tile(q_rot + (bh * T + i0) * dh, nq, dh, qbuf.data(), dp);
-      const acc_t* lse_bh = lse + bh * T;
-      const acc_t* D_bh = dbuf + bh * T;
-      const acc_t* KT_g = kt_all.data() + (b * Hkv + g) * dh * ldt;
-      const acc_t* VT_g = vt_all.data() + (b * Hkv + g) * dh * ldt;
-      const acc_t* K_g = k_all.data() + (b * Hkv + g) * T * dp;
-      std::fill(dqacc.begin(), dqacc.begin() + nq * dp, acc_t(0));
-      const int64_t kv_end = i0 + nq;
-      for (int64_t j0 = 0; j0 < kv_end; j0 += kBlockK) {
-        const int64_t nk = std::min(kBlockK, kv_end - j0);
-        acc_t* Sb = sbuf.data();
-        acc_t* dP = dpbuf.data();
-        gemm<acc_t>(nq, nk, dh, scale, qbuf.data(), dp, KT_g + j0, ldt, Sb, kBlockK, false);
-        gemm<acc_t>(nq, nk, dh, acc_t(1), dobuf.data(), dp, VT_g + j0, ldt, dP, kBlockK, false);
-        for (int64_t r = 0; r < nq; ++r) {
-          const int64_t i = i0 + r;
-          const int64_t ncol = std::clamp<int64_t>(i - j0 + 1, 0, nk);
-          acc_t* s = Sb + r * kBlockK;
-          const acc_t* dpr = dP + r * kBlockK;
-          exp_sub(s, lse_bh[i], s, ncol);
-          const acc_t Di = D_bh[i];
-          for (int64_t c = 0; c < ncol; ++c) s[c] = s[c] * (dpr[c] - Di);  // dS
-          for (int64_t c = ncol; c < nk; ++c) s[c] = 0;
-        }
-        if (j0 + nk - 1 > i0) {  // crosses the diagonal (see gemm_causal_rows)
-          gemm_causal_rows<acc_t>(nq, dh, nk, i0, j0, scale, Sb, kBlockK, K_g + j0 * dp, dp, dqacc.data(), dp);
-        } else {
-          gemm<acc_t>(nq, dh, nk, scale, Sb, kBlockK, K_g + j0 * dp, dp, dqacc.data(), dp, true);
-        }
-      }
-      for (int64_t r = 0; r < nq; ++r) store_row(dqacc.data() + r * dp, dq_rot + (bh * T + i0 + r) * dh, dh);
     }
   });
 
-  // ---- Pass B: per (b, kv group, key block): dk̃, dv ----
-  const int64_t nkb = (T + kBlockK - 1) / kBlockK;
-  at::parallel_for(0, B * Hkv * nkb, 1, [&](int64_t begin, int64_t end) {
+  // ---- Pass B: per (b, kv group): the self part. For each of the group's heads (in
+  // order), its query blocks below len_b and their key blocks at or left of the diagonal:
+  // S = c Q̃ K̃ᵀ, P = exp(S − lse), dP = dO Vᵀ, dS = P (dP − D), then dq̃ += c dS K̃
+  // (complete once the query block's key loop ends), dv += Pᵀ dO and dk̃ += c dSᵀ Q̃ into the
+  // task's own T-row accumulators: 5 tile gemms and 1 exp pass per tile pair. Every sum runs
+  // in a fixed order (dq̃ over key blocks; dk̃, dv over heads, then query blocks), whatever
+  // the thread count.
+  at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
     std::vector<acc_t> qbuf(kBlockQ * dp), dobuf(kBlockQ * dp), sbuf(kBlockQ * kBlockK), dpbuf(kBlockQ * kBlockK),
-        ptbuf(kBlockK * kBlockQ), dstbuf(kBlockK * kBlockQ), dkacc(kBlockK * dp), dvacc(kBlockK * dp);
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t kb = task % nkb, g = (task / nkb) % Hkv, b = task / (nkb * Hkv);
+        ptbuf(kBlockK * kBlockQ), dstbuf(kBlockK * kBlockQ), dqacc(kBlockQ * dp), dkacc(T * dp), dvacc(T * dp);
+    for (int64_t bg = begin; bg < end; ++bg) {
+      const int64_t b = bg / Hkv, g = bg % Hkv;
       const int64_t len = row_length(lengths, b, T);
-      const int64_t j0 = kb * kBlockK, j1 = std::min(T, j0 + kBlockK);
-      const int64_t bg = b * Hkv + g;
-      const int64_t nk = std::max<int64_t>(0, std::min(j1, len) - j0);
-      for (int64_t j = j0 + nk; j < j1; ++j) {
+      // Keys past the length: zero gradients.
+      for (int64_t j = len; j < T; ++j) {
         std::fill(dk_rot + (bg * T + j) * dh, dk_rot + (bg * T + j + 1) * dh, scalar_t(0));
         std::fill(dv + (bg * T + j) * dh, dv + (bg * T + j + 1) * dh, scalar_t(0));
       }
-      if (nk == 0) continue;
-      const acc_t* KT = kt_all.data() + bg * dh * ldt + j0;
-      const acc_t* VT = vt_all.data() + bg * dh * ldt + j0;
-      std::fill(dkacc.begin(), dkacc.begin() + nk * dp, acc_t(0));
-      std::fill(dvacc.begin(), dvacc.begin() + nk * dp, acc_t(0));
+      if (len == 0) continue;
+      const acc_t* KT_g = kt_all.data() + bg * dh * ldt;
+      const acc_t* VT_g = vt_all.data() + bg * dh * ldt;
+      const acc_t* K_g = k_all.data() + bg * T * dp;
+      std::fill(dkacc.begin(), dkacc.begin() + len * dp, acc_t(0));
+      std::fill(dvacc.begin(), dvacc.begin() + len * dp, acc_t(0));
       for (int64_t hi = 0; hi < group; ++hi) {
         const int64_t h = g + hi * Hkv;
         const int64_t bh = b * H + h;
         const acc_t* lse_bh = lse + bh * T;
         const acc_t* D_bh = dbuf + bh * T;
-        for (int64_t i0 = j0; i0 < len; i0 += kBlockQ) {  // queries i ≥ j0 see these keys
+        for (int64_t i0 = 0; i0 < len; i0 += kBlockQ) {
           const int64_t nq = std::min(kBlockQ, len - i0);
           load_tile(q_rot + (bh * T + i0) * dh, nq, dh, qbuf.data(), dp);
           load_tile(grad_out + (bh * T + i0) * dh, nq, dh, dobuf.data(), dp);
-          acc_t* Sb = sbuf.data();
-          acc_t* dP = dpbuf.data();
-          gemm<acc_t>(nq, nk, dh, scale, qbuf.data(), dp, KT, ldt, Sb, kBlockK, false);
-          gemm<acc_t>(nq, nk, dh, acc_t(1), dobuf.data(), dp, VT, ldt, dP, kBlockK, false);
-          for (int64_t r = 0; r < nq; ++r) {
-            const int64_t i = i0 + r;
-            const int64_t ncol = std::clamp<int64_t>(i - j0 + 1, 0, nk);
-            acc_t* s = Sb + r * kBlockK;
-            acc_t* dpr = dP + r * kBlockK;
-            exp_sub(s, lse_bh[i], s, ncol);  // P
-            for (int64_t c = ncol; c < nk; ++c) s[c] = 0;
-            const acc_t Di = D_bh[i];
-            for (int64_t c = 0; c < nk; ++c) dpr[c] = s[c] * (dpr[c] - Di);  // dS
+          std::fill(dqacc.begin(), dqacc.begin() + nq * dp, acc_t(0));
+          const int64_t kv_end = i0 + nq;  // keys j ≤ last valid row (< len)
+          for (int64_t j0 = 0; j0 < kv_end; j0 += kBlockK) {
+            const int64_t nk = std::min(kBlockK, kv_end - j0);
+            acc_t* Sb = sbuf.data();
+            acc_t* dP = dpbuf.data();
+            gemm<acc_t>(nq, nk, dh, scale, qbuf.data(), dp, KT_g + j0, ldt, Sb, kBlockK, false);
+            gemm<acc_t>(nq, nk, dh, acc_t(1), dobuf.data(), dp, VT_g + j0, ldt, dP, kBlockK, false);
+            for (int64_t r = 0; r < nq; ++r) {
+              const int64_t i = i0 + r;
+              const int64_t ncol = std::clamp<int64_t>(i - j0 + 1, 0, nk);
+              acc_t* s = Sb + r * kBlockK;
+              acc_t* dpr = dP + r * kBlockK;
+              exp_sub(s, lse_bh[i], s, ncol);  // P
+              const acc_t Di = D_bh[i];
+              for (int64_t c = 0; c < ncol; ++c) dpr[c] = s[c] * (dpr[c] - Di);  // dS
+              for (int64_t c = ncol; c < nk; ++c) s[c] = dpr[c] = 0;
+            }
+            transpose(Sb, nq, nk, kBlockK, ptbuf.data(), kBlockQ);
+            transpose(dP, nq, nk, kBlockK, dstbuf.data(), kBlockQ);
+            if (j0 + nk - 1 > i0) {
+              // Crosses the diagonal: each row multiplies only its causal keys, each key only
+              // the rows that see it (a non-finite value must not leak across the diagonal).
+              gemm_causal_rows<acc_t>(nq, dh, nk, i0, j0, scale, dP, kBlockK, K_g + j0 * dp, dp, dqacc.data(), dp);
+              gemm_anticausal_rows<acc_t>(nk, dh, nq, i0, j0, acc_t(1), ptbuf.data(), kBlockQ, dobuf.data(), dp,
+                                          dvacc.data() + j0 * dp, dp);
+              gemm_anticausal_rows<acc_t>(nk, dh, nq, i0, j0, scale, dstbuf.data(), kBlockQ, qbuf.data(), dp,
+                                          dkacc.data() + j0 * dp, dp);
+            } else {
+              gemm<acc_t>(nq, dh, nk, scale, dP, kBlockK, K_g + j0 * dp, dp, dqacc.data(), dp, true);
+              gemm<acc_t>(nk, dh, nq, acc_t(1), ptbuf.data(), kBlockQ, dobuf.data(), dp, dvacc.data() + j0 * dp, dp,
+                          true);
+              gemm<acc_t>(nk, dh, nq, scale, dstbuf.data(), kBlockQ, qbuf.data(), dp, dkacc.data() + j0 * dp, dp,
+                          true);
+            }
           }
-          transpose(Sb, nq, nk, kBlockK, ptbuf.data(), kBlockQ);
-          transpose(dP, nq, nk, kBlockK, dstbuf.data(), kBlockQ);
-          if (j0 + nk - 1 > i0) {  // crosses the diagonal: a row's NaN must not reach later keys
-            gemm_anticausal_rows<acc_t>(nk, dh, nq, i0, j0, acc_t(1), ptbuf.data(), kBlockQ, dobuf.data(), dp,
-                                        dvacc.data(), dp);
-            gemm_anticausal_rows<acc_t>(nk, dh, nq, i0, j0, scale, dstbuf.data(), kBlockQ, qbuf.data(), dp,
-                                        dkacc.data(), dp);
-          } else {
-            gemm<acc_t>(nk, dh, nq, acc_t(1), ptbuf.data(), kBlockQ, dobuf.data(), dp, dvacc.data(), dp, true);
-            gemm<acc_t>(nk, dh, nq, scale, dstbuf.data(), kBlockQ, qbuf.data(), dp, dkacc.data(), dp, true);
-          }
+          for (int64_t r = 0; r < nq; ++r) store_row(dqacc.data() + r * dp, dq_rot + (bh * T + i0 + r) * dh, dh);
         }
       }
-      for (int64_t r = 0; r < nk; ++r) {
-        store_row(dkacc.data() + r * dp, dk_rot + (bg * T + j0 + r) * dh, dh);
-        store_row(dvacc.data() + r * dp, dv + (bg * T + j0 + r) * dh, dh);
+      for (int64_t j = 0; j < len; ++j) {
+        store_row(dkacc.data() + j * dp, dk_rot + (bg * T + j) * dh, dh);
+        store_row(dvacc.data() + j * dp, dv + (bg * T + j) * dh, dh);
       }
     }
   });
