@@ -93,6 +93,72 @@ inline void gemm(int64_t M, int64_t N, int64_t K, acc_t alpha, const acc_t* A, i
   }
 }
 
+// C (MR×N) += alpha · A · B where row r sums only k ∈ [kb[r], ke[r]): a register block of
+// MR rows streams the union of the ranges once, each row's accumulator taking exactly its
+// own terms in increasing k (so the result equals MR one-row products); rows with an empty
+// range are left untouched. Used on tiles that cross the causal diagonal.
+template <typename acc_t, int MR>
+inline void gemm_rows_ranged(const int64_t* kb, const int64_t* ke, int64_t N, acc_t alpha, const acc_t* A,
+                             int64_t lda, const acc_t* B, int64_t ldb, acc_t* C, int64_t ldc) {
+  using V = Vec<acc_t>;
+  constexpr int64_t W = V::size();
+  const V valpha(alpha);
+  int64_t lo = kb[0], hi = ke[0], lo_all = kb[0], hi_all = ke[0];  // union; intersection
+  for (int r = 1; r < MR; ++r) {
+    lo = std::min(lo, kb[r]);
+    hi = std::max(hi, ke[r]);
+    lo_all = std::max(lo_all, kb[r]);
+    hi_all = std::min(hi_all, ke[r]);
+  }
+  if (hi_all < lo_all) lo_all = hi_all = hi;  // no common range: every k takes the masked path
+  for (int64_t j = 0; j < N; j += 2 * W) {
+    V acc[MR][2];
+    for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = V(acc_t(0));
+    auto masked = [&](int64_t k) {
+      const V b0 = V::loadu(B + k * ldb + j), b1 = V::loadu(B + k * ldb + j + W);
+      for (int r = 0; r < MR; ++r) {
+        if (k < kb[r] || k >= ke[r]) continue;
+        const V a(A[r * lda + k]);
+        acc[r][0] = at::vec::fmadd(a, b0, acc[r][0]);
+        acc[r][1] = at::vec::fmadd(a, b1, acc[r][1]);
+      }
+    };
+    for (int64_t k = lo; k < lo_all; ++k) masked(k);
+    for (int64_t k = lo_all; k < hi_all; ++k) {
+      const V b0 = V::loadu(B + k * ldb + j), b1 = V::loadu(B + k * ldb + j + W);
+      for (int r = 0; r < MR; ++r) {
+        const V a(A[r * lda + k]);
+        acc[r][0] = at::vec::fmadd(a, b0, acc[r][0]);
+        acc[r][1] = at::vec::fmadd(a, b1, acc[r][1]);
+      }
+    }
+    for (int64_t k = std::max(hi_all, lo_all); k < hi; ++k) masked(k);
+    for (int r = 0; r < MR; ++r) {
+      if (kb[r] >= ke[r]) continue;
+      acc_t* c = C + r * ldc + j;
+      at::vec::fmadd(valpha, acc[r][0], V::loadu(c)).store(c);
+      at::vec::fmadd(valpha, acc[r][1], V::loadu(c + W)).store(c + W);
+    }
+  }
+}
+
+// Drives gemm_rows_ranged over M rows; range(r, kb, ke) gives row r's k range.
+template <typename acc_t, typename Range>
+inline void gemm_ranged(int64_t M, int64_t N, acc_t alpha, const acc_t* A, int64_t lda, const acc_t* B, int64_t ldb,
+                        acc_t* C, int64_t ldc, const Range& range) {
+  constexpr int MR = 6;
+  int64_t kb[MR], ke[MR];
+  int64_t i = 0;
+  for (; i + MR <= M; i += MR) {
+    for (int r = 0; r < MR; ++r) range(i + r, kb[r], ke[r]);
+    gemm_rows_ranged<acc_t, MR>(kb, ke, N, alpha, A + i * lda, lda, B, ldb, C + i * ldc, ldc);
+  }
+  for (; i < M; ++i) {
+    range(i, kb[0], ke[0]);
+    gemm_rows_ranged<acc_t, 1>(kb, ke, N, alpha, A + i * lda, lda, B, ldb, C + i * ldc, ldc);
+  }
+}
+
 // C += alpha · A · B on a tile that crosses the causal diagonal: row r of A (query
 // i0 + r) multiplies only its own causal keys j ≤ i0 + r, i.e. the first
 // clamp(i0 + r − j0 + 1, 0, K) rows of B (keys from j0). A's masked entries are exactly 0,
@@ -100,10 +166,10 @@ inline void gemm(int64_t M, int64_t N, int64_t K, acc_t alpha, const acc_t* A, i
 template <typename acc_t>
 inline void gemm_causal_rows(int64_t M, int64_t N, int64_t K, int64_t i0, int64_t j0, acc_t alpha, const acc_t* A,
                              int64_t lda, const acc_t* B, int64_t ldb, acc_t* C, int64_t ldc) {
-  for (int64_t r = 0; r < M; ++r) {
-    const int64_t k = std::clamp<int64_t>(i0 + r - j0 + 1, 0, K);
-    if (k > 0) gemm_rows<acc_t, 1>(k, N, alpha, A + r * lda, lda, B, ldb, C + r * ldc, ldc, true);
-  }
+  gemm_ranged<acc_t>(M, N, alpha, A, lda, B, ldb, C, ldc, [&](int64_t r, int64_t& kb, int64_t& ke) {
+    kb = 0;
+    ke = std::clamp<int64_t>(i0 + r - j0 + 1, 0, K);
+  });
 }
 
 // The transpose of the above for the key-side gradients: C (K×N) += alpha · A (K×M) · B (M×N)
@@ -112,10 +178,10 @@ inline void gemm_causal_rows(int64_t M, int64_t N, int64_t K, int64_t i0, int64_
 template <typename acc_t>
 inline void gemm_anticausal_rows(int64_t K, int64_t N, int64_t M, int64_t i0, int64_t j0, acc_t alpha, const acc_t* A,
                                  int64_t lda, const acc_t* B, int64_t ldb, acc_t* C, int64_t ldc) {
-  for (int64_t c = 0; c < K; ++c) {
-    const int64_t r0 = std::clamp<int64_t>(j0 + c - i0, 0, M);
-    if (r0 < M) gemm_rows<acc_t, 1>(M - r0, N, alpha, A + c * lda + r0, lda, B + r0 * ldb, ldb, C + c * ldc, ldc, true);
-  }
+  gemm_ranged<acc_t>(K, N, alpha, A, lda, B, ldb, C, ldc, [&](int64_t c, int64_t& kb, int64_t& ke) {
+    kb = std::clamp<int64_t>(j0 + c - i0, 0, M);
+    ke = M;
+  });
 }
 
 // dst[c * ldd + r] = src[r * lds + c] for r < rows, c < cols.
@@ -134,13 +200,16 @@ inline void load_tile(const scalar_t* src, int64_t n, int64_t dh, acc_t* dst, in
 // Tile widths rounded up to two vectors of the widest accumulation type (16 floats).
 constexpr int64_t kPad = 16;
 inline int64_t padded(int64_t n) { return (n + kPad - 1) / kPad * kPad; }
+// Row stride of the transposed K/V packs: one extra pad so that a power-of-two T does not
+// put the d_h rows a tile gemm streams through into the same L1 cache set.
+inline int64_t transposed_ld(int64_t T) { return padded(T) + kPad; }
 
 // K/V of every (b, kv group) converted once to the accumulation type, in the layouts the
-// tile gemms read: transposed (n, dh, ldt) with ldt = padded(T) (zero columns past T), or
+// tile gemms read: transposed (n, dh, ldt) with ldt = transposed_ld(T) (zero columns past T), or
 // row-padded (n, T, padded(dh)). Linear in T, and saves a conversion per tile pair.
 template <typename scalar_t, typename acc_t>
 std::vector<acc_t> pack_transposed(const scalar_t* src, int64_t n, int64_t T, int64_t dh) {
-  const int64_t ldt = padded(T);
+  const int64_t ldt = transposed_ld(T);
   std::vector<acc_t> out(n * dh * ldt, acc_t(0));
   at::parallel_for(0, n * ((T + kBlockK - 1) / kBlockK), 1, [&](int64_t begin, int64_t end) {
     std::vector<acc_t> row(dh);
@@ -275,7 +344,7 @@ void forward_impl(const Dims& d, const scalar_t* q_rot, const scalar_t* k_rot, c
   const acc_t scale = acc_t(d.scale);
   const acc_t neg_inf = -std::numeric_limits<acc_t>::infinity();
   const int64_t nqb = (T + kBlockQ - 1) / kBlockQ;
-  const int64_t dp = padded(dh), ldt = padded(T);
+  const int64_t dp = padded(dh), ldt = transposed_ld(T);
   const std::vector<acc_t> kt_all = pack_transposed<scalar_t, acc_t>(k_rot, B * Hkv, T, dh);
   const std::vector<acc_t> v_all = pack_rows<scalar_t, acc_t>(v, B * Hkv * T, dh);
   at::parallel_for(0, B * H * nqb, 1, [&](int64_t begin, int64_t end) {
@@ -368,7 +437,7 @@ void backward_impl(const Dims& d, const scalar_t* grad_out, const scalar_t* q_ro
   const int64_t nqb = (T + kBlockQ - 1) / kBlockQ;
   const int64_t group = H / Hkv;
 
-  const int64_t dp = padded(dh), ldt = padded(T);
+  const int64_t dp = padded(dh), ldt = transposed_ld(T);
   const std::vector<acc_t> kt_all = pack_transposed<scalar_t, acc_t>(k_rot, B * Hkv, T, dh);
   const std::vector<acc_t> vt_all = pack_transposed<scalar_t, acc_t>(v, B * Hkv, T, dh);
   const std::vector<acc_t> k_all = pack_rows<scalar_t, acc_t>(k_rot, B * Hkv * T, dh);
