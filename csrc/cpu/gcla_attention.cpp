@@ -44,8 +44,9 @@ using Vec = at::vec::Vectorized<acc_t>;
 //
 // C (M×N) (+)= alpha · A (M×K) · B (K×N), all row-major. N is rounded up to a multiple of
 // two vectors: B and C must have that many readable/writable columns (the tiles below are
-// padded; the extra columns hold finite junk that is never read back).
-template <typename acc_t, int MR>
+// padded; the extra columns hold finite junk that is never read back). With TA, A is read
+// transposed from a (K×M) row-major matrix: A(r, k) = A[k · lda + r] (no transpose copy).
+template <typename acc_t, int MR, bool TA = false>
 inline void gemm_rows(int64_t K, int64_t N, acc_t alpha, const acc_t* A, int64_t lda, const acc_t* B, int64_t ldb,
                       acc_t* C, int64_t ldc, bool accumulate) {
   using V = Vec<acc_t>;
@@ -57,7 +58,7 @@ inline void gemm_rows(int64_t K, int64_t N, acc_t alpha, const acc_t* A, int64_t
     for (int64_t k = 0; k < K; ++k) {
       const V b0 = V::loadu(B + k * ldb + j), b1 = V::loadu(B + k * ldb + j + W);
       for (int r = 0; r < MR; ++r) {
-        const V a(A[r * lda + k]);
+        const V a(TA ? A[k * lda + r] : A[r * lda + k]);
         acc[r][0] = at::vec::fmadd(a, b0, acc[r][0]);
         acc[r][1] = at::vec::fmadd(a, b1, acc[r][1]);
       }
@@ -75,20 +76,21 @@ inline void gemm_rows(int64_t K, int64_t N, acc_t alpha, const acc_t* A, int64_t
   }
 }
 
-template <typename acc_t>
+template <typename acc_t, bool TA = false>
 inline void gemm(int64_t M, int64_t N, int64_t K, acc_t alpha, const acc_t* A, int64_t lda, const acc_t* B,
                  int64_t ldb, acc_t* C, int64_t ldc, bool accumulate) {
   constexpr int MR = 6;
   int64_t i = 0;
-  for (; i + MR <= M; i += MR) gemm_rows<acc_t, MR>(K, N, alpha, A + i * lda, lda, B, ldb, C + i * ldc, ldc, accumulate);
-  const acc_t* a = A + i * lda;
+  for (; i + MR <= M; i += MR)
+    gemm_rows<acc_t, MR, TA>(K, N, alpha, TA ? A + i : A + i * lda, lda, B, ldb, C + i * ldc, ldc, accumulate);
+  const acc_t* a = TA ? A + i : A + i * lda;
   acc_t* c = C + i * ldc;
   switch (M - i) {
-    case 5: gemm_rows<acc_t, 5>(K, N, alpha, a, lda, B, ldb, c, ldc, accumulate); break;
-    case 4: gemm_rows<acc_t, 4>(K, N, alpha, a, lda, B, ldb, c, ldc, accumulate); break;
-    case 3: gemm_rows<acc_t, 3>(K, N, alpha, a, lda, B, ldb, c, ldc, accumulate); break;
-    case 2: gemm_rows<acc_t, 2>(K, N, alpha, a, lda, B, ldb, c, ldc, accumulate); break;
-    case 1: gemm_rows<acc_t, 1>(K, N, alpha, a, lda, B, ldb, c, ldc, accumulate); break;
+    case 5: gemm_rows<acc_t, 5, TA>(K, N, alpha, a, lda, B, ldb, c, ldc, accumulate); break;
+    case 4: gemm_rows<acc_t, 4, TA>(K, N, alpha, a, lda, B, ldb, c, ldc, accumulate); break;
+    case 3: gemm_rows<acc_t, 3, TA>(K, N, alpha, a, lda, B, ldb, c, ldc, accumulate); break;
+    case 2: gemm_rows<acc_t, 2, TA>(K, N, alpha, a, lda, B, ldb, c, ldc, accumulate); break;
+    case 1: gemm_rows<acc_t, 1, TA>(K, N, alpha, a, lda, B, ldb, c, ldc, accumulate); break;
     default: break;
   }
 }
@@ -97,7 +99,7 @@ inline void gemm(int64_t M, int64_t N, int64_t K, acc_t alpha, const acc_t* A, i
 // MR rows streams the union of the ranges once, each row's accumulator taking exactly its
 // own terms in increasing k (so the result equals MR one-row products); rows with an empty
 // range are left untouched. Used on tiles that cross the causal diagonal.
-template <typename acc_t, int MR>
+template <typename acc_t, int MR, bool TA = false>
 inline void gemm_rows_ranged(const int64_t* kb, const int64_t* ke, int64_t N, acc_t alpha, const acc_t* A,
                              int64_t lda, const acc_t* B, int64_t ldb, acc_t* C, int64_t ldc) {
   using V = Vec<acc_t>;
@@ -118,7 +120,7 @@ inline void gemm_rows_ranged(const int64_t* kb, const int64_t* ke, int64_t N, ac
       const V b0 = V::loadu(B + k * ldb + j), b1 = V::loadu(B + k * ldb + j + W);
       for (int r = 0; r < MR; ++r) {
         if (k < kb[r] || k >= ke[r]) continue;
-        const V a(A[r * lda + k]);
+        const V a(TA ? A[k * lda + r] : A[r * lda + k]);
         acc[r][0] = at::vec::fmadd(a, b0, acc[r][0]);
         acc[r][1] = at::vec::fmadd(a, b1, acc[r][1]);
       }
@@ -127,7 +129,7 @@ inline void gemm_rows_ranged(const int64_t* kb, const int64_t* ke, int64_t N, ac
     for (int64_t k = lo_all; k < hi_all; ++k) {
       const V b0 = V::loadu(B + k * ldb + j), b1 = V::loadu(B + k * ldb + j + W);
       for (int r = 0; r < MR; ++r) {
-        const V a(A[r * lda + k]);
+        const V a(TA ? A[k * lda + r] : A[r * lda + k]);
         acc[r][0] = at::vec::fmadd(a, b0, acc[r][0]);
         acc[r][1] = at::vec::fmadd(a, b1, acc[r][1]);
       }
@@ -143,7 +145,7 @@ inline void gemm_rows_ranged(const int64_t* kb, const int64_t* ke, int64_t N, ac
 }
 
 // Drives gemm_rows_ranged over M rows; range(r, kb, ke) gives row r's k range.
-template <typename acc_t, typename Range>
+template <typename acc_t, bool TA = false, typename Range>
 inline void gemm_ranged(int64_t M, int64_t N, acc_t alpha, const acc_t* A, int64_t lda, const acc_t* B, int64_t ldb,
                         acc_t* C, int64_t ldc, const Range& range) {
   constexpr int MR = 6;
@@ -151,11 +153,11 @@ inline void gemm_ranged(int64_t M, int64_t N, acc_t alpha, const acc_t* A, int64
   int64_t i = 0;
   for (; i + MR <= M; i += MR) {
     for (int r = 0; r < MR; ++r) range(i + r, kb[r], ke[r]);
-    gemm_rows_ranged<acc_t, MR>(kb, ke, N, alpha, A + i * lda, lda, B, ldb, C + i * ldc, ldc);
+    gemm_rows_ranged<acc_t, MR, TA>(kb, ke, N, alpha, TA ? A + i : A + i * lda, lda, B, ldb, C + i * ldc, ldc);
   }
   for (; i < M; ++i) {
     range(i, kb[0], ke[0]);
-    gemm_rows_ranged<acc_t, 1>(kb, ke, N, alpha, A + i * lda, lda, B, ldb, C + i * ldc, ldc);
+    gemm_rows_ranged<acc_t, 1, TA>(kb, ke, N, alpha, TA ? A + i : A + i * lda, lda, B, ldb, C + i * ldc, ldc);
   }
 }
 
@@ -172,23 +174,16 @@ inline void gemm_causal_rows(int64_t M, int64_t N, int64_t K, int64_t i0, int64_
   });
 }
 
-// The transpose of the above for the key-side gradients: C (K×N) += alpha · A (K×M) · B (M×N)
-// where row c of A (key j0 + c) multiplies only the query rows that see it, i ≥ j0 + c,
-// i.e. rows clamp(j0 + c − i0, 0, M) .. M of B (queries from i0).
+// The transpose of the above for the key-side gradients: C (K×N) += alpha · Aᵀ · B (M×N), A
+// the (M×K) query-by-key tile itself, where row c of Aᵀ (key j0 + c) multiplies only the
+// query rows that see it, i ≥ j0 + c, i.e. rows clamp(j0 + c − i0, 0, M) .. M of B.
 template <typename acc_t>
 inline void gemm_anticausal_rows(int64_t K, int64_t N, int64_t M, int64_t i0, int64_t j0, acc_t alpha, const acc_t* A,
                                  int64_t lda, const acc_t* B, int64_t ldb, acc_t* C, int64_t ldc) {
-  gemm_ranged<acc_t>(K, N, alpha, A, lda, B, ldb, C, ldc, [&](int64_t c, int64_t& kb, int64_t& ke) {
+  gemm_ranged<acc_t, true>(K, N, alpha, A, lda, B, ldb, C, ldc, [&](int64_t c, int64_t& kb, int64_t& ke) {
     kb = std::clamp<int64_t>(j0 + c - i0, 0, M);
     ke = M;
   });
-}
-
-// dst[c * ldd + r] = src[r * lds + c] for r < rows, c < cols.
-template <typename acc_t>
-inline void transpose(const acc_t* src, int64_t rows, int64_t cols, int64_t lds, acc_t* dst, int64_t ldd) {
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t c = 0; c < cols; ++c) dst[c * ldd + r] = src[r * lds + c];
 }
 
 // Rows [0, n) of a (·, dh) scalar_t matrix into an acc_t tile with row stride ldd.
@@ -519,7 +514,7 @@ void backward_impl(const Dims& d, const scalar_t* grad_out, const scalar_t* q_ro
   // the thread count.
   at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
     std::vector<acc_t> qbuf(kBlockQ * dp), dobuf(kBlockQ * dp), sbuf(kBlockQ * kBlockK), dpbuf(kBlockQ * kBlockK),
-        ptbuf(kBlockK * kBlockQ), dstbuf(kBlockK * kBlockQ), dqacc(kBlockQ * dp), dkacc(T * dp), dvacc(T * dp);
+        dqacc(kBlockQ * dp), dkacc(T * dp), dvacc(T * dp);
     for (int64_t bg = begin; bg < end; ++bg) {
       const int64_t b = bg / Hkv, g = bg % Hkv;
       const int64_t len = row_length(lengths, b, T);
@@ -561,22 +556,20 @@ void backward_impl(const Dims& d, const scalar_t* grad_out, const scalar_t* q_ro
               for (int64_t c = 0; c < ncol; ++c) dpr[c] = s[c] * (dpr[c] - Di);  // dS
               for (int64_t c = ncol; c < nk; ++c) s[c] = dpr[c] = 0;
             }
-            transpose(Sb, nq, nk, kBlockK, ptbuf.data(), kBlockQ);
-            transpose(dP, nq, nk, kBlockK, dstbuf.data(), kBlockQ);
             if (j0 + nk - 1 > i0) {
               // Crosses the diagonal: each row multiplies only its causal keys, each key only
               // the rows that see it (a non-finite value must not leak across the diagonal).
               gemm_causal_rows<acc_t>(nq, dh, nk, i0, j0, scale, dP, kBlockK, K_g + j0 * dp, dp, dqacc.data(), dp);
-              gemm_anticausal_rows<acc_t>(nk, dh, nq, i0, j0, acc_t(1), ptbuf.data(), kBlockQ, dobuf.data(), dp,
+              gemm_anticausal_rows<acc_t>(nk, dh, nq, i0, j0, acc_t(1), Sb, kBlockK, dobuf.data(), dp,
                                           dvacc.data() + j0 * dp, dp);
-              gemm_anticausal_rows<acc_t>(nk, dh, nq, i0, j0, scale, dstbuf.data(), kBlockQ, qbuf.data(), dp,
+              gemm_anticausal_rows<acc_t>(nk, dh, nq, i0, j0, scale, dP, kBlockK, qbuf.data(), dp,
                                           dkacc.data() + j0 * dp, dp);
             } else {
               gemm<acc_t>(nq, dh, nk, scale, dP, kBlockK, K_g + j0 * dp, dp, dqacc.data(), dp, true);
-              gemm<acc_t>(nk, dh, nq, acc_t(1), ptbuf.data(), kBlockQ, dobuf.data(), dp, dvacc.data() + j0 * dp, dp,
-                          true);
-              gemm<acc_t>(nk, dh, nq, scale, dstbuf.data(), kBlockQ, qbuf.data(), dp, dkacc.data() + j0 * dp, dp,
-                          true);
+              gemm<acc_t, true>(nk, dh, nq, acc_t(1), Sb, kBlockK, dobuf.data(), dp, dvacc.data() + j0 * dp, dp,
+                                true);  // dv += Pᵀ dO
+              gemm<acc_t, true>(nk, dh, nq, scale, dP, kBlockK, qbuf.data(), dp, dkacc.data() + j0 * dp, dp,
+                                true);  // dk̃ += c dSᵀ Q̃
             }
           }
           for (int64_t r = 0; r < nq; ++r) store_row(dqacc.data() + r * dp, dq_rot + (bh * T + i0 + r) * dh, dh);
