@@ -3,6 +3,8 @@ cached generation, Hugging Face round trips, convergence (SPEC §1, §2, §5.1, 
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -15,7 +17,7 @@ from wiola.train import batch_iterator, build_model, corpus_tensor, decode, enco
 from wiola.train import main as train_main
 from wiola_kernels.testing import rel_err
 
-SEED_CONFIG = "/work/shared/seed/wiola-360m-config.json"
+SEED_CONFIG = os.path.join(os.path.dirname(__file__), "data", "wiola-360m-config.json")  # copy of shared/seed
 
 
 @pytest.fixture(autouse=True, scope="module")

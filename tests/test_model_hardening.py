@@ -17,7 +17,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from wiola import WiolaConfig, WiolaForCausalLM
 from wiola.configuration_wiola import REQUIRED_FIELDS
 
-SEED_CONFIG = Path("/work/shared/seed/wiola-360m-config.json")
+SEED_CONFIG = Path(__file__).parent / "data" / "wiola-360m-config.json"  # copy of shared/seed
 SEED = json.loads(SEED_CONFIG.read_text())
 
 # A tiny, valid config (2 layers, d 64): every test below starts from it.

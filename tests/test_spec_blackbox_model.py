@@ -26,7 +26,7 @@ import wiola
 from wiola import WiolaConfig, WiolaForCausalLM
 
 F64 = torch.float64
-SEED_CONFIG = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "seed", "wiola-360m-config.json")
+SEED_CONFIG = os.path.join(os.path.dirname(__file__), "data", "wiola-360m-config.json")  # copy of shared/seed
 
 
 # ----------------------------------------------------------------------------------------
@@ -137,8 +137,6 @@ def test_section1_defaults(make):
 
 
 def test_seed_config_loads():
-    if not os.path.exists(SEED_CONFIG):
-        pytest.skip("no seed config")
     cfg = WiolaConfig.from_json_file(SEED_CONFIG)
     for key, value in SPEC_DEFAULTS.items():
         assert getattr(cfg, key) == value, key
@@ -146,8 +144,6 @@ def test_seed_config_loads():
 
 
 def test_seed_config_loads_with_auto(tmp_path):
-    if not os.path.exists(SEED_CONFIG):
-        pytest.skip("no seed config")
     from transformers import AutoConfig
     shutil.copy(SEED_CONFIG, tmp_path / "config.json")
     cfg = AutoConfig.from_pretrained(str(tmp_path))
@@ -647,8 +643,6 @@ def test_bad_config_names_field(overrides, field):
 
 @pytest.mark.parametrize("missing", ["hidden_size", "num_key_value_heads", "vocab_size"])
 def test_config_json_missing_field(tmp_path, missing):
-    if not os.path.exists(SEED_CONFIG):
-        pytest.skip("no seed config")
     with open(SEED_CONFIG) as f:
         data = json.load(f)
     del data[missing]
@@ -658,8 +652,6 @@ def test_config_json_missing_field(tmp_path, missing):
 
 
 def test_config_json_wrong_field(tmp_path):
-    if not os.path.exists(SEED_CONFIG):
-        pytest.skip("no seed config")
     with open(SEED_CONFIG) as f:
         data = json.load(f)
     data["num_key_value_heads"] = 3  # 16 % 3 != 0
