@@ -28,6 +28,18 @@ DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
 LAYOUTS = ["contiguous", "transposed", "sliced", "expanded"]
 
 
+def _lengths(len_kind: str, b: int, t: int, g: torch.Generator) -> torch.Tensor | None:
+    """Per-row lengths of one drawn kind: none, all zero, all full, random (int64 or int32)."""
+    if len_kind == "none":
+        return None
+    if len_kind == "zeros":
+        return torch.zeros(b, dtype=torch.int64)
+    if len_kind == "full":
+        return torch.full((b,), t, dtype=torch.int64)
+    lengths = torch.randint(0, t + 1, (b,), generator=g)
+    return lengths.to(torch.int32) if len_kind == "int32" else lengths
+
+
 def view_as(values: torch.Tensor, dtype: torch.dtype, how: str, expand_dim: int = 0) -> torch.Tensor:
     """``values`` (float64) in ``dtype`` through a view of the given layout. For "expanded"
     the values are first made constant along ``expand_dim`` (so the view is exact)."""
@@ -81,16 +93,7 @@ def test_gcla_attention_any_shape_stride_dtype(b, h_kv, groups, t, half, s_full,
     ins = [view_as(r(*shape), dtype, how, dim) for shape, dim in zip(shapes, expand_dims)]
     gate_dtype = data.draw(st.sampled_from(DTYPES))  # the gate may have any float dtype
     gate_t = view_as(gate[0] + torch.randn(h, generator=g, dtype=torch.float64), gate_dtype, how)
-    if len_kind == "none":
-        lengths = None
-    elif len_kind == "zeros":
-        lengths = torch.zeros(b, dtype=torch.int64)
-    elif len_kind == "full":
-        lengths = torch.full((b,), t, dtype=torch.int64)
-    else:
-        lengths = torch.randint(0, t + 1, (b,), generator=g)
-        if len_kind == "int32":
-            lengths = lengths.to(torch.int32)
+    lengths = _lengths(len_kind, b, t, g)
 
     args = [x.requires_grad_(check_grad) for x in (*ins, gate_t)]
     with wk.use_backend(backend):
@@ -198,16 +201,7 @@ def test_atm_any_shape_stride_dtype(b, t, d, dtype, how, tau, len_kind, shared_p
     x = view_as(_atm_rows(g, b, t, d, p_dup, p_neg, p_zero), dtype, how, expand_dim=0)
     x64 = x.double()
     pos = torch.randint(0, 10**6, (t,) if shared_pos else (b, t), generator=g)
-    if len_kind == "none":
-        lengths = None
-    elif len_kind == "zeros":
-        lengths = torch.zeros(b, dtype=torch.int64)
-    elif len_kind == "full":
-        lengths = torch.full((b,), t, dtype=torch.int64)
-    else:
-        lengths = torch.randint(0, t + 1, (b,), generator=g)
-        if len_kind == "int32":
-            lengths = lengths.to(torch.int32)
+    lengths = _lengths(len_kind, b, t, g)
     lens64 = torch.full((b,), t, dtype=torch.int64) if lengths is None else lengths.long()
     y = view_as(torch.randn(b, t, d, generator=g, dtype=torch.float64), dtype, how, expand_dim=0)
     grad = torch.randn(b, t, d, generator=g, dtype=torch.float64).to(dtype)
