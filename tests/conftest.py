@@ -13,8 +13,13 @@ import pytest  # noqa: E402
 
 from hypothesis import settings  # noqa: E402
 
-settings.register_profile("ci", max_examples=25, deadline=None)
-settings.register_profile("long", max_examples=1000, deadline=None)
+# "ci" (the default) is derandomised: the same examples on every run and machine. Tests
+# draw every tensor from a torch.Generator seeded by a value Hypothesis draws, so an
+# example replays exactly when Hypothesis shrinks or reports it. For bug hunts:
+# HYPOTHESIS_PROFILE=random (fresh examples each run) or long (many of them).
+settings.register_profile("ci", max_examples=25, deadline=None, derandomize=True, print_blob=True)
+settings.register_profile("random", max_examples=100, deadline=None, print_blob=True)
+settings.register_profile("long", max_examples=1000, deadline=None, print_blob=True)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 

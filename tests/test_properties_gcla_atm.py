@@ -127,17 +127,19 @@ def test_gcla_attention_any_shape_stride_dtype(b, h_kv, groups, t, half, s_full,
     t=st.integers(1, 4), t_k=st.integers(1, 4), dh=st.integers(1, 9), s=st.integers(1, 5),
     kv_dtype=st.sampled_from([torch.float32, torch.float64, torch.int64]),
     gate_len=st.integers(0, 5), lengths_kind=st.sampled_from(["ok", "none", "float", "too_long", "negative", "2d"]),
+    seed=st.integers(0, 2**32 - 1),
 )
 def test_gcla_attention_bad_input_raises_named_error(q_rank, b_k, h, h_kv, t, t_k, dh, s, kv_dtype, gate_len,
-                                                     lengths_kind):
+                                                     lengths_kind, seed):
     B = 2
+    g = torch.Generator().manual_seed(seed)
     q_shape = (B, h, t, dh)[4 - q_rank:] if q_rank <= 4 else (1, B, h, t, dh)
-    q_rot = torch.randn(q_shape)
-    k_rot = torch.randn(b_k, h_kv, t_k, dh).to(kv_dtype)
-    v = torch.randn(b_k, h_kv, t_k, dh).to(kv_dtype)
-    q = torch.randn(q_shape)
-    kc = torch.randn(B, h, s, 2, dh)
-    vc = torch.randn(B, h, s, 2, dh)
+    q_rot = torch.randn(q_shape, generator=g)
+    k_rot = torch.randn(b_k, h_kv, t_k, dh, generator=g).to(kv_dtype)
+    v = torch.randn(b_k, h_kv, t_k, dh, generator=g).to(kv_dtype)
+    q = torch.randn(q_shape, generator=g)
+    kc = torch.randn(B, h, s, 2, dh, generator=g)
+    vc = torch.randn(B, h, s, 2, dh, generator=g)
     gate = torch.zeros(gate_len)
     lengths = {"ok": torch.full((B,), t), "none": None, "float": torch.full((B,), float(t)),
                "too_long": torch.full((B,), t + 1), "negative": torch.full((B,), -1),

@@ -26,6 +26,21 @@ def tolerance(dtype: torch.dtype, kind: str = "elementwise") -> float:
     return TOLERANCE[kind][dtype]
 
 
+def srpe_tolerance(dtype: torch.dtype, position_ids: torch.Tensor | int, spiral_divisor: float) -> float:
+    """The SPEC §9 tolerance of SRPE outputs of ``dtype`` at these positions.
+
+    float64 is held to ``max(1e-12, 8·max_j|p·ω_j·(1+1/k_s)|·2^-52)``: the angle
+    ``p·ω_j·(1+1/k_s)`` itself carries that much rounding in any float64 evaluation
+    (``ω_0 = 1`` is the largest frequency). Other dtypes use :func:`tolerance`.
+    """
+    if dtype != torch.float64:
+        return tolerance(dtype)
+    p_max = float(position_ids.abs().max()) if isinstance(position_ids, torch.Tensor) and position_ids.numel() \
+        else float(abs(position_ids)) if not isinstance(position_ids, torch.Tensor) else 0.0
+    stretch = abs(1.0 + 1.0 / spiral_divisor)
+    return max(TOLERANCE["elementwise"][torch.float64], 8.0 * p_max * stretch * 2.0**-52)
+
+
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     """``‖out − ref‖ / ‖ref‖`` in float64 (0 when both are all zeros); NaN anywhere gives inf."""
     if out.shape != ref.shape:
