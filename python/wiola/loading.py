@@ -55,18 +55,19 @@ def _closest(path: str) -> str:
     return f" (did you mean {os.path.join(os.path.dirname(path), close[0])!r}?)" if close else ""
 
 
-def check_checkpoint_path(who: str, path: str | os.PathLike, subfolder: str = "", has_config: bool = False,
+def check_checkpoint_path(who: str, path: str | os.PathLike, subfolder: str = "",
                           local_files_only: bool = False) -> None:
     """Raise ``FileNotFoundError`` for a local-looking checkpoint path that does not exist,
-    or for a checkpoint folder without ``config.json`` (unless a ``config`` was passed,
-    ``has_config``). A Hub id (``owner/name`` with no such local folder) is left to Hugging Face."""
+    or for a checkpoint folder without ``config.json`` (Hugging Face needs it even when a
+    ``config`` is passed in). A Hub id (``owner/name`` with no such local folder) is left
+    to Hugging Face."""
     text = os.fspath(path)
     expanded = os.path.expanduser(text)
     if os.path.isdir(expanded):
         folder = os.path.join(expanded, subfolder) if subfolder else expanded
         if not os.path.isdir(folder):
             raise FileNotFoundError(f"{who}.from_pretrained: {text!r} has no subfolder {subfolder!r}")
-        if not has_config and not os.path.isfile(os.path.join(folder, "config.json")):
+        if not os.path.isfile(os.path.join(folder, "config.json")):
             raise FileNotFoundError(f"{who}.from_pretrained: {folder!r} has no config.json; a Wiola checkpoint folder "
                                     "holds config.json and model.safetensors (save_pretrained and "
                                     "`python -m wiola train --out DIR` write both)")

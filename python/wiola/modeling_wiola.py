@@ -300,7 +300,6 @@ class WiolaPreTrainedModel(PreTrainedModel):
             raise ValueError(f"{cls.__name__}.from_pretrained: ignore_mismatched_sizes=True is refused; loading is "
                              "strict (a mismatched tensor would be initialised at random)")
         check_checkpoint_path(cls.__name__, pretrained_model_name_or_path, kwargs.get("subfolder") or "",
-                              has_config=bool(args) or kwargs.get("config") is not None,
                               local_files_only=bool(kwargs.get("local_files_only")))
         refuse_pickle_only_directory(cls.__name__, pretrained_model_name_or_path, kwargs.get("subfolder") or "")
         want_info = kwargs.pop("output_loading_info", False)
