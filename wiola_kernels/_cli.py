@@ -24,7 +24,8 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     False) and options whose default is None (their help says what None means)."""
 
     def _get_help_string(self, action: argparse.Action) -> str:
-        if action.default in (None, False, argparse.SUPPRESS) or "%(default)" in (action.help or ""):
+        default = action.default
+        if default is None or default is False or default is argparse.SUPPRESS or "%(default)" in (action.help or ""):
             return action.help or ""
         return super()._get_help_string(action)
 
