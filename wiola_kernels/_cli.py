@@ -89,8 +89,10 @@ def run(prog: str, fn: Callable[[], int | None]) -> int:
         if os.environ.get("WIOLA_TRACEBACK", "0") not in ("", "0"):
             raise
         message = " ".join(str(exc).split()) or type(exc).__name__
-        kind = "" if isinstance(exc, (CommandError, ValueError)) else f"{type(exc).__name__}: "
-        print(f"{prog}: error: {kind}{message}", file=sys.stderr)
+        mistake = isinstance(exc, (CommandError, ValueError))  # others may be a bug: say how to see where
+        kind = "" if mistake else f"{type(exc).__name__}: "
+        where = "" if mistake else " (WIOLA_TRACEBACK=1 shows the traceback)"
+        print(f"{prog}: error: {kind}{message}{where}", file=sys.stderr)
         return 2
 
 
