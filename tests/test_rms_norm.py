@@ -333,3 +333,8 @@ def test_poisoning_is_active():
     from wiola_kernels.ops._common import empty_output
 
     assert torch.isnan(empty_output((4,), dtype=torch.float32, device=torch.device("cpu"))).all()
+
+
+def test_zero_dim_input_says_it_needs_a_dimension():
+    with pytest.raises(ValueError, match=r"^x must have shape \(\.\.\., d\) \(at least 1 dimension\), got a 0-d"):
+        wk.rms_norm(torch.tensor(1.0), torch.ones(1), torch.zeros(1))

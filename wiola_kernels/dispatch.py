@@ -71,7 +71,8 @@ def _probe_triton(device: torch.device) -> str | None:
     except ImportError as exc:  # pragma: no cover - triton is a dependency
         return f"triton is not importable ({exc})"
     if device.type == "cuda":
-        return None
+        # Ask torch, not the device string: a CPU-only torch accepts torch.device("cuda").
+        return None if torch.cuda.is_available() else "torch reports no CUDA device (torch.cuda.is_available() is False)"
     if device.type == "cpu" and triton_interpret_mode():
         return None
     return "triton needs a CUDA tensor, or CPU tensors with TRITON_INTERPRET=1 set before import"
@@ -115,12 +116,14 @@ def forced_backend() -> str | None:
     name = _override.get()
     if name == "auto":
         return None
+    source = "use_backend"
     if name is None:
         env = os.environ.get("WIOLA_BACKEND", "").strip()
         if env and env != "auto":
-            name = env
+            name, source = env, "the environment variable WIOLA_BACKEND"
     if name is not None and name not in BACKENDS:
-        raise ValueError(f"WIOLA_BACKEND / use_backend must name one of {BACKEND_NAMES} or 'auto', got {name!r}")
+        raise ValueError(f"WIOLA_BACKEND / use_backend must name one of {BACKEND_NAMES} or 'auto', got {name!r} "
+                         f"(from {source})")
     return name
 
 
@@ -179,8 +182,10 @@ def use_backend(name: str) -> Iterator[None]:
 def backends(device: str | torch.device | None = None) -> dict[str, dict[str, str]]:
     """What can run where: ``{op: {backend: "available" | "unavailable: <why>"}}``.
 
-    ``device`` defaults to CUDA when a GPU is visible, else CPU.
+    ``device`` defaults to CUDA when a GPU is visible, else CPU. A bad ``WIOLA_BACKEND`` is
+    a ``ValueError`` here, where the environment is read, not later inside an op.
     """
+    forced_backend()  # validates WIOLA_BACKEND / use_backend
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(device)
