@@ -117,6 +117,22 @@ def sass_functions(cubin: Path) -> dict[str, list[tuple[int, str, str]]]:
     return funcs
 
 
+def analyse_cubin(cubin: Path) -> dict[str, tuple[dict, dict]]:
+    """``{mangled function: (resource usage, analyse_sass result)}``, cached by the
+    cubin's hash (the cuobjdump calls dominate a warm report)."""
+    data = cubin.read_bytes()
+    cache = _cubin_cache() / "analysis"
+    cache.mkdir(parents=True, exist_ok=True)
+    entry = cache / f"{hashlib.sha256(data).hexdigest()[:32]}.json"
+    if entry.exists():
+        return {k: tuple(v) for k, v in json.loads(entry.read_text()).items()}
+    usage = resource_usage(cubin)
+    sass = sass_functions(cubin)
+    out = {name: (u, analyse_sass(sass.get(name, []))) for name, u in usage.items()}
+    entry.write_text(json.dumps(out))
+    return out
+
+
 def _access_bits(opcode: str) -> int:
     parts = opcode.split(".")
     for p in parts[1:]:
@@ -237,8 +253,7 @@ def triton_records(archs=tuple(GPUS)) -> list[dict]:
                     continue
                 cubin = Path(tmp) / "k.cubin"
                 cubin.write_bytes(compiled.asm["cubin"])
-                usage = next(iter(resource_usage(cubin).values()))
-                sass = analyse_sass(next(iter(sass_functions(cubin).values())))
+                usage, sass = next(iter(analyse_cubin(cubin).values()))
                 grid = next((g for c, g in launch.case_grids.items() if c.startswith("bench full")), None)
                 spill = _ptxas_spills(compiled.asm["ptx"], compiled.asm["cubin"])
                 rec = _record(key, "triton", gpu, usage, sass, launch.num_warps * 32, grid, launch.memory_bound,
@@ -348,20 +363,19 @@ def cuda_records(archs=tuple(GPUS)) -> list[dict]:
     records = []
     for (stem, arch), cubin in compile_cubins(archs).items():
         gpu = GPUS[arch]
-        usage = resource_usage(cubin)
-        sass = sass_functions(cubin)
+        analysed = analyse_cubin(cubin)
         blocks = launch_block_sizes(stem)
         log = cubin.with_suffix(".log").read_text()
         spills = {m.group(1): int(m.group(2)) for m in re.finditer(
             r"Function properties for (\S+)\s+\d+ bytes stack frame, (\d+) bytes spill stores", log)}
-        mangled = sorted(usage)
+        mangled = sorted(analysed)
         for raw, dem in zip(mangled, _demangle(mangled)):
             base, full = _short_name(dem)
             if base not in blocks:
                 raise ValueError(f"{stem}.cu: no <<<…>>> launch of {base} found (block size unknown)")
             memory_bound = stem == "atm"
             grid = ATM_GRIDS[base](**ATM_BENCH) if memory_bound and "bfloat16" in full else None
-            records.append(_record(f"{stem}::{full}", "cuda", gpu, usage[raw], analyse_sass(sass.get(raw, [])),
+            records.append(_record(f"{stem}::{full}", "cuda", gpu, *analysed[raw],
                                    blocks[base], grid, memory_bound and grid is not None, spills[raw]))
     return records
 

@@ -17,8 +17,9 @@ divisible by 16 get ``tt.divisibility``, an integer equal to 1 becomes a constan
 scanning the package: a new kernel module only has to define ``aot_launches``.
 
 Compiling needs the real ``JITFunction`` s, so it runs in a process without
-``TRITON_INTERPRET`` (:func:`compile_all` is called in a subprocess by the tests and by
-``gpu-report`` when the caller interprets). Compiled kernels land in Triton's cache
+``TRITON_INTERPRET`` (``gpu-report`` starts one when its caller interprets; the tests run
+``gpu-report`` in a subprocess). Launches that only choose (``launches``, ``variant_id``)
+work in either mode. Compiled kernels land in Triton's cache
 (``TRITON_CACHE_DIR``, default ``~/.triton/cache``), so a second run only reads them.
 """
 
@@ -27,11 +28,10 @@ from __future__ import annotations
 import importlib
 import pkgutil
 from dataclasses import dataclass, field
-from typing import Iterator
 
 import torch
 
-# The GPUs the report describes per architecture (SM count, per-SM limits).
+
 @dataclass(frozen=True)
 class GPU:
     """Per-SM limits of one GPU, for occupancy."""
@@ -48,6 +48,7 @@ class GPU:
     reserved_smem_per_block: int = 1024
 
 
+# The GPU each architecture is described on (SM count, per-SM limits).
 GPUS = {
     "sm_90": GPU("H200", "sm_90", 90, sms=132),
     "sm_80": GPU("A100", "sm_80", 80, sms=108, smem_per_sm=164 * 1024, smem_per_block=163 * 1024),
