@@ -419,7 +419,7 @@ def problems(records: list[dict]) -> list[str]:
             bad.append(f"{where}: does not compile: {r['error'].splitlines()[-1] if r['error'] else ''}")
             continue
         if r["spill_bytes"]:
-            bad.append(f"{where}: {r['spill_bytes']} bytes of local memory (spills)")
+            bad.append(f"{where}: {r['spill_bytes']} bytes of register spills (ptxas)")
         if r["shared_bytes"] > GPUS[r["arch"]].smem_per_block:
             bad.append(f"{where}: {r['shared_bytes']} bytes of shared memory > {GPUS[r['arch']].smem_per_block}")
         if r["blocks_per_sm"] < 1:
