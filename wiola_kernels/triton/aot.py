@@ -90,7 +90,13 @@ def _python_fn(kernel):
     return getattr(kernel, "fn", kernel)
 
 
-DEFAULT_NUM_STAGES = 3  # Triton's default (triton.backends.nvidia.compiler.CUDAOptions)
+def _default_num_stages() -> int:
+    from triton.backends.nvidia.compiler import CUDAOptions
+
+    return CUDAOptions.num_stages
+
+
+DEFAULT_NUM_STAGES = _default_num_stages()  # what the JIT uses when a launch sets none
 
 
 def launch_modules() -> list:
