@@ -180,6 +180,12 @@ def test_cuda_launch_block_sizes_are_read_from_the_source():
     assert set(gpu_report.ATM_GRIDS) <= set(sizes)
 
 
+def test_cuda_dynamic_shared_memory_is_read_from_the_launch():
+    """GCLA's forward: sizeof(float) · (kTileQ·DH + kTileK·(DH+1) + kTileK·DH), tiles of 32."""
+    assert gpu_report.dynamic_smem("gcla_attention", "forward_kernel", [64]) == 4 * (32 * 64 + 32 * 65 + 32 * 64)
+    assert gpu_report.dynamic_smem("gcla_attention", "rows_kernel", [64]) == 0
+
+
 @pytest.mark.skipif(shutil.which("c++filt") is None, reason="c++filt not found")
 def test_kernel_names_demangle():
     assert gpu_report._short_name("void wiola::atm::(anonymous namespace)::unmerge_kernel<float>"

@@ -8,8 +8,8 @@ sm_80, one record:
 * ``registers``, ``spill_bytes``, ``shared_bytes``: from the cubin
   (``cuobjdump --dump-resource-usage``) and ptxas's report; ``shared_bytes`` is
   the static shared memory per block, plus a Triton kernel's dynamic shared memory (its
-  launch size). CUDA kernels launched with dynamic shared memory (GCLA) need it added
-  at their launch; it is not in the cubin.
+  launch size); a CUDA kernel's dynamic shared memory is evaluated from its launch in
+  the ``.cu`` (``sizeof(float) * (…)`` of the file's constants and ``DH``).
 * ``blocks_per_sm``: resident blocks per SM those resources and the block size allow on
   the architecture's reference GPU (sm_90: H200, 132 SMs; sm_80: A100, 108 SMs; 64 K
   registers, 228 / 164 KB shared memory, 2048 threads and 32 blocks per SM).
@@ -318,11 +318,11 @@ def _cuda_constant(stem: str, name: str) -> int:
     return int(eval(expr, {"__builtins__": {}}))  # noqa: S307 - products of integer constants
 
 
-def launch_block_sizes(stem: str) -> dict[str, int]:
-    """``{kernel name: threads per block}`` from the ``<<<grid, block, …>>>`` launches of
-    ``csrc/cuda/<stem>.cu`` (the block argument, a literal or a ``constexpr int``)."""
+def _launches(stem: str) -> dict[str, tuple[list[str], int]]:
+    """``{kernel name: (launch arguments, offset in the source)}`` for every
+    ``kernel<…><<<grid, block, smem, stream>>>`` of ``csrc/cuda/<stem>.cu``."""
     text = (REPO / "csrc" / "cuda" / f"{stem}.cu").read_text()
-    sizes = {}
+    out = {}
     for m in re.finditer(r"(\w+)(?:<[^<>;]*>)?<<<(.*?)>>>", text, re.S):
         depth, args, cur = 0, [], ""
         for ch in m.group(2):
@@ -336,9 +336,37 @@ def launch_block_sizes(stem: str) -> dict[str, int]:
             else:
                 cur += ch
         args.append(cur.strip())
-        block = args[1]
-        sizes[m.group(1)] = int(block) if block.isdigit() else _cuda_constant(stem, block)
-    return sizes
+        out[m.group(1)] = (args, m.start())
+    return out
+
+
+def launch_block_sizes(stem: str) -> dict[str, int]:
+    """``{kernel name: threads per block}`` from the ``<<<grid, block, …>>>`` launches of
+    ``csrc/cuda/<stem>.cu`` (the block argument, a literal or a ``constexpr int``)."""
+    return {name: int(args[1]) if args[1].isdigit() else _cuda_constant(stem, args[1])
+            for name, (args, _) in _launches(stem).items()}
+
+
+def dynamic_smem(stem: str, kernel: str, template_ints: list[int]) -> int:
+    """Dynamic shared memory of a launch: its third ``<<<>>>`` argument, a literal or a
+    ``size_t`` defined before the launch as ``sizeof(float) * (…)`` of ``constexpr int``
+    constants and the kernel's ``int`` template parameter (``DH``)."""
+    text = (REPO / "csrc" / "cuda" / f"{stem}.cu").read_text()
+    args, at = _launches(stem)[kernel]
+    expr = args[2] if len(args) > 2 else "0"
+    if not expr.isdigit():
+        defs = list(re.finditer(rf"size_t\s+{re.escape(expr)}\s*=\s*([^;]+);", text[:at]))
+        if not defs:
+            raise ValueError(f"{stem}.cu: shared memory size {expr!r} of {kernel} not found")
+        expr = defs[-1].group(1)
+    expr = expr.replace("sizeof(float)", "4")
+    if "DH" in expr:
+        expr = re.sub(r"\bDH\b", str(template_ints[-1]), expr)
+    for name in set(re.findall(r"\bk\w+", expr)):
+        expr = re.sub(rf"\b{name}\b", str(_cuda_constant(stem, name)), expr)
+    if not re.fullmatch(r"[\d\s()+*-]+", expr):
+        raise ValueError(f"{stem}.cu: cannot evaluate the shared memory of {kernel}: {expr}")
+    return int(eval(expr, {"__builtins__": {}}))  # noqa: S307 - integer arithmetic only
 
 
 def _demangle(names: list[str]) -> list[str]:
@@ -376,7 +404,8 @@ def cuda_records(archs=tuple(GPUS)) -> list[dict]:
             memory_bound = stem == "atm"
             grid = ATM_GRIDS[base](**ATM_BENCH) if memory_bound and "bfloat16" in full else None
             records.append(_record(f"{stem}::{full}", "cuda", gpu, *analysed[raw],
-                                   blocks[base], grid, memory_bound and grid is not None, spills[raw]))
+                                   blocks[base], grid, memory_bound and grid is not None, spills[raw],
+                                   dynamic_smem=dynamic_smem(stem, base, [int(v) for v in re.findall(r"\b\d+\b", full)])))
     return records
 
 
