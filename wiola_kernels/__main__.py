@@ -1,4 +1,4 @@
-"""Command line: ``python -m wiola_kernels {bench,check,backends}`` (also ``wiola-kernels``)."""
+"""Command line: ``python -m wiola_kernels {bench,check,backends,gpu-report}`` (also ``wiola-kernels``)."""
 
 from __future__ import annotations
 
@@ -148,6 +148,13 @@ def main(argv: list[str] | None = None) -> int:
     be = command("backends", "list each op's backends and why unavailable ones are")
     be.add_argument("--device", choices=("cpu", "cuda"), help=device_help)
     be.set_defaults(func=cmd_backends)
+
+    report = sub.add_parser("gpu-report", help="registers, spills, shared memory, occupancy, SASS and bytes in "
+                            "flight of every CUDA and Triton kernel compiled for sm_90/sm_80 (no GPU needed)")
+    report.add_argument("--json", metavar="FILE", help="write the records as JSON")
+    report.add_argument("--no-cuda", action="store_true", help="skip the nvcc-compiled CUDA kernels")
+    report.add_argument("--no-triton", action="store_true", help="skip the Triton kernels")
+    report.set_defaults(func=lambda a: __import__("wiola_kernels.gpu_report", fromlist=["main"]).main(a))
 
     args = parser.parse_args(argv)
 
