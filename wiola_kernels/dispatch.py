@@ -71,7 +71,8 @@ def _probe_cuda_emu(device: torch.device) -> str | None:
     from . import _extension
 
     if device.type != "cpu":
-        return f"the cuda_emu backend (CUDA kernels emulated on the CPU) runs on CPU tensors, got a {device.type} tensor"
+        return (f"the cuda_emu backend (CUDA kernels emulated on the CPU) runs on CPU tensors, "
+                f"got a {device.type} tensor")
     if _extension.load_error() is not None:
         return _extension.load_error()
     if not _extension.has_cuda_emu():

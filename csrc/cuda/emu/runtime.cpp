@@ -308,7 +308,8 @@ std::string diagnose(Block& b) {
       const Thread& waiting = b.threads[wi * 32 + static_cast<unsigned>(__builtin_ctz(g.arrived))];
       const Thread& absent = b.threads[wi * 32 + static_cast<unsigned>(lane)];
       char buf[256];
-      std::snprintf(buf, sizeof buf, "%s(mask 0x%08x): lane %d named in the mask never arrived (it %s); lanes 0x%08x wait",
+      std::snprintf(buf, sizeof buf,
+                    "%s(mask 0x%08x): lane %d named in the mask never arrived (it %s); lanes 0x%08x wait",
                     collective_name(g.kind), g.mask, lane, where(absent).c_str(), g.arrived);
       return thread_name(waiting) + ": " + buf;
     }
@@ -440,7 +441,8 @@ uint64_t warp_collective(Collective kind, unsigned mask, uint64_t value, int arg
   const unsigned bit = 1u << t.lane;
   char buf[200];
   if (!(mask & bit)) {
-    std::snprintf(buf, sizeof buf, "%s(mask 0x%08x) called by a lane the mask does not name", collective_name(kind), mask);
+    std::snprintf(buf, sizeof buf, "%s(mask 0x%08x) called by a lane the mask does not name", collective_name(kind),
+                  mask);
     fault(t, buf);
   }
   if (mask & ~w.lanes) {
@@ -591,7 +593,8 @@ cudaError_t launch(const void* func, dim3 grid, dim3 block, size_t smem, cudaStr
     tls_block = &b;
     const Stacks stacks = map_stacks(threads);
     for (uint64_t i; !stop.load() && (i = next.fetch_add(1)) < total;) {
-      const uint3 bidx{unsigned(i % grid.x), unsigned((i / grid.x) % grid.y), unsigned(i / (uint64_t(grid.x) * grid.y))};
+      const uint3 bidx{unsigned(i % grid.x), unsigned((i / grid.x) % grid.y),
+                       unsigned(i / (uint64_t(grid.x) * grid.y))};
       for (void* (*addr)() : dynamic_shared()) std::memset(addr(), 0xff, smem);
       run_block(b, stacks, grid, block, bidx);
       if (!b.fault.empty()) {
