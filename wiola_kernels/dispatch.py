@@ -1,7 +1,9 @@
 """Backend choice: which implementation of an op runs for a given device.
 
 Every op registers the backends it has (``reference`` always; ``cpu`` when the C++
-extension is built; ``triton`` and/or ``cuda`` for GPU kernels). At call time
+extension is built; ``triton`` and/or ``cuda`` for GPU kernels; ``cuda_emu``, a test
+backend, for the CUDA kernels run on CPU tensors by the SIMT emulator of
+csrc/cuda/emu/ — never chosen automatically). At call time
 :func:`select` picks one:
 
 1. an override — :func:`use_backend` (innermost wins) or else the environment
@@ -26,7 +28,7 @@ from typing import Callable, Iterator
 
 import torch
 
-BACKEND_NAMES = ("cuda", "triton", "cpu", "reference")
+BACKEND_NAMES = ("cuda", "triton", "cpu", "reference", "cuda_emu")
 _PRIORITY = {"cuda": ("cuda", "triton", "reference"), "cpu": ("cpu", "reference")}
 
 _override: contextvars.ContextVar[str | None] = contextvars.ContextVar("wiola_backend", default=None)
@@ -65,6 +67,19 @@ def _probe_cuda(device: torch.device) -> str | None:
     return _extension.load_error()
 
 
+def _probe_cuda_emu(device: torch.device) -> str | None:
+    from . import _extension
+
+    if device.type != "cpu":
+        return (f"the cuda_emu backend (CUDA kernels emulated on the CPU) runs on CPU tensors, "
+                f"got a {device.type} tensor")
+    if _extension.load_error() is not None:
+        return _extension.load_error()
+    if not _extension.has_cuda_emu():
+        return "the extension was built without the CUDA kernels' CPU emulation (WIOLA_NO_CUDA_EMU=1)"
+    return None
+
+
 def _probe_triton(device: torch.device) -> str | None:
     try:
         import triton  # noqa: F401
@@ -88,6 +103,8 @@ BACKENDS = {
     "cpu": Backend("cpu", _probe_cpu),
     "cuda": Backend("cuda", _probe_cuda),
     "triton": Backend("triton", _probe_triton),
+    # Test-only: never in _PRIORITY, so only use_backend("cuda_emu") / WIOLA_BACKEND selects it.
+    "cuda_emu": Backend("cuda_emu", _probe_cuda_emu),
 }
 
 # op name -> backend name -> implementation object (a namespace of functions).
