@@ -51,6 +51,7 @@ from wiola_kernels.reference import dsff as dsff_reference
 from wiola_kernels.reference.rms_norm import compute_dtype
 
 from .configuration_wiola import WiolaConfig
+from .context_fold import folded_context_attention
 
 # WiolaRMSNorm (SPEC §3) and SpiralRotaryEmbedding (SPEC §4) are the wiola_kernels
 # modules: RMSNorm with a learned shift δ before the RMS, and the spiral rotary map.
@@ -223,13 +224,20 @@ class WiolaAttention(nn.Module):
         and how to put this forward's keys back into the mask's layout before caching them."""
         b, t, _ = x.shape
         h, h_kv, dh = self.n_head, self.n_kv_head, self.head_dim
-        q = self.q_proj(x).view(b, t, h, dh).transpose(1, 2)       # (B, H, T, d_h)
+        q_bthd = self.q_proj(x).view(b, t, h, dh)
+        q = q_bthd.transpose(1, 2)                                 # (B, H, T, d_h)
         k = self.k_proj(x).view(b, t, h_kv, dh).transpose(1, 2)    # (B, H_kv, T, d_h)
         v = self.v_proj(x).view(b, t, h_kv, dh).transpose(1, 2)    # (B, H_kv, T, d_h)
         q_rot, k_rot = self.srpe(q, k, position_ids)               # SRPE on Q and K, one launch
         s, n_ctx = context.shape[1], context.shape[2]
-        kc = self.kc_proj(context).view(b, s, n_ctx, h, dh).permute(0, 3, 1, 2, 4)  # (B, H, S, Λ', d_h)
-        vc = self.vc_proj(context).view(b, s, n_ctx, h, dh).permute(0, 3, 1, 2, 4)  # (B, H, S, Λ', d_h)
+        # Per-position contexts (causal summaries): the folded cross part (context_fold.py),
+        # two d×d products per token instead of 2Λ'; the attention op then runs without slots.
+        fold = n_ctx > 0 and s == t
+        if fold:
+            kc = vc = q.new_zeros(b, h, 1, 0, dh)
+        else:
+            kc = self.kc_proj(context).view(b, s, n_ctx, h, dh).permute(0, 3, 1, 2, 4)  # (B, H, S, Λ', d_h)
+            vc = self.vc_proj(context).view(b, s, n_ctx, h, dh).permute(0, 3, 1, 2, 4)  # (B, H, S, Λ', d_h)
         if cache is not None and cache.get_seq_length(self.layer_idx) > 0:
             k_all, v_all = cache.update(k_rot, v, self.layer_idx)  # (B, H_kv, T_past + T, d_h)
             key_valid = layout.key_valid if layout is not None else None
@@ -239,7 +247,14 @@ class WiolaAttention(nn.Module):
                 cache.update(*((layout.to_mask_layout(k_rot, 2), layout.to_mask_layout(v, 2))
                                if layout is not None else (k_rot, v)), self.layer_idx)
             out = wiola_kernels.gcla_attention(q_rot, k_rot, v, q, kc, vc, self.gate, lengths)  # (B, H, T, d_h)
-        return self.o_proj(out.transpose(1, 2).reshape(b, t, h * dh))  # (B, T, d)
+        out = out.transpose(1, 2)  # (B, T, H, d_h)
+        if fold:
+            cross = folded_context_attention(q_bthd.reshape(b * t, h, dh), context.reshape(b * t, n_ctx, -1),
+                                             self.kc_proj.weight, self.vc_proj.weight, self.gate).view(b, t, h, dh)
+            if lengths is not None:  # rows past a length are exactly zero, as the attention op leaves them
+                cross = cross * (torch.arange(t, device=x.device)[None, :] < lengths[:, None])[..., None, None]
+            out = out + cross
+        return self.o_proj(out.reshape(b, t, h * dh))  # (B, T, d)
 
 
 # ----------------------------------------------------------------------------------------
