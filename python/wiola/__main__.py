@@ -10,6 +10,7 @@ commands:
   train      train the tiny preset on the shipped English text (torchrun-ready)
   generate   continue a prompt from a checkpoint: generate --checkpoint DIR "prompt"
   bench      training-step benchmark: fused vs reference backends, ATM on vs off
+  eval       perplexity of a text file: eval --text FILE [--model DIR]
 """
 
 
@@ -27,6 +28,10 @@ def main(argv: list[str] | None = None) -> int:
         from .train import generate_main
 
         generate_main(rest)
+    elif command == "eval":
+        from .evaluate import main as eval_main
+
+        eval_main(rest)
     elif command == "bench":
         from .bench import main as bench_main
 
