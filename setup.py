@@ -72,7 +72,7 @@ setup(
     install_requires=["torch>=2.6", "numpy", "tqdm"],
     extras_require={
         "triton": ["triton"],
-        "model": ["transformers>=5.24", "safetensors"],  # transformers 5 APIs; 5.24 tested
+        "model": ["transformers>=5.24", "tokenizers", "safetensors"],  # transformers 5 APIs; 5.24 tested
         "test": ["pytest", "pytest-benchmark", "hypothesis", "matplotlib", "triton"],
     },
     entry_points={"console_scripts": ["wiola-kernels=wiola_kernels.__main__:main"]},

@@ -132,6 +132,12 @@ def _subprocess(target, *args) -> dict:
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
+    import sys
+
+    if "--decode" in (sys.argv[1:] if argv is None else argv):  # the decoding benchmark (bench_decode.py)
+        from .bench_decode import main as decode_main
+
+        return decode_main(argv)
     p = argparse.ArgumentParser(prog="python -m wiola bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--d", type=int, default=256)
     p.add_argument("--layers", type=int, default=6)
