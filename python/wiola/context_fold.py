@@ -31,26 +31,32 @@ def _heads(weight: Tensor, num_heads: int) -> Tensor:
     return weight.view(num_heads, weight.shape[0] // num_heads, weight.shape[1])
 
 
+def _forward(q: Tensor, context: Tensor, w_kc: Tensor, w_vc: Tensor, gate: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """``(σ(g)·O^cross, slot weights a (N, H, Λ'), O^cross)``."""
+    n, h, dh = q.shape
+    slots = context.shape[1]
+    acc = compute_dtype(q.dtype)
+    wk, wv = _heads(w_kc.to(q.dtype), h), _heads(w_vc.to(q.dtype), h)
+    ctx_q = context.to(q.dtype)
+    if slots == 1:
+        a = torch.ones(n, h, 1, dtype=acc, device=q.device)
+        mix = ctx_q[:, 0, None, :].expand(n, h, -1)  # (N, H, d): the only slot
+    else:
+        q_hat = torch.einsum("nhe,hed->nhd", q, wk)                       # (N, H, d)
+        z = torch.einsum("nhd,nld->nhl", q_hat, ctx_q).to(acc) / math.sqrt(dh)
+        a = torch.softmax(z, -1)                                          # (N, H, Λ')
+        mix = torch.einsum("nhl,nld->nhd", a.to(q.dtype), ctx_q)          # Σ_λ a_λ s_λ
+    o = torch.einsum("nhd,hed->nhe", mix, wv)                             # (N, H, d_h)
+    sig = torch.sigmoid(gate.to(acc))
+    return (o.to(acc) * sig[None, :, None]).to(q.dtype), a, o
+
+
 class _FoldedContext(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q: Tensor, context: Tensor, w_kc: Tensor, w_vc: Tensor, gate: Tensor) -> Tensor:
-        n, h, dh = q.shape
-        slots = context.shape[1]
-        acc = compute_dtype(q.dtype)
-        wk, wv = _heads(w_kc.to(q.dtype), h), _heads(w_vc.to(q.dtype), h)
-        ctx_q = context.to(q.dtype)
-        if slots == 1:
-            a = torch.ones(n, h, 1, dtype=acc, device=q.device)
-            mix = ctx_q[:, 0, None, :].expand(n, h, -1)  # (N, H, d): the only slot
-        else:
-            q_hat = torch.einsum("nhe,hed->nhd", q, wk)                       # (N, H, d)
-            z = torch.einsum("nhd,nld->nhl", q_hat, ctx_q).to(acc) / math.sqrt(dh)
-            a = torch.softmax(z, -1)                                          # (N, H, Λ')
-            mix = torch.einsum("nhl,nld->nhd", a.to(q.dtype), ctx_q)          # Σ_λ a_λ s_λ
-        o = torch.einsum("nhd,hed->nhe", mix, wv)                             # (N, H, d_h)
-        sig = torch.sigmoid(gate.to(acc))
+        out, a, o = _forward(q, context, w_kc, w_vc, gate)
         ctx.save_for_backward(q, context, w_kc, w_vc, gate, a, o)
-        return (o.to(acc) * sig[None, :, None]).to(q.dtype)
+        return out
 
     @staticmethod
     def backward(ctx, grad_out: Tensor):
@@ -103,6 +109,8 @@ def folded_context_attention(q: Tensor, context: Tensor, w_kc: Tensor, w_vc: Ten
             raise ValueError(f"{name} must have shape (H·d_h, d) = ({h * dh}, {d}), got {tuple(w.shape)}")
     if tuple(gate.shape) != (h,):
         raise ValueError(f"gate must have shape (H,) = ({h},), got {tuple(gate.shape)}")
+    if not torch.is_grad_enabled() or not any(t.requires_grad for t in (q, context, w_kc, w_vc, gate)):
+        return _forward(q, context, w_kc, w_vc, gate)[0]  # inference: no autograd node to build
     return _FoldedContext.apply(q, context, w_kc, w_vc, gate)
 
 

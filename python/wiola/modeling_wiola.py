@@ -51,6 +51,7 @@ from wiola_kernels.reference import dsff as dsff_reference
 from wiola_kernels.reference.rms_norm import compute_dtype
 
 from .configuration_wiola import WiolaConfig
+from . import fast_path
 from .context_fold import folded_context_attention
 
 # WiolaRMSNorm (SPEC §3) and SpiralRotaryEmbedding (SPEC §4) are the wiola_kernels
@@ -228,7 +229,7 @@ class WiolaAttention(nn.Module):
         q = q_bthd.transpose(1, 2)                                 # (B, H, T, d_h)
         k = self.k_proj(x).view(b, t, h_kv, dh).transpose(1, 2)    # (B, H_kv, T, d_h)
         v = self.v_proj(x).view(b, t, h_kv, dh).transpose(1, 2)    # (B, H_kv, T, d_h)
-        q_rot, k_rot = self.srpe(q, k, position_ids)               # SRPE on Q and K, one launch
+        q_rot, k_rot = fast_path.srpe(self.srpe, q, k, position_ids)  # SRPE on Q and K, one launch
         s, n_ctx = context.shape[1], context.shape[2]
         # Per-position contexts (causal summaries): the folded cross part (context_fold.py),
         # two d×d products per token instead of 2Λ'; the attention op then runs without slots.
@@ -299,7 +300,7 @@ class WiolaBlock(GradientCheckpointingLayer):
     def forward(self, x: Tensor, position_ids: Tensor, context: Tensor, lengths: Tensor | None = None,
                 cache: WiolaCache | None = None, layout: "PaddingLayout | None" = None) -> Tensor:
         """``x (B, T, d)`` → ``Xˡ⁺¹ (B, T, d)``; ``context (B, S, Λ', d)``."""
-        h = self.attn_norm(x)  # X̃ (B, T, d)
+        h = fast_path.rms_norm(self.attn_norm, x)  # X̃ (B, T, d)
         if self.merges and self.training and cache is None:
             # ATM (SPEC §6): merge similar neighbours, attend over the shorter rows, restore length T.
             merged, merged_pos, merged_len, index_map = wiola_kernels.atm_merge(h, position_ids, self.atm_threshold,
@@ -311,7 +312,7 @@ class WiolaBlock(GradientCheckpointingLayer):
         else:
             a = self.attn(h, position_ids, context, lengths, cache, layout)
         x = x + a                                  # X'
-        return x + self.ffn(self.ffn_norm(x))      # Xˡ⁺¹
+        return x + self.ffn(fast_path.rms_norm(self.ffn_norm, x))  # Xˡ⁺¹
 
 
 def refuse_pickle_only_directory(who: str, path, subfolder: str) -> None:
@@ -481,7 +482,7 @@ class WiolaModel(WiolaPreTrainedModel):
                 summaries = summaries[-lookback:]
         if cache is not None:
             cache.advance(layout.new_valid if layout is not None else None, past)
-        x = self.norm(x)
+        x = fast_path.rms_norm(self.norm, x)
         if hidden_states is not None:
             hidden_states.append(x)  # Hugging Face convention: the last entry is after the final norm
         if layout is not None and layout.shift is not None:
