@@ -195,6 +195,11 @@ def gcla_attention_cached(q_rot: Tensor, k_rot: Tensor, v: Tensor, q: Tensor, kc
     return out.to(q.dtype)
 
 
+#: ``WiolaAttention.fold_context = "auto"`` folds only where it measured faster on the CPU:
+#: without gradients and at most this many positions per forward (decoding, short prompts).
+FOLD_MAX_POSITIONS = 256
+
+
 class WiolaAttention(nn.Module):
     """GCLA: SRPE self-attention with GQA plus a gated sub-attention over the summaries of
     earlier layers (SPEC §5.2–5.4).
@@ -217,6 +222,23 @@ class WiolaAttention(nn.Module):
         self.srpe = SpiralRotaryEmbedding(dh, config.srpe_theta, config.srpe_spiral_divisor,
                                           config.srpe_radial_amplitude, config.srpe_radial_frequency)
 
+    #: Per-position contexts (causal summaries) can use the folded cross part (context_fold.py:
+    #: two d×d products per token instead of 2Λ', but H·d-wide intermediates per token).
+    #: "auto": where it measured faster on the CPU (no gradients, ≤ FOLD_MAX_POSITIONS
+    #: positions: decoding +15% tok/s on wiola-360m); training steps measured no faster
+    #: (wiola-360m layer shape) or 3% slower (d 256), so they keep the fused op's own cross
+    #: part. "always" / "never" force it (tests, benchmarks).
+    fold_context = "auto"
+
+    def folds(self, context: Tensor, t: int, x: Tensor) -> bool:
+        """Whether this forward uses the folded cross part (see :attr:`fold_context`)."""
+        if context.shape[2] == 0 or context.shape[1] != t or self.fold_context == "never":
+            return False
+        if self.fold_context == "always":
+            return True
+        grad = torch.is_grad_enabled() and (x.requires_grad or self.kc_proj.weight.requires_grad)
+        return not grad and context.shape[0] * t <= FOLD_MAX_POSITIONS
+
     def forward(self, x: Tensor, position_ids: Tensor, context: Tensor, lengths: Tensor | None = None,
                 cache: WiolaCache | None = None, layout: "PaddingLayout | None" = None) -> Tensor:
         """``x (B, T, d)``, ``position_ids (B, T)``, ``context (B, S, Λ', d)`` with S ∈ {1, T}.
@@ -231,9 +253,7 @@ class WiolaAttention(nn.Module):
         v = self.v_proj(x).view(b, t, h_kv, dh).transpose(1, 2)    # (B, H_kv, T, d_h)
         q_rot, k_rot = fast_path.srpe(self.srpe, q, k, position_ids)  # SRPE on Q and K, one launch
         s, n_ctx = context.shape[1], context.shape[2]
-        # Per-position contexts (causal summaries): the folded cross part (context_fold.py),
-        # two d×d products per token instead of 2Λ'; the attention op then runs without slots.
-        fold = n_ctx > 0 and s == t
+        fold = self.folds(context, t, x)
         if fold:
             kc = vc = q.new_zeros(b, h, 1, 0, dh)
         else:
