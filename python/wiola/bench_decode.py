@@ -32,18 +32,19 @@ import time
 import torch
 
 
-def measure_bandwidth(mib: int = 512, repeats: int = 5) -> dict:
-    """Bytes per second of a read-only pass and of a copy over ``mib`` MiB (best of ``repeats``)."""
+def measure_bandwidth(mib: int = 512, repeats: int = 5, clock=time.perf_counter) -> dict:
+    """Bytes per second of a read-only pass and of a copy over ``mib`` MiB (best of ``repeats``),
+    timed with ``clock`` (the decoding runs' own)."""
     n = mib * 2**20 // 4
     src = torch.ones(n)
     dst = torch.empty(n)
     reads, copies = [], []
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        t0 = clock()
         float(src.sum())
-        t1 = time.perf_counter()
+        t1 = clock()
         dst.copy_(src)
-        t2 = time.perf_counter()
+        t2 = clock()
         reads.append(4 * n / (t1 - t0))
         copies.append(2 * 4 * n / (t2 - t1))
     return {"read_bytes_per_s": max(reads), "copy_bytes_per_s": max(copies)}
@@ -52,19 +53,24 @@ def measure_bandwidth(mib: int = 512, repeats: int = 5) -> dict:
 class _StepClock:
     """A logits processor that records when each decoding step's logits are ready."""
 
-    def __init__(self):
+    def __init__(self, clock=time.perf_counter):
+        self.clock = clock
         self.times: list[float] = []
 
     def __call__(self, input_ids, scores):
-        self.times.append(time.perf_counter())
+        self.times.append(self.clock())
         return scores
 
 
-def decode_rate(model, prompt: torch.Tensor, new_tokens: int) -> tuple[float, torch.Tensor]:
-    """``(steps per second after the prompt, generated ids)`` of greedy decoding."""
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
+
+
+def decode_rate(model, prompt: torch.Tensor, new_tokens: int, clock: str = "wall") -> tuple[float, torch.Tensor]:
+    """``(steps per second after the prompt, generated ids)`` of greedy decoding; ``clock``
+    "cpu" counts this process's CPU time (for one thread on a loaded machine)."""
     from transformers import LogitsProcessorList
 
-    clock = _StepClock()
+    clock = _StepClock(CLOCKS[clock])
     with torch.no_grad():
         out = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new_tokens,
                              min_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0,
@@ -106,6 +112,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--repeats", type=int, default=3, help="alternating runs of each model (median reported)")
     p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     p.add_argument("--no-llama", action="store_true", help="skip the Llama comparison")
+    p.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
+                   help="wall time, or this process's CPU time (with --threads 1 on a machine other jobs load)")
     p.add_argument("--json", default=None, help="also write the records here")
     a = p.parse_args(argv)
     if a.new_tokens < 2 or a.prompt < 1 or a.repeats < 1:
@@ -124,22 +132,22 @@ def main(argv: list[str] | None = None) -> list[dict]:
     params = {k: sum(p.numel() for p in m.parameters()) for k, m in models.items()}
     prompt = torch.randint(3, config.vocab_size, (1, a.prompt), generator=torch.Generator().manual_seed(0))
     print(f"wiola bench --decode: {a.preset} ({params['wiola'] / 1e6:.1f}M parameters), batch 1, prompt {a.prompt}, "
-          f"{a.new_tokens} new tokens, greedy, fp32, {torch.get_num_threads()} threads", flush=True)
-    bw = measure_bandwidth()
+          f"{a.new_tokens} new tokens, greedy, fp32, {torch.get_num_threads()} threads, {a.clock} clock", flush=True)
+    bw = measure_bandwidth(clock=CLOCKS[a.clock])
     bandwidth = max(bw["read_bytes_per_s"], bw["copy_bytes_per_s"])
     rates: dict[str, list[float]] = {k: [] for k in models}
     for name, model in models.items():  # warm-up (allocator, one-time kernel selection)
         decode_rate(model, prompt[:, :8], 2)
     for _ in range(a.repeats):
         for name, model in models.items():
-            rates[name].append(decode_rate(model, prompt, a.new_tokens)[0])
+            rates[name].append(decode_rate(model, prompt, a.new_tokens, a.clock)[0])
     wiola_bytes = weight_bytes(models["wiola"])
     floor = bandwidth / wiola_bytes
     tps = statistics.median(rates["wiola"])
     record = dict(preset=a.preset, tokens_per_s=tps, floor_tokens_per_s=floor, pct_of_floor=100 * tps / floor,
                   llama_tokens_per_s=statistics.median(rates["llama"]) if "llama" in rates else None,
                   params=params["wiola"], llama_params=params.get("llama"), weight_bytes=wiola_bytes,
-                  bandwidth_bytes_per_s=bandwidth, threads=torch.get_num_threads(), runs=rates)
+                  bandwidth_bytes_per_s=bandwidth, threads=torch.get_num_threads(), clock=a.clock, runs=rates)
     print(f"  bandwidth: read {bw['read_bytes_per_s'] / 1e9:.2f} GB/s, copy {bw['copy_bytes_per_s'] / 1e9:.2f} GB/s "
           f"(read + write); floor = {bandwidth / 1e9:.2f} GB/s / {wiola_bytes / 1e9:.3f} GB of weights = "
           f"{floor:.2f} tok/s")
