@@ -54,7 +54,7 @@ _RECORD = "_wiola_hf_patch"
 class _Patch:
     """What patch_hf changed on one model, to undo it."""
 
-    modeling: object                                  # the transformers modeling module
+    modeling: str                                     # name of the transformers modeling module
     norms: list = field(default_factory=list)         # (parent, attribute name, original module)
     rotary: list = field(default_factory=list)        # (parent, attribute name, original module)
 
@@ -100,12 +100,18 @@ class FusedRotaryEmbedding(nn.Module):
     """Stands in for a model's ``<Family>RotaryEmbedding``: instead of float32 cos/sin
     tables, returns :class:`RotaryPositions` for the patched ``apply_rotary_pos_emb``."""
 
-    def __init__(self, theta: float, head_dim: int) -> None:
+    def __init__(self, theta: float, head_dim: int, modeling: str) -> None:
         super().__init__()
         self.theta = float(theta)
         self.head_dim = int(head_dim)
+        self.modeling = modeling  # name of the transformers modeling module whose RoPE we serve
 
     def forward(self, x: Tensor, position_ids: Tensor) -> RotaryPositions:
+        # A deep copy of a patched model is not registered yet: register it on first use,
+        # so the patched apply_rotary_pos_emb stays in place while it lives.
+        entry = _installed.get(self.modeling)
+        if entry is None or id(self) not in entry[1]:
+            _install_apply(sys.modules[self.modeling], self)
         return RotaryPositions(position_ids, self.theta)
 
     def extra_repr(self) -> str:
@@ -113,8 +119,8 @@ class FusedRotaryEmbedding(nn.Module):
 
 
 # Modeling modules whose apply_rotary_pos_emb we replaced: name -> (original function,
-# {id(model): finalizer} of the patched models using it). The original comes back when the
-# last of them is unpatched or garbage-collected.
+# {id(rotary): finalizer} of the FusedRotaryEmbedding modules using it). The original
+# comes back when the last of them is unpatched or garbage-collected.
 _installed: dict[str, tuple[object, dict[int, weakref.finalize]]] = {}
 
 
@@ -130,13 +136,13 @@ def _make_apply(original):
     return apply_rotary_pos_emb
 
 
-def _install_apply(modeling, model) -> None:
+def _install_apply(modeling, user: nn.Module) -> None:
     name = modeling.__name__
     if name not in _installed:
         original = modeling.apply_rotary_pos_emb
         modeling.apply_rotary_pos_emb = _make_apply(original)
         _installed[name] = (original, {})
-    _installed[name][1][id(model)] = weakref.finalize(model, _release_apply, modeling, id(model))
+    _installed[name][1][id(user)] = weakref.finalize(user, _release_apply, modeling, id(user))
 
 
 def _release_apply(modeling, key: int) -> None:
@@ -151,11 +157,11 @@ def _release_apply(modeling, key: int) -> None:
         del _installed[modeling.__name__]
 
 
-def _uninstall_apply(modeling, model) -> None:
+def _uninstall_apply(modeling, user: nn.Module) -> None:
     entry = _installed.get(modeling.__name__)
-    if entry is not None and id(model) in entry[1]:
-        entry[1][id(model)].detach()
-        _release_apply(modeling, id(model))
+    if entry is not None and id(user) in entry[1]:
+        entry[1][id(user)].detach()
+        _release_apply(modeling, id(user))
 
 
 def _family(model: nn.Module):
@@ -232,7 +238,7 @@ def patch_hf(model: nn.Module, *, rms_norm: bool = True, rope: bool = True) -> n
     prefix = _FAMILIES[model_type]
     norm_cls = getattr(modeling, f"{prefix}RMSNorm", None)
     rotary_cls = getattr(modeling, f"{prefix}RotaryEmbedding", None)
-    record = _Patch(modeling)
+    record = _Patch(modeling.__name__)
     # Collect first, then swap: swapping while iterating named_modules would revisit.
     targets = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()]
     if rms_norm and norm_cls is not None:
@@ -255,10 +261,10 @@ def patch_hf(model: nn.Module, *, rms_norm: bool = True, rope: bool = True) -> n
                 continue
             params = getattr(config, "rope_parameters", None) or {}
             theta = float(params.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
-            _swap(parent, name, FusedRotaryEmbedding(theta, head_dim))
+            fused = FusedRotaryEmbedding(theta, head_dim, modeling.__name__)
+            _swap(parent, name, fused)
+            _install_apply(modeling, fused)
             record.rotary.append((parent, name, child))
-        if record.rotary:
-            _install_apply(modeling, model)
     object.__setattr__(model, _RECORD, record)
     return model
 
@@ -280,9 +286,10 @@ def unpatch_hf(model: nn.Module) -> nn.Module:
             original.weight = fused.weight
         _swap(parent, name, original)
     for parent, name, original in record.rotary:
+        fused = getattr(parent, name)
+        if isinstance(fused, FusedRotaryEmbedding):
+            _uninstall_apply(sys.modules[record.modeling], fused)
         _swap(parent, name, original)
-    if record.rotary:
-        _uninstall_apply(record.modeling, model)
     object.__delattr__(model, _RECORD)
     return model
 

@@ -94,6 +94,46 @@ def make_step(model, ids: torch.Tensor):
     return step
 
 
+def make_swapped_ops_pass(model, case: HFStepCase, seed: int = 2):
+    """``run()``: forward + backward of only what :func:`~wiola_kernels.patch_hf` swaps, at the
+    step's shapes and call counts, using ``model``'s own modules (patched or not): 2L + 1
+    RMSNorms of ``(B, T, d)``, one rotary-table call and L RoPE applications to q/k
+    laid out as HF's projections are (``(B, T, H, d_h)`` viewed as ``(B, H, T, d_h)``).
+    Its time is the part of the step the patch can change."""
+    import sys
+
+    cfg = model.config
+    b, t, d = case.batch, case.length, cfg.hidden_size
+    h, h_kv = cfg.num_attention_heads, cfg.num_key_value_heads
+    dh = d // h
+    modeling = sys.modules[type(model).__module__]
+    norms = [m for m in model.modules() if "RMSNorm" in type(m).__name__]
+    rotary = model.model.rotary_emb
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(b, t, d, generator=g).to(case.device, case.dtype).requires_grad_()
+    q_proj = torch.randn(b, t, h * dh, generator=g).to(case.device, case.dtype).requires_grad_()
+    k_proj = torch.randn(b, t, h_kv * dh, generator=g).to(case.device, case.dtype).requires_grad_()
+    pos = torch.arange(t, device=case.device).unsqueeze(0)
+    layers = cfg.num_hidden_layers
+
+    def run():
+        total = x.new_zeros(())
+        rope = rotary(x, pos)
+        for i, norm in enumerate(norms):
+            total = total + norm(x).float().square().mean()
+            if i < layers:
+                q = q_proj.view(b, t, h, dh).transpose(1, 2)
+                k = k_proj.view(b, t, h_kv, dh).transpose(1, 2)
+                q_rot, k_rot = modeling.apply_rotary_pos_emb(q, k, *rope)
+                total = total + q_rot.float().square().mean() + k_rot.float().square().mean()
+        total.backward()
+        x.grad = q_proj.grad = k_proj.grad = None
+        model.zero_grad(set_to_none=True)
+        return total.detach()
+
+    return run
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -139,6 +179,8 @@ def run_hf_bench(case: HFStepCase, repeats: int = 5, warmup: int = 1, backend: s
     patched = patch_hf(copy.deepcopy(plain))
     steps = {"patched": make_step(patched, ids), "unpatched": make_step(plain, ids)}
     samples: dict[str, list[float]] = {k: [] for k in steps}
+    ops = {"patched": make_swapped_ops_pass(patched, case), "unpatched": make_swapped_ops_pass(plain, case)}
+    op_samples: dict[str, list[float]] = {k: [] for k in ops}
     with dispatch.use_backend(backend):
         for name in steps:  # warm-up (and first-touch of the optimizer state)
             for _ in range(warmup):
@@ -154,8 +196,18 @@ def run_hf_bench(case: HFStepCase, repeats: int = 5, warmup: int = 1, backend: s
                 samples[name].append(time.perf_counter() - t0)
                 if progress is not None:
                     progress.update(1)
+        for name in ops:
+            ops[name]()  # warm-up
+        for i in range(4 * repeats):  # short: more samples, same alternation
+            for name in (("patched", "unpatched") if i % 2 == 0 else ("unpatched", "patched")):
+                _sync(case.device)
+                t0 = time.perf_counter()
+                ops[name]()
+                _sync(case.device)
+                op_samples[name].append(time.perf_counter() - t0)
     tokens = case.batch * case.length
     ms = {k: statistics.median(v) * 1e3 for k, v in samples.items()}
+    ops_ms = {k: statistics.median(v) * 1e3 for k, v in op_samples.items()}
     return {
         "op": OP, "backend": dispatch.select("rms_norm", case.device) if backend == "auto" else backend,
         "shape": case.shape, "dtype": str(case.dtype).replace("torch.", ""), "pass": "train_step",
@@ -164,6 +216,13 @@ def run_hf_bench(case: HFStepCase, repeats: int = 5, warmup: int = 1, backend: s
         "speedup_vs_eager": ms["unpatched"] / ms["patched"],
         "peak_mb": peaks["patched"], "peak_mb_unpatched": peaks["unpatched"],
         "repeats": repeats, "threads": torch.get_num_threads(), "device": str(case.device),
+        "ms_samples": [round(v * 1e3, 2) for v in samples["patched"]],
+        "ms_unpatched_samples": [round(v * 1e3, 2) for v in samples["unpatched"]],
+        # Only the swapped parts (norms + RoPE, forward + backward), and their share of the
+        # unpatched step: the step speedup cannot exceed 1 / (1 − share·(1 − 1/ops_speedup)).
+        "swapped_ops_ms": ops_ms["patched"], "swapped_ops_ms_unpatched": ops_ms["unpatched"],
+        "swapped_ops_speedup": ops_ms["unpatched"] / ops_ms["patched"],
+        "swapped_ops_share_unpatched": ops_ms["unpatched"] / ms["unpatched"],
     }
 
 
@@ -175,4 +234,7 @@ def format_hf_record(r: dict) -> str:
             f"  unpatched {r['ms_unpatched']:9.1f} ms  {r['tokens_per_s_unpatched']:9.0f} tokens/s  "
             f"peak {r['peak_mb_unpatched']:8.1f} MiB\n"
             f"  speedup {r['speedup_vs_eager']:.3f}x, peak memory ratio "
-            f"{r['peak_mb'] / r['peak_mb_unpatched'] if r['peak_mb_unpatched'] else float('nan'):.3f}")
+            f"{r['peak_mb'] / r['peak_mb_unpatched'] if r['peak_mb_unpatched'] else float('nan'):.3f}\n"
+            f"  swapped ops only (2L+1 RMSNorms + L RoPEs, fwd+bwd): {r['swapped_ops_ms']:.1f} ms vs "
+            f"{r['swapped_ops_ms_unpatched']:.1f} ms unpatched = {r['swapped_ops_speedup']:.2f}x; "
+            f"{100 * r['swapped_ops_share_unpatched']:.1f}% of the unpatched step")
