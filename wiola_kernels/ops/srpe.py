@@ -174,7 +174,7 @@ def srpe(q: Tensor, k: Tensor, position_ids: Tensor, theta: float = 10000.0, spi
     else:
         raise ValueError(f"position_ids must have shape (B, T) or (T,), got {tuple(position_ids.shape)}")
     theta = check_positive("theta", theta)
-    if isinstance(spiral_divisor, float) and math.isinf(spiral_divisor):
+    if isinstance(spiral_divisor, float) and spiral_divisor in (math.inf, -math.inf):  # (traceable by dynamo)
         spiral_divisor = float(spiral_divisor)  # 1/k_s = 0: the plain RoPE angle p·ω_j
     else:
         spiral_divisor = check_real("spiral_divisor", spiral_divisor)
