@@ -279,3 +279,15 @@ def test_bench_hf_llama_writes_the_issues_record(tmp_path):
         assert isinstance(record[key], float) and math.isfinite(record[key]), key
     assert record["tokens_per_s"] > 0 and record["tokens_per_s_unpatched"] > 0
     assert "patched" in run.stdout and "unpatched" in run.stdout
+
+
+def test_gradient_checkpointing_gives_the_same_gradients():
+    ids = _ids(seed=21)
+    want_logits, want = _loss_and_grads(_model("llama", seed=22).double(), ids)
+    model = wk.patch_hf(_model("llama", seed=22)).train()
+    model.gradient_checkpointing_enable()
+    logits, grads = _loss_and_grads(model, ids)
+    assert rel_err(logits, want_logits) <= TOL
+    for name, grad in grads.items():
+        assert rel_err(grad, want[name]) <= TOL, name
+    wk.unpatch_hf(model)
