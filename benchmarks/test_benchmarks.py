@@ -37,3 +37,21 @@ def test_bench(benchmark, case, pass_, impl):
     want_t = [o for o in (want if isinstance(want, tuple) else (want,)) if isinstance(o, torch.Tensor)]
     assert [o.shape for o in got_t] == [o.shape for o in want_t]
     assert all(torch.isfinite(o).all() for o in got_t if o.is_floating_point())
+
+
+@pytest.mark.parametrize("impl", ("patched", "unpatched"))
+def test_bench_hf_llama_step(benchmark, impl):
+    """The ``bench --hf llama`` case: one training step, patched by patch_hf or not."""
+    pytest.importorskip("transformers")
+    from wiola_kernels import patch_hf
+    from wiola_kernels.bench.hf import hf_case, make_step
+
+    case = hf_case("llama", DEVICE, small=benchmark.disabled)
+    model = case.make_model()
+    if impl == "patched":
+        patch_hf(model)
+    run = make_step(model, case.make_batch())
+    benchmark.group = f"hf_llama_step {case.shape}"
+    benchmark.extra_info.update(op="hf_llama_step", shape=case.shape, dtype=str(case.dtype), impl=impl)
+    out = benchmark(run)
+    assert out is not None and bool(out.isfinite())

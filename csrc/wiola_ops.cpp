@@ -9,8 +9,11 @@
 
 TORCH_LIBRARY_FRAGMENT(wiola, m) {
   // WiolaRMSNorm (SPEC §3) on contiguous x (rows, d); rstd is float32 (float64 for double x).
-  m.def("_rms_norm_fwd(Tensor x, Tensor weight, Tensor shift, float eps) -> (Tensor y, Tensor rstd)");
-  m.def("_rms_norm_bwd(Tensor grad_y, Tensor x, Tensor weight, Tensor shift, Tensor rstd)"
+  // shift = None: δ = 0 (grad_shift is then an empty (0,) tensor); hf_order: Hugging Face's
+  // rounding order (z/r rounded to x's dtype, then times weight).
+  m.def("_rms_norm_fwd(Tensor x, Tensor weight, Tensor? shift, float eps, bool hf_order=False)"
+        " -> (Tensor y, Tensor rstd)");
+  m.def("_rms_norm_bwd(Tensor grad_y, Tensor x, Tensor weight, Tensor? shift, Tensor rstd)"
         " -> (Tensor grad_x, Tensor grad_weight, Tensor grad_shift)");
   // SRPE (SPEC §4): q (B, H, T, dh), k (B, Hkv, T, dh), positions (B, T) int64;
   // angle_freq / radial_freq (dh/2,) float64. `transpose` applies R(p)^T (the backward).

@@ -103,6 +103,9 @@ timeout 150 $PY -m wiola_kernels bench --device cuda --repeats 20 --json "$OUT/b
   --plot "$OUT/bench.png" 2>/dev/null | tee "$OUT/bench.txt" | tail -20
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 
+step "Hugging Face Llama training step, bf16: patch_hf vs unpatched"
+timeout 90 $PY -m wiola_kernels bench --hf llama --device cuda --json "$OUT/bench_hf.json" 2>/dev/null | tail -5; [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+
 step "summary"
 $PY - "$OUT/bench.json" <<'PY'
 import json, sys

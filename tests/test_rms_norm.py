@@ -4,6 +4,7 @@ and the reference against an independent row-by-row oracle."""
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import torch
@@ -357,3 +358,121 @@ def test_poisoning_is_active():
 def test_zero_dim_input_says_it_needs_a_dimension():
     with pytest.raises(ValueError, match=r"^x must have shape \(\.\.\., d\) \(at least 1 dimension\), got a 0-d"):
         wk.rms_norm(torch.tensor(1.0), torch.ones(1), torch.zeros(1))
+
+
+# --- options for Hugging Face models (issue 13): δ absent, HF's rounding order ----------
+
+def _hf_rms_norm(x, w, eps):
+    """Hugging Face's LlamaRMSNorm.forward, written out: normalise in float32, round to the
+    input dtype, then multiply by γ in PyTorch's own type promotion."""
+    xf = x.to(torch.float32)
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return w * xf.to(x.dtype)
+
+
+def _ulp_distance(a, b):
+    """|a − b| in units in the last place, elementwise, for same-dtype floats (sign-magnitude
+    bit patterns mapped to a monotone integer line)."""
+    assert a.dtype == b.dtype
+    bits = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}[a.dtype]
+    def line(t):
+        i = t.contiguous().view(bits).to(torch.int64)
+        return torch.where(i < 0, -(i & (2 ** (8 * t.element_size() - 1) - 1)), i)
+    return (line(a) - line(b)).abs()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_no_shift_matches_reference_with_zero_shift(backend, dtype):
+    for shape in shapes_for(backend):
+        x, w, _ = make(shape, dtype, seed=5)
+        g = torch.randn(shape, generator=torch.Generator().manual_seed(6), dtype=torch.float64).to(dtype)
+        xr, wr = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+        with wk.use_backend(backend):
+            y = wk.rms_norm(xr, wr, None, 1e-6)
+            y.backward(g)
+        x64, w64 = x.double().requires_grad_(), w.double().requires_grad_()
+        y64 = reference.rms_norm(x64, w64, torch.zeros_like(w64), 1e-6)
+        y64.backward(g.double())
+        tol = tolerance(dtype)
+        assert y.dtype == dtype and y.shape == x.shape
+        assert_close_rel(y, y64, tol, f"y {shape}")
+        assert_close_rel(xr.grad, x64.grad, tol, f"grad x {shape}")
+        assert_close_rel(wr.grad, w64.grad, tol, f"grad weight {shape}")
+
+
+def _max_ulp(backend, dtype):
+    # Triton's CPU interpreter (3.9) converts float32 -> bf16 by truncation, not round to
+    # nearest as the GPU does: up to one more ulp for each of the two roundings of HF's
+    # order there. fp16 goes through numpy (nearest), as on the GPU.
+    return 3 if backend == "triton" and dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1" else 1
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_hf_order_matches_hugging_face_within_one_ulp(backend, dtype):
+    # bf16/fp16: γ·round(x/r) reproduces HF bit for bit except where the float32 statistics
+    # (summed in another order) round x/r to the neighbouring value: at most one ulp.
+    shapes = [(7, 130), (3, 512)] if backend == "triton" else [(37, 192), (64, 1024), (5, 760)]
+    for shape in shapes:
+        x, w, _ = make(shape, dtype, seed=7)
+        with wk.use_backend(backend):
+            y = wk.rms_norm(x, w, None, 1e-6, hf_order=True)
+        want = _hf_rms_norm(x, w, 1e-6)
+        dist = _ulp_distance(y, want)
+        assert int(dist.max()) <= _max_ulp(backend, dtype), f"{shape}: {int(dist.max())} ulp from HF"
+        if _max_ulp(backend, dtype) == 1:
+            exact = float((dist == 0).double().mean())
+            assert exact >= 0.99, f"{shape}: only {exact:.3f} of the outputs equal HF's"
+        # And it is still RMSNorm: SPEC §9 against float64.
+        y64 = reference.rms_norm(x.double(), w.double(), torch.zeros_like(w.double()), 1e-6)
+        assert_close_rel(y, y64, tolerance(dtype), f"y {shape} vs float64")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_hf_order_default_order_differs_in_bf16(backend):
+    # The option is real: in bf16 our default order (one rounding) differs from HF's somewhere.
+    x, w, _ = make((64, 256), torch.bfloat16, seed=8)
+    with wk.use_backend(backend):
+        ours = wk.rms_norm(x, w, None, 1e-6)
+        hf = wk.rms_norm(x, w, None, 1e-6, hf_order=True)
+    assert (ours != hf).any()
+    assert (_ulp_distance(hf, _hf_rms_norm(x, w, 1e-6)) <= _max_ulp(backend, torch.bfloat16)).all()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_hf_order_with_shift_and_gradients(backend):
+    x, w, s = make((9, 130), torch.float32, seed=9)
+    g = torch.randn(9, 130, generator=torch.Generator().manual_seed(10))
+    xr, wr, sr = (t.detach().clone().requires_grad_() for t in (x, w, s))
+    with wk.use_backend(backend):
+        y = wk.rms_norm(xr, wr, sr, 1e-6, hf_order=True)
+        y.backward(g)
+    x64, w64, s64 = (t.double().requires_grad_() for t in (x, w, s))
+    y64 = reference.rms_norm(x64, w64, s64, 1e-6)
+    y64.backward(g.double())
+    tol = tolerance(torch.float32)
+    assert_close_rel(y, y64, tol, "y")
+    for got, want, what in ((xr.grad, x64.grad, "x"), (wr.grad, w64.grad, "weight"), (sr.grad, s64.grad, "shift")):
+        assert_close_rel(got, want, tol, f"grad {what}")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_opcheck_without_shift(backend):
+    x, w, _ = make((5, 33), torch.float32, seed=11)
+    with wk.use_backend(backend):
+        for hf_order in (False, True):
+            torch.library.opcheck(torch.ops.wiola.rms_norm.default, (x, w.requires_grad_(), None, 1e-6, hf_order))
+
+
+def test_plain_rms_norm_module_shares_weight_and_promotes_like_hf():
+    w = torch.nn.Parameter(torch.rand(16, generator=torch.Generator().manual_seed(12)) + 0.5)
+    mod = wk.RMSNorm(eps=1e-5, hf_order=True, weight=w)
+    assert mod.weight is w and mod.variance_epsilon == 1e-5
+    x = torch.randn(3, 16, generator=torch.Generator().manual_seed(13)).to(torch.bfloat16)
+    y = mod(x)  # float32 γ, bf16 x: HF returns float32 γ·round_bf16(x/r)
+    assert y.dtype == torch.float32
+    assert rel_err(y, _hf_rms_norm(x, w, 1e-5)) <= 2.0**-8  # at most a bf16 ulp of x/r apart
+    assert list(dict(mod.named_parameters())) == ["weight"]
+    with pytest.raises(TypeError, match="weight"):
+        wk.RMSNorm(eps=1e-5, weight=torch.ones(4))

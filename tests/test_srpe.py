@@ -417,3 +417,63 @@ def test_srpe_docstring_states_the_layout_and_the_accuracy_range_first():
     assert "(B, H, T, d_h)" in head and ".transpose(1, 2)" in head and "H = H_kv = T" in head
     assert "2^20" not in doc and "max_accurate_position" in doc  # the range agrees with the code and README
     assert 2**34 < max_accurate_position(8.0) < 2**36  # "about 2^35 for k_s = 8"
+
+
+# --- plain RoPE: k_s = ∞ (1/k_s = 0) and a_s = 0 (issue 13, Hugging Face models) ---------
+
+def _rope_inputs(b, h, h_kv, t, dh, dtype, max_pos, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, h, t, dh, generator=g, dtype=torch.float64).to(dtype)
+    k = torch.randn(b, h_kv, t, dh, generator=g, dtype=torch.float64).to(dtype)
+    pos = torch.randint(0, max_pos, (b, t), generator=g)
+    return q, k, pos
+
+
+def _naive_rope(x, pos, theta):
+    """Independent float64 oracle of rotate-half RoPE (no SRPE terms): y = x cos + rot(x) sin."""
+    dh = x.shape[-1]
+    omega = theta ** (-2.0 * torch.arange(dh // 2, dtype=torch.float64) / dh)
+    angle = pos.to(torch.float64)[:, None, :, None] * omega  # (B, 1, T, d_h/2)
+    cos, sin = torch.cat((angle.cos(), angle.cos()), -1), torch.cat((angle.sin(), angle.sin()), -1)
+    xd = x.to(torch.float64)
+    rot = torch.cat((-xd[..., dh // 2:], xd[..., :dh // 2]), -1)
+    return xd * cos + rot * sin
+
+
+@pytest.mark.parametrize("divisor", [math.inf, -math.inf])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_infinite_divisor_is_plain_rope(backend, dtype, divisor):
+    b, h, h_kv, t, dh = (1, 2, 1, 3, 6) if backend == "triton" else (3, 4, 2, 7, 66)
+    q, k, pos = _rope_inputs(b, h, h_kv, t, dh, dtype, max_pos=70000)
+    q.requires_grad_(), k.requires_grad_()
+    with use_backend(backend):
+        q_out, k_out = wiola_kernels.srpe(q, k, pos, 500000.0, spiral_divisor=divisor, radial_amplitude=0.0,
+                                          radial_frequency=0.0)
+        gq, gk = torch.autograd.grad((q_out * q_out.detach()).sum() + (k_out * 2).sum(), (q, k))
+    tol = srpe_tolerance(dtype, pos, divisor)
+    assert_close_rel(q_out, _naive_rope(q.detach(), pos, 500000.0), tol, "q")
+    assert_close_rel(k_out, _naive_rope(k.detach(), pos, 500000.0), tol, "k")
+    # Backward: Rᵀ g, i.e. the rotation by −Θ = the rotation at −p.
+    assert_close_rel(gq, _naive_rope(q_out.detach(), -pos, 500000.0), max(tol, 2 * tolerance(dtype)), "grad q")
+    assert_close_rel(gk, _naive_rope(torch.full_like(k_out, 2.0), -pos, 500000.0), tol, "grad k")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_plain_rope_float32_accurate_to_2_pow_20(backend):
+    # The float64 angle reduction holds for plain RoPE too: SPEC §9's 1e-5 at p < 2^20,
+    # where a float32 p·ω loses ~1e-1 (see tests/test_hf.py for HF's own RoPE).
+    q, k, pos = _rope_inputs(1, 2, 1, 16, 64, torch.float32, max_pos=2**20, seed=3)
+    pos[0, :4] = torch.tensor([2**20 - 1, 65536, 65535, 0])
+    with use_backend(backend):
+        q_out, k_out = wiola_kernels.srpe(q, k, pos, 10000.0, spiral_divisor=math.inf, radial_amplitude=0.0,
+                                          radial_frequency=0.0)
+    assert_close_rel(q_out, _naive_rope(q, pos, 10000.0), tolerance(torch.float32), "q")
+    assert_close_rel(k_out, _naive_rope(k, pos, 10000.0), tolerance(torch.float32), "k")
+
+
+@pytest.mark.parametrize("divisor", [math.nan, 0.0])
+def test_bad_divisor_still_rejected(divisor):
+    q, k, pos = _rope_inputs(1, 1, 1, 2, 4, torch.float32, max_pos=8)
+    with pytest.raises(ValueError, match="spiral_divisor"):
+        wiola_kernels.srpe(q, k, pos, spiral_divisor=divisor)

@@ -6,6 +6,7 @@ Public ops (each registered as ``torch.ops.wiola.<name>`` with autograd):
 * :func:`srpe` — spiral rotary position encoding of Q and K (SPEC §4)
 * :func:`gcla_attention` — GCLA summary-augmented causal attention (SPEC §5.5)
 * :func:`atm_merge` / :func:`atm_unmerge` — ATM greedy adjacent token merging (SPEC §6)
+* :func:`patch_hf` / :func:`unpatch_hf` — these kernels in Hugging Face Llama / Mistral / Qwen2 models
 
 Backends are chosen per device (see :mod:`wiola_kernels.dispatch`); force one with
 :func:`use_backend` or ``WIOLA_BACKEND``, and see what runs here with :func:`backends`.
@@ -16,7 +17,8 @@ from .dispatch import backends, use_backend
 
 _extension.load_error()  # import the C++ extension (registers its kernels), warn once if missing
 
-from .modules import SpiralRotaryEmbedding, WiolaRMSNorm  # noqa: E402
+from .hf import patch_hf, unpatch_hf  # noqa: E402  (Hugging Face models; transformers not needed to import)
+from .modules import RMSNorm, SpiralRotaryEmbedding, WiolaRMSNorm  # noqa: E402
 from .ops.atm import atm_merge, atm_unmerge  # noqa: E402
 from .ops.gcla_attention import gcla_attention  # noqa: E402
 from .ops.rms_norm import rms_norm  # noqa: E402
@@ -24,4 +26,5 @@ from .ops.srpe import srpe  # noqa: E402
 
 __version__ = "0.1.0"
 
-__all__ = ["SpiralRotaryEmbedding", "WiolaRMSNorm", "atm_merge", "atm_unmerge", "backends", "gcla_attention", "rms_norm", "srpe", "use_backend"]
+__all__ = ["RMSNorm", "SpiralRotaryEmbedding", "WiolaRMSNorm", "atm_merge", "atm_unmerge", "backends", "gcla_attention",
+           "patch_hf", "rms_norm", "srpe", "unpatch_hf", "use_backend"]

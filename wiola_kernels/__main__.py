@@ -51,7 +51,38 @@ def _check_environment() -> None:
     dispatch.forced_backend()
 
 
+def cmd_bench_hf(args: argparse.Namespace) -> int:
+    """``bench --hf llama``: training step of a Hugging Face model, patched vs unpatched."""
+    from tqdm import tqdm
+
+    from .bench.hf import format_hf_record, hf_case, run_hf_bench
+
+    if args.hf == "rope":
+        from .hf import format_rope_accuracy, rope_accuracy
+
+        rows = rope_accuracy()
+        print(format_rope_accuracy(rows))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump([dict(op="hf_rope_accuracy", **r) for r in rows], f, indent=2)
+        return 0
+    device = _device(args.device)
+    case = hf_case(args.hf, device, small=args.small)
+    with tqdm(total=2 * args.repeats, desc=f"bench --hf {args.hf}", unit="step", file=sys.stderr) as bar:
+        record = run_hf_bench(case, repeats=args.repeats, backend=args.backend, progress=bar)
+    print(f"device: {device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}), "
+          f"threads: {torch.get_num_threads()}, torch {torch.__version__}")
+    print(format_hf_record(record))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([record], f, indent=2)
+        print(f"wrote {args.json}")
+    return 0
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
+    if args.hf:
+        return cmd_bench_hf(args)
     from tqdm import tqdm
 
     from . import dispatch
@@ -135,6 +166,9 @@ def main(argv: list[str] | None = None) -> int:
                        help="force a backend for the fused op (an op without it keeps its default)")
     bench.add_argument("--passes", default="all", choices=["all", "fwd", "fwd+bwd"], help="which passes to time")
     bench.add_argument("--repeats", type=positive_int, default=10, help="timed runs per measurement (median)")
+    bench.add_argument("--hf", choices=["llama", "rope"],
+                       help="instead of the ops: llama = a training step of a Hugging Face Llama patched by "
+                            "wiola_kernels.patch_hf vs unpatched; rope = RoPE error at large positions, ours vs HF's")
     bench.add_argument("--small", action="store_true", help="small shapes (seconds; for smoke tests)")
     bench.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline")
     bench.add_argument("--json", metavar="FILE", help="also write the records as JSON")

@@ -13,6 +13,12 @@
 // partials are summed in chunk order. The write pass of a row prefetches the next row's
 // x and g, one cache line per vector step (bwd 10.6 -> 10.1 ms on 2 threads, 19.3 ->
 // 17.5 ms on 1; a burst of prefetches before the pass did not help).
+//
+// Options for Hugging Face models (wiola_kernels.patch_hf): shift may be absent (δ = 0:
+// the forward adds a zero row that stays in L1; the backward skips the ∂δ partials and
+// returns an empty grad_shift), and hf_order rounds like LlamaRMSNorm: n = z/r is
+// rounded to the input dtype, then y = γ·n (exact in float for bf16/fp16 γ and n, then
+// rounded once), so bf16/fp16 outputs match HF's.
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
@@ -26,6 +32,7 @@ namespace wiola::cpu {
 namespace {
 
 constexpr int64_t kBackwardChunks = 64;  // partial sums for ∂γ/∂δ; fixed for determinism
+constexpr int64_t kMinBackwardElemsPerThread = int64_t(1) << 15;  // parallel grain of the backward
 
 template <typename acc_t>
 using Vec = at::vec::Vectorized<acc_t>;
@@ -63,7 +70,8 @@ inline void prefetch_bytes(const void* p, int64_t bytes) {
 }
 
 // One forward row; `next` / `next_bytes`: the next input row, prefetched before the write pass.
-template <typename acc_t>
+// kHfOrder writes γ·(z·rstd) instead of (γ·z)·rstd (HF's order; see the top of the file).
+template <bool kHfOrder = false, typename acc_t>
 inline acc_t forward_row(const acc_t* x, const acc_t* w, const acc_t* s, acc_t* y, int64_t d, double eps,
                          const void* next, int64_t next_bytes) {
   using V = Vec<acc_t>;
@@ -92,27 +100,47 @@ inline acc_t forward_row(const acc_t* x, const acc_t* w, const acc_t* s, acc_t* 
   prefetch_bytes(next, next_bytes);
   i = 0;
   for (; i + L <= d; i += L) {  // x is still in L1
-    (V::loadu(w + i) * (V::loadu(x + i) + V::loadu(s + i)) * vinv).store(y + i);
+    if constexpr (kHfOrder) {
+      (V::loadu(w + i) * ((V::loadu(x + i) + V::loadu(s + i)) * vinv)).store(y + i);
+    } else {
+      (V::loadu(w + i) * (V::loadu(x + i) + V::loadu(s + i)) * vinv).store(y + i);
+    }
   }
-  for (; i < d; ++i) y[i] = w[i] * (x[i] + s[i]) * inv;
+  for (; i < d; ++i) y[i] = kHfOrder ? w[i] * ((x[i] + s[i]) * inv) : w[i] * (x[i] + s[i]) * inv;
   return inv;
 }
 
+// `ones`: a row of 1s (only read for hf_order with a reduced-precision x).
 template <typename scalar_t>
-void forward_rows(const scalar_t* x, const acc_type<scalar_t>* w, const acc_type<scalar_t>* s, scalar_t* y,
-                  acc_type<scalar_t>* rstd, int64_t rows, int64_t d, double eps) {
+void forward_rows(const scalar_t* x, const acc_type<scalar_t>* w, const acc_type<scalar_t>* s,
+                  const acc_type<scalar_t>* ones, scalar_t* y, acc_type<scalar_t>* rstd, int64_t rows, int64_t d,
+                  double eps, bool hf_order) {
   using acc_t = acc_type<scalar_t>;
+  using V = Vec<acc_t>;
   const int64_t row_bytes = d * int64_t(sizeof(scalar_t));
   at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / d), [&](int64_t begin, int64_t end) {
     if constexpr (std::is_same_v<scalar_t, acc_t>) {
       for (int64_t r = begin; r < end; ++r) {
-        rstd[r] = forward_row(x + r * d, w, s, y + r * d, d, eps, r + 1 < end ? x + (r + 1) * d : nullptr, row_bytes);
+        const scalar_t* next = r + 1 < end ? x + (r + 1) * d : nullptr;
+        rstd[r] = hf_order ? forward_row<true>(x + r * d, w, s, y + r * d, d, eps, next, row_bytes)
+                           : forward_row<false>(x + r * d, w, s, y + r * d, d, eps, next, row_bytes);
       }
     } else {
       std::vector<acc_t> xs(d), ys(d);
       for (int64_t r = begin; r < end; ++r) {
+        const scalar_t* next = r + 1 < end ? x + (r + 1) * d : nullptr;
         load_row(x + r * d, xs.data(), d);
-        rstd[r] = forward_row(xs.data(), w, s, ys.data(), d, eps, r + 1 < end ? x + (r + 1) * d : nullptr, row_bytes);
+        if (hf_order) {
+          // n = z·rstd rounded to scalar_t (through y, in L1), then γ·n rounded once.
+          rstd[r] = forward_row<true>(xs.data(), ones, s, ys.data(), d, eps, next, row_bytes);
+          store_row(ys.data(), y + r * d, d);
+          load_row(y + r * d, ys.data(), d);
+          int64_t i = 0;
+          for (; i + V::size() <= d; i += V::size()) (V::loadu(w + i) * V::loadu(ys.data() + i)).store(ys.data() + i);
+          for (; i < d; ++i) ys[i] = w[i] * ys[i];
+        } else {
+          rstd[r] = forward_row<false>(xs.data(), w, s, ys.data(), d, eps, next, row_bytes);
+        }
         store_row(ys.data(), y + r * d, d);
       }
     }
@@ -122,7 +150,8 @@ void forward_rows(const scalar_t* x, const acc_type<scalar_t>* w, const acc_type
 // One row of the backward on acc_t rows: writes ∂L/∂x = rstd (γg − ẑ mean(γgẑ)) to `dx`
 // and adds this row's terms (g ẑ, ∂L/∂x) to the ∂γ/∂δ partials `dw`, `ds`. `next_x`,
 // `next_g`: the next row's inputs (next_bytes each; 0 when there is none), prefetched.
-template <bool kStream, typename acc_t>
+// kShift = false: δ is absent (s is a zero row) and the ∂δ partial `ds` is not written.
+template <bool kStream, bool kShift, typename acc_t>
 inline void backward_row(const acc_t* x, const acc_t* g, const acc_t* w, const acc_t* s, acc_t inv, acc_t* dx,
                          acc_t* dw, acc_t* ds, int64_t d, const void* next_x, const void* next_g,
                          int64_t next_bytes) {
@@ -152,14 +181,14 @@ inline void backward_row(const acc_t* x, const acc_t* g, const acc_t* w, const a
     const V zh = (V::loadu(x + i) + V::loadu(s + i)) * vinv, vg = V::loadu(g + i);
     const V dz = at::vec::fnmadd(vcoef, zh, V::loadu(w + i) * vg) * vinv;
     store_vec<kStream>(dz, dx + i);
-    (V::loadu(ds + i) + dz).store(ds + i);
+    if constexpr (kShift) (V::loadu(ds + i) + dz).store(ds + i);
     at::vec::fmadd(vg, zh, V::loadu(dw + i)).store(dw + i);
   }
   for (; i < d; ++i) {
     const acc_t zh = (x[i] + s[i]) * inv;
     const acc_t dz = (w[i] * g[i] - coef * zh) * inv;
     dx[i] = dz;
-    ds[i] += dz;
+    if constexpr (kShift) ds[i] += dz;
     dw[i] += g[i] * zh;
   }
 }
@@ -168,12 +197,18 @@ template <typename scalar_t>
 void backward_rows(const scalar_t* g_in, const scalar_t* x, const acc_type<scalar_t>* w,
                    const acc_type<scalar_t>* s, const acc_type<scalar_t>* rstd, scalar_t* dx,
                    acc_type<scalar_t>* dw_partial, acc_type<scalar_t>* ds_partial, int64_t rows, int64_t d,
-                   int64_t chunks) {
+                   int64_t chunks, bool has_shift) {
   using acc_t = acc_type<scalar_t>;
   const int64_t rows_per_chunk = (rows + chunks - 1) / chunks;
   const bool stream = use_streaming_stores(dx, rows * d * int64_t(sizeof(scalar_t)), d);
   const int64_t row_bytes = d * int64_t(sizeof(scalar_t));
-  at::parallel_for(0, chunks, 1, [&](int64_t chunk_begin, int64_t chunk_end) {
+  // At least kMinBackwardElemsPerThread elements per thread: waking a second thread for a
+  // small input costs more than it saves, and far more on a loaded machine (measured: a
+  // (128, 64) backward took ~19 ms instead of ~0.02 ms with 2 threads on 2 busy cores).
+  // The chunks, hence the bits of the result, do not depend on this.
+  const int64_t chunk_elems = std::max<int64_t>(1, rows_per_chunk * d);
+  const int64_t grain = std::max<int64_t>(1, (kMinBackwardElemsPerThread + chunk_elems - 1) / chunk_elems);
+  at::parallel_for(0, chunks, grain, [&](int64_t chunk_begin, int64_t chunk_end) {
     std::vector<acc_t> xs, gs, out;  // conversion rows for reduced-precision inputs
     if constexpr (!std::is_same_v<scalar_t, acc_t>) {
       xs.resize(d), gs.resize(d), out.resize(d);
@@ -189,18 +224,27 @@ void backward_rows(const scalar_t* g_in, const scalar_t* x, const acc_type<scala
         const scalar_t* next_x = x + (r + 1) * d;  // only read (prefetched) when next_bytes > 0
         const scalar_t* next_g = g_in + (r + 1) * d;
         if constexpr (std::is_same_v<scalar_t, acc_t>) {
-          if (stream) {
-            backward_row<true>(x + r * d, g_in + r * d, w, s, rstd[r], dx + r * d, dw, ds, d, next_x, next_g,
-                               next_bytes);
+          const scalar_t *xr = x + r * d, *gr = g_in + r * d;
+          scalar_t* dxr = dx + r * d;
+          if (stream && has_shift) {
+            backward_row<true, true>(xr, gr, w, s, rstd[r], dxr, dw, ds, d, next_x, next_g, next_bytes);
+          } else if (stream) {
+            backward_row<true, false>(xr, gr, w, s, rstd[r], dxr, dw, ds, d, next_x, next_g, next_bytes);
+          } else if (has_shift) {
+            backward_row<false, true>(xr, gr, w, s, rstd[r], dxr, dw, ds, d, next_x, next_g, next_bytes);
           } else {
-            backward_row<false>(x + r * d, g_in + r * d, w, s, rstd[r], dx + r * d, dw, ds, d, next_x, next_g,
-                                next_bytes);
+            backward_row<false, false>(xr, gr, w, s, rstd[r], dxr, dw, ds, d, next_x, next_g, next_bytes);
           }
         } else {
           load_row(x + r * d, xs.data(), d);
           load_row(g_in + r * d, gs.data(), d);
-          backward_row<false>(xs.data(), gs.data(), w, s, rstd[r], out.data(), dw, ds, d, next_x, next_g,
-                              next_bytes);
+          if (has_shift) {
+            backward_row<false, true>(xs.data(), gs.data(), w, s, rstd[r], out.data(), dw, ds, d, next_x, next_g,
+                                      next_bytes);
+          } else {
+            backward_row<false, false>(xs.data(), gs.data(), w, s, rstd[r], out.data(), dw, ds, d, next_x, next_g,
+                                       next_bytes);
+          }
           store_row(out.data(), dx + r * d, d);
         }
       }
@@ -209,12 +253,17 @@ void backward_rows(const scalar_t* g_in, const scalar_t* x, const acc_type<scala
   });
 }
 
-void check_inputs(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& shift) {
+void check_inputs(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& shift) {
   WIOLA_CHECK_ARG(x.dim() == 2 && x.is_contiguous(), "x must be a contiguous (rows, d) tensor, got ", x.sizes());
   WIOLA_CHECK_ARG(weight.dim() == 1 && weight.size(0) == x.size(1), "weight must have shape (d,) = (", x.size(1),
                   ",), got ", weight.sizes());
-  WIOLA_CHECK_ARG(shift.dim() == 1 && shift.size(0) == x.size(1), "shift must have shape (d,) = (", x.size(1),
-                  ",), got ", shift.sizes());
+  WIOLA_CHECK_ARG(!shift.has_value() || (shift->dim() == 1 && shift->size(0) == x.size(1)),
+                  "shift must have shape (d,) = (", x.size(1), ",), got ", shift.has_value() ? shift->sizes() : at::IntArrayRef{});
+}
+
+// δ in the accumulation dtype; a zero row when absent.
+at::Tensor shift_or_zeros(const std::optional<at::Tensor>& shift, const at::Tensor& x, at::ScalarType acc) {
+  return shift.has_value() ? shift->to(acc).contiguous() : at::zeros({x.size(1)}, x.options().dtype(acc));
 }
 
 at::ScalarType acc_scalar_type(const at::Tensor& x) {
@@ -222,23 +271,27 @@ at::ScalarType acc_scalar_type(const at::Tensor& x) {
 }
 
 std::tuple<at::Tensor, at::Tensor> rms_norm_fwd(const at::Tensor& x, const at::Tensor& weight,
-                                                const at::Tensor& shift, double eps) {
+                                                const std::optional<at::Tensor>& shift, double eps, bool hf_order) {
   check_inputs(x, weight, shift);
   const int64_t rows = x.size(0), d = x.size(1);
   const auto acc = acc_scalar_type(x);
-  const at::Tensor w = weight.to(acc).contiguous(), s = shift.to(acc).contiguous();
+  const at::Tensor w = weight.to(acc).contiguous(), s = shift_or_zeros(shift, x, acc);
+  const bool reduced = x.scalar_type() != acc;
+  const at::Tensor ones = hf_order && reduced ? at::ones({d}, x.options().dtype(acc)) : w;
   at::Tensor y = empty_output(x.sizes(), x.options());
   at::Tensor rstd = empty_output({rows}, x.options().dtype(acc));
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "wiola_rms_norm_fwd", [&] {
     using acc_t = acc_type<scalar_t>;
     forward_rows<scalar_t>(x.const_data_ptr<scalar_t>(), w.const_data_ptr<acc_t>(), s.const_data_ptr<acc_t>(),
-                           y.mutable_data_ptr<scalar_t>(), rstd.mutable_data_ptr<acc_t>(), rows, d, eps);
+                           ones.const_data_ptr<acc_t>(), y.mutable_data_ptr<scalar_t>(),
+                           rstd.mutable_data_ptr<acc_t>(), rows, d, eps, hf_order);
   });
   return {y, rstd};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> rms_norm_bwd(const at::Tensor& grad_y, const at::Tensor& x,
-                                                            const at::Tensor& weight, const at::Tensor& shift,
+                                                            const at::Tensor& weight,
+                                                            const std::optional<at::Tensor>& shift,
                                                             const at::Tensor& rstd) {
   check_inputs(x, weight, shift);
   WIOLA_CHECK_ARG(grad_y.sizes() == x.sizes() && grad_y.is_contiguous() && grad_y.scalar_type() == x.scalar_type(),
@@ -247,7 +300,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> rms_norm_bwd(const at::Tensor& gr
   const auto acc = acc_scalar_type(x);
   WIOLA_CHECK_ARG(rstd.dim() == 1 && rstd.size(0) == rows && rstd.scalar_type() == acc && rstd.is_contiguous(),
                   "rstd must be a contiguous (rows,) tensor of the accumulation dtype");
-  const at::Tensor w = weight.to(acc).contiguous(), s = shift.to(acc).contiguous();
+  const at::Tensor w = weight.to(acc).contiguous(), s = shift_or_zeros(shift, x, acc);
   at::Tensor grad_x = empty_output(x.sizes(), x.options());
   const int64_t chunks = std::max<int64_t>(1, std::min(rows, kBackwardChunks));
   at::Tensor dw_partial = at::empty({chunks, d}, x.options().dtype(acc));
@@ -261,12 +314,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> rms_norm_bwd(const at::Tensor& gr
       backward_rows<scalar_t>(grad_y.const_data_ptr<scalar_t>(), x.const_data_ptr<scalar_t>(),
                               w.const_data_ptr<acc_t>(), s.const_data_ptr<acc_t>(), rstd.const_data_ptr<acc_t>(),
                               grad_x.mutable_data_ptr<scalar_t>(), dw_partial.mutable_data_ptr<acc_t>(),
-                              ds_partial.mutable_data_ptr<acc_t>(), rows, d, chunks);
+                              ds_partial.mutable_data_ptr<acc_t>(), rows, d, chunks, shift.has_value());
     });
   }
   // Column sums of the partials: a fixed-shape reduction, so the result does not
   // depend on the thread count.
-  return {grad_x, dw_partial.sum(0).to(weight.scalar_type()), ds_partial.sum(0).to(shift.scalar_type())};
+  at::Tensor grad_shift = shift.has_value() ? ds_partial.sum(0).to(shift->scalar_type()) : weight.new_empty({0});
+  return {grad_x, dw_partial.sum(0).to(weight.scalar_type()), grad_shift};
 }
 
 }  // namespace

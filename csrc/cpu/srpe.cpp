@@ -4,6 +4,9 @@
 //
 //   Θ_j(p) = p · angle_freq_j,   angle_freq_j  = ω_j (1 + 1/k_s)
 //   r_j(p) = 1 + a_s sin(p · radial_freq_j),    radial_freq_j = f_s ω_j
+//
+// Plain RoPE (Hugging Face models) is k_s = ∞, a_s = 0: angle_freq_j = ω_j (the caller
+// forms 1 + 1/k_s = 1) and r = 1, with the same float64 angle reduction.
 //   c = r cos Θ,  s = r sin Θ
 //   y_j = x_j c − x_{j+h} s,     y_{j+h} = x_j s + x_{j+h} c        (h = d_h/2)
 //
@@ -115,7 +118,8 @@ inline void position_table(double p, const double* angle_freq, const double* rad
   for (int64_t j = 0; j < half_padded; j += VD::size()) {
     VD sin_t, cos_t;
     sincos_vec(vp * VD::loadu(angle_freq + j), sin_t, cos_t);
-    const VD radius = at::vec::fmadd(va, sin_vec(vp * VD::loadu(radial_freq + j)), one);
+    // a_s = 0 (plain RoPE): r = 1 exactly, without the radial sine.
+    const VD radius = amplitude == 0.0 ? one : at::vec::fmadd(va, sin_vec(vp * VD::loadu(radial_freq + j)), one);
     (radius * cos_t).store(cd + j);
     (transpose ? (radius * sin_t).neg() : radius * sin_t).store(sd + j);
   }

@@ -61,17 +61,19 @@ at::Tensor naive_rms_norm(const at::Tensor& x, const at::Tensor& w, const at::Te
 }
 
 void test_rms_norm() {
-  auto fwd = op("wiola::_rms_norm_fwd").typed<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
-                                                                                const at::Tensor&, double)>();
+  auto fwd = op("wiola::_rms_norm_fwd")
+                 .typed<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
+                                                           const std::optional<at::Tensor>&, double, bool)>();
   auto bwd = op("wiola::_rms_norm_bwd")
                  .typed<std::tuple<at::Tensor, at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
-                                                                       const at::Tensor&, const at::Tensor&,
+                                                                       const at::Tensor&,
+                                                                       const std::optional<at::Tensor>&,
                                                                        const at::Tensor&)>();
   for (int64_t d : {1, 7, 64, 1000}) {
     for (int64_t rows : {1, 37}) {
       for (auto dtype : {at::kFloat, at::kDouble, at::kBFloat16}) {
         const at::Tensor x = at::randn({rows, d}).to(dtype), w = at::rand({d}).add(0.5), s = at::randn({d}).mul(0.3);
-        auto [y, rstd] = fwd.call(x, w, s, 1e-6);
+        auto [y, rstd] = fwd.call(x, w, s, 1e-6, false);
         const double tol = dtype == at::kBFloat16 ? 1e-2 : (dtype == at::kFloat ? 1e-5 : 1e-12);
         const double err = rel_err(y, naive_rms_norm(x, w, s, 1e-6));
         expect(err <= tol && y.scalar_type() == dtype,
@@ -101,9 +103,9 @@ void test_rms_norm() {
       }
     }
   }
-  expect(throws_value_error([&] { fwd.call(at::randn({4, 8}), at::ones({7}), at::zeros({8}), 1e-6); }),
+  expect(throws_value_error([&] { fwd.call(at::randn({4, 8}), at::ones({7}), at::zeros({8}), 1e-6, false); }),
          "rms_norm rejects a weight of the wrong size with ValueError");
-  expect(throws_value_error([&] { fwd.call(at::randn({4, 8}).t(), at::ones({4}), at::zeros({4}), 1e-6); }),
+  expect(throws_value_error([&] { fwd.call(at::randn({4, 8}).t(), at::ones({4}), at::zeros({4}), 1e-6, false); }),
          "rms_norm rejects a non-contiguous x with ValueError");
 
   // Huge rows: Σz² overflows float (float/bf16 inputs) or double (double inputs), so the
@@ -126,7 +128,7 @@ void test_rms_norm() {
     xd[4][0] = std::numeric_limits<double>::infinity();
     const at::Tensor x = xd.to(hc.dtype), w = at::rand({d}, at::kDouble).add(0.5).to(acc),
                      s = at::randn({d}, at::kDouble).mul(0.3).to(acc), g = at::randn({rows, d}).to(hc.dtype);
-    auto [y, rstd] = fwd.call(x, w, s, 1e-6);
+    auto [y, rstd] = fwd.call(x, w, s, 1e-6, false);
     const at::Tensor x4 = x.narrow(0, 0, 4).contiguous(), g4 = g.narrow(0, 0, 4).contiguous();
     auto [dx, dw, ds] = bwd.call(g4, x4, w, s, rstd.narrow(0, 0, 4).contiguous());
     const at::Tensor Xt = x.to(at::kDouble), Gt = g.to(at::kDouble), Wt = w.to(at::kDouble), St = s.to(at::kDouble);

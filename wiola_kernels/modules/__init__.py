@@ -1,6 +1,6 @@
 """Drop-in ``nn.Module`` s built on the fused ops."""
 
-from .rms_norm import WiolaRMSNorm
+from .rms_norm import RMSNorm, WiolaRMSNorm
 from .srpe import SpiralRotaryEmbedding
 
-__all__ = ["SpiralRotaryEmbedding", "WiolaRMSNorm"]
+__all__ = ["RMSNorm", "SpiralRotaryEmbedding", "WiolaRMSNorm"]

@@ -2,9 +2,11 @@
 
 The op works on a 2-D view ``(rows, d)``; the public :func:`rms_norm` validates,
 flattens leading dimensions and picks the backend (see :mod:`wiola_kernels.dispatch`).
-Each backend provides ``forward(x, weight, shift, eps) -> (y, rstd)`` and
+Each backend provides ``forward(x, weight, shift, eps, hf_order) -> (y, rstd)`` and
 ``backward(grad_y, x, weight, shift, rstd) -> (grad_x, grad_weight, grad_shift)``
-on contiguous 2-D ``x``; ``rstd`` is float32 (float64 for float64 inputs).
+on contiguous 2-D ``x``; ``rstd`` is float32 (float64 for float64 inputs). ``shift``
+may be None (δ = 0: no add, and ``grad_shift`` is None); ``hf_order`` selects Hugging
+Face's rounding order (normalise, round to the input dtype, then multiply by γ).
 """
 
 from __future__ import annotations
@@ -21,18 +23,20 @@ from ..validation import check_rank, check_same_device, check_shape, check_tenso
 OP = "rms_norm"
 
 
-def _cpu_forward(x: Tensor, weight: Tensor, shift: Tensor, eps: float) -> tuple[Tensor, Tensor]:
-    return torch.ops.wiola._rms_norm_fwd(x, weight, shift, eps)
+def _cpu_forward(x: Tensor, weight: Tensor, shift: Tensor | None, eps: float,
+                 hf_order: bool = False) -> tuple[Tensor, Tensor]:
+    return torch.ops.wiola._rms_norm_fwd(x, weight, shift, eps, hf_order)
 
 
 def _cpu_backward(grad_y, x, weight, shift, rstd):
-    return torch.ops.wiola._rms_norm_bwd(grad_y, x, weight, shift, rstd)
+    grad_x, grad_weight, grad_shift = torch.ops.wiola._rms_norm_bwd(grad_y, x, weight, shift, rstd)
+    return grad_x, grad_weight, None if shift is None else grad_shift
 
 
-def _triton_forward(x, weight, shift, eps):
+def _triton_forward(x, weight, shift, eps, hf_order=False):
     from ..triton import rms_norm as tk
 
-    return tk.rms_norm_forward(x, weight, shift, eps)
+    return tk.rms_norm_forward(x, weight, shift, eps, hf_order)
 
 
 def _triton_backward(grad_y, x, weight, shift, rstd):
@@ -47,34 +51,40 @@ dispatch.register(OP, "triton", SimpleNamespace(forward=_triton_forward, backwar
 
 
 @torch.library.custom_op("wiola::rms_norm", mutates_args=())
-def rms_norm_op(x: Tensor, weight: Tensor, shift: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+def rms_norm_op(x: Tensor, weight: Tensor, shift: Tensor | None, eps: float,
+                hf_order: bool = False) -> tuple[Tensor, Tensor]:
     """Forward on ``x (rows, d)``: returns ``(y, rstd)``."""
-    return dispatch.implementation(OP, x.device).forward(x.contiguous(), weight.contiguous(), shift.contiguous(), eps)
+    return dispatch.implementation(OP, x.device).forward(
+        x.contiguous(), weight.contiguous(), None if shift is None else shift.contiguous(), eps, hf_order)
 
 
 @rms_norm_op.register_fake
-def _(x, weight, shift, eps):
+def _(x, weight, shift, eps, hf_order=False):
     return torch.empty_like(x, memory_format=torch.contiguous_format), x.new_empty(
         x.shape[:-1], dtype=compute_dtype(x.dtype))
 
 
 @torch.library.custom_op("wiola::rms_norm_backward", mutates_args=())
-def rms_norm_backward_op(grad_y: Tensor, x: Tensor, weight: Tensor, shift: Tensor, rstd: Tensor,
+def rms_norm_backward_op(grad_y: Tensor, x: Tensor, weight: Tensor, shift: Tensor | None, rstd: Tensor,
                          backend: str = "auto") -> tuple[Tensor, Tensor, Tensor]:
     """Backward on 2-D tensors: returns ``(grad_x, grad_weight, grad_shift)``; ``backend``
-    is the forward's (see :func:`wiola_kernels.dispatch.backward_implementation`)."""
+    is the forward's (see :func:`wiola_kernels.dispatch.backward_implementation`).
+    Without ``shift``, ``grad_shift`` is an empty ``(0,)`` tensor (a custom op cannot return None)."""
     impl = dispatch.backward_implementation(OP, x.device, backend)
-    return impl.backward(grad_y.contiguous(), x.contiguous(), weight.contiguous(), shift.contiguous(), rstd)
+    grad_x, grad_weight, grad_shift = impl.backward(
+        grad_y.contiguous(), x.contiguous(), weight.contiguous(), None if shift is None else shift.contiguous(), rstd)
+    return grad_x, grad_weight, weight.new_empty(0) if grad_shift is None else grad_shift
 
 
 @rms_norm_backward_op.register_fake
 def _(grad_y, x, weight, shift, rstd, backend="auto"):
     return (torch.empty_like(x, memory_format=torch.contiguous_format), torch.empty_like(weight),
-            torch.empty_like(shift))
+            weight.new_empty(0) if shift is None else torch.empty_like(shift))
 
 
 def _setup_context(ctx, inputs, output):
-    x, weight, shift, _eps = inputs
+    x, weight, shift, _eps, _hf_order = inputs
+    ctx.has_shift = shift is not None
     ctx.save_for_backward(x, weight, shift, output[1])
     ctx.backend = dispatch.select(OP, x.device)
 
@@ -82,21 +92,27 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, grad_y, _grad_rstd):
     x, weight, shift, rstd = ctx.saved_tensors
     grad_x, grad_weight, grad_shift = rms_norm_backward_op(grad_y, x, weight, shift, rstd, ctx.backend)
-    return grad_x, grad_weight, grad_shift, None
+    return grad_x, grad_weight, grad_shift if ctx.has_shift else None, None, None
 
 
 torch.library.register_autograd("wiola::rms_norm", _backward, setup_context=_setup_context)
 
 
-def rms_norm(x: Tensor, weight: Tensor, shift: Tensor, eps: float = 1e-6) -> Tensor:
+def rms_norm(x: Tensor, weight: Tensor, shift: Tensor | None, eps: float = 1e-6, *, hf_order: bool = False) -> Tensor:
     """WiolaRMSNorm over the last dimension (SPEC §3): ``γ ⊙ (x + δ) / sqrt(mean((x + δ)²) + ε)``.
 
     Args:
         x: input of shape ``(..., d)``; float32, float64, bfloat16 or float16. Any
             strides (non-contiguous inputs are copied once).
         weight: γ, shape ``(d,)``, any float dtype.
-        shift: δ, shape ``(d,)``, any float dtype.
+        shift: δ, shape ``(d,)``, any float dtype; or None for δ = 0 (plain RMSNorm,
+            no add and no ``∂L/∂δ``).
         eps: ε > 0 added to the mean square.
+        hf_order: round like Hugging Face's ``LlamaRMSNorm``: ``n = (x + δ)/r`` is
+            rounded to the input dtype, then multiplied by γ (and rounded again). With
+            γ in the input dtype, bf16/fp16 outputs then match HF's to within one ulp
+            (bit for bit unless the float32 statistics round differently). Default
+            False: ``γ (x + δ)/r`` rounded once, the more accurate order.
 
     Returns:
         ``y`` with the shape and dtype of ``x``. Statistics are computed in float32
@@ -104,14 +120,20 @@ def rms_norm(x: Tensor, weight: Tensor, shift: Tensor, eps: float = 1e-6) -> Ten
     """
     check_tensor("x", x)
     check_tensor("weight", weight)
-    check_tensor("shift", shift)
+    if shift is not None:
+        check_tensor("shift", shift)
     check_rank("x", x, range(1, 64), "(..., d)")
     d = x.shape[-1]
     check_shape("weight", weight, (d,), "(d,)")
-    check_shape("shift", shift, (d,), "(d,)")
-    check_same_device(x=x, weight=weight, shift=shift)
+    if shift is not None:
+        check_shape("shift", shift, (d,), "(d,)")
+        check_same_device(x=x, weight=weight, shift=shift)
+    else:
+        check_same_device(x=x, weight=weight)
     eps = check_positive("eps", eps)
+    if not isinstance(hf_order, bool):
+        raise TypeError(f"hf_order must be a bool, got {type(hf_order).__name__}")
     if d == 0:
         raise ValueError("x must have a non-empty last dimension d, got d = 0")
-    y, _ = rms_norm_op(x.reshape(-1, d), weight, shift, eps)
+    y, _ = rms_norm_op(x.reshape(-1, d), weight, shift, eps, hf_order)
     return y.view(x.shape)

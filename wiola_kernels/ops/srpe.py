@@ -10,6 +10,7 @@ radial_frequency, transpose) -> (q_out, k_out)`` on contiguous ``q (B, H, T, d_h
 from __future__ import annotations
 
 import functools
+import math
 from types import SimpleNamespace
 
 import torch
@@ -145,8 +146,10 @@ def srpe(q: Tensor, k: Tensor, position_ids: Tensor, theta: float = 10000.0, spi
         q: queries ``(B, H, T, d_h)``; float32, float64, bfloat16 or float16.
         k: keys ``(B, H_kv, T, d_h)``, same dtype and device; ``H`` a multiple of ``H_kv``.
         position_ids: integer positions ``(B, T)``, or ``(1, T)`` / ``(T,)`` shared by the batch.
-        theta: θ₀ > 0.  spiral_divisor: k_s ≠ 0.  radial_amplitude: a_s.
-        radial_frequency: f_s.
+        theta: θ₀ > 0.  spiral_divisor: k_s ≠ 0, or ``math.inf`` (1/k_s = 0).
+        radial_amplitude: a_s.  radial_frequency: f_s.
+        ``spiral_divisor=math.inf, radial_amplitude=0`` is plain rotary embedding (RoPE,
+        rotate-half layout, as in Llama), with the same float64 angle reduction.
 
     Returns:
         ``(q_out, k_out)``: new contiguous tensors with the shapes and dtype of
@@ -182,7 +185,10 @@ def srpe(q: Tensor, k: Tensor, position_ids: Tensor, theta: float = 10000.0, spi
     else:
         raise ValueError(f"position_ids must have shape (B, T) or (T,), got {tuple(position_ids.shape)}")
     theta = check_positive("theta", theta)
-    spiral_divisor = check_real("spiral_divisor", spiral_divisor)
+    if isinstance(spiral_divisor, float) and spiral_divisor in (math.inf, -math.inf):  # (traceable by dynamo)
+        spiral_divisor = float(spiral_divisor)  # 1/k_s = 0: the plain RoPE angle p·ω_j
+    else:
+        spiral_divisor = check_real("spiral_divisor", spiral_divisor)
     if spiral_divisor == 0.0:
         raise ValueError("spiral_divisor must be non-zero (the angle uses 1 + 1/k_s)")
     radial_amplitude = check_real("radial_amplitude", radial_amplitude)

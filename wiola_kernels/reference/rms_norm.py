@@ -3,6 +3,14 @@
     z = x + δ,   r = sqrt(mean(z²) + ε),   y = γ ⊙ z / r
 
 Statistics in float32 (float64 for float64 inputs); output in the input dtype.
+
+Two orders of the last step (``hf_order``): ours, ``y = (γ ⊙ z) / r`` rounded once to
+the input dtype; and Hugging Face's ``LlamaRMSNorm`` order, ``n = z / r`` rounded to
+the input dtype first, then ``y = γ ⊙ n`` (rounded again). In bf16/fp16 the two differ
+by up to an ulp; the second reproduces HF models bit for bit (the product of two bf16
+or fp16 numbers is exact in float32, so rounding it once matches PyTorch's ``γ * n``).
+The backward is the same for both (rounding passes the gradient through, as in HF).
+``shift=None`` means δ = 0 (no add, no ``∂L/∂δ``).
 Backward (per row, g = ∂L/∂y), written with the normalised row ẑ = z / r so that no
 intermediate grows with |z|:
 
@@ -45,10 +53,19 @@ def overflow_scale(z: Tensor, mean_sq: Tensor) -> Tensor:
     return torch.ldexp(torch.ones_like(m), torch.where(overflow, 2 - e, 0))
 
 
-def _normalise(x: Tensor, weight: Tensor, shift: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+def _scale(x: Tensor, weight: Tensor, z: Tensor, rstd: Tensor, hf_order: bool) -> Tensor:
+    """``γ z rstd`` in the accumulation dtype, in our order or HF's (see the module docstring)."""
+    acc = z.dtype
+    if hf_order:
+        return weight.to(acc) * (z * rstd).to(x.dtype).to(acc)
+    return weight.to(acc) * z * rstd
+
+
+def _normalise(x: Tensor, weight: Tensor, shift: Tensor | None, eps: float,
+               hf_order: bool = False) -> tuple[Tensor, Tensor]:
     """(y in the accumulation dtype, rstd of shape (..., 1)), rescaling overflowing rows."""
     acc = compute_dtype(x.dtype)
-    z = x.to(acc) + shift.to(acc)
+    z = x.to(acc) if shift is None else x.to(acc) + shift.to(acc)
     mean_sq = z.pow(2).mean(-1, keepdim=True)
     # The rare path, for rows whose Σz² overflowed. Under torch.compile it is always
     # taken (no data-dependent branch): s = 1 leaves the other rows bit-identical.
@@ -56,34 +73,39 @@ def _normalise(x: Tensor, weight: Tensor, shift: Tensor, eps: float) -> tuple[Te
         s = overflow_scale(z, mean_sq)
         z = z * s  # exact: s is a power of two
         rstd_s = torch.rsqrt(z.pow(2).mean(-1, keepdim=True) + eps * s * s)
-        return weight.to(acc) * z * rstd_s, rstd_s * s
+        return _scale(x, weight, z, rstd_s, hf_order), rstd_s * s
     rstd = torch.rsqrt(mean_sq + eps)
-    return weight.to(acc) * z * rstd, rstd
+    return _scale(x, weight, z, rstd, hf_order), rstd
 
 
-def rms_norm(x: Tensor, weight: Tensor, shift: Tensor, eps: float = 1e-6) -> Tensor:
-    """WiolaRMSNorm over the last dimension, differentiable by autograd."""
-    y, _ = _normalise(x, weight, shift, eps)
+def rms_norm(x: Tensor, weight: Tensor, shift: Tensor | None, eps: float = 1e-6, hf_order: bool = False) -> Tensor:
+    """WiolaRMSNorm over the last dimension, differentiable by autograd (``shift=None``: δ = 0)."""
+    y, _ = _normalise(x, weight, shift, eps, hf_order)
     return y.to(x.dtype)
 
 
-def rms_norm_forward(x: Tensor, weight: Tensor, shift: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+def rms_norm_forward(x: Tensor, weight: Tensor, shift: Tensor | None, eps: float,
+                     hf_order: bool = False) -> tuple[Tensor, Tensor]:
     """Forward that also returns ``rstd = 1/r`` per row (accumulation dtype), for the backward."""
-    y, rstd = _normalise(x, weight, shift, eps)
+    y, rstd = _normalise(x, weight, shift, eps, hf_order)
     return y.to(x.dtype), rstd.squeeze(-1)
 
 
 def rms_norm_backward(
-    grad_y: Tensor, x: Tensor, weight: Tensor, shift: Tensor, rstd: Tensor
-) -> tuple[Tensor, Tensor, Tensor]:
-    """Explicit backward of SPEC §3: returns ``(grad_x, grad_weight, grad_shift)``."""
+    grad_y: Tensor, x: Tensor, weight: Tensor, shift: Tensor | None, rstd: Tensor
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """Explicit backward of SPEC §3: returns ``(grad_x, grad_weight, grad_shift)``
+    (``grad_shift`` is None when ``shift`` is)."""
     acc = compute_dtype(x.dtype)
     g = grad_y.to(acc)
     r_inv = rstd.to(acc).unsqueeze(-1)
-    z_hat = (x.to(acc) + shift.to(acc)) * r_inv  # |ẑ| ≤ √d whatever |z|
+    z = x.to(acc) if shift is None else x.to(acc) + shift.to(acc)
+    z_hat = z * r_inv  # |ẑ| ≤ √d whatever |z|
     gw = g * weight.to(acc)
     grad_z = r_inv * (gw - z_hat * (gw * z_hat).mean(-1, keepdim=True))
     rows = tuple(range(x.dim() - 1))
     grad_weight = (g * z_hat).sum(rows) if rows else g * z_hat
+    if shift is None:
+        return grad_z.to(x.dtype), grad_weight.to(weight.dtype), None
     grad_shift = grad_z.sum(rows) if rows else grad_z
     return grad_z.to(x.dtype), grad_weight.to(weight.dtype), grad_shift.to(shift.dtype)

@@ -26,6 +26,12 @@ issues the loads of all its rows before the first reduction, so each program kee
 ``ROWS_PER_STEP`` rows in flight: at the bench shape (bf16, d = 1024) four rows, 8 KB,
 times the 4 resident programs per SM: 32 KB (``python -m wiola_kernels gpu-report``).
 Loop bounds are runtime values, so one compiled kernel serves every row count.
+
+Options for Hugging Face models, as ``constexpr`` flags of the same kernels:
+``HAS_SHIFT = False`` (δ = 0: no load or add of δ, no ∂L/∂δ partials) and ``HF_ORDER``
+(LlamaRMSNorm's rounding: ``n = z·rstd`` rounded to the input dtype, then ``y = γ·n``;
+the product of two bf16/fp16 numbers is exact in float32, so bf16/fp16 outputs match
+HF's).
 """
 
 from __future__ import annotations
@@ -56,6 +62,15 @@ def _overflow_scale(ss, m, IS_FP64: tl.constexpr):
 
 
 @triton.jit
+def _load_shift(s_ptr, idx, mask, HAS_SHIFT: tl.constexpr):
+    """δ at ``idx``, or zeros (folded away) when the norm has no shift."""
+    if HAS_SHIFT:
+        return tl.load(s_ptr + idx, mask=mask, other=0.0)
+    else:
+        return (idx * 0).to(s_ptr.dtype.element_ty)
+
+
+@triton.jit
 def _rms_norm_fwd_kernel(
     x_ptr,        # (rows, d) input, contiguous
     w_ptr,        # (d,) γ in the accumulation dtype
@@ -67,6 +82,8 @@ def _rms_norm_fwd_kernel(
     BLOCK_D: tl.constexpr,        # next power of two >= d (a whole row per tile), or the chunk width (WIDE)
     IS_FP64: tl.constexpr,        # accumulation dtype float64 (else float32)
     WIDE: tl.constexpr,           # rows too wide for registers: walk them in BLOCK_D chunks, twice
+    HAS_SHIFT: tl.constexpr,      # δ given (else δ = 0 and s_ptr is not read)
+    HF_ORDER: tl.constexpr,       # y = γ·round(z·rstd) (Hugging Face) instead of round(γ·z·rstd)
 ):
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
@@ -75,7 +92,7 @@ def _rms_norm_fwd_kernel(
     if not WIDE:
         col_mask = cols < d
         w = tl.load(w_ptr + cols, mask=col_mask, other=0.0)[None, :]
-        s = tl.load(s_ptr + cols, mask=col_mask, other=0.0)[None, :]
+        s = _load_shift(s_ptr, cols, col_mask, HAS_SHIFT)[None, :]
     for first in range(pid * ROWS_PER_STEP, rows, programs * ROWS_PER_STEP):
         row = tl.arange(0, ROWS_PER_STEP).to(tl.int64) + first  # int64: rows * d can pass 2^31
         row_mask = row < rows
@@ -85,7 +102,7 @@ def _rms_norm_fwd_kernel(
             for c0 in range(0, d, BLOCK_D):  # pass 1: Σz² and max|z|
                 mask = row_mask[:, None] & (c0 + cols < d)[None, :]
                 offs = row[:, None] * d + (c0 + cols)[None, :]
-                sc = tl.load(s_ptr + c0 + cols, mask=c0 + cols < d, other=0.0)[None, :]
+                sc = _load_shift(s_ptr, c0 + cols, c0 + cols < d, HAS_SHIFT)[None, :]
                 z = tl.where(mask, tl.load(x_ptr + offs, mask=mask, other=0.0).to(acc_ty) + sc, 0.0)
                 ss += tl.sum(z * z, axis=1)
                 m = tl.maximum(m, tl.max(tl.abs(z), axis=1))
@@ -95,7 +112,7 @@ def _rms_norm_fwd_kernel(
                 for c0 in range(0, d, BLOCK_D):
                     mask = row_mask[:, None] & (c0 + cols < d)[None, :]
                     offs = row[:, None] * d + (c0 + cols)[None, :]
-                    sc = tl.load(s_ptr + c0 + cols, mask=c0 + cols < d, other=0.0)[None, :]
+                    sc = _load_shift(s_ptr, c0 + cols, c0 + cols < d, HAS_SHIFT)[None, :]
                     z = tl.where(mask, tl.load(x_ptr + offs, mask=mask, other=0.0).to(acc_ty) + sc, 0.0)
                     z = z * scale[:, None]
                     ss_scaled += tl.sum(z * z, axis=1)
@@ -105,10 +122,12 @@ def _rms_norm_fwd_kernel(
                 mask = row_mask[:, None] & (c0 + cols < d)[None, :]
                 offs = row[:, None] * d + (c0 + cols)[None, :]
                 wc = tl.load(w_ptr + c0 + cols, mask=c0 + cols < d, other=0.0)[None, :]
-                sc = tl.load(s_ptr + c0 + cols, mask=c0 + cols < d, other=0.0)[None, :]
+                sc = _load_shift(s_ptr, c0 + cols, c0 + cols < d, HAS_SHIFT)[None, :]
                 z = tl.load(x_ptr + offs, mask=mask, other=0.0).to(acc_ty) + sc
-                tl.store(y_ptr + offs, (wc * (z * scale[:, None]) * rstd_s[:, None]).to(y_ptr.dtype.element_ty),
-                         mask=mask)
+                n = (z * scale[:, None]) * rstd_s[:, None]
+                if HF_ORDER:
+                    n = n.to(y_ptr.dtype.element_ty).to(acc_ty)
+                tl.store(y_ptr + offs, (wc * n).to(y_ptr.dtype.element_ty), mask=mask)
         else:
             mask = row_mask[:, None] & col_mask[None, :]
             offs = row[:, None] * d + cols[None, :]
@@ -121,7 +140,11 @@ def _rms_norm_fwd_kernel(
                 ss = tl.where(scale != 1.0, tl.sum(z * z, axis=1), ss)
             # ε·s² may underflow to 0: ε is negligible for rescaled rows.
             rstd_s = 1.0 / tl.sqrt(ss / d + eps * scale * scale)
-            tl.store(y_ptr + offs, (w * z * rstd_s[:, None]).to(y_ptr.dtype.element_ty), mask=mask)
+            if HF_ORDER:
+                y = w * (z * rstd_s[:, None]).to(y_ptr.dtype.element_ty).to(acc_ty)
+            else:
+                y = w * z * rstd_s[:, None]
+            tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
         tl.store(rstd_ptr + row, rstd_s * scale, mask=row_mask)  # subnormal once r > 2^126 (fp32): ≥ 21 bits
 
 
@@ -140,6 +163,7 @@ def _rms_norm_bwd_kernel(
     BLOCK_D: tl.constexpr,
     WIDE: tl.constexpr,  # rows too wide for registers: two passes over BLOCK_D chunks, and the
                          # partials accumulate in their own (L2-resident) rows
+    HAS_SHIFT: tl.constexpr,  # δ given (else δ = 0: s_ptr and ds_partial_ptr are not touched)
 ):
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
@@ -148,11 +172,12 @@ def _rms_norm_bwd_kernel(
     if WIDE:
         for c0 in range(0, d, BLOCK_D):
             tl.store(dw_partial_ptr + pid * d + c0 + cols, tl.zeros((BLOCK_D,), acc_ty), mask=c0 + cols < d)
-            tl.store(ds_partial_ptr + pid * d + c0 + cols, tl.zeros((BLOCK_D,), acc_ty), mask=c0 + cols < d)
+            if HAS_SHIFT:
+                tl.store(ds_partial_ptr + pid * d + c0 + cols, tl.zeros((BLOCK_D,), acc_ty), mask=c0 + cols < d)
     else:
         col_mask = cols < d
         w = tl.load(w_ptr + cols, mask=col_mask, other=0.0)[None, :]
-        s = tl.load(s_ptr + cols, mask=col_mask, other=0.0)[None, :]
+        s = _load_shift(s_ptr, cols, col_mask, HAS_SHIFT)[None, :]
         dw_acc = tl.zeros((BLOCK_D,), acc_ty)
         ds_acc = tl.zeros((BLOCK_D,), acc_ty)
     for first in range(pid * ROWS_PER_STEP, rows, programs * ROWS_PER_STEP):
@@ -166,7 +191,7 @@ def _rms_norm_bwd_kernel(
                 mask = row_mask[:, None] & cm[None, :]
                 offs = row[:, None] * d + (c0 + cols)[None, :]
                 wc = tl.load(w_ptr + c0 + cols, mask=cm, other=0.0)[None, :]
-                sc = tl.load(s_ptr + c0 + cols, mask=cm, other=0.0)[None, :]
+                sc = _load_shift(s_ptr, c0 + cols, cm, HAS_SHIFT)[None, :]
                 x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(acc_ty)
                 g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(acc_ty)
                 c += tl.sum(g * wc * (tl.where(mask, x + sc, 0.0) * rstd), axis=1)
@@ -176,17 +201,18 @@ def _rms_norm_bwd_kernel(
                 mask = row_mask[:, None] & cm[None, :]
                 offs = row[:, None] * d + (c0 + cols)[None, :]
                 wc = tl.load(w_ptr + c0 + cols, mask=cm, other=0.0)[None, :]
-                sc = tl.load(s_ptr + c0 + cols, mask=cm, other=0.0)[None, :]
+                sc = _load_shift(s_ptr, c0 + cols, cm, HAS_SHIFT)[None, :]
                 x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(acc_ty)
                 g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(acc_ty)
                 z_hat = tl.where(mask, x + sc, 0.0) * rstd
                 dz = (g * wc - c * z_hat) * rstd
                 tl.store(dx_ptr + offs, dz.to(dx_ptr.dtype.element_ty), mask=mask)
                 dw_row = dw_partial_ptr + pid * d + c0 + cols
-                ds_row = ds_partial_ptr + pid * d + c0 + cols
                 # Each thread re-reads only what it wrote itself.
                 tl.store(dw_row, tl.load(dw_row, mask=cm) + tl.sum(g * z_hat, axis=0), mask=cm)
-                tl.store(ds_row, tl.load(ds_row, mask=cm) + tl.sum(dz, axis=0), mask=cm)
+                if HAS_SHIFT:
+                    ds_row = ds_partial_ptr + pid * d + c0 + cols
+                    tl.store(ds_row, tl.load(ds_row, mask=cm) + tl.sum(dz, axis=0), mask=cm)
         else:
             mask = row_mask[:, None] & col_mask[None, :]
             offs = row[:, None] * d + cols[None, :]
@@ -201,7 +227,8 @@ def _rms_norm_bwd_kernel(
             ds_acc += tl.sum(dz, axis=0)
     if not WIDE:
         tl.store(dw_partial_ptr + pid * d + cols, dw_acc, mask=col_mask)
-        tl.store(ds_partial_ptr + pid * d + cols, ds_acc, mask=col_mask)
+        if HAS_SHIFT:
+            tl.store(ds_partial_ptr + pid * d + cols, ds_acc, mask=col_mask)
 
 
 # Bytes a thread loads from each row per step: one 128-bit access.
@@ -258,9 +285,10 @@ def _sms(device: torch.device) -> int | None:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else None
 
 
-def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, shift: torch.Tensor,
-                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Launch the forward on contiguous ``x (rows, d)``; returns ``(y, rstd)``."""
+def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, shift: torch.Tensor | None,
+                     eps: float, hf_order: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launch the forward on contiguous ``x (rows, d)``; returns ``(y, rstd)``.
+    ``shift=None``: δ = 0; ``hf_order``: Hugging Face's rounding order."""
     rows, d = x.shape
     acc = compute_dtype(x.dtype)
     y = empty_output((rows, d), dtype=x.dtype, device=x.device)
@@ -268,28 +296,32 @@ def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, shift: torch.Tensor,
     if rows == 0:
         return y, rstd
     cfg = _launch_config(rows, d, x.element_size(), 1, _sms(x.device))
+    w = weight.to(acc).contiguous()
     _rms_norm_fwd_kernel[(cfg.programs,)](
-        x, weight.to(acc).contiguous(), shift.to(acc).contiguous(), y, rstd, rows, d, eps,
+        x, w, w if shift is None else shift.to(acc).contiguous(), y, rstd, rows, d, eps,
         ROWS_PER_STEP=cfg.rows_per_step, BLOCK_D=cfg.block_d, IS_FP64=acc == torch.float64, WIDE=cfg.wide,
-        num_warps=cfg.num_warps)
+        HAS_SHIFT=shift is not None, HF_ORDER=bool(hf_order), num_warps=cfg.num_warps)
     return y, rstd
 
 
 def rms_norm_backward(grad_y, x, weight, shift, rstd):
-    """Launch the backward; returns ``(grad_x, grad_weight, grad_shift)``."""
+    """Launch the backward; returns ``(grad_x, grad_weight, grad_shift)`` (``grad_shift``
+    None when ``shift`` is)."""
     rows, d = x.shape
     acc = compute_dtype(x.dtype)
     grad_x = empty_output((rows, d), dtype=x.dtype, device=x.device)
     if rows == 0:
-        return grad_x, torch.zeros_like(weight), torch.zeros_like(shift)
+        return grad_x, torch.zeros_like(weight), None if shift is None else torch.zeros_like(shift)
     cfg = _launch_config(rows, d, x.element_size(), 2, _sms(x.device))
     dw_partial = empty_output((cfg.programs, d), dtype=acc, device=x.device)
-    ds_partial = empty_output((cfg.programs, d), dtype=acc, device=x.device)
+    ds_partial = dw_partial if shift is None else empty_output((cfg.programs, d), dtype=acc, device=x.device)
+    w = weight.to(acc).contiguous()
     _rms_norm_bwd_kernel[(cfg.programs,)](
-        grad_y, x, weight.to(acc).contiguous(), shift.to(acc).contiguous(), rstd, grad_x, dw_partial, ds_partial,
-        rows, d, ROWS_PER_STEP=cfg.rows_per_step, BLOCK_D=cfg.block_d, WIDE=cfg.wide,
+        grad_y, x, w, w if shift is None else shift.to(acc).contiguous(), rstd, grad_x, dw_partial, ds_partial,
+        rows, d, ROWS_PER_STEP=cfg.rows_per_step, BLOCK_D=cfg.block_d, WIDE=cfg.wide, HAS_SHIFT=shift is not None,
         num_warps=cfg.num_warps)
-    return grad_x, dw_partial.sum(0).to(weight.dtype), ds_partial.sum(0).to(shift.dtype)
+    grad_shift = None if shift is None else ds_partial.sum(0).to(shift.dtype)
+    return grad_x, dw_partial.sum(0).to(weight.dtype), grad_shift
 
 
 # GPU test shapes (tests/test_gpu.py and the float64 gradcheck of tests/test_rms_norm.py,
@@ -318,10 +350,19 @@ def aot_launches(sms: int):
         fwd = _launch_config(rows, d, element_size, 1, sms)
         yield Launch(_rms_norm_fwd_kernel, (P(dtype), P(acc), P(acc), P(dtype), P(acc), rows, d, 1e-6),
                      dict(ROWS_PER_STEP=fwd.rows_per_step, BLOCK_D=fwd.block_d, IS_FP64=acc == torch.float64,
-                          WIDE=fwd.wide),
+                          WIDE=fwd.wide, HAS_SHIFT=True, HF_ORDER=False),
                      fwd.num_warps, DEFAULT_NUM_STAGES, fwd.programs, case)
         bwd = _launch_config(rows, d, element_size, 2, sms)
         yield Launch(_rms_norm_bwd_kernel, (P(dtype), P(dtype), P(acc), P(acc), P(acc), P(dtype), P(acc), P(acc),
                                             rows, d),
-                     dict(ROWS_PER_STEP=bwd.rows_per_step, BLOCK_D=bwd.block_d, WIDE=bwd.wide),
+                     dict(ROWS_PER_STEP=bwd.rows_per_step, BLOCK_D=bwd.block_d, WIDE=bwd.wide, HAS_SHIFT=True),
                      bwd.num_warps, DEFAULT_NUM_STAGES, bwd.programs, case)
+        if case.startswith("bench"):  # the Hugging Face variant (patch_hf): no δ, HF's rounding order
+            yield Launch(_rms_norm_fwd_kernel, (P(dtype), P(acc), P(acc), P(dtype), P(acc), rows, d, 1e-6),
+                         dict(ROWS_PER_STEP=fwd.rows_per_step, BLOCK_D=fwd.block_d, IS_FP64=acc == torch.float64,
+                              WIDE=fwd.wide, HAS_SHIFT=False, HF_ORDER=True),
+                         fwd.num_warps, DEFAULT_NUM_STAGES, fwd.programs, case + " hf")
+            yield Launch(_rms_norm_bwd_kernel, (P(dtype), P(dtype), P(acc), P(acc), P(acc), P(dtype), P(acc), P(acc),
+                                                rows, d),
+                         dict(ROWS_PER_STEP=bwd.rows_per_step, BLOCK_D=bwd.block_d, WIDE=bwd.wide, HAS_SHIFT=False),
+                         bwd.num_warps, DEFAULT_NUM_STAGES, bwd.programs, case + " hf")
