@@ -318,25 +318,37 @@ def _cuda_constant(stem: str, name: str) -> int:
     return int(eval(expr, {"__builtins__": {}}))  # noqa: S307 - products of integer constants
 
 
+def _split_args(text: str) -> list[str]:
+    """Top-level comma-separated arguments of ``text`` (brackets and templates nest)."""
+    depth, args, cur = 0, [], ""
+    for ch in text:
+        if ch in "([<":
+            depth += 1
+        elif ch in ")]>":
+            depth -= 1
+        if ch == "," and depth == 0:
+            args.append(cur.strip())
+            cur = ""
+        else:
+            cur += ch
+    args.append(cur.strip())
+    return args
+
+
 def _launches(stem: str) -> dict[str, tuple[list[str], int]]:
-    """``{kernel name: (launch arguments, offset in the source)}`` for every
-    ``kernel<…><<<grid, block, smem, stream>>>`` of ``csrc/cuda/<stem>.cu``."""
+    """``{kernel name: ([grid, block, smem, stream, …], offset in the source)}`` for every
+    launch in ``csrc/cuda/<stem>.cu``: ``launch_kernel(kernel<…>, grid, block, smem, stream,
+    …)`` (the launch helper, csrc/include/wiola/cuda_launch.cuh) or ``kernel<…><<<grid,
+    block, smem, stream>>>``."""
     text = (REPO / "csrc" / "cuda" / f"{stem}.cu").read_text()
     out = {}
     for m in re.finditer(r"(\w+)(?:<[^<>;]*>)?<<<(.*?)>>>", text, re.S):
-        depth, args, cur = 0, [], ""
-        for ch in m.group(2):
-            if ch in "([<":
-                depth += 1
-            elif ch in ")]>":
-                depth -= 1
-            if ch == "," and depth == 0:
-                args.append(cur.strip())
-                cur = ""
-            else:
-                cur += ch
-        args.append(cur.strip())
-        out[m.group(1)] = (args, m.start())
+        out[m.group(1)] = (_split_args(m.group(2)), m.start())
+    for m in re.finditer(r"\blaunch_kernel\((.*?)\);", text, re.S):
+        args = _split_args(m.group(1))
+        name = re.match(r"\w+", args[0])
+        if name:
+            out[name.group(0)] = (args[1:], m.start())
     return out
 
 
@@ -400,7 +412,7 @@ def cuda_records(archs=tuple(GPUS)) -> list[dict]:
         for raw, dem in zip(mangled, _demangle(mangled)):
             base, full = _short_name(dem)
             if base not in blocks:
-                raise ValueError(f"{stem}.cu: no <<<…>>> launch of {base} found (block size unknown)")
+                raise ValueError(f"{stem}.cu: no launch of {base} found (block size unknown)")
             memory_bound = stem == "atm"
             grid = ATM_GRIDS[base](**ATM_BENCH) if memory_bound and "bfloat16" in full else None
             records.append(_record(f"{stem}::{full}", "cuda", gpu, *analysed[raw],
