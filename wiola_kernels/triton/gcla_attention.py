@@ -51,8 +51,7 @@ FlashAttention; garbage past ``len_b`` is never read.
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Iterator, Optional
 
 import torch
@@ -77,32 +76,21 @@ MAX_HEAD_DIM = 256
 # ---------------------------------------------------------------------------------------------
 
 @triton.jit
-def _cross_softmax(qq, kc_base, vc_base, rows, row_ok, cols, L, c,
-                   HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, PER_ROW: tl.constexpr):
-    """Streaming softmax over the Λ' ≥ 1 summary slots for a block of rows: ``(m, l, O^cross)``
-    with the un-rotated ``qq`` (natural exp; Λ' is a handful, so CUDA cores). S = T: row i
-    reads its own slot row i (rows past the length read 0); S = 1: one slot row for all."""
-    m = tl.full([BLOCK_M], float("-inf"), qq.dtype)
-    l = tl.full([BLOCK_M], 0.0, qq.dtype)
-    acc = tl.full([BLOCK_M, BLOCK_D], 0.0, qq.dtype)
-    col_ok = cols < HEAD_DIM
-    for lam in range(0, L):
-        if PER_ROW:
-            offs = (rows.to(tl.int64)[:, None] * L + lam) * HEAD_DIM + cols[None, :]
-            ld_ok = row_ok[:, None] & col_ok[None, :]
-        else:
-            offs = lam * HEAD_DIM + cols[None, :]
-            ld_ok = col_ok[None, :]
-        kc = tl.load(kc_base + offs, mask=ld_ok, other=0.0).to(qq.dtype)
-        vc = tl.load(vc_base + offs, mask=ld_ok, other=0.0).to(qq.dtype)
-        z = tl.sum(qq * kc, 1) * c
+def _cross_stats(qq, kc_base, ctx_offs, ctx_ok, L, c, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Softmax statistics ``(m, l)`` over the Λ' ≥ 1 summary slots for a block of rows, with the
+    un-rotated ``qq`` (natural exp; Λ' is a handful, so CUDA cores). Slot λ of the rows sits at
+    ``kc_base + ctx_offs + λ·d_h`` (a tile for S = T, one shared row for S = 1). The callers
+    re-read the slots for their second pass rather than keep an O^cross tile alive: fewer
+    registers, and the re-reads hit L1/L2."""
+    m = tl.full([BLOCK_M], float("-inf"), c.dtype)
+    l = tl.full([BLOCK_M], 0.0, c.dtype)
+    for lam in tl.range(0, L, num_stages=1):
+        kc = tl.load(kc_base + ctx_offs + lam * HEAD_DIM, mask=ctx_ok, other=0.0)
+        z = tl.sum(qq.to(c.dtype) * kc.to(c.dtype), 1) * c
         m_new = tl.maximum(m, z)
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(z - m_new)
-        l = l * alpha + p
-        acc = acc * alpha[:, None] + p[:, None] * vc
+        l = l * tl.exp(m - m_new) + tl.exp(z - m_new)
         m = m_new
-    return m, l, acc / l[:, None]
+    return m, l
 
 
 @triton.jit
@@ -193,6 +181,30 @@ def _gcla_fwd_kernel(
     sig = 1.0 / (1.0 + tl.exp(-tl.load(gate_ptr + h)))  # σ(g_h); its dtype is the accumulation dtype
     # c = 1/√d_h formed here: a Python float argument would be typed float32 (too coarse for float64).
     c = 1.0 / tl.sqrt(tl.full((), HEAD_DIM, sig.dtype))
+    st_ok = (rows < T)[:, None] & (cols < HEAD_DIM)[None, :]
+
+    # The cross part first, while no softmax state is live: σ(g_h)·O^cross is parked in the
+    # output rows of this block and picked up by the epilogue (done in the epilogue itself it
+    # would hold an O tile, q, kc and vc at once and spill at d_h = 128).
+    if HAS_CROSS:
+        qq = tl.load(q_ptr + q_base + offs, mask=tile_ok, other=0.0)
+        ctx_base = bh.to(tl.int64) * (T if PER_ROW else 1) * L * HEAD_DIM
+        if PER_ROW:  # row i reads its own slot row i (rows past the length read 0)
+            ctx_offs = rows.to(tl.int64)[:, None] * (L * HEAD_DIM) + cols[None, :]
+            ctx_ok = tile_ok
+        else:  # one slot row shared by every position
+            ctx_offs = cols[None, :]
+            ctx_ok = (cols < HEAD_DIM)[None, :]
+        m_c, l_c = _cross_stats(qq, kc_ptr + ctx_base, ctx_offs, ctx_ok, L, c, HEAD_DIM, BLOCK_M)
+        w = sig / l_c
+        o_cross = tl.full([BLOCK_M, BLOCK_D], 0.0, sig.dtype)
+        for lam in tl.range(0, L, num_stages=1):  # σ Σ_λ a_λ vc_λ
+            kc = tl.load(kc_ptr + ctx_base + ctx_offs + lam * HEAD_DIM, mask=ctx_ok, other=0.0)
+            vc = tl.load(vc_ptr + ctx_base + ctx_offs + lam * HEAD_DIM, mask=ctx_ok, other=0.0)
+            z = tl.sum(qq.to(sig.dtype) * kc.to(sig.dtype), 1) * c
+            o_cross += (w * tl.exp(z - m_c))[:, None] * vc.to(sig.dtype)
+        tl.store(out_ptr + q_base + offs, o_cross.to(out_ptr.dtype.element_ty), mask=st_ok)
+
     if F64:
         c_exp = c
     else:
@@ -210,7 +222,7 @@ def _gcla_fwd_kernel(
         acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_rot_ptr + kv_base, v_ptr + kv_base, rows, n0, length, c_exp,
                                    HEAD_DIM, BLOCK_N, BLOCK_D, True, F64, PRECISION, UPCAST)
 
-    # Epilogue: normalise, add σ(g_h)·O^cross, zero the rows past the length, write once.
+    # Epilogue: normalise, add the parked cross part, zero the rows past the length, write.
     l_safe = tl.where(row_ok, l_i, 1.0)
     o = acc / l_safe[:, None]
     if F64:
@@ -218,13 +230,10 @@ def _gcla_fwd_kernel(
     else:
         lse = (m_i + tl.log2(l_safe)) * 0.6931471805599453
     if HAS_CROSS:
-        qq = tl.load(q_ptr + q_base + offs, mask=tile_ok, other=0.0).to(sig.dtype)
-        ctx_base = bh.to(tl.int64) * (T if PER_ROW else 1) * L * HEAD_DIM
-        _m, _l, o_cross = _cross_softmax(qq, kc_ptr + ctx_base, vc_ptr + ctx_base, rows, row_ok, cols, L, c,
-                                         HEAD_DIM, BLOCK_M, BLOCK_D, PER_ROW)
-        o = o + sig * o_cross
+        tl.debug_barrier()  # the parked values were stored by other threads of this program
+        o += tl.load(out_ptr + q_base + offs, mask=st_ok, other=0.0).to(sig.dtype)
     o = tl.where(row_ok[:, None], o, 0.0)
-    tl.store(out_ptr + q_base + offs, o.to(out_ptr.dtype.element_ty), mask=(rows < T)[:, None] & (cols < HEAD_DIM)[None, :])
+    tl.store(out_ptr + q_base + offs, o.to(out_ptr.dtype.element_ty), mask=st_ok)
     tl.store(lse_ptr + bh.to(tl.int64) * T + rows, tl.where(row_ok, lse, 0.0), mask=rows < T)
 
 
@@ -313,45 +322,49 @@ def _gcla_bwd_dq_kernel(
     c = 1.0 / tl.sqrt(tl.full((), HEAD_DIM, sig.dtype))
     # dO past the length reads as 0, so it reaches no gradient.
     do = tl.load(do_ptr + q_base + offs, mask=tile_ok, other=0.0)
-    dof = do.to(sig.dtype)
-    o = tl.load(out_ptr + q_base + offs, mask=tile_ok, other=0.0).to(sig.dtype)
+    o = tl.load(out_ptr + q_base + offs, mask=tile_ok, other=0.0)
+    delta = tl.sum(do.to(sig.dtype) * o.to(sig.dtype), 1)  # dO·O; minus σ dO·O^cross below
 
-    # ---- the cross part (dq, dkc, dvc, the gate partial) and D ----
+    # ---- the cross part: dq, dkc, dvc, the gate partial; with t = dO·O^cross = Σ_λ a_λ dO·vc_λ,
+    # dz_λ = σ a_λ (dO·vc_λ − t), so three short passes over λ need no O^cross tile ----
+    dq = tl.full([BLOCK_M, BLOCK_D], 0.0, sig.dtype)
     if HAS_CROSS:
-        qq = tl.load(q_ptr + q_base + offs, mask=tile_ok, other=0.0).to(sig.dtype)
+        qq = tl.load(q_ptr + q_base + offs, mask=tile_ok, other=0.0)
         ctx_base = bh.to(tl.int64) * (T if PER_ROW else 1) * L * HEAD_DIM
-        m_c, l_c, o_cross = _cross_softmax(qq, kc_ptr + ctx_base, vc_ptr + ctx_base, rows, row_ok, cols, L, c,
-                                           HEAD_DIM, BLOCK_M, BLOCK_D, PER_ROW)
-        doc = sig * dof
-        doc_oc = tl.sum(doc * o_cross, 1)  # dOc·O^cross
-        dq = tl.full([BLOCK_M, BLOCK_D], 0.0, sig.dtype)
+        if PER_ROW:
+            ctx_offs = rows.to(tl.int64)[:, None] * (L * HEAD_DIM) + cols[None, :]
+            ctx_ok = tile_ok
+        else:
+            ctx_offs = cols[None, :]
+            ctx_ok = col_ok[None, :]
         part_base = (bh.to(tl.int64) * n_mb + mb) * L * HEAD_DIM  # S = 1: this block's partials
-        for lam in range(0, L):
-            if PER_ROW:
-                slot = (rows.to(tl.int64)[:, None] * L + lam) * HEAD_DIM + cols[None, :]
-                ld_ok = tile_ok
+        m_c, l_c = _cross_stats(qq, kc_ptr + ctx_base, ctx_offs, ctx_ok, L, c, HEAD_DIM, BLOCK_M)
+        t = tl.full([BLOCK_M], 0.0, sig.dtype)
+        for lam in tl.range(0, L, num_stages=1):  # t, and dvc_λ = σ a_λ dO
+            kc = tl.load(kc_ptr + ctx_base + ctx_offs + lam * HEAD_DIM, mask=ctx_ok, other=0.0)
+            vc = tl.load(vc_ptr + ctx_base + ctx_offs + lam * HEAD_DIM, mask=ctx_ok, other=0.0)
+            a = tl.exp(tl.sum(qq.to(sig.dtype) * kc.to(sig.dtype), 1) * c - m_c) / l_c
+            t += a * tl.sum(do.to(sig.dtype) * vc.to(sig.dtype), 1)
+            dvc = (sig * a)[:, None] * do.to(sig.dtype)
+            if PER_ROW:  # rows past the length hold exact zeros (dO reads 0 there)
+                tl.store(dvc_ptr + ctx_base + ctx_offs + lam * HEAD_DIM, dvc.to(dvc_ptr.dtype.element_ty), mask=st_ok)
             else:
-                slot = lam * HEAD_DIM + cols[None, :]
-                ld_ok = col_ok[None, :]
-            kc = tl.load(kc_ptr + ctx_base + slot, mask=ld_ok, other=0.0).to(sig.dtype)
-            vc = tl.load(vc_ptr + ctx_base + slot, mask=ld_ok, other=0.0).to(sig.dtype)
-            a = tl.exp(tl.sum(qq * kc, 1) * c - m_c) / l_c
-            dz = a * (tl.sum(doc * vc, 1) - doc_oc) * c  # c folded in: dq and dkc both take c·dz
-            dq += dz[:, None] * kc
-            dkc = dz[:, None] * qq
-            dvc = a[:, None] * doc
-            if PER_ROW:  # rows past the length hold exact zeros (dO, q, kc, vc read 0 there)
-                tl.store(dkc_ptr + ctx_base + slot, dkc.to(dkc_ptr.dtype.element_ty), mask=st_ok)
-                tl.store(dvc_ptr + ctx_base + slot, dvc.to(dvc_ptr.dtype.element_ty), mask=st_ok)
+                tl.store(dvc_ptr + part_base + lam * HEAD_DIM + cols, tl.sum(dvc, 0), mask=col_ok)
+        for lam in tl.range(0, L, num_stages=1):  # dq += c dz_λ kc_λ, dkc_λ = c dz_λ q
+            kc = tl.load(kc_ptr + ctx_base + ctx_offs + lam * HEAD_DIM, mask=ctx_ok, other=0.0)
+            vc = tl.load(vc_ptr + ctx_base + ctx_offs + lam * HEAD_DIM, mask=ctx_ok, other=0.0)
+            a = tl.exp(tl.sum(qq.to(sig.dtype) * kc.to(sig.dtype), 1) * c - m_c) / l_c
+            dz = (sig * c) * a * (tl.sum(do.to(sig.dtype) * vc.to(sig.dtype), 1) - t)
+            dq += dz[:, None] * kc.to(sig.dtype)
+            dkc = dz[:, None] * qq.to(sig.dtype)
+            if PER_ROW:
+                tl.store(dkc_ptr + ctx_base + ctx_offs + lam * HEAD_DIM, dkc.to(dkc_ptr.dtype.element_ty), mask=st_ok)
             else:
                 tl.store(dkc_ptr + part_base + lam * HEAD_DIM + cols, tl.sum(dkc, 0), mask=col_ok)
-                tl.store(dvc_ptr + part_base + lam * HEAD_DIM + cols, tl.sum(dvc, 0), mask=col_ok)
-        tl.store(dgate_ptr + bh.to(tl.int64) * n_mb + mb, sig * (1.0 - sig) * tl.sum(tl.sum(dof * o_cross, 1), 0))
-        delta = tl.sum(dof * (o - sig * o_cross), 1)
+        tl.store(dgate_ptr + bh.to(tl.int64) * n_mb + mb, sig * (1.0 - sig) * tl.sum(t, 0))
+        delta -= sig * t
     else:
-        dq = tl.full([BLOCK_M, BLOCK_D], 0.0, sig.dtype)
         tl.store(dgate_ptr + bh.to(tl.int64) * n_mb + mb, sig * 0.0)
-        delta = tl.sum(dof * o, 1)
     tl.store(dq_ptr + q_base + offs, tl.where(row_ok[:, None], dq, 0.0).to(dq_ptr.dtype.element_ty), mask=st_ok)
     tl.store(delta_ptr + bh.to(tl.int64) * T + rows, delta, mask=rows < T)
 
@@ -665,3 +678,103 @@ def gcla_attention_bwd(grad_out, q_rot, k_rot, v, q, kc, vc, gate, lengths, out,
         dvc = dvc.sum(2, keepdim=True).to(dt)
     dgate = dgate_part.sum((0, 2)).to(gate.dtype)
     return dq_rot, dk, dv, dq, dkc, dvc, dgate
+
+
+# ---------------------------------------------------------------------------------------------
+# Ahead-of-time compilation (no GPU needed)
+# ---------------------------------------------------------------------------------------------
+
+@dataclass
+class CompileConfig:
+    """One kernel instantiation as the JIT would compile it at a given launch: the pieces of
+    a ``triton.compiler.ASTSource`` plus the launch options. Integer arguments are specialised
+    the way the JIT specialises them (``1`` becomes a constexpr, multiples of 16 get the
+    divisibility hint), and pointers are assumed 16-byte aligned (as torch allocates them)."""
+
+    name: str
+    kernel: object                 # the @triton.jit function
+    signature: dict                # argument name -> "*bf16", "i32", …, or "constexpr"
+    constexprs: dict               # argument name -> value
+    attrs: dict                    # {(argument index,): [["tt.divisibility", 16]]}
+    num_warps: int
+    num_stages: int
+    grid: tuple
+
+    def source(self):
+        """The ``triton.compiler.ASTSource`` to hand to ``triton.compile``."""
+        from triton.compiler import ASTSource
+
+        return ASTSource(fn=self.kernel, signature=self.signature, constexprs=self.constexprs, attrs=self.attrs)
+
+    def compile(self, arch: int):
+        """``triton.compile`` for ``sm_<arch>`` (e.g. 90, 80); works without a GPU."""
+        from triton.backends.compiler import GPUTarget
+
+        target = GPUTarget("cuda", arch, 64 if arch >= 90 else 32)
+        return triton.compile(self.source(), target=target,
+                              options={"num_warps": self.num_warps, "num_stages": self.num_stages})
+
+
+def _specialise(launch: KernelLaunch) -> CompileConfig:
+    from triton.backends.compiler import BaseBackend
+    from triton.runtime.jit import native_specialize_impl
+
+    names = launch.kernel.arg_names
+    signature, constexprs, attrs = {}, dict(launch.constexprs), {}
+    runtime_names = [n for n in names if n not in launch.constexprs]
+    for name, arg in zip(runtime_names, launch.args):
+        ty, spec = native_specialize_impl(BaseBackend, arg, False, True, True)
+        if ty == "constexpr":
+            constexprs[name] = spec
+        else:
+            signature[name] = ty
+            if spec == "D":
+                attrs[(names.index(name),)] = [["tt.divisibility", 16]]
+    for name in constexprs:
+        signature[name] = "constexpr"
+    signature = {n: signature[n] for n in names}
+    return CompileConfig(launch.name, launch.kernel, signature, constexprs, attrs, launch.num_warps,
+                         launch.num_stages, launch.grid)
+
+
+def compile_configs(arch: int, batch: int, heads: int, kv_heads: int, seq_len: int, head_dim: int,
+                    dtype: torch.dtype = torch.bfloat16, slots: int = 2, summary: str = "causal",
+                    lengths: bool = False) -> Iterator[CompileConfig]:
+    """The forward, dq-pass and dk/dv-pass instantiations that a launch at this shape makes
+    on ``sm_<arch>``: what :func:`launch_config` picks, with the JIT's specialisation.
+
+    ``slots`` is Λ', ``summary`` ``"causal"`` (S = T) or ``"paper"`` (S = 1), ``lengths``
+    whether a lengths tensor is passed. For an AOT tool / GPU report::
+
+        for cfg in compile_configs(90, 4, 16, 4, 4096, 128):
+            kernel = cfg.compile(90)   # kernel.asm["cubin"], kernel.asm["sass"] ...
+    """
+    from triton.runtime.jit import MockTensor
+
+    check_head_dim(head_dim)
+    if summary not in ("causal", "paper"):
+        raise ValueError(f"summary must be 'causal' or 'paper', got {summary!r}")
+    acc = compute_dtype(dtype)
+    S = seq_len if summary == "causal" else 1
+    dims = (batch, heads, kv_heads, seq_len, head_dim, S, slots)
+    cfg = launch_config(head_dim, dtype, arch)
+    x, a, i64 = MockTensor(dtype), MockTensor(acc), MockTensor(torch.int64)
+    lens = i64 if lengths else None
+    yield _specialise(_fwd_launch(x, x, x, x, x, x, a, lens, x, a, dims, cfg, dtype, "cuda"))
+    ctx = x if S != 1 else a  # dkc/dvc: the gradients themselves (S = T) or float partials (S = 1)
+    for launch in _bwd_launches(x, x, x, x, x, x, x, a, lens, x, a, x, x, ctx, ctx, a, a, x, x, dims, cfg, dtype,
+                                "cuda"):
+        yield _specialise(launch)
+
+
+#: The shapes of ``python -m wiola_kernels bench --device cuda`` for GCLA (issue 11 §3).
+BENCH_SHAPES = tuple(dict(batch=4, heads=16, kv_heads=4, seq_len=4096, head_dim=d, dtype=torch.bfloat16)
+                     for d in (64, 128))
+
+
+def bench_compile_configs(arch: int) -> Iterator[CompileConfig]:
+    """Every instantiation the bench shapes launch on ``sm_<arch>``: both summary modes
+    (S = T without lengths, S = 1 with lengths) so that every constexpr branch is compiled."""
+    for shape in BENCH_SHAPES:
+        yield from compile_configs(arch, **shape, summary="causal", lengths=False)
+        yield from compile_configs(arch, **shape, summary="paper", lengths=True)
