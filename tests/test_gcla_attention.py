@@ -4,6 +4,7 @@ float64 reference and an independent naive float64 implementation."""
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import torch
@@ -525,3 +526,61 @@ def test_triton_gpu_vs_float64(dtype, B, H, H_kv, T, dh, mode, lens):
     for name, g, g2, rg in zip(NAMES, outs[0][1], outs[1][1], torch.autograd.grad(ref, ins64, grad)):
         close(g.cpu(), rg, tol, f"grad {name}", floor=1.0)
         assert torch.equal(g, g2), f"grad {name} not bitwise reproducible"
+
+
+# ---- compiled ahead of time for sm_90 / sm_80 at the bench shapes (no GPU needed) ----
+
+def _nvidia_toolchain() -> bool:
+    """Triton's NVIDIA backend with its bundled ptxas and cuobjdump."""
+    try:
+        import triton
+        from triton.backends.compiler import GPUTarget  # noqa: F401
+    except ImportError:
+        return False
+    bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    return all(os.access(os.path.join(bindir, name), os.X_OK) for name in ("ptxas", "cuobjdump"))
+
+
+SMEM_PER_BLOCK = {90: 227 * 1024, 80: 163 * 1024}  # opt-in shared memory per block (H100/H200, A100)
+
+# Runs in a child process: conftest sets TRITON_INTERPRET=1 here, and interpreted kernels
+# cannot be compiled.
+_AOT_SCRIPT = """
+import json, sys
+from wiola_kernels.triton import gcla_attention as tk
+arch, head_dim = int(sys.argv[1]), int(sys.argv[2])
+shape = next(s for s in tk.BENCH_SHAPES if s["head_dim"] == head_dim)
+rows = []
+for summary, lengths in (("causal", False), ("paper", True)):
+    for cfg in tk.compile_configs(arch, **shape, summary=summary, lengths=lengths):
+        use = tk.cubin_resources(cfg.compile(arch), arch)
+        rows.append(dict(use, kernel=cfg.name, summary=summary, block_m=cfg.constexprs["BLOCK_M"],
+                         block_n=cfg.constexprs["BLOCK_N"], num_warps=cfg.num_warps, num_stages=cfg.num_stages))
+print(json.dumps(rows))
+"""
+
+
+@pytest.mark.skipif(not _nvidia_toolchain(), reason="Triton's NVIDIA compile toolchain (ptxas, cuobjdump) is missing")
+@pytest.mark.parametrize("arch", [90, 80])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_aot_bench_shapes_no_spills_tensor_cores(arch, head_dim):
+    """Every GCLA Triton kernel at the bench shapes (bf16, B 4, H 16, H_kv 4, T 4096; causal
+    summaries without lengths and paper summaries with lengths), compiled as the JIT would
+    on sm_<arch>: no register spills, shared memory within the per-block limit, tensor-core
+    MMA instructions (HGMMA / HMMA) in the SASS."""
+    import json
+    import subprocess
+    import sys
+
+    env = dict(os.environ, TRITON_INTERPRET="0", TRITON_DEFAULT_FP_FUSION="1")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")])
+    done = subprocess.run([sys.executable, "-c", _AOT_SCRIPT, str(arch), str(head_dim)], capture_output=True,
+                          text=True, env=env, cwd=root, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = json.loads(done.stdout.strip().splitlines()[-1])
+    assert {r["kernel"] for r in rows} == {"_gcla_fwd_kernel", "_gcla_bwd_dq_kernel", "_gcla_bwd_dkv_kernel"}
+    for r in rows:
+        assert r["stack_bytes"] == 0 and r["local_bytes"] == 0 and r["spill_instructions"] == 0, r
+        assert r["shared_bytes"] <= SMEM_PER_BLOCK[arch], r
+        assert r["tensor_core_instructions"] > 0, r

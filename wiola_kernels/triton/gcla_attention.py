@@ -13,9 +13,12 @@ blocks first: the block's rotated queries stay in registers while key/value bloc
 of the diagonal need no mask at all (every key there is < the block's first row < len_b);
 the diagonal blocks get the causal and length mask; blocks above the diagonal and past
 ``len_b`` are never visited, and a block of rows that lies wholly past ``len_b`` does no
-attention work. The epilogue normalises, adds the Λ' summary slots — a streaming softmax
-over λ with the un-rotated ``q`` (slot row 0 for ``S = 1``, row ``i`` for ``S = T``) — scaled
-by ``σ(g_h)``, and writes ``O`` and ``lse`` once.
+attention work. The Λ' summary slots — a softmax over λ with the un-rotated ``q`` (slot row 0
+for ``S = 1``, row ``i`` for ``S = T``), scaled by ``σ(g_h)`` — are computed by the same
+program before its key loop, while no softmax state is live, and parked in the block's own
+output rows (in the output dtype); the epilogue normalises, adds them back, zeroes the rows
+past ``len_b`` and writes ``O`` and ``lse``. (Computed in the epilogue, next to the O tile,
+the slots spill registers at d_h = 128; the park costs one extra write and read of O.)
 
 Backward (``dO`` treated as 0 on rows ≥ len_b; ``P = exp(S − lse)`` recomputed)::
 
@@ -25,8 +28,10 @@ Backward (``dO`` treated as 0 on rows ≥ len_b; ``P = exp(S − lse)`` recomput
            dq = c Σ_λ dz kc,  dkc = c dz q,  dg_h = σ(1−σ) Σ dO·O^cross
 
 * dq pass, one program per (query block, b, h): the cross part (``dq``, ``dkc``, ``dvc``,
-  the gate partial) and ``D`` in its prologue, then ``dq̃`` over the key blocks at or left
-  of the diagonal. ``D`` goes to a (B, H, T) buffer for the next pass.
+  the gate partial) and ``D`` in its prologue — three short passes over λ (statistics;
+  ``t = dO·O^cross = Σ_λ a_λ dO·vc_λ`` and ``dvc``; ``dz_λ = σ a_λ (dO·vc_λ − t)``, ``dq``,
+  ``dkc``), so no O^cross tile is held — then ``dq̃`` over the key blocks at or left of the
+  diagonal. ``D`` goes to a (B, H, T) buffer for the next pass.
 * dk/dv pass, one program per (key block, b, kv group ``g``): it loops over the group's
   query heads ``h = g, g + H_kv, …`` in order and, per head, over the query blocks at or
   below the diagonal and below ``len_b``, accumulating ``dk̃, dV`` in registers. Each key
@@ -530,25 +535,33 @@ def check_head_dim(head_dim: int) -> None:
 def launch_config(head_dim: int, dtype: torch.dtype, arch: Optional[int]) -> LaunchConfig:
     """Blocks for ``head_dim`` and ``dtype`` on compute capability ``arch`` (e.g. 90, 80), or
     for the CPU interpreter (``arch=None``: small tiles, so that small test shapes still span
-    several blocks, and one warp, which the interpreter ignores anyway).
+    several blocks; warps mean nothing there).
 
-    GPU choices were checked ahead of time (tests/test_gcla_attention.py::test_aot_*): no
-    spills, shared memory within the per-block limit of sm_80 (163 KB) and sm_90 (227 KB).
+    The bf16/fp16 choices for d_h ≤ 64 and 128 were compiled ahead of time for sm_90 and sm_80
+    (tests/test_gcla_attention.py::test_aot_*): no spills, shared memory within the per-block
+    limit. The forward keeps 128-row query blocks where registers allow (64 at d_h 128 on
+    sm_80); the dq pass streams narrow key blocks under a tall query block, the dk/dv pass the
+    reverse, as in FlashAttention-2's Triton kernels. float32 (tf32x3) at d_h ≤ 64 is also
+    spill-free; at d_h 128 it is not (see below). d_h 256 is untuned.
     """
     if arch is None:
         return LaunchConfig(Blocks(32, 16, 1, 1), Blocks(32, 16, 1, 1), Blocks(16, 32, 1, 1))
     bd = block_d(head_dim)
     if dtype == torch.float64:
         return LaunchConfig(Blocks(32, 16, 4, 1), Blocks(32, 16, 4, 1), Blocks(16, 32, 4, 1))
-    if dtype == torch.float32:  # tiles twice the bytes, and tf32x3 splits each operand in two
+    if dtype == torch.float32:  # tiles of twice the bytes; tf32x3 splits every operand in two
         if bd <= 64:
-            return LaunchConfig(Blocks(64, 32, 4, 2), Blocks(64, 32, 4, 2), Blocks(32, 64, 4, 2))
-        return LaunchConfig(Blocks(64, 32, 8, 2), Blocks(64, 16, 8, 2), Blocks(16, 64, 8, 2))
+            return LaunchConfig(Blocks(64, 32, 4, 2), Blocks(64, 32, 8, 2), Blocks(16, 64, 4, 2))
+        # d_h 128 float32 still spills under tf32x3 (checked on sm_90: 72–232 bytes of stack
+        # with these, the least of those tried); float32 is not a training dtype here.
+        return LaunchConfig(Blocks(32, 32, 4, 2), Blocks(32, 32, 8, 2), Blocks(16, 32, 8, 2))
     if bd <= 64:
-        return LaunchConfig(Blocks(128, 64, 4, 3), Blocks(128, 32, 4, 3), Blocks(32, 128, 4, 3))
+        return LaunchConfig(Blocks(128, 64, 8, 3), Blocks(128, 32, 8, 3), Blocks(32, 128, 8, 3))
     if bd == 128:
-        return LaunchConfig(Blocks(128, 64, 8, 3), Blocks(128, 32, 8, 2), Blocks(32, 128, 8, 2))
-    return LaunchConfig(Blocks(64, 32, 4, 2), Blocks(64, 16, 4, 2), Blocks(16, 64, 4, 2))
+        if arch >= 90:
+            return LaunchConfig(Blocks(128, 64, 8, 3), Blocks(64, 64, 8, 2), Blocks(32, 64, 8, 2))
+        return LaunchConfig(Blocks(64, 64, 8, 2), Blocks(64, 64, 8, 2), Blocks(32, 64, 8, 2))
+    return LaunchConfig(Blocks(64, 32, 8, 2), Blocks(32, 32, 8, 2), Blocks(16, 32, 8, 2))
 
 
 def _device_arch(device: torch.device) -> Optional[int]:
@@ -778,3 +791,31 @@ def bench_compile_configs(arch: int) -> Iterator[CompileConfig]:
     for shape in BENCH_SHAPES:
         yield from compile_configs(arch, **shape, summary="causal", lengths=False)
         yield from compile_configs(arch, **shape, summary="paper", lengths=True)
+
+
+def cubin_resources(kernel, arch: int) -> dict:
+    """What a compiled kernel (``CompileConfig.compile``) needs per block, read from its cubin
+    with the ``cuobjdump`` that Triton's NVIDIA backend ships: registers per thread, stack and
+    local (spill) bytes, spill instructions (LDL/STL) and tensor-core MMA instructions
+    (HGMMA on sm_90, HMMA before) in the SASS, and shared memory (static + dynamic)."""
+    import os
+    import re
+    import subprocess
+    import tempfile
+
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "kernel.cubin")
+        with open(path, "wb") as f:
+            f.write(kernel.asm["cubin"])
+        usage = subprocess.run([cuobjdump, "--dump-resource-usage", path], capture_output=True, text=True,
+                               check=True).stdout
+        sass = subprocess.run([cuobjdump, "-sass", path], capture_output=True, text=True, check=True).stdout
+    m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", usage)
+    if m is None:
+        raise RuntimeError(f"cuobjdump printed no resource usage:\n{usage}")
+    reg, stack, static_smem, local = map(int, m.groups())
+    mma = "HGMMA" if arch >= 90 else "HMMA"
+    return dict(registers=reg, stack_bytes=stack, local_bytes=local, shared_bytes=static_smem + kernel.metadata.shared,
+                spill_instructions=len(re.findall(r"\b(?:LDL|STL)\b", sass)),
+                tensor_core_op=mma, tensor_core_instructions=len(re.findall(rf"\b{mma}\b", sass)))
