@@ -9,6 +9,7 @@ environment, never from probing a GPU. Environment knobs:
 * ``WIOLA_CPU_ARCH``       ``-march`` for the CPU kernels (default ``x86-64-v3``,
   i.e. AVX2+FMA, on x86-64; ``native`` for the build machine; ``none`` for no flag).
 * ``WIOLA_CUDA_ARCH``      CUDA architectures (default ``90``).
+* ``WIOLA_NO_CUDA_EMU=1``  leave out the CUDA kernels' CPU emulation (backend ``cuda_emu``).
 """
 
 from __future__ import annotations
@@ -41,6 +42,10 @@ def _extensions() -> tuple[list, dict]:
 
     sources = [os.path.relpath(p, HERE) for p in ["csrc/python_module.cpp", "csrc/wiola_ops.cpp", *sorted(glob.glob(f"{HERE}/csrc/cpu/*.cpp"))]]
     cxx = ["-O3", "-fopenmp", *_cpu_arch_flags()]  # torch picks the C++ standard
+    if os.environ.get("WIOLA_NO_CUDA_EMU", "0") != "1":
+        # The CUDA kernels compiled as host C++ for the SIMT emulator (test backend cuda_emu),
+        # in every build: on a GPU build too, so that scripts/gpu_check.sh compares the two.
+        sources += [os.path.relpath(p, HERE) for p in sorted(glob.glob(f"{HERE}/csrc/cuda/emu/*.cpp"))]
     with_cuda = os.environ.get("WIOLA_FORCE_CUDA", "0") == "1" or (
         torch.version.cuda is not None and CUDA_HOME is not None)
     if with_cuda:
@@ -64,6 +69,13 @@ setup(
     name="wiola-kernels",
     version="0.1.0",
     description="Fused Triton/CUDA/C++ kernels for the Wiola small-language-model architecture",
+    long_description=open(os.path.join(HERE, "README.md"), encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    # The contact SECURITY.md names for private reports (the address the project's commits use).
+    author="The wiola-kernels developers",
+    author_email="dev@wiola.local",
+    maintainer="The wiola-kernels developers",
+    maintainer_email="dev@wiola.local",
     packages=find_packages(include=["wiola_kernels", "wiola_kernels.*"])
     + find_packages(where="python", include=["wiola", "wiola.*"]),
     package_dir={"wiola": "python/wiola"},
@@ -73,6 +85,7 @@ setup(
     extras_require={
         "triton": ["triton"],
         "model": ["transformers>=4.45", "safetensors"],
+        "plot": ["matplotlib"],  # python -m wiola_kernels bench --plot
         "test": ["pytest", "pytest-benchmark", "hypothesis", "matplotlib", "triton"],
     },
     entry_points={"console_scripts": ["wiola-kernels=wiola_kernels.__main__:main"]},

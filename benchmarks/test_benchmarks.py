@@ -30,4 +30,10 @@ def test_bench(benchmark, case, pass_, impl):
     benchmark.group = f"{case.op} {case.shape} {pass_}"
     benchmark.extra_info.update(op=case.op, shape=case.shape, dtype=str(case.dtype), impl=impl)
     out = benchmark(run)
-    assert out is not None
+    # Timings are never asserted; what ran must still be a real result: the tensors the eager
+    # formula gives for this pass (same shapes), all finite.
+    want = make_pass(case, case.eager, pass_, case.make_inputs())()
+    got_t = [o for o in (out if isinstance(out, tuple) else (out,)) if isinstance(o, torch.Tensor)]
+    want_t = [o for o in (want if isinstance(want, tuple) else (want,)) if isinstance(o, torch.Tensor)]
+    assert [o.shape for o in got_t] == [o.shape for o in want_t]
+    assert all(torch.isfinite(o).all() for o in got_t if o.is_floating_point())

@@ -387,6 +387,30 @@ def test_int32_lengths_and_plain_attention():
 
 
 
+# ---- (B, T, H, d_h) passed instead of (B, H, T, d_h) (issue 15) --------------------------------
+
+@pytest.mark.parametrize("h_kv, s", [(2, 6), (4, 6), (4, 1)])
+def test_transposed_inputs_get_a_transpose_hint(h_kv, s):
+    gen = torch.Generator().manual_seed(0)
+    b, t, h, dh = 2, 6, 4, 8
+    q = torch.randn(b, t, h, dh, generator=gen)               # (B, T, H, d_h): the mistake
+    k, v = (torch.randn(b, t, h_kv, dh, generator=gen) for _ in range(2))
+    kc = torch.randn(b, h, s, 2, dh, generator=gen)           # context in the right layout, S ∈ {1, T}
+    gate = torch.zeros(h)
+    # H_kv < H: k_rot gives it away; H_kv = H: q/k/v agree in either layout, kc does.
+    with pytest.raises(ValueError, match=r"^(k_rot|kc) must have shape.*pass \.transpose\(1, 2\)"):
+        wiola_kernels.gcla_attention(q, k, v, q, kc, kc, gate)
+    empty = torch.zeros(b, t, 1, 0, dh)  # Λ' = 0 read with the (wrong) H = T heads: only the gate is left
+    if h_kv == h:
+        with pytest.raises(ValueError, match=r"^gate must have shape \(H,\) = \(6,\).*pass \.transpose\(1, 2\)"):
+            wiola_kernels.gcla_attention(q, k, v, q, empty, empty, gate)
+
+
+def test_gcla_docstring_states_the_layout_first():
+    head = wiola_kernels.gcla_attention.__doc__.split("\n\n")[1]
+    assert "(B, heads, T, d_h)" in head and ".transpose(1, 2)" in head and "H = H_kv = T" in head
+
+
 # ---- the Triton kernels (interpreter on CPU; tests/test_gpu-style checks on a GPU below) ----
 
 needs_triton = pytest.mark.skipif(not TRITON, reason="the triton backend needs TRITON_INTERPRET=1 on CPU tensors")
@@ -506,10 +530,11 @@ def test_triton_dispatch():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-@pytest.mark.parametrize("B, H, H_kv, T, dh, mode, lens", [
-    (2, 8, 2, 257, 64, "causal", [257, 100]), (1, 16, 4, 1000, 128, "paper", None), (3, 6, 3, 1, 64, "causal", [1, 0, 1]),
-])
+@pytest.mark.parametrize("dtype, B, H, H_kv, T, dh, mode, lens", [
+    (dtype, *case) for dtype in (torch.bfloat16, torch.float16, torch.float32)
+    for case in ((2, 8, 2, 257, 64, "causal", [257, 100]), (1, 16, 4, 1000, 128, "paper", None),
+                 (3, 6, 3, 1, 64, "causal", [1, 0, 1]))
+    if dtype != torch.float32 or case[4] == 64])  # the AOT-checked set: wiola_kernels/triton/gcla_attention.GPU_TEST_CASES
 def test_triton_gpu_vs_float64(dtype, B, H, H_kv, T, dh, mode, lens):
     """Compiled kernels on the device against the float64 oracle (SPEC §9), bitwise reproducible."""
     S = 1 if mode == "paper" else T

@@ -17,7 +17,7 @@ from . import dispatch
 #: SPEC §9 relative-error tolerances against the float64 reference.
 TOLERANCE = {
     "elementwise": {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-2},
-    "attention": {torch.float64: 1e-10, torch.float32: 1e-4, torch.bfloat16: 1e-2, torch.float16: 1e-2},
+    "attention": {torch.float64: 1e-12, torch.float32: 1e-4, torch.bfloat16: 1e-2, torch.float16: 1e-2},
 }
 
 

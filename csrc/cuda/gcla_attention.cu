@@ -17,13 +17,18 @@
 //   3. dk̃/dv: per (b, kv group, 32-key tile); each warp owns 8 keys and loops over the
 //             group's heads in order and the query tiles below the diagonal.
 //   4. fixed-order sums of the per-row partials: dgate (H,), and dkc/dvc when S = 1.
+#ifdef WIOLA_CUDA_EMU
+#include "emu/cuda_emu.h"  // host C++ build for the SIMT emulator (backend cuda_emu)
+#else
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#endif
 
 #include <cmath>
 
 #include "wiola/gcla_attention.h"
 #include "wiola/cuda_convert.cuh"
+#include "wiola/cuda_launch.cuh"
 
 namespace wiola::gcla {
 namespace {
@@ -36,6 +41,7 @@ constexpr int kRowsPerWarp = kTileQ / kWarps;
 constexpr int kKeysPerWarp = kTileK / kWarps;
 
 using wiola::cuda::from_float;
+using wiola::cuda::launch_kernel;
 using wiola::cuda::to_float;
 
 __device__ __forceinline__ float warp_sum(float x) {
@@ -495,7 +501,7 @@ cudaError_t forward_typed(const ForwardParams& p, cudaStream_t stream) {
   cudaError_t err = set_smem(forward_kernel<scalar_t, DH>, smem);
   if (err != cudaSuccess) return err;
   const dim3 grid(static_cast<unsigned>((p.T + kTileQ - 1) / kTileQ * p.B * p.H));
-  forward_kernel<scalar_t, DH><<<grid, kThreads, smem, stream>>>(p);
+  launch_kernel(forward_kernel<scalar_t, DH>, grid, kThreads, smem, stream, p);
   return cudaGetLastError();
 }
 
@@ -507,30 +513,30 @@ cudaError_t backward_typed(const BackwardParams& bp, cudaStream_t stream) {
   cudaError_t err = cudaSuccess;
   if (BH * p.T > 0) {
     const dim3 rows_grid(static_cast<unsigned>((p.T + kWarps - 1) / kWarps * BH));
-    rows_kernel<scalar_t, DH><<<rows_grid, kThreads, 0, stream>>>(bp);
+    launch_kernel(rows_kernel<scalar_t, DH>, rows_grid, kThreads, 0, stream, bp);
     if ((err = cudaGetLastError()) != cudaSuccess) return err;
 
     const size_t dq_smem = sizeof(float) * (2 * kTileQ * DH + 2 * kTileK * (DH + 1));
     if ((err = set_smem(dq_kernel<scalar_t, DH>, dq_smem)) != cudaSuccess) return err;
     const dim3 q_grid(static_cast<unsigned>((p.T + kTileQ - 1) / kTileQ * BH));
-    dq_kernel<scalar_t, DH><<<q_grid, kThreads, dq_smem, stream>>>(bp);
+    launch_kernel(dq_kernel<scalar_t, DH>, q_grid, kThreads, dq_smem, stream, bp);
     if ((err = cudaGetLastError()) != cudaSuccess) return err;
 
     const size_t kv_smem = sizeof(float) * ((2 * kTileK + 2 * kTileQ) * (DH + 1) + 2 * kTileQ);
     if ((err = set_smem(dkdv_kernel<scalar_t, DH>, kv_smem)) != cudaSuccess) return err;
     const dim3 k_grid(static_cast<unsigned>((p.T + kTileK - 1) / kTileK * p.B * p.Hkv));
-    dkdv_kernel<scalar_t, DH><<<k_grid, kThreads, kv_smem, stream>>>(bp);
+    launch_kernel(dkdv_kernel<scalar_t, DH>, k_grid, kThreads, kv_smem, stream, bp);
     if ((err = cudaGetLastError()) != cudaSuccess) return err;
   }
   if (shared && BH * p.L > 0) {
     const int64_t n = BH * p.L * DH;
     const unsigned blocks = static_cast<unsigned>((n + 255) / 256);
-    sum_rows_kernel<scalar_t><<<blocks, 256, 0, stream>>>(bp.dkc_rows, static_cast<scalar_t*>(bp.dkc), BH, p.T, p.L * DH);
-    sum_rows_kernel<scalar_t><<<blocks, 256, 0, stream>>>(bp.dvc_rows, static_cast<scalar_t*>(bp.dvc), BH, p.T, p.L * DH);
+    launch_kernel(sum_rows_kernel<scalar_t>, blocks, 256, 0, stream, bp.dkc_rows, static_cast<scalar_t*>(bp.dkc), BH, p.T, p.L * DH);
+    launch_kernel(sum_rows_kernel<scalar_t>, blocks, 256, 0, stream, bp.dvc_rows, static_cast<scalar_t*>(bp.dvc), BH, p.T, p.L * DH);
     if ((err = cudaGetLastError()) != cudaSuccess) return err;
   }
   if (p.H > 0) {
-    dgate_kernel<<<static_cast<unsigned>(p.H), 32, 0, stream>>>(bp.dgate_rows, bp.dgate, p.B, p.H, p.T);
+    launch_kernel(dgate_kernel, static_cast<unsigned>(p.H), 32, 0, stream, bp.dgate_rows, bp.dgate, p.B, p.H, p.T);
     err = cudaGetLastError();
   }
   return err;

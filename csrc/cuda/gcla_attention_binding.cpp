@@ -3,19 +3,22 @@
 // csrc/include/wiola/gcla_attention.h and launches on the current stream. float32, float16
 // and bfloat16 with d_h ∈ {64, 128} (wiola_kernels/ops/gcla_attention.py routes other
 // CUDA inputs, e.g. float64, to the reference).
-#include <c10/cuda/CUDAGuard.h>
-#include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
 #include <optional>
 
 #include "../cpu/common.h"
+#include "binding_device.h"
 #include "wiola/gcla_attention.h"
 
 namespace wiola::cuda_gcla {
 namespace {
 
 using wiola::cpu::empty_output;
+using wiola::WIOLA_CUDA_BINDING_NS::current_stream;
+using wiola::WIOLA_CUDA_BINDING_NS::DeviceGuard;
+using wiola::WIOLA_CUDA_BINDING_NS::kDevice;
+using wiola::WIOLA_CUDA_BINDING_NS::on_kernel_device;
 
 gcla::DType kernel_dtype(const at::Tensor& t) {
   switch (t.scalar_type()) {
@@ -34,8 +37,8 @@ gcla::DType kernel_dtype(const at::Tensor& t) {
 
 void check_cuda(const char* name, const at::Tensor& t, const at::Tensor& like, at::IntArrayRef sizes,
                 const char* layout) {
-  TORCH_CHECK_VALUE(t.is_cuda() && t.device() == like.device() && t.is_contiguous() && t.sizes() == sizes, name,
-                    " must be a contiguous CUDA tensor ", layout, " = ", sizes, " on ", like.device(), ", got ",
+  TORCH_CHECK_VALUE(on_kernel_device(t) && t.device() == like.device() && t.is_contiguous() && t.sizes() == sizes, name,
+                    " must be a contiguous ", kDevice, " tensor ", layout, " = ", sizes, " on ", like.device(), ", got ",
                     t.sizes(), " on ", t.device());
   TORCH_CHECK_TYPE(t.scalar_type() == like.scalar_type(), name, " must have dtype ", like.scalar_type(), ", got ",
                    t.scalar_type());
@@ -48,8 +51,8 @@ void check_launch(cudaError_t err, const char* what) {
 gcla::ForwardParams make_params(const at::Tensor& q_rot, const at::Tensor& k_rot, const at::Tensor& v,
                                 const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc,
                                 const at::Tensor& gate_f, const std::optional<at::Tensor>& lengths) {
-  TORCH_CHECK_VALUE(q_rot.is_cuda() && q_rot.dim() == 4 && q_rot.is_contiguous(),
-                    "q_rot must be a contiguous CUDA (B, H, T, d_h) tensor, got ", q_rot.sizes());
+  TORCH_CHECK_VALUE(on_kernel_device(q_rot) && q_rot.dim() == 4 && q_rot.is_contiguous(),
+                    "q_rot must be a contiguous ", kDevice, " (B, H, T, d_h) tensor, got ", q_rot.sizes());
   const int64_t B = q_rot.size(0), H = q_rot.size(1), T = q_rot.size(2), dh = q_rot.size(3);
   TORCH_CHECK_VALUE(gcla::supported_head_dim(dh), "the CUDA gcla_attention kernels support d_h in {64, 128}, got ",
                     dh);
@@ -64,11 +67,11 @@ gcla::ForwardParams make_params(const at::Tensor& q_rot, const at::Tensor& k_rot
   const int64_t S = kc.size(2), L = kc.size(3);
   check_cuda("kc", kc, q_rot, {B, H, S, L, dh}, "(B, H, S, L, d_h)");
   check_cuda("vc", vc, q_rot, {B, H, S, L, dh}, "(B, H, S, L, d_h)");
-  TORCH_CHECK_VALUE(gate_f.is_cuda() && gate_f.dim() == 1 && gate_f.size(0) == H, "gate must have shape (H,)");
+  TORCH_CHECK_VALUE(on_kernel_device(gate_f) && gate_f.dim() == 1 && gate_f.size(0) == H, "gate must have shape (H,)");
   if (lengths.has_value()) {
-    TORCH_CHECK_VALUE(lengths->is_cuda() && lengths->device() == q_rot.device() && lengths->dim() == 1 &&
+    TORCH_CHECK_VALUE(on_kernel_device(*lengths) && lengths->device() == q_rot.device() && lengths->dim() == 1 &&
                           lengths->size(0) == B && lengths->scalar_type() == at::kLong && lengths->is_contiguous(),
-                      "lengths must be a contiguous int64 CUDA tensor of shape (B,) = (", B, ",)");
+                      "lengths must be a contiguous int64 ", kDevice, " tensor of shape (B,) = (", B, ",)");
   }
   gcla::ForwardParams p{};
   p.q_rot = q_rot.const_data_ptr();
@@ -95,14 +98,14 @@ std::tuple<at::Tensor, at::Tensor> gcla_attention_fwd(const at::Tensor& q_rot, c
                                                       const at::Tensor& v, const at::Tensor& q, const at::Tensor& kc,
                                                       const at::Tensor& vc, const at::Tensor& gate,
                                                       const std::optional<at::Tensor>& lengths) {
-  const c10::cuda::CUDAGuard guard(q_rot.device());
+  const DeviceGuard guard(q_rot.device());
   const at::Tensor gate_f = gate.to(at::kFloat).contiguous();
   gcla::ForwardParams p = make_params(q_rot, k_rot, v, q, kc, vc, gate_f, lengths);
   at::Tensor out = empty_output(q_rot.sizes(), q_rot.options());
   at::Tensor lse = empty_output({p.B, p.H, p.T}, q_rot.options().dtype(at::kFloat));
   p.out = out.mutable_data_ptr();
   p.lse = lse.mutable_data_ptr<float>();
-  check_launch(gcla::launch_forward(p, c10::cuda::getCurrentCUDAStream()), "forward");
+  check_launch(gcla::launch_forward(p, current_stream()), "forward");
   return {out, lse};
 }
 
@@ -110,16 +113,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
     const at::Tensor& grad_out, const at::Tensor& q_rot, const at::Tensor& k_rot, const at::Tensor& v,
     const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& gate,
     const std::optional<at::Tensor>& lengths, const at::Tensor& out, const at::Tensor& lse) {
-  const c10::cuda::CUDAGuard guard(q_rot.device());
+  const DeviceGuard guard(q_rot.device());
   const at::Tensor gate_f = gate.to(at::kFloat).contiguous();
   gcla::BackwardParams bp{};
   bp.fwd = make_params(q_rot, k_rot, v, q, kc, vc, gate_f, lengths);
   const gcla::ForwardParams& p = bp.fwd;
   check_cuda("grad_out", grad_out, q_rot, q_rot.sizes(), "(B, H, T, d_h)");
   check_cuda("out", out, q_rot, q_rot.sizes(), "(B, H, T, d_h)");
-  TORCH_CHECK_VALUE(lse.is_cuda() && lse.is_contiguous() && lse.scalar_type() == at::kFloat &&
+  TORCH_CHECK_VALUE(on_kernel_device(lse) && lse.is_contiguous() && lse.scalar_type() == at::kFloat &&
                         lse.sizes() == at::IntArrayRef({p.B, p.H, p.T}),
-                    "lse must be a contiguous float32 CUDA tensor of shape (B, H, T)");
+                    "lse must be a contiguous float32 ", kDevice, " tensor of shape (B, H, T)");
   bp.fwd.out = const_cast<void*>(out.const_data_ptr());
   bp.fwd.lse = const_cast<float*>(lse.const_data_ptr<float>());
   bp.grad_out = grad_out.const_data_ptr();
@@ -145,13 +148,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
   bp.dgate_rows = bp.delta + p.B * p.H * p.T;
   bp.dkc_rows = shared ? rows.mutable_data_ptr<float>() : nullptr;
   bp.dvc_rows = shared ? bp.dkc_rows + p.B * p.H * p.T * p.L * p.dh : nullptr;
-  check_launch(gcla::launch_backward(bp, c10::cuda::getCurrentCUDAStream()), "backward");
+  check_launch(gcla::launch_backward(bp, current_stream()), "backward");
   return {dq_rot, dk_rot, dv, dq, dkc, dvc, dgate.to(gate.scalar_type())};
 }
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(wiola, CUDA, m) {
+WIOLA_CUDA_KERNELS_IMPL(m) {
   m.impl("_gcla_attention_fwd", &gcla_attention_fwd);
   m.impl("_gcla_attention_bwd", &gcla_attention_bwd);
 }

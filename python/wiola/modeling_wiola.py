@@ -51,6 +51,7 @@ from wiola_kernels.reference import dsff as dsff_reference
 from wiola_kernels.reference.rms_norm import compute_dtype
 
 from .configuration_wiola import WiolaConfig
+from .loading import check_checkpoint_path, portable_kernel_backend, quiet_load_report
 
 # WiolaRMSNorm (SPEC §3) and SpiralRotaryEmbedding (SPEC §4) are the wiola_kernels
 # modules: RMSNorm with a learned shift δ before the RMS, and the spiral rotary map.
@@ -298,12 +299,15 @@ class WiolaPreTrainedModel(PreTrainedModel):
         if kwargs.get("ignore_mismatched_sizes"):
             raise ValueError(f"{cls.__name__}.from_pretrained: ignore_mismatched_sizes=True is refused; loading is "
                              "strict (a mismatched tensor would be initialised at random)")
+        check_checkpoint_path(cls.__name__, pretrained_model_name_or_path, kwargs.get("subfolder") or "",
+                              local_files_only=bool(kwargs.get("local_files_only")))
         refuse_pickle_only_directory(cls.__name__, pretrained_model_name_or_path, kwargs.get("subfolder") or "")
         want_info = kwargs.pop("output_loading_info", False)
         kwargs["use_safetensors"] = True
         kwargs["ignore_mismatched_sizes"] = True  # report mismatches in the loading info, refused just below
-        model, info = super().from_pretrained(pretrained_model_name_or_path, *args, output_loading_info=True,
-                                              **kwargs)
+        with quiet_load_report():
+            model, info = super().from_pretrained(pretrained_model_name_or_path, *args, output_loading_info=True,
+                                                  **kwargs)
         problems = [f"missing {k}" for k in sorted(info["missing_keys"])]
         problems += [f"unexpected {k}" for k in sorted(info["unexpected_keys"])]
         problems += [f"{k}: shape {tuple(ckpt)} in the checkpoint, {tuple(want)} in the model"
@@ -312,6 +316,8 @@ class WiolaPreTrainedModel(PreTrainedModel):
         if problems:
             raise ValueError(f"{cls.__name__}.from_pretrained({str(pretrained_model_name_or_path)!r}): the checkpoint "
                              f"does not match the config; refusing a partial load: " + "; ".join(problems))
+        portable_kernel_backend(cls.__name__, model.config, next(model.parameters()).device,
+                                explicit="kernel_backend" in kwargs)
         return (model, info) if want_info else model
 
     def _init_weights(self, module: nn.Module) -> None:
@@ -372,6 +378,7 @@ class WiolaModel(WiolaPreTrainedModel):
         if past > 0 and cfg.gcla_summary == "paper":
             raise ValueError("gcla_summary='paper': summaries are means over the whole sequence, so a KV cache "
                              "cannot reproduce the full forward; call with use_cache=False (generate() does)")
+        check_attention_mask(attention_mask, b, past, t)
         lengths = right_padding_lengths(attention_mask, past, t)
         if position_ids is None:
             position_ids = torch.arange(past, past + t, device=x.device)
@@ -410,9 +417,35 @@ def check_input_ids(input_ids: object, vocab_size: int) -> None:
             raise ValueError(f"input_ids must lie in [0, vocab_size) = [0, {vocab_size}), got values in [{lo}, {hi}]")
 
 
+def check_attention_mask(attention_mask: object, b: int, past: int, t: int) -> None:
+    """``attention_mask`` is None or a ``(B, past + T)`` tensor (Hugging Face passes the
+    whole sequence's mask while decoding; ``(B, T)`` is accepted too). A mask of another
+    length is refused here, naming the mask, rather than later as bad ``lengths``."""
+    if attention_mask is None:
+        return
+    if not isinstance(attention_mask, Tensor):
+        raise TypeError(f"attention_mask must be a torch.Tensor, got {type(attention_mask).__name__}")
+    allowed = sorted({t, past + t})
+    if attention_mask.dim() != 2 or attention_mask.shape[0] != b or attention_mask.shape[1] not in allowed:
+        want = " or ".join(f"({b}, {n})" for n in allowed)
+        raise ValueError(f"attention_mask must have shape (B, cached + T) = {want}, one entry per position of "
+                         f"input_ids, got {tuple(attention_mask.shape)}")
+
+
+def check_labels(labels: object, shape: tuple[int, int]) -> None:
+    """``labels`` must be an integer ``(B, T)`` tensor like ``input_ids`` (−100 ignored)."""
+    if not isinstance(labels, Tensor):
+        raise TypeError(f"labels must be a torch.Tensor, got {type(labels).__name__}")
+    if labels.dtype.is_floating_point or labels.dtype.is_complex or labels.dtype == torch.bool:
+        raise TypeError(f"labels must be an integer tensor (token ids, -100 to ignore), got {labels.dtype}")
+    if tuple(labels.shape) != tuple(shape):
+        raise ValueError(f"labels must have the shape of input_ids (B, T) = {tuple(shape)}, got {tuple(labels.shape)}")
+
+
 def check_length(t: int, past: int, max_positions: int) -> None:
     """A forward needs ``T ≥ 1`` new positions and ``past + T ≤ max_position_embeddings``
-    (the longest sequence the model is defined for; SRPE itself has no limit)."""
+    (the longest sequence the model is defined for; SRPE itself stays accurate far beyond,
+    up to ``wiola_kernels.ops.srpe.max_accurate_position``, about 2^35)."""
     if t == 0:
         raise ValueError("input_ids is empty (T = 0): a forward needs at least one position")
     if past + t > max_positions:
@@ -434,6 +467,18 @@ def right_padding_lengths(attention_mask: Tensor | None, past: int, t: int) -> T
     if not torch.equal(mask, expected):
         raise ValueError("attention_mask: only right padding (ones, then zeros) is supported")
     return lengths
+
+
+def check_prompt_rank(prompt: object, inputs_embeds: bool = False) -> None:
+    """A ``generate`` prompt is a batch: ``(B, T)`` ids (``(B, T, d)`` embeddings). A 1-D
+    prompt would die deep inside Hugging Face with an IndexError."""
+    if not isinstance(prompt, Tensor):
+        return
+    want = 3 if inputs_embeds else 2
+    if prompt.dim() != want:
+        name, layout = ("inputs_embeds", "(B, T, d)") if inputs_embeds else ("input_ids", "(B, T)")
+        fix = "; for one sequence pass ids[None] (or ids.unsqueeze(0))" if prompt.dim() == want - 1 else ""
+        raise ValueError(f"generate: the prompt ({name}) must have shape {layout}, got {tuple(prompt.shape)}{fix}")
 
 
 def backend_scope(name: str) -> contextlib.AbstractContextManager:
@@ -487,6 +532,7 @@ class WiolaForCausalLM(WiolaPreTrainedModel, GenerationMixin):
             logits = self.lm_head(hidden)                                    # (B, T, V)
         loss = None
         if labels is not None:
+            check_labels(labels, (input_ids if input_ids is not None else inputs_embeds).shape[:2])
             loss = F.cross_entropy(logits[:, :-1].to(compute_dtype(logits.dtype)).reshape(-1, logits.shape[-1]),
                                    labels[:, 1:].reshape(-1).to(logits.device), ignore_index=-100)
         return CausalLMOutputWithPast(loss=loss, logits=logits, cache=out.cache)
@@ -511,6 +557,7 @@ class WiolaForCausalLM(WiolaPreTrainedModel, GenerationMixin):
         from; an empty prompt is not replaced by ``bos_token_id``)."""
         prompt = next((x for x in (inputs, kwargs.get("input_ids"), kwargs.get("inputs_embeds")) if x is not None),
                       None)
+        check_prompt_rank(prompt, inputs_embeds=prompt is kwargs.get("inputs_embeds"))
         if isinstance(prompt, Tensor) and prompt.dim() >= 2:
             if prompt.shape[1] == 0:
                 raise ValueError(f"generate: the prompt is empty (shape {tuple(prompt.shape)}); pass at least one "

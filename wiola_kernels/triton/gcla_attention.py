@@ -41,9 +41,11 @@ Backward (``dO`` treated as 0 on rows ≥ len_b; ``P = exp(S − lse)`` recomput
 
 Precision: scores, softmax statistics and accumulators in float32 (float64 for float64
 inputs); ``P`` and ``dS`` are rounded to the input dtype before their ``tl.dot`` (the
-FlashAttention convention for bf16/fp16). float32 inputs use ``input_precision="tf32x3"``:
-three TF32 tensor-core products per dot, accurate to about 2⁻²¹ relative (plain TF32,
-~2⁻¹¹, would miss SPEC §9's 1e-4 for attention; "ieee" would leave the tensor cores idle).
+FlashAttention convention for bf16/fp16). float32 inputs use ``input_precision="ieee"``:
+exact float32 products on the FMA units (TF32, ~2⁻¹¹ per product, would miss SPEC §9's 1e-4
+for attention; "tf32x3" keeps the tensor cores but triples the operand registers and spilled
+in every configuration tried at d_h 128, and on sm_80 at d_h 64). float32 is not the
+training dtype; bf16/fp16 are the tensor-core paths.
 
 Head widths: any even ``d_h`` up to 256; the tile width is the next power of two ≥ 16
 (``tl.dot`` needs a reduction dimension of at least 16), padded columns are masked. Powers
@@ -161,7 +163,7 @@ def _gcla_fwd_kernel(
     HAS_CROSS: tl.constexpr,         # Λ' > 0
     HAS_LEN: tl.constexpr,           # lengths given
     F64: tl.constexpr,               # float64 inputs: float64 statistics, natural exp
-    PRECISION: tl.constexpr,         # tl.dot input_precision ("tf32x3" for float32 inputs)
+    PRECISION: tl.constexpr,         # tl.dot input_precision ("ieee": exact float32 products)
     UPCAST: tl.constexpr,            # widen dot operands to float32 (interpreter, bfloat16 only)
 ):
     pid = tl.program_id(0)
@@ -541,20 +543,18 @@ def launch_config(head_dim: int, dtype: torch.dtype, arch: Optional[int]) -> Lau
     (tests/test_gcla_attention.py::test_aot_*): no spills, shared memory within the per-block
     limit. The forward keeps 128-row query blocks where registers allow (64 at d_h 128 on
     sm_80); the dq pass streams narrow key blocks under a tall query block, the dk/dv pass the
-    reverse, as in FlashAttention-2's Triton kernels. float32 (tf32x3) at d_h ≤ 64 is also
-    spill-free; at d_h 128 it is not (see below). d_h 256 is untuned.
+    reverse, as in FlashAttention-2's Triton kernels. float32 ("ieee") at d_h ≤ 64 is also
+    spill-free; its d_h 128 forward is not. d_h 256 is untuned (spills).
     """
     if arch is None:
         return LaunchConfig(Blocks(32, 16, 1, 1), Blocks(32, 16, 1, 1), Blocks(16, 32, 1, 1))
     bd = block_d(head_dim)
     if dtype == torch.float64:
         return LaunchConfig(Blocks(32, 16, 4, 1), Blocks(32, 16, 4, 1), Blocks(16, 32, 4, 1))
-    if dtype == torch.float32:  # tiles of twice the bytes; tf32x3 splits every operand in two
+    if dtype == torch.float32:  # exact float32 FMA products ("ieee"): no spills, no tensor cores
         if bd <= 64:
-            return LaunchConfig(Blocks(64, 32, 4, 2), Blocks(64, 32, 8, 2), Blocks(16, 64, 4, 2))
-        # d_h 128 float32 still spills under tf32x3 (checked on sm_90: 72–232 bytes of stack
-        # with these, the least of those tried); float32 is not a training dtype here.
-        return LaunchConfig(Blocks(32, 32, 4, 2), Blocks(32, 32, 8, 2), Blocks(16, 32, 8, 2))
+            return LaunchConfig(Blocks(64, 32, 8, 2), Blocks(64, 32, 8, 2), Blocks(16, 64, 4, 2))
+        return LaunchConfig(Blocks(32, 32, 8, 2), Blocks(32, 32, 8, 2), Blocks(16, 32, 8, 2))
     if bd <= 64:
         return LaunchConfig(Blocks(128, 64, 8, 3), Blocks(128, 32, 8, 3), Blocks(32, 128, 8, 3))
     if bd == 128:
@@ -572,7 +572,7 @@ def _device_arch(device: torch.device) -> Optional[int]:
 
 
 def _precision(dtype: torch.dtype) -> str:
-    return "tf32x3" if dtype == torch.float32 else "ieee"
+    return "ieee"
 
 
 def _upcast(dtype: torch.dtype, device_type: str) -> bool:
@@ -819,3 +819,40 @@ def cubin_resources(kernel, arch: int) -> dict:
     return dict(registers=reg, stack_bytes=stack, local_bytes=local, shared_bytes=static_smem + kernel.metadata.shared,
                 spill_instructions=len(re.findall(r"\b(?:LDL|STL)\b", sass)),
                 tensor_core_op=mma, tensor_core_instructions=len(re.findall(rf"\b{mma}\b", sass)))
+
+
+#: (B, H, H_kv, T, d_h, summary, lengths) × dtype that tests/test_gcla_attention.py::test_triton_gpu_vs_float64
+#: runs (float32 at d_h 64 only: at d_h 128 the float32 forward still spills).
+GPU_TEST_CASES = tuple(
+    [(case, dtype) for dtype in (torch.bfloat16, torch.float16)
+     for case in ((2, 8, 2, 257, 64, "causal", True), (1, 16, 4, 1000, 128, "paper", False),
+                  (3, 6, 3, 1, 64, "causal", True))]
+    + [((2, 8, 2, 257, 64, "causal", True), torch.float32), ((3, 6, 3, 1, 64, "causal", True), torch.float32)])
+
+
+def aot_launches(sms: int):
+    """Every launch of the three kernels at the GPU test shapes and the bench shapes (both
+    summary modes), for ``wiola_kernels/triton/aot.py`` (``gpu-report``). GCLA is compute
+    bound (tensor cores), so no bytes-in-flight target applies."""
+    from .aot import GPUS, DevicePointer, Launch
+
+    arch = next((g.capability for g in GPUS.values() if g.sms == sms), 90)
+    cases = [(f"test {c[:5]} {c[5]}{' lengths' if c[6] else ''} {dtype}", c, dtype) for c, dtype in GPU_TEST_CASES]
+    for s in BENCH_SHAPES:
+        for summary, lengths in (("causal", False), ("paper", True)):
+            c = (s["batch"], s["heads"], s["kv_heads"], s["seq_len"], s["head_dim"], summary, lengths)
+            cases.append((f"bench {c[:5]} {summary}{' lengths' if lengths else ''} {s['dtype']}", c, s["dtype"]))
+    for case, (b, h, h_kv, t, dh, summary, lengths), dtype in cases:
+        acc = compute_dtype(dtype)
+        S = t if summary == "causal" else 1
+        dims = (b, h, h_kv, t, dh, S, 2)
+        x, a, i64 = DevicePointer(dtype), DevicePointer(acc), DevicePointer(torch.int64)
+        lens = i64 if lengths else None
+        lcfg = launch_config(dh, dtype, arch)
+        ctx = x if S != 1 else a
+        plans = [_fwd_launch(x, x, x, x, x, x, a, lens, x, a, dims, lcfg, dtype, "cuda"),
+                 *_bwd_launches(x, x, x, x, x, x, x, a, lens, x, a, x, x, ctx, ctx, a, a, x, x, dims, lcfg, dtype,
+                                "cuda")]
+        for p in plans:
+            yield Launch(p.kernel, p.args, p.constexprs, p.num_warps, p.num_stages, p.grid[0], case,
+                         memory_bound=False)

@@ -9,7 +9,11 @@
 // unsupported head width (d_h ∈ {64, 128}), or the launch error; none synchronises.
 #pragma once
 
+#ifdef WIOLA_CUDA_EMU
+#include "../../cuda/emu/runtime.h"  // the SIMT emulator's runtime (test backend cuda_emu)
+#else
 #include <cuda_runtime_api.h>
+#endif
 
 #include <cstdint>
 
