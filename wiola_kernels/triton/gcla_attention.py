@@ -15,10 +15,11 @@ the diagonal blocks get the causal and length mask; blocks above the diagonal an
 ``len_b`` are never visited, and a block of rows that lies wholly past ``len_b`` does no
 attention work. The Λ' summary slots — a softmax over λ with the un-rotated ``q`` (slot row 0
 for ``S = 1``, row ``i`` for ``S = T``), scaled by ``σ(g_h)`` — are computed by the same
-program before its key loop, while no softmax state is live, and parked in the block's own
-output rows (in the output dtype); the epilogue normalises, adds them back, zeroes the rows
+program before its key loop, while no softmax state is live, and parked (in float32 scratch
+for 16-bit outputs, else in the block's own output rows); the epilogue normalises, adds them back, zeroes the rows
 past ``len_b`` and writes ``O`` and ``lse``. (Computed in the epilogue, next to the O tile,
-the slots spill registers at d_h = 128; the park costs one extra write and read of O.)
+the slots spill registers at d_h = 128; the park costs one extra write and read of a
+B·H·T·d_h tile set, in float32 for bf16/fp16.)
 
 Backward (``dO`` treated as 0 on rows ≥ len_b; ``P = exp(S − lse)`` recomputed)::
 
@@ -154,6 +155,7 @@ def _gcla_fwd_kernel(
     len_ptr,      # (B,) int64 lengths (read only when HAS_LEN)
     out_ptr,      # (B, H, T, d_h) out: O, input dtype
     lse_ptr,      # (B, H, T) out: log-sum-exp, accumulation dtype; 0 past the length
+    park_ptr,     # (B, H, T, d_h) scratch for σ·O^cross: float32 for 16-bit outputs, else out_ptr itself
     B, H, H_KV, T, L,                # sizes; L = Λ'
     HEAD_DIM: tl.constexpr,          # d_h
     BLOCK_M: tl.constexpr,           # query rows per program
@@ -190,9 +192,9 @@ def _gcla_fwd_kernel(
     c = 1.0 / tl.sqrt(tl.full((), HEAD_DIM, sig.dtype))
     st_ok = (rows < T)[:, None] & (cols < HEAD_DIM)[None, :]
 
-    # The cross part first, while no softmax state is live: σ(g_h)·O^cross is parked in the
-    # output rows of this block and picked up by the epilogue (done in the epilogue itself it
-    # would hold an O tile, q, kc and vc at once and spill at d_h = 128).
+    # The cross part first, while no softmax state is live: σ(g_h)·O^cross is parked (park_ptr)
+    # and picked up by the epilogue (done in the epilogue itself it would hold an O tile, q,
+    # kc and vc at once and spill at d_h = 128).
     if HAS_CROSS:
         qq = tl.load(q_ptr + q_base + offs, mask=tile_ok, other=0.0)
         ctx_base = bh.to(tl.int64) * (T if PER_ROW else 1) * L * HEAD_DIM
@@ -210,7 +212,7 @@ def _gcla_fwd_kernel(
             vc = tl.load(vc_ptr + ctx_base + ctx_offs + lam * HEAD_DIM, mask=ctx_ok, other=0.0)
             z = tl.sum(qq.to(sig.dtype) * kc.to(sig.dtype), 1) * c
             o_cross += (w * tl.exp(z - m_c))[:, None] * vc.to(sig.dtype)
-        tl.store(out_ptr + q_base + offs, o_cross.to(out_ptr.dtype.element_ty), mask=st_ok)
+        tl.store(park_ptr + q_base + offs, o_cross.to(park_ptr.dtype.element_ty), mask=st_ok)
 
     if F64:
         c_exp = c
@@ -238,7 +240,7 @@ def _gcla_fwd_kernel(
         lse = (m_i + tl.log2(l_safe)) * 0.6931471805599453
     if HAS_CROSS:
         tl.debug_barrier()  # the parked values were stored by other threads of this program
-        o += tl.load(out_ptr + q_base + offs, mask=st_ok, other=0.0).to(sig.dtype)
+        o += tl.load(park_ptr + q_base + offs, mask=st_ok, other=0.0).to(sig.dtype)
     o = tl.where(row_ok[:, None], o, 0.0)
     tl.store(out_ptr + q_base + offs, o.to(out_ptr.dtype.element_ty), mask=st_ok)
     tl.store(lse_ptr + bh.to(tl.int64) * T + rows, tl.where(row_ok, lse, 0.0), mask=rows < T)
@@ -575,6 +577,10 @@ def _precision(dtype: torch.dtype) -> str:
     return "ieee"
 
 
+def _needs_park(dims: tuple, dtype: torch.dtype) -> bool:
+    return dims[-1] > 0 and torch.finfo(dtype).bits == 16
+
+
 def _upcast(dtype: torch.dtype, device_type: str) -> bool:
     return dtype == torch.bfloat16 and device_type != "cuda"  # the interpreter's bf16 dot is wrong
 
@@ -598,12 +604,13 @@ class KernelLaunch:
 
 
 def _fwd_launch(q_rot, k_rot, v, q, kc, vc, gate_acc, lengths, out, lse, dims, cfg: LaunchConfig, dtype,
-                device_type):
+                device_type, park=None):
     B, H, H_kv, T, D, S, L = dims
     blk = cfg.fwd
     return KernelLaunch(
         "_gcla_fwd_kernel", _gcla_fwd_kernel, (triton.cdiv(T, blk.block_m) * B * H,),
-        (q_rot, k_rot, v, q, kc, vc, gate_acc, gate_acc if lengths is None else lengths, out, lse, B, H, H_kv, T, L),
+        (q_rot, k_rot, v, q, kc, vc, gate_acc, gate_acc if lengths is None else lengths, out, lse,
+         out if park is None else park, B, H, H_kv, T, L),
         dict(HEAD_DIM=D, BLOCK_M=blk.block_m, BLOCK_N=blk.block_n, BLOCK_D=block_d(D), PER_ROW=S != 1,
              HAS_CROSS=L > 0, HAS_LEN=lengths is not None, F64=dtype == torch.float64, PRECISION=_precision(dtype),
              UPCAST=_upcast(dtype, device_type)),
@@ -653,8 +660,11 @@ def gcla_attention_fwd(q_rot, k_rot, v, q, kc, vc, gate, lengths, config: Option
     if B * H * T == 0:
         return out, lse
     cfg = config or launch_config(D, q_rot.dtype, _device_arch(q_rot.device))
+    # σ·O^cross is parked between the kernel's prologue and epilogue: in float32 scratch for
+    # 16-bit outputs (a bf16 park adds a rounding that D = dO·(O − σ O^cross) then sees).
+    park = torch.empty(q_rot.shape, dtype=acc, device=q_rot.device) if _needs_park(dims, q_rot.dtype) else None
     _fwd_launch(q_rot, k_rot, v, q, kc, vc, gate.to(acc).contiguous(), lengths, out, lse, dims, cfg,
-                q_rot.dtype, q_rot.device.type).launch()
+                q_rot.dtype, q_rot.device.type, park).launch()
     return out, lse
 
 
@@ -773,7 +783,8 @@ def compile_configs(arch: int, batch: int, heads: int, kv_heads: int, seq_len: i
     cfg = launch_config(head_dim, dtype, arch)
     x, a, i64 = MockTensor(dtype), MockTensor(acc), MockTensor(torch.int64)
     lens = i64 if lengths else None
-    yield _specialise(_fwd_launch(x, x, x, x, x, x, a, lens, x, a, dims, cfg, dtype, "cuda"))
+    yield _specialise(_fwd_launch(x, x, x, x, x, x, a, lens, x, a, dims, cfg, dtype, "cuda",
+                                  a if _needs_park(dims, dtype) else None))
     ctx = x if S != 1 else a  # dkc/dvc: the gradients themselves (S = T) or float partials (S = 1)
     for launch in _bwd_launches(x, x, x, x, x, x, x, a, lens, x, a, x, x, ctx, ctx, a, a, x, x, dims, cfg, dtype,
                                 "cuda"):
@@ -850,7 +861,8 @@ def aot_launches(sms: int):
         lens = i64 if lengths else None
         lcfg = launch_config(dh, dtype, arch)
         ctx = x if S != 1 else a
-        plans = [_fwd_launch(x, x, x, x, x, x, a, lens, x, a, dims, lcfg, dtype, "cuda"),
+        plans = [_fwd_launch(x, x, x, x, x, x, a, lens, x, a, dims, lcfg, dtype, "cuda",
+                             a if _needs_park(dims, dtype) else None),
                  *_bwd_launches(x, x, x, x, x, x, x, a, lens, x, a, x, x, ctx, ctx, a, a, x, x, dims, lcfg, dtype,
                                 "cuda")]
         for p in plans:
