@@ -84,7 +84,7 @@ setup(
     install_requires=["torch>=2.6", "numpy", "tqdm"],
     extras_require={
         "triton": ["triton"],
-        "model": ["transformers>=4.45", "safetensors"],
+        "model": ["transformers>=5.24", "tokenizers", "safetensors"],  # transformers 5 APIs; 5.24 tested
         "plot": ["matplotlib"],  # python -m wiola_kernels bench --plot
         "test": ["pytest", "pytest-benchmark", "hypothesis", "matplotlib", "triton"],
     },

@@ -1,4 +1,4 @@
-"""``python -m wiola {train,generate,bench}`` (see ``--help`` of each)."""
+"""``python -m wiola {train,generate,bench,eval}`` (see ``--help`` of each)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ commands:
   train      train the tiny preset on the shipped English text (torchrun-ready)
   generate   continue a prompt from a checkpoint: generate --checkpoint DIR "prompt"
   bench      training-step benchmark: fused vs reference backends, ATM on vs off
+  eval       perplexity of a text file: eval --text FILE [--model DIR]
 
 Run python -m wiola COMMAND --help for a command's options. A mistake prints one line
 and exits with status 2 (WIOLA_TRACEBACK=1 shows the traceback).
@@ -30,6 +31,8 @@ def main(argv: list[str] | None = None) -> int:
         from .train import main as run_command
     elif command == "generate":
         from .train import generate_main as run_command
+    elif command == "eval":
+        from .evaluate import main as run_command
     elif command == "bench":
         from .bench import main as run_command
     else:

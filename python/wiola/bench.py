@@ -206,7 +206,14 @@ def _validate(a: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> list[dict]:
     """``python -m wiola bench``: returns one record per case (see the module docstring)."""
+    import sys
+
+    if "--decode" in (sys.argv[1:] if argv is None else argv):  # the decoding benchmark (bench_decode.py)
+        from .bench_decode import main as decode_main
+
+        return decode_main(argv)
     from .configuration_wiola import KERNEL_BACKENDS
+
 
     p = argparse.ArgumentParser(prog="python -m wiola bench", formatter_class=HelpFormatter,
                                 description="Training-step benchmark (forward + backward + AdamW) on the CPU: fused "
@@ -222,6 +229,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--threads", type=non_negative_int, default=0, help="torch intra-op threads (0: torch's default)")
     p.add_argument("--fused", default="auto", choices=KERNEL_BACKENDS, help="backend of the fused runs")
     p.add_argument("--json", default=None, metavar="FILE", help="also write the results here")
+    p.add_argument("--decode", action="store_true",
+                   help="instead: batch-1 decoding tokens/s vs the weight-streaming floor and a same-shape Llama "
+                        "(python -m wiola bench --decode --help)")
     a = p.parse_args(argv)
     _validate(a)
     args = dict(d=a.d, layers=a.layers, heads=a.heads, kv_heads=a.kv_heads, seq=a.seq, batch=a.batch,
