@@ -833,12 +833,13 @@ def cubin_resources(kernel, arch: int) -> dict:
 
 
 #: (B, H, H_kv, T, d_h, summary, lengths) × dtype that tests/test_gcla_attention.py::test_triton_gpu_vs_float64
-#: runs (float32 at d_h 64 only: at d_h 128 the float32 forward still spills).
+#: runs (float32 only at T = 257, d_h 64: its d_h 128 forward spills, and so does T = 1, where the
+#: JIT makes T the constant 1).
 GPU_TEST_CASES = tuple(
     [(case, dtype) for dtype in (torch.bfloat16, torch.float16)
      for case in ((2, 8, 2, 257, 64, "causal", True), (1, 16, 4, 1000, 128, "paper", False),
                   (3, 6, 3, 1, 64, "causal", True))]
-    + [((2, 8, 2, 257, 64, "causal", True), torch.float32), ((3, 6, 3, 1, 64, "causal", True), torch.float32)])
+    + [((2, 8, 2, 257, 64, "causal", True), torch.float32)])
 
 
 def aot_launches(sms: int):
