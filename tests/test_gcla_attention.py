@@ -4,6 +4,7 @@ float64 reference and an independent naive float64 implementation."""
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import torch
@@ -15,6 +16,10 @@ from wiola_kernels.reference.gcla_attention import (gcla_attention_backward, gcl
 from wiola_kernels.testing import available_backends, rel_err, tolerance
 
 BACKENDS = [b for b in available_backends("gcla_attention", "cpu") if b in ("cpu", "reference")]
+# The Triton kernels run on CPU tensors in the interpreter (TRITON_INTERPRET=1, set by conftest):
+# slow, so they join only the cheaper shared tests and have their own small cases below.
+TRITON = "triton" in available_backends("gcla_attention", "cpu")
+BACKENDS_ALL = BACKENDS + (["triton"] if TRITON else [])
 NAMES = ("q_rot", "k_rot", "v", "q", "kc", "vc", "gate")
 
 
@@ -156,7 +161,7 @@ def test_bf16_forward_and_grads(backend, case):
         close(g, rg, tol, f"grad {name}", floor=1.0)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", BACKENDS)  # triton: d_h 64 is in TRITON_CASES
 @pytest.mark.parametrize("mode", ["paper", "causal"])
 def test_head_dim_64(backend, mode):
     T = 40
@@ -170,10 +175,14 @@ def test_head_dim_64(backend, mode):
         close(g, rg, tolerance(torch.float32, "attention"), f"grad {name}")
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("T, mode, lens, L, H_kv", [
-    (5, "paper", None, 2, 1), (6, "causal", [6, 3], 2, 2), (3, "causal", [0, 2], 1, 1), (4, "paper", [4, 1], 0, 2),
-])
+GRADCHECK_CASES = [(5, "paper", None, 2, 1), (6, "causal", [6, 3], 2, 2), (3, "causal", [0, 2], 1, 1),
+                   (4, "paper", [4, 1], 0, 2)]
+
+
+# The interpreter is slow: triton takes two of the four cases (both modes, lengths, Λ' 2).
+@pytest.mark.parametrize("backend, T, mode, lens, L, H_kv",
+                         [(b, *c) for b in BACKENDS for c in GRADCHECK_CASES]
+                         + [("triton", *c) for c in GRADCHECK_CASES[:2] if TRITON])
 def test_gradcheck_float64(backend, T, mode, lens, L, H_kv):
     S = 1 if mode == "paper" else T
     ins, lt = make_inputs(2, 2, H_kv, T, 4, S, L, torch.float64, lens, requires_grad=True)
@@ -196,7 +205,7 @@ def test_reference_backward_matches_autograd(mode, lens):
         torch.testing.assert_close(e, a, rtol=1e-10, atol=1e-12, msg=name)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", BACKENDS_ALL)
 def test_lse_matches_reference(backend):
     ins, lt = make_inputs(2, 4, 1, 37, 8, 37, 2, torch.float32, [37, 20])
     with wiola_kernels.use_backend(backend):
@@ -207,8 +216,8 @@ def test_lse_matches_reference(backend):
     assert (lse[1, :, 20:] == 0).all()
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("mode", ["paper", "causal"])
+@pytest.mark.parametrize("backend, mode", [(b, m) for b in BACKENDS for m in ("paper", "causal")]
+                         + ([("triton", "causal")] if TRITON else []))
 def test_causality(backend, mode):
     """Perturbing k/v (and causal summaries) at positions > t never changes outputs ≤ t."""
     T = 70
@@ -231,7 +240,7 @@ def test_causality(backend, mode):
     assert not torch.equal(run(backend, pert, None)[:, :, 5], base[:, :, 5])
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", BACKENDS_ALL)
 def test_lengths_padding(backend):
     """Outputs at t ≥ len_b are exactly zero, keys there do not matter, gradients there are zero."""
     T, lens = 50, [50, 17]
@@ -254,7 +263,7 @@ def test_lengths_padding(backend):
     assert torch.equal(full[0], out.detach()[0]) or rel_err(full[0], out[0]) < 1e-6
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", BACKENDS_ALL)
 def test_gate(backend):
     """σ(g) blends the cross part: g → −∞ is plain attention; the gate gradient is Σ σ'(g) dO·O^cross."""
     ins, _ = make_inputs(2, 4, 1, 20, 8, 1, 2, torch.float64, requires_grad=True)
@@ -269,7 +278,7 @@ def test_gate(backend):
     torch.testing.assert_close(dg, sig * (1 - sig) * o_cross.sum((0, 2, 3)), rtol=1e-9, atol=1e-12)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", BACKENDS_ALL)
 def test_noncontiguous_and_deterministic(backend):
     ins, lt = make_inputs(2, 4, 2, 40, 8, 1, 2, torch.float32, [40, 29])
     nc = [x.transpose(-1, -2).contiguous().transpose(-1, -2).requires_grad_() for x in ins[:6]]
@@ -400,3 +409,207 @@ def test_transposed_inputs_get_a_transpose_hint(h_kv, s):
 def test_gcla_docstring_states_the_layout_first():
     head = wiola_kernels.gcla_attention.__doc__.split("\n\n")[1]
     assert "(B, heads, T, d_h)" in head and ".transpose(1, 2)" in head and "H = H_kv = T" in head
+
+
+# ---- the Triton kernels (interpreter on CPU; tests/test_gpu-style checks on a GPU below) ----
+
+needs_triton = pytest.mark.skipif(not TRITON, reason="the triton backend needs TRITON_INTERPRET=1 on CPU tensors")
+
+# (T, mode, lengths, Λ', H, H_kv, d_h): odd T, both summary modes, Λ' ∈ {0, 1, 2}, lengths off
+# block edges, GQA pairs where h mod H_kv and h // (H/H_kv) differ ((4, 2), (6, 3)), padded
+# head widths (8 → 16 columns, 24 → 32). The interpreter's blocks are 32 × 16 (dk/dv: 16 × 32),
+# so T = 33, 40 span several query and key blocks and several diagonal sub-blocks.
+TRITON_CASES = [
+    (1, "paper", None, 0, 4, 2, 16),
+    (1, "causal", [1, 0], 2, 6, 3, 16),
+    (7, "paper", [7, 3], 1, 4, 2, 16),
+    (7, "causal", None, 2, 6, 3, 64),
+    (33, "paper", None, 2, 6, 3, 16),
+    (33, "causal", [33, 20], 2, 4, 2, 16),
+    (33, "causal", [17, 33], 0, 4, 1, 64),
+    (40, "paper", [40, 9], 2, 4, 4, 8),
+    (20, "causal", None, 1, 2, 2, 24),
+]
+
+
+def _triton_ids(c):
+    T, mode, lens, L, H, H_kv, dh = c
+    return f"T{T}-{mode}-{'len' if lens else 'full'}-L{L}-H{H}kv{H_kv}-d{dh}"
+
+
+def _check_against_oracle(dtype, case, tol, floor=0.25, seed=0):
+    """Forward and backward on the triton backend vs autograd through the float64 oracle."""
+    T, mode, lens, L, H, H_kv, dh = case
+    B = 2 if lens is None else len(lens)
+    S = 1 if mode == "paper" else T
+    ins, lt = make_inputs(B, H, H_kv, T, dh, S, L, dtype, lens, requires_grad=True, seed=seed)
+    grad = torch.randn(B, H, T, dh, generator=torch.Generator().manual_seed(seed + 1), dtype=torch.float64)
+    out, grads = run_grad("triton", ins, lt, grad.to(dtype))
+    assert out.dtype == dtype and out.shape == (B, H, T, dh)
+    ins64 = [x.detach().double().requires_grad_() for x in ins]
+    ref, ref_lse = gcla_attention_forward(*ins64, lt)
+    close(out, ref, tol, "out", floor)
+    for name, g, x, rg in zip(NAMES, grads, ins, torch.autograd.grad(ref, ins64, grad)):
+        assert g.dtype == x.dtype and g.shape == x.shape, name
+        close(g, rg, tol, f"grad {name}", floor)
+    with wiola_kernels.use_backend("triton"):
+        _, lse = gcla_attention_op(*[x.detach() for x in ins], lt)
+    close(lse, ref_lse, tol, "lse")
+    if lt is not None:
+        for b, n in enumerate(lens):
+            assert (out[b, :, n:] == 0).all() and (lse[b, :, n:] == 0).all(), "rows past the length must be 0"
+            for name, g in zip(NAMES[:4], grads[:4]):
+                assert (g[b, :, n:] == 0).all(), f"grad {name} past the length"
+
+
+@needs_triton
+@pytest.mark.parametrize("case", TRITON_CASES, ids=_triton_ids)
+def test_triton_fp32_forward_and_grads(case):
+    _check_against_oracle(torch.float32, case, tolerance(torch.float32, "attention"))
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("case", [TRITON_CASES[5], TRITON_CASES[3]], ids=_triton_ids)
+def test_triton_half_forward_and_grads(dtype, case):
+    # floor 1: as in test_bf16_forward_and_grads (exact-zero gradients see the rounding of O in D)
+    _check_against_oracle(dtype, case, tolerance(dtype, "attention"), floor=1.0)
+
+
+@needs_triton
+def test_triton_float64():
+    _check_against_oracle(torch.float64, (33, "causal", [33, 12], 2, 6, 3, 16), 1e-10)
+
+
+@needs_triton
+def test_triton_gpu_block_sizes_in_the_interpreter():
+    """The blocks launch_config picks for an H200 (bf16, d_h 64: forward 128 × 64, dq pass
+    128 × 32, dk/dv pass 32 × 128) on a sequence spanning several of them, against the oracle."""
+    from wiola_kernels.triton import gcla_attention as tk
+
+    cfg = tk.launch_config(64, torch.bfloat16, 90)
+    T, lens = 300, [300, 133]
+    ins, lt = make_inputs(2, 2, 1, T, 64, T, 2, torch.float32, lens, seed=3)
+    out, lse = tk.gcla_attention_fwd(*ins, lt, config=cfg)
+    ins64 = [x.double().requires_grad_() for x in ins]
+    ref, _ = gcla_attention_forward(*ins64, lt)
+    close(out, ref, tolerance(torch.float32, "attention"), "out")
+    grad = torch.randn(2, 2, T, 64, generator=torch.Generator().manual_seed(4))
+    grads = tk.gcla_attention_bwd(grad, *ins, lt, out, lse, config=cfg)
+    for name, g, rg in zip(NAMES, grads, torch.autograd.grad(ref, ins64, grad.double())):
+        close(g, rg, tolerance(torch.float32, "attention"), f"grad {name}")
+
+
+@needs_triton
+def test_triton_head_dim_limits():
+    """Even d_h up to 256 run (tiles of max(16, next power of two) columns); wider raise a
+    ValueError that states the supported range."""
+    ins, _ = make_inputs(1, 2, 1, 3, 258, 1, 1)
+    with wiola_kernels.use_backend("triton"), pytest.raises(ValueError, match=r"even head widths d_h in \[2, 256\]"):
+        wiola_kernels.gcla_attention(*ins)
+    ins, _ = make_inputs(1, 2, 1, 3, 2, 3, 1, torch.float64)
+    with wiola_kernels.use_backend("triton"):
+        out = wiola_kernels.gcla_attention(*ins)
+    close(out, gcla_attention_forward(*ins)[0], 1e-10, "d_h = 2")
+
+
+@needs_triton
+def test_triton_dispatch():
+    """CPU tensors never pick triton by default (only when forced); CUDA tensors prefer cuda."""
+    from wiola_kernels import dispatch
+
+    assert "triton" in dispatch.implemented("gcla_attention")
+    assert dispatch.select("gcla_attention", torch.device("cpu")) != "triton"
+    with wiola_kernels.use_backend("triton"):
+        assert dispatch.select("gcla_attention", torch.device("cpu")) == "triton"
+    priority = dispatch._PRIORITY["cuda"]
+    assert priority.index("cuda") < priority.index("triton")
+
+
+# ---- on a GPU ----
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype, B, H, H_kv, T, dh, mode, lens", [
+    (dtype, *case) for dtype in (torch.bfloat16, torch.float16, torch.float32)
+    for case in ((2, 8, 2, 257, 64, "causal", [257, 100]), (1, 16, 4, 1000, 128, "paper", None),
+                 (3, 6, 3, 1, 64, "causal", [1, 0, 1]))
+    if dtype != torch.float32 or case[:5] == (2, 8, 2, 257, 64)])  # the AOT-checked set: wiola_kernels/triton/gcla_attention.GPU_TEST_CASES
+def test_triton_gpu_vs_float64(dtype, B, H, H_kv, T, dh, mode, lens):
+    """Compiled kernels on the device against the float64 oracle (SPEC §9), bitwise reproducible."""
+    S = 1 if mode == "paper" else T
+    ins, lt = make_inputs(B, H, H_kv, T, dh, S, 2, torch.float64, lens, seed=5)
+    grad = torch.randn(B, H, T, dh, generator=torch.Generator().manual_seed(6), dtype=torch.float64)
+    dev = [x.to("cuda", dtype).requires_grad_() for x in ins]
+    dev[-1] = ins[-1].float().cuda().requires_grad_()
+    ltd = None if lt is None else lt.cuda()
+    outs = []
+    for _ in range(2):
+        with wiola_kernels.use_backend("triton"):
+            out = wiola_kernels.gcla_attention(*dev, lengths=ltd)
+            outs.append((out, torch.autograd.grad(out, dev, grad.to("cuda", dtype))))
+    ins64 = [x.requires_grad_() for x in ins]
+    ref = gcla_attention_forward(*ins64, lt)[0]
+    tol = tolerance(dtype, "attention")
+    close(outs[0][0].cpu(), ref, tol, "out", floor=1.0)
+    for name, g, g2, rg in zip(NAMES, outs[0][1], outs[1][1], torch.autograd.grad(ref, ins64, grad)):
+        close(g.cpu(), rg, tol, f"grad {name}", floor=1.0)
+        assert torch.equal(g, g2), f"grad {name} not bitwise reproducible"
+
+
+# ---- compiled ahead of time for sm_90 / sm_80 at the bench shapes (no GPU needed) ----
+
+def _nvidia_toolchain() -> bool:
+    """Triton's NVIDIA backend with its bundled ptxas and cuobjdump."""
+    try:
+        import triton
+        from triton.backends.compiler import GPUTarget  # noqa: F401
+    except ImportError:
+        return False
+    bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    return all(os.access(os.path.join(bindir, name), os.X_OK) for name in ("ptxas", "cuobjdump"))
+
+
+SMEM_PER_BLOCK = {90: 227 * 1024, 80: 163 * 1024}  # opt-in shared memory per block (H100/H200, A100)
+
+# Runs in a child process: conftest sets TRITON_INTERPRET=1 here, and interpreted kernels
+# cannot be compiled.
+_AOT_SCRIPT = """
+import json, sys
+from wiola_kernels.triton import gcla_attention as tk
+arch, head_dim = int(sys.argv[1]), int(sys.argv[2])
+shape = next(s for s in tk.BENCH_SHAPES if s["head_dim"] == head_dim)
+rows = []
+for summary, lengths in (("causal", False), ("paper", True)):
+    for cfg in tk.compile_configs(arch, **shape, summary=summary, lengths=lengths):
+        use = tk.cubin_resources(cfg.compile(arch), arch)
+        rows.append(dict(use, kernel=cfg.name, summary=summary, block_m=cfg.constexprs["BLOCK_M"],
+                         block_n=cfg.constexprs["BLOCK_N"], num_warps=cfg.num_warps, num_stages=cfg.num_stages))
+print(json.dumps(rows))
+"""
+
+
+@pytest.mark.skipif(not _nvidia_toolchain(), reason="Triton's NVIDIA compile toolchain (ptxas, cuobjdump) is missing")
+@pytest.mark.parametrize("arch", [90, 80])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_aot_bench_shapes_no_spills_tensor_cores(arch, head_dim):
+    """Every GCLA Triton kernel at the bench shapes (bf16, B 4, H 16, H_kv 4, T 4096; causal
+    summaries without lengths and paper summaries with lengths), compiled as the JIT would
+    on sm_<arch>: no register spills, shared memory within the per-block limit, tensor-core
+    MMA instructions (HGMMA / HMMA) in the SASS."""
+    import json
+    import subprocess
+    import sys
+
+    env = dict(os.environ, TRITON_INTERPRET="0", TRITON_DEFAULT_FP_FUSION="1")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")])
+    done = subprocess.run([sys.executable, "-c", _AOT_SCRIPT, str(arch), str(head_dim)], capture_output=True,
+                          text=True, env=env, cwd=root, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = json.loads(done.stdout.strip().splitlines()[-1])
+    assert {r["kernel"] for r in rows} == {"_gcla_fwd_kernel", "_gcla_bwd_dq_kernel", "_gcla_bwd_dkv_kernel"}
+    for r in rows:
+        assert r["stack_bytes"] == 0 and r["local_bytes"] == 0 and r["spill_instructions"] == 0, r
+        assert r["shared_bytes"] <= SMEM_PER_BLOCK[arch], r
+        assert r["tensor_core_instructions"] > 0, r

@@ -8,8 +8,8 @@ csrc/cuda/emu/ — never chosen automatically). At call time
 
 1. an override — :func:`use_backend` (innermost wins) or else the environment
    variable ``WIOLA_BACKEND`` — if the op implements that backend; an op that does
-   not implement the forced backend keeps its default (``use_backend("triton")``
-   still runs GCLA on its CUDA kernel), so one override can steer a whole model;
+   not implement the forced backend keeps its default (``use_backend("cuda")``
+   still runs RMSNorm on its Triton kernel), so one override can steer a whole model;
 2. otherwise the first available backend in the device's priority order:
    CUDA tensors ``cuda > triton > reference``, CPU tensors ``cpu > reference``.
 

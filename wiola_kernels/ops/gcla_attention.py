@@ -60,6 +60,18 @@ def _cuda_backward(grad_out, q_rot, k_rot, v, q, kc, vc, gate, lengths, out, lse
     return torch.ops.wiola._gcla_attention_bwd(grad_out, q_rot, k_rot, v, q, kc, vc, gate, lengths, out, lse)
 
 
+def _triton_forward(q_rot, k_rot, v, q, kc, vc, gate, lengths):
+    from ..triton import gcla_attention as tk
+
+    return tk.gcla_attention_fwd(q_rot, k_rot, v, q, kc, vc, gate, lengths)
+
+
+def _triton_backward(grad_out, q_rot, k_rot, v, q, kc, vc, gate, lengths, out, lse):
+    from ..triton import gcla_attention as tk
+
+    return tk.gcla_attention_bwd(grad_out, q_rot, k_rot, v, q, kc, vc, gate, lengths, out, lse)
+
+
 def _emu_forward(q_rot, k_rot, v, q, kc, vc, gate, lengths):
     if not _cuda_supports(q_rot):
         return gcla_attention_forward(q_rot, k_rot, v, q, kc, vc, gate, lengths)
@@ -74,9 +86,12 @@ def _emu_backward(grad_out, q_rot, k_rot, v, q, kc, vc, gate, lengths, out, lse)
 
 
 # The C++ CPU and CUDA kernels share one schema (csrc/wiola_ops.cpp); the dispatcher picks by device.
+# CUDA tensors run `cuda` by default; `triton` (fused FlashAttention-2 style kernels) is chosen
+# with use_backend("triton"), or on CPU tensors only when forced under TRITON_INTERPRET=1.
 dispatch.register(OP, "reference", SimpleNamespace(forward=gcla_attention_forward, backward=gcla_attention_backward))
 dispatch.register(OP, "cpu", SimpleNamespace(forward=_cpu_forward, backward=_cpu_backward))
 dispatch.register(OP, "cuda", SimpleNamespace(forward=_cuda_forward, backward=_cuda_backward))
+dispatch.register(OP, "triton", SimpleNamespace(forward=_triton_forward, backward=_triton_backward))
 # Test backend: the CUDA kernels and binding on CPU tensors, in the SIMT emulator (csrc/cuda/emu/).
 dispatch.register(OP, "cuda_emu", SimpleNamespace(forward=_emu_forward, backward=_emu_backward))
 

@@ -1,0 +1,871 @@
+"""GCLA summary-augmented attention as fused Triton kernels, FlashAttention-2 style (SPEC §5.5).
+
+For batch row ``b``, head ``h`` (key/value group ``g = h mod H_kv``, SPEC §5.2 — not
+``h // (H/H_kv)``) and query row ``i < len_b`` (scale ``c = 1/√d_h``)::
+
+    s_ij   = c q̃_i·k̃_gj  (j ≤ i, j < len_b)      lse_i = log Σ_j exp(s_ij)
+    O_i    = Σ_j exp(s_ij − lse_i) v_gj  +  σ(g_h) Σ_λ softmax_λ(c q_i·kc_iλ) vc_iλ
+    O_i    = 0, lse_i = 0                         for i ≥ len_b
+
+Forward, one program per (query block of ``BLOCK_M`` rows, b, h), heaviest (last) query
+blocks first: the block's rotated queries stay in registers while key/value blocks of
+``BLOCK_N`` rows stream through ``tl.dot`` with an online softmax. Key blocks wholly left
+of the diagonal need no mask at all (every key there is < the block's first row < len_b);
+the diagonal blocks get the causal and length mask; blocks above the diagonal and past
+``len_b`` are never visited, and a block of rows that lies wholly past ``len_b`` does no
+attention work. The Λ' summary slots — a softmax over λ with the un-rotated ``q`` (slot row 0
+for ``S = 1``, row ``i`` for ``S = T``), scaled by ``σ(g_h)`` — are computed by the same
+program before its key loop, while no softmax state is live, and parked (in float32 scratch
+for 16-bit outputs, else in the block's own output rows); the epilogue normalises, adds them back, zeroes the rows
+past ``len_b`` and writes ``O`` and ``lse``. (Computed in the epilogue, next to the O tile,
+the slots spill registers at d_h = 128; the park costs one extra write and read of a
+B·H·T·d_h tile set, in float32 for bf16/fp16.)
+
+Backward (``dO`` treated as 0 on rows ≥ len_b; ``P = exp(S − lse)`` recomputed)::
+
+    D_i   = dO_i·(O_i − σ O^cross_i)                       (FlashAttention-2's identity)
+    dS    = P ∘ (dO Vᵀ − D),   dq̃ = c dS K̃,   dk̃ = c dSᵀ Q̃,   dV = Pᵀ dO
+    cross: dOc = σ dO, dvc = a dOc, dz = a (dOc·vc − dOc·O^cross),
+           dq = c Σ_λ dz kc,  dkc = c dz q,  dg_h = σ(1−σ) Σ dO·O^cross
+
+* dq pass, one program per (query block, b, h): the cross part (``dq``, ``dkc``, ``dvc``,
+  the gate partial) and ``D`` in its prologue — three short passes over λ (statistics;
+  ``t = dO·O^cross = Σ_λ a_λ dO·vc_λ`` and ``dvc``; ``dz_λ = σ a_λ (dO·vc_λ − t)``, ``dq``,
+  ``dkc``), so no O^cross tile is held — then ``dq̃`` over the key blocks at or left of the
+  diagonal. ``D`` goes to a (B, H, T) buffer for the next pass.
+* dk/dv pass, one program per (key block, b, kv group ``g``): it loops over the group's
+  query heads ``h = g, g + H_kv, …`` in order and, per head, over the query blocks at or
+  below the diagonal and below ``len_b``, accumulating ``dk̃, dV`` in registers. Each key
+  block is owned by one program: no atomics, bitwise reproducible.
+* ``S = 1``: ``dkc, dvc`` are per-(query block) float partials summed afterwards; the gate
+  gradient likewise (per (b, h, query block)), so every reduction has a fixed order.
+
+Precision: scores, softmax statistics and accumulators in float32 (float64 for float64
+inputs); ``P`` and ``dS`` are rounded to the input dtype before their ``tl.dot`` (the
+FlashAttention convention for bf16/fp16). float32 inputs use ``input_precision="ieee"``:
+exact float32 products on the FMA units (TF32, ~2⁻¹¹ per product, would miss SPEC §9's 1e-4
+for attention; "tf32x3" keeps the tensor cores but triples the operand registers and spilled
+in every configuration tried at d_h 128, and on sm_80 at d_h 64). float32 is not the
+training dtype; bf16/fp16 are the tensor-core paths.
+
+Head widths: any even ``d_h`` up to 256; the tile width is the next power of two ≥ 16
+(``tl.dot`` needs a reduction dimension of at least 16), padded columns are masked. Powers
+of two (16, 32, 64, 128, 256) waste nothing.
+
+Not handled like the CPU kernel: a NaN/Inf inside the valid region of ``k_rot``/``v``
+reaches the earlier rows of its own diagonal tile (``0·NaN`` inside ``tl.dot``), as in
+FlashAttention; garbage past ``len_b`` is never read.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator, Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from ..ops._common import empty_output
+from ..reference.rms_norm import compute_dtype
+
+#: Largest supported head width (the register tiles are BLOCK_D wide).
+MAX_HEAD_DIM = 256
+
+
+
+# ---------------------------------------------------------------------------------------------
+# Kernels
+#
+# Calls between @triton.jit functions are inlined on the GPU but cost ~2 ms each in the CPU
+# interpreter (it re-patches triton.language per call), so the inner loops are one call per
+# step with everything inside written out. Column masks ``cols < HEAD_DIM`` are folded away
+# by the compiler when BLOCK_D == HEAD_DIM (checked in the PTX), so loads always carry them.
+# ---------------------------------------------------------------------------------------------
+
+@triton.jit
+def _cross_stats(qq, kc_base, ctx_offs, ctx_ok, L, c, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Softmax statistics ``(m, l)`` over the Λ' ≥ 1 summary slots for a block of rows, with the
+    un-rotated ``qq`` (natural exp; Λ' is a handful, so CUDA cores). Slot λ of the rows sits at
+    ``kc_base + ctx_offs + λ·d_h`` (a tile for S = T, one shared row for S = 1). The callers
+    re-read the slots for their second pass rather than keep an O^cross tile alive: fewer
+    registers, and the re-reads hit L1/L2."""
+    m = tl.full([BLOCK_M], float("-inf"), c.dtype)
+    l = tl.full([BLOCK_M], 0.0, c.dtype)
+    for lam in tl.range(0, L, num_stages=1):
+        kc = tl.load(kc_base + ctx_offs + lam * HEAD_DIM, mask=ctx_ok, other=0.0)
+        z = tl.sum(qq.to(c.dtype) * kc.to(c.dtype), 1) * c
+        m_new = tl.maximum(m, z)
+        l = l * tl.exp(m - m_new) + tl.exp(z - m_new)
+        m = m_new
+    return m, l
+
+
+@triton.jit
+def _fwd_inner(acc, m_i, l_i, q, k_base, v_base, rows, n0, length, c_exp,
+               HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+               MASK: tl.constexpr, F64: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """One key block [n0, n0 + BLOCK_N) of the online softmax (scores in exp units). MASK: the
+    block crosses the diagonal or len_b; keys j > i or j ≥ len_b get weight 0 and keys past
+    len_b are not read. Without MASK every key of the block is valid for every row."""
+    keys = n0 + tl.arange(0, BLOCK_N)
+    cols = tl.arange(0, BLOCK_D)
+    offs = keys[:, None] * HEAD_DIM + cols[None, :]
+    key_ok = keys < length
+    if MASK:
+        ld_ok = key_ok[:, None] & (cols < HEAD_DIM)[None, :]
+    else:
+        ld_ok = (cols < HEAD_DIM)[None, :]
+    k = tl.load(k_base + offs, mask=ld_ok, other=0.0)
+    if UPCAST:
+        s = tl.dot(q.to(tl.float32), tl.trans(k).to(tl.float32), input_precision=PRECISION)
+    else:
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+    s = s * c_exp  # (BLOCK_M, BLOCK_N)
+    if MASK:
+        s = tl.where((keys[None, :] <= rows[:, None]) & key_ok[None, :], s, float("-inf"))
+    # Every row meets a valid key (key 0, or key m0 in the first diagonal block) before any
+    # block that masks it whole, so m_new is finite and -inf - -inf never arises.
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    if F64:
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new[:, None])
+    else:
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = tl.load(v_base + offs, mask=ld_ok, other=0.0)
+    acc = acc * alpha[:, None]
+    if UPCAST:
+        acc = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), acc, input_precision=PRECISION)
+    else:
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PRECISION, out_dtype=acc.dtype)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _gcla_fwd_kernel(
+    q_rot_ptr,    # (B, H, T, d_h) rotated queries, contiguous
+    k_rot_ptr,    # (B, H_kv, T, d_h) rotated keys
+    v_ptr,        # (B, H_kv, T, d_h) values
+    q_ptr,        # (B, H, T, d_h) un-rotated queries (cross part)
+    kc_ptr,       # (B, H, S, Λ', d_h) context keys
+    vc_ptr,       # (B, H, S, Λ', d_h) context values
+    gate_ptr,     # (H,) gate logits in the accumulation dtype (float32 / float64)
+    len_ptr,      # (B,) int64 lengths (read only when HAS_LEN)
+    out_ptr,      # (B, H, T, d_h) out: O, input dtype
+    lse_ptr,      # (B, H, T) out: log-sum-exp, accumulation dtype; 0 past the length
+    park_ptr,     # (B, H, T, d_h) scratch for σ·O^cross: float32 for 16-bit outputs, else out_ptr itself
+    B, H, H_KV, T, L,                # sizes; L = Λ'
+    HEAD_DIM: tl.constexpr,          # d_h
+    BLOCK_M: tl.constexpr,           # query rows per program
+    BLOCK_N: tl.constexpr,           # keys per step (BLOCK_M % BLOCK_N == 0)
+    BLOCK_D: tl.constexpr,           # next power of two ≥ max(d_h, 16)
+    PER_ROW: tl.constexpr,           # S = T (causal summaries), else S = 1
+    HAS_CROSS: tl.constexpr,         # Λ' > 0
+    HAS_LEN: tl.constexpr,           # lengths given
+    F64: tl.constexpr,               # float64 inputs: float64 statistics, natural exp
+    PRECISION: tl.constexpr,         # tl.dot input_precision ("ieee": exact float32 products)
+    UPCAST: tl.constexpr,            # widen dot operands to float32 (interpreter, bfloat16 only)
+):
+    pid = tl.program_id(0)
+    n_bh = B * H
+    bh = pid % n_bh
+    m0 = ((T + BLOCK_M - 1) // BLOCK_M - 1 - pid // n_bh) * BLOCK_M  # the longest rows start first
+    b = bh // H
+    h = bh % H
+    g = h % H_KV  # SPEC §5.2: the paper's rule
+    if HAS_LEN:
+        length = tl.minimum(tl.maximum(tl.load(len_ptr + b), 0), T).to(tl.int32)  # clamped under torch.compile
+    else:
+        length = T
+    rows = m0 + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_D)
+    row_ok = rows < length
+    tile_ok = row_ok[:, None] & (cols < HEAD_DIM)[None, :]
+    q_base = bh.to(tl.int64) * T * HEAD_DIM
+    kv_base = (b * H_KV + g).to(tl.int64) * T * HEAD_DIM
+    offs = rows[:, None] * HEAD_DIM + cols[None, :]
+
+    sig = 1.0 / (1.0 + tl.exp(-tl.load(gate_ptr + h)))  # σ(g_h); its dtype is the accumulation dtype
+    # c = 1/√d_h formed here: a Python float argument would be typed float32 (too coarse for float64).
+    c = 1.0 / tl.sqrt(tl.full((), HEAD_DIM, sig.dtype))
+    st_ok = (rows < T)[:, None] & (cols < HEAD_DIM)[None, :]
+
+    # The cross part first, while no softmax state is live: σ(g_h)·O^cross is parked (park_ptr)
+    # and picked up by the epilogue (done in the epilogue itself it would hold an O tile, q,
+    # kc and vc at once and spill at d_h = 128).
+    if HAS_CROSS:
+        qq = tl.load(q_ptr + q_base + offs, mask=tile_ok, other=0.0)
+        ctx_base = bh.to(tl.int64) * (T if PER_ROW else 1) * L * HEAD_DIM
+        if PER_ROW:  # row i reads its own slot row i (rows past the length read 0)
+            ctx_offs = rows.to(tl.int64)[:, None] * (L * HEAD_DIM) + cols[None, :]
+            ctx_ok = tile_ok
+        else:  # one slot row shared by every position
+            ctx_offs = cols[None, :]
+            ctx_ok = (cols < HEAD_DIM)[None, :]
+        m_c, l_c = _cross_stats(qq, kc_ptr + ctx_base, ctx_offs, ctx_ok, L, c, HEAD_DIM, BLOCK_M)
+        w = sig / l_c
+        o_cross = tl.full([BLOCK_M, BLOCK_D], 0.0, sig.dtype)
+        for lam in tl.range(0, L, num_stages=1):  # σ Σ_λ a_λ vc_λ
+            kc = tl.load(kc_ptr + ctx_base + ctx_offs + lam * HEAD_DIM, mask=ctx_ok, other=0.0)
+            vc = tl.load(vc_ptr + ctx_base + ctx_offs + lam * HEAD_DIM, mask=ctx_ok, other=0.0)
+            z = tl.sum(qq.to(sig.dtype) * kc.to(sig.dtype), 1) * c
+            o_cross += (w * tl.exp(z - m_c))[:, None] * vc.to(sig.dtype)
+        tl.store(park_ptr + q_base + offs, o_cross.to(park_ptr.dtype.element_ty), mask=st_ok)
+
+    if F64:
+        c_exp = c
+    else:
+        c_exp = c * 1.4426950408889634  # scores in log2 units for exp2
+    q = tl.load(q_rot_ptr + q_base + offs, mask=tile_ok, other=0.0)
+    m_i = tl.full([BLOCK_M], float("-inf"), sig.dtype)
+    l_i = tl.full([BLOCK_M], 0.0, sig.dtype)
+    acc = tl.full([BLOCK_M, BLOCK_D], 0.0, sig.dtype)
+    # Key blocks left of the diagonal: keys < m0 < len_b, no mask. None for rows past len_b.
+    for n0 in range(0, tl.where(m0 < length, m0, 0), BLOCK_N):
+        acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_rot_ptr + kv_base, v_ptr + kv_base, rows, n0, length, c_exp,
+                                   HEAD_DIM, BLOCK_N, BLOCK_D, False, F64, PRECISION, UPCAST)
+    # The diagonal blocks, up to the last valid key; blocks above the diagonal are never visited.
+    for n0 in range(m0, tl.minimum(m0 + BLOCK_M, length), BLOCK_N):
+        acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_rot_ptr + kv_base, v_ptr + kv_base, rows, n0, length, c_exp,
+                                   HEAD_DIM, BLOCK_N, BLOCK_D, True, F64, PRECISION, UPCAST)
+
+    # Epilogue: normalise, add the parked cross part, zero the rows past the length, write.
+    l_safe = tl.where(row_ok, l_i, 1.0)
+    o = acc / l_safe[:, None]
+    if F64:
+        lse = m_i + tl.log(l_safe)
+    else:
+        lse = (m_i + tl.log2(l_safe)) * 0.6931471805599453
+    if HAS_CROSS:
+        tl.debug_barrier()  # the parked values were stored by other threads of this program
+        o += tl.load(park_ptr + q_base + offs, mask=st_ok, other=0.0).to(sig.dtype)
+    o = tl.where(row_ok[:, None], o, 0.0)
+    tl.store(out_ptr + q_base + offs, o.to(out_ptr.dtype.element_ty), mask=st_ok)
+    tl.store(lse_ptr + bh.to(tl.int64) * T + rows, tl.where(row_ok, lse, 0.0), mask=rows < T)
+
+
+@triton.jit
+def _dq_inner(dq, qr, do, lse_e, delta, k_base, v_base, rows, n0, length, c_exp,
+              HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+              MASK: tl.constexpr, F64: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """dq̃ += dS K̃ over one key block (c is applied once, by the caller)."""
+    keys = n0 + tl.arange(0, BLOCK_N)
+    cols = tl.arange(0, BLOCK_D)
+    offs = keys[:, None] * HEAD_DIM + cols[None, :]
+    key_ok = keys < length
+    if MASK:
+        ld_ok = key_ok[:, None] & (cols < HEAD_DIM)[None, :]
+    else:
+        ld_ok = (cols < HEAD_DIM)[None, :]
+    k = tl.load(k_base + offs, mask=ld_ok, other=0.0)
+    v = tl.load(v_base + offs, mask=ld_ok, other=0.0)
+    if UPCAST:
+        s = tl.dot(qr.to(tl.float32), tl.trans(k).to(tl.float32), input_precision=PRECISION)
+        dp = tl.dot(do.to(tl.float32), tl.trans(v).to(tl.float32), input_precision=PRECISION)
+    else:
+        s = tl.dot(qr, tl.trans(k), input_precision=PRECISION)
+        dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
+    s = s * c_exp
+    if MASK:
+        s = tl.where((keys[None, :] <= rows[:, None]) & key_ok[None, :], s, float("-inf"))
+    if F64:
+        p = tl.exp(s - lse_e[:, None])
+    else:
+        p = tl.exp2(s - lse_e[:, None])
+    ds = p * (dp - delta[:, None])
+    if UPCAST:
+        dq = tl.dot(ds.to(k.dtype).to(tl.float32), k.to(tl.float32), dq, input_precision=PRECISION)
+    else:
+        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=PRECISION, out_dtype=dq.dtype)
+    return dq
+
+
+@triton.jit
+def _gcla_bwd_dq_kernel(
+    q_rot_ptr, k_rot_ptr, v_ptr, q_ptr, kc_ptr, vc_ptr,  # the forward's inputs (see the forward)
+    gate_ptr,     # (H,) gate logits, accumulation dtype
+    len_ptr,      # (B,) int64 lengths (HAS_LEN)
+    out_ptr,      # (B, H, T, d_h) the forward's output O
+    lse_ptr,      # (B, H, T) the forward's log-sum-exp
+    do_ptr,       # (B, H, T, d_h) ∂L/∂O
+    dq_rot_ptr,   # (B, H, T, d_h) out: ∂L/∂q̃
+    dq_ptr,       # (B, H, T, d_h) out: ∂L/∂q (the cross part's)
+    dkc_ptr,      # out: S = T: (B, H, T, Λ', d_h) ∂L/∂kc; S = 1: (B, H, M_BLOCKS, Λ', d_h) partials
+    dvc_ptr,      # out: as dkc_ptr, for vc
+    delta_ptr,    # (B, H, T) out: D_i = dO_i·(O_i − σ O^cross_i), accumulation dtype
+    dgate_ptr,    # (B, H, M_BLOCKS) out: σ(1−σ) Σ dO·O^cross per query block
+    B, H, H_KV, T, L,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,           # query rows per program
+    BLOCK_N: tl.constexpr,           # keys per step (BLOCK_M % BLOCK_N == 0)
+    BLOCK_D: tl.constexpr,
+    PER_ROW: tl.constexpr, HAS_CROSS: tl.constexpr, HAS_LEN: tl.constexpr, F64: tl.constexpr,
+    PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    n_bh = B * H
+    bh = pid % n_bh
+    n_mb = (T + BLOCK_M - 1) // BLOCK_M
+    mb = n_mb - 1 - pid // n_bh
+    m0 = mb * BLOCK_M
+    b = bh // H
+    h = bh % H
+    g = h % H_KV
+    if HAS_LEN:
+        length = tl.minimum(tl.maximum(tl.load(len_ptr + b), 0), T).to(tl.int32)
+    else:
+        length = T
+    rows = m0 + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_D)
+    col_ok = cols < HEAD_DIM
+    row_ok = rows < length
+    tile_ok = row_ok[:, None] & col_ok[None, :]
+    st_ok = (rows < T)[:, None] & col_ok[None, :]
+    q_base = bh.to(tl.int64) * T * HEAD_DIM
+    kv_base = (b * H_KV + g).to(tl.int64) * T * HEAD_DIM
+    offs = rows[:, None] * HEAD_DIM + cols[None, :]
+
+    sig = 1.0 / (1.0 + tl.exp(-tl.load(gate_ptr + h)))
+    c = 1.0 / tl.sqrt(tl.full((), HEAD_DIM, sig.dtype))
+    # dO past the length reads as 0, so it reaches no gradient.
+    do = tl.load(do_ptr + q_base + offs, mask=tile_ok, other=0.0)
+    o = tl.load(out_ptr + q_base + offs, mask=tile_ok, other=0.0)
+    delta = tl.sum(do.to(sig.dtype) * o.to(sig.dtype), 1)  # dO·O; minus σ dO·O^cross below
+
+    # ---- the cross part: dq, dkc, dvc, the gate partial; with t = dO·O^cross = Σ_λ a_λ dO·vc_λ,
+    # dz_λ = σ a_λ (dO·vc_λ − t), so three short passes over λ need no O^cross tile ----
+    dq = tl.full([BLOCK_M, BLOCK_D], 0.0, sig.dtype)
+    if HAS_CROSS:
+        qq = tl.load(q_ptr + q_base + offs, mask=tile_ok, other=0.0)
+        ctx_base = bh.to(tl.int64) * (T if PER_ROW else 1) * L * HEAD_DIM
+        if PER_ROW:
+            ctx_offs = rows.to(tl.int64)[:, None] * (L * HEAD_DIM) + cols[None, :]
+            ctx_ok = tile_ok
+        else:
+            ctx_offs = cols[None, :]
+            ctx_ok = col_ok[None, :]
+        part_base = (bh.to(tl.int64) * n_mb + mb) * L * HEAD_DIM  # S = 1: this block's partials
+        m_c, l_c = _cross_stats(qq, kc_ptr + ctx_base, ctx_offs, ctx_ok, L, c, HEAD_DIM, BLOCK_M)
+        t = tl.full([BLOCK_M], 0.0, sig.dtype)
+        for lam in tl.range(0, L, num_stages=1):  # t, and dvc_λ = σ a_λ dO
+            kc = tl.load(kc_ptr + ctx_base + ctx_offs + lam * HEAD_DIM, mask=ctx_ok, other=0.0)
+            vc = tl.load(vc_ptr + ctx_base + ctx_offs + lam * HEAD_DIM, mask=ctx_ok, other=0.0)
+            a = tl.exp(tl.sum(qq.to(sig.dtype) * kc.to(sig.dtype), 1) * c - m_c) / l_c
+            t += a * tl.sum(do.to(sig.dtype) * vc.to(sig.dtype), 1)
+            dvc = (sig * a)[:, None] * do.to(sig.dtype)
+            if PER_ROW:  # rows past the length hold exact zeros (dO reads 0 there)
+                tl.store(dvc_ptr + ctx_base + ctx_offs + lam * HEAD_DIM, dvc.to(dvc_ptr.dtype.element_ty), mask=st_ok)
+            else:
+                tl.store(dvc_ptr + part_base + lam * HEAD_DIM + cols, tl.sum(dvc, 0), mask=col_ok)
+        for lam in tl.range(0, L, num_stages=1):  # dq += c dz_λ kc_λ, dkc_λ = c dz_λ q
+            kc = tl.load(kc_ptr + ctx_base + ctx_offs + lam * HEAD_DIM, mask=ctx_ok, other=0.0)
+            vc = tl.load(vc_ptr + ctx_base + ctx_offs + lam * HEAD_DIM, mask=ctx_ok, other=0.0)
+            a = tl.exp(tl.sum(qq.to(sig.dtype) * kc.to(sig.dtype), 1) * c - m_c) / l_c
+            dz = (sig * c) * a * (tl.sum(do.to(sig.dtype) * vc.to(sig.dtype), 1) - t)
+            dq += dz[:, None] * kc.to(sig.dtype)
+            dkc = dz[:, None] * qq.to(sig.dtype)
+            if PER_ROW:
+                tl.store(dkc_ptr + ctx_base + ctx_offs + lam * HEAD_DIM, dkc.to(dkc_ptr.dtype.element_ty), mask=st_ok)
+            else:
+                tl.store(dkc_ptr + part_base + lam * HEAD_DIM + cols, tl.sum(dkc, 0), mask=col_ok)
+        tl.store(dgate_ptr + bh.to(tl.int64) * n_mb + mb, sig * (1.0 - sig) * tl.sum(t, 0))
+        delta -= sig * t
+    else:
+        tl.store(dgate_ptr + bh.to(tl.int64) * n_mb + mb, sig * 0.0)
+    tl.store(dq_ptr + q_base + offs, tl.where(row_ok[:, None], dq, 0.0).to(dq_ptr.dtype.element_ty), mask=st_ok)
+    tl.store(delta_ptr + bh.to(tl.int64) * T + rows, delta, mask=rows < T)
+
+    # ---- the self part: dq̃ over the key blocks at or left of the diagonal ----
+    qr = tl.load(q_rot_ptr + q_base + offs, mask=tile_ok, other=0.0)
+    lse = tl.load(lse_ptr + bh.to(tl.int64) * T + rows, mask=row_ok, other=0.0)
+    if F64:
+        c_exp = c
+        lse_e = lse
+    else:
+        c_exp = c * 1.4426950408889634
+        lse_e = lse * 1.4426950408889634
+    dq_rot = tl.full([BLOCK_M, BLOCK_D], 0.0, sig.dtype)
+    for n0 in range(0, tl.where(m0 < length, m0, 0), BLOCK_N):
+        dq_rot = _dq_inner(dq_rot, qr, do, lse_e, delta, k_rot_ptr + kv_base, v_ptr + kv_base, rows, n0, length,
+                           c_exp, HEAD_DIM, BLOCK_N, BLOCK_D, False, F64, PRECISION, UPCAST)
+    for n0 in range(m0, tl.minimum(m0 + BLOCK_M, length), BLOCK_N):
+        dq_rot = _dq_inner(dq_rot, qr, do, lse_e, delta, k_rot_ptr + kv_base, v_ptr + kv_base, rows, n0, length,
+                           c_exp, HEAD_DIM, BLOCK_N, BLOCK_D, True, F64, PRECISION, UPCAST)
+    dq_rot = tl.where(row_ok[:, None], dq_rot * c, 0.0)
+    tl.store(dq_rot_ptr + q_base + offs, dq_rot.to(dq_rot_ptr.dtype.element_ty), mask=st_ok)
+
+
+@triton.jit
+def _dkv_inner(dk, dv, k, v, q_base, stat_base, q_rot_ptr, do_ptr, lse_ptr, delta_ptr, keys, m0, length, c_exp,
+               HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+               MASK: tl.constexpr, F64: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """dV += Pᵀ dO and dk̃ += dSᵀ Q̃ (c applied by the caller) over the query rows
+    [m0, m0 + BLOCK_M) of one head. Rows past the length read as 0 (q̃, dO, lse, D) and add
+    exactly 0; MASK adds the causal mask for row blocks that cross the diagonal."""
+    rows = m0 + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_D)
+    row_ok = rows < length
+    offs = rows[:, None] * HEAD_DIM + cols[None, :]
+    tile_ok = row_ok[:, None] & (cols < HEAD_DIM)[None, :]
+    qr = tl.load(q_rot_ptr + q_base + offs, mask=tile_ok, other=0.0)
+    do = tl.load(do_ptr + q_base + offs, mask=tile_ok, other=0.0)
+    lse = tl.load(lse_ptr + stat_base + rows, mask=row_ok, other=0.0)
+    delta = tl.load(delta_ptr + stat_base + rows, mask=row_ok, other=0.0)
+    if UPCAST:
+        s_t = tl.dot(k.to(tl.float32), tl.trans(qr).to(tl.float32), input_precision=PRECISION)
+        dp_t = tl.dot(v.to(tl.float32), tl.trans(do).to(tl.float32), input_precision=PRECISION)
+    else:
+        s_t = tl.dot(k, tl.trans(qr), input_precision=PRECISION)  # (BLOCK_N, BLOCK_M): Sᵀ
+        dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)
+    s_t = s_t * c_exp
+    if MASK:
+        s_t = tl.where((rows[None, :] >= keys[:, None]) & row_ok[None, :], s_t, float("-inf"))
+    if F64:
+        p_t = tl.exp(s_t - lse[None, :])
+    else:
+        p_t = tl.exp2(s_t - lse[None, :] * 1.4426950408889634)
+    ds_t = p_t * (dp_t - delta[None, :])
+    if UPCAST:
+        dv = tl.dot(p_t.to(do.dtype).to(tl.float32), do.to(tl.float32), dv, input_precision=PRECISION)
+        dk = tl.dot(ds_t.to(qr.dtype).to(tl.float32), qr.to(tl.float32), dk, input_precision=PRECISION)
+    else:
+        dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=PRECISION, out_dtype=dv.dtype)
+        dk = tl.dot(ds_t.to(qr.dtype), qr, dk, input_precision=PRECISION, out_dtype=dk.dtype)
+    return dk, dv
+
+
+@triton.jit
+def _gcla_bwd_dkv_kernel(
+    q_rot_ptr,    # (B, H, T, d_h)
+    k_rot_ptr,    # (B, H_kv, T, d_h)
+    v_ptr,        # (B, H_kv, T, d_h)
+    gate_ptr,     # (H,) accumulation dtype (only its dtype is used)
+    len_ptr,      # (B,) int64 lengths (HAS_LEN)
+    lse_ptr,      # (B, H, T) the forward's log-sum-exp
+    do_ptr,       # (B, H, T, d_h) ∂L/∂O
+    delta_ptr,    # (B, H, T) D, from the dq pass
+    dk_ptr,       # (B, H_kv, T, d_h) out: ∂L/∂k̃
+    dv_ptr,       # (B, H_kv, T, d_h) out: ∂L/∂v
+    B, H, H_KV, T,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,           # query rows per step
+    BLOCK_N: tl.constexpr,           # keys per program (BLOCK_N % BLOCK_M == 0)
+    BLOCK_D: tl.constexpr,
+    HAS_LEN: tl.constexpr, F64: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    n_bg = B * H_KV
+    bg = pid % n_bg
+    n0 = (pid // n_bg) * BLOCK_N  # the first key blocks have the most rows: they start first
+    b = bg // H_KV
+    g = bg % H_KV
+    if HAS_LEN:
+        length = tl.minimum(tl.maximum(tl.load(len_ptr + b), 0), T).to(tl.int32)
+    else:
+        length = T
+    keys = n0 + tl.arange(0, BLOCK_N)
+    cols = tl.arange(0, BLOCK_D)
+    key_ok = keys < length
+    kv_base = bg.to(tl.int64) * T * HEAD_DIM
+    offs = keys[:, None] * HEAD_DIM + cols[None, :]
+    tile_ok = key_ok[:, None] & (cols < HEAD_DIM)[None, :]
+    k = tl.load(k_rot_ptr + kv_base + offs, mask=tile_ok, other=0.0)
+    v = tl.load(v_ptr + kv_base + offs, mask=tile_ok, other=0.0)
+    acc_like = tl.load(gate_ptr)
+    c = 1.0 / tl.sqrt(tl.full((), HEAD_DIM, acc_like.dtype))
+    if F64:
+        c_exp = c
+    else:
+        c_exp = c * 1.4426950408889634
+    dk = tl.full([BLOCK_N, BLOCK_D], 0.0, acc_like.dtype)
+    dv = tl.full([BLOCK_N, BLOCK_D], 0.0, acc_like.dtype)
+    # Rows crossing this key block's diagonal: [n0, min(n0 + BLOCK_N, len)); the rows below,
+    # up to the length, see every key of the block. The group's query heads h ≡ g (mod H_kv)
+    # in order: one program per key block, a fixed summation order, no atomics.
+    diag_end = tl.maximum(tl.minimum(n0 + BLOCK_N, length), n0)
+    for r in range(0, H // H_KV):
+        bh = b * H + g + r * H_KV
+        q_base = bh.to(tl.int64) * T * HEAD_DIM
+        stat_base = bh.to(tl.int64) * T
+        for m0 in range(n0, diag_end, BLOCK_M):
+            dk, dv = _dkv_inner(dk, dv, k, v, q_base, stat_base, q_rot_ptr, do_ptr, lse_ptr, delta_ptr, keys, m0,
+                                length, c_exp, HEAD_DIM, BLOCK_M, BLOCK_D, True, F64, PRECISION, UPCAST)
+        for m0 in range(n0 + BLOCK_N, length, BLOCK_M):
+            dk, dv = _dkv_inner(dk, dv, k, v, q_base, stat_base, q_rot_ptr, do_ptr, lse_ptr, delta_ptr, keys, m0,
+                                length, c_exp, HEAD_DIM, BLOCK_M, BLOCK_D, False, F64, PRECISION, UPCAST)
+    st_ok = (keys < T)[:, None] & (cols < HEAD_DIM)[None, :]
+    tl.store(dk_ptr + kv_base + offs, tl.where(key_ok[:, None], dk * c, 0.0).to(dk_ptr.dtype.element_ty), mask=st_ok)
+    tl.store(dv_ptr + kv_base + offs, tl.where(key_ok[:, None], dv, 0.0).to(dv_ptr.dtype.element_ty), mask=st_ok)
+
+
+# ---------------------------------------------------------------------------------------------
+# Launch configuration
+# ---------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Blocks:
+    """Tile sizes and launch options of one kernel: query rows (``block_m``) × keys (``block_n``)."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """The three kernels' blocks: forward, dq pass (block_m % block_n == 0 for both) and dk/dv
+    pass (block_n % block_m == 0)."""
+
+    fwd: Blocks
+    dq: Blocks
+    dkv: Blocks
+
+
+def block_d(head_dim: int) -> int:
+    """Tile width for ``head_dim``: the next power of two, at least 16 (``tl.dot``'s minimum K)."""
+    return max(16, triton.next_power_of_2(head_dim))
+
+
+def check_head_dim(head_dim: int) -> None:
+    """Raise ``ValueError`` unless the kernels support ``head_dim`` (even, 2 … 256)."""
+    if head_dim % 2 or not 2 <= head_dim <= MAX_HEAD_DIM:
+        raise ValueError(f"the triton gcla_attention kernels support even head widths d_h in [2, {MAX_HEAD_DIM}] "
+                         f"(tiles of 16, 32, 64, 128 or 256 columns; powers of two waste none), got d_h = {head_dim}")
+
+
+def launch_config(head_dim: int, dtype: torch.dtype, arch: Optional[int]) -> LaunchConfig:
+    """Blocks for ``head_dim`` and ``dtype`` on compute capability ``arch`` (e.g. 90, 80), or
+    for the CPU interpreter (``arch=None``: small tiles, so that small test shapes still span
+    several blocks; warps mean nothing there).
+
+    The bf16/fp16 choices for d_h ≤ 64 and 128 were compiled ahead of time for sm_90 and sm_80
+    (tests/test_gcla_attention.py::test_aot_*): no spills, shared memory within the per-block
+    limit. The forward keeps 128-row query blocks where registers allow (64 at d_h 128 on
+    sm_80); the dq pass streams narrow key blocks under a tall query block, the dk/dv pass the
+    reverse, as in FlashAttention-2's Triton kernels. float32 ("ieee") at d_h ≤ 64 is also
+    spill-free; its d_h 128 forward is not. d_h 256 is untuned (spills).
+    """
+    if arch is None:
+        return LaunchConfig(Blocks(32, 16, 1, 1), Blocks(32, 16, 1, 1), Blocks(16, 32, 1, 1))
+    bd = block_d(head_dim)
+    if dtype == torch.float64:
+        return LaunchConfig(Blocks(32, 16, 4, 1), Blocks(32, 16, 4, 1), Blocks(16, 32, 4, 1))
+    if dtype == torch.float32:  # exact float32 FMA products ("ieee"): no spills, no tensor cores
+        if bd <= 64:
+            return LaunchConfig(Blocks(64, 32, 8, 2), Blocks(64, 32, 8, 2), Blocks(16, 64, 4, 2))
+        return LaunchConfig(Blocks(32, 32, 8, 2), Blocks(32, 32, 8, 2), Blocks(16, 32, 8, 2))
+    if bd <= 64:
+        return LaunchConfig(Blocks(128, 64, 8, 3), Blocks(128, 32, 8, 3), Blocks(32, 128, 8, 3))
+    if bd == 128:
+        if arch >= 90:
+            return LaunchConfig(Blocks(128, 64, 8, 3), Blocks(64, 64, 8, 2), Blocks(32, 64, 8, 2))
+        return LaunchConfig(Blocks(64, 64, 8, 2), Blocks(64, 64, 8, 2), Blocks(32, 64, 8, 2))
+    return LaunchConfig(Blocks(64, 32, 8, 2), Blocks(32, 32, 8, 2), Blocks(16, 32, 8, 2))
+
+
+def _device_arch(device: torch.device) -> Optional[int]:
+    if device.type != "cuda":
+        return None
+    major, minor = torch.cuda.get_device_capability(device)
+    return 10 * major + minor
+
+
+def _precision(dtype: torch.dtype) -> str:
+    return "ieee"
+
+
+def _needs_park(dims: tuple, dtype: torch.dtype) -> bool:
+    return dims[-1] > 0 and torch.finfo(dtype).bits == 16
+
+
+def _upcast(dtype: torch.dtype, device_type: str) -> bool:
+    return dtype == torch.bfloat16 and device_type != "cuda"  # the interpreter's bf16 dot is wrong
+
+
+@dataclass
+class KernelLaunch:
+    """One launch: ``kernel[grid](*args, **constexprs, num_warps=…, num_stages=…)``. ``args``
+    are tensors (or ``triton.runtime.jit.MockTensor`` stand-ins, for compiling ahead of time)
+    and ints, in the kernel's order."""
+
+    name: str
+    kernel: object
+    grid: tuple
+    args: tuple
+    constexprs: dict
+    num_warps: int
+    num_stages: int
+
+    def launch(self) -> None:
+        self.kernel[self.grid](*self.args, **self.constexprs, num_warps=self.num_warps, num_stages=self.num_stages)
+
+
+def _fwd_launch(q_rot, k_rot, v, q, kc, vc, gate_acc, lengths, out, lse, dims, cfg: LaunchConfig, dtype,
+                device_type, park=None):
+    B, H, H_kv, T, D, S, L = dims
+    blk = cfg.fwd
+    return KernelLaunch(
+        "_gcla_fwd_kernel", _gcla_fwd_kernel, (triton.cdiv(T, blk.block_m) * B * H,),
+        (q_rot, k_rot, v, q, kc, vc, gate_acc, gate_acc if lengths is None else lengths, out, lse,
+         out if park is None else park, B, H, H_kv, T, L),
+        dict(HEAD_DIM=D, BLOCK_M=blk.block_m, BLOCK_N=blk.block_n, BLOCK_D=block_d(D), PER_ROW=S != 1,
+             HAS_CROSS=L > 0, HAS_LEN=lengths is not None, F64=dtype == torch.float64, PRECISION=_precision(dtype),
+             UPCAST=_upcast(dtype, device_type)),
+        blk.num_warps, blk.num_stages)
+
+
+def _bwd_launches(grad_out, q_rot, k_rot, v, q, kc, vc, gate_acc, lengths, out, lse, dq_rot, dq, dkc, dvc, delta,
+                  dgate_part, dk, dv, dims, cfg: LaunchConfig, dtype, device_type):
+    B, H, H_kv, T, D, S, L = dims
+    lens = gate_acc if lengths is None else lengths
+    common = dict(HEAD_DIM=D, BLOCK_D=block_d(D), HAS_LEN=lengths is not None, F64=dtype == torch.float64,
+                  PRECISION=_precision(dtype), UPCAST=_upcast(dtype, device_type))
+    dq_blk, kv_blk = cfg.dq, cfg.dkv
+    dq_pass = KernelLaunch(
+        "_gcla_bwd_dq_kernel", _gcla_bwd_dq_kernel, (triton.cdiv(T, dq_blk.block_m) * B * H,),
+        (q_rot, k_rot, v, q, kc, vc, gate_acc, lens, out, lse, grad_out, dq_rot, dq, dkc, dvc, delta, dgate_part,
+         B, H, H_kv, T, L),
+        dict(common, BLOCK_M=dq_blk.block_m, BLOCK_N=dq_blk.block_n, PER_ROW=S != 1, HAS_CROSS=L > 0),
+        dq_blk.num_warps, dq_blk.num_stages)
+    dkv_pass = KernelLaunch(
+        "_gcla_bwd_dkv_kernel", _gcla_bwd_dkv_kernel, (triton.cdiv(T, kv_blk.block_n) * B * H_kv,),
+        (q_rot, k_rot, v, gate_acc, lens, lse, grad_out, delta, dk, dv, B, H, H_kv, T),
+        dict(common, BLOCK_M=kv_blk.block_m, BLOCK_N=kv_blk.block_n),
+        kv_blk.num_warps, kv_blk.num_stages)
+    return dq_pass, dkv_pass
+
+
+# ---------------------------------------------------------------------------------------------
+# Launchers (contiguous inputs, shapes validated by the op)
+# ---------------------------------------------------------------------------------------------
+
+def _dims(q_rot: torch.Tensor, k_rot: torch.Tensor, kc: torch.Tensor) -> tuple:
+    B, H, T, D = q_rot.shape
+    return B, H, k_rot.shape[1], T, D, kc.shape[2], kc.shape[3]
+
+
+def gcla_attention_fwd(q_rot, k_rot, v, q, kc, vc, gate, lengths, config: Optional[LaunchConfig] = None):
+    """``(out (B, H, T, d_h), lse (B, H, T))`` on contiguous inputs; ``lengths`` int64 or None.
+
+    ``config`` overrides :func:`launch_config` (tests use it to force several blocks)."""
+    dims = _dims(q_rot, k_rot, kc)
+    B, H, H_kv, T, D, S, L = dims
+    check_head_dim(D)
+    acc = compute_dtype(q_rot.dtype)
+    out = empty_output(q_rot.shape, dtype=q_rot.dtype, device=q_rot.device)
+    lse = empty_output((B, H, T), dtype=acc, device=q_rot.device)
+    if B * H * T == 0:
+        return out, lse
+    cfg = config or launch_config(D, q_rot.dtype, _device_arch(q_rot.device))
+    # σ·O^cross is parked between the kernel's prologue and epilogue: in float32 scratch for
+    # 16-bit outputs (a bf16 park adds a rounding that D = dO·(O − σ O^cross) then sees).
+    park = torch.empty(q_rot.shape, dtype=acc, device=q_rot.device) if _needs_park(dims, q_rot.dtype) else None
+    _fwd_launch(q_rot, k_rot, v, q, kc, vc, gate.to(acc).contiguous(), lengths, out, lse, dims, cfg,
+                q_rot.dtype, q_rot.device.type, park).launch()
+    return out, lse
+
+
+def gcla_attention_bwd(grad_out, q_rot, k_rot, v, q, kc, vc, gate, lengths, out, lse,
+                       config: Optional[LaunchConfig] = None):
+    """``(d q_rot, d k_rot, d v, d q, d kc, d vc, d gate)`` on contiguous inputs (the forward's
+    ``out`` and ``lse``); two launches, then the fixed-order sums of the S = 1 and gate partials."""
+    dims = _dims(q_rot, k_rot, kc)
+    B, H, H_kv, T, D, S, L = dims
+    check_head_dim(D)
+    dev, dt = q_rot.device, q_rot.dtype
+    acc = compute_dtype(dt)
+    dq_rot = empty_output(q_rot.shape, dtype=dt, device=dev)
+    dq = empty_output(q.shape, dtype=dt, device=dev)
+    dk = empty_output(k_rot.shape, dtype=dt, device=dev)
+    dv = empty_output(v.shape, dtype=dt, device=dev)
+    if B * H * T == 0:
+        zeros = torch.zeros(kc.shape, dtype=dt, device=dev)
+        return dq_rot, dk, dv, dq, zeros, zeros.clone(), torch.zeros_like(gate)
+    cfg = config or launch_config(D, dt, _device_arch(dev))
+    n_mb = triton.cdiv(T, cfg.dq.block_m)
+    if S != 1:
+        dkc, dvc = empty_output(kc.shape, dtype=dt, device=dev), empty_output(vc.shape, dtype=dt, device=dev)
+    else:  # per-(query block) partials, summed below in a fixed order
+        dkc = empty_output((B, H, n_mb, L, D), dtype=acc, device=dev)
+        dvc = empty_output((B, H, n_mb, L, D), dtype=acc, device=dev)
+    delta = empty_output((B, H, T), dtype=acc, device=dev)
+    dgate_part = empty_output((B, H, n_mb), dtype=acc, device=dev)
+    for launch in _bwd_launches(grad_out, q_rot, k_rot, v, q, kc, vc, gate.to(acc).contiguous(), lengths, out, lse,
+                                dq_rot, dq, dkc, dvc, delta, dgate_part, dk, dv, dims, cfg, dt, dev.type):
+        launch.launch()
+    if S == 1:
+        dkc = dkc.sum(2, keepdim=True).to(dt)
+        dvc = dvc.sum(2, keepdim=True).to(dt)
+    dgate = dgate_part.sum((0, 2)).to(gate.dtype)
+    return dq_rot, dk, dv, dq, dkc, dvc, dgate
+
+
+# ---------------------------------------------------------------------------------------------
+# Ahead-of-time compilation (no GPU needed)
+# ---------------------------------------------------------------------------------------------
+
+@dataclass
+class CompileConfig:
+    """One kernel instantiation as the JIT would compile it at a given launch: the pieces of
+    a ``triton.compiler.ASTSource`` plus the launch options. Integer arguments are specialised
+    the way the JIT specialises them (``1`` becomes a constexpr, multiples of 16 get the
+    divisibility hint), and pointers are assumed 16-byte aligned (as torch allocates them)."""
+
+    name: str
+    kernel: object                 # the @triton.jit function
+    signature: dict                # argument name -> "*bf16", "i32", …, or "constexpr"
+    constexprs: dict               # argument name -> value
+    attrs: dict                    # {(argument index,): [["tt.divisibility", 16]]}
+    num_warps: int
+    num_stages: int
+    grid: tuple
+
+    def source(self):
+        """The ``triton.compiler.ASTSource`` to hand to ``triton.compile``."""
+        from triton.compiler import ASTSource
+
+        return ASTSource(fn=self.kernel, signature=self.signature, constexprs=self.constexprs, attrs=self.attrs)
+
+    def compile(self, arch: int):
+        """``triton.compile`` for ``sm_<arch>`` (e.g. 90, 80); works without a GPU."""
+        from triton.backends.compiler import GPUTarget
+
+        target = GPUTarget("cuda", arch, 64 if arch >= 90 else 32)
+        return triton.compile(self.source(), target=target,
+                              options={"num_warps": self.num_warps, "num_stages": self.num_stages})
+
+
+def _specialise(launch: KernelLaunch) -> CompileConfig:
+    from triton.backends.compiler import BaseBackend
+    from triton.runtime.jit import native_specialize_impl
+
+    names = launch.kernel.arg_names
+    signature, constexprs, attrs = {}, dict(launch.constexprs), {}
+    runtime_names = [n for n in names if n not in launch.constexprs]
+    for name, arg in zip(runtime_names, launch.args):
+        ty, spec = native_specialize_impl(BaseBackend, arg, False, True, True)
+        if ty == "constexpr":
+            constexprs[name] = spec
+        else:
+            signature[name] = ty
+            if spec == "D":
+                attrs[(names.index(name),)] = [["tt.divisibility", 16]]
+    for name in constexprs:
+        signature[name] = "constexpr"
+    signature = {n: signature[n] for n in names}
+    return CompileConfig(launch.name, launch.kernel, signature, constexprs, attrs, launch.num_warps,
+                         launch.num_stages, launch.grid)
+
+
+def compile_configs(arch: int, batch: int, heads: int, kv_heads: int, seq_len: int, head_dim: int,
+                    dtype: torch.dtype = torch.bfloat16, slots: int = 2, summary: str = "causal",
+                    lengths: bool = False) -> Iterator[CompileConfig]:
+    """The forward, dq-pass and dk/dv-pass instantiations that a launch at this shape makes
+    on ``sm_<arch>``: what :func:`launch_config` picks, with the JIT's specialisation.
+
+    ``slots`` is Λ', ``summary`` ``"causal"`` (S = T) or ``"paper"`` (S = 1), ``lengths``
+    whether a lengths tensor is passed. For an AOT tool / GPU report::
+
+        for cfg in compile_configs(90, 4, 16, 4, 4096, 128):
+            kernel = cfg.compile(90)   # kernel.asm["cubin"], kernel.asm["sass"] ...
+    """
+    from triton.runtime.jit import MockTensor
+
+    check_head_dim(head_dim)
+    if summary not in ("causal", "paper"):
+        raise ValueError(f"summary must be 'causal' or 'paper', got {summary!r}")
+    acc = compute_dtype(dtype)
+    S = seq_len if summary == "causal" else 1
+    dims = (batch, heads, kv_heads, seq_len, head_dim, S, slots)
+    cfg = launch_config(head_dim, dtype, arch)
+    x, a, i64 = MockTensor(dtype), MockTensor(acc), MockTensor(torch.int64)
+    lens = i64 if lengths else None
+    yield _specialise(_fwd_launch(x, x, x, x, x, x, a, lens, x, a, dims, cfg, dtype, "cuda",
+                                  a if _needs_park(dims, dtype) else None))
+    ctx = x if S != 1 else a  # dkc/dvc: the gradients themselves (S = T) or float partials (S = 1)
+    for launch in _bwd_launches(x, x, x, x, x, x, x, a, lens, x, a, x, x, ctx, ctx, a, a, x, x, dims, cfg, dtype,
+                                "cuda"):
+        yield _specialise(launch)
+
+
+#: The shapes of ``python -m wiola_kernels bench --device cuda`` for GCLA (issue 11 §3).
+BENCH_SHAPES = tuple(dict(batch=4, heads=16, kv_heads=4, seq_len=4096, head_dim=d, dtype=torch.bfloat16)
+                     for d in (64, 128))
+
+
+def bench_compile_configs(arch: int) -> Iterator[CompileConfig]:
+    """Every instantiation the bench shapes launch on ``sm_<arch>``: both summary modes
+    (S = T without lengths, S = 1 with lengths) so that every constexpr branch is compiled."""
+    for shape in BENCH_SHAPES:
+        yield from compile_configs(arch, **shape, summary="causal", lengths=False)
+        yield from compile_configs(arch, **shape, summary="paper", lengths=True)
+
+
+def cubin_resources(kernel, arch: int) -> dict:
+    """What a compiled kernel (``CompileConfig.compile``) needs per block, read from its cubin
+    with the ``cuobjdump`` that Triton's NVIDIA backend ships: registers per thread, stack and
+    local (spill) bytes, spill instructions (LDL/STL) and tensor-core MMA instructions
+    (HGMMA on sm_90, HMMA before) in the SASS, and shared memory (static + dynamic)."""
+    import os
+    import re
+    import subprocess
+    import tempfile
+
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "kernel.cubin")
+        with open(path, "wb") as f:
+            f.write(kernel.asm["cubin"])
+        usage = subprocess.run([cuobjdump, "--dump-resource-usage", path], capture_output=True, text=True,
+                               check=True).stdout
+        sass = subprocess.run([cuobjdump, "-sass", path], capture_output=True, text=True, check=True).stdout
+    m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", usage)
+    if m is None:
+        raise RuntimeError(f"cuobjdump printed no resource usage:\n{usage}")
+    reg, stack, static_smem, local = map(int, m.groups())
+    mma = "HGMMA" if arch >= 90 else "HMMA"
+    return dict(registers=reg, stack_bytes=stack, local_bytes=local, shared_bytes=static_smem + kernel.metadata.shared,
+                spill_instructions=len(re.findall(r"\b(?:LDL|STL)\b", sass)),
+                tensor_core_op=mma, tensor_core_instructions=len(re.findall(rf"\b{mma}\b", sass)))
+
+
+#: (B, H, H_kv, T, d_h, summary, lengths) × dtype that tests/test_gcla_attention.py::test_triton_gpu_vs_float64
+#: runs (float32 only at T = 257, d_h 64: its d_h 128 forward spills, and so does T = 1, where the
+#: JIT makes T the constant 1).
+GPU_TEST_CASES = tuple(
+    [(case, dtype) for dtype in (torch.bfloat16, torch.float16)
+     for case in ((2, 8, 2, 257, 64, "causal", True), (1, 16, 4, 1000, 128, "paper", False),
+                  (3, 6, 3, 1, 64, "causal", True))]
+    + [((2, 8, 2, 257, 64, "causal", True), torch.float32)])
+
+
+def aot_launches(sms: int):
+    """Every launch of the three kernels at the GPU test shapes and the bench shapes (both
+    summary modes), for ``wiola_kernels/triton/aot.py`` (``gpu-report``). GCLA is compute
+    bound (tensor cores), so no bytes-in-flight target applies."""
+    from .aot import GPUS, DevicePointer, Launch
+
+    arch = next((g.capability for g in GPUS.values() if g.sms == sms), 90)
+    cases = [(f"test {c[:5]} {c[5]}{' lengths' if c[6] else ''} {dtype}", c, dtype) for c, dtype in GPU_TEST_CASES]
+    for s in BENCH_SHAPES:
+        for summary, lengths in (("causal", False), ("paper", True)):
+            c = (s["batch"], s["heads"], s["kv_heads"], s["seq_len"], s["head_dim"], summary, lengths)
+            cases.append((f"bench {c[:5]} {summary}{' lengths' if lengths else ''} {s['dtype']}", c, s["dtype"]))
+    for case, (b, h, h_kv, t, dh, summary, lengths), dtype in cases:
+        acc = compute_dtype(dtype)
+        S = t if summary == "causal" else 1
+        dims = (b, h, h_kv, t, dh, S, 2)
+        x, a, i64 = DevicePointer(dtype), DevicePointer(acc), DevicePointer(torch.int64)
+        lens = i64 if lengths else None
+        lcfg = launch_config(dh, dtype, arch)
+        ctx = x if S != 1 else a
+        plans = [_fwd_launch(x, x, x, x, x, x, a, lens, x, a, dims, lcfg, dtype, "cuda",
+                             a if _needs_park(dims, dtype) else None),
+                 *_bwd_launches(x, x, x, x, x, x, x, a, lens, x, a, x, x, ctx, ctx, a, a, x, x, dims, lcfg, dtype,
+                                "cuda")]
+        for p in plans:
+            yield Launch(p.kernel, p.args, p.constexprs, p.num_warps, p.num_stages, p.grid[0], case,
+                         memory_bound=False)
