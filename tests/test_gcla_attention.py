@@ -478,7 +478,7 @@ def test_triton_half_forward_and_grads(dtype, case):
 
 @needs_triton
 def test_triton_float64():
-    _check_against_oracle(torch.float64, (33, "causal", [33, 12], 2, 6, 3, 16), 1e-10)
+    _check_against_oracle(torch.float64, (33, "causal", [33, 12], 2, 6, 3, 16), tolerance(torch.float64, "attention"))
 
 
 @needs_triton
@@ -510,7 +510,7 @@ def test_triton_head_dim_limits():
     ins, _ = make_inputs(1, 2, 1, 3, 2, 3, 1, torch.float64)
     with wiola_kernels.use_backend("triton"):
         out = wiola_kernels.gcla_attention(*ins)
-    close(out, gcla_attention_forward(*ins)[0], 1e-10, "d_h = 2")
+    close(out, gcla_attention_forward(*ins)[0], tolerance(torch.float64, "attention"), "d_h = 2")
 
 
 @needs_triton
