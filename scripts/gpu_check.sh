@@ -43,6 +43,7 @@ timeout 150 $PY -m wiola_kernels bench --device cuda --repeats 20 --json "$OUT/b
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 
 step "summary"
+sed -n '/^GCLA attention vs SDPA-flash/,$p' "$OUT/bench.txt"
 $PY - "$OUT/bench.json" <<'PY'
 import json, sys
 try:

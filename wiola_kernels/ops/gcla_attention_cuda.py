@@ -17,8 +17,8 @@ permutation of ``O``, ``dO`` and ``lse`` costs no pass of its own.
 **Which fused kernel** (see :func:`self_attention_kernel`): float16/bfloat16 on sm80+ use
 FlashAttention-2 (``aten::_flash_attention_forward/backward``, GQA native). float32 — which
 flash does not take — uses the memory-efficient (CUTLASS) kernel
-(``aten::_efficient_attention_forward/backward``, O(T) memory, fp32 SIMT/TF32-free maths),
-which has no GQA: K/V are expanded to H heads in natural order and dK/dV summed back over
+(``aten::_efficient_attention_forward/backward``, O(T) memory; on sm80+ its fp32 GEMMs run
+on tensor cores as 3xTF32, fp32-accurate), which has no GQA: K/V are expanded to H heads in natural order and dK/dV summed back over
 the group in a fixed order. Half precision without flash (pre-sm80 GPUs, builds without
 it) takes the same path with a one-time warning. Nothing falls back to an O(T²) matrix.
 On CPU tensors (the ``cuda_emu`` test backend: our kernels emulated on the host) the self
