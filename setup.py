@@ -9,6 +9,7 @@ environment, never from probing a GPU. Environment knobs:
 * ``WIOLA_CPU_ARCH``       ``-march`` for the CPU kernels (default ``x86-64-v3``,
   i.e. AVX2+FMA, on x86-64; ``native`` for the build machine; ``none`` for no flag).
 * ``WIOLA_CUDA_ARCH``      CUDA architectures (default ``90``).
+* ``WIOLA_NO_CUDA_EMU=1``  leave out the CUDA kernels' CPU emulation (backend ``cuda_emu``).
 """
 
 from __future__ import annotations
@@ -41,6 +42,10 @@ def _extensions() -> tuple[list, dict]:
 
     sources = [os.path.relpath(p, HERE) for p in ["csrc/python_module.cpp", "csrc/wiola_ops.cpp", *sorted(glob.glob(f"{HERE}/csrc/cpu/*.cpp"))]]
     cxx = ["-O3", "-fopenmp", *_cpu_arch_flags()]  # torch picks the C++ standard
+    if os.environ.get("WIOLA_NO_CUDA_EMU", "0") != "1":
+        # The CUDA kernels compiled as host C++ for the SIMT emulator (test backend cuda_emu),
+        # in every build: on a GPU build too, so that scripts/gpu_check.sh compares the two.
+        sources += [os.path.relpath(p, HERE) for p in sorted(glob.glob(f"{HERE}/csrc/cuda/emu/*.cpp"))]
     with_cuda = os.environ.get("WIOLA_FORCE_CUDA", "0") == "1" or (
         torch.version.cuda is not None and CUDA_HOME is not None)
     if with_cuda:

@@ -2,7 +2,8 @@
 # The whole test run (what CI runs after scripts/setup.sh):
 #   1. CMake: C++ CPU kernels + their unit tests (ctest), and the CUDA compile check
 #      for sm_90 with warnings as errors when nvcc is present;
-#   2. the same C++ unit tests built with AddressSanitizer (skip: WIOLA_ASAN=0);
+#   2. the same C++ unit tests built with AddressSanitizer (skip: WIOLA_ASAN=0), and the
+#      CUDA kernels run by the SIMT emulator under ThreadSanitizer (skip: WIOLA_TSAN=0);
 #   3. pytest: every op and backend available here against the float64 reference,
 #      Triton in the CPU interpreter, the model package; the benchmark suite runs
 #      once with tiny shapes (timings are never asserted).
@@ -18,6 +19,12 @@ if [ "${WIOLA_ASAN:-1}" != "0" ]; then
     -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
   cmake --build build-asan -j2 --target wiola_cpu_tests
   # libtorch's static registries are never freed: leaks are not what this run looks for.
-  ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 ctest --test-dir build-asan --output-on-failure
+  ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 ctest --test-dir build-asan -L cpu --output-on-failure
+fi
+if [ "${WIOLA_TSAN:-1}" != "0" ]; then
+  cmake -S . -B build-tsan -G Ninja -DCMAKE_PREFIX_PATH="$prefix" -DWIOLA_SANITIZE=thread \
+    -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
+  cmake --build build-tsan -j2 --target wiola_cuda_emu_tests wiola_cuda_emu_nosync
+  ctest --test-dir build-tsan -L emu --output-on-failure
 fi
 python -m pytest "$@"

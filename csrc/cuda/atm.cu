@@ -25,12 +25,17 @@
 // Unmerge is a gather. Backwards: merge is a gather scaled by ½ / 1 / 0; unmerge is a
 // segment sum where one thread owns one column of a row and walks the tokens in order
 // (no atomics: deterministic for any index map).
+#ifdef WIOLA_CUDA_EMU
+#include "emu/cuda_emu.h"  // host C++ build for the SIMT emulator (backend cuda_emu)
+#else
 #include <cub/block/block_scan.cuh>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#endif
 
 #include "wiola/atm.h"
 #include "wiola/cuda_convert.cuh"
+#include "wiola/cuda_launch.cuh"
 
 namespace wiola::atm {
 namespace {
@@ -44,6 +49,7 @@ constexpr int kRowThreads = 128;  // gather kernels: one block per token / slot
 constexpr int kColumnThreads = 128;  // unmerge backward: one thread per column
 
 using wiola::cuda::from_float;
+using wiola::cuda::launch_kernel;
 using wiola::cuda::to_float;
 
 __device__ __forceinline__ float quiet_nan() { return __int_as_float(0x7fc00000); }
@@ -373,19 +379,19 @@ __global__ void __launch_bounds__(kColumnThreads)
 template <typename scalar_t>
 cudaError_t merge_typed(const MergeParams& p, cudaStream_t stream) {
   const int64_t chunks = (p.T + kSimTokens - 1) / kSimTokens;
-  norms_and_dots_kernel<scalar_t><<<static_cast<unsigned>(p.B * chunks), kSimThreads, 0, stream>>>(
+  launch_kernel(norms_and_dots_kernel<scalar_t>, static_cast<unsigned>(p.B * chunks), kSimThreads, 0, stream,
       static_cast<const scalar_t*>(p.x), p.norm_sq, p.dot, p.T, p.d, chunks);
-  select_kernel<<<static_cast<unsigned>(p.B), kScanThreads, 0, stream>>>(
+  launch_kernel(select_kernel, static_cast<unsigned>(p.B), kScanThreads, 0, stream,
       p.norm_sq, p.dot, p.positions, p.lengths, p.threshold, p.T, p.index_map, p.merged_positions,
       p.merged_lengths, p.slot_source);
-  gather_average_kernel<scalar_t><<<static_cast<unsigned>(p.B * p.T), kRowThreads, 0, stream>>>(
+  launch_kernel(gather_average_kernel<scalar_t>, static_cast<unsigned>(p.B * p.T), kRowThreads, 0, stream,
       static_cast<const scalar_t*>(p.x), p.slot_source, static_cast<scalar_t*>(p.merged), p.T, p.d);
   return cudaGetLastError();
 }
 
 template <typename scalar_t>
 cudaError_t merge_backward_typed(const MergeBackwardParams& p, cudaStream_t stream) {
-  merge_backward_kernel<scalar_t><<<static_cast<unsigned>(p.B * p.T), kRowThreads, 0, stream>>>(
+  launch_kernel(merge_backward_kernel<scalar_t>, static_cast<unsigned>(p.B * p.T), kRowThreads, 0, stream,
       static_cast<const scalar_t*>(p.grad_merged), p.index_map, p.merged_lengths, static_cast<scalar_t*>(p.grad_x),
       p.T, p.d);
   return cudaGetLastError();
@@ -393,7 +399,7 @@ cudaError_t merge_backward_typed(const MergeBackwardParams& p, cudaStream_t stre
 
 template <typename scalar_t>
 cudaError_t unmerge_typed(const UnmergeParams& p, cudaStream_t stream) {
-  unmerge_kernel<scalar_t><<<static_cast<unsigned>(p.B * p.T), kRowThreads, 0, stream>>>(
+  launch_kernel(unmerge_kernel<scalar_t>, static_cast<unsigned>(p.B * p.T), kRowThreads, 0, stream,
       static_cast<const scalar_t*>(p.in), p.index_map, static_cast<scalar_t*>(p.out), p.T, p.d);
   return cudaGetLastError();
 }
@@ -402,7 +408,7 @@ template <typename scalar_t>
 cudaError_t unmerge_backward_typed(const UnmergeParams& p, cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>((p.d + kColumnThreads - 1) / kColumnThreads),
                   static_cast<unsigned>(p.B < 65535 ? p.B : 65535));
-  unmerge_backward_kernel<scalar_t><<<grid, kColumnThreads, 0, stream>>>(
+  launch_kernel(unmerge_backward_kernel<scalar_t>, grid, kColumnThreads, 0, stream,
       static_cast<const scalar_t*>(p.in), p.index_map, static_cast<scalar_t*>(p.out), p.B, p.T, p.d);
   return cudaGetLastError();
 }

@@ -2,17 +2,20 @@
 // outputs and workspaces, fills the params structs of csrc/include/wiola/atm.h and
 // launches on the current stream. float32, float16 and bfloat16 (float64 CUDA inputs are
 // routed to the reference by wiola_kernels/ops/atm.py).
-#include <c10/cuda/CUDAStream.h>
-#include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
 #include "../cpu/common.h"
+#include "binding_device.h"
 #include "wiola/atm.h"
 
 namespace wiola::cuda_atm {
 namespace {
 
 using wiola::cpu::empty_output;
+using wiola::cuda_binding::current_stream;
+using wiola::cuda_binding::DeviceGuard;
+using wiola::cuda_binding::kDevice;
+using wiola::cuda_binding::on_kernel_device;
 
 atm::DType kernel_dtype(const at::Tensor& t, const char* name) {
   switch (t.scalar_type()) {
@@ -30,8 +33,8 @@ atm::DType kernel_dtype(const at::Tensor& t, const char* name) {
 }
 
 void check_x(const char* name, const at::Tensor& x) {
-  TORCH_CHECK_VALUE(x.is_cuda() && x.dim() == 3 && x.is_contiguous() && x.size(2) > 0, name,
-                    " must be a contiguous CUDA (B, T, d) tensor with d > 0, got ", x.sizes());
+  TORCH_CHECK_VALUE(on_kernel_device(x) && x.dim() == 3 && x.is_contiguous() && x.size(2) > 0, name,
+                    " must be a contiguous ", kDevice, " (B, T, d) tensor with d > 0, got ", x.sizes());
   TORCH_CHECK_VALUE(x.size(1) < (int64_t{1} << 30), name, ": T must be below 2^30, got ", x.size(1));
 }
 
@@ -53,7 +56,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> atm_merge(const at::T
   check_int("positions", positions, x, {B, T});
   check_int("lengths", lengths, x, {B});
   TORCH_CHECK_VALUE(threshold >= -1.0 && threshold <= 1.0, "threshold must lie in [-1, 1], got ", threshold);
-  const c10::cuda::CUDAGuard guard(x.device());
+  const DeviceGuard guard(x.device());
   at::Tensor merged = empty_output(x.sizes(), x.options());
   at::Tensor merged_positions = empty_output({B, T}, positions.options());
   at::Tensor merged_lengths = empty_output({B}, lengths.options());
@@ -77,7 +80,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> atm_merge(const at::T
   p.T = T;
   p.d = d;
   p.dtype = kernel_dtype(x, "x");
-  check_launch(atm::launch_merge(p, c10::cuda::getCurrentCUDAStream()), "merge");
+  check_launch(atm::launch_merge(p, current_stream()), "merge");
   return {merged, merged_positions, merged_lengths, index_map};
 }
 
@@ -87,12 +90,12 @@ at::Tensor atm_merge_bwd(const at::Tensor& grad_merged, const at::Tensor& index_
   const int64_t B = grad_merged.size(0), T = grad_merged.size(1), d = grad_merged.size(2);
   check_int("index_map", index_map, grad_merged, {B, T});
   check_int("merged_lengths", merged_lengths, grad_merged, {B});
-  const c10::cuda::CUDAGuard guard(grad_merged.device());
+  const DeviceGuard guard(grad_merged.device());
   at::Tensor grad_x = empty_output(grad_merged.sizes(), grad_merged.options());
   atm::MergeBackwardParams p{grad_merged.const_data_ptr(), index_map.const_data_ptr<int64_t>(),
                              merged_lengths.const_data_ptr<int64_t>(), grad_x.mutable_data_ptr(), B, T, d,
                              kernel_dtype(grad_merged, "grad_merged")};
-  check_launch(atm::launch_merge_backward(p, c10::cuda::getCurrentCUDAStream()), "merge backward");
+  check_launch(atm::launch_merge_backward(p, current_stream()), "merge backward");
   return grad_x;
 }
 
@@ -100,11 +103,11 @@ at::Tensor unmerge_common(const at::Tensor& in, const at::Tensor& index_map, boo
   check_x(backward ? "grad_restored" : "y", in);
   const int64_t B = in.size(0), T = in.size(1), d = in.size(2);
   check_int("index_map", index_map, in, {B, T});
-  const c10::cuda::CUDAGuard guard(in.device());
+  const DeviceGuard guard(in.device());
   at::Tensor out = empty_output(in.sizes(), in.options());
   atm::UnmergeParams p{in.const_data_ptr(), index_map.const_data_ptr<int64_t>(), out.mutable_data_ptr(), B, T, d,
                        kernel_dtype(in, backward ? "grad_restored" : "y")};
-  const auto stream = c10::cuda::getCurrentCUDAStream();
+  const auto stream = current_stream();
   check_launch(backward ? atm::launch_unmerge_backward(p, stream) : atm::launch_unmerge(p, stream),
                backward ? "unmerge backward" : "unmerge");
   return out;
@@ -120,7 +123,7 @@ at::Tensor atm_unmerge_bwd(const at::Tensor& grad_restored, const at::Tensor& in
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(wiola, CUDA, m) {
+WIOLA_CUDA_KERNELS_IMPL(m) {
   m.impl("_atm_merge", &atm_merge);
   m.impl("_atm_merge_bwd", &atm_merge_bwd);
   m.impl("_atm_unmerge", &atm_unmerge);

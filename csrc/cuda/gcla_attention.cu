@@ -16,13 +16,18 @@
 // O^cross, q_rot and lse, all in the permuted layout. S = T writes dkc/dvc per row; S = 1
 // sums them per block in shared memory (fixed order) into a partial, and a second kernel
 // adds the partials in chunk order — deterministic, no atomics. dgate likewise.
+#ifdef WIOLA_CUDA_EMU
+#include "emu/cuda_emu.h"
+#else
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#endif
 
 #include <cmath>
 
 #include "wiola/cuda_convert.cuh"
 #include "wiola/gcla_attention.h"
+#include "wiola/cuda_launch.cuh"
 
 namespace wiola::gcla {
 namespace {
@@ -32,6 +37,7 @@ constexpr int kThreads = kWarps * 32;
 constexpr size_t kMaxSmem = 227 * 1024;  // opt-in shared memory per block on sm_90
 
 using wiola::cuda::from_float;
+using wiola::cuda::launch_kernel;
 using wiola::cuda::to_float;
 
 __device__ __forceinline__ float warp_sum(float x) {
@@ -333,7 +339,7 @@ cudaError_t forward_typed(const SummaryForwardParams& p, cudaStream_t stream) {
   const int64_t rows = p.B * p.H * p.T;
   if (rows == 0) return cudaSuccess;
   const dim3 grid(static_cast<unsigned>((rows + kWarps - 1) / kWarps));
-  summary_forward_kernel<scalar_t, DH><<<grid, kThreads, 0, stream>>>(p);
+  launch_kernel(summary_forward_kernel<scalar_t, DH>, grid, kThreads, 0, stream, p);
   return cudaGetLastError();
 }
 
@@ -346,17 +352,17 @@ cudaError_t backward_typed(const SummaryBackwardParams& p, cudaStream_t stream) 
     const size_t smem = sizeof(float) * (kWarps * 2 * p.L * (1 + (shared_ctx ? DH : 0)) + kWarps);
     if (smem > kMaxSmem) return cudaErrorInvalidValue;
     if ((err = set_smem(summary_backward_kernel<scalar_t, DH>, smem)) != cudaSuccess) return err;
-    summary_backward_kernel<scalar_t, DH><<<static_cast<unsigned>(BH * nchunks), kThreads, smem, stream>>>(p);
+    launch_kernel(summary_backward_kernel<scalar_t, DH>, static_cast<unsigned>(BH * nchunks), kThreads, smem, stream, p);
     if ((err = cudaGetLastError()) != cudaSuccess) return err;
   }
   if (shared_ctx && BH * p.L > 0) {
     const int64_t n = BH * 2 * p.L * DH;
-    context_sum_kernel<scalar_t><<<static_cast<unsigned>((n + 255) / 256), 256, 0, stream>>>(
+    launch_kernel(context_sum_kernel<scalar_t>, static_cast<unsigned>((n + 255) / 256), 256, 0, stream,
         p.ckv_part, static_cast<scalar_t*>(p.dkc), static_cast<scalar_t*>(p.dvc), BH, nchunks, p.L * DH);
     if ((err = cudaGetLastError()) != cudaSuccess) return err;
   }
   if (p.H > 0) {
-    dgate_kernel<<<static_cast<unsigned>(p.H), 32, 0, stream>>>(p.gate_part, p.gate, p.dgate, p.B, p.H, nchunks);
+    launch_kernel(dgate_kernel, static_cast<unsigned>(p.H), 32, 0, stream, p.gate_part, p.gate, p.dgate, p.B, p.H, nchunks);
     err = cudaGetLastError();
   }
   return err;

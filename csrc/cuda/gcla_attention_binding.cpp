@@ -3,20 +3,23 @@
 // csrc/include/wiola/gcla_attention.h and launches on the current stream. float32, float16
 // and bfloat16 with d_h ∈ {64, 128}. The self-attention part and the head permutation
 // around it are driven from Python (wiola_kernels/ops/gcla_attention_cuda.py).
-#include <c10/cuda/CUDAGuard.h>
-#include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
 #include <cmath>
 #include <optional>
 
 #include "../cpu/common.h"
+#include "binding_device.h"
 #include "wiola/gcla_attention.h"
 
 namespace wiola::cuda_gcla {
 namespace {
 
 using wiola::cpu::empty_output;
+using wiola::cuda_binding::current_stream;
+using wiola::cuda_binding::DeviceGuard;
+using wiola::cuda_binding::kDevice;
+using wiola::cuda_binding::on_kernel_device;
 
 gcla::DType kernel_dtype(const at::Tensor& t) {
   switch (t.scalar_type()) {
@@ -34,8 +37,8 @@ gcla::DType kernel_dtype(const at::Tensor& t) {
 
 void check_cuda(const char* name, const at::Tensor& t, const at::Tensor& like, at::IntArrayRef sizes,
                 const char* layout) {
-  TORCH_CHECK_VALUE(t.is_cuda() && t.device() == like.device() && t.is_contiguous() && t.sizes() == sizes, name,
-                    " must be a contiguous CUDA tensor ", layout, " = ", sizes, " on ", like.device(), ", got ",
+  TORCH_CHECK_VALUE(on_kernel_device(t) && t.device() == like.device() && t.is_contiguous() && t.sizes() == sizes, name,
+                    " must be a contiguous ", kDevice, " tensor ", layout, " = ", sizes, " on ", like.device(), ", got ",
                     t.sizes(), " on ", t.device());
   TORCH_CHECK_TYPE(t.scalar_type() == like.scalar_type(), name, " must have dtype ", like.scalar_type(), ", got ",
                    t.scalar_type());
@@ -52,7 +55,7 @@ struct Shape {
 
 Shape check_common(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& gate_f,
                    const std::optional<at::Tensor>& lengths, int64_t perm_kv) {
-  TORCH_CHECK_VALUE(q.is_cuda() && q.dim() == 4 && q.is_contiguous(), "q must be a contiguous CUDA (B, H, T, d_h) tensor, got ",
+  TORCH_CHECK_VALUE(on_kernel_device(q) && q.dim() == 4 && q.is_contiguous(), "q must be a contiguous ", kDevice, " (B, H, T, d_h) tensor, got ",
                     q.sizes(), " on ", q.device());
   Shape s{q.size(0), q.size(1), q.size(2), q.size(3), 0, 0};
   kernel_dtype(q);
@@ -64,21 +67,21 @@ Shape check_common(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& 
   s.L = kc.size(3);
   check_cuda("kc", kc, q, {s.B, s.H, s.S, s.L, s.dh}, "(B, H, S, L, d_h)");
   check_cuda("vc", vc, q, {s.B, s.H, s.S, s.L, s.dh}, "(B, H, S, L, d_h)");
-  TORCH_CHECK_VALUE(gate_f.is_cuda() && gate_f.dim() == 1 && gate_f.size(0) == s.H, "gate must have shape (H,) = (",
+  TORCH_CHECK_VALUE(on_kernel_device(gate_f) && gate_f.dim() == 1 && gate_f.size(0) == s.H, "gate must have shape (H,) = (",
                     s.H, ",)");
   TORCH_CHECK_VALUE(perm_kv >= 1 && s.H % perm_kv == 0, "perm_kv must divide H = ", s.H, ", got ", perm_kv);
   if (lengths.has_value()) {
-    TORCH_CHECK_VALUE(lengths->is_cuda() && lengths->device() == q.device() && lengths->dim() == 1 &&
+    TORCH_CHECK_VALUE(on_kernel_device(*lengths) && lengths->device() == q.device() && lengths->dim() == 1 &&
                           lengths->size(0) == s.B && lengths->scalar_type() == at::kLong && lengths->is_contiguous(),
-                      "lengths must be a contiguous int64 CUDA tensor of shape (B,) = (", s.B, ",)");
+                      "lengths must be a contiguous int64 ", kDevice, " tensor of shape (B,) = (", s.B, ",)");
   }
   return s;
 }
 
 // A (B, H, T, dh) tensor of the fused attention: any strides with a contiguous last dim.
 gcla::SelfTensor self_tensor(const char* name, const at::Tensor& t, const at::Tensor& q) {
-  TORCH_CHECK_VALUE(t.is_cuda() && t.device() == q.device() && t.sizes() == q.sizes() && t.stride(3) == 1, name,
-                    " must be a CUDA tensor (B, H, T, d_h) = ", q.sizes(), " with a contiguous last dimension, got ",
+  TORCH_CHECK_VALUE(on_kernel_device(t) && t.device() == q.device() && t.sizes() == q.sizes() && t.stride(3) == 1, name,
+                    " must be a ", kDevice, " tensor (B, H, T, d_h) = ", q.sizes(), " with a contiguous last dimension, got ",
                     t.sizes(), " strides ", t.strides());
   TORCH_CHECK_TYPE(t.scalar_type() == q.scalar_type(), name, " must have dtype ", q.scalar_type(), ", got ",
                    t.scalar_type());
@@ -91,9 +94,9 @@ gcla::SelfTensor self_tensor(const char* name, const at::Tensor& t, const at::Te
 }
 
 gcla::SelfLse self_lse(const char* name, const at::Tensor& t, const Shape& s, const at::Tensor& q) {
-  TORCH_CHECK_VALUE(t.is_cuda() && t.device() == q.device() && t.dim() == 3 && t.size(0) == s.B && t.size(1) == s.H &&
+  TORCH_CHECK_VALUE(on_kernel_device(t) && t.device() == q.device() && t.dim() == 3 && t.size(0) == s.B && t.size(1) == s.H &&
                         t.size(2) >= s.T && (t.stride(2) == 1 || s.T <= 1) && t.scalar_type() == at::kFloat,
-                    name, " must be a float32 CUDA tensor (B, H, >= T) = (", s.B, ", ", s.H, ", >= ", s.T,
+                    name, " must be a float32 ", kDevice, " tensor (B, H, >= T) = (", s.B, ", ", s.H, ", >= ", s.T,
                     ") with a contiguous last dimension, got ", t.sizes(), " ", t.scalar_type());
   return {const_cast<float*>(t.const_data_ptr<float>()), t.stride(0), t.stride(1)};
 }
@@ -110,7 +113,7 @@ std::tuple<at::Tensor, at::Tensor> gcla_summary_fwd(const at::Tensor& o_self, co
                                                     const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc,
                                                     const at::Tensor& gate, const std::optional<at::Tensor>& lengths,
                                                     int64_t perm_kv) {
-  const c10::cuda::CUDAGuard guard(q.device());
+  const DeviceGuard guard(q.device());
   const at::Tensor gate_f = gate.to(at::kFloat).contiguous();
   const Shape s = check_common(q, kc, vc, gate_f, lengths, perm_kv);
   gcla::SummaryForwardParams p{};
@@ -134,7 +137,7 @@ std::tuple<at::Tensor, at::Tensor> gcla_summary_fwd(const at::Tensor& o_self, co
   p.perm_kv = perm_kv;
   p.scale = scale_of(s);
   p.dtype = kernel_dtype(q);
-  check_launch(gcla::launch_summary_forward(p, c10::cuda::getCurrentCUDAStream()), "summary forward");
+  check_launch(gcla::launch_summary_forward(p, current_stream()), "summary forward");
   return {out, lse};
 }
 
@@ -142,15 +145,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
 gcla_summary_bwd(const at::Tensor& grad_out, const at::Tensor& out, const at::Tensor& lse, const at::Tensor& q_rot,
                  const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& gate,
                  const std::optional<at::Tensor>& lengths, int64_t perm_kv, int64_t lse_columns, bool write_q_self) {
-  const c10::cuda::CUDAGuard guard(q.device());
+  const DeviceGuard guard(q.device());
   const at::Tensor gate_f = gate.to(at::kFloat).contiguous();
   const Shape s = check_common(q, kc, vc, gate_f, lengths, perm_kv);
   check_cuda("grad_out", grad_out, q, q.sizes(), "(B, H, T, d_h)");
   check_cuda("out", out, q, q.sizes(), "(B, H, T, d_h)");
   check_cuda("q_rot", q_rot, q, q.sizes(), "(B, H, T, d_h)");
-  TORCH_CHECK_VALUE(lse.is_cuda() && lse.device() == q.device() && lse.is_contiguous() &&
+  TORCH_CHECK_VALUE(on_kernel_device(lse) && lse.device() == q.device() && lse.is_contiguous() &&
                         lse.scalar_type() == at::kFloat && lse.sizes() == at::IntArrayRef({s.B, s.H, s.T}),
-                    "lse must be a contiguous float32 CUDA tensor of shape (B, H, T) = (", s.B, ", ", s.H, ", ", s.T,
+                    "lse must be a contiguous float32 ", kDevice, " tensor of shape (B, H, T) = (", s.B, ", ", s.H, ", ", s.T,
                     "), got ", lse.sizes(), " ", lse.scalar_type());
   TORCH_CHECK_VALUE(lse_columns >= s.T, "lse_columns must be >= T = ", s.T, ", got ", lse_columns);
   const at::TensorOptions f32 = q.options().dtype(at::kFloat);
@@ -200,13 +203,13 @@ gcla_summary_bwd(const at::Tensor& grad_out, const at::Tensor& out, const at::Te
   p.perm_kv = perm_kv;
   p.scale = scale_of(s);
   p.dtype = kernel_dtype(q);
-  check_launch(gcla::launch_summary_backward(p, c10::cuda::getCurrentCUDAStream()), "summary backward");
+  check_launch(gcla::launch_summary_backward(p, current_stream()), "summary backward");
   return {dq, dkc, dvc, dgate, do_self, o_self, q_self, lse_self};
 }
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(wiola, CUDA, m) {
+WIOLA_CUDA_KERNELS_IMPL(m) {
   m.impl("_gcla_summary_fwd", &gcla_summary_fwd);
   m.impl("_gcla_summary_bwd", &gcla_summary_bwd);
 }

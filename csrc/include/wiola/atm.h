@@ -7,7 +7,11 @@
 // status (cudaSuccess or the error); none synchronises.
 #pragma once
 
+#ifdef WIOLA_CUDA_EMU
+#include "../../cuda/emu/runtime.h"  // the SIMT emulator's runtime (test backend cuda_emu)
+#else
 #include <cuda_runtime_api.h>
+#endif
 
 #include <cstdint>
 

@@ -2,8 +2,12 @@
 // and their float32 accumulators. Torch-free, shared by every csrc/cuda/*.cu.
 #pragma once
 
+#ifdef WIOLA_CUDA_EMU
+#include "../../cuda/emu/cuda_emu.h"
+#else
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#endif
 
 namespace wiola::cuda {
 

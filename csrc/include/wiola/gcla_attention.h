@@ -26,7 +26,11 @@
 // (per-block partials, then a fixed-order sum).
 #pragma once
 
+#ifdef WIOLA_CUDA_EMU
+#include "../../cuda/emu/runtime.h"  // the SIMT emulator's runtime (test backend cuda_emu)
+#else
 #include <cuda_runtime_api.h>
+#endif
 
 #include <cstdint>
 

@@ -1,0 +1,36 @@
+// Device plumbing shared by the torch bindings of the CUDA kernels (csrc/cuda/*_binding.cpp):
+// with the real CUDA build, tensors live on the GPU and kernels go to the current stream;
+// compiled with -DWIOLA_CUDA_EMU (csrc/cuda/emu/bindings_emu.cpp), the same bindings —
+// the same argument checks — take CPU tensors and run the kernels in the SIMT emulator,
+// registered as torch.ops.wiola_cuda_emu.* (the test backend cuda_emu).
+#pragma once
+
+#include <torch/library.h>
+
+#ifdef WIOLA_CUDA_EMU
+#include "emu/runtime.h"
+
+namespace wiola::cuda_binding {
+constexpr const char* kDevice = "CPU (cuda_emu)";
+inline bool on_kernel_device(const at::Tensor& t) { return t.is_cpu(); }
+struct DeviceGuard {
+  explicit DeviceGuard(c10::Device) {}
+};
+inline cudaStream_t current_stream() { return nullptr; }
+}  // namespace wiola::cuda_binding
+
+// The CPU key of torch.ops.wiola.* is the C++ CPU kernels': the emulated ones get a namespace.
+#define WIOLA_CUDA_KERNELS_IMPL(m) TORCH_LIBRARY_IMPL(wiola_cuda_emu, CPU, m)
+#else
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+
+namespace wiola::cuda_binding {
+constexpr const char* kDevice = "CUDA";
+inline bool on_kernel_device(const at::Tensor& t) { return t.is_cuda(); }
+using DeviceGuard = c10::cuda::CUDAGuard;
+inline cudaStream_t current_stream() { return c10::cuda::getCurrentCUDAStream(); }
+}  // namespace wiola::cuda_binding
+
+#define WIOLA_CUDA_KERNELS_IMPL(m) TORCH_LIBRARY_IMPL(wiola, CUDA, m)
+#endif

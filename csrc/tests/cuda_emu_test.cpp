@@ -1,0 +1,586 @@
+// Tests of the SIMT emulator (csrc/cuda/emu/) and of the CUDA kernels it runs, torch-free,
+// for ctest: plain, and under ThreadSanitizer (scripts/test.sh, build-tsan). Oracles are
+// independent: the compiler's _Float16 and a nearest-value search for the conversions,
+// float64 loops for the kernels, float64 central differences for the GCLA summary gradients.
+//
+//   wiola_cuda_emu_tests [all|quick|missing-sync]
+// `quick` (for the ThreadSanitizer build) skips the conversion sweep and checks the GCLA
+// gradients along one direction over all inputs. `missing-sync` runs the GCLA summary backward of a copy of
+// gcla_attention.cu with its block barrier removed (made by CMakeLists.txt) and prints whether that was detected.
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <random>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#define WIOLA_CUDA_EMU 1
+#include "../cuda/emu/cuda_emu.h"
+#include "wiola/cuda_launch.cuh"
+#include "wiola/gcla_attention.h"
+#ifndef WIOLA_EMU_GCLA_ONLY
+#include "wiola/atm.h"
+#endif
+
+namespace {
+
+int failures = 0;
+
+void check(bool ok, const std::string& what) {
+  std::printf("%s %s\n", ok ? "ok  " : "FAIL", what.c_str());
+  if (!ok) ++failures;
+}
+
+// ---------------------------------------------------------------------------------
+// GCLA summary kernels: float64 oracle of the summary part (given the fused attention's
+// O^self and lse), gradients by central differences
+// ---------------------------------------------------------------------------------
+struct GclaCase {
+  int64_t B = 2, H = 4, Hkv = 2, T = 40, dh = 64, S = 1, L = 2;
+  std::vector<int64_t> lengths{40, 23};
+  int64_t perm_kv() const { return Hkv > 1 && Hkv < H ? Hkv : 1; }
+  int64_t self_head(int64_t h) const {  // wiola/gcla_attention.h: p(h)
+    const int64_t P = perm_kv();
+    return (h % P) * (H / P) + h / P;
+  }
+};
+
+// Inputs in natural order (double, values exact in float): 0 o_self, 1 lse_self, 2 q, 3 kc,
+// 4 vc, 5 gate, 6 q_rot.
+struct GclaInputs {
+  std::vector<double> t[7];
+};
+
+size_t gcla_size(const GclaCase& c, int which) {
+  switch (which) {
+    case 0: case 2: case 6: return size_t(c.B * c.H * c.T * c.dh);
+    case 1: return size_t(c.B * c.H * c.T);
+    case 3: case 4: return size_t(c.B * c.H * c.S * c.L * c.dh);
+    default: return size_t(c.H);
+  }
+}
+
+struct GclaOracle {  // float64, natural order
+  std::vector<double> out, lse, dq, dkc, dvc, dgate, o_self;  // o_self: out − σ O^cross (0 past the length)
+};
+
+// Forward (out, lse) and, for grad_out, the backward's analytic gradients.
+GclaOracle gcla_oracle(const GclaCase& c, const GclaInputs& in, const std::vector<double>* grad_out = nullptr) {
+  const int64_t T = c.T, D = c.dh, L = c.L;
+  const double scale = 1.0 / std::sqrt(double(D));
+  GclaOracle o;
+  o.out.assign(gcla_size(c, 0), 0.0);
+  o.lse.assign(gcla_size(c, 1), 0.0);
+  o.dq.assign(gcla_size(c, 2), 0.0);
+  o.dkc.assign(gcla_size(c, 3), 0.0);
+  o.dvc.assign(gcla_size(c, 4), 0.0);
+  o.dgate.assign(gcla_size(c, 5), 0.0);
+  o.o_self.assign(gcla_size(c, 0), 0.0);
+  for (int64_t b = 0; b < c.B; ++b)
+    for (int64_t h = 0; h < c.H; ++h) {
+      const int64_t len = c.lengths[size_t(b)], bh = b * c.H + h;
+      const double sig = 1.0 / (1.0 + std::exp(-in.t[5][size_t(h)]));
+      for (int64_t i = 0; i < len; ++i) {
+        const size_t row = size_t((bh * T + i) * D);
+        const int64_t s0 = (bh * c.S + (c.S == 1 ? 0 : i)) * L;
+        std::vector<double> a(static_cast<size_t>(L)), oc(static_cast<size_t>(D), 0.0);
+        double zm = -INFINITY, zs = 0;
+        for (int64_t k = 0; k < L; ++k) {
+          double d = 0;
+          for (int64_t e = 0; e < D; ++e) d += in.t[2][row + size_t(e)] * in.t[3][size_t((s0 + k) * D + e)];
+          a[size_t(k)] = d * scale;
+          zm = std::max(zm, a[size_t(k)]);
+        }
+        for (double& x : a) zs += (x = std::exp(x - zm));
+        for (int64_t k = 0; k < L; ++k) {
+          a[size_t(k)] /= zs;
+          for (int64_t e = 0; e < D; ++e) oc[size_t(e)] += a[size_t(k)] * in.t[4][size_t((s0 + k) * D + e)];
+        }
+        for (int64_t e = 0; e < D; ++e) {
+          o.out[row + size_t(e)] = in.t[0][row + size_t(e)] + sig * oc[size_t(e)];
+          o.o_self[row + size_t(e)] = in.t[0][row + size_t(e)];
+        }
+        o.lse[size_t(bh * T + i)] = in.t[1][size_t(bh * T + i)];
+        if (grad_out == nullptr) continue;
+        const double* go = &(*grad_out)[row];
+        std::vector<double> ev(static_cast<size_t>(L));
+        double r = 0;
+        for (int64_t k = 0; k < L; ++k) {
+          double d = 0;
+          for (int64_t e = 0; e < D; ++e) d += go[e] * in.t[4][size_t((s0 + k) * D + e)];
+          ev[size_t(k)] = d;
+          r += a[size_t(k)] * d;
+        }
+        o.dgate[size_t(h)] += sig * (1 - sig) * r;
+        for (int64_t k = 0; k < L; ++k) {
+          const double dz = sig * a[size_t(k)] * (ev[size_t(k)] - r);
+          for (int64_t e = 0; e < D; ++e) {
+            o.dq[row + size_t(e)] += scale * dz * in.t[3][size_t((s0 + k) * D + e)];
+            o.dkc[size_t((s0 + k) * D + e)] += scale * dz * in.t[2][row + size_t(e)];
+            o.dvc[size_t((s0 + k) * D + e)] += sig * a[size_t(k)] * go[e];
+          }
+        }
+      }
+    }
+  return o;
+}
+
+struct GclaRun {  // the kernels' outputs, natural order (self tensors gathered back from p(h))
+  std::vector<float> out, lse, dq, dkc, dvc, dgate, do_self, o_self, q_self, lse_self;
+};
+
+// Runs both kernels on float copies; the self tensors live in (B, T, H, dh) memory with
+// heads in the order p(h), as the binding allocates them. Every output starts poisoned.
+GclaRun gcla_kernels(const GclaCase& c, const GclaInputs& in, const std::vector<double>& grad_out) {
+  const int64_t B = c.B, H = c.H, T = c.T, D = c.dh;
+  std::vector<float> f[7];
+  for (int k = 0; k < 7; ++k) f[k].assign(in.t[k].begin(), in.t[k].end());
+  std::vector<float> go(grad_out.begin(), grad_out.end());
+  const wiola::gcla::SelfTensor layout{nullptr, T * H * D, D, H * D};  // (b, p, t) strides
+  auto self_index = [&](int64_t b, int64_t h, int64_t t) {
+    return size_t(b * layout.sb + c.self_head(h) * layout.sh + t * layout.st);
+  };
+  std::vector<float> o_perm(gcla_size(c, 0)), lse_perm(gcla_size(c, 1));
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t t = 0; t < T; ++t) {
+        const size_t row = size_t(((b * H + h) * T + t) * D);
+        std::copy_n(&f[0][row], D, &o_perm[self_index(b, h, t)]);
+        lse_perm[size_t((b * H + c.self_head(h)) * T + t)] = f[1][size_t((b * H + h) * T + t)];
+      }
+  GclaRun r;
+  r.out.assign(gcla_size(c, 0), NAN);
+  r.lse.assign(gcla_size(c, 1), NAN);
+  wiola::gcla::SummaryForwardParams p{};
+  p.o_self = {o_perm.data(), layout.sb, layout.sh, layout.st};
+  p.lse_self = {lse_perm.data(), H * T, T};
+  p.q = f[2].data(); p.kc = f[3].data(); p.vc = f[4].data(); p.gate = f[5].data();
+  p.lengths = c.lengths.data();
+  p.out = r.out.data(); p.lse = r.lse.data();
+  p.B = B; p.H = H; p.T = T; p.dh = D; p.S = c.S; p.L = c.L; p.perm_kv = c.perm_kv();
+  p.scale = float(1.0 / std::sqrt(double(D)));
+  p.dtype = wiola::gcla::DType::kFloat32;
+  if (wiola::gcla::launch_summary_forward(p, nullptr) != cudaSuccess) throw std::runtime_error("forward launch failed");
+
+  std::vector<float> dq(gcla_size(c, 2), NAN), dkc(gcla_size(c, 3), NAN), dvc(gcla_size(c, 4), NAN);
+  std::vector<float> dgate(size_t(H), NAN), do_perm(gcla_size(c, 0), NAN), os_perm(gcla_size(c, 0), NAN);
+  std::vector<float> q_perm(gcla_size(c, 0), NAN), ls_perm(gcla_size(c, 1), NAN);
+  const int64_t nchunks = wiola::gcla::backward_chunks(T);
+  std::vector<float> gate_part(size_t(B * H * nchunks), NAN);
+  std::vector<float> ckv_part(c.S == 1 ? size_t(B * H * nchunks * 2 * c.L * D) : 0, NAN);
+  wiola::gcla::SummaryBackwardParams bp{};
+  bp.grad_out = go.data(); bp.out = r.out.data(); bp.lse = r.lse.data(); bp.q_rot = f[6].data();
+  bp.q = f[2].data(); bp.kc = f[3].data(); bp.vc = f[4].data(); bp.gate = f[5].data(); bp.lengths = c.lengths.data();
+  bp.dq = dq.data(); bp.dkc = dkc.data(); bp.dvc = dvc.data(); bp.dgate = dgate.data();
+  bp.do_self = {do_perm.data(), layout.sb, layout.sh, layout.st};
+  bp.o_self = {os_perm.data(), layout.sb, layout.sh, layout.st};
+  bp.q_self = {q_perm.data(), layout.sb, layout.sh, layout.st};
+  bp.lse_self = {ls_perm.data(), H * T, T};
+  bp.gate_part = gate_part.data(); bp.ckv_part = c.S == 1 ? ckv_part.data() : nullptr;
+  bp.B = B; bp.H = H; bp.T = T; bp.dh = D; bp.S = c.S; bp.L = c.L; bp.perm_kv = c.perm_kv();
+  bp.scale = p.scale;
+  bp.dtype = wiola::gcla::DType::kFloat32;
+  if (wiola::gcla::launch_summary_backward(bp, nullptr) != cudaSuccess) throw std::runtime_error("backward launch failed");
+  r.dq = dq; r.dkc = dkc; r.dvc = dvc; r.dgate = dgate;
+  r.do_self.resize(gcla_size(c, 0)); r.o_self.resize(gcla_size(c, 0)); r.q_self.resize(gcla_size(c, 0));
+  r.lse_self.resize(gcla_size(c, 1));
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t t = 0; t < T; ++t) {
+        const size_t row = size_t(((b * H + h) * T + t) * D);
+        std::copy_n(&do_perm[self_index(b, h, t)], D, &r.do_self[row]);
+        std::copy_n(&os_perm[self_index(b, h, t)], D, &r.o_self[row]);
+        std::copy_n(&q_perm[self_index(b, h, t)], D, &r.q_self[row]);
+        r.lse_self[size_t((b * H + h) * T + t)] = ls_perm[size_t((b * H + c.self_head(h)) * T + t)];
+      }
+  return r;
+}
+
+double rel_err(const std::vector<float>& got, const std::vector<double>& want) {
+  double num = 0, den = 0;
+  for (size_t i = 0; i < want.size(); ++i) {
+    const double d = double(got[i]) - want[i];
+    num += std::isnan(d) ? INFINITY : d * d;
+    den += want[i] * want[i];
+  }
+  return std::sqrt(num) / std::max(std::sqrt(den), 1e-300);
+}
+
+GclaInputs random_gcla(const GclaCase& c, unsigned seed) {
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<double> n(0.0, 1.0);
+  GclaInputs in;
+  for (int k = 0; k < 7; ++k) {
+    in.t[k].resize(gcla_size(c, k));
+    for (double& x : in.t[k]) x = float(n(rng));  // values exactly representable in float
+  }
+  return in;
+}
+
+// `x` with rows t ≥ len_b zeroed (natural (B, H, T, per) layout).
+std::vector<double> zero_padding(const GclaCase& c, std::vector<double> x, int64_t per) {
+  for (int64_t b = 0; b < c.B; ++b)
+    for (int64_t h = 0; h < c.H; ++h)
+      for (int64_t t = c.lengths[size_t(b)]; t < c.T; ++t)
+        std::fill_n(&x[size_t(((b * c.H + h) * c.T + t) * per)], per, 0.0);
+  return x;
+}
+
+bool quick = false;  // `quick` mode (the ThreadSanitizer run): one gradient direction over all inputs
+
+void test_gcla(const GclaCase& c, const char* name) {
+  const GclaInputs in = random_gcla(c, 1);
+  std::mt19937_64 rng(2);
+  std::normal_distribution<double> n(0.0, 1.0);
+  std::vector<double> go(gcla_size(c, 0));
+  for (double& x : go) x = float(n(rng));
+  const GclaOracle want = gcla_oracle(c, in, &go);
+  const GclaRun r = gcla_kernels(c, in, go);
+  const std::string s(name);
+  check(rel_err(r.out, want.out) < 2e-6, s + ": forward output vs float64");
+  check(rel_err(r.lse, want.lse) < 1e-7, s + ": lse vs float64");
+  check(rel_err(r.dq, want.dq) < 2e-5, s + ": dq vs float64");
+  check(rel_err(r.dkc, want.dkc) < 2e-5, s + ": dkc vs float64");
+  check(rel_err(r.dvc, want.dvc) < 2e-5, s + ": dvc vs float64");
+  check(rel_err(r.dgate, want.dgate) < 2e-5, s + ": dgate vs float64");
+  check(rel_err(r.do_self, zero_padding(c, go, c.dh)) == 0, s + ": dO in the self order, zero past the lengths");
+  check(rel_err(r.o_self, want.o_self) < 2e-6, s + ": O^self = O - sigma O^cross in the self order");
+  check(rel_err(r.q_self, zero_padding(c, in.t[6], c.dh)) == 0, s + ": q_rot in the self order, zero past the lengths");
+  check(rel_err(r.lse_self, want.lse) == 0, s + ": lse in the self order");
+  // The analytic oracle itself against central differences of L = Σ grad_out · out, along
+  // random directions in q, kc, vc, gate (one over all of them in `quick` mode).
+  const char* names[5] = {"q", "kc", "vc", "gate", "all inputs"};
+  const int inputs[4] = {2, 3, 4, 5};
+  for (int k = quick ? 4 : 0; k < 5; ++k) {
+    const double eps = 1e-4;
+    GclaInputs plus = in, minus = in;
+    double an = 0, scale = 0;
+    const std::vector<double>* grads[4] = {&want.dq, &want.dkc, &want.dvc, &want.dgate};
+    const std::vector<float>* got[4] = {&r.dq, &r.dkc, &r.dvc, &r.dgate};
+    double an_kernel = 0;
+    for (int m = 0; m < 4; ++m) {
+      if (k != 4 && k != m) continue;
+      for (size_t i = 0; i < in.t[inputs[m]].size(); ++i) {
+        const double u = n(rng);
+        plus.t[inputs[m]][i] += eps * u;
+        minus.t[inputs[m]][i] -= eps * u;
+        an += (*grads[m])[i] * u;
+        an_kernel += double((*got[m])[i]) * u;
+        scale += std::fabs((*grads[m])[i] * u);
+      }
+    }
+    const std::vector<double> op = gcla_oracle(c, plus).out, om = gcla_oracle(c, minus).out;
+    double fd = 0;
+    for (size_t i = 0; i < go.size(); ++i) fd += go[i] * (op[i] - om[i]) / (2 * eps);
+    const double err = std::fabs(an - fd) / std::max(scale, 1e-12);
+    const double err_k = std::fabs(an_kernel - fd) / std::max(scale, 1e-12);
+    check(err < 1e-6 && err_k < 1e-4, s + ": grad " + names[k] + " vs central differences");
+  }
+}
+
+// ---------------------------------------------------------------------------------
+// ATM: greedy loop in float64, values by simple loops
+// ---------------------------------------------------------------------------------
+#ifndef WIOLA_EMU_GCLA_ONLY
+void test_atm() {
+  const int64_t B = 3, T = 1100, d = 40;  // two scan tiles of 1024 tokens
+  const std::vector<int64_t> lengths{1100, 517, 0};
+  std::mt19937_64 rng(3);
+  std::normal_distribution<float> n(0.f, 1.f);
+  std::bernoulli_distribution dup(0.5);
+  std::vector<float> x(size_t(B * T * d));
+  std::vector<int64_t> pos(size_t(B * T));
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t t = 0; t < T; ++t) {
+      float* xt = &x[size_t((b * T + t) * d)];
+      const bool copy = t > 0 && dup(rng);  // a positive multiple of the previous token: s = 1
+      for (int64_t j = 0; j < d; ++j) xt[j] = copy ? 2.f * xt[j - d] : n(rng);
+      pos[size_t(b * T + t)] = 7 * t + b;
+    }
+  std::vector<int64_t> want_map(static_cast<size_t>(B * T)), want_len(static_cast<size_t>(B));
+  std::vector<float> want_merged(x.size(), 0.f);
+  for (int64_t b = 0; b < B; ++b) {
+    int64_t slot = 0, t = 0;
+    const int64_t len = lengths[size_t(b)];
+    while (t < len) {
+      const float* a = &x[size_t((b * T + t) * d)];
+      bool merge = false;
+      if (t + 1 < len) {
+        double dot = 0, na = 0, nc = 0;
+        for (int64_t j = 0; j < d; ++j) {
+          dot += double(a[j]) * a[j + d];
+          na += double(a[j]) * a[j];
+          nc += double(a[j + d]) * a[j + d];
+        }
+        merge = dot / std::sqrt(na * nc) > 0.5;
+      }
+      float* o = &want_merged[size_t((b * T + slot) * d)];
+      for (int64_t j = 0; j < d; ++j) o[j] = merge ? 0.5f * (a[j] + a[j + d]) : a[j];
+      want_map[size_t(b * T + t)] = slot;
+      if (merge) want_map[size_t(b * T + t + 1)] = slot;
+      t += merge ? 2 : 1;
+      ++slot;
+    }
+    want_len[size_t(b)] = slot;
+    for (int64_t u = len; u < T; ++u) want_map[size_t(b * T + u)] = slot + (u - len);
+  }
+  std::vector<float> merged(x.size(), NAN), work(size_t(2 * B * T), NAN);
+  std::vector<int64_t> mpos(size_t(B * T), -1), mlen(size_t(B), -1), imap(size_t(B * T), -1), src(size_t(B * T), -1);
+  wiola::atm::MergeParams p{x.data(), pos.data(), lengths.data(), 0.5, merged.data(), mpos.data(), mlen.data(),
+                            imap.data(), work.data(), work.data() + B * T, src.data(), B, T, d,
+                            wiola::atm::DType::kFloat32};
+  check(wiola::atm::launch_merge(p, nullptr) == cudaSuccess, "atm: merge launch");
+  check(imap == want_map && mlen == want_len, "atm: index map and merged lengths vs greedy loop");
+  bool values = true, positions = true;
+  for (size_t i = 0; i < x.size(); ++i) values = values && merged[i] == want_merged[i];
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t t = 0; t < T; ++t) {
+      int64_t first = -1;
+      for (int64_t u = 0; u < lengths[size_t(b)] && first < 0; ++u)
+        if (want_map[size_t(b * T + u)] == t) first = u;
+      const int64_t expect = first < 0 ? 0 : pos[size_t(b * T + first)];
+      positions = positions && mpos[size_t(b * T + t)] == expect;
+    }
+  check(values, "atm: merged values (pair means, zeros after T')");
+  check(positions, "atm: merged positions");
+  // Unmerge, merge backward, unmerge backward against loops over the map.
+  std::vector<float> g(x.size());
+  for (float& v : g) v = n(rng);
+  std::vector<float> restored(x.size(), NAN), gx(x.size(), NAN), gy(x.size(), NAN);
+  wiola::atm::UnmergeParams up{g.data(), imap.data(), restored.data(), B, T, d, wiola::atm::DType::kFloat32};
+  check(wiola::atm::launch_unmerge(up, nullptr) == cudaSuccess, "atm: unmerge launch");
+  wiola::atm::UnmergeParams ub{g.data(), imap.data(), gy.data(), B, T, d, wiola::atm::DType::kFloat32};
+  check(wiola::atm::launch_unmerge_backward(ub, nullptr) == cudaSuccess, "atm: unmerge backward launch");
+  wiola::atm::MergeBackwardParams mb{g.data(), imap.data(), mlen.data(), gx.data(), B, T, d,
+                                     wiola::atm::DType::kFloat32};
+  check(wiola::atm::launch_merge_backward(mb, nullptr) == cudaSuccess, "atm: merge backward launch");
+  bool ok_r = true, ok_y = true, ok_x = true;
+  std::vector<double> sum(x.size(), 0.0);
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t t = 0; t < T; ++t) {
+      const int64_t s = want_map[size_t(b * T + t)];
+      const bool paired = (t > 0 && want_map[size_t(b * T + t - 1)] == s) ||
+                          (t + 1 < T && want_map[size_t(b * T + t + 1)] == s);
+      const float w = s >= want_len[size_t(b)] ? 0.f : (paired ? 0.5f : 1.f);
+      for (int64_t j = 0; j < d; ++j) {
+        const float gs = g[size_t((b * T + s) * d + j)];
+        ok_r = ok_r && restored[size_t((b * T + t) * d + j)] == gs;
+        ok_x = ok_x && gx[size_t((b * T + t) * d + j)] == w * gs;
+        sum[size_t((b * T + s) * d + j)] += g[size_t((b * T + t) * d + j)];
+      }
+    }
+  for (size_t i = 0; i < x.size(); ++i) ok_y = ok_y && std::fabs(gy[i] - sum[i]) <= 1e-5 * (1 + std::fabs(sum[i]));
+  check(ok_r, "atm: unmerge gathers the slot values");
+  check(ok_x, "atm: merge backward = w · grad(slot)");
+  check(ok_y, "atm: unmerge backward = segment sums");
+}
+#endif
+
+// ---------------------------------------------------------------------------------
+// The emulator itself
+// ---------------------------------------------------------------------------------
+uint16_t bf16_oracle(float f) {  // nearest bfloat16 by search, ties to the even pattern
+  if (std::isnan(f)) return 0x7fff;
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  const uint32_t lo = u & 0xffff0000u, hi = lo + 0x10000u;
+  float a, b;
+  std::memcpy(&a, &lo, 4);
+  std::memcpy(&b, &hi, 4);
+  const double da = std::fabs(double(f) - a), db = std::isinf(b) && !std::isinf(f) ? INFINITY : std::fabs(double(f) - b);
+  if ((u & 0xffffu) == 0) return uint16_t(lo >> 16);
+  if ((u & 0x7fffffffu) >= 0x7f7f8000u && (u & 0x7fffffffu) < 0x7f800000u) {  // rounds to ±Inf at/above the midpoint
+    return uint16_t((u & 0x80000000u) >> 16 | 0x7f80u);
+  }
+  if (da < db) return uint16_t(lo >> 16);
+  if (db < da) return uint16_t(hi >> 16);
+  return uint16_t(((lo >> 16) & 1u) ? hi >> 16 : lo >> 16);
+}
+
+void test_conversions() {
+  bool half_ok = true, bf_ok = true, back_ok = true;
+  std::mt19937 rng(5);
+  std::vector<uint32_t> patterns;
+  for (uint32_t e = 0; e < 256; ++e)  // every exponent with edge mantissas, both signs
+    for (uint32_t m : {0u, 1u, 0xfffu, 0x1000u, 0x1001u, 0x2000u, 0x3000u, 0x7fffu, 0x8000u, 0x8001u, 0x18000u,
+                       0x7fffffu, 0x400000u})
+      for (uint32_t s : {0u, 1u}) patterns.push_back(s << 31 | e << 23 | m);
+  for (int i = 0; i < 2000000; ++i) patterns.push_back(rng());
+  for (uint32_t u : patterns) {
+    float f;
+    std::memcpy(&f, &u, 4);
+    const __half h = __float2half_rn(f);
+    const _Float16 ref = static_cast<_Float16>(f);
+    uint16_t rb;
+    std::memcpy(&rb, &ref, 2);
+    if (std::isnan(f) ? h.bits != 0x7fff : h.bits != rb) {
+      if (half_ok) std::printf("  half(%a): got 0x%04x want 0x%04x\n", double(f), h.bits, rb);
+      half_ok = false;
+    }
+    const uint16_t bw = bf16_oracle(f);
+    if (__float2bfloat16_rn(f).bits != bw) {
+      if (bf_ok) std::printf("  bf16(%a): got 0x%04x want 0x%04x\n", double(f), __float2bfloat16_rn(f).bits, bw);
+      bf_ok = false;
+    }
+  }
+  for (uint32_t v = 0; v < 65536; ++v) {  // every half / bfloat16 to float, exactly
+    _Float16 hf;
+    const uint16_t b16 = uint16_t(v);
+    std::memcpy(&hf, &b16, 2);
+    const float want = static_cast<float>(hf), got = __half2float(__half{b16});
+    back_ok = back_ok && (std::isnan(want) ? std::isnan(got) : std::memcmp(&want, &got, 4) == 0);
+    const uint32_t bu = v << 16;
+    float bw;
+    std::memcpy(&bw, &bu, 4);
+    const float bg = __bfloat162float(__nv_bfloat16{b16});
+    back_ok = back_ok && std::memcmp(&bw, &bg, 4) == 0;
+  }
+  check(half_ok, "float -> half round-to-nearest-even (vs the compiler's _Float16)");
+  check(bf_ok, "float -> bfloat16 round-to-nearest-even (vs nearest-value search)");
+  check(back_ok, "half / bfloat16 -> float exact for all 65536 patterns");
+}
+
+__global__ void collectives_kernel(int* out) {
+  const int lane = static_cast<int>(threadIdx.x % 32), warp = static_cast<int>(threadIdx.x / 32);
+  int* o = out + (blockIdx.x * blockDim.x + threadIdx.x) * 8;
+  const int v = 100 * warp + lane;
+  o[0] = __shfl_sync(0xffffffffu, v, 5);
+  o[1] = __shfl_xor_sync(0xffffffffu, v, 3);
+  o[2] = __shfl_down_sync(0xffffffffu, v, 4);
+  o[3] = __shfl_up_sync(0xffffffffu, v, 2, 16);
+  o[4] = static_cast<int>(__ballot_sync(0xffffffffu, lane % 3 == 0));
+  o[5] = __any_sync(0xffffffffu, lane == 17) + 2 * __all_sync(0xffffffffu, lane < 40);
+  if (lane < 16) o[6] = __shfl_xor_sync(0x0000ffffu, v, 8);  // a half-warp collective with its own mask
+  else o[6] = __shfl_xor_sync(0xffff0000u, v, 1);
+  __syncwarp();
+  o[7] = static_cast<int>(blockIdx.x);
+}
+
+__global__ void reverse_kernel(const float* in, float* out, int n) {
+  __shared__ float s[256];
+  s[threadIdx.x] = in[blockIdx.x * n + threadIdx.x];
+  __syncthreads();
+  out[blockIdx.x * n + threadIdx.x] = s[n - 1 - threadIdx.x];
+}
+
+__global__ void half_warp_shuffle_kernel(float* out) {
+  float v = static_cast<float>(threadIdx.x);
+  if (threadIdx.x % 32 < 16) v = __shfl_xor_sync(0xffffffffu, v, 1);  // lanes 16-31 never come
+  out[threadIdx.x] = v;
+}
+
+__global__ void half_warp_then_barrier_kernel(float* out) {
+  float v = static_cast<float>(threadIdx.x);
+  if (threadIdx.x % 32 < 16) v = __shfl_sync(0xffffffffu, v, 0);
+  __syncthreads();
+  out[threadIdx.x] = v;
+}
+
+__global__ void early_exit_barrier_kernel(float* out) {
+  if (threadIdx.x >= 64) return;
+  __syncthreads();
+  out[threadIdx.x] = 1.f;
+}
+
+std::string fault_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const std::runtime_error& e) {
+    return e.what();
+  }
+  return "";
+}
+
+void test_emulator() {
+  const int blocks = 3, threads = 96;
+  std::vector<int> out(size_t(blocks * threads * 8), -1);
+  wiola::cuda::launch_kernel(collectives_kernel, blocks, threads, 0, nullptr, out.data());
+  bool ok = cudaGetLastError() == cudaSuccess;
+  for (int i = 0; i < blocks * threads; ++i) {
+    const int lane = i % 32, warp = (i % threads) / 32, v = 100 * warp + lane;
+    const int* o = &out[size_t(i) * 8];
+    unsigned ballot = 0;
+    for (int l = 0; l < 32; l += 3) ballot |= 1u << l;
+    const int up = (lane % 16) >= 2 ? v - 2 : v;
+    ok = ok && o[0] == 100 * warp + 5 && o[1] == 100 * warp + (lane ^ 3) && o[2] == (lane + 4 < 32 ? v + 4 : v) &&
+         o[3] == up && unsigned(o[4]) == ballot && o[5] == 3 &&
+         o[6] == 100 * warp + (lane < 16 ? lane ^ 8 : lane ^ 1) && o[7] == i / threads;
+  }
+  check(ok, "warp collectives: shfl / xor / down / up(width 16) / ballot / any / all / per-half masks");
+  std::vector<float> in(4 * 200), rev(4 * 200, NAN);
+  for (size_t i = 0; i < in.size(); ++i) in[i] = float(i);
+  wiola::cuda::launch_kernel(reverse_kernel, 4, 200, 0, nullptr, in.data(), rev.data(), 200);
+  bool rev_ok = true;
+  for (int b = 0; b < 4; ++b)
+    for (int t = 0; t < 200; ++t) rev_ok = rev_ok && rev[size_t(b * 200 + t)] == in[size_t(b * 200 + 199 - t)];
+  check(rev_ok, "__syncthreads orders shared memory (block reverse)");
+
+  std::vector<float> buf(128, 0.f);
+  std::string f = fault_of([&] { wiola::cuda::launch_kernel(half_warp_shuffle_kernel, 1, 64, 0, nullptr, buf.data()); });
+  std::printf("  reported: %s\n", f.c_str());
+  check(f.find("__shfl_xor_sync(mask 0xffffffff)") != std::string::npos && f.find("exited") != std::string::npos,
+        "a shuffle called by half a warp is reported (lanes exit)");
+  f = fault_of([&] { wiola::cuda::launch_kernel(half_warp_then_barrier_kernel, 1, 64, 0, nullptr, buf.data()); });
+  std::printf("  reported: %s\n", f.c_str());
+  check(f.find("never arrived (it waits at __syncthreads)") != std::string::npos,
+        "a shuffle called by half a warp is reported (lanes wait at a barrier)");
+  f = fault_of([&] { wiola::cuda::launch_kernel(early_exit_barrier_kernel, 1, 128, 0, nullptr, buf.data()); });
+  std::printf("  reported: %s\n", f.c_str());
+  check(f.find("__syncthreads reached by 64 of 128 threads") != std::string::npos,
+        "__syncthreads after some threads exited is reported");
+  wiola::cuda::launch_kernel(reverse_kernel, 1, 2048, 0, nullptr, in.data(), rev.data(), 200);
+  check(cudaGetLastError() == cudaErrorInvalidConfiguration, "a block of 2048 threads is refused");
+  wiola::cuda::launch_kernel(reverse_kernel, 1, 32, 64 * 1024, nullptr, in.data(), rev.data(), 32);
+  check(cudaGetLastError() == cudaErrorInvalidValue,
+        "64 KB of dynamic shared memory without cudaFuncSetAttribute is refused");
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const std::string mode = argc > 1 ? argv[1] : "all";
+  if (mode == "missing-sync") {
+    // This binary's GCLA kernels come from a copy with the backward's block barrier removed
+    // (before the per-block partial sums of dgate and, for S = 1, dkc/dvc).
+    GclaCase c;
+    const GclaInputs in = random_gcla(c, 1);
+    std::vector<double> go(gcla_size(c, 0), 1.0);
+    const GclaOracle want = gcla_oracle(c, in, &go);
+    const GclaRun r = gcla_kernels(c, in, go);
+    const double err = std::max(rel_err(r.dgate, want.dgate), rel_err(r.dkc, want.dkc));
+    std::printf("backward with a __syncthreads removed: relative error %.3g\n", err);
+    if (!(err < 2e-5)) {
+      std::printf("missing barrier detected: wrong result\n");
+      return 0;
+    }
+    std::printf("missing barrier NOT detected by the result\n");
+    return 1;
+  }
+  quick = mode == "quick";
+  test_emulator();
+  if (!quick) test_conversions();
+  GclaCase paper;  // S = 1, permuted heads (H 4, H_kv 2), two 64-row chunks, lengths
+  paper.T = 70;
+  paper.lengths = {70, 23};
+  test_gcla(paper, "gcla summary S=1 L=2 T=70 dh=64 H=4 Hkv=2");
+  GclaCase causal;  // S = T, d_h 128, H/H_kv = 3 (permuted), a row of length 1
+  causal.S = causal.T = 33;
+  causal.L = 1;
+  causal.H = 6;
+  causal.Hkv = 3;
+  causal.dh = 128;
+  causal.lengths = {33, 1};
+  test_gcla(causal, "gcla summary S=T L=1 T=33 dh=128 H=6 Hkv=3");
+  GclaCase plain;  // Λ' = 0: the output is O^self, identity head order
+  plain.L = 0;
+  plain.Hkv = 1;
+  test_gcla(plain, "gcla summary L=0 T=40 dh=64 H=4 Hkv=1");
+#ifndef WIOLA_EMU_GCLA_ONLY
+  test_atm();
+#endif
+  std::printf("%s (%d failures)\n", failures ? "FAILED" : "PASSED", failures);
+  return failures ? 1 : 0;
+}
