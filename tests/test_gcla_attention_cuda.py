@@ -2,15 +2,16 @@
 fused self-attention with permuted query heads plus our summary kernels
 (csrc/cuda/gcla_attention.cu), against the float64 oracle.
 
-Three layers, each checked against the oracle:
-
-* CPU (every CI run): the whole orchestration — head permutation, layouts, lengths,
-  the float32 path's K/V expansion, the fused self-attention forward/backward (PyTorch's CPU
-  flash kernel standing in for the GPU one) — with :class:`SummaryKernelModel`, a row-for-row
-  PyTorch model of the two CUDA kernels (same head map ``p(h)``, same per-row formulas, same
-  64-row chunked two-stage sums, same output layouts), in place of the kernels.
-* GPU (skipped without one; scripts/gpu_check.sh): the real kernels and flash/efficient
-  attention, plus a check of the self part against ``F.scaled_dot_product_attention``.
+* CPU (every CI run): the whole orchestration — head permutation, layouts, lengths, the
+  float32 path's K/V expansion, the fused self-attention forward/backward (PyTorch's CPU
+  flash kernel standing in for the GPU one) — with the summary kernels given twice: as
+  ``torch.ops.wiola_cuda_emu`` (the CUDA kernels' bodies run by the SIMT emulator,
+  csrc/cuda/emu/, when the extension is built) and as :class:`SummaryKernelModel`, a
+  row-for-row PyTorch model of them (same head map ``p(h)``, per-row formulas, 64-row
+  chunked sums and output layouts). One oracle run checks both.
+* GPU (skipped without one; scripts/gpu_check.sh): the real kernels with flash/efficient
+  attention, the kernels against the model, the self part against
+  ``F.scaled_dot_product_attention``, determinism, padding.
 """
 
 from __future__ import annotations
@@ -155,18 +156,45 @@ def oracle(ins, lengths, grad):
     return out, lse, torch.autograd.grad(out, ins64, grad.to(ins64[0].device, torch.float64))
 
 
-def check_against_oracle(out, lse, grads, ins, lengths, grad, dtype):
-    ref, ref_lse, ref_grads = oracle(ins, lengths, grad)
+def check_against_oracle(out, lse, grads, ins, lengths, grad, dtype, ref=None, who=""):
+    """Output, lse and every gradient within SPEC §9's attention tolerance of the float64 oracle
+    (``ref``: a precomputed :func:`oracle`); rows past the lengths exactly 0."""
+    ref_out, ref_lse, ref_grads = oracle(ins, lengths, grad) if ref is None else ref
     tol = tolerance(dtype, "attention")
     floor = 0.25 if dtype == torch.float32 else 1.0
-    close(out, ref, tol, "out")
-    close(lse, ref_lse, tol, "lse", floor=1.0)
+    close(out, ref_out, tol, f"{who}out")
+    close(lse, ref_lse, tol, f"{who}lse", floor=1.0)
     for name, g, rg in zip(NAMES, grads, ref_grads):
-        assert g.dtype == ins[NAMES.index(name)].dtype, f"grad {name}: dtype {g.dtype}"
-        close(g, rg, tol, f"grad {name}", floor)
+        assert g.dtype == ins[NAMES.index(name)].dtype, f"{who}grad {name}: dtype {g.dtype}"
+        close(g, rg, tol, f"{who}grad {name}", floor)
     if lengths is not None:
         for b, n in enumerate(lengths.tolist()):
-            assert (out[b, :, n:] == 0).all() and (lse[b, :, n:] == 0).all(), "rows past the length are not 0"
+            assert (out[b, :, n:] == 0).all() and (lse[b, :, n:] == 0).all(), f"{who}rows past the length are not 0"
+
+
+def emulated_kernels():
+    """torch.ops.wiola_cuda_emu (the CUDA kernels run by the SIMT emulator) when the extension
+    was built with them, else None."""
+    try:
+        ops = torch.ops.wiola_cuda_emu
+        ops._gcla_summary_fwd  # noqa: B018 - resolving the op is the probe
+        return ops
+    except (AttributeError, RuntimeError):
+        return None
+
+
+def kernel_sets():
+    """(name, kernels) to run the orchestration with on CPU: the PyTorch model always, the
+    emulated CUDA kernels when built."""
+    emu = emulated_kernels()
+    return [("model: ", MODEL)] + ([("cuda_emu: ", emu)] if emu is not None else [])
+
+
+def check_kernel_sets(ins, lengths, grad, dtype):
+    ref = oracle(ins, lengths, grad)
+    for who, kernels in kernel_sets():
+        out, lse, grads = run_orchestration(ins, lengths, grad, kernels)
+        check_against_oracle(out, lse, grads, ins, lengths, grad, dtype, ref=ref, who=who)
 
 
 def _lengths(T, with_len, device="cpu"):
@@ -241,8 +269,7 @@ def test_model_orchestration_matches_oracle_fp32(case, dh):
     ins = make_inputs(2, H, H_kv, T, dh, S, L, torch.float32, seed=T + L + H)
     lengths = _lengths(T, with_len)
     grad = torch.randn(2, H, T, dh, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
-    out, lse, grads = run_orchestration(ins, lengths, grad, MODEL)
-    check_against_oracle(out, lse, grads, ins, lengths, grad, torch.float32)
+    check_kernel_sets(ins, lengths, grad, torch.float32)
 
 
 @cpu_only
@@ -254,8 +281,7 @@ def test_model_orchestration_matches_oracle_half(case, dtype):
     ins = make_inputs(2, H, H_kv, T, 64, S, L, dtype, seed=7)
     lengths = _lengths(T, with_len)
     grad = torch.randn(2, H, T, 64, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
-    out, lse, grads = run_orchestration(ins, lengths, grad, MODEL)
-    check_against_oracle(out, lse, grads, ins, lengths, grad, dtype)
+    check_kernel_sets(ins, lengths, grad, dtype)
 
 
 class _ExpandedCpuAttention(gc._SelfAttention):
@@ -288,18 +314,21 @@ def test_model_expanded_kv_path_matches_oracle(case, monkeypatch):
     ins = make_inputs(2, H, H_kv, T, 64, S, L, torch.float32, seed=3)
     lengths = _lengths(T, with_len)
     grad = torch.randn(2, H, T, 64, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
-    out, lse, grads = run_orchestration(ins, lengths, grad, MODEL)
-    check_against_oracle(out, lse, grads, ins, lengths, grad, torch.float32)
+    check_kernel_sets(ins, lengths, grad, torch.float32)
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_padding_garbage_never_read(device):
     """NaN in q_rot, k_rot, v, q, kc, vc (S = T) and dO past the lengths changes nothing: the
     padding is zeroed before the fused kernel multiplies masked zeros by whole key blocks.
-    CPU: the model kernels; CUDA: the real ones with flash attention."""
+    CPU: the model and the emulated kernels; CUDA: the real ones with flash attention."""
     if (device == "cuda") != HAS_CUDA:
         pytest.skip("the CPU variant runs without a GPU, the CUDA one with it")
-    kernels = MODEL if device == "cpu" else None
+    for who, kernels in (kernel_sets() if device == "cpu" else [("cuda: ", None)]):
+        _check_padding_garbage(device, kernels, who)
+
+
+def _check_padding_garbage(device, kernels, who):
     T, H, H_kv = 70, 4, 2
     ins = make_inputs(2, H, H_kv, T, 64, T, 2, torch.bfloat16, device=device, seed=5)
     lengths = torch.tensor([70, 33], device=device)
@@ -314,18 +343,19 @@ def test_padding_garbage_never_read(device):
         dirty = run_orchestration(dirty_ins, lengths, dirty_grad, kernels)
     assert torch.equal(clean[0], dirty[0]) and torch.equal(clean[1], dirty[1])
     for name, a, b in zip(NAMES, clean[2], dirty[2]):
-        assert torch.equal(a, b), f"grad {name} depends on the padding"
+        assert torch.equal(a, b), f"{who}grad {name} depends on the padding"
 
 
 @cpu_only
-def test_model_is_deterministic():
+def test_model_and_emulation_are_deterministic():
     ins = make_inputs(2, 6, 3, 130, 64, 1, 2, torch.bfloat16, seed=8)
     lengths = torch.tensor([130, 61])
     grad = torch.randn(2, 6, 130, 64, generator=torch.Generator().manual_seed(9), dtype=torch.float64)
-    a = run_orchestration(ins, lengths, grad, MODEL)
-    b = run_orchestration(ins, lengths, grad, MODEL)
-    for x, y in zip((a[0], a[1], *a[2]), (b[0], b[1], *b[2])):
-        assert torch.equal(x, y)
+    for who, kernels in kernel_sets():
+        a = run_orchestration(ins, lengths, grad, kernels)
+        b = run_orchestration(ins, lengths, grad, kernels)
+        for x, y in zip((a[0], a[1], *a[2]), (b[0], b[1], *b[2])):
+            assert torch.equal(x, y), who
 
 
 def test_self_attention_kernel_choice_on_cpu():
@@ -344,9 +374,10 @@ def cuda_kernels():
         pytest.skip(reason)
 
 
-GPU_CASES = ([(c, 64, dt) for c in CASES for dt in (torch.float32, torch.bfloat16)]
-             + [(c, 128, dt) for c in CASES[::3] for dt in (torch.bfloat16, torch.float16, torch.float32)]
-             + [(c, 64, torch.float16) for c in CASES[1::3]])
+# bf16 over every case; float32 (the efficient kernel, K/V expanded), d_h 128 and fp16 on subsets.
+GPU_CASES = ([(c, 64, torch.bfloat16) for c in CASES] + [(c, 64, torch.float32) for c in CASES[::2]]
+             + [(c, 128, dt) for c in CASES[1::4] for dt in (torch.bfloat16, torch.float32)]
+             + [(c, 64, torch.float16) for c in CASES[2::4]])
 
 
 @pytest.mark.parametrize("case, dh, dtype", GPU_CASES,
