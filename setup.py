@@ -69,6 +69,13 @@ setup(
     name="wiola-kernels",
     version="0.1.0",
     description="Fused Triton/CUDA/C++ kernels for the Wiola small-language-model architecture",
+    long_description=open(os.path.join(HERE, "README.md"), encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    # The contact SECURITY.md names for private reports (the address the project's commits use).
+    author="The wiola-kernels developers",
+    author_email="dev@wiola.local",
+    maintainer="The wiola-kernels developers",
+    maintainer_email="dev@wiola.local",
     packages=find_packages(include=["wiola_kernels", "wiola_kernels.*"])
     + find_packages(where="python", include=["wiola", "wiola.*"]),
     package_dir={"wiola": "python/wiola"},
@@ -77,7 +84,8 @@ setup(
     install_requires=["torch>=2.6", "numpy", "tqdm"],
     extras_require={
         "triton": ["triton"],
-        "model": ["transformers>=4.45", "safetensors"],
+        "model": ["transformers>=5.24", "tokenizers", "safetensors"],  # transformers 5 APIs; 5.24 tested
+        "plot": ["matplotlib"],  # python -m wiola_kernels bench --plot
         "test": ["pytest", "pytest-benchmark", "hypothesis", "matplotlib", "triton"],
     },
     entry_points={"console_scripts": ["wiola-kernels=wiola_kernels.__main__:main"]},

@@ -1,6 +1,7 @@
 """ATM CUDA kernels (csrc/cuda/atm.cu) against the reference and the greedy loop of
-tests/test_atm.py: decisions exactly, values within SPEC §9 tolerances. Skipped
-without a GPU or without the extension's CUDA kernels."""
+tests/test_atm.py: decisions exactly, values within SPEC §9 tolerances. Every test runs
+on the ``cuda`` backend (GPU; skipped without one) and on ``cuda_emu`` (the same kernels
+and binding on CPU tensors in the SIMT emulator, in CI; smaller shapes)."""
 
 from __future__ import annotations
 
@@ -13,32 +14,36 @@ from wiola_kernels import dispatch
 from wiola_kernels.reference import atm as ref
 from wiola_kernels.testing import assert_close_rel, tolerance
 
+from cuda_targets import DEVICE, EMULATED, targets, with_cases
 from test_atm import (SCALE_EXPONENTS, _robust_inputs, _tensors, expected_merged, greedy_loop, planted_rows,
                       scaled_tensors)
 
-_REASON = ("no CUDA device" if not torch.cuda.is_available()
-           else dispatch.BACKENDS["cuda"].unavailable_reason(torch.device("cuda")))
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_REASON is not None, reason=f"cuda backend unavailable: {_REASON}")]
-
+TARGETS = targets()
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
+@pytest.mark.parametrize("backend", TARGETS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @given(case=planted_rows(max_t=40))
-def test_cuda_matches_greedy_loop(dtype, case):
+def test_cuda_matches_greedy_loop(backend, dtype, case):
     rows, positions, lengths, tau = case
-    x, pos, lens = (t.cuda() for t in _tensors(rows, positions, lengths, dtype))
+    x, pos, lens = (t.to(DEVICE[backend]) for t in _tensors(rows, positions, lengths, dtype))
     ex, ep, elen, emap = greedy_loop(rows, positions, lengths, tau)
-    with wk.use_backend("cuda"):
+    with wk.use_backend(backend):
         merged, mpos, mlen, imap = wk.atm_merge(x, pos, tau, lens)
     assert mlen.tolist() == elen and imap.tolist() == emap and mpos.tolist() == ep
     assert torch.equal(merged.double().cpu(), torch.tensor(ex, dtype=torch.float64))
 
 
+GPU_SHAPES = [(3, 37, 40), (2, 3001, 96), (1, 1, 8), (5, 1024, 33)]
+EMU_SHAPES = [(3, 37, 40), (2, 1100, 24), (1, 1, 8)]  # 1100: two scan tiles of 1024 tokens
+
+
+@pytest.mark.parametrize("backend, shape", with_cases([(s,) for s in GPU_SHAPES], [(s,) for s in EMU_SHAPES]))
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("shape", [(3, 37, 40), (2, 3001, 96), (1, 1, 8), (5, 1024, 33)])
-def test_cuda_against_reference(dtype, shape):
+def test_cuda_against_reference(backend, dtype, shape):
     """Several scan tiles (1024 tokens each), odd sizes, T = 1; values and gradients."""
+    dev = DEVICE[backend]
     b, t, d = shape
     x64 = _robust_inputs(b, t, d, seed=7)
     pos = torch.randint(0, 10_000, (b, t))
@@ -47,35 +52,38 @@ def test_cuda_against_reference(dtype, shape):
     x64 = x64.to(dtype).double()                                    # the input as the kernel sees it
     m_ref, p_ref, l_ref, i_ref = ref.atm_merge(x64, pos, 0.5, lens)
     g64 = torch.randn(b, t, d, dtype=torch.float64)
-    x = x64.to(dtype).cuda().requires_grad_()
-    y = g64.flip(1).to(dtype).cuda().requires_grad_()
-    with wk.use_backend("cuda"):
-        merged, mpos, mlen, imap = wk.atm_merge(x, pos.cuda(), 0.5, lens.cuda())
+    x = x64.to(dtype).to(dev).requires_grad_()
+    y = g64.flip(1).to(dtype).to(dev).requires_grad_()
+    with wk.use_backend(backend):
+        merged, mpos, mlen, imap = wk.atm_merge(x, pos.to(dev), 0.5, lens.to(dev))
         restored = wk.atm_unmerge(y, imap)
     assert torch.equal(imap.cpu(), i_ref) and torch.equal(mlen.cpu(), l_ref) and torch.equal(mpos.cpu(), p_ref)
     tol = tolerance(dtype)
     assert_close_rel(merged.cpu(), m_ref, tol, "merged")
     assert_close_rel(restored.cpu(), ref.atm_unmerge(g64.flip(1), i_ref), tol, "restored")
-    (gx,) = torch.autograd.grad(merged, x, g64.to(dtype).cuda())
-    (gy,) = torch.autograd.grad(restored, y, g64.to(dtype).cuda())
+    (gx,) = torch.autograd.grad(merged, x, g64.to(dtype).to(dev))
+    (gy,) = torch.autograd.grad(restored, y, g64.to(dtype).to(dev))
     assert_close_rel(gx.cpu(), ref.atm_merge_backward(g64, i_ref, l_ref), tol, "grad_x")
     assert_close_rel(gy.cpu(), ref.atm_unmerge_backward(g64, i_ref), tol, "grad_y")
 
 
-def test_cuda_backward_deterministic_any_map():
-    g = torch.randn(2, 9, 300, device="cuda")
-    imap = torch.tensor([[3, 3, 0, 3, 8, 8, 8, 1, 0], [0, 1, 2, 3, 4, 5, 6, 7, 8]], device="cuda")
-    with wk.use_backend("cuda"):
+@pytest.mark.parametrize("backend", TARGETS)
+def test_cuda_backward_deterministic_any_map(backend):
+    g = torch.randn(2, 9, 300, device=DEVICE[backend])
+    imap = torch.tensor([[3, 3, 0, 3, 8, 8, 8, 1, 0], [0, 1, 2, 3, 4, 5, 6, 7, 8]], device=DEVICE[backend])
+    with wk.use_backend(backend):
         a = torch.ops.wiola.atm_unmerge_backward(g, imap)
         b = torch.ops.wiola.atm_unmerge_backward(g, imap)
     assert torch.equal(a, b)
     torch.testing.assert_close(a.cpu(), ref.atm_unmerge_backward(g.cpu().double(), imap.cpu()).float())
 
 
-def test_cuda_float64_and_opcheck():
-    x = _robust_inputs(2, 7, 5, seed=4).cuda().requires_grad_()
-    pos, lens = torch.arange(7, device="cuda").expand(2, 7).contiguous(), torch.tensor([7, 4], device="cuda")
-    with wk.use_backend("cuda"):
+@pytest.mark.parametrize("backend", TARGETS)
+def test_cuda_float64_and_opcheck(backend):
+    dev = DEVICE[backend]
+    x = _robust_inputs(2, 7, 5, seed=4).to(dev).requires_grad_()
+    pos, lens = torch.arange(7, device=dev).expand(2, 7).contiguous(), torch.tensor([7, 4], device=dev)
+    with wk.use_backend(backend):
         merged, _, mlen, imap = wk.atm_merge(x, pos, 0.5, lens)                # float64: reference path
         assert torch.equal(imap.cpu(), ref.atm_merge(x.detach().cpu(), pos.cpu(), 0.5, lens.cpu())[3])
         xf = x.detach().float().requires_grad_()
@@ -83,6 +91,9 @@ def test_cuda_float64_and_opcheck():
         torch.library.opcheck(torch.ops.wiola.atm_unmerge.default, (xf, imap))
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or dispatch.BACKENDS["cuda"].unavailable_reason(
+    torch.device("cuda")) is not None, reason="needs the cuda backend (compiling for the CPU is too slow for CI)")
 def test_cuda_torch_compile_fullgraph():
     def layer(x, pos):
         merged, mpos, _, imap = wk.atm_merge(x, pos, 0.5)
@@ -99,9 +110,10 @@ def test_cuda_torch_compile_fullgraph():
 
 # --- magnitudes at the edges of each dtype's range -------------------------------------------
 
+@pytest.mark.parametrize("backend", TARGETS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @given(case=planted_rows(max_t=40), data=st.data())
-def test_cuda_decisions_invariant_under_power_of_two_scaling(dtype, case, data):
+def test_cuda_decisions_invariant_under_power_of_two_scaling(backend, dtype, case, data):
     """Every token scaled by its own power of two, anywhere in the dtype's range (the
     rescaled double path of norms_and_dots, subnormal float32 under -ftz): same decisions."""
     rows, positions, lengths, tau = case
@@ -110,8 +122,9 @@ def test_cuda_decisions_invariant_under_power_of_two_scaling(dtype, case, data):
                                     min_size=len(row), max_size=len(row))) for row in rows]
     x, pos, lens = scaled_tensors(rows, positions, lengths, dtype, exponents)
     _, ep, elen, emap = greedy_loop(rows, positions, lengths, tau)
-    with wk.use_backend("cuda"):
-        merged, mpos, mlen, imap = wk.atm_merge(x.cuda(), pos.cuda(), tau, lens.cuda())
+    dev = DEVICE[backend]
+    with wk.use_backend(backend):
+        merged, mpos, mlen, imap = wk.atm_merge(x.to(dev), pos.to(dev), tau, lens.to(dev))
     assert mlen.tolist() == elen and imap.tolist() == emap and mpos.tolist() == ep
     torch.testing.assert_close(merged.double().cpu(), expected_merged(x.double(), emap, elen),
                                rtol=tolerance(dtype), atol=0)
@@ -121,7 +134,8 @@ def test_cuda_decisions_invariant_under_power_of_two_scaling(dtype, case, data):
                                          (torch.float32, 1e-40), (torch.bfloat16, 1e38), (torch.bfloat16, 1e-38),
                                          (torch.float16, 4e4), (torch.float16, 1e-7)])
 @pytest.mark.parametrize("d", [4, 1000])
-def test_cuda_scale_invariant_extreme(dtype, scale, d):
+@pytest.mark.parametrize("backend", TARGETS)
+def test_cuda_scale_invariant_extreme(backend, dtype, scale, d):
     """Identical neighbours merge, orthogonal ones don't, s = −1 never merges, at every
     magnitude; 12 tokens span two norms_and_dots blocks (the look-ahead token is rescaled)."""
     x = torch.zeros(2, 12, d, dtype=torch.float64)
@@ -137,12 +151,13 @@ def test_cuda_scale_invariant_extreme(dtype, scale, d):
     x[1, :8] *= 2.0 ** (-k if scale > 1 else k)   # row 1: magnitudes far apart inside one block
     xs = (x * scale).to(dtype)
     lens = torch.tensor([12, 12])
-    with wk.use_backend("cuda"):
-        merged, _, mlen, imap = wk.atm_merge(xs.cuda(), torch.arange(12).expand(2, 12).cuda(), 0.5, lens.cuda())
-        _, _, mlen1, _ = wk.atm_merge(xs.cuda(), torch.arange(12).expand(2, 12).cuda(), 1.0, lens.cuda())
+    dev = DEVICE[backend]
+    with wk.use_backend(backend):
+        merged, _, mlen, imap = wk.atm_merge(xs.to(dev), torch.arange(12).expand(2, 12).to(dev), 0.5, lens.to(dev))
+        _, _, mlen1, _ = wk.atm_merge(xs.to(dev), torch.arange(12).expand(2, 12).to(dev), 1.0, lens.to(dev))
     want_map = torch.tensor([0, 0, 1, 2, 2, 3, 4, 5, 5, 6, 7, 7]).expand(2, 12)
     assert torch.equal(imap.cpu(), want_map) and (mlen.cpu() == 8).all() and (mlen1.cpu() == 12).all()
-    if dtype == torch.float32 and scale < 1e-37:
+    if dtype == torch.float32 and scale < 1e-37 and backend != EMULATED:
         return                             # -ftz: merged subnormal float32 pairs are flushed (atm.cu)
     m_ref = ref.atm_merge(xs.double(), torch.arange(12), 0.5, lens)[0]
     assert torch.isfinite(merged).all()

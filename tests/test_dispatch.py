@@ -168,3 +168,19 @@ def test_every_op_backward_follows_its_forward(monkeypatch, op, attr, call):
     n_forward = len(calls)
     out.sum().backward()
     assert len(calls) == n_forward + 1
+
+
+def test_triton_probe_asks_torch_whether_cuda_exists(monkeypatch):
+    # A CPU-only torch accepts torch.device("cuda"); the probe must not call Triton available there.
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    reason = dispatch.BACKENDS["triton"].unavailable_reason(torch.device("cuda"))
+    assert reason is not None and "is_available" in reason
+    assert wk.backends("cuda")["rms_norm"]["triton"].startswith("unavailable")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert dispatch.BACKENDS["triton"].unavailable_reason(torch.device("cuda")) is None
+
+
+def test_bad_wiola_backend_is_reported_where_the_environment_is_read(monkeypatch):
+    monkeypatch.setenv("WIOLA_BACKEND", "bogus")
+    with pytest.raises(ValueError, match=r"'bogus' \(from the environment variable WIOLA_BACKEND\)"):
+        wk.backends("cpu")

@@ -376,3 +376,27 @@ def test_int32_lengths_and_plain_attention():
     torch.testing.assert_close(out[:, :, :9], ref)
     assert (out[:, :, 9:] == 0).all()
 
+
+
+# ---- (B, T, H, d_h) passed instead of (B, H, T, d_h) (issue 15) --------------------------------
+
+@pytest.mark.parametrize("h_kv, s", [(2, 6), (4, 6), (4, 1)])
+def test_transposed_inputs_get_a_transpose_hint(h_kv, s):
+    gen = torch.Generator().manual_seed(0)
+    b, t, h, dh = 2, 6, 4, 8
+    q = torch.randn(b, t, h, dh, generator=gen)               # (B, T, H, d_h): the mistake
+    k, v = (torch.randn(b, t, h_kv, dh, generator=gen) for _ in range(2))
+    kc = torch.randn(b, h, s, 2, dh, generator=gen)           # context in the right layout, S ∈ {1, T}
+    gate = torch.zeros(h)
+    # H_kv < H: k_rot gives it away; H_kv = H: q/k/v agree in either layout, kc does.
+    with pytest.raises(ValueError, match=r"^(k_rot|kc) must have shape.*pass \.transpose\(1, 2\)"):
+        wiola_kernels.gcla_attention(q, k, v, q, kc, kc, gate)
+    empty = torch.zeros(b, t, 1, 0, dh)  # Λ' = 0 read with the (wrong) H = T heads: only the gate is left
+    if h_kv == h:
+        with pytest.raises(ValueError, match=r"^gate must have shape \(H,\) = \(6,\).*pass \.transpose\(1, 2\)"):
+            wiola_kernels.gcla_attention(q, k, v, q, empty, empty, gate)
+
+
+def test_gcla_docstring_states_the_layout_first():
+    head = wiola_kernels.gcla_attention.__doc__.split("\n\n")[1]
+    assert "(B, heads, T, d_h)" in head and ".transpose(1, 2)" in head and "H = H_kv = T" in head

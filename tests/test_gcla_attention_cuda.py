@@ -133,7 +133,8 @@ def make_inputs(B, H, H_kv, T, dh, S, L, dtype, device="cpu", seed=0):
     def r(*shape):
         return torch.randn(*shape, generator=g, dtype=torch.float64).to(device, dtype)
 
-    gate = torch.randn(H, generator=g, dtype=torch.float64).to(device, torch.float32)
+    gate = torch.randn(H, generator=g, dtype=torch.float64).to(device, torch.float64 if dtype == torch.float64
+                                                                 else torch.float32)
     return [r(B, H, T, dh), r(B, H_kv, T, dh), r(B, H_kv, T, dh), r(B, H, T, dh), r(B, H, S, L, dh),
             r(B, H, S, L, dh), gate]
 
@@ -488,3 +489,19 @@ def test_cuda_summary_kernels_match_model():
         for i, (a, b) in enumerate(zip(got_b, want_b)):
             assert a.shape == b.shape and a.stride() == b.stride(), f"output {i}: layout"
             close(a, b, 1e-2, f"summary backward output {i}")
+
+
+@cpu_only
+def test_cuda_emu_backend_through_the_public_op():
+    """use_backend("cuda_emu") routes the public op (and its backward) to this orchestration
+    with the emulated kernels."""
+    if dispatch.BACKENDS["cuda_emu"].unavailable_reason(torch.device("cpu")) is not None:
+        pytest.skip("the extension was built without the emulated CUDA kernels")
+    ins = [x.requires_grad_() for x in make_inputs(2, 6, 3, 40, 64, 40, 2, torch.bfloat16, seed=21)]
+    lengths = torch.tensor([40, 17])
+    grad = torch.randn(2, 6, 40, 64, generator=torch.Generator().manual_seed(22), dtype=torch.float64)
+    with wiola_kernels.use_backend("cuda_emu"):
+        assert dispatch.select("gcla_attention", torch.device("cpu")) == "cuda_emu"
+        out, lse = gcla_attention_op(*ins, lengths)
+        grads = torch.autograd.grad(out, ins, grad.to(torch.bfloat16))
+    check_against_oracle(out, lse, grads, ins, lengths, grad, torch.bfloat16)

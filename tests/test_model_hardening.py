@@ -281,3 +281,89 @@ def test_forward_refuses_empty_and_too_long_inputs(model):
         with pytest.raises(ValueError, match="10 cached \\+ 7 new positions exceed max_position_embeddings"):
             model(torch.randint(3, 259, (1, 7)), cache=out.cache, use_cache=True)
         assert model(torch.randint(3, 259, (1, 6)), cache=out.cache, use_cache=True).logits.shape == (1, 6, 259)
+
+
+# ---- a new user's first mistakes (issue 15): errors that say what to do --------------------
+
+def test_generate_refuses_a_1d_prompt_naming_the_shape(model):
+    with pytest.raises(ValueError, match=r"\(B, T\), got \(3,\).*ids\[None\]"):
+        model.generate(torch.tensor([1, 75, 108]), max_new_tokens=2, do_sample=False)
+    with pytest.raises(ValueError, match=r"\(B, T\), got \(3,\)"):
+        model.generate(input_ids=torch.tensor([1, 75, 108]), max_new_tokens=2, do_sample=False)
+
+
+def test_mistyped_local_checkpoint_path_is_file_not_found_without_the_hub(checkpoint, tmp_path, monkeypatch):
+    import time
+
+    import wiola.loading
+
+    def no_hub(*args, **kwargs):
+        raise AssertionError("the Hugging Face loader was reached for a local path")
+
+    (tmp_path / "checkpoints" / "tiny").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("transformers.PreTrainedModel.from_pretrained", no_hub)
+    start = time.perf_counter()
+    with pytest.raises(FileNotFoundError, match=r"no checkpoint folder 'checkpoints/tinyy'.*did you mean "
+                                                r"'checkpoints/tiny'"):
+        WiolaForCausalLM.from_pretrained("checkpoints/tinyy")
+    with pytest.raises(FileNotFoundError, match="no checkpoint folder"):
+        WiolaForCausalLM.from_pretrained(tmp_path / "nowhere")
+    with pytest.raises(FileNotFoundError, match="no checkpoint folder"):
+        WiolaForCausalLM.from_pretrained("./nowhere")
+    assert time.perf_counter() - start < 5  # no network retries
+    assert not wiola.loading.looks_local("someone/wiola-360m")  # a Hub id is left to Hugging Face
+
+
+def test_folder_without_config_json_says_so(checkpoint, tmp_path):
+    folder = tmp_path / "weights-only"
+    folder.mkdir()
+    shutil.copy(checkpoint / "model.safetensors", folder)
+    with pytest.raises(FileNotFoundError, match=r"has no config\.json"):
+        WiolaForCausalLM.from_pretrained(folder)
+
+
+def test_saved_kernel_backend_that_cannot_run_here_loads_as_auto(checkpoint, tmp_path):
+    from wiola_kernels import dispatch
+
+    if dispatch.BACKENDS["cuda"].unavailable_reason(torch.device("cpu")) is None:  # pragma: no cover
+        pytest.skip("the cuda backend runs on CPU tensors here")
+    folder = copy_checkpoint(checkpoint, tmp_path / "cuda-trained",
+                             edit_config=lambda c: c.update(kernel_backend="cuda"))
+    with pytest.warns(UserWarning, match=r"kernel_backend='cuda'.*loaded with kernel_backend='auto'"):
+        model = WiolaForCausalLM.from_pretrained(folder)
+    assert model.config.kernel_backend == "auto"
+    ids = torch.tensor([[1, 75, 108, 4]])
+    reference = tiny_model()
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, reference(ids).logits, rtol=0, atol=0)
+    # An explicit choice is the caller's: kept, and the forward names the backend it cannot run.
+    kept = WiolaForCausalLM.from_pretrained(folder, kernel_backend="cuda")
+    assert kept.config.kernel_backend == "cuda"
+    with pytest.raises(RuntimeError, match="backend 'cuda'"), torch.no_grad():
+        kept(ids)
+
+
+def test_refused_load_prints_no_newly_initialized_report(checkpoint, tmp_path, capfd):
+    folder = copy_checkpoint(checkpoint, tmp_path / "bad", edit_tensors=lambda t: t.pop("model.norm.weight"))
+    with pytest.raises(ValueError, match=r"missing model\.norm\.weight"):
+        WiolaForCausalLM.from_pretrained(folder)
+    err = capfd.readouterr().err
+    assert "LOAD REPORT" not in err and "newly initialized" not in err
+
+
+def test_attention_mask_and_labels_of_the_wrong_shape_are_named(model):
+    ids = torch.tensor([[1, 75, 108]])
+    with pytest.raises(ValueError, match=r"attention_mask must have shape \(B, cached \+ T\) = \(1, 3\).*\(1, 5\)"):
+        model(ids, attention_mask=torch.tensor([[1, 1, 1, 1, 0]]))
+    with pytest.raises(ValueError, match=r"attention_mask.*\(1, 2\)"):
+        model(ids, attention_mask=torch.tensor([[1, 1]]))
+    with pytest.raises(ValueError, match=r"labels must have the shape of input_ids \(B, T\) = \(1, 3\), got \(1, 2\)"):
+        model(ids, labels=torch.tensor([[1, 2]]))
+    with pytest.raises(TypeError, match="labels must be an integer tensor"):
+        model(ids, labels=ids.float())
+    # A full mask of the right shape is still accepted, and generate's (B, cached + T) masks too.
+    torch.testing.assert_close(model(ids, attention_mask=torch.ones_like(ids)).logits, model(ids).logits,
+                               rtol=0, atol=0)
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=3, do_sample=False)
+    assert out.shape == (1, 6)

@@ -124,6 +124,25 @@ def test_matches_float64_reference(backend, dtype):
             assert_close_rel(got, want, tol, f"{backend} {dtype} {shape} {name}")
 
 
+def test_triton_wide_rows():
+    """d = 8193 (fp32): the Triton kernels walk rows too wide for registers in chunks (WIDE;
+    the last chunk partial) and the backward accumulates ∂γ, ∂δ in its partial rows; 5 rows
+    over 4 programs, so a program adds two rows into its partials. Row 1 overflows Σz²
+    (|x| ~ 1e30), so the chunked rescaling path runs too."""
+    if "triton" not in BACKENDS:
+        pytest.skip("triton backend unavailable")
+    from wiola_kernels.triton.rms_norm import _launch_config
+
+    assert _launch_config(5, 8193, 4, 1, None).wide and _launch_config(5, 8193, 4, 2, None).wide
+    x, w, s = make((5, 8193), torch.float32, seed=3)
+    x[1] *= 1e30
+    g = torch.randn(5, 8193, dtype=torch.float64, generator=torch.Generator().manual_seed(4)).float()
+    got = run("triton", x, w, s, grad=g)
+    want = run("reference", x.double(), w.double(), s.double(), grad=g.double())
+    for a, b, name in zip(got, want, ("y", "dx", "dweight", "dshift")):
+        assert_close_rel(a, b, tolerance(torch.float32), name)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_single_feature_rows(backend):
     """d = 1: y = γ z / sqrt(z² + ε), i.e. ≈ γ·sign(z)."""
@@ -333,3 +352,8 @@ def test_poisoning_is_active():
     from wiola_kernels.ops._common import empty_output
 
     assert torch.isnan(empty_output((4,), dtype=torch.float32, device=torch.device("cpu"))).all()
+
+
+def test_zero_dim_input_says_it_needs_a_dimension():
+    with pytest.raises(ValueError, match=r"^x must have shape \(\.\.\., d\) \(at least 1 dimension\), got a 0-d"):
+        wk.rms_norm(torch.tensor(1.0), torch.ones(1), torch.zeros(1))

@@ -378,3 +378,42 @@ def test_position_ids_shared_by_the_batch(backend):
             got_q, got_k = wiola_kernels.srpe(q, k, shared)
             assert rel_err(got_q, want_q) <= tolerance(torch.float32)
             assert rel_err(got_k, want_k) <= tolerance(torch.float32)
+
+
+# ---- (B, T, H, d_h) passed instead of (B, H, T, d_h) (issue 15) --------------------------------
+
+def test_transposed_q_k_get_a_transpose_hint():
+    gen = torch.Generator().manual_seed(0)
+    b, t, h, h_kv, dh = 2, 5, 4, 2, 8
+    q, k = torch.randn(b, t, h, dh, generator=gen), torch.randn(b, t, h_kv, dh, generator=gen)
+    with pytest.raises(ValueError, match=r"^k must have shape.*pass \.transpose\(1, 2\)"):
+        wiola_kernels.srpe(q, k, torch.arange(t))
+    # H = H_kv: q and k agree in either layout, but the positions (length T) give it away.
+    k = torch.randn(b, t, h, dh, generator=gen)
+    with pytest.raises(ValueError, match=r"^position_ids must have shape.*pass \.transpose\(1, 2\)"):
+        wiola_kernels.srpe(q, k, torch.arange(t))
+    with pytest.raises(ValueError, match=r"^position_ids.*pass \.transpose\(1, 2\)"):
+        wiola_kernels.srpe(q, k, torch.arange(t).expand(b, t))
+    # The fix the hint names works: same result as the reference on the transposed tensors.
+    qt, kt = q.transpose(1, 2), k.transpose(1, 2)
+    out_q, out_k = wiola_kernels.srpe(qt, kt, torch.arange(t))
+    ref_q, ref_k = reference_srpe(qt.double(), kt.double(), torch.arange(t).expand(b, t), 10000.0, 8.0, 0.1, 0.01)
+    assert rel_err(out_q, ref_q) <= tolerance(torch.float32) and rel_err(out_k, ref_k) <= tolerance(torch.float32)
+
+
+def test_no_transpose_hint_when_the_shapes_do_not_fit_that_mistake():
+    gen = torch.Generator().manual_seed(0)
+    q, k = torch.randn(2, 4, 5, 8, generator=gen), torch.randn(2, 2, 6, 8, generator=gen)  # T differs: no layout fits
+    with pytest.raises(ValueError, match=r"^k must have shape") as info:
+        wiola_kernels.srpe(q, k, torch.arange(5))
+    assert "transpose" not in str(info.value)
+
+
+def test_srpe_docstring_states_the_layout_and_the_accuracy_range_first():
+    from wiola_kernels.ops.srpe import max_accurate_position
+
+    doc = wiola_kernels.srpe.__doc__
+    head = doc.split("\n\n")[1]
+    assert "(B, H, T, d_h)" in head and ".transpose(1, 2)" in head and "H = H_kv = T" in head
+    assert "2^20" not in doc and "max_accurate_position" in doc  # the range agrees with the code and README
+    assert 2**34 < max_accurate_position(8.0) < 2**36  # "about 2^35 for k_s = 8"

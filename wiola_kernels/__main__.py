@@ -1,4 +1,4 @@
-"""Command line: ``python -m wiola_kernels {bench,check,backends}`` (also ``wiola-kernels``)."""
+"""Command line: ``python -m wiola_kernels {bench,check,backends,gpu-report}`` (also ``wiola-kernels``)."""
 
 from __future__ import annotations
 
@@ -8,11 +8,47 @@ import sys
 
 import torch
 
+from ._cli import CommandError, HelpFormatter, positive_int, require_matplotlib, run
 
-def _device(name: str | None) -> torch.device:
+DESCRIPTION = "Benchmark, self-check and list the backends of the fused Wiola ops."
+# Names the README and the public API use for an op, mapped to its benchmark case.
+OP_ALIASES = {"atm_merge": "atm", "atm_unmerge": "atm", "rms": "rms_norm", "gcla": "gcla_attention"}
+OP_NAMES = ("rms_norm", "srpe", "gcla_attention", "atm")
+
+
+def _device(name: str | None, must_run: bool = True) -> torch.device:
+    """The ``--device`` (default: cuda if torch sees a GPU); ``must_run`` refuses a CUDA
+    device that torch cannot use, before every check fails on it."""
     if name is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+    device = torch.device(name)
+    if must_run and device.type == "cuda" and not torch.cuda.is_available():
+        raise CommandError(f"--device {name}: torch reports no CUDA device here (torch {torch.__version__}, "
+                           f"{'CPU-only build' if torch.version.cuda is None else 'no GPU visible'}); use --device cpu")
+    return device
+
+
+def _ops(text: str | None) -> list[str] | None:
+    """``--ops``: comma-separated op names or aliases → benchmark case names (no duplicates)."""
+    if not text:
+        return None
+    ops: list[str] = []
+    for name in (o.strip() for o in text.split(",")):
+        if not name:
+            continue
+        op = OP_ALIASES.get(name, name)
+        if op not in OP_NAMES:
+            raise CommandError(f"--ops: unknown op {name!r}; choose from {', '.join(OP_NAMES + tuple(OP_ALIASES))}")
+        if op not in ops:
+            ops.append(op)
+    return ops
+
+
+def _check_environment() -> None:
+    """A bad WIOLA_BACKEND is reported where it is read, before any work."""
+    from . import dispatch
+
+    dispatch.forced_backend()
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -23,7 +59,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from .bench.runner import PASSES, format_table, plot, run_case
 
     device = _device(args.device)
-    ops = [o.strip() for o in args.ops.split(",") if o.strip()] if args.ops else None
+    ops = _ops(args.ops)
+    if args.plot:
+        require_matplotlib()
     cases = all_cases(device, small=args.small, ops=ops)
     passes = [p for p in PASSES if args.passes in ("all", p)]
     records = []
@@ -74,38 +112,62 @@ def cmd_check(args: argparse.Namespace) -> int:
 def cmd_backends(args: argparse.Namespace) -> int:
     from . import backends
 
-    for op, table in backends(_device(args.device)).items():
+    for op, table in backends(_device(args.device, must_run=False)).items():
         for backend, status in table.items():
             print(f"{op:<16} {backend:<10} {status}")
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="wiola-kernels", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
+    from .dispatch import BACKEND_NAMES
 
-    bench = sub.add_parser("bench", help="time fused ops vs eager PyTorch vs torch.compile(reference)")
-    bench.add_argument("--ops", help="comma-separated op names (default: all)")
-    bench.add_argument("--device", help="cpu or cuda (default: cuda if available)")
-    bench.add_argument("--backend", default="auto", help="force a backend for the fused op (default: auto)")
-    bench.add_argument("--passes", default="all", choices=["all", "fwd", "fwd+bwd"])
-    bench.add_argument("--repeats", type=int, default=10, help="timed runs per measurement (median)")
+    parser = argparse.ArgumentParser(prog="wiola-kernels", description=DESCRIPTION, formatter_class=HelpFormatter,
+                                     epilog="A mistake prints one line and exits with status 2; WIOLA_TRACEBACK=1 "
+                                            "shows the traceback.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    device_help = "device to run on (default: cuda if torch sees a GPU, else cpu)"
+
+    def command(name: str, help_text: str) -> argparse.ArgumentParser:
+        return sub.add_parser(name, help=help_text, description=help_text[0].upper() + help_text[1:] + ".",
+                              formatter_class=HelpFormatter)
+
+    bench = command("bench", "time fused ops vs eager PyTorch vs torch.compile(reference)")
+    bench.add_argument("--ops", metavar="OP[,OP...]",
+                       help=f"comma-separated ops: {', '.join(OP_NAMES)} (aliases: {', '.join(OP_ALIASES)}); "
+                            "default: all")
+    bench.add_argument("--device", choices=("cpu", "cuda"), help=device_help)
+    bench.add_argument("--backend", default="auto", choices=("auto", *BACKEND_NAMES),
+                       help="force a backend for the fused op (an op without it keeps its default)")
+    bench.add_argument("--passes", default="all", choices=["all", "fwd", "fwd+bwd"], help="which passes to time")
+    bench.add_argument("--repeats", type=positive_int, default=10, help="timed runs per measurement (median)")
     bench.add_argument("--small", action="store_true", help="small shapes (seconds; for smoke tests)")
     bench.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline")
-    bench.add_argument("--json", metavar="FILE", help="write the records as JSON")
-    bench.add_argument("--plot", metavar="FILE.png", help="draw the speedups")
+    bench.add_argument("--json", metavar="FILE", help="also write the records as JSON")
+    bench.add_argument("--plot", metavar="FILE.png", help="also draw the speedups (needs matplotlib)")
     bench.set_defaults(func=cmd_bench)
 
-    check = sub.add_parser("check", help="run every available backend against the reference")
-    check.add_argument("--device", help="cpu or cuda (default: cuda if available)")
+    check = command("check", "run every available backend against the float64 reference")
+    check.add_argument("--device", choices=("cpu", "cuda"), help=device_help)
     check.set_defaults(func=cmd_check)
 
-    be = sub.add_parser("backends", help="list backends and why unavailable ones are")
-    be.add_argument("--device")
+    be = command("backends", "list each op's backends and why unavailable ones are")
+    be.add_argument("--device", choices=("cpu", "cuda"), help=device_help)
     be.set_defaults(func=cmd_backends)
 
+    report = sub.add_parser("gpu-report", help="registers, spills, shared memory, occupancy, SASS and bytes in "
+                            "flight of every CUDA and Triton kernel compiled for sm_90/sm_80 (no GPU needed)")
+    report.add_argument("--json", metavar="FILE", help="write the records as JSON")
+    report.add_argument("--no-cuda", action="store_true", help="skip the nvcc-compiled CUDA kernels")
+    report.add_argument("--no-triton", action="store_true", help="skip the Triton kernels")
+    report.set_defaults(func=lambda a: __import__("wiola_kernels.gpu_report", fromlist=["main"]).main(a))
+
     args = parser.parse_args(argv)
-    return args.func(args)
+
+    def go() -> int:
+        _check_environment()
+        return args.func(args)
+
+    return run("wiola-kernels", go)
 
 
 if __name__ == "__main__":

@@ -38,3 +38,18 @@ def has_cuda_kernels() -> bool:
     """True when the extension was compiled with its CUDA kernels."""
     module = _load()[0]
     return bool(module is not None and getattr(module, "WITH_CUDA", False))
+
+
+@functools.lru_cache(maxsize=None)
+def has_cuda_emu() -> bool:
+    """True when the extension holds the CUDA kernels compiled for the CPU SIMT emulator
+    (``torch.ops.wiola_cuda_emu``, the test backend ``cuda_emu``)."""
+    if _load()[0] is None:
+        return False
+    import torch
+
+    try:
+        torch.ops.wiola_cuda_emu._atm_merge  # noqa: B018 - resolving the op is the probe
+    except (AttributeError, RuntimeError):
+        return False
+    return True

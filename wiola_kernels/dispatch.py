@@ -1,7 +1,9 @@
 """Backend choice: which implementation of an op runs for a given device.
 
 Every op registers the backends it has (``reference`` always; ``cpu`` when the C++
-extension is built; ``triton`` and/or ``cuda`` for GPU kernels). At call time
+extension is built; ``triton`` and/or ``cuda`` for GPU kernels; ``cuda_emu``, a test
+backend, for the CUDA kernels run on CPU tensors by the SIMT emulator of
+csrc/cuda/emu/ — never chosen automatically). At call time
 :func:`select` picks one:
 
 1. an override — :func:`use_backend` (innermost wins) or else the environment
@@ -26,7 +28,7 @@ from typing import Callable, Iterator
 
 import torch
 
-BACKEND_NAMES = ("cuda", "triton", "cpu", "reference")
+BACKEND_NAMES = ("cuda", "triton", "cpu", "reference", "cuda_emu")
 _PRIORITY = {"cuda": ("cuda", "triton", "reference"), "cpu": ("cpu", "reference")}
 
 _override: contextvars.ContextVar[str | None] = contextvars.ContextVar("wiola_backend", default=None)
@@ -65,13 +67,27 @@ def _probe_cuda(device: torch.device) -> str | None:
     return _extension.load_error()
 
 
+def _probe_cuda_emu(device: torch.device) -> str | None:
+    from . import _extension
+
+    if device.type != "cpu":
+        return (f"the cuda_emu backend (CUDA kernels emulated on the CPU) runs on CPU tensors, "
+                f"got a {device.type} tensor")
+    if _extension.load_error() is not None:
+        return _extension.load_error()
+    if not _extension.has_cuda_emu():
+        return "the extension was built without the CUDA kernels' CPU emulation (WIOLA_NO_CUDA_EMU=1)"
+    return None
+
+
 def _probe_triton(device: torch.device) -> str | None:
     try:
         import triton  # noqa: F401
     except ImportError as exc:  # pragma: no cover - triton is a dependency
         return f"triton is not importable ({exc})"
     if device.type == "cuda":
-        return None
+        # Ask torch, not the device string: a CPU-only torch accepts torch.device("cuda").
+        return None if torch.cuda.is_available() else "torch reports no CUDA device (torch.cuda.is_available() is False)"
     if device.type == "cpu" and triton_interpret_mode():
         return None
     return "triton needs a CUDA tensor, or CPU tensors with TRITON_INTERPRET=1 set before import"
@@ -87,6 +103,8 @@ BACKENDS = {
     "cpu": Backend("cpu", _probe_cpu),
     "cuda": Backend("cuda", _probe_cuda),
     "triton": Backend("triton", _probe_triton),
+    # Test-only: never in _PRIORITY, so only use_backend("cuda_emu") / WIOLA_BACKEND selects it.
+    "cuda_emu": Backend("cuda_emu", _probe_cuda_emu),
 }
 
 # op name -> backend name -> implementation object (a namespace of functions).
@@ -115,12 +133,14 @@ def forced_backend() -> str | None:
     name = _override.get()
     if name == "auto":
         return None
+    source = "use_backend"
     if name is None:
         env = os.environ.get("WIOLA_BACKEND", "").strip()
         if env and env != "auto":
-            name = env
+            name, source = env, "the environment variable WIOLA_BACKEND"
     if name is not None and name not in BACKENDS:
-        raise ValueError(f"WIOLA_BACKEND / use_backend must name one of {BACKEND_NAMES} or 'auto', got {name!r}")
+        raise ValueError(f"WIOLA_BACKEND / use_backend must name one of {BACKEND_NAMES} or 'auto', got {name!r} "
+                         f"(from {source})")
     return name
 
 
@@ -179,8 +199,10 @@ def use_backend(name: str) -> Iterator[None]:
 def backends(device: str | torch.device | None = None) -> dict[str, dict[str, str]]:
     """What can run where: ``{op: {backend: "available" | "unavailable: <why>"}}``.
 
-    ``device`` defaults to CUDA when a GPU is visible, else CPU.
+    ``device`` defaults to CUDA when a GPU is visible, else CPU. A bad ``WIOLA_BACKEND`` is
+    a ``ValueError`` here, where the environment is read, not later inside an op.
     """
+    forced_backend()  # validates WIOLA_BACKEND / use_backend
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(device)

@@ -24,7 +24,31 @@ def check_rank(name: str, t: torch.Tensor, rank: int | Sequence[int], layout: st
     """``t.dim()`` must be ``rank`` (or one of them); ``layout`` spells the expected shape."""
     ranks = (rank,) if isinstance(rank, int) else tuple(rank)
     if t.dim() not in ranks:
-        raise ValueError(f"{name} must have shape {layout} ({' or '.join(map(str, ranks))}-D), got {tuple(t.shape)}")
+        if len(ranks) > 2 and ranks == tuple(range(ranks[0], ranks[-1] + 1)):
+            wanted = f"at least {ranks[0]} dimension{'s' if ranks[0] > 1 else ''}"  # an open range, e.g. (..., d)
+        else:
+            wanted = f"{' or '.join(map(str, ranks))}-D"
+        got = "a 0-d tensor (a scalar)" if t.dim() == 0 else str(tuple(t.shape))
+        raise ValueError(f"{name} must have shape {layout} ({wanted}), got {got}")
+
+
+def bthd_hint(queries: torch.Tensor, *others: torch.Tensor, t: int | None = None) -> str:
+    """A hint to append to a shape error when 4-D attention tensors look like they were
+    passed as ``(B, T, H, d_h)`` — the layout of ``Linear(x).view(B, T, H, d_h)`` — instead
+    of the ops' ``(B, H, T, d_h)``: read that way they agree (same B, T and d_h, query
+    heads a multiple of each other tensor's heads, and T equal to ``t`` when given).
+    Returns "" when they do not, so the hint never points the wrong way."""
+    tensors = (queries, *others)
+    if any(x.dim() != 4 for x in tensors):
+        return ""
+    b, seq, h, dh = queries.shape
+    for x in others:
+        if x.shape[0] != b or x.shape[1] != seq or x.shape[3] != dh or x.shape[2] == 0 or h % x.shape[2]:
+            return ""
+    if t is not None and t != seq:
+        return ""
+    return (f"; these look like (B, T, H, d_h) = {tuple(queries.shape)}, but the layout is (B, H, T, d_h) "
+            f"(heads before time): pass .transpose(1, 2) of each")
 
 
 def check_shape(name: str, t: torch.Tensor, expected: Sequence[int], layout: str) -> None:

@@ -12,10 +12,10 @@ namespace wiola::cuda_atm {
 namespace {
 
 using wiola::cpu::empty_output;
-using wiola::cuda_binding::current_stream;
-using wiola::cuda_binding::DeviceGuard;
-using wiola::cuda_binding::kDevice;
-using wiola::cuda_binding::on_kernel_device;
+using wiola::WIOLA_CUDA_BINDING_NS::current_stream;
+using wiola::WIOLA_CUDA_BINDING_NS::DeviceGuard;
+using wiola::WIOLA_CUDA_BINDING_NS::kDevice;
+using wiola::WIOLA_CUDA_BINDING_NS::on_kernel_device;
 
 atm::DType kernel_dtype(const at::Tensor& t, const char* name) {
   switch (t.scalar_type()) {

@@ -10,14 +10,17 @@
 #ifdef WIOLA_CUDA_EMU
 #include "emu/runtime.h"
 
-namespace wiola::cuda_binding {
+// A namespace of its own: a GPU build links both variants, whose inline functions must not
+// share a symbol.
+#define WIOLA_CUDA_BINDING_NS cuda_emu_binding
+namespace wiola::cuda_emu_binding {
 constexpr const char* kDevice = "CPU (cuda_emu)";
 inline bool on_kernel_device(const at::Tensor& t) { return t.is_cpu(); }
 struct DeviceGuard {
   explicit DeviceGuard(c10::Device) {}
 };
 inline cudaStream_t current_stream() { return nullptr; }
-}  // namespace wiola::cuda_binding
+}  // namespace wiola::cuda_emu_binding
 
 // The CPU key of torch.ops.wiola.* is the C++ CPU kernels': the emulated ones get a namespace.
 #define WIOLA_CUDA_KERNELS_IMPL(m) TORCH_LIBRARY_IMPL(wiola_cuda_emu, CPU, m)
@@ -25,6 +28,7 @@ inline cudaStream_t current_stream() { return nullptr; }
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
+#define WIOLA_CUDA_BINDING_NS cuda_binding
 namespace wiola::cuda_binding {
 constexpr const char* kDevice = "CUDA";
 inline bool on_kernel_device(const at::Tensor& t) { return t.is_cuda(); }

@@ -16,10 +16,10 @@ namespace wiola::cuda_gcla {
 namespace {
 
 using wiola::cpu::empty_output;
-using wiola::cuda_binding::current_stream;
-using wiola::cuda_binding::DeviceGuard;
-using wiola::cuda_binding::kDevice;
-using wiola::cuda_binding::on_kernel_device;
+using wiola::WIOLA_CUDA_BINDING_NS::current_stream;
+using wiola::WIOLA_CUDA_BINDING_NS::DeviceGuard;
+using wiola::WIOLA_CUDA_BINDING_NS::kDevice;
+using wiola::WIOLA_CUDA_BINDING_NS::on_kernel_device;
 
 gcla::DType kernel_dtype(const at::Tensor& t) {
   switch (t.scalar_type()) {

@@ -390,7 +390,8 @@ uint16_t bf16_oracle(float f) {  // nearest bfloat16 by search, ties to the even
   float a, b;
   std::memcpy(&a, &lo, 4);
   std::memcpy(&b, &hi, 4);
-  const double da = std::fabs(double(f) - a), db = std::isinf(b) && !std::isinf(f) ? INFINITY : std::fabs(double(f) - b);
+  const double da = std::fabs(double(f) - a);
+  const double db = std::isinf(b) && !std::isinf(f) ? INFINITY : std::fabs(double(f) - b);
   if ((u & 0xffffu) == 0) return uint16_t(lo >> 16);
   if ((u & 0x7fffffffu) >= 0x7f7f8000u && (u & 0x7fffffffu) < 0x7f800000u) {  // rounds to ±Inf at/above the midpoint
     return uint16_t((u & 0x80000000u) >> 16 | 0x7f80u);
@@ -519,7 +520,8 @@ void test_emulator() {
   check(rev_ok, "__syncthreads orders shared memory (block reverse)");
 
   std::vector<float> buf(128, 0.f);
-  std::string f = fault_of([&] { wiola::cuda::launch_kernel(half_warp_shuffle_kernel, 1, 64, 0, nullptr, buf.data()); });
+  std::string f =
+      fault_of([&] { wiola::cuda::launch_kernel(half_warp_shuffle_kernel, 1, 64, 0, nullptr, buf.data()); });
   std::printf("  reported: %s\n", f.c_str());
   check(f.find("__shfl_xor_sync(mask 0xffffffff)") != std::string::npos && f.find("exited") != std::string::npos,
         "a shuffle called by half a warp is reported (lanes exit)");

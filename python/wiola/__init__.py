@@ -14,10 +14,28 @@ Face Auto classes under ``model_type="wiola"``::
 training-step benchmark.
 """
 
+import transformers
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
-from .configuration_wiola import PRESETS, WiolaConfig
-from .modeling_wiola import WiolaCache, WiolaForCausalLM, WiolaModel
+#: The oldest transformers tested; the model uses transformers-5 APIs (config dataclasses,
+#: ``transformers.initialization``, the ``cache`` argument) that 4.x lacks.
+MIN_TRANSFORMERS = (5, 24)
+
+
+def _version_tuple(version: str) -> tuple[int, ...]:
+    parts = []
+    for piece in version.split(".")[:2]:
+        digits = "".join(ch for ch in piece if ch.isdigit()) or "0"
+        parts.append(int(digits))
+    return tuple(parts)
+
+
+if _version_tuple(transformers.__version__) < MIN_TRANSFORMERS:
+    raise ImportError(f"wiola needs transformers >= {'.'.join(map(str, MIN_TRANSFORMERS))} (it uses transformers-5 "
+                      f"APIs), found {transformers.__version__}; pip install -U 'transformers>=5.24'")
+
+from .configuration_wiola import PRESETS, WiolaConfig  # noqa: E402
+from .modeling_wiola import WiolaCache, WiolaForCausalLM, WiolaModel  # noqa: E402
 
 AutoConfig.register("wiola", WiolaConfig, exist_ok=True)
 AutoModel.register(WiolaConfig, WiolaModel, exist_ok=True)

@@ -24,9 +24,15 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
+import os
+import queue as queue_module
 import resource
 import statistics
+import sys
 import time
+import traceback
+
+from wiola_kernels._cli import CommandError, HelpFormatter, non_negative_int, positive_int
 
 CASES = (("fused", False), ("reference", False), ("fused", True), ("reference", True))
 
@@ -37,20 +43,26 @@ def _rss_mb() -> float:
     return pages * resource.getpagesize() / 2**20
 
 
+def _config(args: dict, backend: str, atm: bool):
+    """The WiolaConfig of one case (built in the parent first, to check the sizes)."""
+    from .configuration_wiola import WiolaConfig
+
+    return WiolaConfig.from_name(
+        "wiola-tiny", hidden_size=args["d"], num_hidden_layers=args["layers"], num_attention_heads=args["heads"],
+        num_key_value_heads=args["kv_heads"], head_dim=args["d"] // args["heads"], dsff_narrow_size=args["d"],
+        dsff_wide_size=4 * args["d"], vocab_size=args["vocab"], max_position_embeddings=max(1024, args["seq"]),
+        kernel_backend=backend, atm_enabled=atm)
+
+
 def _setup(args: dict, backend: str, atm: bool):
     """(model, optimizer, ids, merge counter) for one case."""
     import torch
 
     import wiola_kernels
 
-    from .configuration_wiola import WiolaConfig
     from .modeling_wiola import WiolaForCausalLM
 
-    config = WiolaConfig.from_name(
-        "wiola-tiny", hidden_size=args["d"], num_hidden_layers=args["layers"], num_attention_heads=args["heads"],
-        num_key_value_heads=args["kv_heads"], head_dim=args["d"] // args["heads"], dsff_narrow_size=args["d"],
-        dsff_wide_size=4 * args["d"], vocab_size=args["vocab"], max_position_embeddings=max(1024, args["seq"]),
-        kernel_backend=backend, atm_enabled=atm)
+    config = _config(args, backend, atm)
     torch.manual_seed(0)
     model = WiolaForCausalLM(config).train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -93,9 +105,12 @@ def _timing(args: dict, queue) -> None:
         torch.set_num_threads(args["threads"])
     cases = [(_backend(args, b), atm, *_setup(args, _backend(args, b), atm)) for b, atm in CASES]
     times = [[] for _ in cases]
-    for _ in range(args["steps"] + 1):
+    start = time.perf_counter()
+    for r in range(args["steps"] + 1):
         for i, (_, _, model, opt, ids) in enumerate(cases):
             times[i].append(_step(model, opt, ids))
+        _progress(f"timing: round {r + 1}/{args['steps'] + 1}{' (warm-up)' if r == 0 else ''} done, "
+                  f"{time.perf_counter() - start:.1f} s")
     results = []
     for (backend, atm, *_), t in zip(cases, times):
         with backend_scope(backend):
@@ -121,38 +136,114 @@ def _memory(args: dict, backend: str, atm: bool, queue) -> None:
     queue.put(dict(peak_rss_mb=peak, step_peak_mb=peak - baseline))
 
 
+def _progress(line: str) -> None:
+    print(f"  [bench] {line}", file=sys.stderr, flush=True)
+
+
+def _child(target, args: tuple, queue) -> None:
+    """Runs ``target(*args, queue)`` in a child; a failure goes back as a message."""
+    try:
+        target(*args, queue)
+    except BaseException as exc:  # noqa: BLE001 - everything is reported to the parent
+        queue.put(dict(error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc()))
+        raise SystemExit(1) from None
+
+
 def _subprocess(target, *args) -> dict:
+    """``target(*args, queue)`` in a fresh (spawned) process; its result, or a
+    ``RuntimeError`` with the child's message when it fails or dies (out of memory, a
+    signal), instead of waiting forever for a result that never comes."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    proc = ctx.Process(target=target, args=(*args, queue))
+    proc = ctx.Process(target=_child, args=(target, args, queue))
     proc.start()
-    result = queue.get()
+    result = None
+    while result is None:
+        try:
+            result = queue.get(timeout=0.5)
+        except queue_module.Empty:
+            if not proc.is_alive():
+                try:  # the child may have put its result just before exiting
+                    result = queue.get(timeout=2)
+                except queue_module.Empty:
+                    break
     proc.join()
+    if result is None or "error" in result:
+        if result is None:
+            code = proc.exitcode
+            why = f"killed by signal {-code} (out of memory?)" if code is not None and code < 0 else \
+                f"exited with status {code} without a result"
+        else:
+            why = result["error"]
+            if os.environ.get("WIOLA_TRACEBACK", "0") not in ("", "0"):
+                print(result["traceback"], file=sys.stderr)
+        raise RuntimeError(f"the benchmark's {target.__name__.strip('_')} process failed: {why}")
     return result
 
 
+def _validate(a: argparse.Namespace) -> None:
+    """Everything the children would trip over, checked in the parent before any run."""
+    import torch
+
+    if a.d % a.heads:
+        raise CommandError(f"--d {a.d} must be a multiple of --heads {a.heads} (head_dim = d / heads)")
+    if a.heads % a.kv_heads:
+        raise CommandError(f"--kv-heads {a.kv_heads} must divide --heads {a.heads}")
+    if (a.d // a.heads) % 2:
+        raise CommandError(f"head_dim = --d / --heads = {a.d // a.heads} must be even (SRPE rotates pairs)")
+    if a.vocab < 4:
+        raise CommandError(f"--vocab must be at least 4 (3 special ids and one token), got {a.vocab}")
+    for backend in (a.fused, "reference"):
+        for atm in (False, True):
+            _config(vars(a), backend, atm)  # WiolaConfig checks every field
+    if a.fused not in ("auto", "reference"):
+        from wiola_kernels import dispatch
+
+        reason = dispatch.BACKENDS[a.fused].unavailable_reason(torch.device("cpu"))
+        if reason is not None:
+            raise CommandError(f"--fused {a.fused} cannot run on the CPU: {reason}")
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
-    p = argparse.ArgumentParser(prog="python -m wiola bench", description=__doc__.split("\n\n")[0])
-    p.add_argument("--d", type=int, default=256)
-    p.add_argument("--layers", type=int, default=6)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--kv-heads", type=int, default=2)
-    p.add_argument("--seq", type=int, default=512)
-    p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--vocab", type=int, default=259)
-    p.add_argument("--steps", type=int, default=3, help="timed rounds (after one warm-up round)")
-    p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
-    p.add_argument("--fused", default="auto", help="backend for the fused runs (default auto)")
-    p.add_argument("--json", default=None, help="also write the results here")
+    """``python -m wiola bench``: returns one record per case (see the module docstring)."""
+    import sys
+
+    if "--decode" in (sys.argv[1:] if argv is None else argv):  # the decoding benchmark (bench_decode.py)
+        from .bench_decode import main as decode_main
+
+        return decode_main(argv)
+    from .configuration_wiola import KERNEL_BACKENDS
+
+
+    p = argparse.ArgumentParser(prog="python -m wiola bench", formatter_class=HelpFormatter,
+                                description="Training-step benchmark (forward + backward + AdamW) on the CPU: fused "
+                                            "vs reference kernels, ATM on vs off; tokens/s and peak memory.")
+    p.add_argument("--d", type=positive_int, default=256, help="model width (hidden_size)")
+    p.add_argument("--layers", type=positive_int, default=6, help="decoder layers")
+    p.add_argument("--heads", type=positive_int, default=8, help="query heads (must divide --d)")
+    p.add_argument("--kv-heads", type=positive_int, default=2, help="key/value heads (must divide --heads)")
+    p.add_argument("--seq", type=positive_int, default=512, help="tokens per row")
+    p.add_argument("--batch", type=positive_int, default=4, help="rows per step")
+    p.add_argument("--vocab", type=positive_int, default=259, help="vocabulary size")
+    p.add_argument("--steps", type=positive_int, default=3, help="timed rounds (after one warm-up round)")
+    p.add_argument("--threads", type=non_negative_int, default=0, help="torch intra-op threads (0: torch's default)")
+    p.add_argument("--fused", default="auto", choices=KERNEL_BACKENDS, help="backend of the fused runs")
+    p.add_argument("--json", default=None, metavar="FILE", help="also write the results here")
+    p.add_argument("--decode", action="store_true",
+                   help="instead: batch-1 decoding tokens/s vs the weight-streaming floor and a same-shape Llama "
+                        "(python -m wiola bench --decode --help)")
     a = p.parse_args(argv)
+    _validate(a)
     args = dict(d=a.d, layers=a.layers, heads=a.heads, kv_heads=a.kv_heads, seq=a.seq, batch=a.batch,
                 vocab=a.vocab, steps=a.steps, threads=a.threads, fused=a.fused)
     print(f"wiola bench: training step (fwd+bwd+AdamW), d {a.d}, L {a.layers}, H {a.heads}, H_kv {a.kv_heads}, "
           f"T {a.seq}, B {a.batch}, V {a.vocab}, fp32, CPU; median of {a.steps} interleaved rounds after 1 warm-up",
           flush=True)
+    _progress(f"timing: building 4 models, then {a.steps + 1} rounds of 4 steps in one process")
     timing = _subprocess(_timing, args)
     results = timing["results"]
-    for r in results:
+    for i, r in enumerate(results):
+        _progress(f"memory: {r['backend']} ATM {'on' if r['atm'] else 'off'} in a fresh process ({i + 1}/4)")
         r.update(_subprocess(_memory, args, r["backend"], r["atm"]))
         r["threads"] = timing["threads"]
     for r in results:

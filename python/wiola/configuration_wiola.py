@@ -88,7 +88,7 @@ class WiolaConfig(PretrainedConfig):
     num_attention_heads: int = 16                 # H query heads
     num_key_value_heads: int = 4                  # H_kv key/value heads; head h uses group h mod H_kv
     head_dim: int | None = None                   # d_h; None → d / H
-    max_position_embeddings: int = 2048           # longest sequence trained on (SRPE itself has no limit)
+    max_position_embeddings: int = 2048           # longest sequence a forward accepts (SRPE is accurate far beyond)
     rms_norm_eps: float = 1e-6                    # ε of every WiolaRMSNorm
     srpe_theta: int | float = 10000.0             # θ₀, SRPE base frequency
     srpe_spiral_divisor: int | float = 8          # k_s: angles grow by (1 + 1/k_s)

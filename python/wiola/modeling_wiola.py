@@ -51,6 +51,9 @@ from wiola_kernels.reference import dsff as dsff_reference
 from wiola_kernels.reference.rms_norm import compute_dtype
 
 from .configuration_wiola import WiolaConfig
+from . import fast_path
+from .context_fold import folded_context_attention
+from .loading import check_checkpoint_path, portable_kernel_backend, quiet_load_report
 
 # WiolaRMSNorm (SPEC §3) and SpiralRotaryEmbedding (SPEC §4) are the wiola_kernels
 # modules: RMSNorm with a learned shift δ before the RMS, and the spiral rotary map.
@@ -79,35 +82,74 @@ def summarize(x: Tensor, mode: str, lengths: Tensor | None = None) -> Tensor:
 class WiolaCache(DynamicCache):
     """KV cache (rotated keys and values per layer) plus each layer's running summary sum.
 
-    ``summary(layer_idx, x, past)`` turns the new positions' outputs ``x (B, T_new, d)``
-    into prefix means over all ``past + T_new`` positions and advances the running sum,
-    so cached decoding with causal summaries equals the full forward.
+    ``summary(layer_idx, x, past, valid)`` turns the new positions' outputs ``x (B, T_new, d)``
+    into prefix means over all valid positions so far and advances the running sum, so
+    cached decoding with causal summaries equals the full forward.
+
+    Padded batches: the cache keeps its keys in the layout of the ``attention_mask`` it was
+    built with (left padding: pads first) and remembers which cached positions are real
+    (``key_valid (B, past)``, None when all are) and how many real positions each row's
+    summaries have averaged (``summary_counts (B,)``, None when every position is real).
+    A later forward must pass the same mask extended by the new positions.
     """
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.summary_sums: dict[int, Tensor] = {}  # layer -> (B, d) Σ_u Xˡ⁺¹_u, float32 (float64 models: 64)
+        self.key_valid: Tensor | None = None       # (B, past) bool: cached position is a real token
+        self.summary_counts: Tensor | None = None  # (B,) real positions summarised so far
 
-    def summary(self, layer_idx: int, x: Tensor, past: int) -> Tensor:
+    def summary(self, layer_idx: int, x: Tensor, past: int, valid: Tensor | None = None) -> Tensor:
+        """Prefix means of ``x (B, T_new, d)`` continuing this layer's running sum; ``valid
+        (B, T_new)`` bool leaves padded positions out of the sums and counts (their own
+        summaries are means of the real positions before them, 0 before the first)."""
         b, t, _ = x.shape
         running = self.summary_sums.get(layer_idx)
         acc = compute_dtype(x.dtype)
-        prefix = x.to(acc).cumsum(1)  # (B, T_new, d)
+        xs = x.to(acc)
+        if valid is not None:
+            xs = xs * valid[..., None]
+        prefix = xs.cumsum(1)  # (B, T_new, d)
         if running is not None:
             prefix = prefix + running[:, None, :]
         self.summary_sums[layer_idx] = prefix[:, -1, :]
-        count = torch.arange(past + 1, past + t + 1, device=x.device, dtype=acc)[None, :, None]
+        if valid is None and self.summary_counts is None:
+            count = torch.arange(past + 1, past + t + 1, device=x.device, dtype=acc)[None, :, None]
+        else:
+            before = self.summary_counts if self.summary_counts is not None \
+                else torch.full((b,), past, device=x.device)
+            steps = valid.cumsum(1) if valid is not None else torch.arange(1, t + 1, device=x.device)[None, :]
+            count = (before[:, None] + steps).to(acc).clamp(min=1)[..., None]
         return (prefix / count).to(x.dtype)
+
+    def advance(self, new_valid: Tensor | None, past: int) -> None:
+        """Record the real positions of the ``T_new`` tokens just cached (call once per forward,
+        after every layer has updated; ``new_valid`` None: all real)."""
+        if new_valid is None and self.key_valid is None:
+            return
+        b, t = (new_valid.shape if new_valid is not None else (self.key_valid.shape[0], 0))
+        device = new_valid.device if new_valid is not None else self.key_valid.device
+        old = self.key_valid if self.key_valid is not None else torch.ones(b, past, dtype=torch.bool, device=device)
+        new = new_valid if new_valid is not None else torch.ones(b, t, dtype=torch.bool, device=device)
+        counts = self.summary_counts if self.summary_counts is not None else torch.full((b,), past, device=device)
+        self.key_valid = torch.cat([old, new.bool()], 1)
+        self.summary_counts = counts + new.sum(1)
 
     def reorder_cache(self, beam_idx: torch.LongTensor):  # beam search
         super().reorder_cache(beam_idx)
         for k, s in self.summary_sums.items():
             self.summary_sums[k] = s.index_select(0, beam_idx.to(s.device))
+        if self.key_valid is not None:
+            self.key_valid = self.key_valid.index_select(0, beam_idx.to(self.key_valid.device))
+            self.summary_counts = self.summary_counts.index_select(0, beam_idx.to(self.summary_counts.device))
 
     def batch_repeat_interleave(self, repeats: int):  # num_return_sequences > 1
         super().batch_repeat_interleave(repeats)
         for k, s in self.summary_sums.items():
             self.summary_sums[k] = s.repeat_interleave(repeats, dim=0)
+        if self.key_valid is not None:
+            self.key_valid = self.key_valid.repeat_interleave(repeats, dim=0)
+            self.summary_counts = self.summary_counts.repeat_interleave(repeats, dim=0)
 
     def crop(self, max_length: int):
         if self.summary_sums and max_length < self.get_seq_length():
@@ -120,12 +162,14 @@ class WiolaCache(DynamicCache):
 # ----------------------------------------------------------------------------------------
 
 def gcla_attention_cached(q_rot: Tensor, k_rot: Tensor, v: Tensor, q: Tensor, kc: Tensor, vc: Tensor,
-                          gate: Tensor) -> Tensor:
+                          gate: Tensor, key_valid: Tensor | None = None) -> Tensor:
     """GCLA for ``T_new`` queries against ``T_k ≥ T_new`` cached keys, in plain PyTorch.
 
     ``q_rot, q (B, H, T_new, d_h)``, ``k_rot, v (B, H_kv, T_k, d_h)`` (the last ``T_new``
-    keys are the queries' own positions), ``kc, vc (B, H, S, Λ', d_h)``. Used for decoding
-    steps, where queries and keys have different lengths (the fused op takes one T).
+    keys are the queries' own positions), ``kc, vc (B, H, S, Λ', d_h)``; ``key_valid
+    (B, T_k)`` bool masks padded keys (a query with no real key at or before it gets 0).
+    Used for decoding steps, where queries and keys have different lengths (the fused op
+    takes one T).
     """
     b, h, t_new, dh = q_rot.shape
     h_kv, t_k = k_rot.shape[1], k_rot.shape[2]
@@ -133,16 +177,28 @@ def gcla_attention_cached(q_rot: Tensor, k_rot: Tensor, v: Tensor, q: Tensor, kc
     k_rot, v = k_rot.repeat(1, h // h_kv, 1, 1), v.repeat(1, h // h_kv, 1, 1)  # (B, H, T_k, d_h)
     q_pos = torch.arange(t_k - t_new, t_k, device=q.device)
     allowed = torch.arange(t_k, device=q.device)[None, :] <= q_pos[:, None]  # (T_new, T_k)
+    if key_valid is not None:
+        allowed = allowed[None, None] & key_valid[:, None, None, :]  # (B, 1, T_new, T_k)
     acc = compute_dtype(q.dtype)
     scores = (q_rot.to(acc) @ k_rot.to(acc).transpose(-1, -2)) / math.sqrt(dh)  # (B, H, T_new, T_k)
     scores = scores.masked_fill(~allowed, float("-inf"))
-    out = torch.softmax(scores, -1) @ v.to(acc)  # (B, H, T_new, d_h)
+    if key_valid is not None:  # a padded query before any real key: no key at all, output 0 (no NaN)
+        any_key = allowed.any(-1, keepdim=True)
+        scores = scores.masked_fill(~any_key, 0.0)
+        out = (torch.softmax(scores, -1) * any_key) @ v.to(acc)
+    else:
+        out = torch.softmax(scores, -1) @ v.to(acc)  # (B, H, T_new, d_h)
     if kc.shape[3] > 0:
         kc = kc.to(acc).expand(b, h, t_new, -1, dh)  # (B, H, T_new, Λ', d_h)
         vc = vc.to(acc).expand(b, h, t_new, -1, dh)
         a = torch.softmax(torch.einsum("bhtd,bhtld->bhtl", q.to(acc), kc) / math.sqrt(dh), -1)
         out = out + torch.sigmoid(gate.to(acc))[None, :, None, None] * torch.einsum("bhtl,bhtld->bhtd", a, vc)
     return out.to(q.dtype)
+
+
+#: ``WiolaAttention.fold_context = "auto"`` folds only where it measured faster on the CPU:
+#: without gradients and at most this many positions per forward (decoding, short prompts).
+FOLD_MAX_POSITIONS = 256
 
 
 class WiolaAttention(nn.Module):
@@ -167,26 +223,60 @@ class WiolaAttention(nn.Module):
         self.srpe = SpiralRotaryEmbedding(dh, config.srpe_theta, config.srpe_spiral_divisor,
                                           config.srpe_radial_amplitude, config.srpe_radial_frequency)
 
+    #: Per-position contexts (causal summaries) can use the folded cross part (context_fold.py:
+    #: two d×d products per token instead of 2Λ', but H·d-wide intermediates per token).
+    #: "auto": where it measured faster on the CPU (no gradients, ≤ FOLD_MAX_POSITIONS
+    #: positions: decoding +15% tok/s on wiola-360m); training steps measured no faster
+    #: (wiola-360m layer shape) or 3% slower (d 256), so they keep the fused op's own cross
+    #: part. "always" / "never" force it (tests, benchmarks).
+    fold_context = "auto"
+
+    def folds(self, context: Tensor, t: int, x: Tensor) -> bool:
+        """Whether this forward uses the folded cross part (see :attr:`fold_context`)."""
+        if context.shape[2] == 0 or context.shape[1] != t or self.fold_context == "never":
+            return False
+        if self.fold_context == "always":
+            return True
+        grad = torch.is_grad_enabled() and (x.requires_grad or self.kc_proj.weight.requires_grad)
+        return not grad and context.shape[0] * t <= FOLD_MAX_POSITIONS
+
     def forward(self, x: Tensor, position_ids: Tensor, context: Tensor, lengths: Tensor | None = None,
-                cache: WiolaCache | None = None) -> Tensor:
-        """``x (B, T, d)``, ``position_ids (B, T)``, ``context (B, S, Λ', d)`` with S ∈ {1, T}."""
+                cache: WiolaCache | None = None, layout: "PaddingLayout | None" = None) -> Tensor:
+        """``x (B, T, d)``, ``position_ids (B, T)``, ``context (B, S, Λ', d)`` with S ∈ {1, T}.
+
+        ``layout`` (padded batches, see :class:`PaddingLayout`): which cached keys are real,
+        and how to put this forward's keys back into the mask's layout before caching them."""
         b, t, _ = x.shape
         h, h_kv, dh = self.n_head, self.n_kv_head, self.head_dim
-        q = self.q_proj(x).view(b, t, h, dh).transpose(1, 2)       # (B, H, T, d_h)
+        q_bthd = self.q_proj(x).view(b, t, h, dh)
+        q = q_bthd.transpose(1, 2)                                 # (B, H, T, d_h)
         k = self.k_proj(x).view(b, t, h_kv, dh).transpose(1, 2)    # (B, H_kv, T, d_h)
         v = self.v_proj(x).view(b, t, h_kv, dh).transpose(1, 2)    # (B, H_kv, T, d_h)
-        q_rot, k_rot = self.srpe(q, k, position_ids)               # SRPE on Q and K, one launch
+        q_rot, k_rot = fast_path.srpe(self.srpe, q, k, position_ids)  # SRPE on Q and K, one launch
         s, n_ctx = context.shape[1], context.shape[2]
-        kc = self.kc_proj(context).view(b, s, n_ctx, h, dh).permute(0, 3, 1, 2, 4)  # (B, H, S, Λ', d_h)
-        vc = self.vc_proj(context).view(b, s, n_ctx, h, dh).permute(0, 3, 1, 2, 4)  # (B, H, S, Λ', d_h)
+        fold = self.folds(context, t, x)
+        if fold:
+            kc = vc = q.new_zeros(b, h, 1, 0, dh)
+        else:
+            kc = self.kc_proj(context).view(b, s, n_ctx, h, dh).permute(0, 3, 1, 2, 4)  # (B, H, S, Λ', d_h)
+            vc = self.vc_proj(context).view(b, s, n_ctx, h, dh).permute(0, 3, 1, 2, 4)  # (B, H, S, Λ', d_h)
         if cache is not None and cache.get_seq_length(self.layer_idx) > 0:
             k_all, v_all = cache.update(k_rot, v, self.layer_idx)  # (B, H_kv, T_past + T, d_h)
-            out = gcla_attention_cached(q_rot, k_all, v_all, q, kc, vc, self.gate)
+            key_valid = layout.key_valid if layout is not None else None
+            out = gcla_attention_cached(q_rot, k_all, v_all, q, kc, vc, self.gate, key_valid)
         else:
-            if cache is not None:
-                cache.update(k_rot, v, self.layer_idx)
+            if cache is not None:  # cached in the mask's layout (left-padded rows were shifted to compute)
+                cache.update(*((layout.to_mask_layout(k_rot, 2), layout.to_mask_layout(v, 2))
+                               if layout is not None else (k_rot, v)), self.layer_idx)
             out = wiola_kernels.gcla_attention(q_rot, k_rot, v, q, kc, vc, self.gate, lengths)  # (B, H, T, d_h)
-        return self.o_proj(out.transpose(1, 2).reshape(b, t, h * dh))  # (B, T, d)
+        out = out.transpose(1, 2)  # (B, T, H, d_h)
+        if fold:
+            cross = folded_context_attention(q_bthd.reshape(b * t, h, dh), context.reshape(b * t, n_ctx, -1),
+                                             self.kc_proj.weight, self.vc_proj.weight, self.gate).view(b, t, h, dh)
+            if lengths is not None:  # rows past a length are exactly zero, as the attention op leaves them
+                cross = cross * (torch.arange(t, device=x.device)[None, :] < lengths[:, None])[..., None, None]
+            out = out + cross
+        return self.o_proj(out.reshape(b, t, h * dh))  # (B, T, d)
 
 
 # ----------------------------------------------------------------------------------------
@@ -229,9 +319,9 @@ class WiolaBlock(GradientCheckpointingLayer):
         self.ffn = WiolaDSFF(config)                                            # DSFF_ℓ
 
     def forward(self, x: Tensor, position_ids: Tensor, context: Tensor, lengths: Tensor | None = None,
-                cache: WiolaCache | None = None) -> Tensor:
+                cache: WiolaCache | None = None, layout: "PaddingLayout | None" = None) -> Tensor:
         """``x (B, T, d)`` → ``Xˡ⁺¹ (B, T, d)``; ``context (B, S, Λ', d)``."""
-        h = self.attn_norm(x)  # X̃ (B, T, d)
+        h = fast_path.rms_norm(self.attn_norm, x)  # X̃ (B, T, d)
         if self.merges and self.training and cache is None:
             # ATM (SPEC §6): merge similar neighbours, attend over the shorter rows, restore length T.
             merged, merged_pos, merged_len, index_map = wiola_kernels.atm_merge(h, position_ids, self.atm_threshold,
@@ -241,9 +331,9 @@ class WiolaBlock(GradientCheckpointingLayer):
             a = self.attn(merged, merged_pos, context, merged_len)  # (B, T, d), zero past merged_len
             a = wiola_kernels.atm_unmerge(a, index_map)            # A_t = A'_{map(t)}
         else:
-            a = self.attn(h, position_ids, context, lengths, cache)
+            a = self.attn(h, position_ids, context, lengths, cache, layout)
         x = x + a                                  # X'
-        return x + self.ffn(self.ffn_norm(x))      # Xˡ⁺¹
+        return x + self.ffn(fast_path.rms_norm(self.ffn_norm, x))  # Xˡ⁺¹
 
 
 def refuse_pickle_only_directory(who: str, path, subfolder: str) -> None:
@@ -298,12 +388,15 @@ class WiolaPreTrainedModel(PreTrainedModel):
         if kwargs.get("ignore_mismatched_sizes"):
             raise ValueError(f"{cls.__name__}.from_pretrained: ignore_mismatched_sizes=True is refused; loading is "
                              "strict (a mismatched tensor would be initialised at random)")
+        check_checkpoint_path(cls.__name__, pretrained_model_name_or_path, kwargs.get("subfolder") or "",
+                              local_files_only=bool(kwargs.get("local_files_only")))
         refuse_pickle_only_directory(cls.__name__, pretrained_model_name_or_path, kwargs.get("subfolder") or "")
         want_info = kwargs.pop("output_loading_info", False)
         kwargs["use_safetensors"] = True
         kwargs["ignore_mismatched_sizes"] = True  # report mismatches in the loading info, refused just below
-        model, info = super().from_pretrained(pretrained_model_name_or_path, *args, output_loading_info=True,
-                                              **kwargs)
+        with quiet_load_report():
+            model, info = super().from_pretrained(pretrained_model_name_or_path, *args, output_loading_info=True,
+                                                  **kwargs)
         problems = [f"missing {k}" for k in sorted(info["missing_keys"])]
         problems += [f"unexpected {k}" for k in sorted(info["unexpected_keys"])]
         problems += [f"{k}: shape {tuple(ckpt)} in the checkpoint, {tuple(want)} in the model"
@@ -312,6 +405,8 @@ class WiolaPreTrainedModel(PreTrainedModel):
         if problems:
             raise ValueError(f"{cls.__name__}.from_pretrained({str(pretrained_model_name_or_path)!r}): the checkpoint "
                              f"does not match the config; refusing a partial load: " + "; ".join(problems))
+        portable_kernel_backend(cls.__name__, model.config, next(model.parameters()).device,
+                                explicit="kernel_backend" in kwargs)
         return (model, info) if want_info else model
 
     def _init_weights(self, module: nn.Module) -> None:
@@ -347,8 +442,20 @@ class WiolaModel(WiolaPreTrainedModel):
 
     def forward(self, input_ids: Tensor | None = None, attention_mask: Tensor | None = None,
                 position_ids: Tensor | None = None, cache: Cache | None = None, inputs_embeds: Tensor | None = None,
-                use_cache: bool | None = None, **kwargs) -> BaseModelOutputWithPast:
+                use_cache: bool | None = None, output_hidden_states: bool | None = None,
+                output_attentions: bool | None = None, **kwargs) -> BaseModelOutputWithPast:
+        """Hidden states ``(B, T, d)`` after the final norm.
+
+        ``attention_mask (B, past + T)``: 1 for real tokens, 0 for padding; rows may be
+        left-padded (what generation uses) or right-padded, and each row's result equals the
+        row run alone (positions count from its first real token unless ``position_ids``
+        are given). ``output_hidden_states=True`` also returns the L + 1 hidden states
+        (embeddings, each block's output, the last one after the final norm);
+        ``output_attentions=True`` is refused: the fused attention never forms the matrix."""
         cfg = self.config
+        check_output_flags(cfg, output_attentions)
+        if output_hidden_states is None:
+            output_hidden_states = bool(getattr(cfg, "output_hidden_states", False))
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("WiolaModel: pass exactly one of input_ids or inputs_embeds")
         if inputs_embeds is None:
@@ -372,11 +479,17 @@ class WiolaModel(WiolaPreTrainedModel):
         if past > 0 and cfg.gcla_summary == "paper":
             raise ValueError("gcla_summary='paper': summaries are means over the whole sequence, so a KV cache "
                              "cannot reproduce the full forward; call with use_cache=False (generate() does)")
-        lengths = right_padding_lengths(attention_mask, past, t)
+        check_attention_mask(attention_mask, b, past, t)
+        layout = padding_layout(attention_mask, past, t, b, x.device, cache)
+        lengths = layout.lengths if layout is not None else None
         if position_ids is None:
-            position_ids = torch.arange(past, past + t, device=x.device)
+            position_ids = layout.default_positions(past, t) if layout is not None \
+                else torch.arange(past, past + t, device=x.device)
         position_ids = position_ids.expand(b, t) if position_ids.dim() == 1 or position_ids.shape[0] == 1 \
             else position_ids  # (B, T)
+        if layout is not None and layout.shift is not None:  # left padding: compute on right-padded rows
+            x, position_ids = layout.to_compute_layout(x, 1), layout.to_compute_layout(position_ids, 1)
+        hidden_states: list[Tensor] | None = [x] if output_hidden_states else None
 
         lookback = cfg.gcla_lookback
         summaries: list[Tensor] = []  # s⁽ˡ⁾, (B, S, d) each, oldest first
@@ -385,14 +498,25 @@ class WiolaModel(WiolaPreTrainedModel):
                 context = torch.stack(summaries[-lookback:], dim=2)  # Cˡ (B, S, Λ', d)
             else:
                 context = x.new_zeros(b, 1, 0, x.shape[-1])           # no earlier layers: plain attention
-            x = layer(x, position_ids, context, lengths=lengths, cache=cache)
+            x = layer(x, position_ids, context, lengths=lengths, cache=cache, layout=layout)
+            if hidden_states is not None and i < len(self.layers) - 1:
+                hidden_states.append(x)
             if lookback > 0 and i < len(self.layers) - 1:  # the last layer's summary is never read
                 if cache is not None and cfg.gcla_summary == "causal":
-                    summaries.append(cache.summary(i, x, past))
+                    summaries.append(cache.summary(i, x, past, layout.summary_valid if layout is not None else None))
                 else:
                     summaries.append(summarize(x, cfg.gcla_summary, lengths))
                 summaries = summaries[-lookback:]
-        return BaseModelOutputWithPast(last_hidden_state=self.norm(x), cache=cache)
+        if cache is not None:
+            cache.advance(layout.new_valid if layout is not None else None, past)
+        x = fast_path.rms_norm(self.norm, x)
+        if hidden_states is not None:
+            hidden_states.append(x)  # Hugging Face convention: the last entry is after the final norm
+        if layout is not None and layout.shift is not None:
+            x = layout.to_mask_layout(x, 1)
+            hidden_states = None if hidden_states is None else [layout.to_mask_layout(h, 1) for h in hidden_states]
+        return BaseModelOutputWithPast(last_hidden_state=x, cache=cache,
+                                       hidden_states=None if hidden_states is None else tuple(hidden_states))
 
 
 def check_input_ids(input_ids: object, vocab_size: int) -> None:
@@ -410,30 +534,162 @@ def check_input_ids(input_ids: object, vocab_size: int) -> None:
             raise ValueError(f"input_ids must lie in [0, vocab_size) = [0, {vocab_size}), got values in [{lo}, {hi}]")
 
 
+def check_attention_mask(attention_mask: object, b: int, past: int, t: int) -> None:
+    """``attention_mask`` is None or a ``(B, past + T)`` tensor (Hugging Face passes the
+    whole sequence's mask while decoding; ``(B, T)`` is accepted too). A mask of another
+    length is refused here, naming the mask, rather than later as bad ``lengths``."""
+    if attention_mask is None:
+        return
+    if not isinstance(attention_mask, Tensor):
+        raise TypeError(f"attention_mask must be a torch.Tensor, got {type(attention_mask).__name__}")
+    allowed = sorted({t, past + t})
+    if attention_mask.dim() != 2 or attention_mask.shape[0] != b or attention_mask.shape[1] not in allowed:
+        want = " or ".join(f"({b}, {n})" for n in allowed)
+        raise ValueError(f"attention_mask must have shape (B, cached + T) = {want}, one entry per position of "
+                         f"input_ids, got {tuple(attention_mask.shape)}")
+
+
+def check_labels(labels: object, shape: tuple[int, int]) -> None:
+    """``labels`` must be an integer ``(B, T)`` tensor like ``input_ids`` (−100 ignored)."""
+    if not isinstance(labels, Tensor):
+        raise TypeError(f"labels must be a torch.Tensor, got {type(labels).__name__}")
+    if labels.dtype.is_floating_point or labels.dtype.is_complex or labels.dtype == torch.bool:
+        raise TypeError(f"labels must be an integer tensor (token ids, -100 to ignore), got {labels.dtype}")
+    if tuple(labels.shape) != tuple(shape):
+        raise ValueError(f"labels must have the shape of input_ids (B, T) = {tuple(shape)}, got {tuple(labels.shape)}")
+
+
 def check_length(t: int, past: int, max_positions: int) -> None:
-    """A forward needs ``T ≥ 1`` new positions and ``past + T ≤ max_position_embeddings``
-    (the longest sequence the model is defined for; SRPE itself has no limit)."""
+    """A forward needs ``T ≥ 1`` new positions and ``past + T ≤ max_position_embeddings``.
+
+    Why a hard cap rather than a warning: SRPE has no position table, so nothing breaks past
+    the limit (it stays accurate up to ``wiola_kernels.ops.srpe.max_accurate_position``,
+    about 2^35), but the SPEC black-box contract refuses such inputs and a model's quality
+    beyond its training length is unknown. The cap is a config field and no weight depends
+    on it: ``model.config.max_position_embeddings = N`` runs longer sequences knowingly."""
     if t == 0:
         raise ValueError("input_ids is empty (T = 0): a forward needs at least one position")
     if past + t > max_positions:
         raise ValueError(f"sequence too long: {past} cached + {t} new positions exceed "
-                         f"max_position_embeddings = {max_positions}")
+                         f"max_position_embeddings = {max_positions} (no weight depends on it: raise "
+                         "config.max_position_embeddings to run longer sequences knowingly)")
 
 
-def right_padding_lengths(attention_mask: Tensor | None, past: int, t: int) -> Tensor | None:
-    """Per-row lengths ``(B,)`` of a right-padded ``attention_mask``; None when nothing is padded."""
-    if attention_mask is None or bool(attention_mask.all()):
+def check_prompt_rank(prompt: object, inputs_embeds: bool = False) -> None:
+    """A ``generate`` prompt is a batch: ``(B, T)`` ids (``(B, T, d)`` embeddings). A 1-D
+    prompt would die deep inside Hugging Face with an IndexError."""
+    if not isinstance(prompt, Tensor):
+        return
+    want = 3 if inputs_embeds else 2
+    if prompt.dim() != want:
+        name, layout = ("inputs_embeds", "(B, T, d)") if inputs_embeds else ("input_ids", "(B, T)")
+        fix = "; for one sequence pass ids[None] (or ids.unsqueeze(0))" if prompt.dim() == want - 1 else ""
+        raise ValueError(f"generate: the prompt ({name}) must have shape {layout}, got {tuple(prompt.shape)}{fix}")
+
+
+class PaddingLayout:
+    """How a padded batch is laid out for one forward (built by :func:`padding_layout`).
+
+    Prefill (empty cache): every row's real tokens form one run ``[start_b, start_b + len_b)``
+    of the mask. Left-padded rows are rotated so that the run starts at 0
+    (``to_compute_layout``), the layers run on right-padded rows with per-row ``lengths``
+    (the fused attention skips the padding), and outputs and cached keys are rotated back
+    (``to_mask_layout``). Decoding (non-empty cache): no rotation; ``key_valid`` masks
+    the padded cached keys.
+
+    Attributes: ``lengths (B,)`` real tokens per row for the fused op (prefill only);
+    ``shift (B,)`` the rotation (None when no row is left-padded); ``key_valid (B, past + T)``
+    bool in the mask's layout; ``new_valid (B, T)`` the new positions' mask (mask layout,
+    what the cache records); ``summary_valid (B, T)`` the same in the compute layout.
+    """
+
+    def __init__(self, key_valid: Tensor, past: int, lengths: Tensor | None = None, shift: Tensor | None = None):
+        self.key_valid, self.lengths, self.shift = key_valid, lengths, shift
+        self.new_valid = key_valid[:, past:]
+        t = self.new_valid.shape[1]
+        self.summary_valid = self.new_valid if lengths is None \
+            else torch.arange(t, device=key_valid.device)[None, :] < lengths[:, None]
+
+    def _rotate(self, x: Tensor, dim: int, sign: int) -> Tensor:
+        t = x.shape[dim]
+        idx = (torch.arange(t, device=x.device)[None, :] + sign * self.shift[:, None]) % t  # (B, T)
+        shape = [x.shape[0]] + [1] * (x.dim() - 1)
+        shape[dim] = t
+        return x.gather(dim, idx.view(shape).expand(x.shape))
+
+    def to_compute_layout(self, x: Tensor, dim: int) -> Tensor:
+        """Row ``b`` of ``x`` (sequence along ``dim``) rotated left by ``shift_b``: real tokens first."""
+        return x if self.shift is None else self._rotate(x, dim, +1)
+
+    def to_mask_layout(self, x: Tensor, dim: int) -> Tensor:
+        """Inverse of :meth:`to_compute_layout`."""
+        return x if self.shift is None else self._rotate(x, dim, -1)
+
+    def default_positions(self, past: int, t: int) -> Tensor:
+        """Position ids when none are given, as Hugging Face derives them from the mask: each
+        real token's index among its row's real tokens (pads: 0), in the mask's layout."""
+        return (self.key_valid.long().cumsum(1) - 1).clamp(min=0)[:, past:]
+
+
+def padding_layout(attention_mask: Tensor | None, past: int, t: int, batch: int, device: torch.device,
+                   cache: "WiolaCache | None") -> PaddingLayout | None:
+    """The :class:`PaddingLayout` of a forward over ``t`` new positions after ``past`` cached
+    ones; None when nothing (mask or cache) is padded.
+
+    ``attention_mask`` is ``(B, past + T)`` of 0/1 (Hugging Face's convention; an all-ones
+    mask of another width is accepted as "no padding"). A cache built from a padded batch
+    needs the mask on every later call (``ValueError`` otherwise: without it the pads would
+    silently become keys), and the mask's first ``past`` columns must be the cache's own.
+    """
+    cached_valid = cache.key_valid if cache is not None and past > 0 else None
+    if attention_mask is None:
+        if cached_valid is not None:
+            raise ValueError("attention_mask is required: this cache was built from a padded batch, so every later "
+                             f"call must pass the same mask extended by the new positions, shape ({batch}, "
+                             f"{past + t}); without it the padded positions would be attended to")
         return None
-    if attention_mask.dim() != 2:
-        raise ValueError(f"attention_mask must have shape (B, T), got {tuple(attention_mask.shape)}")
+    if not isinstance(attention_mask, Tensor) or attention_mask.dim() != 2:
+        raise ValueError(f"attention_mask must be a (B, past + T) tensor of 0/1, got "
+                         f"{tuple(attention_mask.shape) if isinstance(attention_mask, Tensor) else type(attention_mask).__name__}")
+    mask = attention_mask.to(device=device).bool()
+    if cached_valid is None and bool(mask.all()):
+        return None
+    if tuple(mask.shape) != (batch, past + t):
+        raise ValueError(f"attention_mask must have shape (B, past + T) = ({batch}, {past} + {t}), got "
+                         f"{tuple(mask.shape)}")
     if past > 0:
-        raise ValueError("attention_mask: padding is not supported with a non-empty cache (use equal-length rows)")
-    mask = attention_mask.bool()
-    lengths = mask.sum(-1)
-    expected = torch.arange(mask.shape[1], device=mask.device)[None, :] < lengths[:, None]
-    if not torch.equal(mask, expected):
-        raise ValueError("attention_mask: only right padding (ones, then zeros) is supported")
-    return lengths
+        before = cached_valid if cached_valid is not None else torch.ones_like(mask[:, :past])
+        if not torch.equal(mask[:, :past], before):
+            raise ValueError(f"attention_mask: its first {past} columns differ from the padding the cache was "
+                             "built with; pass the mask of the whole sequence so far")
+        return PaddingLayout(mask, past)
+    lengths = mask.sum(1)
+    start = mask.int().argmax(1)  # first real token (0 for an empty row)
+    cols = torch.arange(t, device=device)[None, :]
+    if not torch.equal(mask, (cols >= start[:, None]) & (cols < (start + lengths)[:, None])):
+        raise ValueError("attention_mask: each row's real tokens (ones) must be contiguous: left padding, right "
+                         "padding or both, not a hole in the middle")
+    return PaddingLayout(mask, 0, lengths, start if bool(start.any()) else None)
+
+
+def check_generation_padding(attention_mask: object) -> None:
+    """``generate`` continues every row after its last column, so a right-padded row would
+    continue from a pad: refused with a ``ValueError`` (pad on the left for generation)."""
+    if isinstance(attention_mask, Tensor) and attention_mask.dim() == 2 and attention_mask.numel():
+        mask = attention_mask.bool()
+        if bool((~mask[:, -1] & mask.any(1)).any()):
+            raise ValueError("generate: attention_mask is right-padded (a row ends in padding), so generation would "
+                             "continue from a pad token; pad prompts on the left (tokenizer.padding_side = 'left')")
+
+
+def check_output_flags(config: WiolaConfig, output_attentions: bool | None) -> None:
+    """``output_attentions=True`` (argument or config) is a ``ValueError``: the fused GCLA op
+    never forms the attention matrix."""
+    if output_attentions is None:
+        output_attentions = bool(getattr(config, "output_attentions", False))
+    if output_attentions:
+        raise ValueError("output_attentions=True is not supported: Wiola's fused attention never forms the T×T "
+                         "attention matrix (use output_hidden_states=True for per-layer activations)")
 
 
 def backend_scope(name: str) -> contextlib.AbstractContextManager:
@@ -473,23 +729,26 @@ class WiolaForCausalLM(WiolaPreTrainedModel, GenerationMixin):
     def forward(self, input_ids: Tensor | None = None, attention_mask: Tensor | None = None,
                 position_ids: Tensor | None = None, cache: Cache | None = None,
                 inputs_embeds: Tensor | None = None, labels: Tensor | None = None, use_cache: bool | None = None,
-                logits_to_keep: int = 0, **kwargs) -> CausalLMOutputWithPast:
+                logits_to_keep: int = 0, output_hidden_states: bool | None = None,
+                output_attentions: bool | None = None, **kwargs) -> CausalLMOutputWithPast:
         """``input_ids (B, T)`` → ``logits (B, T, V)``; ``labels (B, T)`` (−100 ignored) are
         shifted inside, like Hugging Face causal LMs."""
         if cache is None:
             cache = kwargs.pop("past_key_values", None)
         with self.kernel_backend():
             out = self.model(input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
-                             inputs_embeds=inputs_embeds, use_cache=use_cache)
+                             inputs_embeds=inputs_embeds, use_cache=use_cache,
+                             output_hidden_states=output_hidden_states, output_attentions=output_attentions)
             hidden = out.last_hidden_state                                   # (B, T, d)
             if logits_to_keep:
                 hidden = hidden[:, -logits_to_keep:]
             logits = self.lm_head(hidden)                                    # (B, T, V)
         loss = None
         if labels is not None:
+            check_labels(labels, (input_ids if input_ids is not None else inputs_embeds).shape[:2])
             loss = F.cross_entropy(logits[:, :-1].to(compute_dtype(logits.dtype)).reshape(-1, logits.shape[-1]),
                                    labels[:, 1:].reshape(-1).to(logits.device), ignore_index=-100)
-        return CausalLMOutputWithPast(loss=loss, logits=logits, cache=out.cache)
+        return CausalLMOutputWithPast(loss=loss, logits=logits, cache=out.cache, hidden_states=out.hidden_states)
 
     # -- generation --------------------------------------------------------------------
 
@@ -511,6 +770,7 @@ class WiolaForCausalLM(WiolaPreTrainedModel, GenerationMixin):
         from; an empty prompt is not replaced by ``bos_token_id``)."""
         prompt = next((x for x in (inputs, kwargs.get("input_ids"), kwargs.get("inputs_embeds")) if x is not None),
                       None)
+        check_prompt_rank(prompt, inputs_embeds=prompt is kwargs.get("inputs_embeds"))
         if isinstance(prompt, Tensor) and prompt.dim() >= 2:
             if prompt.shape[1] == 0:
                 raise ValueError(f"generate: the prompt is empty (shape {tuple(prompt.shape)}); pass at least one "
@@ -518,6 +778,7 @@ class WiolaForCausalLM(WiolaPreTrainedModel, GenerationMixin):
             if prompt.shape[1] > self.config.max_position_embeddings:
                 raise ValueError(f"generate: the prompt has {prompt.shape[1]} tokens, more than "
                                  f"max_position_embeddings = {self.config.max_position_embeddings}")
+        check_generation_padding(kwargs.get("attention_mask"))
         if self.config.gcla_summary == "paper":
             kwargs["use_cache"] = False
         return super().generate(inputs, *args, **kwargs)

@@ -63,13 +63,19 @@ def all_cases(device: torch.device | str, small: bool = False, ops: Sequence[str
     return cases
 
 
+# Shapes per op, small (smoke tests) and full; also what wiola_kernels/triton/aot.py compiles.
+RMS_NORM_SHAPES = {"small": (256, 1024), "full": (16384, 1024)}                 # (rows, d)
+SRPE_SHAPES = {"small": (2, 4, 1, 128, 64), "full": (4, 16, 4, 2048, 64)}       # (B, H, H_kv, T, d_h)
+GPU_BENCH_DTYPE = torch.bfloat16
+
+
 def _default_dtype(device: torch.device) -> torch.dtype:
-    return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return GPU_BENCH_DTYPE if device.type == "cuda" else torch.float32
 
 
 @case_factory
 def rms_norm_cases(device: torch.device, small: bool) -> list[BenchCase]:
-    rows, d = (256, 1024) if small else (16384, 1024)
+    rows, d = RMS_NORM_SHAPES["small" if small else "full"]
     dtype = _default_dtype(device)
 
     def make_inputs():
@@ -95,7 +101,7 @@ def _rms_norm_eager(x, weight, shift, eps):
 @case_factory
 def srpe_cases(device: torch.device, small: bool) -> list[BenchCase]:
     # wiola-360m attention shapes: H = 16, H_kv = 4, d_h = 64.
-    b, h, h_kv, t, dh = (2, 4, 1, 128, 64) if small else (4, 16, 4, 2048, 64)
+    b, h, h_kv, t, dh = SRPE_SHAPES["small" if small else "full"]
     dtype = _default_dtype(device)
 
     def make_inputs():

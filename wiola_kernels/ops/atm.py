@@ -92,6 +92,30 @@ dispatch.register(OP, "cuda", SimpleNamespace(**{  # csrc/cuda/atm.cu via csrc/c
     for name in ("merge", "merge_backward", "unmerge", "unmerge_backward")}))
 
 
+def _emu_merge(x, positions, lengths, threshold):
+    return torch.ops.wiola_cuda_emu._atm_merge(x, positions, lengths, threshold)
+
+
+def _emu_merge_backward(grad_merged, index_map, merged_lengths):
+    return torch.ops.wiola_cuda_emu._atm_merge_bwd(grad_merged, index_map, merged_lengths)
+
+
+def _emu_unmerge(y, index_map):
+    return torch.ops.wiola_cuda_emu._atm_unmerge(y, index_map)
+
+
+def _emu_unmerge_backward(grad, index_map):
+    return torch.ops.wiola_cuda_emu._atm_unmerge_bwd(grad, index_map)
+
+
+# Test backend: the same CUDA kernels and binding, on CPU tensors, in the SIMT emulator.
+_EMU = SimpleNamespace(merge=_emu_merge, merge_backward=_emu_merge_backward, unmerge=_emu_unmerge,
+                       unmerge_backward=_emu_unmerge_backward)
+dispatch.register(OP, "cuda_emu", SimpleNamespace(**{
+    name: _kernel_unless_float64(getattr(_EMU, name), getattr(_REFERENCE, name))
+    for name in ("merge", "merge_backward", "unmerge", "unmerge_backward")}))
+
+
 # --- merge ---------------------------------------------------------------------------
 
 @torch.library.custom_op("wiola::atm_merge", mutates_args=())

@@ -26,7 +26,7 @@ from .. import dispatch
 from . import gcla_attention_cuda
 from ..reference.gcla_attention import gcla_attention_backward, gcla_attention_forward
 from ..reference.rms_norm import compute_dtype
-from ..validation import check_rank, check_same_device, check_same_dtype, check_shape, check_tensor
+from ..validation import bthd_hint, check_rank, check_same_device, check_same_dtype, check_shape, check_tensor
 
 OP = "gcla_attention"
 
@@ -68,11 +68,26 @@ def _cuda_backward(grad_out, q_rot, k_rot, v, q, kc, vc, gate, lengths, out, lse
     return gcla_attention_cuda.backward(grad_out, q_rot, k_rot, v, q, kc, vc, gate, lengths, out, lse)
 
 
-# The C++ CPU kernel is torch.ops.wiola._gcla_attention_fwd/_bwd; the cuda backend is PyTorch's fused
-# attention plus the summary kernels (gcla_attention_cuda.py).
+def _emu_forward(q_rot, k_rot, v, q, kc, vc, gate, lengths):
+    if not _cuda_supports(q_rot):
+        return gcla_attention_forward(q_rot, k_rot, v, q, kc, vc, gate, lengths)
+    # CPU tensors: the CPU flash kernel for the self part, the summary kernels emulated.
+    return gcla_attention_cuda.forward(q_rot, k_rot, v, q, kc, vc, gate, lengths)
+
+
+def _emu_backward(grad_out, q_rot, k_rot, v, q, kc, vc, gate, lengths, out, lse):
+    if not _cuda_supports(q_rot):
+        return gcla_attention_backward(grad_out, q_rot, k_rot, v, q, kc, vc, gate, lengths, out, lse)
+    return gcla_attention_cuda.backward(grad_out, q_rot, k_rot, v, q, kc, vc, gate, lengths, out, lse)
+
+
+# The C++ CPU kernel is torch.ops.wiola._gcla_attention_fwd/_bwd; the cuda backend (and its
+# emulation, cuda_emu) is PyTorch's fused attention plus the summary kernels (gcla_attention_cuda.py).
 dispatch.register(OP, "reference", SimpleNamespace(forward=gcla_attention_forward, backward=gcla_attention_backward))
 dispatch.register(OP, "cpu", SimpleNamespace(forward=_cpu_forward, backward=_cpu_backward))
 dispatch.register(OP, "cuda", SimpleNamespace(forward=_cuda_forward, backward=_cuda_backward))
+# Test backend: the CUDA kernels and binding on CPU tensors, in the SIMT emulator (csrc/cuda/emu/).
+dispatch.register(OP, "cuda_emu", SimpleNamespace(forward=_emu_forward, backward=_emu_backward))
 
 
 def _contig(t: Optional[Tensor]) -> Optional[Tensor]:
@@ -136,6 +151,11 @@ def gcla_attention(q_rot: Tensor, k_rot: Tensor, v: Tensor, q: Tensor, kc: Tenso
                    lengths: Optional[Tensor] = None) -> Tensor:
     """GCLA summary-augmented attention (SPEC §5.5): ``O = O^self + σ(gate) · O^cross``.
 
+    Layout: every attention tensor is ``(B, heads, T, d_h)`` — heads before time.
+    Projections reshaped with ``.view(B, T, H, d_h)`` need ``.transpose(1, 2)`` first; when
+    ``H = H_kv = T`` the shapes cannot tell the two layouts apart, so no error can catch
+    that mistake.
+
     Args:
         q_rot: SRPE-rotated queries ``(B, H, T, d_h)``; float32, float64, bfloat16 or float16.
         k_rot: SRPE-rotated keys ``(B, H_kv, T, d_h)``; head ``h`` reads group ``h mod H_kv``.
@@ -161,23 +181,29 @@ def gcla_attention(q_rot: Tensor, k_rot: Tensor, v: Tensor, q: Tensor, kc: Tenso
     check_rank("k_rot", k_rot, 4, "(B, H_kv, T, d_h)")
     H_kv = k_rot.shape[1]
     if k_rot.shape[0] != B or k_rot.shape[2] != T or k_rot.shape[3] != dh:
-        raise ValueError(f"k_rot must have shape (B, H_kv, T, d_h) = ({B}, H_kv, {T}, {dh}), got {tuple(k_rot.shape)}")
+        raise ValueError(f"k_rot must have shape (B, H_kv, T, d_h) = ({B}, H_kv, {T}, {dh}), got {tuple(k_rot.shape)}"
+                         f"{bthd_hint(q_rot, k_rot)}")
     if H_kv == 0 or H % H_kv != 0:
         raise ValueError(f"the number of query heads H = {H} (q_rot dim 1) must be a multiple of "
-                         f"H_kv = {H_kv} (k_rot dim 1)")
+                         f"H_kv = {H_kv} (k_rot dim 1){bthd_hint(q_rot, k_rot)}")
     if dh == 0 or dh % 2 != 0:
         raise ValueError(f"head width d_h (last dim of q_rot) must be even and > 0, got {dh}")
+    # With H = H_kv the four tensors agree in either layout; kc/gate give a transposed call away.
+    transposed = bthd_hint(q_rot, k_rot, v, q)
     check_shape("v", v, (B, H_kv, T, dh), "(B, H_kv, T, d_h)")
     check_shape("q", q, (B, H, T, dh), "(B, H, T, d_h)")
     check_rank("kc", kc, 5, "(B, H, S, Λ', d_h)")
     if kc.shape[0] != B or kc.shape[1] != H or kc.shape[4] != dh or kc.shape[2] not in (1, T):
+        hint = transposed if kc.shape[1] == T and kc.shape[2] in (1, H) else ""
         raise ValueError(f"kc must have shape (B, H, S, Λ', d_h) = ({B}, {H}, S, Λ', {dh}) with S in "
-                         f"{{1, T = {T}}}, got {tuple(kc.shape)}")
+                         f"{{1, T = {T}}}, got {tuple(kc.shape)}{hint}")
     check_rank("vc", vc, 5, "(B, H, S, Λ', d_h)")
     if tuple(vc.shape) != tuple(kc.shape):
         raise ValueError(f"vc must have the shape of kc (B, H, S, Λ', d_h) = {tuple(kc.shape)} (same S and Λ'), "
                          f"got {tuple(vc.shape)}")
-    check_shape("gate", gate, (H,), "(H,)")
+    if tuple(gate.shape) != (H,):
+        hint = transposed if tuple(gate.shape) == (T,) else ""
+        raise ValueError(f"gate must have shape (H,) = ({H},), got {tuple(gate.shape)}{hint}")
     check_same_dtype(q_rot=q_rot, k_rot=k_rot, v=v, q=q, kc=kc, vc=vc)
     if lengths is not None:
         check_tensor("lengths", lengths, dtypes=_INT_DTYPES)

@@ -19,7 +19,7 @@ from .. import dispatch
 from ..reference.srpe import srpe as srpe_reference
 from ..reference.srpe import srpe_backward as srpe_reference_backward
 from ..reference.srpe import srpe_frequencies
-from ..validation import check_positive, check_rank, check_real, check_same_device, check_same_dtype, check_tensor
+from ..validation import bthd_hint, check_positive, check_rank, check_real, check_same_device, check_same_dtype, check_tensor
 
 OP = "srpe"
 
@@ -128,10 +128,18 @@ def srpe(q: Tensor, k: Tensor, position_ids: Tensor, theta: float = 10000.0, spi
          radial_amplitude: float = 0.1, radial_frequency: float = 0.01) -> tuple[Tensor, Tensor]:
     """Spiral rotary position encoding of queries and keys (SPEC §4), in one launch.
 
+    Layout: ``q (B, H, T, d_h)``, ``k (B, H_kv, T, d_h)`` — heads before time. Projections
+    reshaped with ``.view(B, T, H, d_h)`` need ``.transpose(1, 2)`` first; when
+    ``H = H_kv = T`` the shapes cannot tell the two layouts apart, so no error can catch
+    that mistake.
+
     For pair ``(j, j + d_h/2)`` at position ``p``: rotation by
     ``Θ_j(p) = p ω_j (1 + 1/k_s)`` scaled by ``r_j(p) = 1 + a_s sin(p f_s ω_j)``, with
-    ``ω_j = θ₀^(−2j/d_h)``. Angles are reduced modulo 2π in float64, so float32
-    outputs stay accurate at positions up to 2^20.
+    ``ω_j = θ₀^(−2j/d_h)``. Angles are formed and reduced modulo 2π in float64, so
+    float32 outputs meet SPEC §9's 1e-5 up to ``|p| = max_accurate_position(k_s)``
+    (about 2^35 for ``k_s = 8``; tested up to 2^31). There is no other length limit; on
+    CPU tensors a larger position is a ``ValueError`` (not checked on CUDA: it would cost
+    a device sync per call).
 
     Args:
         q: queries ``(B, H, T, d_h)``; float32, float64, bfloat16 or float16.
@@ -155,18 +163,21 @@ def srpe(q: Tensor, k: Tensor, position_ids: Tensor, theta: float = 10000.0, spi
     if dh % 2 != 0 or dh == 0:
         raise ValueError(f"q must have an even, non-zero head dim d_h (rotate-half pairs), got d_h = {dh}")
     if k.shape[0] != b or k.shape[2] != t or k.shape[3] != dh:
-        raise ValueError(f"k must have shape (B, H_kv, T, d_h) = ({b}, H_kv, {t}, {dh}) to match q, got {tuple(k.shape)}")
+        raise ValueError(f"k must have shape (B, H_kv, T, d_h) = ({b}, H_kv, {t}, {dh}) to match q, got {tuple(k.shape)}"
+                         f"{bthd_hint(q, k)}")
     h_kv = k.shape[1]
     if h_kv == 0 or h % h_kv != 0:
-        raise ValueError(f"q's heads H = {h} must be a multiple of k's heads H_kv = {h_kv}")
+        raise ValueError(f"q's heads H = {h} must be a multiple of k's heads H_kv = {h_kv}{bthd_hint(q, k)}")
+    hint = bthd_hint(q, k, t=position_ids.shape[-1]) if position_ids.dim() in (1, 2) else ""
     if position_ids.dim() == 1:
         if position_ids.shape[0] != t:
-            raise ValueError(f"position_ids must have shape (T,) = ({t},) or (B, T) = ({b}, {t}), got {tuple(position_ids.shape)}")
+            raise ValueError(f"position_ids must have shape (T,) = ({t},) or (B, T) = ({b}, {t}), "
+                             f"got {tuple(position_ids.shape)}{hint}")
         positions = position_ids.to(torch.int64).expand(b, t)
     elif position_ids.dim() == 2:
         if tuple(position_ids.shape) not in ((b, t), (1, t)):
             raise ValueError(f"position_ids must have shape (B, T) = ({b}, {t}), (1, T) or (T,) = ({t},), "
-                             f"got {tuple(position_ids.shape)}")
+                             f"got {tuple(position_ids.shape)}{hint}")
         positions = position_ids.to(torch.int64).expand(b, t)
     else:
         raise ValueError(f"position_ids must have shape (B, T) or (T,), got {tuple(position_ids.shape)}")

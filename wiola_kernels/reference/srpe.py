@@ -6,8 +6,9 @@ For position p and pair j ∈ [0, d_h/2) (rotate-half layout, pairs (j, j + d_h/
     y_j = q_j r cosΘ − q_{j+d_h/2} r sinΘ,   y_{j+d_h/2} = q_j r sinΘ + q_{j+d_h/2} r cosΘ
 
 Angles are computed in float64 and reduced modulo 2π before the sine/cosine (the
-rotation then runs in the compute dtype), so positions up to 2^20 keep float32
-accuracy. The backward is the transpose: rotation by −Θ, scaled by r.
+rotation then runs in the compute dtype), so float32 keeps SPEC accuracy up to
+``wiola_kernels.ops.srpe.max_accurate_position(k_s)`` (about 2^35 for k_s = 8).
+The backward is the transpose: rotation by −Θ, scaled by r.
 """
 
 from __future__ import annotations

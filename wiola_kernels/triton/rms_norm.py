@@ -1,7 +1,7 @@
 """WiolaRMSNorm Triton kernels (SPEC §3).
 
-Forward: one program per block of rows; each row is loaded once, shifted by δ,
-its mean square reduced in float32, and ``γ z / r`` written in the input dtype.
+Forward: each row is loaded once, shifted by δ, its mean square reduced in float32,
+and ``γ z / r`` written in the input dtype.
 ``rstd = 1/r`` is stored per row for the backward. A finite row whose Σz² overflows
 is rescaled in registers by an exact power of two ``s = 2^(2−e)`` (``max|z| = f·2^e``,
 f ∈ [½, 1)), as in the reference; other rows take the plain path (a runtime branch on
@@ -16,10 +16,22 @@ so nothing grows with |z|):
 
 The column sums are done in two stages: each program accumulates its rows into a
 float32 partial of shape (d,), stored in a (programs, d) buffer, and one ``.sum(0)``
-reduces the partials. No atomics, so the result is deterministic.
+reduces the partials. No atomics, so the result is deterministic (the number of
+programs depends only on the shape and the GPU).
+
+Launch (``_launch_config``, also what ``aot_launches`` compiles ahead of time): a
+persistent grid, each program walking tiles of ``ROWS_PER_STEP`` whole rows. A thread
+holds 16 contiguous bytes of a row (one 128-bit access when ``d`` allows), and a step
+issues the loads of all its rows before the first reduction, so each program keeps
+``ROWS_PER_STEP`` rows in flight: at the bench shape (bf16, d = 1024) four rows, 8 KB,
+times the 4 resident programs per SM: 32 KB (``python -m wiola_kernels gpu-report``).
+Loop bounds are runtime values, so one compiled kernel serves every row count.
 """
 
 from __future__ import annotations
+
+import math
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -30,6 +42,20 @@ from ..reference.rms_norm import compute_dtype
 
 
 @triton.jit
+def _overflow_scale(ss, m, IS_FP64: tl.constexpr):
+    """Per row: ``s = 2^(2−e)`` where ``Σz² = ss`` overflowed but ``max|z| = m = f·2^e`` is
+    finite (``m·s ∈ [2, 4)``), else 1. Built from m's biased exponent B as the float with
+    exponent field 2·bias+1−B: normal, and exact to multiply by."""
+    if IS_FP64:
+        biased = (m.to(tl.int64, bitcast=True) >> 52) & 0x7FF
+        pow2 = ((2047 - biased) << 52).to(tl.float64, bitcast=True)
+    else:
+        biased = (m.to(tl.int32, bitcast=True) >> 23) & 0xFF
+        pow2 = ((255 - biased) << 23).to(tl.float32, bitcast=True)
+    return tl.where((ss == float("inf")) & (m < float("inf")), pow2, 1.0)
+
+
+@triton.jit
 def _rms_norm_fwd_kernel(
     x_ptr,        # (rows, d) input, contiguous
     w_ptr,        # (d,) γ in the accumulation dtype
@@ -37,40 +63,66 @@ def _rms_norm_fwd_kernel(
     y_ptr,        # (rows, d) output, dtype of x
     rstd_ptr,     # (rows,) 1/r in the accumulation dtype
     rows, d, eps,
-    ROWS_PER_PROGRAM: tl.constexpr,
-    BLOCK_D: tl.constexpr,       # next power of two >= d: a whole row per tile
-    IS_FP64: tl.constexpr,       # accumulation dtype float64 (else float32)
+    ROWS_PER_STEP: tl.constexpr,  # rows per tile, all loaded before the first reduction
+    BLOCK_D: tl.constexpr,        # next power of two >= d (a whole row per tile), or the chunk width (WIDE)
+    IS_FP64: tl.constexpr,        # accumulation dtype float64 (else float32)
+    WIDE: tl.constexpr,           # rows too wide for registers: walk them in BLOCK_D chunks, twice
 ):
     pid = tl.program_id(0)
+    programs = tl.num_programs(0)
     cols = tl.arange(0, BLOCK_D)
-    col_mask = cols < d
-    w = tl.load(w_ptr + cols, mask=col_mask, other=0.0)
-    s = tl.load(s_ptr + cols, mask=col_mask, other=0.0)
-    for i in range(ROWS_PER_PROGRAM):
-        row = pid.to(tl.int64) * ROWS_PER_PROGRAM + i  # int64: rows * d can pass 2^31
-        if row < rows:
-            x = tl.load(x_ptr + row * d + cols, mask=col_mask, other=0.0).to(w.dtype)
-            z = tl.where(col_mask, x + s, 0.0)
-            ss = tl.sum(z * z, axis=0)
-            scale = tl.full((), 1.0, w.dtype)
-            if ss == float("inf"):  # no NaN in z; rare, so a branch rather than a select
-                m = tl.max(tl.abs(z), axis=0)
-                # A finite row (m normal here) gets s = 2^(2−e), built from m's biased
-                # exponent B as the float with exponent field 2·bias+1−B: normal, m·s in [2, 4).
-                if IS_FP64:
-                    biased = (m.to(tl.int64, bitcast=True) >> 52) & 0x7FF
-                    pow2 = ((2047 - biased) << 52).to(tl.float64, bitcast=True)
-                else:
-                    biased = (m.to(tl.int32, bitcast=True) >> 23) & 0xFF
-                    pow2 = ((255 - biased) << 23).to(tl.float32, bitcast=True)
-                if m < float("inf"):
-                    scale = pow2
-                    z = z * scale  # exact: a power of two
-                    ss = tl.sum(z * z, axis=0)
+    acc_ty = w_ptr.dtype.element_ty
+    if not WIDE:
+        col_mask = cols < d
+        w = tl.load(w_ptr + cols, mask=col_mask, other=0.0)[None, :]
+        s = tl.load(s_ptr + cols, mask=col_mask, other=0.0)[None, :]
+    for first in range(pid * ROWS_PER_STEP, rows, programs * ROWS_PER_STEP):
+        row = tl.arange(0, ROWS_PER_STEP).to(tl.int64) + first  # int64: rows * d can pass 2^31
+        row_mask = row < rows
+        if WIDE:
+            ss = tl.zeros((ROWS_PER_STEP,), acc_ty)
+            m = tl.zeros((ROWS_PER_STEP,), acc_ty)
+            for c0 in range(0, d, BLOCK_D):  # pass 1: Σz² and max|z|
+                mask = row_mask[:, None] & (c0 + cols < d)[None, :]
+                offs = row[:, None] * d + (c0 + cols)[None, :]
+                sc = tl.load(s_ptr + c0 + cols, mask=c0 + cols < d, other=0.0)[None, :]
+                z = tl.where(mask, tl.load(x_ptr + offs, mask=mask, other=0.0).to(acc_ty) + sc, 0.0)
+                ss += tl.sum(z * z, axis=1)
+                m = tl.maximum(m, tl.max(tl.abs(z), axis=1))
+            scale = _overflow_scale(ss, m, IS_FP64)
+            if tl.max(ss, axis=0) == float("inf"):  # rare: Σ(s·z)² for the rescaled rows
+                ss_scaled = tl.zeros((ROWS_PER_STEP,), acc_ty)
+                for c0 in range(0, d, BLOCK_D):
+                    mask = row_mask[:, None] & (c0 + cols < d)[None, :]
+                    offs = row[:, None] * d + (c0 + cols)[None, :]
+                    sc = tl.load(s_ptr + c0 + cols, mask=c0 + cols < d, other=0.0)[None, :]
+                    z = tl.where(mask, tl.load(x_ptr + offs, mask=mask, other=0.0).to(acc_ty) + sc, 0.0)
+                    z = z * scale[:, None]
+                    ss_scaled += tl.sum(z * z, axis=1)
+                ss = tl.where(scale != 1.0, ss_scaled, ss)
+            rstd_s = 1.0 / tl.sqrt(ss / d + eps * scale * scale)
+            for c0 in range(0, d, BLOCK_D):  # pass 2 (the row is in L1/L2 now): y
+                mask = row_mask[:, None] & (c0 + cols < d)[None, :]
+                offs = row[:, None] * d + (c0 + cols)[None, :]
+                wc = tl.load(w_ptr + c0 + cols, mask=c0 + cols < d, other=0.0)[None, :]
+                sc = tl.load(s_ptr + c0 + cols, mask=c0 + cols < d, other=0.0)[None, :]
+                z = tl.load(x_ptr + offs, mask=mask, other=0.0).to(acc_ty) + sc
+                tl.store(y_ptr + offs, (wc * (z * scale[:, None]) * rstd_s[:, None]).to(y_ptr.dtype.element_ty),
+                         mask=mask)
+        else:
+            mask = row_mask[:, None] & col_mask[None, :]
+            offs = row[:, None] * d + cols[None, :]
+            z = tl.where(mask, tl.load(x_ptr + offs, mask=mask, other=0.0).to(acc_ty) + s, 0.0)
+            ss = tl.sum(z * z, axis=1)
+            scale = tl.full((ROWS_PER_STEP,), 1.0, acc_ty)
+            if tl.max(ss, axis=0) == float("inf"):  # no NaN in z; rare, so a branch rather than a select
+                scale = _overflow_scale(ss, tl.max(tl.abs(z), axis=1), IS_FP64)
+                z = z * scale[:, None]  # exact: a power of two
+                ss = tl.where(scale != 1.0, tl.sum(z * z, axis=1), ss)
             # ε·s² may underflow to 0: ε is negligible for rescaled rows.
             rstd_s = 1.0 / tl.sqrt(ss / d + eps * scale * scale)
-            tl.store(y_ptr + row * d + cols, (w * z * rstd_s).to(y_ptr.dtype.element_ty), mask=col_mask)
-            tl.store(rstd_ptr + row, rstd_s * scale)  # subnormal once r > 2^126 (fp32): ≥ 21 bits
+            tl.store(y_ptr + offs, (w * z * rstd_s[:, None]).to(y_ptr.dtype.element_ty), mask=mask)
+        tl.store(rstd_ptr + row, rstd_s * scale, mask=row_mask)  # subnormal once r > 2^126 (fp32): ≥ 21 bits
 
 
 @triton.jit
@@ -84,48 +136,126 @@ def _rms_norm_bwd_kernel(
     dw_partial_ptr,  # (programs, d) per-program partial of ∂L/∂γ
     ds_partial_ptr,  # (programs, d) per-program partial of ∂L/∂δ
     rows, d,
-    ROWS_PER_PROGRAM: tl.constexpr,
+    ROWS_PER_STEP: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    WIDE: tl.constexpr,  # rows too wide for registers: two passes over BLOCK_D chunks, and the
+                         # partials accumulate in their own (L2-resident) rows
 ):
     pid = tl.program_id(0)
+    programs = tl.num_programs(0)
     cols = tl.arange(0, BLOCK_D)
-    col_mask = cols < d
-    w = tl.load(w_ptr + cols, mask=col_mask, other=0.0)
-    s = tl.load(s_ptr + cols, mask=col_mask, other=0.0)
-    dw_acc = tl.zeros((BLOCK_D,), dtype=w.dtype)
-    ds_acc = tl.zeros((BLOCK_D,), dtype=w.dtype)
-    for i in range(ROWS_PER_PROGRAM):
-        row = pid.to(tl.int64) * ROWS_PER_PROGRAM + i  # int64: rows * d can pass 2^31
-        if row < rows:
-            x = tl.load(x_ptr + row * d + cols, mask=col_mask, other=0.0).to(w.dtype)
-            g = tl.load(g_ptr + row * d + cols, mask=col_mask, other=0.0).to(w.dtype)
-            rstd = tl.load(rstd_ptr + row)
-            z_hat = tl.where(col_mask, x + s, 0.0) * rstd
-            gw = g * w
-            c = tl.sum(gw * z_hat, axis=0) / d
-            dz = (gw - c * z_hat) * rstd
-            tl.store(dx_ptr + row * d + cols, dz.to(dx_ptr.dtype.element_ty), mask=col_mask)
-            dw_acc += g * z_hat
-            ds_acc += dz
-    tl.store(dw_partial_ptr + pid * d + cols, dw_acc, mask=col_mask)
-    tl.store(ds_partial_ptr + pid * d + cols, ds_acc, mask=col_mask)
-
-
-def _launch_config(rows: int, d: int, device: torch.device) -> tuple[int, int, int]:
-    """(BLOCK_D, ROWS_PER_PROGRAM, programs): a whole row per tile; on the GPU about
-    4 programs per SM, in the interpreter few programs (each launch is slow there)."""
-    block_d = triton.next_power_of_2(d)
-    if device.type == "cuda":
-        sms = torch.cuda.get_device_properties(device).multi_processor_count
-        target = 4 * sms
+    acc_ty = w_ptr.dtype.element_ty
+    if WIDE:
+        for c0 in range(0, d, BLOCK_D):
+            tl.store(dw_partial_ptr + pid * d + c0 + cols, tl.zeros((BLOCK_D,), acc_ty), mask=c0 + cols < d)
+            tl.store(ds_partial_ptr + pid * d + c0 + cols, tl.zeros((BLOCK_D,), acc_ty), mask=c0 + cols < d)
     else:
-        target = 4
-    rows_per_program = max(1, triton.cdiv(rows, target))
-    return block_d, rows_per_program, max(1, triton.cdiv(rows, rows_per_program))
+        col_mask = cols < d
+        w = tl.load(w_ptr + cols, mask=col_mask, other=0.0)[None, :]
+        s = tl.load(s_ptr + cols, mask=col_mask, other=0.0)[None, :]
+        dw_acc = tl.zeros((BLOCK_D,), acc_ty)
+        ds_acc = tl.zeros((BLOCK_D,), acc_ty)
+    for first in range(pid * ROWS_PER_STEP, rows, programs * ROWS_PER_STEP):
+        row = tl.arange(0, ROWS_PER_STEP).to(tl.int64) + first  # int64: rows * d can pass 2^31
+        row_mask = row < rows
+        rstd = tl.load(rstd_ptr + row, mask=row_mask, other=0.0)[:, None]
+        if WIDE:
+            c = tl.zeros((ROWS_PER_STEP,), acc_ty)
+            for c0 in range(0, d, BLOCK_D):  # pass 1: c = Σ γ g ẑ / d
+                cm = c0 + cols < d
+                mask = row_mask[:, None] & cm[None, :]
+                offs = row[:, None] * d + (c0 + cols)[None, :]
+                wc = tl.load(w_ptr + c0 + cols, mask=cm, other=0.0)[None, :]
+                sc = tl.load(s_ptr + c0 + cols, mask=cm, other=0.0)[None, :]
+                x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(acc_ty)
+                g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(acc_ty)
+                c += tl.sum(g * wc * (tl.where(mask, x + sc, 0.0) * rstd), axis=1)
+            c = c[:, None] / d
+            for c0 in range(0, d, BLOCK_D):  # pass 2: ∂L/∂x and the partials
+                cm = c0 + cols < d
+                mask = row_mask[:, None] & cm[None, :]
+                offs = row[:, None] * d + (c0 + cols)[None, :]
+                wc = tl.load(w_ptr + c0 + cols, mask=cm, other=0.0)[None, :]
+                sc = tl.load(s_ptr + c0 + cols, mask=cm, other=0.0)[None, :]
+                x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(acc_ty)
+                g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(acc_ty)
+                z_hat = tl.where(mask, x + sc, 0.0) * rstd
+                dz = (g * wc - c * z_hat) * rstd
+                tl.store(dx_ptr + offs, dz.to(dx_ptr.dtype.element_ty), mask=mask)
+                dw_row = dw_partial_ptr + pid * d + c0 + cols
+                ds_row = ds_partial_ptr + pid * d + c0 + cols
+                # Each thread re-reads only what it wrote itself.
+                tl.store(dw_row, tl.load(dw_row, mask=cm) + tl.sum(g * z_hat, axis=0), mask=cm)
+                tl.store(ds_row, tl.load(ds_row, mask=cm) + tl.sum(dz, axis=0), mask=cm)
+        else:
+            mask = row_mask[:, None] & col_mask[None, :]
+            offs = row[:, None] * d + cols[None, :]
+            x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(acc_ty)
+            g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(acc_ty)
+            z_hat = tl.where(mask, x + s, 0.0) * rstd
+            gw = g * w
+            c = tl.sum(gw * z_hat, axis=1)[:, None] / d
+            dz = (gw - c * z_hat) * rstd
+            tl.store(dx_ptr + offs, dz.to(dx_ptr.dtype.element_ty), mask=mask)
+            dw_acc += tl.sum(g * z_hat, axis=0)
+            ds_acc += tl.sum(dz, axis=0)
+    if not WIDE:
+        tl.store(dw_partial_ptr + pid * d + cols, dw_acc, mask=col_mask)
+        tl.store(ds_partial_ptr + pid * d + cols, ds_acc, mask=col_mask)
 
 
-def _num_warps(block_d: int) -> int:
-    return min(16, max(1, block_d // 256))
+# Bytes a thread loads from each row per step: one 128-bit access.
+_BYTES_PER_THREAD_ROW = 16
+# Input bytes a thread keeps in flight per step (forward; the backward loads x and g,
+# so half as many rows). Four 128-bit loads: with 4 programs of 4 warps per SM at
+# d = 1024, 32 KB in flight per SM (Little's law for HBM3e: ~4.8 TB/s · 1 µs / 132).
+_BYTES_PER_THREAD_STEP = 64
+# Persistent programs per SM: what the registers allow at the bench shape (gpu-report's
+# blocks_per_sm), and few enough that the backward's (programs, d) partials stay small.
+_PROGRAMS_PER_SM = 4
+_MAX_WARPS = 16
+# Row bytes per thread beyond which a row does not fit in registers (ptxas spills at
+# 64: d = 8193 in fp32 or bf16): such rows are walked in chunks (WIDE).
+_MAX_ROW_BYTES_PER_THREAD = 32
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """How a launcher runs one kernel: constexprs, warps and the persistent grid."""
+
+    block_d: int
+    rows_per_step: int
+    num_warps: int
+    programs: int
+    wide: bool  # rows walked in block_d chunks
+
+
+def _launch_config(rows: int, d: int, element_size: int, loads_per_row: int, sms: int | None) -> LaunchConfig:
+    """The launch of either kernel for ``rows`` rows of width ``d`` (``element_size``
+    bytes each; ``loads_per_row`` row tensors read per row: 1 forward, 2 backward).
+
+    Threads own 16 contiguous bytes of a row; rows per step so that each thread has
+    ``_BYTES_PER_THREAD_STEP`` bytes loading. ``sms``: the GPU's SM count (the grid is
+    ``_PROGRAMS_PER_SM`` × ``sms``); ``None`` for the interpreter (same tiles, at most
+    four programs: each program is slow there)."""
+    block_d = triton.next_power_of_2(d)
+    per_thread = max(1, _BYTES_PER_THREAD_ROW // element_size)
+    num_warps = min(_MAX_WARPS, max(1, block_d // (32 * per_thread)))
+    row_bytes_per_thread = max(_BYTES_PER_THREAD_ROW, block_d * element_size // (32 * num_warps))
+    wide = row_bytes_per_thread > _MAX_ROW_BYTES_PER_THREAD
+    if wide:  # chunks of 16 B per thread per row
+        block_d = 32 * num_warps * per_thread
+        row_bytes_per_thread = _BYTES_PER_THREAD_ROW
+    rows_per_step = max(1, min(16, _BYTES_PER_THREAD_STEP // (row_bytes_per_thread * loads_per_row)))
+    if wide:
+        rows_per_step = 1
+    steps = triton.cdiv(rows, rows_per_step)
+    programs = min(4, steps) if sms is None else min(steps, sms * _PROGRAMS_PER_SM)
+    return LaunchConfig(block_d, rows_per_step, num_warps, programs, wide)
+
+
+def _sms(device: torch.device) -> int | None:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else None
 
 
 def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, shift: torch.Tensor,
@@ -137,11 +267,11 @@ def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, shift: torch.Tensor,
     rstd = empty_output((rows,), dtype=acc, device=x.device)
     if rows == 0:
         return y, rstd
-    block_d, per_program, programs = _launch_config(rows, d, x.device)
-    _rms_norm_fwd_kernel[(programs,)](
+    cfg = _launch_config(rows, d, x.element_size(), 1, _sms(x.device))
+    _rms_norm_fwd_kernel[(cfg.programs,)](
         x, weight.to(acc).contiguous(), shift.to(acc).contiguous(), y, rstd, rows, d, eps,
-        ROWS_PER_PROGRAM=per_program, BLOCK_D=block_d, IS_FP64=acc == torch.float64,
-        num_warps=_num_warps(block_d))
+        ROWS_PER_STEP=cfg.rows_per_step, BLOCK_D=cfg.block_d, IS_FP64=acc == torch.float64, WIDE=cfg.wide,
+        num_warps=cfg.num_warps)
     return y, rstd
 
 
@@ -152,10 +282,46 @@ def rms_norm_backward(grad_y, x, weight, shift, rstd):
     grad_x = empty_output((rows, d), dtype=x.dtype, device=x.device)
     if rows == 0:
         return grad_x, torch.zeros_like(weight), torch.zeros_like(shift)
-    block_d, per_program, programs = _launch_config(rows, d, x.device)
-    dw_partial = empty_output((programs, d), dtype=acc, device=x.device)
-    ds_partial = empty_output((programs, d), dtype=acc, device=x.device)
-    _rms_norm_bwd_kernel[(programs,)](
+    cfg = _launch_config(rows, d, x.element_size(), 2, _sms(x.device))
+    dw_partial = empty_output((cfg.programs, d), dtype=acc, device=x.device)
+    ds_partial = empty_output((cfg.programs, d), dtype=acc, device=x.device)
+    _rms_norm_bwd_kernel[(cfg.programs,)](
         grad_y, x, weight.to(acc).contiguous(), shift.to(acc).contiguous(), rstd, grad_x, dw_partial, ds_partial,
-        rows, d, ROWS_PER_PROGRAM=per_program, BLOCK_D=block_d, num_warps=_num_warps(block_d))
+        rows, d, ROWS_PER_STEP=cfg.rows_per_step, BLOCK_D=cfg.block_d, WIDE=cfg.wide,
+        num_warps=cfg.num_warps)
     return grad_x, dw_partial.sum(0).to(weight.dtype), ds_partial.sum(0).to(shift.dtype)
+
+
+# GPU test shapes (tests/test_gpu.py and the float64 gradcheck of tests/test_rms_norm.py,
+# which runs on the GPU's Triton backend there): (x shape, dtype). The bench shapes come
+# from wiola_kernels/bench/cases.py. tests/test_triton_aot.py checks this list covers
+# test_gpu.py's parameters.
+GPU_TEST_SHAPES = tuple(
+    [(shape, dtype) for dtype in (torch.float32, torch.bfloat16, torch.float16)
+     for shape in ((1, 3), (37, 192), (4, 33, 760), (1151, 4096), (2, 8193))]
+    + [((4097, 1024), torch.float32), ((5, 33), torch.float32), ((2, 5), torch.float64)])
+
+
+def aot_launches(sms: int):
+    """Every launch of the forward and backward kernels at the GPU test and bench shapes,
+    on a GPU with ``sms`` SMs (see ``wiola_kernels/triton/aot.py``)."""
+    from ..bench.cases import GPU_BENCH_DTYPE, RMS_NORM_SHAPES
+    from .aot import DEFAULT_NUM_STAGES, DevicePointer as P, Launch
+
+    cases = [(f"test x {shape} {dtype}", shape, dtype) for shape, dtype in GPU_TEST_SHAPES]
+    cases += [(f"bench {size} x {shape} {GPU_BENCH_DTYPE}", shape, GPU_BENCH_DTYPE)
+              for size, shape in RMS_NORM_SHAPES.items()]
+    for case, shape, dtype in cases:
+        rows, d = math.prod(shape[:-1]), shape[-1]
+        acc = compute_dtype(dtype)
+        element_size = torch.empty((), dtype=dtype).element_size()
+        fwd = _launch_config(rows, d, element_size, 1, sms)
+        yield Launch(_rms_norm_fwd_kernel, (P(dtype), P(acc), P(acc), P(dtype), P(acc), rows, d, 1e-6),
+                     dict(ROWS_PER_STEP=fwd.rows_per_step, BLOCK_D=fwd.block_d, IS_FP64=acc == torch.float64,
+                          WIDE=fwd.wide),
+                     fwd.num_warps, DEFAULT_NUM_STAGES, fwd.programs, case)
+        bwd = _launch_config(rows, d, element_size, 2, sms)
+        yield Launch(_rms_norm_bwd_kernel, (P(dtype), P(dtype), P(acc), P(acc), P(acc), P(dtype), P(acc), P(acc),
+                                            rows, d),
+                     dict(ROWS_PER_STEP=bwd.rows_per_step, BLOCK_D=bwd.block_d, WIDE=bwd.wide),
+                     bwd.num_warps, DEFAULT_NUM_STAGES, bwd.programs, case)

@@ -21,13 +21,15 @@ Work split: one program per block of ``BLOCK_T`` flattened positions ``(b, t)``.
 computes the ``(BLOCK_T, d_h/2)`` tile of ``(c, s)`` once and applies it to every head
 of Q (``H``) and of K (``H_kv``): per head, the tile's rows are consecutive ``d_h``-wide
 rows of memory, so loads and stores are coalesced, and the trigonometry is amortised
-over ``H + H_kv`` heads. Memory traffic is one read and one write of Q and K.
+over ``H + H_kv`` heads, ``HEADS_PER_STEP`` heads at a time so that several loads per
+thread are in flight. Memory traffic is one read and one write of Q and K.
 """
 
 from __future__ import annotations
 
 import functools
 import math
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -40,15 +42,20 @@ _TWO_PI = 2.0 * math.pi
 
 
 @triton.jit
-def _rotate_heads(x_ptr, out_ptr, c, s, b, t, j, mask, T, HEADS, HALF):
+def _rotate_heads(x_ptr, out_ptr, c, s, b, t, j, mask, T, HEADS, HALF, HEADS_PER_STEP: tl.constexpr):
     """Rotate rows (b, head, t) of ``x (B, HEADS, T, 2·HALF)`` for every head by the
-    ``(BLOCK_T, BLOCK_HALF)`` tile ``(c, s)``; offsets are int64 (``b``, ``t`` are)."""
-    for h in range(HEADS):
-        x1_off = (((b * HEADS + h) * T + t) * (2 * HALF))[:, None] + j[None, :]
-        x1 = tl.load(x_ptr + x1_off, mask=mask, other=0.0).to(c.dtype)
-        x2 = tl.load(x_ptr + x1_off + HALF, mask=mask, other=0.0).to(c.dtype)
-        tl.store(out_ptr + x1_off, (x1 * c - x2 * s).to(out_ptr.dtype.element_ty), mask=mask)
-        tl.store(out_ptr + x1_off + HALF, (x1 * s + x2 * c).to(out_ptr.dtype.element_ty), mask=mask)
+    ``(BLOCK_T, BLOCK_HALF)`` tile ``(c, s)``, ``HEADS_PER_STEP`` heads per step (their
+    loads are all issued before the first use); offsets are int64 (``b``, ``t`` are)."""
+    step_heads = tl.arange(0, HEADS_PER_STEP)
+    for h0 in range(0, HEADS, HEADS_PER_STEP):
+        h = step_heads + h0
+        row_off = ((b[None, :] * HEADS + h[:, None]) * T + t[None, :]) * (2 * HALF)  # (heads, BLOCK_T)
+        x1_off = row_off[:, :, None] + j[None, None, :]
+        m = (h < HEADS)[:, None, None] & mask[None, :, :]
+        x1 = tl.load(x_ptr + x1_off, mask=m, other=0.0).to(c.dtype)
+        x2 = tl.load(x_ptr + x1_off + HALF, mask=m, other=0.0).to(c.dtype)
+        tl.store(out_ptr + x1_off, (x1 * c[None] - x2 * s[None]).to(out_ptr.dtype.element_ty), mask=m)
+        tl.store(out_ptr + x1_off + HALF, (x1 * s[None] + x2 * c[None]).to(out_ptr.dtype.element_ty), mask=m)
 
 
 @triton.jit
@@ -69,6 +76,7 @@ def _srpe_kernel(
     BLOCK_HALF: tl.constexpr,  # next power of two >= d_h/2
     TRANSPOSE: tl.constexpr,   # apply R(p)ᵀ (the backward) instead of R(p)
     F64: tl.constexpr,         # float64 inputs: trigonometry and rotation in float64
+    HEADS_PER_STEP: tl.constexpr,  # heads whose loads are in flight together
 ):
     pid = tl.program_id(0)
     rows = pid.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)  # flattened b·T + t, int64
@@ -103,8 +111,8 @@ def _srpe_kernel(
     b = rows // T
     t = rows - b * T
     # Every head of Q, then of K, at these positions, with the same tile of (c, s).
-    _rotate_heads(q_ptr, q_out_ptr, c, s, b, t, j, mask, T, H, HALF)
-    _rotate_heads(k_ptr, k_out_ptr, c, s, b, t, j, mask, T, H_KV, HALF)
+    _rotate_heads(q_ptr, q_out_ptr, c, s, b, t, j, mask, T, H, HALF, HEADS_PER_STEP)
+    _rotate_heads(k_ptr, k_out_ptr, c, s, b, t, j, mask, T, H_KV, HALF, HEADS_PER_STEP)
 
 
 def _build_frequency_table(head_dim: int, theta: float, spiral_divisor: float, radial_amplitude: float,
@@ -127,17 +135,42 @@ def _frequency_table(head_dim, theta, spiral_divisor, radial_amplitude, radial_f
     return _cached_frequency_table(head_dim, theta, spiral_divisor, radial_amplitude, radial_frequency, device)
 
 
-def _launch_config(bt: int, half: int, device: torch.device) -> tuple[int, int, int]:
-    """(BLOCK_T, BLOCK_HALF, num_warps). GPU: enough programs to fill the SMs about
-    four times over, tiles of at most 2K pairs, one warp per 256 pairs (up to 4); the
-    interpreter: large tiles, few programs (each program is slow there)."""
+# Heads per step: a thread's loads in flight per step are HEADS_PER_STEP · 2 halves · 16 B
+# (128 B): with the ~4 programs per SM of the launch below, 32 KB per SM at the bench shape.
+_HEADS_PER_STEP = 4
+_PROGRAMS_PER_SM = 4
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """How ``srpe_apply`` runs the kernel."""
+
+    block_t: int
+    block_half: int
+    heads_per_step: int
+    num_warps: int
+    programs: int
+
+
+def _launch_config(bt: int, half: int, element_size: int, sms: int | None) -> LaunchConfig:
+    """The launch for ``bt`` positions and ``half`` pairs per head (``element_size``-byte
+    elements). A thread owns 16 contiguous bytes of each half-row (one 128-bit access when
+    ``d_h`` allows); tiles of ``BLOCK_T`` positions so that the GPU (``sms`` SMs) gets
+    ``_PROGRAMS_PER_SM`` programs per SM, at most 8 warps each. ``sms=None``: the
+    interpreter (same head steps, large tiles, few programs: each program is slow there)."""
     block_half = triton.next_power_of_2(half)
-    if device.type == "cuda":
-        sms = torch.cuda.get_device_properties(device).multi_processor_count
-        block_t = triton.next_power_of_2(triton.cdiv(bt, 4 * sms))
-        block_t = max(1, min(block_t, max(1, 2048 // block_half)))
-        return block_t, block_half, max(1, min(4, block_t * block_half // 256))
-    return max(1, min(triton.next_power_of_2(bt), 64)), block_half, 1
+    if sms is None:
+        block_t = max(1, min(triton.next_power_of_2(bt), 64))
+        return LaunchConfig(block_t, block_half, _HEADS_PER_STEP, 1, triton.cdiv(bt, block_t))
+    per_thread = max(1, 16 // element_size)
+    max_t = max(1, 8 * 32 * per_thread // block_half)  # 8 warps
+    block_t = max(1, min(triton.next_power_of_2(triton.cdiv(bt, _PROGRAMS_PER_SM * sms)), max_t))
+    num_warps = max(1, min(8, block_t * block_half // (32 * per_thread)))
+    return LaunchConfig(block_t, block_half, _HEADS_PER_STEP, num_warps, triton.cdiv(bt, block_t))
+
+
+def _sms(device: torch.device) -> int | None:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else None
 
 
 def srpe_apply(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, theta: float, spiral_divisor: float,
@@ -153,10 +186,37 @@ def srpe_apply(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, theta:
     if b * t == 0 or half == 0:
         return q_out, k_out
     freqs = _frequency_table(dh, theta, spiral_divisor, radial_amplitude, radial_frequency, q.device)
-    block_t, block_half, num_warps = _launch_config(b * t, half, q.device)
-    grid = (triton.cdiv(b * t, block_t),)
-    _srpe_kernel[grid](
+    cfg = _launch_config(b * t, half, q.element_size(), _sms(q.device))
+    _srpe_kernel[(cfg.programs,)](
         q, k, positions, freqs, q_out, k_out, b * t, t, h, h_kv, half,
-        BLOCK_T=block_t, BLOCK_HALF=block_half, TRANSPOSE=bool(transpose), F64=q.dtype == torch.float64,
-        num_warps=num_warps)
+        BLOCK_T=cfg.block_t, BLOCK_HALF=cfg.block_half, TRANSPOSE=bool(transpose), F64=q.dtype == torch.float64,
+        HEADS_PER_STEP=cfg.heads_per_step, num_warps=cfg.num_warps)
     return q_out, k_out
+
+
+# GPU test shapes (tests/test_gpu.py; tests/test_srpe.py's float64 cases run on the GPU's
+# Triton backend there too): ((B, H, H_kv, T, d_h), dtype). Bench shapes come from
+# wiola_kernels/bench/cases.py; tests/test_triton_aot.py checks this covers test_gpu.py.
+GPU_TEST_SHAPES = tuple(
+    [(shape, dtype) for dtype in (torch.float32, torch.bfloat16)
+     for shape in ((1, 1, 1, 1, 64), (3, 16, 4, 257, 64), (2, 8, 8, 100, 128), (1, 4, 2, 33, 10))]
+    + [((2, 4, 2, 7, 16), torch.float32), ((3, 4, 4, 5, 66), torch.float64)])
+
+
+def aot_launches(sms: int):
+    """Every launch of the kernel (forward and transpose) at the GPU test and bench
+    shapes, on a GPU with ``sms`` SMs (see ``wiola_kernels/triton/aot.py``)."""
+    from ..bench.cases import GPU_BENCH_DTYPE, SRPE_SHAPES
+    from .aot import DEFAULT_NUM_STAGES, DevicePointer as P, Launch
+
+    cases = [(f"test q/k {shape} {dtype}", shape, dtype) for shape, dtype in GPU_TEST_SHAPES]
+    cases += [(f"bench {size} q/k {shape} {GPU_BENCH_DTYPE}", shape, GPU_BENCH_DTYPE)
+              for size, shape in SRPE_SHAPES.items()]
+    for case, (b, h, h_kv, t, dh), dtype in cases:
+        cfg = _launch_config(b * t, dh // 2, torch.empty((), dtype=dtype).element_size(), sms)
+        for transpose in (False, True):
+            yield Launch(_srpe_kernel, (P(dtype), P(dtype), P(torch.int64), P(torch.float64), P(dtype), P(dtype),
+                                        b * t, t, h, h_kv, dh // 2),
+                         dict(BLOCK_T=cfg.block_t, BLOCK_HALF=cfg.block_half, TRANSPOSE=transpose,
+                              F64=dtype == torch.float64, HEADS_PER_STEP=cfg.heads_per_step),
+                         cfg.num_warps, DEFAULT_NUM_STAGES, cfg.programs, case)

@@ -215,8 +215,12 @@ inline T __shfl_down_sync(unsigned mask, T var, unsigned delta, int width = 32) 
 inline unsigned __ballot_sync(unsigned mask, int pred) {
   return unsigned(warp_collective(Collective::kBallot, mask, pred != 0, 0, 32));
 }
-inline int __any_sync(unsigned mask, int pred) { return int(warp_collective(Collective::kAny, mask, pred != 0, 0, 32)); }
-inline int __all_sync(unsigned mask, int pred) { return int(warp_collective(Collective::kAll, mask, pred != 0, 0, 32)); }
+inline int __any_sync(unsigned mask, int pred) {
+  return int(warp_collective(Collective::kAny, mask, pred != 0, 0, 32));
+}
+inline int __all_sync(unsigned mask, int pred) {
+  return int(warp_collective(Collective::kAll, mask, pred != 0, 0, 32));
+}
 
 }  // namespace wiola_emu
 

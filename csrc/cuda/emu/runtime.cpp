@@ -36,6 +36,8 @@
 
 #if defined(WIOLA_EMU_TSAN)
 #include <sanitizer/tsan_interface.h>
+extern "C" void AnnotateIgnoreWritesBegin(const char* file, int line);
+extern "C" void AnnotateIgnoreWritesEnd(const char* file, int line);
 #endif
 
 #if !defined(__x86_64__)
@@ -163,10 +165,13 @@ struct Group {  // one warp collective in flight: lanes of `mask` meet
   unsigned mask, arrived;
 };
 
+// Fixed-size state only: under TSan, the heap and memmove are intercepted even from this
+// uninstrumented file, and fibers touching them would be reported as racing.
 struct Warp {
   unsigned lanes = 0;   // lanes that exist (a partial last warp has fewer)
   unsigned exited = 0;
-  std::vector<Group> open;
+  Group open[32];       // collectives in flight (at most one per lane)
+  int n_open = 0;
   uint64_t completed = 0;
 };
 
@@ -217,7 +222,13 @@ void yield_to_scheduler(Thread& t) {
 // Records a device fault and leaves the fiber for good: the block is abandoned.
 [[noreturn]] void fault(Thread& t, const std::string& what) {
   Block& b = *t.block;
+#if defined(WIOLA_EMU_TSAN)
+  AnnotateIgnoreWritesBegin(__FILE__, __LINE__);  // the message's heap memory is not the kernels'
+#endif
   if (b.fault.empty()) b.fault = thread_name(t) + ": " + what;
+#if defined(WIOLA_EMU_TSAN)
+  AnnotateIgnoreWritesEnd(__FILE__, __LINE__);
+#endif
   yield_to_scheduler(t);
   std::abort();  // never resumed
 }
@@ -230,7 +241,8 @@ void yield_to_scheduler(Thread& t) {
   ++b.exited;
   Warp& w = b.warps[t.warp];
   w.exited |= 1u << t.lane;
-  for (const Group& g : w.open) {
+  for (int i = 0; i < w.n_open; ++i) {
+    const Group& g = w.open[i];
     if (g.mask & (1u << t.lane)) {
       char buf[160];
       std::snprintf(buf, sizeof buf, "exited while lanes 0x%08x wait for it in %s(mask 0x%08x)", g.arrived,
@@ -266,7 +278,9 @@ void init_fiber(Thread& t, const Stacks& s, size_t i) {
   makecontext(&t.ctx.uc, reinterpret_cast<void (*)()>(&fiber_main), 0);
 #endif
 #if defined(WIOLA_EMU_TSAN)
-  t.tsan_fiber = __tsan_create_fiber(0);
+  // TSan fibers are made once per worker and launch (creating one per thread and block
+  // is what makes TSan slow) and reused by every block of that worker.
+  if (t.tsan_fiber == nullptr) t.tsan_fiber = __tsan_create_fiber(0);
   t.entered = false;
 #endif
 }
@@ -287,13 +301,15 @@ std::string diagnose(Block& b) {
     return "?";
   };
   for (size_t wi = 0; wi < b.warps.size(); ++wi) {
-    for (const Group& g : b.warps[wi].open) {
+    for (int gi = 0; gi < b.warps[wi].n_open; ++gi) {
+      const Group& g = b.warps[wi].open[gi];
       const unsigned missing = g.mask & ~g.arrived;
       const int lane = __builtin_ctz(missing);
       const Thread& waiting = b.threads[wi * 32 + static_cast<unsigned>(__builtin_ctz(g.arrived))];
       const Thread& absent = b.threads[wi * 32 + static_cast<unsigned>(lane)];
       char buf[256];
-      std::snprintf(buf, sizeof buf, "%s(mask 0x%08x): lane %d named in the mask never arrived (it %s); lanes 0x%08x wait",
+      std::snprintf(buf, sizeof buf,
+                    "%s(mask 0x%08x): lane %d named in the mask never arrived (it %s); lanes 0x%08x wait",
                     collective_name(g.kind), g.mask, lane, where(absent).c_str(), g.arrived);
       return thread_name(waiting) + ": " + buf;
     }
@@ -354,7 +370,13 @@ void run_block(Block& b, const Stacks& stacks, dim3 grid, dim3 block, uint3 bidx
   tls_thread = nullptr;
 #if defined(WIOLA_EMU_TSAN)
   __tsan_acquire(&b.done_sync);
-  for (Thread& t : b.threads) __tsan_destroy_fiber(t.tsan_fiber);
+  // Fibers abandoned by a fault never released: order their accesses before the host's
+  // (a synchronising switch from each of them back to the scheduler, stacks untouched).
+  for (Thread& t : b.threads) {
+    if (b.fault.empty() || !t.entered) continue;
+    __tsan_switch_to_fiber(t.tsan_fiber, __tsan_switch_to_fiber_no_sync);
+    __tsan_switch_to_fiber(b.tsan_scheduler, 0);
+  }
 #endif
 }
 
@@ -419,7 +441,8 @@ uint64_t warp_collective(Collective kind, unsigned mask, uint64_t value, int arg
   const unsigned bit = 1u << t.lane;
   char buf[200];
   if (!(mask & bit)) {
-    std::snprintf(buf, sizeof buf, "%s(mask 0x%08x) called by a lane the mask does not name", collective_name(kind), mask);
+    std::snprintf(buf, sizeof buf, "%s(mask 0x%08x) called by a lane the mask does not name", collective_name(kind),
+                  mask);
     fault(t, buf);
   }
   if (mask & ~w.lanes) {
@@ -439,7 +462,8 @@ uint64_t warp_collective(Collective kind, unsigned mask, uint64_t value, int arg
   // Join the open collective of the same mask. Groups with other (even overlapping) masks
   // may be waiting legitimately; a lane that never comes is found when the block is stuck.
   Group* g = nullptr;
-  for (Group& o : w.open) {
+  for (int i = 0; i < w.n_open; ++i) {
+    Group& o = w.open[i];
     if (o.mask != mask) continue;
     if (o.kind != kind) {
       std::snprintf(buf, sizeof buf, "calls %s(mask 0x%08x) while lanes 0x%08x wait in %s with the same mask",
@@ -449,8 +473,8 @@ uint64_t warp_collective(Collective kind, unsigned mask, uint64_t value, int arg
     g = &o;
   }
   if (g == nullptr) {
-    w.open.push_back(Group{kind, mask, 0u});
-    g = &w.open.back();
+    g = &w.open[w.n_open++];
+    *g = Group{kind, mask, 0u};
   }
   t.kind = kind;
   t.mask = mask;
@@ -499,12 +523,7 @@ uint64_t warp_collective(Collective kind, unsigned mask, uint64_t value, int arg
       }
       if (&l != &t) l.state = State::kReady;
     }
-    for (size_t i = 0; i < w.open.size(); ++i) {
-      if (&w.open[i] == g) {
-        w.open.erase(w.open.begin() + static_cast<std::ptrdiff_t>(i));
-        break;
-      }
-    }
+    *g = w.open[--w.n_open];  // remove: the last group takes its place
     ++w.completed;
   }
 #if defined(WIOLA_EMU_TSAN)
@@ -574,7 +593,8 @@ cudaError_t launch(const void* func, dim3 grid, dim3 block, size_t smem, cudaStr
     tls_block = &b;
     const Stacks stacks = map_stacks(threads);
     for (uint64_t i; !stop.load() && (i = next.fetch_add(1)) < total;) {
-      const uint3 bidx{unsigned(i % grid.x), unsigned((i / grid.x) % grid.y), unsigned(i / (uint64_t(grid.x) * grid.y))};
+      const uint3 bidx{unsigned(i % grid.x), unsigned((i / grid.x) % grid.y),
+                       unsigned(i / (uint64_t(grid.x) * grid.y))};
       for (void* (*addr)() : dynamic_shared()) std::memset(addr(), 0xff, smem);
       run_block(b, stacks, grid, block, bidx);
       if (!b.fault.empty()) {
@@ -584,6 +604,10 @@ cudaError_t launch(const void* func, dim3 grid, dim3 block, size_t smem, cudaStr
       }
     }
     munmap(stacks.base, stacks.stride * stacks.n);
+#if defined(WIOLA_EMU_TSAN)
+    for (Thread& t : b.threads)
+      if (t.tsan_fiber != nullptr) __tsan_destroy_fiber(t.tsan_fiber);
+#endif
     tls_block = nullptr;
   };
   std::vector<std::thread> pool;

@@ -1,0 +1,235 @@
+"""The command lines a new user meets first (issue 15): help that explains itself, mistakes
+refused up front in one line with a non-zero exit and no traceback, progress, no hangs.
+
+Most checks call the commands' ``main`` in this process (the same code path as the
+command line, seconds faster); a few run the real command line in a subprocess, with a
+timeout, for what only a fresh process shows (exit status, stderr, the hang).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import threading
+
+import pytest
+import torch
+
+import wiola.__main__ as wiola_cli
+import wiola_kernels.__main__ as kernels_cli
+from wiola import bench as wiola_bench
+from wiola import train as wiola_train
+from wiola_kernels._cli import CommandError
+
+
+def _run(args: list[str], env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **(env or {})})
+
+
+def _one_line_error(stderr: str, prog: str) -> str:
+    """The error line; the only other lines allowed are argparse's usage lines."""
+    assert "Traceback" not in stderr, stderr
+    lines = [ln for ln in stderr.strip().splitlines() if ln.strip()]
+    errors = [ln for ln in lines if ln.startswith(f"{prog}") and ": error: " in ln]
+    assert len(errors) == 1, stderr
+    assert all(ln == errors[0] or ln.lstrip().startswith(("usage:", "[")) or ln.startswith(" ") for ln in lines), stderr
+    return errors[0]
+
+
+# ---- real command lines (subprocess, with a timeout) ----------------------------------------
+
+@pytest.mark.parametrize("args, env, prog, message", [
+    (["-m", "wiola_kernels", "backends"], {"WIOLA_BACKEND": "bogus"}, "wiola-kernels", "WIOLA_BACKEND"),
+    (["-m", "wiola", "bench", "--fused", "bogus"], {}, "python -m wiola bench", "invalid choice: 'bogus'"),
+    (["-m", "wiola_kernels", "check", "--device", "cuda"], {}, "wiola-kernels", "no CUDA device"),
+])
+def test_mistakes_exit_non_zero_in_one_line(args, env, prog, message):
+    if "cuda" in args and torch.cuda.is_available():  # pragma: no cover - GPU machines
+        pytest.skip("this machine has CUDA")
+    run = _run(args, env)  # `bench --fused bogus` used to hang forever
+    assert run.returncode == 2, run.stderr
+    assert message in _one_line_error(run.stderr, prog)
+
+
+def test_python_m_wiola_without_a_command_prints_help_and_fails():
+    run = _run(["-m", "wiola"])
+    assert run.returncode == 2 and "usage: python -m wiola COMMAND" in run.stderr and "Traceback" not in run.stderr
+
+
+# ---- the same code paths in this process ------------------------------------------------------
+
+def test_counts_and_temperature_are_refused_up_front(capsys):
+    for main, argv, option in [
+        (kernels_cli.main, ["bench", "--repeats", "0"], "--repeats"),
+        (wiola_cli.main, ["train", "--steps", "0"], "--steps"),
+        (wiola_cli.main, ["bench", "--steps", "0"], "--steps"),
+        (wiola_cli.main, ["generate", "--checkpoint", ".", "--temperature", "-0.5", "x"], "--temperature"),
+        (wiola_cli.main, ["generate", "--checkpoint", ".", "--max-new-tokens", "0", "x"], "--max-new-tokens"),
+    ]:
+        with pytest.raises(SystemExit) as exit_info:
+            main(argv)
+        assert exit_info.value.code == 2
+        assert f"argument {option}:" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["bench", "--d", "100", "--heads", "8"], "--d 100 must be a multiple of --heads 8"),
+    (["bench", "--kv-heads", "3"], "--kv-heads 3 must divide --heads 8"),
+    (["bench", "--fused", "cuda"], "--fused cuda cannot run on the CPU"),
+    (["train", "--backend", "cuda", "--device", "cpu"], "--backend cuda cannot run on cpu"),
+    (["train", "--seq-len", "5000"], "--seq-len 5000 exceeds"),
+    (["generate", "--checkpoint", "no/such/folder", "Hi"], "--checkpoint 'no/such/folder': no such folder"),
+])
+def test_wiola_mistakes_are_one_line_before_any_work(argv, message, capsys, monkeypatch):
+    if "cuda" in argv and torch.cuda.is_available():  # pragma: no cover - GPU machines
+        pytest.skip("this machine has CUDA")
+    monkeypatch.setattr(wiola_bench, "_subprocess", lambda *a: pytest.fail("a benchmark process was started"))
+    monkeypatch.setattr(wiola_train, "build_model", lambda *a: pytest.fail("a model was built"))
+    assert wiola_cli.main(argv) == 2
+    assert message in _one_line_error(capsys.readouterr().err, f"python -m wiola {argv[0]}")
+
+
+def test_ops_accepts_the_readme_names():
+    assert kernels_cli._ops("atm_merge, rms_norm,atm_unmerge") == ["atm", "rms_norm"]
+    assert kernels_cli._ops("gcla_attention,srpe") == ["gcla_attention", "srpe"]
+    assert kernels_cli._ops(None) is None
+    with pytest.raises(CommandError, match="unknown op 'atm_x'; choose from rms_norm, srpe"):
+        kernels_cli._ops("atm_x")
+
+
+def test_plot_without_matplotlib_is_refused_before_the_run(monkeypatch, capsys, tmp_path):
+    import importlib.util
+
+    import wiola_kernels.bench.runner as runner
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib"
+                        else real_find_spec(name, *a))
+    monkeypatch.setattr(runner, "run_case", lambda *a, **k: pytest.fail("the benchmark ran"))
+    code = kernels_cli.main(["bench", "--small", "--ops", "rms_norm", "--device", "cpu", "--plot",
+                             str(tmp_path / "p.png")])
+    assert code == 2
+    assert "--plot needs matplotlib" in _one_line_error(capsys.readouterr().err, "wiola-kernels")
+
+
+def _help(main, argv: list[str], capsys) -> str:
+    with pytest.raises(SystemExit) as exit_info:
+        main([*argv, "--help"])
+    assert exit_info.value.code == 0
+    return capsys.readouterr().out
+
+
+def _parsers(main, argv: list[str], monkeypatch) -> list:
+    """The parser ``main(argv)`` builds, and its sub-command parsers."""
+    import argparse
+
+    seen = []
+
+    def capture(self, *args, **kwargs):
+        seen.append(self)
+        raise SystemExit(0)
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", capture)
+    with pytest.raises(SystemExit):
+        main(argv)
+    parser = seen[0]
+    subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    return [parser] + [p for a in subs for p in a.choices.values()]
+
+
+@pytest.mark.parametrize("main, argv, shown", [
+    (kernels_cli.main, ["bench"], ["{auto,", "(default: auto)", "(default: 10)", "{cpu,cuda}", "atm_merge"]),
+    (kernels_cli.main, ["check"], ["{cpu,cuda}"]),
+    (kernels_cli.main, ["backends"], ["{cpu,cuda}"]),
+    (wiola_train.main, [], ["{wiola-1.5b,", "(default: wiola-tiny)", "(default: 300)", "{auto,reference,cpu,cuda,triton}"]),
+    (wiola_train.generate_main, [], ["(default: 0.8)", "greedy", "{auto,reference,cpu,cuda,triton}"]),
+    (wiola_bench.main, [], ["(default: auto)", "(default: 3)", "{auto,reference,cpu,cuda,triton}"]),
+])
+def test_help_is_plain_text_with_defaults_choices_and_a_line_per_option(main, argv, shown, capsys):
+    text = " ".join(_help(main, argv, capsys).split())  # argparse wraps lines anywhere
+    assert "``" not in text and ":func:" not in text and "**" not in text, text
+    for piece in shown:
+        assert piece in text, (piece, text)
+    monkeypatch = pytest.MonkeyPatch()
+    try:
+        for parser in _parsers(main, argv, monkeypatch):
+            for action in parser._actions:
+                if action.option_strings and action.dest != "help":
+                    assert action.help and "\n" not in action.help, (parser.prog, action.option_strings)
+                    assert "``" not in action.help
+    finally:
+        monkeypatch.undo()
+
+
+def test_top_level_help_is_plain_text(capsys):
+    text = _help(kernels_cli.main, [], capsys)
+    assert "``" not in text and "bench" in text and "check" in text and "backends" in text
+
+
+# ---- progress ----------------------------------------------------------------------------------
+
+def test_train_bar_tokens_per_second_agrees_with_the_summary(tmp_path, capsys):
+    wiola_train.main(["--steps", "4", "--batch-size", "2", "--seq-len", "16", "--threads", "1",
+                      "--out", str(tmp_path)])
+    captured = capsys.readouterr()
+    bar = [float(x.replace(",", "")) for x in re.findall(r"tok_s=([\d,]+)", captured.err)]
+    summary = float(re.search(r"([\d,]+) tokens/s", captured.out).group(1).replace(",", ""))
+    assert bar, captured.err
+    assert abs(bar[-1] - summary) <= 0.2 * summary, (bar[-1], summary)
+
+
+def test_generate_streams_tokens_as_they_come():
+    import io
+
+    out = io.StringIO()
+    streamer = wiola_train._PrintStreamer(out)
+    streamer.put(torch.tensor([[1, 75, 108]]))                      # the prompt: already printed
+    assert out.getvalue() == ""
+    streamer.put(torch.tensor([ord("A") + 3]))
+    assert out.getvalue() == "A"                                    # shown before generation ends
+    euro = "€".encode()                                             # 3 bytes, 3 tokens
+    for byte in euro:
+        streamer.put(torch.tensor([byte + 3]))
+    streamer.put(torch.tensor([wiola_train.EOS]))                   # special ids print nothing
+    streamer.end()
+    assert out.getvalue() == "A€\n"
+
+
+def test_bench_prints_progress_and_checks_in_the_parent(monkeypatch, capsys):
+    calls = []
+
+    def fake_subprocess(target, args, *rest):
+        calls.append(target.__name__)
+        if target is wiola_bench._timing:
+            results = [dict(backend=b, atm=atm, step_s=0.1, steps_s=[0.1], tokens_per_s=100.0, ops={})
+                       for b, atm in (("auto", False), ("reference", False), ("auto", True), ("reference", True))]
+            return dict(results=results, threads=1, atm_merged_fraction=0.25)
+        return dict(peak_rss_mb=100.0, step_peak_mb=10.0)
+
+    monkeypatch.setattr(wiola_bench, "_subprocess", fake_subprocess)
+    wiola_bench.main(["--steps", "1"])
+    captured = capsys.readouterr()
+    assert calls == ["_timing"] + ["_memory"] * 4
+    assert "[bench] timing" in captured.err and captured.err.count("[bench] memory") == 4
+    assert "fused/reference (ATM off)" in captured.out
+
+
+def test_a_failing_benchmark_process_is_reported_not_waited_for():
+    # Bypasses the parent's checks: the child itself fails building the model.
+    bad = dict(d=256, layers=1, heads=3, kv_heads=1, seq=8, batch=1, vocab=259, steps=1, threads=1, fused="auto")
+    outcome = {}
+
+    def call():
+        try:
+            wiola_bench._subprocess(wiola_bench._memory, bad, "reference", False)
+        except RuntimeError as exc:
+            outcome["error"] = str(exc)
+
+    worker = threading.Thread(target=call, daemon=True)
+    worker.start()
+    worker.join(timeout=240)
+    assert not worker.is_alive(), "the benchmark parent hung on a failed child"
+    assert re.search(r"memory process failed: ValueError: WiolaConfig\.head_dim must be even", outcome["error"])

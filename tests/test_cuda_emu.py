@@ -1,0 +1,100 @@
+"""The cuda_emu test backend itself (issue 10 §1): how it is chosen, that it goes through
+the CUDA bindings' argument checks, and that its schemas are those of the real kernels.
+The kernels' results are tested by tests/test_*_cuda.py and tests/test_gpu.py (which run
+on cuda_emu in CI) and by the ctest targets wiola_cuda_emu_* (also under TSan)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import wiola_kernels as wk
+from wiola_kernels import dispatch
+
+CPU = torch.device("cpu")
+_REASON = dispatch.BACKENDS["cuda_emu"].unavailable_reason(CPU)
+pytestmark = pytest.mark.skipif(_REASON is not None, reason=f"cuda_emu unavailable: {_REASON}")
+
+OPS = ["_gcla_summary_fwd", "_gcla_summary_bwd", "_atm_merge", "_atm_merge_bwd", "_atm_unmerge", "_atm_unmerge_bwd"]
+
+
+@pytest.mark.parametrize("name", OPS)
+def test_schemas_match_the_kernels(name):
+    real = str(getattr(torch.ops.wiola, name).default._schema).split("::", 1)[1]
+    emu = str(getattr(torch.ops.wiola_cuda_emu, name).default._schema).split("::", 1)[1]
+    assert emu == real
+
+
+@pytest.mark.parametrize("op", ["atm", "gcla_attention"])
+def test_never_chosen_by_default(op):
+    with wk.use_backend("auto"):
+        assert dispatch.select(op, CPU) != "cuda_emu"
+    with wk.use_backend("cuda"):  # forcing the GPU backend does not fall back to the emulator
+        with pytest.raises(RuntimeError, match="cuda.*cannot run"):
+            dispatch.select(op, CPU)
+    with wk.use_backend("cuda_emu"):
+        assert dispatch.select(op, CPU) == "cuda_emu"
+        assert dispatch.select("rms_norm", CPU) in ("cpu", "reference")  # no emulated kernel: its default
+
+
+def test_environment_variable_selects_it():
+    code = ("import torch, wiola_kernels as wk; from wiola_kernels import dispatch; "
+            "print(dispatch.select('atm', torch.device('cpu')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={**__import__("os").environ, "WIOLA_BACKEND": "cuda_emu"})
+    assert out.stdout.strip() == "cuda_emu"
+
+
+def test_probe_refuses_cuda_tensors():
+    reason = dispatch.BACKENDS["cuda_emu"].unavailable_reason(torch.device("cuda"))
+    assert reason is not None and "CPU tensors" in reason
+
+
+def test_binding_argument_checks():
+    """The emulated ops are the CUDA bindings: their checks, naming the argument."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 5, 8, generator=g)
+    pos, lens = torch.arange(5).expand(2, 5).contiguous(), torch.tensor([5, 3])
+    ops = torch.ops.wiola_cuda_emu
+    with pytest.raises(ValueError, match=r"x must be a contiguous CPU \(cuda_emu\) \(B, T, d\) tensor"):
+        ops._atm_merge(x[:, :, 0], pos, lens, 0.5)
+    with pytest.raises(ValueError, match="x must be a contiguous"):
+        ops._atm_merge(x.transpose(1, 2).contiguous().transpose(1, 2), pos, lens, 0.5)
+    with pytest.raises(ValueError, match="lengths must be a contiguous int64 tensor"):
+        ops._atm_merge(x, pos, lens.int(), 0.5)
+    with pytest.raises(ValueError, match="threshold must lie in"):
+        ops._atm_merge(x, pos, lens, 1.5)
+    with pytest.raises(TypeError, match="x must be float32, float16 or bfloat16"):
+        ops._atm_merge(x.double(), pos, lens, 0.5)
+    q = torch.randn(1, 2, 4, 64, generator=g)
+    kc = torch.randn(1, 2, 1, 1, 64, generator=g)
+    gate = torch.zeros(2)
+    o_self, lse_self = torch.zeros_like(q), torch.zeros(1, 2, 4)
+    with pytest.raises(ValueError, match=r"kc must be a contiguous CPU \(cuda_emu\) tensor"):
+        ops._gcla_summary_fwd(o_self, lse_self, q, kc[..., :32], kc, gate, None, 1)
+    with pytest.raises(TypeError, match="vc must have dtype"):
+        ops._gcla_summary_fwd(o_self, lse_self, q, kc, kc.half(), gate, None, 1)
+    with pytest.raises(ValueError, match="perm_kv must divide H"):
+        ops._gcla_summary_fwd(o_self, lse_self, q, kc, kc, gate, None, 3)
+    with pytest.raises(ValueError, match=r"lengths must be a contiguous int64 CPU \(cuda_emu\) tensor"):
+        ops._gcla_summary_fwd(o_self, lse_self, q, kc, kc, gate, torch.tensor([4], dtype=torch.int32), 1)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_conversions_round_like_the_device(dtype):
+    """A merged pair is from_float((a + c) · ½), the float32 mean being exact here: the
+    emulated kernel's bf16/fp16 round-to-nearest-even must equal torch's rounding of the
+    same value bit for bit (means that need rounding, ties included)."""
+    g = torch.Generator().manual_seed(1)
+    a = torch.randn(4096, generator=g).to(dtype)
+    step = torch.randint(-3, 4, (4096,), generator=g) * 2.0 ** -9
+    c = (a.float() * (1 + step)).to(dtype)                  # same sign as a: d = 1 tokens with s = 1 (or 0)
+    x = torch.stack([a, c], 1).reshape(1, 8192, 1)          # tokens a_0, c_0, a_1, c_1, ...
+    with wk.use_backend("cuda_emu"):
+        merged, _, mlen, _ = wk.atm_merge(x, torch.arange(8192), -1.0)
+    assert int(mlen) == 4096                                # s > τ = −1 on every even edge: all pairs merge
+    want = ((a.float() + c.float()) * 0.5).to(dtype)
+    assert torch.equal(merged[0, :4096, 0].view(torch.int16), want.view(torch.int16))

@@ -1,0 +1,71 @@
+"""The docs hold inside a clone (issue 15): every link in the Markdown files points to a file
+(and heading) of this repository, and the facts they state match the code."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = sorted([ROOT / "README.md", ROOT / "CONTRIBUTING.md", ROOT / "SECURITY.md", *ROOT.glob("docs/*.md"),
+               ROOT / "python" / "wiola" / "README.md"])
+LINK = re.compile(r"\]\(([^)\s]+)\)")
+
+
+def _anchors(markdown: str) -> set[str]:
+    """GitHub's heading anchors: lower case, punctuation other than - and _ dropped, spaces to -."""
+    out = set()
+    for heading in re.findall(r"^#+ (.+)$", markdown, flags=re.M):
+        text = re.sub(r"[^\w\- ]", "", heading.replace("`", "").lower())
+        out.add(text.replace(" ", "-"))
+    return out
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_links_stay_inside_the_repository(doc):
+    for target in LINK.findall(doc.read_text(encoding="utf-8")):
+        assert not re.match(r"[a-z]+:", target), f"{doc.name} links outside the repository: {target}"
+        path, _, anchor = target.partition("#")
+        resolved = (doc.parent / path).resolve() if path else doc
+        assert resolved.is_relative_to(ROOT), f"{doc.name} links outside the clone: {target}"
+        assert resolved.exists(), f"{doc.name} links to a missing file: {target}"
+        if anchor:
+            assert anchor in _anchors(resolved.read_text(encoding="utf-8")), f"{doc.name}: no heading #{anchor}"
+
+
+def test_ops_doc_covers_every_public_op_and_the_tolerances():
+    import wiola_kernels
+    from wiola_kernels.testing import TOLERANCE
+
+    text = (ROOT / "docs" / "ops.md").read_text(encoding="utf-8")
+    for op in ("rms_norm", "srpe", "gcla_attention", "atm_merge", "atm_unmerge"):
+        assert f"`{op}(" in text and hasattr(wiola_kernels, op)
+    table = text.split("## Accuracy", 1)[1]
+    for kind, column in (("elementwise", 2), ("attention", 3)):
+        for dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
+            name = str(dtype).removeprefix("torch.")
+            row = next(ln for ln in table.splitlines() if ln.startswith("| ") and name in ln.split("|")[1])
+            written = f"{TOLERANCE[kind][dtype]:.0e}".replace("e-0", "e-")  # 1e-05 -> 1e-5
+            assert written in row.split("|")[column], (kind, name, row)
+
+
+def test_readme_states_the_build_facts():
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    standard = re.search(r"CMAKE_CXX_STANDARD (\d+)", (ROOT / "CMakeLists.txt").read_text()).group(1)
+    assert f"C++{standard} compiler" in readme and "C++17 compiler" not in readme
+    assert "download.pytorch.org/whl/cpu" in readme  # where a CPU-only torch comes from
+
+
+def test_security_contact_is_in_the_package_metadata():
+    setup = (ROOT / "setup.py").read_text(encoding="utf-8")
+    email = re.search(r'author_email="([^"]+)"', setup).group(1)
+    assert re.search(r'\bauthor="[^"]+"', setup)
+    assert email in (ROOT / "SECURITY.md").read_text(encoding="utf-8")
+
+
+def test_no_comment_promises_srpe_has_no_length_limit():
+    for path in [*ROOT.glob("wiola_kernels/**/*.py"), *ROOT.glob("python/wiola/*.py")]:
+        assert "SRPE itself has no limit" not in path.read_text(encoding="utf-8"), path
