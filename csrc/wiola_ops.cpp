@@ -29,6 +29,18 @@ TORCH_LIBRARY_FRAGMENT(wiola, m) {
   m.def("_gcla_attention_bwd(Tensor grad_out, Tensor q_rot, Tensor k_rot, Tensor v, Tensor q, Tensor kc,"
         " Tensor vc, Tensor gate, Tensor? lengths, Tensor out, Tensor lse) -> (Tensor grad_q_rot,"
         " Tensor grad_k_rot, Tensor grad_v, Tensor grad_q, Tensor grad_kc, Tensor grad_vc, Tensor grad_gate)");
+  // GCLA's summary kernels around a fused self-attention (CUDA; wiola/gcla_attention.h):
+  // o_self / lse_self are the fused attention's output and log-sum-exp with the query heads
+  // in the order p(h) = (h mod perm_kv)·(H/perm_kv) + h/perm_kv; out / lse are natural.
+  m.def("_gcla_summary_fwd(Tensor o_self, Tensor lse_self, Tensor q, Tensor kc, Tensor vc, Tensor gate,"
+        " Tensor? lengths, int perm_kv) -> (Tensor out, Tensor lse)");
+  // The cross part's gradients, plus the fused backward's inputs in its head order: dO and
+  // O^self zeroed past the lengths, q_rot (when write_q_self, zeroed past the lengths; else
+  // an empty tensor) and lse with lse_columns ≥ T columns.
+  m.def("_gcla_summary_bwd(Tensor grad_out, Tensor out, Tensor lse, Tensor q_rot, Tensor q, Tensor kc, Tensor vc,"
+        " Tensor gate, Tensor? lengths, int perm_kv, int lse_columns, bool write_q_self) -> (Tensor grad_q,"
+        " Tensor grad_kc, Tensor grad_vc, Tensor grad_gate, Tensor do_self, Tensor o_self, Tensor q_self,"
+        " Tensor lse_self)");
   // --- ATM greedy adjacent merge (SPEC §6) ---
   // x (B, T, d) contiguous; positions (B, T), lengths (B,) int64; threshold τ in [-1, 1].
   // merged (B, T, d): row b's T'_b tokens then zeros; merged_positions (B, T) int64 (0 after

@@ -107,6 +107,7 @@ step "Hugging Face Llama training step, bf16: patch_hf vs unpatched"
 timeout 90 $PY -m wiola_kernels bench --hf llama --device cuda --json "$OUT/bench_hf.json" 2>/dev/null | tail -5; [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 
 step "summary"
+sed -n '/^GCLA attention vs SDPA-flash/,$p' "$OUT/bench.txt"
 $PY - "$OUT/bench.json" <<'PY'
 import json, sys
 try:

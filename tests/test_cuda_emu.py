@@ -18,7 +18,7 @@ CPU = torch.device("cpu")
 _REASON = dispatch.BACKENDS["cuda_emu"].unavailable_reason(CPU)
 pytestmark = pytest.mark.skipif(_REASON is not None, reason=f"cuda_emu unavailable: {_REASON}")
 
-OPS = ["_gcla_attention_fwd", "_gcla_attention_bwd", "_atm_merge", "_atm_merge_bwd", "_atm_unmerge", "_atm_unmerge_bwd"]
+OPS = ["_gcla_summary_fwd", "_gcla_summary_bwd", "_atm_merge", "_atm_merge_bwd", "_atm_unmerge", "_atm_unmerge_bwd"]
 
 
 @pytest.mark.parametrize("name", OPS)
@@ -72,13 +72,15 @@ def test_binding_argument_checks():
     q = torch.randn(1, 2, 4, 64, generator=g)
     kc = torch.randn(1, 2, 1, 1, 64, generator=g)
     gate = torch.zeros(2)
-    with pytest.raises(ValueError, match="k_rot must be"):
-        ops._gcla_attention_fwd(q, q[:, :1, :3], q[:, :1], q, kc, kc, gate, None)
-    with pytest.raises(TypeError, match="v must have dtype"):
-        ops._gcla_attention_fwd(q, q[:, :1], q[:, :1].half(), q, kc, kc, gate, None)
+    o_self, lse_self = torch.zeros_like(q), torch.zeros(1, 2, 4)
+    with pytest.raises(ValueError, match=r"kc must be a contiguous CPU \(cuda_emu\) tensor"):
+        ops._gcla_summary_fwd(o_self, lse_self, q, kc[..., :32], kc, gate, None, 1)
+    with pytest.raises(TypeError, match="vc must have dtype"):
+        ops._gcla_summary_fwd(o_self, lse_self, q, kc, kc.half(), gate, None, 1)
+    with pytest.raises(ValueError, match="perm_kv must divide H"):
+        ops._gcla_summary_fwd(o_self, lse_self, q, kc, kc, gate, None, 3)
     with pytest.raises(ValueError, match=r"lengths must be a contiguous int64 CPU \(cuda_emu\) tensor"):
-        ops._gcla_attention_fwd(q, q[:, :1].contiguous(), q[:, :1].contiguous(), q, kc, kc, gate,
-                                torch.tensor([4], dtype=torch.int32))
+        ops._gcla_summary_fwd(o_self, lse_self, q, kc, kc, gate, torch.tensor([4], dtype=torch.int32), 1)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

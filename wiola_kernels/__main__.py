@@ -104,6 +104,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
     print(f"device: {device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}), "
           f"threads: {torch.get_num_threads()}, torch {torch.__version__}")
     print(format_table(records))
+    if device.type == "cuda" and (ops is None or "gcla_attention" in ops) and not args.small:
+        from .bench.attention import format_rows, gcla_vs_flash
+
+        print()
+        print(format_rows(gcla_vs_flash(device, repeats=args.repeats)))
     if args.json:
         with open(args.json, "w") as f:
             json.dump([r.to_json() for r in records], f, indent=2)

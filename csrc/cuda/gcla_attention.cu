@@ -1,24 +1,23 @@
-// GCLA summary-augmented attention on CUDA (SPEC §5.5), FlashAttention-2 style, plain
-// CUDA with shared-memory tiles and fp32 FMA (no torch headers; see wiola/gcla_attention.h).
+// GCLA summary kernels on CUDA (SPEC §5.5): everything of GCLA that is not the causal
+// self-attention, which PyTorch's fused attention computes (see wiola/gcla_attention.h for
+// the head permutation and the layouts). No torch headers.
 //
-// Grids are 1-D ((b, head) major, tile minor), so large B·H never meets gridDim.y's limit.
+// One warp per query row; lane l owns the dh/32 contiguous columns [l·V, l·V + V) (one
+// 4- to 16-byte access per lane and tensor). Both kernels are memory-bound single passes:
 //
-// Forward (one block per (b, h, 32-query tile), 4 warps, 8 rows per warp): key/value
-// tiles of 32 keys are staged in shared memory (fp32), only tiles at or left of the
-// diagonal and below len_b are visited; lane j scores key j of the tile, the warp keeps
-// an online softmax per row and lanes own d_h/32 output columns. The epilogue adds the
-// tiny cross softmax over the Λ' summary slots (un-rotated q), applies σ(g_h) and writes
-// O once, plus lse = m + log l.
+// Forward (4 rows per block): cross softmax over the Λ' slots with the un-rotated q
+// (online, one read of kc and vc), then out = O^self + σ(g_h)·O^cross read from / written
+// to the permuted / natural layouts, rows t ≥ len_b zeroed, lse copied to natural order.
 //
-// Backward (P recomputed from lse), deterministic, no atomics:
-//   1. rows:  one warp per row: cross part (dq, dkc/dvc or per-row partials for S = 1,
-//             gate term) and D_i = dO_i · (O_i − σ O^cross_i).
-//   2. dq̃:    like the forward, per (b, h, query tile).
-//   3. dk̃/dv: per (b, kv group, 32-key tile); each warp owns 8 keys and loops over the
-//             group's heads in order and the query tiles below the diagonal.
-//   4. fixed-order sums of the per-row partials: dgate (H,), and dkc/dvc when S = 1.
+// Backward (one block per (b, h, 64 rows), 4 warps): per row, with e_λ = dO·vc_λ,
+// r = Σ_λ a_λ e_λ = dO·O^cross and dz_λ = σ a_λ (e_λ − r):
+//   dq = c Σ_λ dz_λ kc_λ,  dkc_λ = c dz_λ q,  dvc_λ = σ a_λ dO,  dgate_h += σ(1−σ) r
+// and the fused attention backward's inputs: dO (zeroed past the length), O^self = O − σ
+// O^cross, q_rot and lse, all in the permuted layout. S = T writes dkc/dvc per row; S = 1
+// sums them per block in shared memory (fixed order) into a partial, and a second kernel
+// adds the partials in chunk order — deterministic, no atomics. dgate likewise.
 #ifdef WIOLA_CUDA_EMU
-#include "emu/cuda_emu.h"  // host C++ build for the SIMT emulator (backend cuda_emu)
+#include "emu/cuda_emu.h"
 #else
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -26,8 +25,8 @@
 
 #include <cmath>
 
-#include "wiola/gcla_attention.h"
 #include "wiola/cuda_convert.cuh"
+#include "wiola/gcla_attention.h"
 #include "wiola/cuda_launch.cuh"
 
 namespace wiola::gcla {
@@ -35,10 +34,7 @@ namespace {
 
 constexpr int kWarps = 4;
 constexpr int kThreads = kWarps * 32;
-constexpr int kTileQ = 32;   // query rows per block (forward, dq)
-constexpr int kTileK = 32;   // keys per shared-memory tile (= lanes)
-constexpr int kRowsPerWarp = kTileQ / kWarps;
-constexpr int kKeysPerWarp = kTileK / kWarps;
+constexpr size_t kMaxSmem = 227 * 1024;  // opt-in shared memory per block on sm_90
 
 using wiola::cuda::from_float;
 using wiola::cuda::launch_kernel;
@@ -49,11 +45,6 @@ __device__ __forceinline__ float warp_sum(float x) {
   for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
   return x;
 }
-__device__ __forceinline__ float warp_max(float x) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
-  return x;
-}
 
 __device__ __forceinline__ int64_t row_length(const int64_t* lengths, int64_t b, int64_t T) {
   if (lengths == nullptr) return T;
@@ -61,432 +52,281 @@ __device__ __forceinline__ int64_t row_length(const int64_t* lengths, int64_t b,
   return len < 0 ? 0 : (len > T ? T : len);
 }
 
-// rows [r0, r0 + n) of a (·, DH) matrix into smem (row stride ld), zero past `valid` rows.
-template <typename scalar_t, int DH>
-__device__ __forceinline__ void stage_rows(const scalar_t* src, int64_t r0, int n, int64_t valid_end, float* dst, int ld) {
-  for (int idx = threadIdx.x; idx < n * DH; idx += kThreads) {
-    const int r = idx / DH, e = idx % DH;
-    dst[r * ld + e] = (r0 + r < valid_end) ? to_float(src[(r0 + r) * DH + e]) : 0.f;
-  }
+// Position of natural head h in the fused attention's head order (wiola/gcla_attention.h).
+__device__ __forceinline__ int64_t self_head(int64_t h, int64_t H, int64_t perm_kv) {
+  return (h % perm_kv) * (H / perm_kv) + h / perm_kv;
 }
 
-// Cross part of one row, lanes own columns e = lane + 32 c. Returns a_λ through the
-// callback-free two-pass form: fills oc[c] and writes nothing else.
+__device__ __forceinline__ float sigmoid(float g) { return 1.f / (1.f + __expf(-g)); }
+
+// N contiguous elements as one access (the callers' offsets are multiples of N elements).
+template <typename T, int N>
+struct alignas(sizeof(T) * N) Pack {
+  T v[N];
+};
+
+template <typename T, int N>
+__device__ __forceinline__ void load(const T* src, float (&x)[N]) {
+  const Pack<T, N> pk = *reinterpret_cast<const Pack<T, N>*>(src);
+#pragma unroll
+  for (int i = 0; i < N; ++i) x[i] = to_float(pk.v[i]);
+}
+
+template <typename T, int N>
+__device__ __forceinline__ void store(T* dst, const float (&x)[N]) {
+  Pack<T, N> pk;
+#pragma unroll
+  for (int i = 0; i < N; ++i) pk.v[i] = from_float<T>(x[i]);
+  *reinterpret_cast<Pack<T, N>*>(dst) = pk;
+}
+
+template <int N>
+__device__ __forceinline__ void fill(float (&x)[N], float v) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) x[i] = v;
+}
+
+template <int N>
+__device__ __forceinline__ float dot(const float (&a)[N], const float (&b)[N]) {
+  float s = 0.f;
+#pragma unroll
+  for (int i = 0; i < N; ++i) s += a[i] * b[i];
+  return warp_sum(s);
+}
+
+// ---------------------------------------------------------------------------------
+// Forward: one warp per row (b, h, t), rows in natural order, t fastest.
+// ---------------------------------------------------------------------------------
 template <typename scalar_t, int DH>
-__device__ __forceinline__ void cross_row(const float (&qv)[DH / 32], const scalar_t* kc, const scalar_t* vc, int64_t L,
-                                          float scale, float (&oc)[DH / 32], float& zmax, float& zsum) {
-  constexpr int C = DH / 32;
+__global__ void __launch_bounds__(kThreads) summary_forward_kernel(SummaryForwardParams p) {
+  constexpr int V = DH / 32;
   const int lane = threadIdx.x & 31;
-  zmax = -INFINITY;
-  for (int64_t l = 0; l < L; ++l) {
-    float part = 0.f;
-#pragma unroll
-    for (int c = 0; c < C; ++c) part += qv[c] * to_float(kc[l * DH + lane + 32 * c]);
-    zmax = fmaxf(zmax, warp_sum(part) * scale);
-  }
-  zsum = 0.f;
-#pragma unroll
-  for (int c = 0; c < C; ++c) oc[c] = 0.f;
-  for (int64_t l = 0; l < L; ++l) {
-    float part = 0.f;
-#pragma unroll
-    for (int c = 0; c < C; ++c) part += qv[c] * to_float(kc[l * DH + lane + 32 * c]);
-    const float w = __expf(warp_sum(part) * scale - zmax);
-    zsum += w;
-#pragma unroll
-    for (int c = 0; c < C; ++c) oc[c] += w * to_float(vc[l * DH + lane + 32 * c]);
-  }
-  if (L > 0) {
-#pragma unroll
-    for (int c = 0; c < C; ++c) oc[c] /= zsum;
-  }
-}
-
-// ---------------------------------------------------------------------------------
-// Forward
-// ---------------------------------------------------------------------------------
-template <typename scalar_t, int DH>
-__global__ void __launch_bounds__(kThreads) forward_kernel(ForwardParams p) {
-  constexpr int C = DH / 32;
-  constexpr int LDK = DH + 1;  // padded: lane j reads row j
-  extern __shared__ float smem[];
-  float* Qs = smem;                    // [kTileQ][DH]
-  float* Ks = Qs + kTileQ * DH;        // [kTileK][LDK]
-  float* Vs = Ks + kTileK * LDK;       // [kTileK][DH]
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int64_t ntiles = (p.T + kTileQ - 1) / kTileQ;  // 1-D grid: (b, h) major, query tile minor
-  const int64_t bh = int64_t(blockIdx.x) / ntiles, b = bh / p.H, h = bh % p.H, g = h % p.Hkv;
-  const int64_t T = p.T, len = row_length(p.lengths, b, T);
-  const int64_t i0 = (int64_t(blockIdx.x) % ntiles) * kTileQ;
-  const scalar_t* q_rot = static_cast<const scalar_t*>(p.q_rot) + bh * T * DH;
-  const scalar_t* k_g = static_cast<const scalar_t*>(p.k_rot) + (b * p.Hkv + g) * T * DH;
-  const scalar_t* v_g = static_cast<const scalar_t*>(p.v) + (b * p.Hkv + g) * T * DH;
-  scalar_t* out = static_cast<scalar_t*>(p.out) + bh * T * DH;
-  float* lse = p.lse + bh * T;
-  const int64_t row_end = i0 + kTileQ < len ? i0 + kTileQ : len;  // valid rows [i0, row_end)
-
-  float m[kRowsPerWarp], l[kRowsPerWarp], acc[kRowsPerWarp][C];
-#pragma unroll
-  for (int r = 0; r < kRowsPerWarp; ++r) {
-    m[r] = -INFINITY;
-    l[r] = 0.f;
-#pragma unroll
-    for (int c = 0; c < C; ++c) acc[r][c] = 0.f;
-  }
-  if (i0 < row_end) {
-    stage_rows<scalar_t, DH>(q_rot, i0, kTileQ, row_end, Qs, DH);
-    for (int64_t j0 = 0; j0 < row_end; j0 += kTileK) {  // causal: keys up to the last valid row
-      __syncthreads();
-      stage_rows<scalar_t, DH>(k_g, j0, kTileK, row_end, Ks, LDK);
-      stage_rows<scalar_t, DH>(v_g, j0, kTileK, row_end, Vs, DH);
-      __syncthreads();
-      const int64_t j = j0 + lane;
-#pragma unroll
-      for (int r = 0; r < kRowsPerWarp; ++r) {
-        const int rr = warp * kRowsPerWarp + r;
-        const int64_t i = i0 + rr;
-        if (i >= row_end || j0 > i) continue;  // warp-uniform
-        float s = -INFINITY;
-        if (j <= i) {
-          float d = 0.f;
-#pragma unroll 8
-          for (int e = 0; e < DH; ++e) d += Qs[rr * DH + e] * Ks[lane * LDK + e];
-          s = d * p.scale;
-        }
-        const float m_new = fmaxf(m[r], warp_max(s));
-        const float pj = __expf(s - m_new);
-        const float corr = __expf(m[r] - m_new);
-        l[r] = l[r] * corr + warp_sum(pj);
-        m[r] = m_new;
-#pragma unroll
-        for (int c = 0; c < C; ++c) acc[r][c] *= corr;
-        // Only this row's causal keys: 0 · NaN would carry a later key's NaN/Inf into row i.
-        const int jn = static_cast<int>(i - j0 + 1 < kTileK ? i - j0 + 1 : kTileK);  // warp-uniform
-        for (int jj = 0; jj < jn; ++jj) {
-          const float pjj = __shfl_sync(0xffffffffu, pj, jj);
-#pragma unroll
-          for (int c = 0; c < C; ++c) acc[r][c] += pjj * Vs[jj * DH + lane + 32 * c];
-        }
-      }
-    }
-  }
-  // Epilogue: normalise, cross part, gate, one write per row.
-  const float sig = 1.f / (1.f + __expf(-p.gate[h]));
-#pragma unroll
-  for (int r = 0; r < kRowsPerWarp; ++r) {
-    const int64_t i = i0 + warp * kRowsPerWarp + r;
-    if (i >= T) continue;
-    if (i >= row_end) {
-#pragma unroll
-      for (int c = 0; c < C; ++c) out[i * DH + lane + 32 * c] = from_float<scalar_t>(0.f);
-      if (lane == 0) lse[i] = 0.f;
-      continue;
-    }
-    float oc[C];
-#pragma unroll
-    for (int c = 0; c < C; ++c) oc[c] = 0.f;
-    if (p.L > 0) {
-      const int64_t s_idx = p.S == 1 ? 0 : i;
-      const int64_t off = ((bh * p.S + s_idx) * p.L) * DH;
-      float qv[C];
-      const scalar_t* q = static_cast<const scalar_t*>(p.q) + (bh * T + i) * DH;
-#pragma unroll
-      for (int c = 0; c < C; ++c) qv[c] = to_float(q[lane + 32 * c]);
-      float zmax, zsum;
-      cross_row<scalar_t, DH>(qv, static_cast<const scalar_t*>(p.kc) + off, static_cast<const scalar_t*>(p.vc) + off, p.L, p.scale, oc,
-                       zmax, zsum);
-    }
-    const float inv_l = 1.f / l[r];
-#pragma unroll
-    for (int c = 0; c < C; ++c) out[i * DH + lane + 32 * c] = from_float<scalar_t>(acc[r][c] * inv_l + sig * oc[c]);
-    if (lane == 0) lse[i] = m[r] + logf(l[r]);
-  }
-}
-
-// ---------------------------------------------------------------------------------
-// Backward 1: per row (one warp each): cross part, D, gate term
-// ---------------------------------------------------------------------------------
-template <typename scalar_t, int DH>
-__global__ void __launch_bounds__(kThreads) rows_kernel(BackwardParams bp) {
-  constexpr int C = DH / 32;
-  const ForwardParams& p = bp.fwd;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int64_t nblk = (p.T + kWarps - 1) / kWarps;
-  const int64_t bh = int64_t(blockIdx.x) / nblk, b = bh / p.H, h = bh % p.H;
-  const int64_t T = p.T, len = row_length(p.lengths, b, T);
-  const int64_t i = (int64_t(blockIdx.x) % nblk) * kWarps + warp;
-  if (i >= T) return;
-  const int64_t row = bh * T + i;
-  const int64_t L = p.L;
-  const bool shared = p.S == 1;
-  scalar_t* dq = static_cast<scalar_t*>(bp.dq) + row * DH;
-  if (i >= len) {  // padding: zero gradients and partials
-#pragma unroll
-    for (int c = 0; c < C; ++c) dq[lane + 32 * c] = from_float<scalar_t>(0.f);
-    for (int64_t idx = lane; idx < L * DH; idx += 32) {
-      if (shared) {
-        bp.dkc_rows[row * L * DH + idx] = 0.f;
-        bp.dvc_rows[row * L * DH + idx] = 0.f;
-      } else {
-        static_cast<scalar_t*>(bp.dkc)[row * L * DH + idx] = from_float<scalar_t>(0.f);
-        static_cast<scalar_t*>(bp.dvc)[row * L * DH + idx] = from_float<scalar_t>(0.f);
-      }
-    }
-    if (lane == 0) {
-      bp.delta[row] = 0.f;
-      bp.dgate_rows[row] = 0.f;
-    }
+  const int64_t row = int64_t(blockIdx.x) * kWarps + (threadIdx.x >> 5);
+  if (row >= p.B * p.H * p.T) return;  // warp-uniform
+  const int64_t t = row % p.T, bh = row / p.T, b = bh / p.H, h = bh % p.H;
+  const int64_t col = lane * V;
+  scalar_t* out = static_cast<scalar_t*>(p.out) + row * DH + col;
+  float o[V];
+  if (t >= row_length(p.lengths, b, p.T)) {  // padding: exact zeros, O^self never read
+    fill(o, 0.f);
+    store<scalar_t, V>(out, o);
+    if (lane == 0) p.lse[row] = 0.f;
     return;
   }
-  const float sig = 1.f / (1.f + __expf(-p.gate[h]));
-  float d_o[C], o[C], qv[C], oc[C], dqc[C];
-  const scalar_t* go = static_cast<const scalar_t*>(bp.grad_out) + row * DH;
-  const scalar_t* out = static_cast<const scalar_t*>(p.out) + row * DH;
-  const scalar_t* q = static_cast<const scalar_t*>(p.q) + row * DH;
+  float qv[V], k[V], vv[V], oc[V];
+  load<scalar_t, V>(static_cast<const scalar_t*>(p.q) + row * DH + col, qv);
+  // Cross part: online softmax over the L slots of this row's summary position.
+  const int64_t slot0 = (bh * p.S + (p.S == 1 ? 0 : t)) * p.L;
+  const scalar_t* kc = static_cast<const scalar_t*>(p.kc) + slot0 * DH + col;
+  const scalar_t* vc = static_cast<const scalar_t*>(p.vc) + slot0 * DH + col;
+  float m = -INFINITY, l = 0.f;
+  fill(oc, 0.f);
+  for (int64_t s = 0; s < p.L; ++s) {
+    load<scalar_t, V>(kc + s * DH, k);
+    load<scalar_t, V>(vc + s * DH, vv);
+    const float z = dot(qv, k) * p.scale;
+    const float m_new = fmaxf(m, z);
+    // While every score so far is −∞ there is nothing to rescale (and −∞ − −∞ is NaN).
+    const float alpha = m == -INFINITY ? 0.f : __expf(m - m_new);
+    const float w = m_new == -INFINITY ? 0.f : __expf(z - m_new);
+    l = l * alpha + w;
 #pragma unroll
-  for (int c = 0; c < C; ++c) {
-    d_o[c] = to_float(go[lane + 32 * c]);
-    o[c] = to_float(out[lane + 32 * c]);
-    qv[c] = to_float(q[lane + 32 * c]);
-    oc[c] = 0.f;
-    dqc[c] = 0.f;
+    for (int i = 0; i < V; ++i) oc[i] = oc[i] * alpha + w * vv[i];
+    m = m_new;
   }
-  float gate_term = 0.f;
-  if (L > 0) {
-    const int64_t s_idx = shared ? 0 : i;
-    const int64_t off = ((bh * p.S + s_idx) * L) * DH;
-    const scalar_t* kc = static_cast<const scalar_t*>(p.kc) + off;
-    const scalar_t* vc = static_cast<const scalar_t*>(p.vc) + off;
-    float zmax, zsum;
-    cross_row<scalar_t, DH>(qv, kc, vc, L, p.scale, oc, zmax, zsum);
-    float part = 0.f;
+  const float sig_l = p.L > 0 ? sigmoid(p.gate[h]) / l : 0.f;
+  const int64_t ps = self_head(h, p.H, p.perm_kv);
+  load<scalar_t, V>(static_cast<const scalar_t*>(p.o_self.data) + b * p.o_self.sb + ps * p.o_self.sh +
+                        t * p.o_self.st + col,
+                    o);
 #pragma unroll
-    for (int c = 0; c < C; ++c) part += d_o[c] * oc[c];
-    const float do_oc = warp_sum(part);
-    gate_term = sig * (1.f - sig) * do_oc;
-    for (int64_t l = 0; l < L; ++l) {
-      float zp = 0.f, vp = 0.f;
-#pragma unroll
-      for (int c = 0; c < C; ++c) {
-        zp += qv[c] * to_float(kc[l * DH + lane + 32 * c]);
-        vp += d_o[c] * to_float(vc[l * DH + lane + 32 * c]);
-      }
-      const float a = __expf(warp_sum(zp) * p.scale - zmax) / zsum;
-      const float dz = a * sig * (warp_sum(vp) - do_oc);  // dOc = σ dO
-#pragma unroll
-      for (int c = 0; c < C; ++c) {
-        const int e = lane + 32 * c;
-        dqc[c] += p.scale * dz * to_float(kc[l * DH + e]);
-        const float gk = p.scale * dz * qv[c], gv = a * sig * d_o[c];
-        if (shared) {
-          bp.dkc_rows[(row * L + l) * DH + e] = gk;
-          bp.dvc_rows[(row * L + l) * DH + e] = gv;
-        } else {
-          static_cast<scalar_t*>(bp.dkc)[off + l * DH + e] = from_float<scalar_t>(gk);
-          static_cast<scalar_t*>(bp.dvc)[off + l * DH + e] = from_float<scalar_t>(gv);
-        }
-      }
-    }
-  }
-  float dpart = 0.f;
-#pragma unroll
-  for (int c = 0; c < C; ++c) {
-    dq[lane + 32 * c] = from_float<scalar_t>(dqc[c]);
-    dpart += d_o[c] * (o[c] - sig * oc[c]);
-  }
-  const float delta = warp_sum(dpart);
-  if (lane == 0) {
-    bp.delta[row] = delta;
-    bp.dgate_rows[row] = gate_term;
-  }
+  for (int i = 0; i < V; ++i) o[i] += sig_l * oc[i];
+  store<scalar_t, V>(out, o);
+  if (lane == 0) p.lse[row] = p.lse_self.data[b * p.lse_self.sb + ps * p.lse_self.sh + t];
 }
 
 // ---------------------------------------------------------------------------------
-// Backward 2: dq̃ per (b, h, query tile)
+// Backward 1: per row, one block per (b, h, kBackwardChunk rows); warp w takes rows
+// t0 + w, t0 + w + 4, ... Dynamic shared memory (floats):
+//   [kWarps][2][L]      a_λ and e_λ of the warp's current row
+//   [kWarps][2][L][DH]  the warp's running dkc / dvc sums (S = 1 only)
 // ---------------------------------------------------------------------------------
 template <typename scalar_t, int DH>
-__global__ void __launch_bounds__(kThreads) dq_kernel(BackwardParams bp) {
-  constexpr int C = DH / 32;
-  constexpr int LDK = DH + 1;
-  const ForwardParams& p = bp.fwd;
+__global__ void __launch_bounds__(kThreads) summary_backward_kernel(SummaryBackwardParams p) {
+  constexpr int V = DH / 32;
   extern __shared__ float smem[];
-  float* Qs = smem;                 // [kTileQ][DH]
-  float* dOs = Qs + kTileQ * DH;    // [kTileQ][DH]
-  float* Ks = dOs + kTileQ * DH;    // [kTileK][LDK]
-  float* Vs = Ks + kTileK * LDK;    // [kTileK][LDK]
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int64_t ntiles = (p.T + kTileQ - 1) / kTileQ;
-  const int64_t bh = int64_t(blockIdx.x) / ntiles, b = bh / p.H, h = bh % p.H, g = h % p.Hkv;
-  const int64_t T = p.T, len = row_length(p.lengths, b, T);
-  const int64_t i0 = (int64_t(blockIdx.x) % ntiles) * kTileQ;
-  const int64_t row_end = i0 + kTileQ < len ? i0 + kTileQ : len;
-  const scalar_t* k_g = static_cast<const scalar_t*>(p.k_rot) + (b * p.Hkv + g) * T * DH;
-  const scalar_t* v_g = static_cast<const scalar_t*>(p.v) + (b * p.Hkv + g) * T * DH;
-  const float* lse = p.lse + bh * T;
-  const float* delta = bp.delta + bh * T;
-  scalar_t* dq_rot = static_cast<scalar_t*>(bp.dq_rot) + bh * T * DH;
-  float acc[kRowsPerWarp][C];
-#pragma unroll
-  for (int r = 0; r < kRowsPerWarp; ++r)
-#pragma unroll
-    for (int c = 0; c < C; ++c) acc[r][c] = 0.f;
-  if (i0 < row_end) {
-    stage_rows<scalar_t, DH>(static_cast<const scalar_t*>(p.q_rot) + bh * T * DH, i0, kTileQ, row_end, Qs, DH);
-    stage_rows<scalar_t, DH>(static_cast<const scalar_t*>(bp.grad_out) + bh * T * DH, i0, kTileQ, row_end, dOs, DH);
-    for (int64_t j0 = 0; j0 < row_end; j0 += kTileK) {
-      __syncthreads();
-      stage_rows<scalar_t, DH>(k_g, j0, kTileK, row_end, Ks, LDK);
-      stage_rows<scalar_t, DH>(v_g, j0, kTileK, row_end, Vs, LDK);
-      __syncthreads();
-      const int64_t j = j0 + lane;
-#pragma unroll
-      for (int r = 0; r < kRowsPerWarp; ++r) {
-        const int rr = warp * kRowsPerWarp + r;
-        const int64_t i = i0 + rr;
-        if (i >= row_end || j0 > i) continue;  // warp-uniform
-        float ds = 0.f;
-        if (j <= i) {
-          float s = 0.f, dp = 0.f;
-#pragma unroll 8
-          for (int e = 0; e < DH; ++e) {
-            s += Qs[rr * DH + e] * Ks[lane * LDK + e];
-            dp += dOs[rr * DH + e] * Vs[lane * LDK + e];
-          }
-          const float pj = __expf(s * p.scale - lse[i]);
-          ds = pj * (dp - delta[i]);
-        }
-        const int jn = static_cast<int>(i - j0 + 1 < kTileK ? i - j0 + 1 : kTileK);  // causal keys only
-        for (int jj = 0; jj < jn; ++jj) {
-          const float dsj = __shfl_sync(0xffffffffu, ds, jj);
-#pragma unroll
-          for (int c = 0; c < C; ++c) acc[r][c] += dsj * Ks[jj * LDK + lane + 32 * c];
+  const int64_t L = p.L, nchunks = backward_chunks(p.T);
+  const int64_t bh = int64_t(blockIdx.x) / nchunks, chunk = int64_t(blockIdx.x) % nchunks;
+  const int64_t b = bh / p.H, h = bh % p.H, ps = self_head(h, p.H, p.perm_kv);
+  const int64_t len = row_length(p.lengths, b, p.T), col = lane * V;
+  const bool shared_ctx = p.S == 1;
+  float* a_s = smem + warp * 2 * L;  // a_λ
+  float* e_s = a_s + L;              // e_λ = dO·vc_λ
+  float* acc_kc = smem + kWarps * 2 * L + warp * 2 * L * DH;
+  float* acc_vc = acc_kc + L * DH;
+  if (shared_ctx) {
+    for (int64_t i = lane; i < 2 * L * DH; i += 32) acc_kc[i] = 0.f;
+  }
+  __syncwarp();
+  const float sig = sigmoid(p.gate[h]);
+  float gate_acc = 0.f;  // Σ_t r over the warp's rows (warp-uniform)
+  const int64_t t_end = (chunk + 1) * kBackwardChunk < p.T ? (chunk + 1) * kBackwardChunk : p.T;
+  for (int64_t t = chunk * kBackwardChunk + warp; t < t_end; t += kWarps) {
+    const int64_t row = bh * p.T + t;
+    const int64_t self_off_do = b * p.do_self.sb + ps * p.do_self.sh + t * p.do_self.st + col;
+    const int64_t self_off_o = b * p.o_self.sb + ps * p.o_self.sh + t * p.o_self.st + col;
+    float* lse_self = p.lse_self.data + b * p.lse_self.sb + ps * p.lse_self.sh + t;
+    float dO[V], qv[V], k[V], vv[V], oc[V], dq[V], tmp[V];
+    if (t >= len) {  // padding: zero gradients and zero self tensors, inputs never read
+      fill(tmp, 0.f);
+      store<scalar_t, V>(static_cast<scalar_t*>(p.do_self.data) + self_off_do, tmp);
+      store<scalar_t, V>(static_cast<scalar_t*>(p.o_self.data) + self_off_o, tmp);
+      if (p.q_self.data != nullptr) {
+        store<scalar_t, V>(static_cast<scalar_t*>(p.q_self.data) + b * p.q_self.sb + ps * p.q_self.sh +
+                               t * p.q_self.st + col,
+                           tmp);
+      }
+      store<scalar_t, V>(static_cast<scalar_t*>(p.dq) + row * DH + col, tmp);
+      if (!shared_ctx) {
+        for (int64_t s = 0; s < L; ++s) {
+          store<scalar_t, V>(static_cast<scalar_t*>(p.dkc) + (row * L + s) * DH + col, tmp);
+          store<scalar_t, V>(static_cast<scalar_t*>(p.dvc) + (row * L + s) * DH + col, tmp);
         }
       }
+      if (lane == 0) *lse_self = 0.f;
+      continue;
     }
-  }
+    load<scalar_t, V>(static_cast<const scalar_t*>(p.grad_out) + row * DH + col, dO);
+    store<scalar_t, V>(static_cast<scalar_t*>(p.do_self.data) + self_off_do, dO);
+    load<scalar_t, V>(static_cast<const scalar_t*>(p.q) + row * DH + col, qv);
+    const int64_t slot0 = shared_ctx ? bh * L : row * L;
+    const scalar_t* kc = static_cast<const scalar_t*>(p.kc) + slot0 * DH + col;
+    const scalar_t* vc = static_cast<const scalar_t*>(p.vc) + slot0 * DH + col;
+    // Pass 1: scores z_λ (kept in a_s) and their maximum.
+    float m = -INFINITY;
+    for (int64_t s = 0; s < L; ++s) {
+      load<scalar_t, V>(kc + s * DH, k);
+      const float z = dot(qv, k) * p.scale;
+      if (lane == 0) a_s[s] = z;
+      m = fmaxf(m, z);
+    }
+    __syncwarp();
+    float l = 0.f;
+    for (int64_t s = 0; s < L; ++s) l += __expf(a_s[s] - m);
+    // Pass 2: a_λ, e_λ = dO·vc_λ, O^cross, r = dO·O^cross.
+    fill(oc, 0.f);
+    float r = 0.f;
+    for (int64_t s = 0; s < L; ++s) {
+      load<scalar_t, V>(vc + s * DH, vv);
+      const float a = __expf(a_s[s] - m) / l;
+      const float e = dot(dO, vv);
+      __syncwarp();  // every lane has read a_s[s] before lane 0 overwrites it
+      if (lane == 0) {
+        a_s[s] = a;
+        e_s[s] = e;
+      }
 #pragma unroll
-  for (int r = 0; r < kRowsPerWarp; ++r) {
-    const int64_t i = i0 + warp * kRowsPerWarp + r;
-    if (i >= T) continue;
+      for (int i = 0; i < V; ++i) oc[i] += a * vv[i];
+      r += a * e;
+    }
+    __syncwarp();
+    // Pass 3: dz_λ, dq, dkc, dvc.
+    fill(dq, 0.f);
+    for (int64_t s = 0; s < L; ++s) {
+      load<scalar_t, V>(kc + s * DH, k);
+      const float a = a_s[s];
+      const float dz = sig * a * (e_s[s] - r);
+      const float cdz = p.scale * dz, sa = sig * a;
 #pragma unroll
-    for (int c = 0; c < C; ++c) dq_rot[i * DH + lane + 32 * c] = from_float<scalar_t>(i < row_end ? acc[r][c] * p.scale : 0.f);
-  }
-}
-
-// ---------------------------------------------------------------------------------
-// Backward 3: dk̃, dv per (b, kv group, key tile); heads of the group in order
-// ---------------------------------------------------------------------------------
-template <typename scalar_t, int DH>
-__global__ void __launch_bounds__(kThreads) dkdv_kernel(BackwardParams bp) {
-  constexpr int C = DH / 32;
-  constexpr int LD = DH + 1;
-  const ForwardParams& p = bp.fwd;
-  extern __shared__ float smem[];
-  float* Ks = smem;                  // [kTileK][LD]
-  float* Vs = Ks + kTileK * LD;      // [kTileK][LD]
-  float* Qs = Vs + kTileK * LD;      // [kTileQ][LD]
-  float* dOs = Qs + kTileQ * LD;     // [kTileQ][LD]
-  float* lse_s = dOs + kTileQ * LD;  // [kTileQ]
-  float* del_s = lse_s + kTileQ;     // [kTileQ]
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int64_t ntiles = (p.T + kTileK - 1) / kTileK;
-  const int64_t bg = int64_t(blockIdx.x) / ntiles, b = bg / p.Hkv, g = bg % p.Hkv;
-  const int64_t T = p.T, len = row_length(p.lengths, b, T);
-  const int64_t j0 = (int64_t(blockIdx.x) % ntiles) * kTileK;
-  const int64_t key_end = j0 + kTileK < len ? j0 + kTileK : len;
-  float dk[kKeysPerWarp][C], dv[kKeysPerWarp][C];
+      for (int i = 0; i < V; ++i) dq[i] += dz * k[i];
+      if (shared_ctx) {
 #pragma unroll
-  for (int k = 0; k < kKeysPerWarp; ++k)
-#pragma unroll
-    for (int c = 0; c < C; ++c) dk[k][c] = dv[k][c] = 0.f;
-  if (j0 < key_end) {
-    stage_rows<scalar_t, DH>(static_cast<const scalar_t*>(p.k_rot) + bg * T * DH, j0, kTileK, key_end, Ks, LD);
-    stage_rows<scalar_t, DH>(static_cast<const scalar_t*>(p.v) + bg * T * DH, j0, kTileK, key_end, Vs, LD);
-    for (int64_t h = g; h < p.H; h += p.Hkv) {
-      const int64_t bh = b * p.H + h;
-      const scalar_t* q_rot = static_cast<const scalar_t*>(p.q_rot) + bh * T * DH;
-      const scalar_t* go = static_cast<const scalar_t*>(bp.grad_out) + bh * T * DH;
-      for (int64_t i0 = j0; i0 < len; i0 += kTileQ) {  // queries i ≥ j0 see these keys
-        __syncthreads();
-        stage_rows<scalar_t, DH>(q_rot, i0, kTileQ, len, Qs, LD);
-        stage_rows<scalar_t, DH>(go, i0, kTileQ, len, dOs, LD);
-        if (threadIdx.x < kTileQ) {
-          const int64_t i = i0 + threadIdx.x;
-          lse_s[threadIdx.x] = i < len ? p.lse[bh * T + i] : 0.f;
-          del_s[threadIdx.x] = i < len ? bp.delta[bh * T + i] : 0.f;
+        for (int i = 0; i < V; ++i) {
+          acc_kc[s * DH + col + i] += cdz * qv[i];
+          acc_vc[s * DH + col + i] += sa * dO[i];
         }
-        __syncthreads();
-        const int64_t i = i0 + lane;  // lane = query of the tile
+      } else {
 #pragma unroll
-        for (int k = 0; k < kKeysPerWarp; ++k) {
-          const int kk = warp * kKeysPerWarp + k;
-          const int64_t j = j0 + kk;
-          if (j >= key_end) continue;  // warp-uniform
-          float pj = 0.f, ds = 0.f;
-          if (i < len && i >= j) {
-            float s = 0.f, dp = 0.f;
-#pragma unroll 8
-            for (int e = 0; e < DH; ++e) {
-              s += Qs[lane * LD + e] * Ks[kk * LD + e];
-              dp += dOs[lane * LD + e] * Vs[kk * LD + e];
-            }
-            pj = __expf(s * p.scale - lse_s[lane]);
-            ds = pj * (dp - del_s[lane]);
-          }
-          // Only the queries that see key j (j ≤ i < len): an earlier row's NaN must not reach it.
-          const int ii0 = static_cast<int>(j > i0 ? j - i0 : 0);  // warp-uniform
-          const int ii1 = static_cast<int>(len - i0 < kTileQ ? len - i0 : kTileQ);
-          for (int ii = ii0; ii < ii1; ++ii) {
-            const float pi = __shfl_sync(0xffffffffu, pj, ii);
-            const float dsi = __shfl_sync(0xffffffffu, ds, ii);
-#pragma unroll
-            for (int c = 0; c < C; ++c) {
-              dv[k][c] += pi * dOs[ii * LD + lane + 32 * c];
-              dk[k][c] += dsi * Qs[ii * LD + lane + 32 * c];
-            }
-          }
+        for (int i = 0; i < V; ++i) {
+          k[i] = cdz * qv[i];
+          tmp[i] = sa * dO[i];
         }
+        store<scalar_t, V>(static_cast<scalar_t*>(p.dkc) + (row * L + s) * DH + col, k);
+        store<scalar_t, V>(static_cast<scalar_t*>(p.dvc) + (row * L + s) * DH + col, tmp);
       }
     }
+    __syncwarp();  // a_s / e_s are rewritten by the next row
+#pragma unroll
+    for (int i = 0; i < V; ++i) dq[i] *= p.scale;
+    store<scalar_t, V>(static_cast<scalar_t*>(p.dq) + row * DH + col, dq);
+    gate_acc += r;
+    // The fused backward's inputs: O^self = O − σ O^cross, q_rot, lse.
+    load<scalar_t, V>(static_cast<const scalar_t*>(p.out) + row * DH + col, tmp);
+#pragma unroll
+    for (int i = 0; i < V; ++i) tmp[i] -= sig * oc[i];
+    store<scalar_t, V>(static_cast<scalar_t*>(p.o_self.data) + self_off_o, tmp);
+    if (p.q_self.data != nullptr) {
+      load<scalar_t, V>(static_cast<const scalar_t*>(p.q_rot) + row * DH + col, tmp);
+      store<scalar_t, V>(static_cast<scalar_t*>(p.q_self.data) + b * p.q_self.sb + ps * p.q_self.sh +
+                             t * p.q_self.st + col,
+                         tmp);
+    }
+    if (lane == 0) *lse_self = p.lse[row];
   }
-  scalar_t* dk_out = static_cast<scalar_t*>(bp.dk_rot) + bg * T * DH;
-  scalar_t* dv_out = static_cast<scalar_t*>(bp.dv) + bg * T * DH;
-#pragma unroll
-  for (int k = 0; k < kKeysPerWarp; ++k) {
-    const int64_t j = j0 + warp * kKeysPerWarp + k;
-    if (j >= T) continue;
-    const bool valid = j < key_end;
-#pragma unroll
-    for (int c = 0; c < C; ++c) {
-      dk_out[j * DH + lane + 32 * c] = from_float<scalar_t>(valid ? dk[k][c] * p.scale : 0.f);
-      dv_out[j * DH + lane + 32 * c] = from_float<scalar_t>(valid ? dv[k][c] : 0.f);
+  // Block partials, warps added in order 0..3.
+  float* gate_s = smem + kWarps * 2 * L + (shared_ctx ? kWarps * 2 * L * DH : 0);
+  if (lane == 0) gate_s[warp] = gate_acc;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    float g = 0.f;
+    for (int w = 0; w < kWarps; ++w) g += gate_s[w];
+    p.gate_part[blockIdx.x] = g;
+  }
+  if (shared_ctx) {
+    const int64_t n = 2 * L * DH;
+    float* part = p.ckv_part + int64_t(blockIdx.x) * n;
+    const float* acc0 = smem + kWarps * 2 * L;
+    for (int64_t i = threadIdx.x; i < n; i += kThreads) {
+      float s = 0.f;
+      for (int w = 0; w < kWarps; ++w) s += acc0[w * n + i];
+      part[i] = s;
     }
   }
 }
 
 // ---------------------------------------------------------------------------------
-// Backward 4: fixed-order reductions
+// Backward 2: fixed-order sums of the block partials.
 // ---------------------------------------------------------------------------------
-// dgate[h] = Σ_b Σ_t rows[b, h, t], one warp per head, lanes stride t, then a fixed tree.
-__global__ void dgate_kernel(const float* rows, float* dgate, int64_t B, int64_t H, int64_t T) {
+// dgate[h] = σ(1−σ) Σ_b Σ_chunk gate_part[b, h, chunk]: one warp per head, lanes stride the
+// (b, chunk) pairs, then a fixed xor tree.
+__global__ void dgate_kernel(const float* gate_part, const float* gate, float* dgate, int64_t B, int64_t H,
+                             int64_t nchunks) {
   const int64_t h = blockIdx.x;
   const int lane = threadIdx.x;
   float acc = 0.f;
-  for (int64_t b = 0; b < B; ++b)
-    for (int64_t t = lane; t < T; t += 32) acc += rows[(b * H + h) * T + t];
+  for (int64_t i = lane; i < B * nchunks; i += 32) {
+    const int64_t b = i / nchunks, c = i % nchunks;
+    acc += gate_part[(b * H + h) * nchunks + c];
+  }
   acc = warp_sum(acc);
-  if (lane == 0) dgate[h] = acc;
+  if (lane == 0) {
+    const float sig = sigmoid(gate[h]);
+    dgate[h] = sig * (1.f - sig) * acc;
+  }
 }
 
-// out[b, h, 0, l, e] = Σ_t rows[b, h, t, l, e] (S = 1 summaries), one thread per output.
+// dkc / dvc (B, H, 1, L, dh) = Σ_chunk ckv_part[b, h, chunk, 0 / 1, ...], one thread per output.
 template <typename scalar_t>
-__global__ void sum_rows_kernel(const float* rows, scalar_t* out, int64_t BH, int64_t T_len, int64_t LD) {
+__global__ void context_sum_kernel(const float* ckv_part, scalar_t* dkc, scalar_t* dvc, int64_t BH, int64_t nchunks,
+                                   int64_t LD) {
   const int64_t idx = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (idx >= BH * LD) return;
-  const int64_t bh = idx / LD, k = idx % LD;
+  if (idx >= BH * 2 * LD) return;
+  const int64_t bh = idx / (2 * LD), k = idx % (2 * LD);
   float acc = 0.f;
-  for (int64_t t = 0; t < T_len; ++t) acc += rows[(bh * T_len + t) * LD + k];
-  out[idx] = from_float<scalar_t>(acc);
+  for (int64_t c = 0; c < nchunks; ++c) acc += ckv_part[(bh * nchunks + c) * 2 * LD + k];
+  scalar_t* dst = k < LD ? dkc + bh * LD + k : dvc + bh * LD + (k - LD);
+  *dst = from_float<scalar_t>(acc);
 }
 
 template <typename K>
@@ -495,70 +335,56 @@ cudaError_t set_smem(K kernel, size_t bytes) {
 }
 
 template <typename scalar_t, int DH>
-cudaError_t forward_typed(const ForwardParams& p, cudaStream_t stream) {
-  if (p.B * p.H * p.T == 0) return cudaSuccess;
-  const size_t smem = sizeof(float) * (kTileQ * DH + kTileK * (DH + 1) + kTileK * DH);
-  cudaError_t err = set_smem(forward_kernel<scalar_t, DH>, smem);
-  if (err != cudaSuccess) return err;
-  const dim3 grid(static_cast<unsigned>((p.T + kTileQ - 1) / kTileQ * p.B * p.H));
-  launch_kernel(forward_kernel<scalar_t, DH>, grid, kThreads, smem, stream, p);
+cudaError_t forward_typed(const SummaryForwardParams& p, cudaStream_t stream) {
+  const int64_t rows = p.B * p.H * p.T;
+  if (rows == 0) return cudaSuccess;
+  const dim3 grid(static_cast<unsigned>((rows + kWarps - 1) / kWarps));
+  launch_kernel(summary_forward_kernel<scalar_t, DH>, grid, kThreads, 0, stream, p);
   return cudaGetLastError();
 }
 
 template <typename scalar_t, int DH>
-cudaError_t backward_typed(const BackwardParams& bp, cudaStream_t stream) {
-  const ForwardParams& p = bp.fwd;
-  const int64_t BH = p.B * p.H;
-  const bool shared = p.S == 1;
+cudaError_t backward_typed(const SummaryBackwardParams& p, cudaStream_t stream) {
+  const int64_t BH = p.B * p.H, nchunks = backward_chunks(p.T);
+  const bool shared_ctx = p.S == 1;
   cudaError_t err = cudaSuccess;
-  if (BH * p.T > 0) {
-    const dim3 rows_grid(static_cast<unsigned>((p.T + kWarps - 1) / kWarps * BH));
-    launch_kernel(rows_kernel<scalar_t, DH>, rows_grid, kThreads, 0, stream, bp);
-    if ((err = cudaGetLastError()) != cudaSuccess) return err;
-
-    const size_t dq_smem = sizeof(float) * (2 * kTileQ * DH + 2 * kTileK * (DH + 1));
-    if ((err = set_smem(dq_kernel<scalar_t, DH>, dq_smem)) != cudaSuccess) return err;
-    const dim3 q_grid(static_cast<unsigned>((p.T + kTileQ - 1) / kTileQ * BH));
-    launch_kernel(dq_kernel<scalar_t, DH>, q_grid, kThreads, dq_smem, stream, bp);
-    if ((err = cudaGetLastError()) != cudaSuccess) return err;
-
-    const size_t kv_smem = sizeof(float) * ((2 * kTileK + 2 * kTileQ) * (DH + 1) + 2 * kTileQ);
-    if ((err = set_smem(dkdv_kernel<scalar_t, DH>, kv_smem)) != cudaSuccess) return err;
-    const dim3 k_grid(static_cast<unsigned>((p.T + kTileK - 1) / kTileK * p.B * p.Hkv));
-    launch_kernel(dkdv_kernel<scalar_t, DH>, k_grid, kThreads, kv_smem, stream, bp);
+  if (BH * nchunks > 0) {
+    const size_t smem = sizeof(float) * (kWarps * 2 * p.L * (1 + (shared_ctx ? DH : 0)) + kWarps);
+    if (smem > kMaxSmem) return cudaErrorInvalidValue;
+    if ((err = set_smem(summary_backward_kernel<scalar_t, DH>, smem)) != cudaSuccess) return err;
+    launch_kernel(summary_backward_kernel<scalar_t, DH>, static_cast<unsigned>(BH * nchunks), kThreads, smem, stream, p);
     if ((err = cudaGetLastError()) != cudaSuccess) return err;
   }
-  if (shared && BH * p.L > 0) {
-    const int64_t n = BH * p.L * DH;
-    const unsigned blocks = static_cast<unsigned>((n + 255) / 256);
-    launch_kernel(sum_rows_kernel<scalar_t>, blocks, 256, 0, stream, bp.dkc_rows, static_cast<scalar_t*>(bp.dkc), BH, p.T, p.L * DH);
-    launch_kernel(sum_rows_kernel<scalar_t>, blocks, 256, 0, stream, bp.dvc_rows, static_cast<scalar_t*>(bp.dvc), BH, p.T, p.L * DH);
+  if (shared_ctx && BH * p.L > 0) {
+    const int64_t n = BH * 2 * p.L * DH;
+    launch_kernel(context_sum_kernel<scalar_t>, static_cast<unsigned>((n + 255) / 256), 256, 0, stream,
+        p.ckv_part, static_cast<scalar_t*>(p.dkc), static_cast<scalar_t*>(p.dvc), BH, nchunks, p.L * DH);
     if ((err = cudaGetLastError()) != cudaSuccess) return err;
   }
   if (p.H > 0) {
-    launch_kernel(dgate_kernel, static_cast<unsigned>(p.H), 32, 0, stream, bp.dgate_rows, bp.dgate, p.B, p.H, p.T);
+    launch_kernel(dgate_kernel, static_cast<unsigned>(p.H), 32, 0, stream, p.gate_part, p.gate, p.dgate, p.B, p.H, nchunks);
     err = cudaGetLastError();
   }
   return err;
 }
 
 template <typename scalar_t>
-cudaError_t forward_dh(const ForwardParams& p, cudaStream_t stream) {
+cudaError_t forward_dh(const SummaryForwardParams& p, cudaStream_t stream) {
   if (p.dh == 64) return forward_typed<scalar_t, 64>(p, stream);
   if (p.dh == 128) return forward_typed<scalar_t, 128>(p, stream);
   return cudaErrorInvalidValue;
 }
 
 template <typename scalar_t>
-cudaError_t backward_dh(const BackwardParams& p, cudaStream_t stream) {
-  if (p.fwd.dh == 64) return backward_typed<scalar_t, 64>(p, stream);
-  if (p.fwd.dh == 128) return backward_typed<scalar_t, 128>(p, stream);
+cudaError_t backward_dh(const SummaryBackwardParams& p, cudaStream_t stream) {
+  if (p.dh == 64) return backward_typed<scalar_t, 64>(p, stream);
+  if (p.dh == 128) return backward_typed<scalar_t, 128>(p, stream);
   return cudaErrorInvalidValue;
 }
 
 }  // namespace
 
-cudaError_t launch_forward(const ForwardParams& p, cudaStream_t stream) {
+cudaError_t launch_summary_forward(const SummaryForwardParams& p, cudaStream_t stream) {
   switch (p.dtype) {
     case DType::kFloat32: return forward_dh<float>(p, stream);
     case DType::kFloat16: return forward_dh<__half>(p, stream);
@@ -567,8 +393,8 @@ cudaError_t launch_forward(const ForwardParams& p, cudaStream_t stream) {
   return cudaErrorInvalidValue;
 }
 
-cudaError_t launch_backward(const BackwardParams& p, cudaStream_t stream) {
-  switch (p.fwd.dtype) {
+cudaError_t launch_summary_backward(const SummaryBackwardParams& p, cudaStream_t stream) {
+  switch (p.dtype) {
     case DType::kFloat32: return backward_dh<float>(p, stream);
     case DType::kFloat16: return backward_dh<__half>(p, stream);
     case DType::kBFloat16: return backward_dh<__nv_bfloat16>(p, stream);

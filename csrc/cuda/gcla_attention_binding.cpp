@@ -1,10 +1,11 @@
-// Torch side of the GCLA attention CUDA kernels (csrc/cuda/gcla_attention.cu): checks
-// tensors, allocates outputs and workspaces, fills the params structs of
+// Torch side of the GCLA summary kernels (csrc/cuda/gcla_attention.cu): checks tensors,
+// allocates outputs and workspaces, fills the params structs of
 // csrc/include/wiola/gcla_attention.h and launches on the current stream. float32, float16
-// and bfloat16 with d_h ∈ {64, 128} (wiola_kernels/ops/gcla_attention.py routes other
-// CUDA inputs, e.g. float64, to the reference).
+// and bfloat16 with d_h ∈ {64, 128}. The self-attention part and the head permutation
+// around it are driven from Python (wiola_kernels/ops/gcla_attention_cuda.py).
 #include <torch/library.h>
 
+#include <cmath>
 #include <optional>
 
 #include "../cpu/common.h"
@@ -29,8 +30,7 @@ gcla::DType kernel_dtype(const at::Tensor& t) {
     case at::kBFloat16:
       return gcla::DType::kBFloat16;
     default:
-      TORCH_CHECK_TYPE(false, "q_rot must be float32, float16 or bfloat16 for the CUDA kernels, got ",
-                       t.scalar_type());
+      TORCH_CHECK_TYPE(false, "q must be float32, float16 or bfloat16 for the CUDA kernels, got ", t.scalar_type());
   }
   return gcla::DType::kFloat32;
 }
@@ -48,115 +48,170 @@ void check_launch(cudaError_t err, const char* what) {
   TORCH_CHECK(err == cudaSuccess, "wiola gcla_attention: ", what, " launch failed: ", cudaGetErrorString(err));
 }
 
-gcla::ForwardParams make_params(const at::Tensor& q_rot, const at::Tensor& k_rot, const at::Tensor& v,
-                                const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc,
-                                const at::Tensor& gate_f, const std::optional<at::Tensor>& lengths) {
-  TORCH_CHECK_VALUE(on_kernel_device(q_rot) && q_rot.dim() == 4 && q_rot.is_contiguous(),
-                    "q_rot must be a contiguous ", kDevice, " (B, H, T, d_h) tensor, got ", q_rot.sizes());
-  const int64_t B = q_rot.size(0), H = q_rot.size(1), T = q_rot.size(2), dh = q_rot.size(3);
-  TORCH_CHECK_VALUE(gcla::supported_head_dim(dh), "the CUDA gcla_attention kernels support d_h in {64, 128}, got ",
-                    dh);
-  TORCH_CHECK_VALUE(k_rot.dim() == 4 && k_rot.size(1) > 0 && H % k_rot.size(1) == 0,
-                    "k_rot must be (B, H_kv, T, d_h) with H a multiple of H_kv, got ", k_rot.sizes());
-  const int64_t Hkv = k_rot.size(1);
-  check_cuda("k_rot", k_rot, q_rot, {B, Hkv, T, dh}, "(B, H_kv, T, d_h)");
-  check_cuda("v", v, q_rot, {B, Hkv, T, dh}, "(B, H_kv, T, d_h)");
-  check_cuda("q", q, q_rot, {B, H, T, dh}, "(B, H, T, d_h)");
-  TORCH_CHECK_VALUE(kc.dim() == 5 && (kc.size(2) == 1 || kc.size(2) == T),
+// Shapes shared by both kernels, from q (B, H, T, dh) and kc (B, H, S, L, dh).
+struct Shape {
+  int64_t B, H, T, dh, S, L;
+};
+
+Shape check_common(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& gate_f,
+                   const std::optional<at::Tensor>& lengths, int64_t perm_kv) {
+  TORCH_CHECK_VALUE(on_kernel_device(q) && q.dim() == 4 && q.is_contiguous(), "q must be a contiguous ", kDevice, " (B, H, T, d_h) tensor, got ",
+                    q.sizes(), " on ", q.device());
+  Shape s{q.size(0), q.size(1), q.size(2), q.size(3), 0, 0};
+  kernel_dtype(q);
+  TORCH_CHECK_VALUE(gcla::supported_head_dim(s.dh), "the CUDA gcla_attention kernels support d_h in {64, 128}, got ",
+                    s.dh);
+  TORCH_CHECK_VALUE(kc.dim() == 5 && (kc.size(2) == 1 || kc.size(2) == s.T),
                     "kc must be (B, H, S, L, d_h) with S in {1, T}, got ", kc.sizes());
-  const int64_t S = kc.size(2), L = kc.size(3);
-  check_cuda("kc", kc, q_rot, {B, H, S, L, dh}, "(B, H, S, L, d_h)");
-  check_cuda("vc", vc, q_rot, {B, H, S, L, dh}, "(B, H, S, L, d_h)");
-  TORCH_CHECK_VALUE(on_kernel_device(gate_f) && gate_f.dim() == 1 && gate_f.size(0) == H, "gate must have shape (H,)");
+  s.S = kc.size(2);
+  s.L = kc.size(3);
+  check_cuda("kc", kc, q, {s.B, s.H, s.S, s.L, s.dh}, "(B, H, S, L, d_h)");
+  check_cuda("vc", vc, q, {s.B, s.H, s.S, s.L, s.dh}, "(B, H, S, L, d_h)");
+  TORCH_CHECK_VALUE(on_kernel_device(gate_f) && gate_f.dim() == 1 && gate_f.size(0) == s.H, "gate must have shape (H,) = (",
+                    s.H, ",)");
+  TORCH_CHECK_VALUE(perm_kv >= 1 && s.H % perm_kv == 0, "perm_kv must divide H = ", s.H, ", got ", perm_kv);
   if (lengths.has_value()) {
-    TORCH_CHECK_VALUE(on_kernel_device(*lengths) && lengths->device() == q_rot.device() && lengths->dim() == 1 &&
-                          lengths->size(0) == B && lengths->scalar_type() == at::kLong && lengths->is_contiguous(),
-                      "lengths must be a contiguous int64 ", kDevice, " tensor of shape (B,) = (", B, ",)");
+    TORCH_CHECK_VALUE(on_kernel_device(*lengths) && lengths->device() == q.device() && lengths->dim() == 1 &&
+                          lengths->size(0) == s.B && lengths->scalar_type() == at::kLong && lengths->is_contiguous(),
+                      "lengths must be a contiguous int64 ", kDevice, " tensor of shape (B,) = (", s.B, ",)");
   }
-  gcla::ForwardParams p{};
-  p.q_rot = q_rot.const_data_ptr();
-  p.k_rot = k_rot.const_data_ptr();
-  p.v = v.const_data_ptr();
+  return s;
+}
+
+// A (B, H, T, dh) tensor of the fused attention: any strides with a contiguous last dim.
+gcla::SelfTensor self_tensor(const char* name, const at::Tensor& t, const at::Tensor& q) {
+  TORCH_CHECK_VALUE(on_kernel_device(t) && t.device() == q.device() && t.sizes() == q.sizes() && t.stride(3) == 1, name,
+                    " must be a ", kDevice, " tensor (B, H, T, d_h) = ", q.sizes(), " with a contiguous last dimension, got ",
+                    t.sizes(), " strides ", t.strides());
+  TORCH_CHECK_TYPE(t.scalar_type() == q.scalar_type(), name, " must have dtype ", q.scalar_type(), ", got ",
+                   t.scalar_type());
+  // Each lane accesses dh/32 contiguous elements at once.
+  const int64_t v = t.size(3) / 32;
+  TORCH_CHECK_VALUE(t.stride(0) % v == 0 && t.stride(1) % v == 0 && t.stride(2) % v == 0 &&
+                        reinterpret_cast<uintptr_t>(t.const_data_ptr()) % (v * t.element_size()) == 0,
+                    name, " must have strides and an address aligned to d_h/32 elements, got strides ", t.strides());
+  return {const_cast<void*>(t.const_data_ptr()), t.stride(0), t.stride(1), t.stride(2)};
+}
+
+gcla::SelfLse self_lse(const char* name, const at::Tensor& t, const Shape& s, const at::Tensor& q) {
+  TORCH_CHECK_VALUE(on_kernel_device(t) && t.device() == q.device() && t.dim() == 3 && t.size(0) == s.B && t.size(1) == s.H &&
+                        t.size(2) >= s.T && (t.stride(2) == 1 || s.T <= 1) && t.scalar_type() == at::kFloat,
+                    name, " must be a float32 ", kDevice, " tensor (B, H, >= T) = (", s.B, ", ", s.H, ", >= ", s.T,
+                    ") with a contiguous last dimension, got ", t.sizes(), " ", t.scalar_type());
+  return {const_cast<float*>(t.const_data_ptr<float>()), t.stride(0), t.stride(1)};
+}
+
+// (B, H, T, dh) view of fresh (B, T, H, dh) memory: the layout the fused attention keeps its
+// tensors in, so that it copies none of ours.
+at::Tensor empty_self(const Shape& s, const at::TensorOptions& options) {
+  return empty_output({s.B, s.T, s.H, s.dh}, options).transpose(1, 2);
+}
+
+float scale_of(const Shape& s) { return static_cast<float>(1.0 / std::sqrt(static_cast<double>(s.dh))); }
+
+std::tuple<at::Tensor, at::Tensor> gcla_summary_fwd(const at::Tensor& o_self, const at::Tensor& lse_self,
+                                                    const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc,
+                                                    const at::Tensor& gate, const std::optional<at::Tensor>& lengths,
+                                                    int64_t perm_kv) {
+  const DeviceGuard guard(q.device());
+  const at::Tensor gate_f = gate.to(at::kFloat).contiguous();
+  const Shape s = check_common(q, kc, vc, gate_f, lengths, perm_kv);
+  gcla::SummaryForwardParams p{};
+  p.o_self = self_tensor("o_self", o_self, q);
+  p.lse_self = self_lse("lse_self", lse_self, s, q);
   p.q = q.const_data_ptr();
   p.kc = kc.const_data_ptr();
   p.vc = vc.const_data_ptr();
   p.gate = gate_f.const_data_ptr<float>();
   p.lengths = lengths.has_value() ? lengths->const_data_ptr<int64_t>() : nullptr;
-  p.B = B;
-  p.H = H;
-  p.Hkv = Hkv;
-  p.T = T;
-  p.dh = dh;
-  p.S = S;
-  p.L = L;
-  p.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(dh)));
-  p.dtype = kernel_dtype(q_rot);
-  return p;
-}
-
-std::tuple<at::Tensor, at::Tensor> gcla_attention_fwd(const at::Tensor& q_rot, const at::Tensor& k_rot,
-                                                      const at::Tensor& v, const at::Tensor& q, const at::Tensor& kc,
-                                                      const at::Tensor& vc, const at::Tensor& gate,
-                                                      const std::optional<at::Tensor>& lengths) {
-  const DeviceGuard guard(q_rot.device());
-  const at::Tensor gate_f = gate.to(at::kFloat).contiguous();
-  gcla::ForwardParams p = make_params(q_rot, k_rot, v, q, kc, vc, gate_f, lengths);
-  at::Tensor out = empty_output(q_rot.sizes(), q_rot.options());
-  at::Tensor lse = empty_output({p.B, p.H, p.T}, q_rot.options().dtype(at::kFloat));
+  at::Tensor out = empty_output(q.sizes(), q.options());
+  at::Tensor lse = empty_output({s.B, s.H, s.T}, q.options().dtype(at::kFloat));
   p.out = out.mutable_data_ptr();
   p.lse = lse.mutable_data_ptr<float>();
-  check_launch(gcla::launch_forward(p, current_stream()), "forward");
+  p.B = s.B;
+  p.H = s.H;
+  p.T = s.T;
+  p.dh = s.dh;
+  p.S = s.S;
+  p.L = s.L;
+  p.perm_kv = perm_kv;
+  p.scale = scale_of(s);
+  p.dtype = kernel_dtype(q);
+  check_launch(gcla::launch_summary_forward(p, current_stream()), "summary forward");
   return {out, lse};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> gcla_attention_bwd(
-    const at::Tensor& grad_out, const at::Tensor& q_rot, const at::Tensor& k_rot, const at::Tensor& v,
-    const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& gate,
-    const std::optional<at::Tensor>& lengths, const at::Tensor& out, const at::Tensor& lse) {
-  const DeviceGuard guard(q_rot.device());
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
+gcla_summary_bwd(const at::Tensor& grad_out, const at::Tensor& out, const at::Tensor& lse, const at::Tensor& q_rot,
+                 const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& gate,
+                 const std::optional<at::Tensor>& lengths, int64_t perm_kv, int64_t lse_columns, bool write_q_self) {
+  const DeviceGuard guard(q.device());
   const at::Tensor gate_f = gate.to(at::kFloat).contiguous();
-  gcla::BackwardParams bp{};
-  bp.fwd = make_params(q_rot, k_rot, v, q, kc, vc, gate_f, lengths);
-  const gcla::ForwardParams& p = bp.fwd;
-  check_cuda("grad_out", grad_out, q_rot, q_rot.sizes(), "(B, H, T, d_h)");
-  check_cuda("out", out, q_rot, q_rot.sizes(), "(B, H, T, d_h)");
-  TORCH_CHECK_VALUE(on_kernel_device(lse) && lse.is_contiguous() && lse.scalar_type() == at::kFloat &&
-                        lse.sizes() == at::IntArrayRef({p.B, p.H, p.T}),
-                    "lse must be a contiguous float32 ", kDevice, " tensor of shape (B, H, T)");
-  bp.fwd.out = const_cast<void*>(out.const_data_ptr());
-  bp.fwd.lse = const_cast<float*>(lse.const_data_ptr<float>());
-  bp.grad_out = grad_out.const_data_ptr();
-  at::Tensor dq_rot = empty_output(q_rot.sizes(), q_rot.options());
-  at::Tensor dk_rot = empty_output(k_rot.sizes(), k_rot.options());
-  at::Tensor dv = empty_output(v.sizes(), v.options());
+  const Shape s = check_common(q, kc, vc, gate_f, lengths, perm_kv);
+  check_cuda("grad_out", grad_out, q, q.sizes(), "(B, H, T, d_h)");
+  check_cuda("out", out, q, q.sizes(), "(B, H, T, d_h)");
+  check_cuda("q_rot", q_rot, q, q.sizes(), "(B, H, T, d_h)");
+  TORCH_CHECK_VALUE(on_kernel_device(lse) && lse.device() == q.device() && lse.is_contiguous() &&
+                        lse.scalar_type() == at::kFloat && lse.sizes() == at::IntArrayRef({s.B, s.H, s.T}),
+                    "lse must be a contiguous float32 ", kDevice, " tensor of shape (B, H, T) = (", s.B, ", ", s.H, ", ", s.T,
+                    "), got ", lse.sizes(), " ", lse.scalar_type());
+  TORCH_CHECK_VALUE(lse_columns >= s.T, "lse_columns must be >= T = ", s.T, ", got ", lse_columns);
+  const at::TensorOptions f32 = q.options().dtype(at::kFloat);
   at::Tensor dq = empty_output(q.sizes(), q.options());
   at::Tensor dkc = empty_output(kc.sizes(), kc.options());
   at::Tensor dvc = empty_output(vc.sizes(), vc.options());
-  const at::TensorOptions f32 = q_rot.options().dtype(at::kFloat);
-  at::Tensor dgate = at::empty({p.H}, f32);
-  at::Tensor work = at::empty({2 * p.B * p.H * p.T}, f32);
-  const bool shared = p.S == 1;
-  at::Tensor rows = at::empty({shared ? 2 * p.B * p.H * p.T * p.L * p.dh : 0}, f32);
-  bp.dq_rot = dq_rot.mutable_data_ptr();
-  bp.dk_rot = dk_rot.mutable_data_ptr();
-  bp.dv = dv.mutable_data_ptr();
-  bp.dq = dq.mutable_data_ptr();
-  bp.dkc = dkc.mutable_data_ptr();
-  bp.dvc = dvc.mutable_data_ptr();
-  bp.dgate = dgate.mutable_data_ptr<float>();
-  bp.delta = work.mutable_data_ptr<float>();
-  bp.dgate_rows = bp.delta + p.B * p.H * p.T;
-  bp.dkc_rows = shared ? rows.mutable_data_ptr<float>() : nullptr;
-  bp.dvc_rows = shared ? bp.dkc_rows + p.B * p.H * p.T * p.L * p.dh : nullptr;
-  check_launch(gcla::launch_backward(bp, current_stream()), "backward");
-  return {dq_rot, dk_rot, dv, dq, dkc, dvc, dgate.to(gate.scalar_type())};
+  at::Tensor dgate = empty_output({s.H}, f32);
+  at::Tensor do_self = empty_self(s, q.options());
+  at::Tensor o_self = empty_self(s, q.options());
+  // Identity order: natural (B, H, T, dh) memory, so that the fused backward's dq needs no copy.
+  const bool identity = perm_kv == 1 || perm_kv == s.H;
+  at::Tensor q_self = !write_q_self ? at::empty({0}, q.options())
+                                    : (identity ? empty_output(q.sizes(), q.options()) : empty_self(s, q.options()));
+  // Columns past T exist only for the fused kernels that pad their lse rows; they are never read.
+  at::Tensor lse_self = lse_columns > s.T ? at::zeros({s.B, s.H, lse_columns}, f32)
+                                          : empty_output({s.B, s.H, lse_columns}, f32);
+  const int64_t nchunks = gcla::backward_chunks(s.T);
+  at::Tensor gate_part = at::empty({s.B * s.H * nchunks}, f32);
+  at::Tensor ckv_part = at::empty({s.S == 1 ? s.B * s.H * nchunks * 2 * s.L * s.dh : 0}, f32);
+
+  gcla::SummaryBackwardParams p{};
+  p.grad_out = grad_out.const_data_ptr();
+  p.out = out.const_data_ptr();
+  p.lse = lse.const_data_ptr<float>();
+  p.q_rot = q_rot.const_data_ptr();
+  p.q = q.const_data_ptr();
+  p.kc = kc.const_data_ptr();
+  p.vc = vc.const_data_ptr();
+  p.gate = gate_f.const_data_ptr<float>();
+  p.lengths = lengths.has_value() ? lengths->const_data_ptr<int64_t>() : nullptr;
+  p.dq = dq.mutable_data_ptr();
+  p.dkc = dkc.mutable_data_ptr();
+  p.dvc = dvc.mutable_data_ptr();
+  p.dgate = dgate.mutable_data_ptr<float>();
+  p.do_self = self_tensor("do_self", do_self, q);
+  p.o_self = self_tensor("o_self", o_self, q);
+  p.q_self = write_q_self ? self_tensor("q_self", q_self, q) : gcla::SelfTensor{nullptr, 0, 0, 0};
+  p.lse_self = self_lse("lse_self", lse_self, s, q);
+  p.gate_part = gate_part.mutable_data_ptr<float>();
+  p.ckv_part = s.S == 1 ? ckv_part.mutable_data_ptr<float>() : nullptr;
+  p.B = s.B;
+  p.H = s.H;
+  p.T = s.T;
+  p.dh = s.dh;
+  p.S = s.S;
+  p.L = s.L;
+  p.perm_kv = perm_kv;
+  p.scale = scale_of(s);
+  p.dtype = kernel_dtype(q);
+  check_launch(gcla::launch_summary_backward(p, current_stream()), "summary backward");
+  return {dq, dkc, dvc, dgate, do_self, o_self, q_self, lse_self};
 }
 
 }  // namespace
 
 WIOLA_CUDA_KERNELS_IMPL(m) {
-  m.impl("_gcla_attention_fwd", &gcla_attention_fwd);
-  m.impl("_gcla_attention_bwd", &gcla_attention_bwd);
+  m.impl("_gcla_summary_fwd", &gcla_summary_fwd);
+  m.impl("_gcla_summary_bwd", &gcla_summary_bwd);
 }
 
 }  // namespace wiola::cuda_gcla

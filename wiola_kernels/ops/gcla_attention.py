@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 from .. import dispatch
+from . import gcla_attention_cuda
 from ..reference.gcla_attention import gcla_attention_backward, gcla_attention_forward
 from ..reference.rms_norm import compute_dtype
 from ..validation import bthd_hint, check_rank, check_same_device, check_same_dtype, check_shape, check_tensor
@@ -43,21 +44,28 @@ CUDA_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def _cuda_supports(q_rot: Tensor) -> bool:
-    """The CUDA kernels are instantiated for d_h ∈ {64, 128} and fp32/fp16/bf16; other CUDA
-    inputs (float64 for gradcheck, odd head widths) run the reference."""
+    """The summary kernels are instantiated for d_h ∈ {64, 128} and fp32/fp16/bf16; other CUDA
+    inputs (float64 for gradcheck, odd head widths) run the reference, with a warning."""
     return q_rot.shape[-1] in CUDA_HEAD_DIMS and q_rot.dtype in CUDA_DTYPES
+
+
+def _warn_reference(q_rot: Tensor) -> None:
+    gcla_attention_cuda._warn_once(
+        f"wiola gcla_attention: the cuda backend has kernels for d_h in {CUDA_HEAD_DIMS} and "
+        f"float32/float16/bfloat16, got d_h = {q_rot.shape[-1]}, {q_rot.dtype}: running the O(T²) reference")
 
 
 def _cuda_forward(q_rot, k_rot, v, q, kc, vc, gate, lengths):
     if not _cuda_supports(q_rot):
+        _warn_reference(q_rot)
         return gcla_attention_forward(q_rot, k_rot, v, q, kc, vc, gate, lengths)
-    return torch.ops.wiola._gcla_attention_fwd(q_rot, k_rot, v, q, kc, vc, gate, lengths)
+    return gcla_attention_cuda.forward(q_rot, k_rot, v, q, kc, vc, gate, lengths)
 
 
 def _cuda_backward(grad_out, q_rot, k_rot, v, q, kc, vc, gate, lengths, out, lse):
     if not _cuda_supports(q_rot):
         return gcla_attention_backward(grad_out, q_rot, k_rot, v, q, kc, vc, gate, lengths, out, lse)
-    return torch.ops.wiola._gcla_attention_bwd(grad_out, q_rot, k_rot, v, q, kc, vc, gate, lengths, out, lse)
+    return gcla_attention_cuda.backward(grad_out, q_rot, k_rot, v, q, kc, vc, gate, lengths, out, lse)
 
 
 def _triton_forward(q_rot, k_rot, v, q, kc, vc, gate, lengths):
@@ -75,17 +83,18 @@ def _triton_backward(grad_out, q_rot, k_rot, v, q, kc, vc, gate, lengths, out, l
 def _emu_forward(q_rot, k_rot, v, q, kc, vc, gate, lengths):
     if not _cuda_supports(q_rot):
         return gcla_attention_forward(q_rot, k_rot, v, q, kc, vc, gate, lengths)
-    return torch.ops.wiola_cuda_emu._gcla_attention_fwd(q_rot, k_rot, v, q, kc, vc, gate, lengths)
+    # CPU tensors: the CPU flash kernel for the self part, the summary kernels emulated.
+    return gcla_attention_cuda.forward(q_rot, k_rot, v, q, kc, vc, gate, lengths)
 
 
 def _emu_backward(grad_out, q_rot, k_rot, v, q, kc, vc, gate, lengths, out, lse):
     if not _cuda_supports(q_rot):
         return gcla_attention_backward(grad_out, q_rot, k_rot, v, q, kc, vc, gate, lengths, out, lse)
-    return torch.ops.wiola_cuda_emu._gcla_attention_bwd(grad_out, q_rot, k_rot, v, q, kc, vc, gate, lengths, out,
-                                                        lse)
+    return gcla_attention_cuda.backward(grad_out, q_rot, k_rot, v, q, kc, vc, gate, lengths, out, lse)
 
 
-# The C++ CPU and CUDA kernels share one schema (csrc/wiola_ops.cpp); the dispatcher picks by device.
+# The C++ CPU kernel is torch.ops.wiola._gcla_attention_fwd/_bwd; the cuda backend (and its
+# emulation, cuda_emu) is PyTorch's fused attention plus the summary kernels (gcla_attention_cuda.py).
 # CUDA tensors run `cuda` by default; `triton` (fused FlashAttention-2 style kernels) is chosen
 # with use_backend("triton"), or on CPU tensors only when forced under TRITON_INTERPRET=1.
 dispatch.register(OP, "reference", SimpleNamespace(forward=gcla_attention_forward, backward=gcla_attention_backward))

@@ -8,11 +8,12 @@
 
 // The schemas of csrc/wiola_ops.cpp (tests/test_cuda_emu.py checks that they agree).
 TORCH_LIBRARY(wiola_cuda_emu, m) {
-  m.def("_gcla_attention_fwd(Tensor q_rot, Tensor k_rot, Tensor v, Tensor q, Tensor kc, Tensor vc,"
-        " Tensor gate, Tensor? lengths) -> (Tensor out, Tensor lse)");
-  m.def("_gcla_attention_bwd(Tensor grad_out, Tensor q_rot, Tensor k_rot, Tensor v, Tensor q, Tensor kc,"
-        " Tensor vc, Tensor gate, Tensor? lengths, Tensor out, Tensor lse) -> (Tensor grad_q_rot,"
-        " Tensor grad_k_rot, Tensor grad_v, Tensor grad_q, Tensor grad_kc, Tensor grad_vc, Tensor grad_gate)");
+  m.def("_gcla_summary_fwd(Tensor o_self, Tensor lse_self, Tensor q, Tensor kc, Tensor vc, Tensor gate,"
+        " Tensor? lengths, int perm_kv) -> (Tensor out, Tensor lse)");
+  m.def("_gcla_summary_bwd(Tensor grad_out, Tensor out, Tensor lse, Tensor q_rot, Tensor q, Tensor kc, Tensor vc,"
+        " Tensor gate, Tensor? lengths, int perm_kv, int lse_columns, bool write_q_self) -> (Tensor grad_q,"
+        " Tensor grad_kc, Tensor grad_vc, Tensor grad_gate, Tensor do_self, Tensor o_self, Tensor q_self,"
+        " Tensor lse_self)");
   m.def("_atm_merge(Tensor x, Tensor positions, Tensor lengths, float threshold)"
         " -> (Tensor merged, Tensor merged_positions, Tensor merged_lengths, Tensor index_map)");
   m.def("_atm_merge_bwd(Tensor grad_merged, Tensor index_map, Tensor merged_lengths) -> Tensor grad_x");
