@@ -178,3 +178,19 @@ def test_packed_rows_pack_unpack_unmerge():
     assert padded.shape == (3, 2, 4, 1) and padded.is_contiguous()
     assert padded[2, 1, :, 0].tolist() == [7, 8, 9, 0] and padded[1].abs().sum() == 0
     assert torch.equal(rows.pack_heads(padded), heads.transpose(0, 1))
+
+
+def test_bench_flop_summary_groups_calls_by_merged_layer():
+    from wiola.bench import _atm_flops, _config
+
+    args = dict(d=32, layers=6, heads=4, kv_heads=2, seq=8, batch=2, vocab=259)
+    cfg = _config(args, "reference", True)
+    off = [attention_flops(cfg, layer, [8, 8]) for layer in range(6)]
+    # two forwards, each one call per merged layer (2, 3), in layer order
+    got = _atm_flops(args, [[8, 6], [4, 4], [8, 8], [6, 6]])
+    mean2 = (attention_flops(cfg, 2, [8, 6]) + attention_flops(cfg, 2, [8, 8])) / 2
+    mean3 = (attention_flops(cfg, 3, [4, 4]) + attention_flops(cfg, 3, [6, 6])) / 2
+    assert got["off"] == sum(off) and got["merged_layers_off"] == off[2] + off[3]
+    assert got["merged_layers_on"] == mean2 + mean3
+    assert got["on"] == sum(off) - off[2] - off[3] + mean2 + mean3
+    assert _atm_flops(args, [])["on"] == sum(off)  # nothing recorded: nothing saved
