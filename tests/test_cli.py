@@ -206,7 +206,8 @@ def test_bench_prints_progress_and_checks_in_the_parent(monkeypatch, capsys):
         if target is wiola_bench._timing:
             results = [dict(backend=b, atm=atm, step_s=0.1, steps_s=[0.1], tokens_per_s=100.0, ops={})
                        for b, atm in (("auto", False), ("reference", False), ("auto", True), ("reference", True))]
-            return dict(results=results, threads=1, atm_merged_fraction=0.25)
+            return dict(results=results, threads=1, atm_merged_fraction=0.25,
+                        atm_flops=dict(off=4e9, on=3e9, merged_layers_off=2e9, merged_layers_on=1e9))
         return dict(peak_rss_mb=100.0, step_peak_mb=10.0)
 
     monkeypatch.setattr(wiola_bench, "_subprocess", fake_subprocess)
@@ -215,6 +216,7 @@ def test_bench_prints_progress_and_checks_in_the_parent(monkeypatch, capsys):
     assert calls == ["_timing"] + ["_memory"] * 4
     assert "[bench] timing" in captured.err and captured.err.count("[bench] memory") == 4
     assert "fused/reference (ATM off)" in captured.out
+    assert "3.00 of 4.00 GFLOP, 25.0% saved over all layers (50.0% in the merged layers)" in captured.out
 
 
 def test_a_failing_benchmark_process_is_reported_not_waited_for():

@@ -74,11 +74,34 @@ def _setup(args: dict, backend: str, atm: bool):
             out = original(x, *a, **k)
             counting.tokens += int(x.shape[0] * x.shape[1] - out[2].sum())
             counting.rows += x.shape[0] * x.shape[1]
+            counting.lengths.append(out[2].tolist())  # merged lengths T'_b of this call, for the FLOP count
             return out
 
-        counting._counting, counting.tokens, counting.rows = True, 0, 0
+        counting._counting, counting.tokens, counting.rows, counting.lengths = True, 0, 0, []
         wiola_kernels.atm_merge = counting
     return model, opt, ids
+
+
+def attention_flops(config, layer: int, lengths: list[int]) -> int:
+    """Forward FLOPs (2 × multiply-adds) of layer ``layer``'s attention block (GCLA, SPEC §5)
+    on rows of the given lengths: Q/K/V/O and the context projections per token, the causal
+    self-attention core (QKᵀ and PV over ``t + 1`` keys at query ``t``) and the cross part
+    over ``Λ'`` slots.
+
+    With ATM, ``lengths`` are the merged lengths ``T'_b``: each merged token is computed
+    once (the packed projections, and the attention op skips past ``T'_b``). Norms, SRPE
+    and softmax are left out (linear in T and small). The backward's FLOPs are about twice
+    these, in the same proportions."""
+    d, h, h_kv, dh = config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    n_ctx = min(layer, config.gcla_lookback)
+    per_token = d * h * dh + 2 * d * h_kv * dh + h * dh * d  # W_Q, W_K, W_V, W_O
+    per_token += 2 * h * n_ctx * dh                          # cross scores and mixture
+    ctx = 2 * n_ctx * d * h * dh                             # W_Kc, W_Vc of the slots
+    total = 0
+    for t in lengths:
+        total += t * per_token + 2 * h * dh * t * (t + 1) // 2
+        total += t * ctx if config.gcla_summary == "causal" else ctx  # paper: one context per row
+    return 2 * total
 
 
 def _step(model, opt, ids) -> float:
@@ -120,7 +143,25 @@ def _timing(args: dict, queue) -> None:
                             tokens_per_s=args["batch"] * args["seq"] / step, ops=ops))
     counter = wiola_kernels.atm_merge
     queue.put(dict(results=results, threads=torch.get_num_threads(),
-                   atm_merged_fraction=counter.tokens / max(1, counter.rows)))
+                   atm_merged_fraction=counter.tokens / max(1, counter.rows),
+                   atm_flops=_atm_flops(args, counter.lengths)))
+
+
+def _atm_flops(args: dict, calls: list[list[int]]) -> dict:
+    """Attention FLOPs per forward with ATM off and on (mean over the recorded merge calls,
+    which come in layer order: one per merged layer per forward), over all layers and over
+    the merged layers alone."""
+    config = _config(args, "reference", True)
+    full = [args["seq"]] * args["batch"]
+    merged = [i for i in range(config.num_hidden_layers) if config.is_merge_layer(i)]
+    off = {i: attention_flops(config, i, full) for i in range(config.num_hidden_layers)}
+    forwards = [calls[k:k + len(merged)] for k in range(0, len(calls) - len(merged) + 1, len(merged))]
+    on = dict(off)
+    if merged and forwards:
+        for i, layer in enumerate(merged):
+            on[layer] = statistics.mean(attention_flops(config, layer, f[i]) for f in forwards)
+    return dict(off=sum(off.values()), on=sum(on.values()), merged_layers_off=sum(off[i] for i in merged),
+                merged_layers_on=sum(on[i] for i in merged))
 
 
 def _memory(args: dict, backend: str, atm: bool, queue) -> None:
@@ -260,6 +301,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
           f"{fused['peak_rss_mb'] / ref['peak_rss_mb']:.2f}x")
     print(f"ATM on/off ({a.fused}): {fused_atm['tokens_per_s'] / fused['tokens_per_s']:.2f}x tokens/s, "
           f"step memory {fused_atm['step_peak_mb'] / max(fused['step_peak_mb'], 1e-9):.2f}x")
+    flops = timing["atm_flops"]
+    saved = 1 - flops["on"] / flops["off"]
+    in_merged = 1 - flops["merged_layers_on"] / flops["merged_layers_off"] if flops["merged_layers_off"] else 0.0
+    print(f"ATM attention FLOPs (projections + core, forward; backward alike): {flops['on'] / 1e9:.2f} of "
+          f"{flops['off'] / 1e9:.2f} GFLOP, {100 * saved:.1f}% saved over all layers "
+          f"({100 * in_merged:.1f}% in the merged layers)")
+    for r in results:
+        r["atm_merged_fraction"] = timing["atm_merged_fraction"]
+        r["attention_gflops"] = (flops["on"] if r["atm"] else flops["off"]) / 1e9
     if a.json:
         with open(a.json, "w") as f:
             json.dump(results, f, indent=2)

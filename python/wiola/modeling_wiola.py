@@ -278,6 +278,35 @@ class WiolaAttention(nn.Module):
             out = out + cross
         return self.o_proj(out.reshape(b, t, h * dh))  # (B, T, d)
 
+    def forward_packed(self, rows: "PackedRows", x: Tensor, position_ids: Tensor, context: Tensor) -> Tensor:
+        """GCLA of ATM-merged rows with the projections on the valid rows only (SPEC §6.2).
+
+        ``x (N, d)``, ``position_ids (N,)`` and, with per-position summaries, ``context
+        (N, Λ', d)`` hold the ``N = Σ_b T'_b`` merged tokens of all rows, packed (see
+        :class:`PackedRows`); ``context (B, 1, Λ', d)`` for paper summaries. Returns the
+        merged outputs ``A' (N, d)``. Q/K/V, SRPE, the context projections and ``W_O`` run
+        on N rows instead of B·T; only the fused attention op sees the padded (B, ·, T, ·)
+        layout, which it needs, and skips past each row's length. The same arithmetic per
+        row as :meth:`forward` with ``lengths = T'``: packing only re-lays rows out."""
+        n = x.shape[0]
+        h, h_kv, dh = self.n_head, self.n_kv_head, self.head_dim
+        q = self.q_proj(x).view(1, n, h, dh).transpose(1, 2)        # (1, H, N, d_h)
+        k = self.k_proj(x).view(1, n, h_kv, dh).transpose(1, 2)     # (1, H_kv, N, d_h)
+        v = self.v_proj(x).view(n, h_kv, dh)
+        q_rot, k_rot = fast_path.srpe(self.srpe, q, k, position_ids[None])  # SRPE is per position
+        n_ctx = context.shape[-2]
+        if context.dim() == 3:  # per-position summaries, packed like x
+            kc = rows.unpack(self.kc_proj(context).view(n, n_ctx, h, dh)).permute(0, 3, 1, 2, 4)
+            vc = rows.unpack(self.vc_proj(context).view(n, n_ctx, h, dh)).permute(0, 3, 1, 2, 4)
+        else:  # (B, 1, Λ', d): one context per row, nothing to pack
+            b = context.shape[0]
+            kc = self.kc_proj(context).view(b, 1, n_ctx, h, dh).permute(0, 3, 1, 2, 4)
+            vc = self.vc_proj(context).view(b, 1, n_ctx, h, dh).permute(0, 3, 1, 2, 4)
+        out = wiola_kernels.gcla_attention(rows.unpack_heads(q_rot[0]), rows.unpack_heads(k_rot[0]),
+                                           rows.unpack_heads(v.transpose(0, 1)), rows.unpack_heads(q[0]), kc, vc,
+                                           self.gate, rows.lengths)  # (B, H, T, d_h), zero past T'_b
+        return self.o_proj(rows.pack_heads(out).reshape(n, h * dh))  # (N, d)
+
 
 # ----------------------------------------------------------------------------------------
 # DSFF: dual-stream feed-forward (SPEC §7)
@@ -308,6 +337,13 @@ class WiolaDSFF(nn.Module):
 # ----------------------------------------------------------------------------------------
 
 class WiolaBlock(GradientCheckpointingLayer):
+    #: Merged layers run the attention block's projections (Q/K/V/O, SRPE, the context
+    #: projections) on the ``Σ_b T'_b`` merged tokens only (:class:`PackedRows`); False keeps
+    #: the static ``(B, T, d)`` shapes of the ATM op throughout (the attention op alone skips
+    #: the zero rows past ``T'_b``), which ``torch.compile`` / CUDA graphs prefer. Packing is
+    #: a re-layout: results agree to rounding (tests/test_model_atm_packing.py).
+    pack_merged = True
+
     def __init__(self, config: WiolaConfig, layer_idx: int):
         super().__init__()
         self.layer_idx = layer_idx
@@ -326,10 +362,17 @@ class WiolaBlock(GradientCheckpointingLayer):
             # ATM (SPEC §6): merge similar neighbours, attend over the shorter rows, restore length T.
             merged, merged_pos, merged_len, index_map = wiola_kernels.atm_merge(h, position_ids, self.atm_threshold,
                                                                                lengths)
-            if context.shape[1] > 1:  # causal summaries: each slot reads the context at its first member
-                context = context.gather(1, first_member(index_map)[:, :, None, None].expand_as(context))
-            a = self.attn(merged, merged_pos, context, merged_len)  # (B, T, d), zero past merged_len
-            a = wiola_kernels.atm_unmerge(a, index_map)            # A_t = A'_{map(t)}
+            if self.pack_merged:  # the attention block's projections skip the merged-away rows
+                rows = PackedRows(merged_len, h.shape[1])
+                if context.shape[1] > 1:  # causal summaries: each slot reads the context at its first member
+                    context = rows.pack(context, first_member(index_map))
+                a = self.attn.forward_packed(rows, rows.pack(merged), rows.pack(merged_pos), context)  # (N, d)
+                a = rows.unmerge(a, index_map, lengths is not None)  # A_t = A'_{map(t)}, (B, T, d)
+            else:  # static shapes: only the attention op skips work past merged_len
+                if context.shape[1] > 1:
+                    context = context.gather(1, first_member(index_map)[:, :, None, None].expand_as(context))
+                a = self.attn(merged, merged_pos, context, merged_len)  # (B, T, d), zero past merged_len
+                a = wiola_kernels.atm_unmerge(a, index_map)            # A_t = A'_{map(t)}
         else:
             a = self.attn(h, position_ids, context, lengths, cache, layout)
         x = x + a                                  # X'
@@ -348,6 +391,63 @@ def refuse_pickle_only_directory(who: str, path, subfolder: str) -> None:
             raise OSError(f"{who}.from_pretrained: {folder} holds only pickled weights ({', '.join(pickles)}); "
                           "Wiola loads safetensors only, never pickle (SECURITY.md). Convert the checkpoint to "
                           "model.safetensors with a trusted tool first.")
+
+
+class PackedRows:
+    """The valid merged rows of an ATM-merged batch, packed (SPEC §6.2: row ``b`` holds its
+    ``T'_b`` merged tokens first and zeros after).
+
+    ``pack`` gathers slots ``(b, s < T'_b)`` of a ``(B, T, …)`` tensor into ``(N, …)``,
+    ``N = Σ_b T'_b``, row-major; ``unpack`` is its inverse, zeros past ``T'_b``;
+    ``unpack_heads`` / ``pack_heads`` do the same between ``(H, N, d_h)`` / ``(N, H, d_h)``
+    and the attention op's ``(B, H, T, d_h)``; ``unmerge`` restores length T from packed
+    merged outputs. Finding the rows reads ``merged_len``
+    (one device sync), which is why packing is the eager-mode choice."""
+
+    def __init__(self, merged_len: Tensor, t: int):
+        b = merged_len.shape[0]
+        self.batch, self.t, self.lengths = b, t, merged_len
+        valid = torch.arange(t, device=merged_len.device)[None, :] < merged_len[:, None]  # (B, T)
+        self.index = valid.reshape(-1).nonzero().squeeze(1)           # (N,) flat b·T + s
+        self.n = self.index.numel()
+        self.offsets = merged_len.cumsum(0) - merged_len              # (B,) first packed row of b
+        self.row_of, self.slot_of = self.index // t, self.index % t   # (N,) each packed row's (b, s)
+
+    def pack(self, x: Tensor, slots: Tensor | None = None) -> Tensor:
+        """``x (B, T, …)`` → ``(N, …)``; ``slots (B, T)`` reads slot ``(b, s)`` from
+        ``x[b, slots[b, s]]`` instead (the gather is folded into the packing)."""
+        flat = x.reshape(self.batch * self.t, *x.shape[2:])
+        if slots is None:
+            return flat.index_select(0, self.index)
+        rows = torch.arange(self.batch, device=x.device)[:, None] * self.t
+        return flat.index_select(0, (rows + slots).reshape(-1).index_select(0, self.index))
+
+    def unpack(self, y: Tensor) -> Tensor:
+        """``y (N, …)`` → ``(B, T, …)`` with zeros past each row's ``T'_b``."""
+        full = y.new_zeros(self.batch * self.t, *y.shape[1:])
+        return full.index_copy(0, self.index, y).view(self.batch, self.t, *y.shape[1:])
+
+    def unpack_heads(self, y: Tensor) -> Tensor:
+        """``y (H, N, d_h)`` → ``(B, H, T, d_h)``, contiguous (the attention op's layout),
+        zeros past each row's ``T'_b``."""
+        full = y.new_zeros(self.batch, y.shape[0], self.t, y.shape[2])
+        full[self.row_of, :, self.slot_of] = y.transpose(0, 1)
+        return full
+
+    def pack_heads(self, x: Tensor) -> Tensor:
+        """``x (B, H, T, d_h)`` → ``(N, H, d_h)``."""
+        return x[self.row_of, :, self.slot_of]
+
+    def unmerge(self, y: Tensor, index_map: Tensor, padded: bool = True) -> Tensor:
+        """``A_t = A'_{map(t)}`` (SPEC §6.3) from packed ``y (N, d)``: ``(B, T, d)``; a token
+        mapped past ``T'_b`` (padding, only when the merge had ``lengths``: say ``padded``)
+        gets 0, as the attention op leaves that slot. Its backward sums the gradients of the
+        tokens sharing a slot (SPEC §6.4)."""
+        src = self.offsets[:, None] + index_map
+        if padded:
+            src = torch.where(index_map < self.lengths[:, None], src, self.n)  # row N: zeros
+            y = torch.cat([y, y.new_zeros(1, y.shape[1])])
+        return y.index_select(0, src.reshape(-1)).view(self.batch, self.t, y.shape[1])
 
 
 def first_member(index_map: Tensor) -> Tensor:
