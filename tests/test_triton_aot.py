@@ -28,11 +28,7 @@ VARIANTS = [(arch, key) for arch, gpu in aot.GPUS.items() for key in aot.launche
 # Spills found by this test in kernels outside the AOT work, kept visible rather than
 # silently allowed: (arch, kernel prefix) -> spill bytes ptxas reports. An entry fails
 # the test when the spill grows or when it is gone (then delete the entry).
-KNOWN_CUDA_SPILLS = {
-    # csrc/cuda/atm.cu unmerge_backward_kernel (every dtype), sm_90 only: 8 bytes spill
-    # stores at 32 registers (nvcc 13.0, -O3 --use_fast_math). Reported for the .cu owner.
-    ("sm_90", "atm::unmerge_backward_kernel<"): 8,
-}
+KNOWN_CUDA_SPILLS: dict[tuple[str, str], int] = {}  # (arch, kernel prefix) -> bytes; none today
 
 
 @pytest.fixture(scope="session")

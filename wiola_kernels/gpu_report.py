@@ -359,6 +359,10 @@ def launch_block_sizes(stem: str) -> dict[str, int]:
             for name, (args, _) in _launches(stem).items()}
 
 
+#: Context slots (Λ') of the GCLA bench shape: a run-time size of the summary kernels' shared memory.
+BENCH_CONTEXT_SLOTS = 2
+
+
 def dynamic_smem(stem: str, kernel: str, template_ints: list[int]) -> int:
     """Dynamic shared memory of a launch: its third ``<<<>>>`` argument, a literal or a
     ``size_t`` defined before the launch as ``sizeof(float) * (…)`` of ``constexpr int``
@@ -374,11 +378,15 @@ def dynamic_smem(stem: str, kernel: str, template_ints: list[int]) -> int:
     expr = expr.replace("sizeof(float)", "4")
     if "DH" in expr:
         expr = re.sub(r"\bDH\b", str(template_ints[-1]), expr)
+    # Run-time sizes: the bench's context slots (Λ' = 2), and the larger side of a
+    # run-time choice (`cond ? a : b`), so the report shows the worst case.
+    expr = re.sub(r"\bp\.L\b", str(BENCH_CONTEXT_SLOTS), expr)
+    expr = re.sub(r"\(\s*\w+\s*\?\s*([^:()]+?)\s*:\s*([^()]+?)\s*\)", r"max(\1, \2)", expr)
     for name in set(re.findall(r"\bk\w+", expr)):
         expr = re.sub(rf"\b{name}\b", str(_cuda_constant(stem, name)), expr)
-    if not re.fullmatch(r"[\d\s()+*-]+", expr):
+    if not re.fullmatch(r"(?:[\d\s()+*,-]|max)+", expr):
         raise ValueError(f"{stem}.cu: cannot evaluate the shared memory of {kernel}: {expr}")
-    return int(eval(expr, {"__builtins__": {}}))  # noqa: S307 - integer arithmetic only
+    return int(eval(expr, {"__builtins__": {}, "max": max}))  # noqa: S307 - integer arithmetic only
 
 
 def _demangle(names: list[str]) -> list[str]:

@@ -189,6 +189,7 @@ __global__ void __launch_bounds__(kThreads) summary_backward_kernel(SummaryBackw
       }
       store<scalar_t, V>(static_cast<scalar_t*>(p.dq) + row * DH + col, tmp);
       if (!shared_ctx) {
+        #pragma unroll 1  // L ≤ Λ is small: unrolled, these slot loops made ptxas spill on sm_80
         for (int64_t s = 0; s < L; ++s) {
           store<scalar_t, V>(static_cast<scalar_t*>(p.dkc) + (row * L + s) * DH + col, tmp);
           store<scalar_t, V>(static_cast<scalar_t*>(p.dvc) + (row * L + s) * DH + col, tmp);
@@ -205,6 +206,7 @@ __global__ void __launch_bounds__(kThreads) summary_backward_kernel(SummaryBackw
     const scalar_t* vc = static_cast<const scalar_t*>(p.vc) + slot0 * DH + col;
     // Pass 1: scores z_λ (kept in a_s) and their maximum.
     float m = -INFINITY;
+    #pragma unroll 1
     for (int64_t s = 0; s < L; ++s) {
       load<scalar_t, V>(kc + s * DH, k);
       const float z = dot(qv, k) * p.scale;
@@ -213,10 +215,12 @@ __global__ void __launch_bounds__(kThreads) summary_backward_kernel(SummaryBackw
     }
     __syncwarp();
     float l = 0.f;
+    #pragma unroll 1
     for (int64_t s = 0; s < L; ++s) l += __expf(a_s[s] - m);
     // Pass 2: a_λ, e_λ = dO·vc_λ, O^cross, r = dO·O^cross.
     fill(oc, 0.f);
     float r = 0.f;
+    #pragma unroll 1
     for (int64_t s = 0; s < L; ++s) {
       load<scalar_t, V>(vc + s * DH, vv);
       const float a = __expf(a_s[s] - m) / l;
@@ -233,6 +237,7 @@ __global__ void __launch_bounds__(kThreads) summary_backward_kernel(SummaryBackw
     __syncwarp();
     // Pass 3: dz_λ, dq, dkc, dvc.
     fill(dq, 0.f);
+    #pragma unroll 1
     for (int64_t s = 0; s < L; ++s) {
       load<scalar_t, V>(kc + s * DH, k);
       const float a = a_s[s];
