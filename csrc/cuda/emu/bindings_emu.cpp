@@ -5,18 +5,14 @@
 #define WIOLA_CUDA_EMU 1
 #include "../atm_binding.cpp"
 #include "../gcla_attention_binding.cpp"
+#include "wiola/cuda_schemas.h"
 
-// The schemas of csrc/wiola_ops.cpp (tests/test_cuda_emu.py checks that they agree).
+// The same schemas as csrc/wiola_ops.cpp declares in wiola (one source: wiola/cuda_schemas.h).
 TORCH_LIBRARY(wiola_cuda_emu, m) {
-  m.def("_gcla_summary_fwd(Tensor o_self, Tensor lse_self, Tensor q, Tensor kc, Tensor vc, Tensor gate,"
-        " Tensor? lengths, int perm_kv) -> (Tensor out, Tensor lse)");
-  m.def("_gcla_summary_bwd(Tensor grad_out, Tensor out, Tensor lse, Tensor q_rot, Tensor q, Tensor kc, Tensor vc,"
-        " Tensor gate, Tensor? lengths, int perm_kv, int lse_columns, bool write_q_self) -> (Tensor grad_q,"
-        " Tensor grad_kc, Tensor grad_vc, Tensor grad_gate, Tensor do_self, Tensor o_self, Tensor q_self,"
-        " Tensor lse_self)");
-  m.def("_atm_merge(Tensor x, Tensor positions, Tensor lengths, float threshold)"
-        " -> (Tensor merged, Tensor merged_positions, Tensor merged_lengths, Tensor index_map)");
-  m.def("_atm_merge_bwd(Tensor grad_merged, Tensor index_map, Tensor merged_lengths) -> Tensor grad_x");
-  m.def("_atm_unmerge(Tensor y, Tensor index_map) -> Tensor restored");
-  m.def("_atm_unmerge_bwd(Tensor grad_restored, Tensor index_map) -> Tensor grad_y");
+  m.def(wiola::schema::kGclaSummaryFwd);
+  m.def(wiola::schema::kGclaSummaryBwd);
+  m.def(wiola::schema::kAtmMerge);
+  m.def(wiola::schema::kAtmMergeBwd);
+  m.def(wiola::schema::kAtmUnmerge);
+  m.def(wiola::schema::kAtmUnmergeBwd);
 }

@@ -1,0 +1,36 @@
+// The schemas of the kernels that have a CUDA implementation, written once: csrc/wiola_ops.cpp
+// declares them in the wiola namespace, the SIMT emulation's bindings
+// (csrc/cuda/emu/bindings_emu.cpp) in wiola_cuda_emu, so the two cannot drift apart.
+#pragma once
+
+namespace wiola::schema {
+
+// GCLA's summary kernels around a fused self-attention (CUDA; wiola/gcla_attention.h):
+// o_self / lse_self are the fused attention's output and log-sum-exp with the query heads
+// in the order p(h) = (h mod perm_kv)·(H/perm_kv) + h/perm_kv; out / lse are natural.
+inline constexpr const char* kGclaSummaryFwd =
+    "_gcla_summary_fwd(Tensor o_self, Tensor lse_self, Tensor q, Tensor kc, Tensor vc, Tensor gate,"
+    " Tensor? lengths, int perm_kv) -> (Tensor out, Tensor lse)";
+// The cross part's gradients, plus the fused backward's inputs in its head order: dO and
+// O^self zeroed past the lengths, q_rot (when write_q_self, zeroed past the lengths; else
+// an empty tensor) and lse with lse_columns ≥ T columns.
+inline constexpr const char* kGclaSummaryBwd =
+    "_gcla_summary_bwd(Tensor grad_out, Tensor out, Tensor lse, Tensor q_rot, Tensor q, Tensor kc, Tensor vc,"
+    " Tensor gate, Tensor? lengths, int perm_kv, int lse_columns, bool write_q_self) -> (Tensor grad_q,"
+    " Tensor grad_kc, Tensor grad_vc, Tensor grad_gate, Tensor do_self, Tensor o_self, Tensor q_self,"
+    " Tensor lse_self)";
+// --- ATM greedy adjacent merge (SPEC §6) ---
+// x (B, T, d) contiguous; positions (B, T), lengths (B,) int64; threshold τ in [-1, 1].
+// merged (B, T, d): row b's T'_b tokens then zeros; merged_positions (B, T) int64 (0 after
+// T'_b); merged_lengths (B,) int64 = T'_b; index_map (B, T) int64 (token -> merged slot).
+inline constexpr const char* kAtmMerge =
+    "_atm_merge(Tensor x, Tensor positions, Tensor lengths, float threshold)"
+    " -> (Tensor merged, Tensor merged_positions, Tensor merged_lengths, Tensor index_map)";
+// grad_x[b, t] = w_t grad_merged[b, map[b, t]], w: 1/2 in a pair, 1 alone, 0 padding (map >= T'_b).
+inline constexpr const char* kAtmMergeBwd =
+    "_atm_merge_bwd(Tensor grad_merged, Tensor index_map, Tensor merged_lengths) -> Tensor grad_x";
+// restored[b, t] = y[b, map[b, t]]; its backward sums the tokens of each slot, in token order.
+inline constexpr const char* kAtmUnmerge = "_atm_unmerge(Tensor y, Tensor index_map) -> Tensor restored";
+inline constexpr const char* kAtmUnmergeBwd = "_atm_unmerge_bwd(Tensor grad_restored, Tensor index_map) -> Tensor grad_y";
+
+}  // namespace wiola::schema
