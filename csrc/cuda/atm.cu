@@ -4,8 +4,8 @@
 //
 // Merge = three launches, each over all B rows:
 //   1. norms_and_dots: a block owns kSimTokens consecutive tokens of one row and reads
-//      each of their elements once (plus one look-ahead row), keeping the previous
-//      token's value in a register: ‖x_t‖² and ⟨x_t, x_{t+1}⟩, reduced in a fixed order,
+//      each of their elements once (plus one look-ahead row), kSimBatch columns of all
+//      of them loaded before any is summed: ‖x_t‖² and ⟨x_t, x_{t+1}⟩, reduced in a fixed order,
 //      and max|x_t|. A block with a token whose max lies outside [2^-30, 2^40) (sums
 //      could over/underflow or lose precision) recomputes its sums in double with each
 //      such token scaled by 2^-e (max lands in [0.5, 1)): the test is homogeneous in each
@@ -45,6 +45,7 @@ namespace {
 
 constexpr int kSimTokens = 8;     // tokens per block in norms_and_dots
 constexpr int kSimThreads = 256;
+constexpr int kSimBatch = 4;  // columns per thread loaded before they are summed
 constexpr int kScanThreads = 256;  // select: one block per row, tiles of kScanThreads·kScanItems tokens
 constexpr int kScanItems = 4;
 constexpr int kTile = kScanThreads * kScanItems;
@@ -236,7 +237,9 @@ struct MaxOp {
 
 // ‖x_t‖² and ⟨x_t, x_{t+1}⟩ for kSimTokens tokens of one row per block.
 template <typename scalar_t>
-__global__ void __launch_bounds__(kSimThreads)
+// 2 blocks per SM: room for the kSimBatch × (kSimTokens + 1) loaded values (ptxas's default
+// budget of 64–80 registers spilled on sm_80, gpu-report).
+__global__ void __launch_bounds__(kSimThreads, 2)
     norms_and_dots_kernel(const scalar_t* __restrict__ x, float* __restrict__ norm_sq, float* __restrict__ dot,
                           int64_t T, int64_t d, int64_t chunks_per_row) {
   const int64_t b = blockIdx.x / chunks_per_row;
@@ -250,17 +253,30 @@ __global__ void __launch_bounds__(kSimThreads)
   for (int k = 0; k < kSimTokens; ++k) ns[k] = dt[k] = 0.f;
 #pragma unroll
   for (int k = 0; k <= kSimTokens; ++k) mx[k] = 0u;
-  for (int64_t j = threadIdx.x; j < d; j += blockDim.x) {
-    float prev = to_float(row[j]);
-    mx[0] = max(mx[0], abs_bits(prev));
+  // kSimBatch columns of all tokens are loaded before any is summed (memory-level
+  // parallelism, issue 10 §3); the sums still take the columns in ascending order.
+#pragma unroll 1
+  for (int64_t j0 = threadIdx.x; j0 < d; j0 += static_cast<int64_t>(blockDim.x) * kSimBatch) {
+    float v[kSimBatch][kSimTokens + 1];
 #pragma unroll
-    for (int k = 0; k < kSimTokens; ++k) {
-      if (k < n) {
-        const float next = (k + 1 < n || look_ahead) ? to_float(row[(k + 1) * d + j]) : 0.f;
-        mx[k + 1] = max(mx[k + 1], abs_bits(next));
-        ns[k] = fmaf(prev, prev, ns[k]);
-        dt[k] = fmaf(prev, next, dt[k]);
-        prev = next;
+    for (int u = 0; u < kSimBatch; ++u) {
+      const int64_t j = j0 + static_cast<int64_t>(u) * blockDim.x;
+#pragma unroll
+      for (int k = 0; k <= kSimTokens; ++k)
+        v[u][k] = j < d && (k < n || (k == n && look_ahead)) ? to_float(row[k * d + j]) : 0.f;
+    }
+#pragma unroll
+    for (int u = 0; u < kSimBatch; ++u) {
+      if (j0 + static_cast<int64_t>(u) * blockDim.x >= d) break;
+      mx[0] = max(mx[0], abs_bits(v[u][0]));
+#pragma unroll
+      for (int k = 0; k < kSimTokens; ++k) {
+        if (k < n) {
+          const float prev = v[u][k], next = v[u][k + 1];
+          mx[k + 1] = max(mx[k + 1], abs_bits(next));
+          ns[k] = fmaf(prev, prev, ns[k]);
+          dt[k] = fmaf(prev, next, dt[k]);
+        }
       }
     }
   }
