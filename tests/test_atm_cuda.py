@@ -36,7 +36,8 @@ def test_cuda_matches_greedy_loop(backend, dtype, case):
 
 
 GPU_SHAPES = [(3, 37, 40), (2, 3001, 96), (1, 1, 8), (5, 1024, 33)]
-EMU_SHAPES = [(3, 37, 40), (2, 1100, 24), (1, 1, 8)]  # 1100: two scan tiles of 1024 tokens
+# 1100: two scan tiles of 1024 tokens; 1032: rows of several 16-byte-chunk steps (row kernels), the last partial
+EMU_SHAPES = [(3, 37, 40), (2, 1100, 24), (1, 1, 8), (2, 5, 1032)]
 
 
 @pytest.mark.parametrize("backend, shape", with_cases([(s,) for s in GPU_SHAPES], [(s,) for s in EMU_SHAPES]))
@@ -65,6 +66,40 @@ def test_cuda_against_reference(backend, dtype, shape):
     (gy,) = torch.autograd.grad(restored, y, g64.to(dtype).to(dev))
     assert_close_rel(gx.cpu(), ref.atm_merge_backward(g64, i_ref, l_ref), tol, "grad_x")
     assert_close_rel(gy.cpu(), ref.atm_unmerge_backward(g64, i_ref), tol, "grad_y")
+
+
+def _misaligned(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy of t whose data starts one element past a 16-byte boundary."""
+    buf = torch.empty(t.numel() + 16, dtype=t.dtype, device=t.device)
+    start = next(k for k in range(1, 17) if (buf.data_ptr() + k * t.element_size()) % 16 != 0)
+    out = buf[start:start + t.numel()].view(t.shape)
+    out.copy_(t)
+    return out
+
+
+@pytest.mark.parametrize("backend", TARGETS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cuda_row_kernels_on_misaligned_rows(backend, dtype):
+    """d allows 16-byte chunks but the tensors do not start 16-byte aligned: the row
+    kernels (gather_average, merge_backward, unmerge) take their element-wise path."""
+    dev = DEVICE[backend]
+    b, t, d = 2, 9, 16
+    x64 = _robust_inputs(b, t, d, seed=11).to(dtype).double()
+    pos, lens = torch.arange(t).expand(b, t).contiguous(), torch.tensor([t, 6])
+    m_ref, _, l_ref, i_ref = ref.atm_merge(x64, pos, 0.5, lens)
+    g64 = torch.randn(b, t, d, dtype=torch.float64, generator=torch.Generator().manual_seed(12)).to(dtype).double()
+    x = _misaligned(x64.to(dtype).to(dev)).requires_grad_()
+    y = _misaligned(g64.flip(1).to(dtype).to(dev))
+    assert x.data_ptr() % 16 != 0 and y.data_ptr() % 16 != 0
+    with wk.use_backend(backend):
+        merged, _, _, imap = wk.atm_merge(x, pos.to(dev), 0.5, lens.to(dev))
+        restored = wk.atm_unmerge(y, imap)
+        (gx,) = torch.autograd.grad(merged, x, _misaligned(g64.to(dtype).to(dev)))
+    assert torch.equal(imap.cpu(), i_ref)
+    tol = tolerance(dtype)
+    assert_close_rel(merged.cpu(), m_ref, tol, "merged")
+    assert_close_rel(restored.cpu(), ref.atm_unmerge(g64.flip(1), i_ref), tol, "restored")
+    assert_close_rel(gx.cpu(), ref.atm_merge_backward(g64, i_ref, l_ref), tol, "grad_x")
 
 
 @pytest.mark.parametrize("backend", TARGETS)

@@ -4,8 +4,8 @@
 //
 // Merge = three launches, each over all B rows:
 //   1. norms_and_dots: a block owns kSimTokens consecutive tokens of one row and reads
-//      each of their elements once (plus one look-ahead row), keeping the previous
-//      token's value in a register: ‖x_t‖² and ⟨x_t, x_{t+1}⟩, reduced in a fixed order,
+//      each of their elements once (plus one look-ahead row), kSimBatch columns of all
+//      of them loaded before any is summed: ‖x_t‖² and ⟨x_t, x_{t+1}⟩, reduced in a fixed order,
 //      and max|x_t|. A block with a token whose max lies outside [2^-30, 2^40) (sums
 //      could over/underflow or lose precision) recomputes its sums in double with each
 //      such token scaled by 2^-e (max lands in [0.5, 1)): the test is homogeneous in each
@@ -33,6 +33,9 @@
 #include <cuda_fp16.h>
 #endif
 
+#include <cstdint>
+#include <cstring>
+
 #include "wiola/atm.h"
 #include "wiola/cuda_convert.cuh"
 #include "wiola/cuda_launch.cuh"
@@ -42,10 +45,17 @@ namespace {
 
 constexpr int kSimTokens = 8;     // tokens per block in norms_and_dots
 constexpr int kSimThreads = 256;
+constexpr int kSimBatch = 4;  // columns per thread loaded before they are summed
 constexpr int kScanThreads = 256;  // select: one block per row, tiles of kScanThreads·kScanItems tokens
 constexpr int kScanItems = 4;
 constexpr int kTile = kScanThreads * kScanItems;
-constexpr int kRowThreads = 128;  // gather kernels: one block per token / slot
+// Row kernels (gather_average, merge_backward, unmerge): one block per token / slot. When
+// d and the base pointers allow (checked at launch), each thread moves 16-byte chunks and
+// loads kRowChunks of them before storing any: a bf16 row of d = 1024 is one block's
+// 64 × 2 chunks, and with 32 such blocks resident an SM has ≈ 64 KB of loads in flight
+// (issue 10 §3: ≥ 32 KB for HBM bandwidth; one 2-byte load per thread had 4 KB).
+constexpr int kRowThreads = 64;
+constexpr int kRowChunks = 2;
 constexpr int kColumnThreads = 128;  // unmerge backward: one thread per column
 
 using wiola::cuda::from_float;
@@ -107,13 +117,129 @@ __device__ __forceinline__ double exact_double(float v) {
   return (u >> 31) ? -m : m;
 }
 
+// A 16-byte global access (ld/st.global.v4.u32; uint4 without the CUDA vector types, so
+// the same body runs in the emulator).
+struct alignas(16) Chunk {
+  unsigned w[4];
+};
+
+template <typename scalar_t>
+constexpr int64_t kPerChunk = static_cast<int64_t>(sizeof(Chunk) / sizeof(scalar_t));
+
+template <typename scalar_t>
+struct Elems {
+  scalar_t v[sizeof(Chunk) / sizeof(scalar_t)];
+};
+
+template <typename scalar_t>
+__device__ __forceinline__ Elems<scalar_t> unpack(const Chunk& c) {
+  Elems<scalar_t> e;
+  memcpy(&e, &c, sizeof(Chunk));
+  return e;
+}
+
+template <typename scalar_t>
+__device__ __forceinline__ Chunk pack(const Elems<scalar_t>& e) {
+  Chunk c;
+  memcpy(&c, &e, sizeof(Chunk));
+  return c;
+}
+
+// Host: whether a row kernel may use 16-byte chunks (every row starts 16-byte aligned).
+template <typename scalar_t>
+bool rows_vectorizable(int64_t d, const void* a, const void* b) {
+  return d % kPerChunk<scalar_t> == 0 && reinterpret_cast<uintptr_t>(a) % sizeof(Chunk) == 0 &&
+         reinterpret_cast<uintptr_t>(b) % sizeof(Chunk) == 0;
+}
+
+// out[j] = src[j] over one row (bit copy).
+template <typename scalar_t>
+__device__ __forceinline__ void copy_row(const scalar_t* __restrict__ src, scalar_t* __restrict__ out, int64_t d,
+                                         bool vec) {
+  if (vec) {
+    const Chunk* s = reinterpret_cast<const Chunk*>(src);
+    Chunk* o = reinterpret_cast<Chunk*>(out);
+    const int64_t n = d / kPerChunk<scalar_t>;
+#pragma unroll 1  // kRowChunks chunks in flight per step is the design (gpu-report counts the body)
+    for (int64_t c = threadIdx.x; c < n; c += kRowThreads * kRowChunks) {
+      Chunk v[kRowChunks];
+#pragma unroll
+      for (int k = 0; k < kRowChunks; ++k)
+        if (c + k * kRowThreads < n) v[k] = s[c + k * kRowThreads];
+#pragma unroll
+      for (int k = 0; k < kRowChunks; ++k)
+        if (c + k * kRowThreads < n) o[c + k * kRowThreads] = v[k];
+    }
+    return;
+  }
+  for (int64_t j = threadIdx.x; j < d; j += blockDim.x) out[j] = src[j];
+}
+
+// out[j] = value over one row.
+template <typename scalar_t>
+__device__ __forceinline__ void fill_row(scalar_t* __restrict__ out, float value, int64_t d, bool vec) {
+  const scalar_t v = from_float<scalar_t>(value);
+  if (vec) {
+    Elems<scalar_t> e;
+#pragma unroll
+    for (int k = 0; k < kPerChunk<scalar_t>; ++k) e.v[k] = v;
+    const Chunk c = pack(e);
+    Chunk* o = reinterpret_cast<Chunk*>(out);
+    const int64_t n = d / kPerChunk<scalar_t>;
+    for (int64_t i = threadIdx.x; i < n; i += blockDim.x) o[i] = c;
+    return;
+  }
+  for (int64_t j = threadIdx.x; j < d; j += blockDim.x) out[j] = v;
+}
+
+// out[j] = f(a[j], b[j]) over one row, computed in float (b is read only when kInputs == 2).
+template <int kInputs, typename scalar_t, typename Fn>
+__device__ __forceinline__ void map_row(const scalar_t* __restrict__ a, const scalar_t* __restrict__ b,
+                                        scalar_t* __restrict__ out, int64_t d, bool vec, Fn f) {
+  if (vec) {
+    const Chunk* sa = reinterpret_cast<const Chunk*>(a);
+    const Chunk* sb = reinterpret_cast<const Chunk*>(b);
+    Chunk* o = reinterpret_cast<Chunk*>(out);
+    const int64_t n = d / kPerChunk<scalar_t>;
+#pragma unroll 1  // kRowChunks chunks in flight per step is the design (gpu-report counts the body)
+    for (int64_t c = threadIdx.x; c < n; c += kRowThreads * kRowChunks) {
+      Chunk va[kRowChunks], vb[kRowChunks];
+#pragma unroll
+      for (int k = 0; k < kRowChunks; ++k) {
+        if (c + k * kRowThreads < n) {
+          va[k] = sa[c + k * kRowThreads];
+          if (kInputs == 2) vb[k] = sb[c + k * kRowThreads];
+        }
+      }
+#pragma unroll
+      for (int k = 0; k < kRowChunks; ++k) {
+        if (c + k * kRowThreads < n) {
+          const Elems<scalar_t> ea = unpack<scalar_t>(va[k]);
+          Elems<scalar_t> eb;
+          if (kInputs == 2) eb = unpack<scalar_t>(vb[k]);
+          Elems<scalar_t> r;
+#pragma unroll
+          for (int e = 0; e < kPerChunk<scalar_t>; ++e)
+            r.v[e] = from_float<scalar_t>(f(to_float(ea.v[e]), kInputs == 2 ? to_float(eb.v[e]) : 0.f));
+          o[c + k * kRowThreads] = pack(r);
+        }
+      }
+    }
+    return;
+  }
+  for (int64_t j = threadIdx.x; j < d; j += blockDim.x)
+    out[j] = from_float<scalar_t>(f(to_float(a[j]), kInputs == 2 ? to_float(b[j]) : 0.f));
+}
+
 struct MaxOp {
   __device__ __forceinline__ int operator()(int a, int b) const { return a > b ? a : b; }
 };
 
 // ‖x_t‖² and ⟨x_t, x_{t+1}⟩ for kSimTokens tokens of one row per block.
 template <typename scalar_t>
-__global__ void __launch_bounds__(kSimThreads)
+// 2 blocks per SM: room for the kSimBatch × (kSimTokens + 1) loaded values (ptxas's default
+// budget of 64–80 registers spilled on sm_80, gpu-report).
+__global__ void __launch_bounds__(kSimThreads, 2)
     norms_and_dots_kernel(const scalar_t* __restrict__ x, float* __restrict__ norm_sq, float* __restrict__ dot,
                           int64_t T, int64_t d, int64_t chunks_per_row) {
   const int64_t b = blockIdx.x / chunks_per_row;
@@ -127,17 +253,30 @@ __global__ void __launch_bounds__(kSimThreads)
   for (int k = 0; k < kSimTokens; ++k) ns[k] = dt[k] = 0.f;
 #pragma unroll
   for (int k = 0; k <= kSimTokens; ++k) mx[k] = 0u;
-  for (int64_t j = threadIdx.x; j < d; j += blockDim.x) {
-    float prev = to_float(row[j]);
-    mx[0] = max(mx[0], abs_bits(prev));
+  // kSimBatch columns of all tokens are loaded before any is summed (memory-level
+  // parallelism, issue 10 §3); the sums still take the columns in ascending order.
+#pragma unroll 1
+  for (int64_t j0 = threadIdx.x; j0 < d; j0 += static_cast<int64_t>(blockDim.x) * kSimBatch) {
+    float v[kSimBatch][kSimTokens + 1];
 #pragma unroll
-    for (int k = 0; k < kSimTokens; ++k) {
-      if (k < n) {
-        const float next = (k + 1 < n || look_ahead) ? to_float(row[(k + 1) * d + j]) : 0.f;
-        mx[k + 1] = max(mx[k + 1], abs_bits(next));
-        ns[k] = fmaf(prev, prev, ns[k]);
-        dt[k] = fmaf(prev, next, dt[k]);
-        prev = next;
+    for (int u = 0; u < kSimBatch; ++u) {
+      const int64_t j = j0 + static_cast<int64_t>(u) * blockDim.x;
+#pragma unroll
+      for (int k = 0; k <= kSimTokens; ++k)
+        v[u][k] = j < d && (k < n || (k == n && look_ahead)) ? to_float(row[k * d + j]) : 0.f;
+    }
+#pragma unroll
+    for (int u = 0; u < kSimBatch; ++u) {
+      if (j0 + static_cast<int64_t>(u) * blockDim.x >= d) break;
+      mx[0] = max(mx[0], abs_bits(v[u][0]));
+#pragma unroll
+      for (int k = 0; k < kSimTokens; ++k) {
+        if (k < n) {
+          const float prev = v[u][k], next = v[u][k + 1];
+          mx[k + 1] = max(mx[k + 1], abs_bits(next));
+          ns[k] = fmaf(prev, prev, ns[k]);
+          dt[k] = fmaf(prev, next, dt[k]);
+        }
       }
     }
   }
@@ -282,24 +421,22 @@ __global__ void __launch_bounds__(kScanThreads)
 template <typename scalar_t>
 __global__ void __launch_bounds__(kRowThreads)
     gather_average_kernel(const scalar_t* __restrict__ x, const int64_t* __restrict__ slot_source,
-                          scalar_t* __restrict__ merged, int64_t T, int64_t d) {
+                          scalar_t* __restrict__ merged, int64_t T, int64_t d, bool vec) {
   const int64_t slot = blockIdx.x;
   const int64_t code = slot_source[slot];
   scalar_t* out = merged + slot * d;
   if (code < 0) {
-    for (int64_t j = threadIdx.x; j < d; j += blockDim.x) out[j] = from_float<scalar_t>(0.f);
+    fill_row(out, 0.f, d, vec);
     return;
   }
   const scalar_t* x0 = x + ((slot / T) * T + (code >> 1)) * d;
-  if (code & 1) {
-    const scalar_t* x1 = x0 + d;
-    for (int64_t j = threadIdx.x; j < d; j += blockDim.x) {  // as csrc/cpu/atm.cpp write_slot
-      const float a = to_float(x0[j]), c = to_float(x1[j]);
+  if (code & 1) {  // as csrc/cpu/atm.cpp write_slot
+    map_row<2>(x0, x0 + d, out, d, vec, [](float a, float c) {
       const float m = __fmul_rn(0.5f, __fadd_rn(a, c));
-      out[j] = from_float<scalar_t>(isinf(m) ? __fadd_rn(__fmul_rn(0.5f, a), __fmul_rn(0.5f, c)) : m);
-    }
+      return isinf(m) ? __fadd_rn(__fmul_rn(0.5f, a), __fmul_rn(0.5f, c)) : m;
+    });
   } else {
-    for (int64_t j = threadIdx.x; j < d; j += blockDim.x) out[j] = x0[j];
+    copy_row(x0, out, d, vec);
   }
 }
 
@@ -308,7 +445,7 @@ template <typename scalar_t>
 __global__ void __launch_bounds__(kRowThreads)
     merge_backward_kernel(const scalar_t* __restrict__ grad, const int64_t* __restrict__ index_map,
                           const int64_t* __restrict__ merged_lengths, scalar_t* __restrict__ grad_x, int64_t T,
-                          int64_t d) {
+                          int64_t d, bool vec) {
   const int64_t i = blockIdx.x;
   const int64_t b = i / T, t = i % T, slot = index_map[i];
   scalar_t* out = grad_x + i * d;
@@ -322,27 +459,26 @@ __global__ void __launch_bounds__(kRowThreads)
     w = paired ? 0.5f : 1.f;
   }
   if (!(w == w) || w == 0.f) {
-    for (int64_t j = threadIdx.x; j < d; j += blockDim.x) out[j] = from_float<scalar_t>(w);
+    fill_row(out, w, d, vec);
     return;
   }
   const scalar_t* g = grad + (b * T + slot) * d;
-  for (int64_t j = threadIdx.x; j < d; j += blockDim.x) out[j] = from_float<scalar_t>(w * to_float(g[j]));
+  map_row<1>(g, g, out, d, vec, [w](float a, float) { return w * a; });
 }
 
 // One block per token: restored_t = y_{slot(t)} (NaN for an out-of-range slot).
 template <typename scalar_t>
 __global__ void __launch_bounds__(kRowThreads)
     unmerge_kernel(const scalar_t* __restrict__ y, const int64_t* __restrict__ index_map, scalar_t* __restrict__ out,
-                   int64_t T, int64_t d) {
+                   int64_t T, int64_t d, bool vec) {
   const int64_t i = blockIdx.x;
   const int64_t slot = index_map[i];
   scalar_t* o = out + i * d;
   if (slot < 0 || slot >= T) {
-    for (int64_t j = threadIdx.x; j < d; j += blockDim.x) o[j] = from_float<scalar_t>(quiet_nan());
+    fill_row(o, quiet_nan(), d, vec);
     return;
   }
-  const scalar_t* src = y + ((i / T) * T + slot) * d;
-  for (int64_t j = threadIdx.x; j < d; j += blockDim.x) o[j] = src[j];
+  copy_row(y + ((i / T) * T + slot) * d, o, d, vec);
 }
 
 // grid (column blocks, B): one thread owns column j of row b and walks the tokens in
@@ -386,7 +522,8 @@ cudaError_t merge_typed(const MergeParams& p, cudaStream_t stream) {
       p.norm_sq, p.dot, p.positions, p.lengths, p.threshold, p.T, p.index_map, p.merged_positions,
       p.merged_lengths, p.slot_source);
   launch_kernel(gather_average_kernel<scalar_t>, static_cast<unsigned>(p.B * p.T), kRowThreads, 0, stream,
-      static_cast<const scalar_t*>(p.x), p.slot_source, static_cast<scalar_t*>(p.merged), p.T, p.d);
+      static_cast<const scalar_t*>(p.x), p.slot_source, static_cast<scalar_t*>(p.merged), p.T, p.d,
+      rows_vectorizable<scalar_t>(p.d, p.x, p.merged));
   return cudaGetLastError();
 }
 
@@ -394,14 +531,15 @@ template <typename scalar_t>
 cudaError_t merge_backward_typed(const MergeBackwardParams& p, cudaStream_t stream) {
   launch_kernel(merge_backward_kernel<scalar_t>, static_cast<unsigned>(p.B * p.T), kRowThreads, 0, stream,
       static_cast<const scalar_t*>(p.grad_merged), p.index_map, p.merged_lengths, static_cast<scalar_t*>(p.grad_x),
-      p.T, p.d);
+      p.T, p.d, rows_vectorizable<scalar_t>(p.d, p.grad_merged, p.grad_x));
   return cudaGetLastError();
 }
 
 template <typename scalar_t>
 cudaError_t unmerge_typed(const UnmergeParams& p, cudaStream_t stream) {
   launch_kernel(unmerge_kernel<scalar_t>, static_cast<unsigned>(p.B * p.T), kRowThreads, 0, stream,
-      static_cast<const scalar_t*>(p.in), p.index_map, static_cast<scalar_t*>(p.out), p.T, p.d);
+      static_cast<const scalar_t*>(p.in), p.index_map, static_cast<scalar_t*>(p.out), p.T, p.d,
+      rows_vectorizable<scalar_t>(p.d, p.in, p.out));
   return cudaGetLastError();
 }
 
