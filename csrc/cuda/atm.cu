@@ -57,6 +57,7 @@ constexpr int kTile = kScanThreads * kScanItems;
 constexpr int kRowThreads = 64;
 constexpr int kRowChunks = 2;
 constexpr int kColumnThreads = 128;  // unmerge backward: one thread per column
+constexpr int kUnmergeBatch = 4;     // unmerge backward: tokens loaded ahead of the sequential walk
 
 using wiola::cuda::from_float;
 using wiola::cuda::launch_kernel;
@@ -497,18 +498,32 @@ __global__ void __launch_bounds__(kColumnThreads)
     for (int64_t s = 0; s < T; ++s) out[s * d] = from_float<scalar_t>(0.f);
     int64_t cur = -1;
     float acc = 0.f;
-    for (int64_t t = 0; t < T; ++t) {
-      const int64_t slot = map[t];
-      if (slot < 0 || slot >= T) continue;  // invalid entries contribute nothing
-      const float v = to_float(g[t * d]);
+    // One token of the walk (the order of the float sums is the token order).
+    auto visit = [&](int64_t slot, float v) {
+      if (slot < 0 || slot >= T) return;  // invalid entries contribute nothing
       if (slot == cur) {
         acc += v;
-        continue;
+        return;
       }
       if (cur >= 0) out[cur * d] = from_float<scalar_t>(to_float(out[cur * d]) + acc);
       cur = slot;
       acc = v;
+    };
+    // The walk is sequential, and only B·d threads exist: each loads kUnmergeBatch tokens'
+    // map entries and gradients before visiting them, so that many loads are in flight.
+    int64_t t = 0;
+    for (; t + kUnmergeBatch <= T; t += kUnmergeBatch) {
+      int64_t slots[kUnmergeBatch];
+      float vals[kUnmergeBatch];
+#pragma unroll
+      for (int k = 0; k < kUnmergeBatch; ++k) {
+        slots[k] = map[t + k];
+        vals[k] = to_float(g[(t + k) * d]);  // in bounds even where the entry is invalid
+      }
+#pragma unroll
+      for (int k = 0; k < kUnmergeBatch; ++k) visit(slots[k], vals[k]);
     }
+    for (; t < T; ++t) visit(map[t], to_float(g[t * d]));
     if (cur >= 0) out[cur * d] = from_float<scalar_t>(to_float(out[cur * d]) + acc);
   }
 }
