@@ -6,10 +6,6 @@ Used by this project's tests and offered to users who check their own builds
 
 from __future__ import annotations
 
-import contextlib
-import os
-from typing import Iterator
-
 import torch
 
 from . import dispatch
@@ -60,20 +56,6 @@ def assert_close_rel(out: torch.Tensor, ref: torch.Tensor, tol: float, what: str
     assert out.shape == ref.shape, f"{what}: shape {tuple(out.shape)} != reference {tuple(ref.shape)}"
     err = rel_err(out, ref)
     assert err <= tol, f"{what}: relative error {err:.3e} > tolerance {tol:.1e}"
-
-
-@contextlib.contextmanager
-def poisoned_outputs() -> Iterator[None]:
-    """Inside the block, kernel outputs are filled with NaN / -1 before kernels write them."""
-    old = os.environ.get("WIOLA_POISON_OUTPUTS")
-    os.environ["WIOLA_POISON_OUTPUTS"] = "1"
-    try:
-        yield
-    finally:
-        if old is None:
-            del os.environ["WIOLA_POISON_OUTPUTS"]
-        else:
-            os.environ["WIOLA_POISON_OUTPUTS"] = old
 
 
 def available_backends(op: str, device: str | torch.device = "cpu") -> list[str]:

@@ -190,8 +190,6 @@ class WiolaConfig(PretrainedConfig):
             raise ValueError(f"WiolaConfig.from_name: name must be one of {sorted(PRESETS)}, got {name!r}")
         return cls(**{**PRESETS[name], **overrides})
 
-    preset = from_name
-
     # SPEC §2: ATM runs in layers L/3 ≤ ℓ < 2L/3 (integer division).
     def is_merge_layer(self, layer_idx: int) -> bool:
         return self.num_hidden_layers // 3 <= layer_idx < 2 * self.num_hidden_layers // 3

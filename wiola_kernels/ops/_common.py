@@ -21,6 +21,3 @@ def empty_output(shape, *, dtype: torch.dtype, device: torch.device) -> torch.Te
         out.fill_(float("nan") if out.is_floating_point() else -1)
     return out
 
-
-def empty_output_like(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-    return empty_output(t.shape, dtype=dtype or t.dtype, device=t.device)
