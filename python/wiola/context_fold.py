@@ -23,7 +23,7 @@ import math
 import torch
 from torch import Tensor
 
-from wiola_kernels.reference.rms_norm import compute_dtype
+from wiola_kernels.dtypes import compute_dtype
 
 
 def _heads(weight: Tensor, num_heads: int) -> Tensor:

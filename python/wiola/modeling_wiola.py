@@ -48,7 +48,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutpu
 import wiola_kernels
 from wiola_kernels import SpiralRotaryEmbedding, WiolaRMSNorm
 from wiola_kernels.reference import dsff as dsff_reference
-from wiola_kernels.reference.rms_norm import compute_dtype
+from wiola_kernels.dtypes import compute_dtype
 
 from .configuration_wiola import WiolaConfig
 from . import fast_path

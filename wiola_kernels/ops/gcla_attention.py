@@ -25,7 +25,7 @@ from torch import Tensor
 from .. import dispatch
 from . import gcla_attention_cuda
 from ..reference.gcla_attention import gcla_attention_backward, gcla_attention_forward
-from ..reference.rms_norm import compute_dtype
+from ..dtypes import compute_dtype
 from ..validation import bthd_hint, check_rank, check_same_device, check_same_dtype, check_shape, check_tensor
 
 OP = "gcla_attention"

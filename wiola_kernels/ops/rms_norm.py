@@ -17,7 +17,8 @@ import torch
 from torch import Tensor
 
 from .. import dispatch
-from ..reference.rms_norm import compute_dtype, rms_norm_backward, rms_norm_forward
+from ..dtypes import compute_dtype
+from ..reference.rms_norm import rms_norm_backward, rms_norm_forward
 from ..validation import check_rank, check_same_device, check_shape, check_tensor, check_positive
 
 OP = "rms_norm"

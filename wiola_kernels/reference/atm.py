@@ -60,7 +60,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .rms_norm import compute_dtype
+from ..dtypes import compute_dtype
 
 
 def _pow2(k: Tensor) -> Tensor:

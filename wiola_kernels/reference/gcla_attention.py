@@ -40,7 +40,7 @@ import math
 import torch
 from torch import Tensor
 
-from .rms_norm import compute_dtype
+from ..dtypes import compute_dtype
 
 
 def _group_index(num_heads: int, num_kv_heads: int, device: torch.device) -> Tensor:

@@ -38,10 +38,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-
-def compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Accumulation dtype for an input dtype: float64 stays, everything else float32."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
+from ..dtypes import compute_dtype
 
 
 def overflow_scale(z: Tensor, mean_sq: Tensor) -> Tensor:

@@ -18,7 +18,7 @@ import math
 import torch
 from torch import Tensor
 
-from .rms_norm import compute_dtype
+from ..dtypes import compute_dtype
 
 
 def srpe_frequencies(head_dim: int, theta: float, spiral_divisor: float, radial_frequency: float,

@@ -43,8 +43,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..ops._common import empty_output
-from ..reference.rms_norm import compute_dtype
+from ..outputs import empty_output
+from ..dtypes import compute_dtype
 
 
 @triton.jit

@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..ops._common import empty_output
+from ..outputs import empty_output
 from ..reference.srpe import srpe_frequencies
 
 _TWO_PI = 2.0 * math.pi

@@ -1,4 +1,4 @@
-"""Helpers shared by the op launchers."""
+"""Kernel output allocation shared by every launcher (ops/ and triton/): poisoned in tests."""
 
 from __future__ import annotations
 
