@@ -19,7 +19,7 @@ from torch import Tensor
 from .. import dispatch
 from ..reference.srpe import srpe as srpe_reference
 from ..reference.srpe import srpe_backward as srpe_reference_backward
-from ..reference.srpe import srpe_frequencies
+from ..srpe_tables import kernel_frequencies
 from ..validation import bthd_hint, check_positive, check_rank, check_real, check_same_device, check_same_dtype, check_tensor
 
 OP = "srpe"
@@ -34,7 +34,7 @@ def _reference_apply(q, k, positions, theta, spiral_divisor, radial_amplitude, r
 def _cpu_frequencies(head_dim: int, theta: float, spiral_divisor: float,
                      radial_frequency: float) -> tuple[Tensor, Tensor]:
     # Five small tensor ops per call add up for decoding (T = 1); never mutated.
-    return srpe_frequencies(head_dim, theta, spiral_divisor, radial_frequency)
+    return kernel_frequencies(head_dim, theta, spiral_divisor, radial_frequency)
 
 
 def _cpu_apply(q, k, positions, theta, spiral_divisor, radial_amplitude, radial_frequency, transpose):

@@ -36,7 +36,7 @@ import triton
 import triton.language as tl
 
 from ..outputs import empty_output
-from ..reference.srpe import srpe_frequencies
+from ..srpe_tables import kernel_frequencies
 
 _TWO_PI = 2.0 * math.pi
 
@@ -118,7 +118,7 @@ def _srpe_kernel(
 def _build_frequency_table(head_dim: int, theta: float, spiral_divisor: float, radial_amplitude: float,
                            radial_frequency: float, device: torch.device) -> torch.Tensor:
     """The kernel's ``(5, d_h/2)`` float64 table."""
-    angle_freq, radial_freq = srpe_frequencies(head_dim, theta, spiral_divisor, radial_frequency, device)
+    angle_freq, radial_freq = kernel_frequencies(head_dim, theta, spiral_divisor, radial_frequency, device)
     constants = [torch.full_like(angle_freq, v) for v in (radial_amplitude, _TWO_PI, 1.0 / _TWO_PI)]
     return torch.stack((angle_freq, radial_freq, *constants)).contiguous()
 
