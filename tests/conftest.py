@@ -23,6 +23,16 @@ settings.register_profile("long", max_examples=1000, deadline=None, print_blob=T
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """One torch thread for a module (model tests use small shapes, where threads only add
+    overhead); restored afterwards."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)

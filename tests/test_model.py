@@ -20,14 +20,7 @@ from wiola_kernels.testing import rel_err
 SEED_CONFIG = os.path.join(os.path.dirname(__file__), "data", "wiola-360m-config.json")  # copy of shared/seed
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """These tensors are tiny: one intra-op thread avoids OpenMP spin-waits on a busy machine
-    (measured 40x faster here with other jobs running)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: OpenMP spin-waits cost 40x on a busy machine
 
 
 def small(**overrides) -> WiolaConfig:

@@ -16,12 +16,7 @@ from wiola.modeling_wiola import PackedRows, WiolaBlock
 from wiola_kernels.testing import rel_err
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # small shapes: threads only add overhead
 
 
 def config(**overrides) -> WiolaConfig:

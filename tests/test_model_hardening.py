@@ -25,12 +25,7 @@ TINY = dict(vocab_size=259, hidden_size=64, num_hidden_layers=2, num_attention_h
             head_dim=16, dsff_narrow_size=64, dsff_wide_size=128, max_position_embeddings=16)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # small shapes: threads only add overhead
 
 
 def write_config(folder: Path, config: dict) -> Path:

@@ -15,12 +15,7 @@ from wiola_kernels.testing import rel_err
 TOL = 1e-5  # issue 12: padded rows vs the same prompt alone, fp32
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # small shapes: threads only add overhead
 
 
 def model_for(mode: str = "causal", seed: int = 0, **overrides) -> WiolaForCausalLM:

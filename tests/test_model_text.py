@@ -20,12 +20,7 @@ from wiola.train import generate_main, load_corpus
 from wiola.train import main as train_main
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # small shapes: threads only add overhead
 
 
 def test_bpe_tokenizer_trained_on_the_bundled_text_round_trips(tmp_path):
