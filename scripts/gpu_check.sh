@@ -24,15 +24,15 @@ fi
 $PY -m wiola_kernels backends --device cuda
 
 step "GPU tests"
-gpu_tests=$(ls tests/test_*cuda*.py tests/test_gpu*.py 2>/dev/null)
-# The cuda_emu variants of these files run in CI; here the next steps compare the two.
-timeout 180 $PY -m pytest -q -x -p no:cacheprovider -k "not cuda_emu" $gpu_tests 2>&1 | tee "$OUT/pytest.log" | tail -25
+# GPU tests live in each op's tests/test_<op>.py (and the all-ops runs in tests/test_all_ops.py),
+# marked gpu. Their cuda_emu variants run in CI; here the next steps compare the two.
+timeout 180 $PY -m pytest -q -x -p no:cacheprovider -m gpu -k "not cuda_emu" tests 2>&1 | tee "$OUT/pytest.log" | tail -25
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 
 step "compute-sanitizer memcheck on the CUDA kernels (small shapes)"
 if command -v compute-sanitizer >/dev/null; then
   WIOLA_SANITIZER_RUN=1 timeout 120 compute-sanitizer --tool memcheck --error-exitcode 9 \
-    $PY -m pytest -q -x -p no:cacheprovider -k "sanitizer and not cuda_emu" $gpu_tests 2>&1 | tail -8
+    $PY -m pytest -q -x -p no:cacheprovider -m gpu -k "sanitizer and not cuda_emu" tests/test_all_ops.py 2>&1 | tail -8
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 fi
 

@@ -15,7 +15,9 @@ from wiola import WiolaCache, WiolaConfig, WiolaForCausalLM
 from wiola.configuration_wiola import NOMINAL_PARAMETERS, PRESETS
 from wiola.train import batch_iterator, build_model, corpus_tensor, decode, encode, generate_main, train_steps
 from wiola.train import main as train_main
-from wiola_kernels.testing import rel_err
+from wiola_kernels.testing import rel_err, tolerance
+
+from oracles import ModelOracle
 
 SEED_CONFIG = os.path.join(os.path.dirname(__file__), "data", "wiola-360m-config.json")  # copy of shared/seed
 
@@ -113,6 +115,19 @@ def _logits_and_grads(model, ids, backend):
         out = model(ids, labels=ids, use_cache=False)
         out.loss.backward()
     return out.logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("mode", ["causal", "paper"])
+def test_forward_matches_an_independent_oracle(mode):
+    """The model's float64 logits against tests/oracles.py's ModelOracle (SPEC §2-§7 written out
+    from the weights alone, none of this package's code): the other tests here compare the
+    model with itself (backends, caches, round trips), which a wrong formula passes."""
+    model = make(small(gcla_summary=mode), gate=0.0).double()
+    ids = torch.randint(0, model.config.vocab_size, (2, 13), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        got = model(ids).logits
+    want = ModelOracle(model, model.config).forward(ids, mode=mode)
+    assert rel_err(got, want) <= tolerance(torch.float64)
 
 
 @pytest.mark.parametrize("mode", ["causal", "paper"])

@@ -12,7 +12,7 @@ from torch.utils.flop_counter import FlopCounterMode
 import wiola_kernels
 from wiola import WiolaConfig, WiolaForCausalLM
 from wiola.bench import attention_flops
-from wiola.modeling_wiola import PackedRows, WiolaBlock
+from wiola.modeling_wiola import PackedRows
 from wiola_kernels.testing import rel_err
 
 

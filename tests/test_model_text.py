@@ -8,7 +8,6 @@ import math
 
 import pytest
 import torch
-import torch.nn.functional as F
 from transformers import AutoTokenizer
 
 from wiola_kernels._cli import CommandError

@@ -8,10 +8,17 @@ import os
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 import wiola_kernels as wk
 from wiola_kernels import reference
+from wiola_kernels.modules import WiolaRMSNorm
 from wiola_kernels.testing import assert_close_rel, available_backends, rel_err, tolerance
+
+from helpers import (assert_bitwise, finite, forward_backward, gen, gpu_only, needs_cpu_extension,
+                     run_on_thread_counts, strided_view)
+from oracles import raises_naming, rel, rms_oracle
 
 BACKENDS = available_backends("rms_norm", "cpu")
 # Triton runs in the numpy interpreter on the CPU: give it small shapes only.
@@ -476,3 +483,519 @@ def test_plain_rms_norm_module_shares_weight_and_promotes_like_hf():
     assert list(dict(mod.named_parameters())) == ["weight"]
     with pytest.raises(TypeError, match="weight"):
         wk.RMSNorm(eps=1e-5, weight=torch.ones(4))
+
+
+# ========================================================================================
+# Merged from the former cross-op files (issue 14 §5): one file holds everything about this op
+# ========================================================================================
+
+SPEC_BACKENDS = [name for name, state in wk.backends("cpu")["rms_norm"].items() if state == "available"]
+EDGE_BACKENDS = [b for b in available_backends("rms_norm", "cpu") if b in ("cpu", "reference")]
+DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
+SEEDS = st.integers(0, 2**32 - 1)  # every tensor comes from a generator seeded by a drawn seed
+
+
+# ========================================================================================
+# From SPEC alone: the public API against tests/oracles.py (no wiola_kernels.reference)
+# ========================================================================================
+
+@pytest.mark.parametrize("backend", SPEC_BACKENDS)
+@pytest.mark.parametrize("shape", [(2, 3, 5, 24), (24,), (1, 24), (7, 37), (2, 3000)])
+def test_rms_norm_forward_matches_oracle(backend, shape):
+    d = shape[-1]
+    x = torch.randn(shape) * 3 + 0.5
+    w = torch.randn(d)
+    s = torch.randn(d) * 0.7
+    with wk.use_backend(backend):
+        y = wk.rms_norm(x, w, s, eps=1e-6)
+    assert y.shape == x.shape and y.dtype == x.dtype
+    assert rel(y, rms_oracle(x, w, s, 1e-6)) <= tolerance(torch.float32)
+
+
+@pytest.mark.parametrize("backend", SPEC_BACKENDS)
+def test_rms_norm_eps_is_used(backend):
+    # Small-magnitude input with a large ε: the ε term dominates and must be honoured.
+    x = torch.randn(4, 16) * 0.1
+    w, s = torch.ones(16), torch.zeros(16)
+    with wk.use_backend(backend):
+        y = wk.rms_norm(x, w, s, eps=0.5)
+    assert rel(y, rms_oracle(x, w, s, 0.5)) <= tolerance(torch.float32)
+
+
+@pytest.mark.parametrize("backend", SPEC_BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64])
+def test_rms_norm_dtypes(backend, dtype):
+    x = (torch.randn(5, 40) * 4).to(dtype)
+    w = torch.randn(40).to(dtype)
+    s = torch.randn(40).to(dtype)
+    with wk.use_backend(backend):
+        y = wk.rms_norm(x, w, s, eps=1e-6)
+    assert y.dtype == dtype and y.shape == x.shape
+    assert rel(y, rms_oracle(x, w, s, 1e-6)) <= tolerance(dtype)
+
+
+@pytest.mark.parametrize("backend", SPEC_BACKENDS)
+def test_rms_norm_half_stats_in_fp32(backend):
+    # Large values whose squares overflow fp16 (65504): statistics must be float32.
+    x = (torch.randn(3, 64) * 300).to(torch.float16)
+    w, s = torch.ones(64, dtype=torch.float16), torch.zeros(64, dtype=torch.float16)
+    with wk.use_backend(backend):
+        y = wk.rms_norm(x, w, s, eps=1e-6)
+    assert rel(y, rms_oracle(x, w, s, 1e-6)) <= tolerance(torch.bfloat16)
+
+
+@pytest.mark.parametrize("backend", SPEC_BACKENDS)
+def test_rms_norm_output_dtype_is_input_dtype(backend):
+    # bf16 activations with float32 parameters (the mixed-precision case): output is bf16.
+    x = torch.randn(4, 32).to(torch.bfloat16)
+    w, s = torch.randn(32), torch.randn(32)
+    with wk.use_backend(backend):
+        y = wk.rms_norm(x, w, s, eps=1e-6)
+    assert y.dtype == torch.bfloat16
+    assert rel(y, rms_oracle(x, w, s, 1e-6)) <= tolerance(torch.bfloat16)
+
+
+@pytest.mark.parametrize("backend", SPEC_BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_rms_norm_backward_half(backend, dtype):
+    x, w, s = (torch.randn(5, 24) * 2).to(dtype), torch.randn(24).to(dtype), torch.randn(24).to(dtype)
+    g = torch.randn(5, 24).to(dtype)
+    xs = [t.clone().requires_grad_() for t in (x, w, s)]
+    with wk.use_backend(backend):
+        wk.rms_norm(*xs, eps=1e-6).backward(g)
+    xd = [t.double().requires_grad_() for t in (x, w, s)]
+    rms_oracle(*xd, 1e-6).backward(g.double())
+    for got, ref in zip(xs, xd):
+        assert got.grad.dtype == dtype
+        assert rel(got.grad, ref.grad) <= tolerance(torch.bfloat16)
+
+
+@pytest.mark.parametrize("backend", SPEC_BACKENDS)
+def test_rms_norm_backward_matches_oracle(backend):
+    x = torch.randn(2, 3, 19) * 2
+    w = torch.randn(19)
+    s = torch.randn(19)
+    g = torch.randn(2, 3, 19)
+    xs = [t.clone().requires_grad_() for t in (x, w, s)]
+    with wk.use_backend(backend):
+        y = wk.rms_norm(*xs, eps=1e-6)
+    y.backward(g)
+    xd = [t.double().requires_grad_() for t in (x, w, s)]
+    rms_oracle(*xd, 1e-6).backward(g.double())
+    for got, ref in zip(xs, xd):
+        assert rel(got.grad, ref.grad) <= tolerance(torch.float32)
+
+
+@pytest.mark.parametrize("backend", SPEC_BACKENDS)
+def test_rms_norm_backward_is_spec_formula_not_paper_eq10(backend):
+    # SPEC §3: ∂L/∂z_i = (1/r)(γ_i g_i − z_i/(d r²) Σ_k γ_k g_k z_k), closed form.
+    d = 12
+    x = torch.randn(4, d, dtype=torch.float64)
+    w = torch.randn(d, dtype=torch.float64) + 2.0
+    s = torch.randn(d, dtype=torch.float64)
+    g = torch.randn(4, d, dtype=torch.float64)
+    eps = 1e-6
+    z = x + s
+    r = torch.sqrt((z * z).mean(-1, keepdim=True) + eps)
+    dz = (w * g - z / (d * r * r) * (w * g * z).sum(-1, keepdim=True)) / r
+    dw = (g * z / r).sum(0)
+    xs = [t.clone().requires_grad_() for t in (x, w, s)]
+    with wk.use_backend(backend):
+        wk.rms_norm(*xs, eps=eps).backward(g)
+    assert rel(xs[0].grad, dz) <= tolerance(torch.float64)
+    assert rel(xs[2].grad, dz.sum(0)) <= tolerance(torch.float64)
+    assert rel(xs[1].grad, dw) <= tolerance(torch.float64)
+
+
+@pytest.mark.parametrize("backend", SPEC_BACKENDS)
+def test_rms_norm_gradcheck(backend):
+    x = torch.randn(2, 5, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(5, dtype=torch.float64, requires_grad=True)
+    s = torch.randn(5, dtype=torch.float64, requires_grad=True)
+    with wk.use_backend(backend):
+        assert torch.autograd.gradcheck(lambda a, b, c: wk.rms_norm(a, b, c, eps=1e-6), (x, w, s))
+
+
+@pytest.mark.parametrize("backend", SPEC_BACKENDS)
+def test_rms_norm_noncontiguous(backend):
+    d = 20
+    w, s = torch.randn(d), torch.randn(d)
+    base = torch.randn(d, 6)
+    cases = [
+        base.t(),                               # transposed (stride (1, 6))
+        torch.randn(6, 2 * d)[:, ::2],           # strided last dim
+        torch.randn(1, d).expand(5, d),          # expanded (stride 0)
+        torch.randn(3, 4, d).transpose(0, 1),    # permuted leading dims
+    ]
+    for x in cases:
+        with wk.use_backend(backend):
+            y = wk.rms_norm(x, w, s, eps=1e-6)
+        assert rel(y, rms_oracle(x, w, s, 1e-6)) <= tolerance(torch.float32)
+    # non-contiguous parameters
+    w2 = torch.randn(2 * d)[::2]
+    s2 = torch.randn(d, 1).expand(d, 3)[:, 1]
+    x = torch.randn(4, d)
+    with wk.use_backend(backend):
+        y = wk.rms_norm(x, w2, s2, eps=1e-6)
+    assert rel(y, rms_oracle(x, w2, s2, 1e-6)) <= tolerance(torch.float32)
+
+
+@pytest.mark.parametrize("backend", SPEC_BACKENDS)
+def test_rms_norm_noncontiguous_grads(backend):
+    # expanded (stride-0) input from a leaf, and a transposed output gradient
+    base, w, s = torch.randn(1, 12), torch.randn(12), torch.randn(12)
+    gt = torch.randn(12, 5).t()
+    a = [t.clone().requires_grad_() for t in (base, w, s)]
+    with wk.use_backend(backend):
+        wk.rms_norm(a[0].expand(5, 12), a[1], a[2], eps=1e-6).backward(gt)
+    d = [t.double().requires_grad_() for t in (base, w, s)]
+    rms_oracle(d[0].expand(5, 12), d[1], d[2], 1e-6).backward(gt.double())
+    for got, ref in zip(a, d):
+        assert rel(got.grad, ref.grad) <= tolerance(torch.float32)
+
+
+@pytest.mark.parametrize("backend", SPEC_BACKENDS)
+def test_rms_norm_does_not_modify_inputs(backend):
+    x, w, s = torch.randn(3, 8), torch.randn(8), torch.randn(8)
+    copies = [t.clone() for t in (x, w, s)]
+    with wk.use_backend(backend):
+        wk.rms_norm(x, w, s, eps=1e-6)
+    for a, b in zip((x, w, s), copies):
+        assert torch.equal(a, b)
+
+
+_X, _W, _S = torch.randn(3, 8), torch.ones(8), torch.zeros(8)
+RMS_BAD = {
+    "weight_wrong_size": (lambda: wk.rms_norm(_X, torch.ones(7), _S), ["weight"]),
+    "weight_wrong_rank": (lambda: wk.rms_norm(_X, torch.ones(8, 1), _S), ["weight"]),
+    "shift_wrong_size": (lambda: wk.rms_norm(_X, _W, torch.zeros(9)), ["shift"]),
+    "x_int": (lambda: wk.rms_norm(torch.ones(3, 8, dtype=torch.int32), _W, _S), ["x"]),
+    "x_complex": (lambda: wk.rms_norm(torch.ones(3, 8, dtype=torch.complex64), _W, _S), ["x"]),
+    "x_0d": (lambda: wk.rms_norm(torch.tensor(1.0), _W, _S), ["x"]),
+    "x_list": (lambda: wk.rms_norm([[1.0] * 8], _W, _S), ["x"]),
+    "weight_list": (lambda: wk.rms_norm(_X, [1.0] * 8, _S), ["weight"]),
+    "weight_int": (lambda: wk.rms_norm(_X, torch.ones(8, dtype=torch.int64), _S), ["weight"]),
+    "eps_negative": (lambda: wk.rms_norm(_X, _W, _S, eps=-1.0), ["eps"]),
+    "eps_str": (lambda: wk.rms_norm(_X, _W, _S, eps="1e-6"), ["eps"]),
+    "weight_other_device": (lambda: wk.rms_norm(_X, torch.ones(8, device="meta"), _S), ["device", "weight"]),
+}
+
+
+@pytest.mark.parametrize("case", list(RMS_BAD))
+def test_rms_norm_bad_inputs(case):
+    fn, names = RMS_BAD[case]
+    raises_naming((ValueError, TypeError), names, fn)
+
+
+def test_rms_norm_module_defaults():
+    m = WiolaRMSNorm(16)
+    params = dict(m.named_parameters())
+    assert len(params) == 2
+    ones = [p for p in params.values() if torch.equal(p, torch.ones(16))]
+    zeros = [p for p in params.values() if torch.equal(p, torch.zeros(16))]
+    assert len(ones) == 1 and len(zeros) == 1          # γ = 1, δ = 0 at init (SPEC §3)
+    assert m.eps == 1e-6                               # SPEC §1 rms_norm_eps
+    # forward with trained-looking parameters follows the formula
+    with torch.no_grad():
+        ones[0].copy_(torch.randn(16))
+        zeros[0].copy_(torch.randn(16))
+    x = torch.randn(2, 5, 16, requires_grad=True)
+    y = m(x)
+    assert rel(y, rms_oracle(x.detach(), ones[0].detach(), zeros[0].detach(), 1e-6)) <= tolerance(torch.float32)
+    y.sum().backward()
+    assert ones[0].grad is not None and zeros[0].grad is not None
+
+
+def test_rms_norm_module_dtype_and_eps_kwargs():
+    m = WiolaRMSNorm(8, eps=1e-3, dtype=torch.float64)
+    assert all(p.dtype == torch.float64 for p in m.parameters())
+    x = torch.randn(3, 8, dtype=torch.float64) * 0.01
+    w = [p for p in m.parameters() if torch.equal(p, torch.ones(8, dtype=torch.float64))][0]
+    s = [p for p in m.parameters() if torch.equal(p, torch.zeros(8, dtype=torch.float64))][0]
+    assert rel(m(x), rms_oracle(x, w.detach(), s.detach(), 1e-3)) <= tolerance(torch.float64)
+
+
+def test_rms_norm_opcheck():
+    x = torch.randn(3, 8, requires_grad=True)
+    w = torch.randn(8, requires_grad=True)
+    s = torch.randn(8, requires_grad=True)
+    torch.library.opcheck(torch.ops.wiola.rms_norm.default, (x, w, s, 1e-6))
+
+
+def test_rms_norm_compile_fullgraph():
+    x = torch.randn(4, 16, requires_grad=True)
+    w, s = torch.randn(16, requires_grad=True), torch.randn(16, requires_grad=True)
+    f = torch.compile(lambda a, b, c: wk.rms_norm(a, b, c, eps=1e-6), fullgraph=True, backend="aot_eager")
+    y = f(x, w, s)
+    assert rel(y, rms_oracle(x.detach(), w.detach(), s.detach(), 1e-6)) <= tolerance(torch.float32)
+    y.sum().backward()
+    assert x.grad is not None and w.grad is not None and s.grad is not None
+
+
+# ========================================================================================
+# Numerics at the edges (every CPU backend)
+#   give ``γ z / √ε`` (ε does its job), all-zero rows give exactly 0 and finite
+#   gradients. Huge rows too: where the statistic ``Σ z²`` overflows (float32: ``|z| ≳
+#   1.8e19/√d``, fp32/bf16 inputs; float64: ``≳ 1.3e154/√d``) a finite row is rescaled by
+#   an exact power of two, so y and the gradients match the float64 oracle for every
+#   finite z up to the dtype's maximum (gradients work with ẑ = z/r, nothing overflows);
+#   rows with NaN/Inf stay non-finite and alone.
+# * srpe — linear in q, k: huge/tiny magnitudes keep the relative tolerance as long as
+#   the output is representable.
+# * gcla_attention — rows whose keys are all masked by ``lengths`` are exactly 0 with
+# ========================================================================================
+
+def _rms(backend, x, w, s, eps=1e-6, grad=None):
+    x = x.clone().requires_grad_(grad is not None)
+    w = w.clone().requires_grad_(grad is not None)
+    s = s.clone().requires_grad_(grad is not None)
+    with wk.use_backend(backend):
+        y = wk.rms_norm(x, w, s, eps)
+        if grad is None:
+            return y.detach(), None
+        return y.detach(), torch.autograd.grad(y, (x, w, s), grad)
+
+
+@pytest.mark.parametrize("backend", EDGE_BACKENDS)
+@pytest.mark.parametrize("scale", [1e-3, 1e3, 1e10, 1e17])
+def test_rms_norm_scale_invariant_in_range(backend, scale):
+    g = gen()
+    x = torch.randn(8, 64, generator=g)
+    w, s = torch.rand(64, generator=g) + 0.5, torch.zeros(64)
+    y1, _ = _rms(backend, x, w, s, eps=1e-12)
+    ys, _ = _rms(backend, x * scale, w, s, eps=1e-12)
+    assert finite(ys)
+    # eps/mean(z²) ≤ 1e-6 at scale 1e-3: the two outputs agree to the fp32 tolerance.
+    assert rel_err(ys, y1) <= 1e-5
+    assert rel_err(ys, reference.rms_norm((x * scale).double(), w.double(), s.double(), 1e-12)) <= 1e-5
+
+
+def _rms_rescaled_oracle(x, w, grad, eps=1e-6):
+    """float64 ``(y, ∂L/∂x, ∂L/∂γ)`` of rms_norm with δ = 0, row by row: each row is
+    first scaled by an exact power of two 2^-k to max|x| < 1, using y(x; ε) = y(2^-k x;
+    2^-2k ε) and ∂y/∂x(x; ε) = 2^-k ∂y/∂x(2^-k x; 2^-2k ε), so the float64 reference
+    never sees a huge row (nor the code path under test)."""
+    wd = w.double()
+    ys, gxs, gw = [], [], torch.zeros_like(wd)
+    for xr, gr in zip(x.double(), grad.double()):
+        c = 2.0 ** -int(torch.frexp(xr.abs().max()).exponent)
+        xs, wr = (xr * c).unsqueeze(0).requires_grad_(), wd.clone().requires_grad_()
+        y = reference.rms_norm(xs, wr, torch.zeros_like(wd), eps * c * c)
+        gx, gwr = torch.autograd.grad(y, (xs, wr), gr.unsqueeze(0))
+        ys.append(y[0].detach())
+        gxs.append(gx[0] * c)
+        gw += gwr
+    return torch.stack(ys), torch.stack(gxs), gw
+
+
+@pytest.mark.parametrize("backend", EDGE_BACKENDS)
+@pytest.mark.parametrize("dtype,scale", [(torch.float32, 1e20), (torch.float32, 1e30), (torch.float32, 1e38),
+                                         (torch.float32, 1.1e38), (torch.bfloat16, 1e37), (torch.float64, 1e200),
+                                         (torch.float64, 5e307)])
+def test_rms_norm_scale_invariant_huge(backend, dtype, scale):
+    """Rows whose Σz² overflows the statistic's dtype (every other row here; |x| up to
+    3·scale, i.e. to the dtype's maximum) give y(x) and the float64 oracle's gradients;
+    the normal rows beside them are unaffected."""
+    g = gen()
+    x = torch.randn(8, 64, generator=g, dtype=torch.float64).clamp(-3, 3)
+    w, s = torch.rand(64, generator=g) + 0.5, torch.zeros(64)
+    huge = [0, 2, 4, 6]
+    xs = x.clone()
+    xs[huge] *= scale
+    x, xs, w, s = x.to(dtype), xs.to(dtype), w.to(dtype), s.to(dtype)
+    grad = torch.randn(8, 64, generator=g).to(dtype)
+    assert torch.isfinite(xs).all() and torch.isinf(xs[0].double().pow(2).sum().to(dtype).float())
+    y1, _ = _rms(backend, x, w, s)
+    ys, (gx, gw, gs) = _rms(backend, xs, w, s, grad=grad)
+    assert ys.dtype == dtype and finite(ys, gx, gw, gs)
+    assert rel_err(ys[huge], y1[huge]) <= max(tolerance(dtype), 1e-5)  # ε/mean z² ~ 1e-6 at scale 1
+    want_y, want_gx, want_gw = _rms_rescaled_oracle(xs, w, grad)
+    tol = tolerance(dtype)
+    gtol = tol * (10 if dtype == torch.bfloat16 else 1)  # the grad sums many rounded terms
+    for r in range(8):  # row by row: huge rows' ∂L/∂x are ~1/scale of the others'
+        assert rel_err(ys[r], want_y[r]) <= tol, f"y row {r}"
+        assert rel_err(gx[r], want_gx[r]) <= gtol, f"grad_x row {r}"
+    assert rel_err(gw, want_gw) <= gtol
+    assert rel_err(gs, want_gx.sum(0)) <= gtol
+
+
+@pytest.mark.parametrize("backend", EDGE_BACKENDS)
+@pytest.mark.parametrize("dtype,scale", [(torch.float32, 1e30), (torch.bfloat16, 1e37), (torch.float64, 1e200)])
+def test_rms_norm_huge_row_beside_nonfinite_rows(backend, dtype, scale):
+    """A huge (rescaled) row next to a NaN row and an Inf row: the huge row is right,
+    the bad rows are non-finite, and the other rows are bitwise what they are alone."""
+    g = gen(4)
+    x = torch.randn(6, 40, generator=g, dtype=torch.float64)
+    x[1] *= scale
+    w, s = (torch.rand(40, generator=g) + 0.5).to(dtype), torch.zeros(40, dtype=dtype)
+    grad = torch.randn(6, 40, generator=g).to(dtype)
+    x = x.to(dtype)
+    xb = x.clone()
+    xb[3, 5] = float("nan")
+    xb[4, 9] = float("inf")
+    y0, (gx0, _, _) = _rms(backend, x, w, s, grad=grad)
+    y, (gx, _, _) = _rms(backend, xb, w, s, grad=grad)
+    clean = [0, 1, 2, 5]
+    assert torch.equal(y[clean], y0[clean]) and torch.equal(gx[clean], gx0[clean])
+    for bad in (3, 4):
+        assert not torch.isfinite(y[bad]).all() and not torch.isfinite(gx[bad]).all()
+    want_y, want_gx, _ = _rms_rescaled_oracle(x[1:2], w, grad[1:2])
+    assert rel_err(y[1], want_y[0]) <= tolerance(dtype)
+    assert rel_err(gx[1], want_gx[0]) <= tolerance(dtype) * (10 if dtype == torch.bfloat16 else 1)
+
+
+@pytest.mark.parametrize("backend", EDGE_BACKENDS)
+@pytest.mark.parametrize("dtype,scale", [(torch.float32, 1e-30), (torch.float32, 1e-20), (torch.bfloat16, 1e-30),
+                                         (torch.float16, 1e-6), (torch.float16, 2e4), (torch.bfloat16, 1e18)])
+def test_rms_norm_tiny_and_near_limits_match_float64(backend, dtype, scale):
+    """Tiny rows are ε-dominated (y = γz/√ε); fp16 up to ~6e4 and bf16 up to ~1e18 stay exact-ish."""
+    g = gen(1)
+    x = (torch.randn(8, 48, generator=g).clamp(-3, 3) * scale).to(dtype)
+    w, s = (torch.rand(48, generator=g) + 0.5).to(dtype), torch.zeros(48, dtype=dtype)
+    grad = torch.randn(8, 48, generator=g).to(dtype)
+    y, (gx, gw, gs) = _rms(backend, x, w, s, grad=grad)
+    assert finite(y, gx, gw, gs)
+    xd, wd, sd = x.double().requires_grad_(), w.double().requires_grad_(), s.double().requires_grad_()
+    want = reference.rms_norm(xd, wd, sd, 1e-6)
+    assert rel_err(y, want) <= tolerance(dtype)
+    wgx, wgw, wgs = torch.autograd.grad(want, (xd, wd, sd), grad.double())
+    tol = tolerance(dtype) * (10 if dtype != torch.float32 else 1)  # the grad sums many rounded terms
+    for got, ref_g in ((gx, wgx), (gw, wgw), (gs, wgs)):
+        # A representable reference: gradients of huge inputs can be tiny, tiny inputs' large.
+        if torch.isfinite(ref_g.to(dtype)).all():
+            assert rel_err(got, ref_g) <= tol
+
+
+@pytest.mark.parametrize("backend", EDGE_BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
+def test_rms_norm_zero_rows_with_zero_shift(backend, dtype):
+    """δ = 0 and an all-zero row: y = 0 exactly, gradients finite (∂y/∂x = γ/√ε there)."""
+    g = gen(2)
+    x = torch.randn(5, 40, generator=g).to(dtype)
+    x[1] = 0
+    x[4] = 0
+    w, s = (torch.rand(40, generator=g) + 0.5).to(dtype), torch.zeros(40, dtype=dtype)
+    grad = torch.randn(5, 40, generator=g).to(dtype)
+    y, (gx, gw, gs) = _rms(backend, x, w, s, eps=1e-5, grad=grad)
+    assert finite(y, gx, gw, gs)
+    assert (y[1] == 0).all() and (y[4] == 0).all()
+    want_gx = w.double() * grad[1].double() / math.sqrt(1e-5)
+    assert rel_err(gx[1], want_gx) <= tolerance(dtype)
+
+
+@pytest.mark.parametrize("backend", EDGE_BACKENDS)
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_rms_norm_nonfinite_row_is_confined(backend, bad):
+    g = gen(3)
+    x = torch.randn(6, 40, generator=g)
+    w, s = torch.rand(40, generator=g) + 0.5, 0.1 * torch.randn(40, generator=g)
+    grad = torch.randn(6, 40, generator=g)
+    y0, (gx0, _, _) = _rms(backend, x, w, s, grad=grad)
+    xb = x.clone()
+    xb[2, 7] = bad
+    y, (gx, gw, gs) = _rms(backend, xb, w, s, grad=grad)
+    others = [0, 1, 3, 4, 5]
+    assert torch.equal(y[others], y0[others]) and torch.equal(gx[others], gx0[others])
+    assert not torch.isfinite(y[2]).all()  # the bad row is affected
+    # A non-finite gradient in one row reaches only that row of grad_x.
+    gb = grad.clone()
+    gb[4, 0] = bad
+    _, (gx2, _, _) = _rms(backend, x, w, s, grad=gb)
+    others = [0, 1, 2, 3, 5]
+    assert torch.equal(gx2[others], gx0[others])
+    # grad_weight / grad_shift sum over all rows: they are necessarily non-finite then.
+    assert not finite(gw, gs)
+
+
+# ========================================================================================
+# Properties (hypothesis): any shape, stride, dtype; bad input names the argument
+# ========================================================================================
+
+@given(
+    lead=st.lists(st.integers(1, 5), min_size=0, max_size=3),
+    d=st.integers(1, 300),
+    dtype=st.sampled_from(DTYPES),
+    how=st.sampled_from(["contiguous", "transposed", "sliced", "expanded"]),
+    eps=st.sampled_from([1e-6, 1e-5, 1e-2]),
+    scale=st.sampled_from([1e-3, 1.0, 1e3]),
+    backend=st.sampled_from(EDGE_BACKENDS), seed=SEEDS,
+)
+def test_rms_norm_any_shape_stride_dtype(lead, d, dtype, how, eps, scale, backend, seed):
+    g = torch.Generator().manual_seed(seed)
+    x64 = scale * torch.randn(*lead, d, dtype=torch.float64, generator=g)
+    w64 = torch.rand(d, dtype=torch.float64, generator=g) + 0.5
+    s64 = 0.3 * scale * torch.randn(d, dtype=torch.float64, generator=g)
+    x = strided_view(x64.to(dtype), how)
+    with wk.use_backend(backend):
+        y = wk.rms_norm(x, w64.to(dtype), s64.to(dtype), eps)
+    assert y.shape == x.shape and y.dtype == dtype
+    # Compare with the reference on the same (rounded) inputs, in float64.
+    want = reference.rms_norm(x.double(), w64.to(dtype).double(), s64.to(dtype).double(), eps)
+    tol = tolerance(dtype) if d > 1 else tolerance(dtype) * 10
+    assert rel_err(y, want) <= tol
+
+
+
+@given(
+    x_rank=st.integers(0, 3), w_len=st.integers(0, 6), s_len=st.integers(0, 6), d=st.integers(1, 6),
+    x_dtype=st.sampled_from([torch.float32, torch.int64, torch.bool]),
+    eps=st.sampled_from([1e-6, 0.0, -1.0, "1e-6", None]),
+)
+def test_rms_norm_bad_input_raises_named_error(x_rank, w_len, s_len, d, x_dtype, eps):
+    x = torch.ones(*([2] * x_rank), d).to(x_dtype) if x_rank > 0 else torch.ones(()).to(x_dtype)
+    try:
+        y = wk.rms_norm(x, torch.ones(w_len), torch.zeros(s_len), eps)
+    except (ValueError, TypeError) as exc:
+        assert any(name in str(exc) for name in ("x", "weight", "shift", "eps"))
+        return
+    # Accepted: then it must have been a valid call.
+    assert x_dtype == torch.float32 and w_len == s_len == d and isinstance(eps, float) and eps > 0
+    assert y.shape == x.shape
+
+
+# ========================================================================================
+# Bitwise determinism of the C++ kernel, 1 vs 2 threads (helpers.run_on_thread_counts)
+# ========================================================================================
+
+@needs_cpu_extension
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_rms_norm_bitwise_reproducible(dtype):
+    g = gen(0)
+    rows, d = 3001, 320  # many rows: dweight/dshift are reductions across threads' chunks
+    x = torch.randn(rows, d, generator=g).to(dtype)
+    w, s = (torch.rand(d, generator=g) + 0.5).to(dtype), torch.randn(d, generator=g).to(dtype)
+    grad = torch.randn(rows, d, generator=g).to(dtype)
+
+    def fn(x, w, s):
+        return wk.rms_norm(x, w, s), grad
+
+    assert_bitwise(run_on_thread_counts(fn, [x, w, s]), ["y", "grad_x", "grad_weight", "grad_shift"])
+
+
+# ========================================================================================
+# On a GPU (skipped without one)
+# ========================================================================================
+
+@gpu_only
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", [(1, 3), (37, 192), (4, 33, 760), (1151, 4096), (2, 8193)])
+def test_rms_norm_triton_vs_float64(shape, dtype):
+    d = shape[-1]
+    x = torch.randn(shape, dtype=torch.float64)
+    w, s = torch.rand(d, dtype=torch.float64) + 0.5, 0.3 * torch.randn(d, dtype=torch.float64)
+    g = torch.randn(shape, dtype=torch.float64)
+    with wk.use_backend("triton"):
+        outs, grads = forward_backward(wk.rms_norm, [t.to("cuda", dtype) for t in (x, w, s)], [g.to("cuda", dtype)])
+    ref_outs, ref_grads = forward_backward(reference.rms_norm, [x, w, s], [g])
+    for got, want in zip(outs + grads, ref_outs + ref_grads):
+        assert_close_rel(got.cpu(), want, tolerance(dtype))
+
+
+@gpu_only
+def test_gpu_backwards_are_bitwise_reproducible():
+    x = torch.randn(4097, 1024, device="cuda")
+    w, s = torch.rand(1024, device="cuda") + 0.5, torch.randn(1024, device="cuda")
+    g = torch.randn_like(x)
+    runs = [forward_backward(wk.rms_norm, [x, w, s], [g])[1] for _ in range(3)]
+    for other in runs[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(runs[0], other))

@@ -25,6 +25,8 @@ import torch.nn.functional as F
 import wiola
 from wiola import WiolaConfig, WiolaForCausalLM
 
+from oracles import ModelOracle
+
 F64 = torch.float64
 SEED_CONFIG = os.path.join(os.path.dirname(__file__), "data", "wiola-360m-config.json")  # copy of shared/seed
 
@@ -151,158 +153,6 @@ def test_seed_config_loads_with_auto(tmp_path):
     assert cfg.num_key_value_heads == 4 and cfg.head_dim == 64 and cfg.gcla_lookback == 2
 
 
-# ----------------------------------------------------------------------------------------
-# The float64 oracle (SPEC §2-§7)
-# ----------------------------------------------------------------------------------------
-
-class Oracle:
-    """One Wiola forward in float64 from the SPEC formulas, weights copied from a model."""
-
-    def __init__(self, model: WiolaForCausalLM, cfg: WiolaConfig, requires_grad=False):
-        self.cfg = cfg
-        P = {k: v.detach().to(F64).clone().requires_grad_(requires_grad) for k, v in model.named_parameters()}
-        self.P = P
-        emb = [k for k in P if "embed" in k]
-        assert len(emb) == 1, emb
-        self.E = P[emb[0]]
-        self.final_w = P["model.norm.weight"]
-        self.final_s = P["model.norm.shift"]
-        self.layers = []
-        for i in range(cfg.num_hidden_layers):
-            pre = f"model.layers.{i}."
-            g = lambda name: P[pre + name]  # noqa: E731
-            self.layers.append(dict(
-                n1w=g("attn_norm.weight"), n1s=g("attn_norm.shift"),
-                n2w=g("ffn_norm.weight"), n2s=g("ffn_norm.shift"),
-                Wq=g("attn.q_proj.weight").T, Wk=g("attn.k_proj.weight").T,
-                Wv=g("attn.v_proj.weight").T, Wo=g("attn.o_proj.weight").T,
-                Wkc=g("attn.kc_proj.weight").T, Wvc=g("attn.vc_proj.weight").T,
-                gate=g("attn.gate"), beta=g("ffn.beta"),
-                Wn1=g("ffn.w_n1.weight").T, Wn2=g("ffn.w_n2.weight").T, Wn3=g("ffn.w_n3.weight").T,
-                Ww1=g("ffn.w_w1.weight").T, Ww2=g("ffn.w_w2.weight").T, Ww3=g("ffn.w_w3.weight").T,
-            ))
-        # everything the model has is used by the oracle
-        used = {k for k in P if k.startswith("model.layers.")}
-        n_used = 18 * cfg.num_hidden_layers
-        assert len(used) == n_used, sorted(used)
-        assert set(P) - used == {emb[0], "model.norm.weight", "model.norm.shift"}
-
-    # §3
-    def norm(self, x, w, s):
-        z = x + s
-        r = torch.sqrt((z * z).mean(-1, keepdim=True) + self.cfg.rms_norm_eps)
-        return w * z / r
-
-    # §4; x (H, T, d_h), pos (T,)
-    def srpe(self, x, pos):
-        c = self.cfg
-        dh = x.shape[-1]
-        half = dh // 2
-        j = torch.arange(half, dtype=F64)
-        omega = float(c.srpe_theta) ** (-2.0 * j / dh)
-        p = pos.to(F64)[:, None]
-        theta = p * omega * (1.0 + 1.0 / c.srpe_spiral_divisor)
-        r = 1.0 + c.srpe_radial_amplitude * torch.sin(p * c.srpe_radial_frequency * omega)
-        cs, sn = r * torch.cos(theta), r * torch.sin(theta)
-        x1, x2 = x[..., :half], x[..., half:]
-        return torch.cat([x1 * cs - x2 * sn, x1 * sn + x2 * cs], dim=-1)
-
-    # §5.2-5.4 for one sequence; xt (T, d), pos (T,), ctx (S, Λ', d) with S ∈ {1, T} or None
-    def gcla(self, lp, xt, pos, ctx, group_rule="mod"):
-        c = self.cfg
-        T = xt.shape[0]
-        H, Hkv, dh = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        Q = (xt @ lp["Wq"]).view(T, H, dh).transpose(0, 1)
-        K = (xt @ lp["Wk"]).view(T, Hkv, dh).transpose(0, 1)
-        V = (xt @ lp["Wv"]).view(T, Hkv, dh).transpose(0, 1)
-        Qr, Kr = self.srpe(Q, pos), self.srpe(K, pos)
-        mask = torch.triu(torch.ones(T, T, dtype=torch.bool), diagonal=1)
-        if ctx is not None:
-            S, Lc = ctx.shape[0], ctx.shape[1]
-            Kc = (ctx @ lp["Wkc"]).view(S, Lc, H, dh)
-            Vc = (ctx @ lp["Wvc"]).view(S, Lc, H, dh)
-        outs = []
-        for h in range(H):
-            g = h % Hkv if group_rule == "mod" else h // (H // Hkv)
-            s = (Qr[h] @ Kr[g].T) / math.sqrt(dh)
-            s = s.masked_fill(mask, float("-inf"))
-            o = torch.softmax(s, -1) @ V[g]
-            if ctx is not None:
-                kc = Kc[:, :, h].expand(T, Lc, dh)
-                vc = Vc[:, :, h].expand(T, Lc, dh)
-                a = torch.softmax(torch.einsum("td,tld->tl", Q[h], kc) / math.sqrt(dh), -1)
-                o = o + torch.sigmoid(lp["gate"][h]) * torch.einsum("tl,tld->td", a, vc)
-            outs.append(o)
-        O = torch.stack(outs, 1).reshape(T, H * dh)
-        return O @ lp["Wo"]
-
-    # §7
-    def dsff(self, lp, x):
-        nar = (F.silu(x @ lp["Wn1"]) * (x @ lp["Wn3"])) @ lp["Wn2"]
-        wid = (F.gelu(x @ lp["Ww1"], approximate="tanh") * (x @ lp["Ww3"])) @ lp["Ww2"]
-        lam = torch.sigmoid(lp["beta"])
-        return lam * nar + (1 - lam) * wid
-
-    # §6; returns (slots: list of member lists, min |s_t - τ|)
-    @staticmethod
-    def merge_plan(xt, tau):
-        xt = xt.detach()
-        T = xt.shape[0]
-        slots, margin, t = [], float("inf"), 0
-        cos = [float(torch.dot(xt[i], xt[i + 1]) / (xt[i].norm() * xt[i + 1].norm())) for i in range(T - 1)]
-        if cos:
-            margin = min(abs(s - tau) for s in cos)
-        while t < T:
-            if t + 1 < T and cos[t] > tau:
-                slots.append([t, t + 1])
-                t += 2
-            else:
-                slots.append([t])
-                t += 1
-        return slots, margin
-
-    def forward(self, ids, pos=None, mode="causal", atm_layers=(), group_rule="mod",
-                lookback=None, info=None, atm_member=0):
-        """ids (B, T); pos (B, T) or None; returns logits (B, T, V)."""
-        c = self.cfg
-        B, T = ids.shape
-        if pos is None:
-            pos = torch.arange(T).expand(B, T)
-        lookback = c.gcla_lookback if lookback is None else lookback
-        X = self.E[ids]
-        summaries = []
-        for l, lp in enumerate(self.layers):
-            Xn = self.norm(X, lp["n1w"], lp["n1s"])
-            ctx_layers = summaries[max(0, l - lookback):l]
-            A = torch.empty_like(X)
-            for b in range(B):
-                ctx = torch.stack([s[b] for s in ctx_layers], dim=1) if ctx_layers else None
-                if l in atm_layers:
-                    slots, margin = self.merge_plan(Xn[b], c.atm_threshold)
-                    if info is not None:
-                        info.setdefault("margin", []).append(margin)
-                        info.setdefault("merges", {}).setdefault(l, 0)
-                        info["merges"][l] += sum(len(s) == 2 for s in slots)
-                    # SPEC: position and causal context of a slot are its first member's
-                    # (atm_member=-1 is a wrong variant, used to show the tests discriminate)
-                    first = torch.tensor([s[atm_member] for s in slots])
-                    xm = torch.stack([Xn[b, s].mean(0) for s in slots])
-                    cm = None if ctx is None else (ctx[first] if ctx.shape[0] == T else ctx)
-                    Am = self.gcla(lp, xm, pos[b, first], cm, group_rule)
-                    for k, s in enumerate(slots):
-                        for t in s:
-                            A[b, t] = Am[k]
-                else:
-                    A[b] = self.gcla(lp, Xn[b], pos[b], ctx, group_rule)
-            X = X + A
-            X = X + self.dsff(lp, self.norm(X, lp["n2w"], lp["n2s"]))
-            if mode == "paper":
-                summaries.append(X.mean(1, keepdim=True))
-            else:
-                summaries.append(X.cumsum(1) / torch.arange(1, T + 1, dtype=F64)[None, :, None])
-        return self.norm(X, self.final_w, self.final_s) @ self.E.T
-
-
 def randomise(model, seed=0):
     """Non-init values everywhere, so that init shortcuts (γ=1, δ=0, β=0, g=-3) show."""
     gen = torch.Generator().manual_seed(seed)
@@ -351,7 +201,7 @@ def rel(a, b):
 @pytest.mark.parametrize("mode", ["causal", "paper"])
 def test_forward_matches_oracle(mode):
     model, cfg = make_model(gcla_summary=mode)
-    oracle = Oracle(model, cfg)
+    oracle = ModelOracle(model, cfg)
     ids = torch.randint(0, cfg.vocab_size, (3, 11))
     with torch.no_grad():
         got = model(ids).logits
@@ -369,7 +219,7 @@ def test_forward_matches_oracle(mode):
 @pytest.mark.parametrize("lookback,L", [(1, 3), (3, 5)])
 def test_forward_matches_oracle_other_lookback(lookback, L):
     model, cfg = make_model(gcla_lookback=lookback, num_hidden_layers=L, seed=1)
-    oracle = Oracle(model, cfg)
+    oracle = ModelOracle(model, cfg)
     ids = torch.randint(0, cfg.vocab_size, (2, 9))
     with torch.no_grad():
         got = model(ids).logits
@@ -380,7 +230,7 @@ def test_forward_matches_oracle_mha_and_T1():
     # H_kv = H (plain MHA) and H_kv = 1 (MQA), and a single token
     for hkv in (4, 1):
         model, cfg = make_model(num_key_value_heads=hkv, seed=2)
-        oracle = Oracle(model, cfg)
+        oracle = ModelOracle(model, cfg)
         for T in (1, 5):
             ids = torch.randint(0, cfg.vocab_size, (2, T))
             with torch.no_grad():
@@ -390,7 +240,7 @@ def test_forward_matches_oracle_mha_and_T1():
 
 def test_position_ids_respected():
     model, cfg = make_model(seed=3)
-    oracle = Oracle(model, cfg)
+    oracle = ModelOracle(model, cfg)
     ids = torch.randint(0, cfg.vocab_size, (2, 7))
     pos = torch.stack([torch.arange(7) + 5, torch.arange(7) + 17])
     with torch.no_grad():
@@ -430,7 +280,7 @@ def test_atm_in_training_middle_third(L, mode):
     model, cfg = make_model(num_hidden_layers=L, atm_threshold=0.1, gcla_summary=mode,
                             hidden_size=16, num_attention_heads=2, num_key_value_heads=1,
                             head_dim=8, seed=4)
-    oracle = Oracle(model, cfg)
+    oracle = ModelOracle(model, cfg)
     ids = torch.randint(0, cfg.vocab_size, (2, 10))
     info = {}
     want = oracle.forward(ids, mode=mode, atm_layers=middle_third(L), info=info)
@@ -449,7 +299,7 @@ def test_atm_middle_third_integer_division(L):
     # (L = 8, the 120M preset's depth: layers 2..4; 2*(L//3) would give 2..3)
     model, cfg = make_model(num_hidden_layers=L, atm_threshold=0.1, hidden_size=16,
                             num_attention_heads=2, num_key_value_heads=1, head_dim=8, seed=5)
-    oracle = Oracle(model, cfg)
+    oracle = ModelOracle(model, cfg)
     ids = torch.randint(0, cfg.vocab_size, (1, 10))
     info = {}
     want = oracle.forward(ids, atm_layers=middle_third(L), info=info)
@@ -461,7 +311,7 @@ def test_atm_middle_third_integer_division(L):
 
 def test_atm_short_sequences_in_training():
     model, cfg = make_model(atm_threshold=0.1, seed=18)
-    oracle = Oracle(model, cfg)
+    oracle = ModelOracle(model, cfg)
     for T in (1, 2, 3):
         ids = torch.randint(0, cfg.vocab_size, (3, T))
         info = {}
@@ -472,7 +322,7 @@ def test_atm_short_sequences_in_training():
 
 def test_atm_off_in_eval_and_when_disabled():
     model, cfg = make_model(atm_threshold=0.1, seed=6)
-    oracle = Oracle(model, cfg)
+    oracle = ModelOracle(model, cfg)
     ids = torch.randint(0, cfg.vocab_size, (2, 10))
     no_atm = oracle.forward(ids)
     with_atm = oracle.forward(ids, atm_layers=middle_third(6))
@@ -485,7 +335,7 @@ def test_atm_off_in_eval_and_when_disabled():
 
 def test_atm_off_in_generate_even_in_train_mode():
     model, cfg = make_model(atm_threshold=0.1, seed=7)
-    oracle = Oracle(model, cfg)
+    oracle = ModelOracle(model, cfg)
     prompt = torch.randint(3, cfg.vocab_size, (1, 9))
     model.train()
     try:
@@ -533,7 +383,7 @@ def _decode_step_by_step(model, ids, prompt_len):
 
 def test_cached_step_by_step_equals_full_forward():
     model, cfg = make_model(seed=9)
-    oracle = Oracle(model, cfg)
+    oracle = ModelOracle(model, cfg)
     ids = torch.randint(0, cfg.vocab_size, (2, 10))
     want = oracle.forward(ids)
     with torch.no_grad():
@@ -545,7 +395,7 @@ def test_cached_step_by_step_equals_full_forward():
 
 def test_cached_steps_with_explicit_position_ids():
     model, cfg = make_model(seed=10)
-    oracle = Oracle(model, cfg)
+    oracle = ModelOracle(model, cfg)
     ids = torch.randint(0, cfg.vocab_size, (1, 8))
     pos = torch.arange(8)[None] + 11
     want = oracle.forward(ids, pos=pos)
@@ -572,7 +422,7 @@ def _greedy(oracle, prompt, n, mode):
 @pytest.mark.parametrize("mode,batch", [("causal", 1), ("causal", 2), ("paper", 1)])
 def test_generate_matches_oracle_greedy(mode, batch):
     model, cfg = make_model(gcla_summary=mode, seed=11)
-    oracle = Oracle(model, cfg)
+    oracle = ModelOracle(model, cfg)
     prompt = torch.randint(3, cfg.vocab_size, (batch, 5))
     want_seq, want_scores = _greedy(oracle, prompt, 6, mode)
     with torch.no_grad():
@@ -689,17 +539,17 @@ def test_float64_forward_is_float64_accurate(mode):
     ids = torch.randint(0, cfg.vocab_size, (2, 9))
     with torch.no_grad():
         got = model(ids).logits
-    assert rel(got, Oracle(model, cfg).forward(ids, mode=mode)) < TIGHT
+    assert rel(got, ModelOracle(model, cfg).forward(ids, mode=mode)) < TIGHT
 
 
 def test_float64_cached_decoding_is_float64_accurate():
     model, cfg = make_model(seed=15, gcla_lookback=0)  # no summaries: isolates the attention path
     ids = torch.randint(0, cfg.vocab_size, (1, 8))
-    assert rel(_decode_step_by_step(model, ids, 3), Oracle(model, cfg).forward(ids)) < TIGHT
+    assert rel(_decode_step_by_step(model, ids, 3), ModelOracle(model, cfg).forward(ids)) < TIGHT
 
 
 def _oracle_grads(model, cfg, ids, **kw):
-    oracle = Oracle(model, cfg, requires_grad=True)
+    oracle = ModelOracle(model, cfg, requires_grad=True)
     leaves = oracle.P
     logits = oracle.forward(ids, **kw)
     loss = F.cross_entropy(logits[:, :-1].reshape(-1, cfg.vocab_size), ids[:, 1:].reshape(-1))
@@ -737,7 +587,7 @@ def test_loss_and_gradients_match_oracle(train):
 def test_right_padding_matches_unpadded_rows(mode, train):
     model, cfg = make_model(gcla_summary=mode, atm_threshold=0.1, hidden_size=16,
                             num_attention_heads=2, num_key_value_heads=1, head_dim=8, seed=17)
-    oracle = Oracle(model, cfg)
+    oracle = ModelOracle(model, cfg)
     lengths = [10, 6, 1]
     ids = torch.randint(3, cfg.vocab_size, (3, 10))
     mask = torch.zeros(3, 10, dtype=torch.long)
@@ -763,7 +613,7 @@ def test_right_padding_matches_unpadded_rows(mode, train):
 def test_float32_model_close_to_float64_oracle(mode):
     # SPEC §9 attention tolerance (1e-4) for the whole float32 model, default kernels
     model, cfg = make_model(gcla_summary=mode, seed=19)
-    oracle = Oracle(model, cfg)
+    oracle = ModelOracle(model, cfg)
     model = model.float()
     ids = torch.randint(0, cfg.vocab_size, (2, 12))
     with torch.no_grad():
@@ -782,7 +632,7 @@ def test_save_load_round_trip(tmp_path):
         assert getattr(loaded.config, key) == getattr(cfg, key), key
     ids = torch.randint(0, cfg.vocab_size, (2, 7))
     with torch.no_grad():
-        assert rel(loaded(ids).logits, Oracle(model, cfg).forward(ids, mode="paper")) < TOL
+        assert rel(loaded(ids).logits, ModelOracle(model, cfg).forward(ids, mode="paper")) < TOL
 
 
 @pytest.mark.parametrize("case", ["out_of_vocab", "negative", "float", "one_dim"])

@@ -16,11 +16,16 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import wiola_kernels
-from wiola_kernels import SpiralRotaryEmbedding, use_backend
+import wiola_kernels as wk
+from wiola_kernels import SpiralRotaryEmbedding, reference, use_backend
 from wiola_kernels.reference import srpe as reference_srpe
 from wiola_kernels.reference import srpe_backward as reference_srpe_backward
 from wiola_kernels.reference import srpe_frequencies
 from wiola_kernels.testing import assert_close_rel, available_backends, rel_err, srpe_tolerance, tolerance
+
+from helpers import (assert_bitwise, finite, forward_backward, gen, gpu_only, needs_cpu_extension,
+                     run_on_thread_counts, strided_view)
+from oracles import raises_naming, rel, srpe_oracle
 
 BACKENDS = available_backends("srpe")
 PARAMS = dict(theta=10000.0, spiral_divisor=8.0, radial_amplitude=0.1, radial_frequency=0.01)
@@ -378,6 +383,488 @@ def test_position_ids_shared_by_the_batch(backend):
             got_q, got_k = wiola_kernels.srpe(q, k, shared)
             assert rel_err(got_q, want_q) <= tolerance(torch.float32)
             assert rel_err(got_k, want_k) <= tolerance(torch.float32)
+
+
+# ========================================================================================
+# Merged from the former cross-op files (issue 14 §5): one file holds everything about this op
+# ========================================================================================
+
+SPEC_BACKENDS = [name for name, state in wk.backends("cpu")["srpe"].items() if state == "available"]
+EDGE_BACKENDS = [b for b in available_backends("srpe", "cpu") if b in ("cpu", "reference")]
+DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
+SEEDS = st.integers(0, 2**32 - 1)  # every tensor comes from a generator seeded by a drawn seed
+
+
+# ========================================================================================
+# From SPEC alone: the public API against tests/oracles.py (no wiola_kernels.reference)
+# ========================================================================================
+
+def _srpe_case(B=3, H=4, Hkv=2, T=5, dh=8, dtype=torch.float32):
+    q = torch.randn(B, H, T, dh).to(dtype)
+    k = torch.randn(B, Hkv, T, dh).to(dtype)
+    return q, k
+
+
+@pytest.mark.parametrize("backend", SPEC_BACKENDS)
+def test_srpe_forward_positions_are_position_ids(backend):
+    q, k = _srpe_case(B=3, T=5, dh=8)
+    pos = torch.tensor([[7, 3, 100, 0, 41], [5, 6, 7, 8, 9], [1000, 2, 2, 513, 64]])
+    with wk.use_backend(backend):
+        qo, ko = wk.srpe(q, k, pos)
+    assert qo.shape == q.shape and ko.shape == k.shape and qo.dtype == q.dtype
+    assert rel(qo, srpe_oracle(q, pos)) <= tolerance(torch.float32)
+    assert rel(ko, srpe_oracle(k, pos)) <= tolerance(torch.float32)
+
+
+@pytest.mark.parametrize("backend", SPEC_BACKENDS)
+def test_srpe_shared_1d_positions(backend):
+    q, k = _srpe_case(B=3, T=6, dh=6)         # d_h/2 = 3 pairs (odd count)
+    pos = torch.tensor([9, 8, 7, 300, 2, 0])
+    with wk.use_backend(backend):
+        qo, ko = wk.srpe(q, k, pos)
+    pb = pos.expand(3, 6)
+    assert rel(qo, srpe_oracle(q, pb)) <= tolerance(torch.float32)
+    assert rel(ko, srpe_oracle(k, pb)) <= tolerance(torch.float32)
+
+
+@pytest.mark.parametrize("backend", SPEC_BACKENDS)
+def test_srpe_large_positions_fp32(backend):
+    # SPEC §4: float32 outputs within 1e-5 of float64 at every position below 2^20.
+    T = 8
+    q, k = _srpe_case(B=2, H=2, Hkv=1, T=T, dh=16)
+    pos = torch.tensor([[2**20 - 1, 2**20 - 2, 65536, 999_983, 524_287, 123_457, 777_777, 3],
+                        [1_048_000, 917_503, 65537, 2**19, 1, 0, 333_333, 2**20 - 7]])
+    with wk.use_backend(backend):
+        qo, ko = wk.srpe(q, k, pos)
+    ref_q, ref_k = srpe_oracle(q, pos), srpe_oracle(k, pos)
+    assert rel(qo, ref_q) <= tolerance(torch.float32)
+    assert rel(ko, ref_k) <= tolerance(torch.float32)
+    # also per position (an error at one position must not hide in the average)
+    for t in range(T):
+        assert rel(qo[:, :, t], ref_q[:, :, t]) <= tolerance(torch.float32), pos[:, t]
+
+
+@pytest.mark.parametrize("backend", SPEC_BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_srpe_large_positions_d64(backend, dtype):
+    # the model's head width: ω_j spans 1 … 1e4^(-62/64)
+    q, k = _srpe_case(B=1, H=2, Hkv=1, T=4, dh=64, dtype=dtype)
+    pos = torch.tensor([[2**20 - 1, 786_431, 65_536, 300_001]])
+    with wk.use_backend(backend):
+        qo, ko = wk.srpe(q, k, pos)
+    assert rel(qo, srpe_oracle(q, pos)) <= tolerance(dtype)
+    assert rel(ko, srpe_oracle(k, pos)) <= tolerance(dtype)
+
+
+@pytest.mark.parametrize("backend", SPEC_BACKENDS)
+def test_srpe_hyperparameters_are_used(backend):
+    q, k = _srpe_case(B=1, H=3, Hkv=1, T=4, dh=10)
+    pos = torch.tensor([[1, 17, 250, 4000]])
+    kw = dict(theta=500.0, spiral_divisor=3.0, radial_amplitude=0.3, radial_frequency=0.05)
+    with wk.use_backend(backend):
+        qo, ko = wk.srpe(q, k, pos, **kw)
+    assert rel(qo, srpe_oracle(q, pos, 500.0, 3.0, 0.3, 0.05)) <= tolerance(torch.float32)
+    assert rel(ko, srpe_oracle(k, pos, 500.0, 3.0, 0.3, 0.05)) <= tolerance(torch.float32)
+
+
+@pytest.mark.parametrize("backend", SPEC_BACKENDS)
+def test_srpe_not_norm_preserving(backend):
+    # Each pair is scaled by r_j(p): |y_pair| = r_j(p) |q_pair|.
+    q = torch.randn(1, 1, 3, 4, dtype=torch.float64)
+    k = torch.randn(1, 1, 3, 4, dtype=torch.float64)
+    pos = torch.tensor([50, 120, 300])
+    with wk.use_backend(backend):
+        qo, _ = wk.srpe(q, k, pos)
+    for t, p in enumerate(pos.tolist()):
+        for j in range(2):
+            w_j = 10000.0 ** (-2 * j / 4)
+            r = 1 + 0.1 * math.sin(p * 0.01 * w_j)
+            n_in = math.hypot(q[0, 0, t, j], q[0, 0, t, j + 2])
+            n_out = math.hypot(qo[0, 0, t, j], qo[0, 0, t, j + 2])
+            assert abs(n_out - r * n_in) <= 1e-9 * max(1.0, n_in)
+
+
+@pytest.mark.parametrize("backend", SPEC_BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64])
+def test_srpe_dtypes(backend, dtype):
+    q, k = _srpe_case(B=1, T=5, dh=8, dtype=dtype)
+    pos = torch.tensor([0, 3, 11, 70, 2000])
+    with wk.use_backend(backend):
+        qo, ko = wk.srpe(q, k, pos)
+    assert qo.dtype == dtype and ko.dtype == dtype
+    pb = pos.expand(1, 5)
+    assert rel(qo, srpe_oracle(q, pb)) <= tolerance(dtype)
+    assert rel(ko, srpe_oracle(k, pb)) <= tolerance(dtype)
+
+
+@pytest.mark.parametrize("backend", SPEC_BACKENDS)
+def test_srpe_backward_is_transpose(backend):
+    q, k = _srpe_case(B=3, H=4, Hkv=2, T=5, dh=8)
+    pos = torch.tensor([[4, 1, 9, 1000, 77]] * 2 + [[0, 0, 5, 5, 65536]])
+    gq, gk = torch.randn_like(q), torch.randn_like(k)
+    qq, kk = q.clone().requires_grad_(), k.clone().requires_grad_()
+    with wk.use_backend(backend):
+        qo, ko = wk.srpe(qq, kk, pos)
+    torch.autograd.backward((qo, ko), (gq, gk))
+    qd, kd = q.double().requires_grad_(), k.double().requires_grad_()
+    torch.autograd.backward((srpe_oracle(qd, pos), srpe_oracle(kd, pos)), (gq.double(), gk.double()))
+    assert rel(qq.grad, qd.grad) <= tolerance(torch.float32)
+    assert rel(kk.grad, kd.grad) <= tolerance(torch.float32)
+
+
+@pytest.mark.parametrize("backend", SPEC_BACKENDS)
+def test_srpe_backward_half(backend):
+    q, k = _srpe_case(B=1, H=2, Hkv=1, T=4, dh=8, dtype=torch.bfloat16)
+    pos = torch.tensor([[3, 99, 4096, 70000]])
+    gq, gk = torch.randn_like(q), torch.randn_like(k)
+    qq, kk = q.clone().requires_grad_(), k.clone().requires_grad_()
+    with wk.use_backend(backend):
+        torch.autograd.backward(wk.srpe(qq, kk, pos), (gq, gk))
+    qd, kd = q.double().requires_grad_(), k.double().requires_grad_()
+    torch.autograd.backward((srpe_oracle(qd, pos), srpe_oracle(kd, pos)), (gq.double(), gk.double()))
+    assert qq.grad.dtype == torch.bfloat16
+    assert rel(qq.grad, qd.grad) <= tolerance(torch.bfloat16) and rel(kk.grad, kd.grad) <= tolerance(torch.bfloat16)
+
+
+@pytest.mark.parametrize("backend", SPEC_BACKENDS)
+def test_srpe_gradcheck(backend):
+    q = torch.randn(1, 2, 2, 4, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(1, 1, 2, 4, dtype=torch.float64, requires_grad=True)
+    pos = torch.tensor([[70, 1]])
+    with wk.use_backend(backend):
+        assert torch.autograd.gradcheck(lambda a, b: wk.srpe(a, b, pos), (q, k))
+
+
+@pytest.mark.parametrize("backend", SPEC_BACKENDS)
+def test_srpe_noncontiguous_and_t1(backend):
+    B, T, H, Hkv, dh = 3, 5, 4, 2, 8
+    q = torch.randn(B, T, H, dh).transpose(1, 2)             # the usual (B,T,H,d) → (B,H,T,d) view
+    k = torch.randn(B, T, Hkv, 2 * dh)[..., ::2].transpose(1, 2)
+    pos = torch.arange(T) * 3 + 1
+    qc, kc = q.clone(), k.clone()
+    with wk.use_backend(backend):
+        qo, ko = wk.srpe(q, k, pos)
+    pb = pos.expand(B, T)
+    assert rel(qo, srpe_oracle(q, pb)) <= tolerance(torch.float32)
+    assert rel(ko, srpe_oracle(k, pb)) <= tolerance(torch.float32)
+    assert torch.equal(q, qc) and torch.equal(k, kc)        # inputs untouched
+    # expanded keys and T = 1
+    k1 = torch.randn(1, 1, 1, dh).expand(B, Hkv, 1, dh)
+    q1 = torch.randn(B, H, 1, dh)
+    p1 = torch.tensor([[5], [12345], [0]])
+    with wk.use_backend(backend):
+        qo, ko = wk.srpe(q1, k1, p1)
+    assert rel(qo, srpe_oracle(q1, p1)) <= tolerance(torch.float32)
+    assert rel(ko, srpe_oracle(k1, p1)) <= tolerance(torch.float32)
+
+
+@pytest.mark.parametrize("backend", SPEC_BACKENDS)
+def test_srpe_noncontiguous_grads(backend):
+    q, k = _srpe_case(B=2, H=2, Hkv=1, T=3, dh=4)
+    pos = torch.tensor([5, 70, 900])
+    gq = torch.randn(2, 3, 2, 4).transpose(1, 2)            # strided output gradient
+    qq, kk = q.clone().requires_grad_(), k.clone().requires_grad_()
+    with wk.use_backend(backend):
+        qo, ko = wk.srpe(qq, kk, pos)
+    torch.autograd.backward((qo, ko.sum()), (gq, None))    # ko.sum(): a stride-0 gradient
+    qd, kd = q.double().requires_grad_(), k.double().requires_grad_()
+    torch.autograd.backward((srpe_oracle(qd, pos.expand(2, 3)), srpe_oracle(kd, pos.expand(2, 3)).sum()),
+                            (gq.double(), None))
+    assert rel(qq.grad, qd.grad) <= tolerance(torch.float32) and rel(kk.grad, kd.grad) <= tolerance(torch.float32)
+
+
+@pytest.mark.parametrize("backend", SPEC_BACKENDS)
+def test_srpe_int32_positions(backend):
+    q, k = _srpe_case(B=1, T=3, dh=4)
+    pos = torch.tensor([[5, 900, 2**20 - 1]], dtype=torch.int32)
+    with wk.use_backend(backend):
+        qo, _ = wk.srpe(q, k, pos)
+    assert rel(qo, srpe_oracle(q, pos)) <= tolerance(torch.float32)
+
+
+_Q, _K = torch.randn(2, 4, 5, 8), torch.randn(2, 2, 5, 8)
+_P = torch.arange(5)
+SRPE_BAD = {
+    "odd_d_h": (lambda: wk.srpe(torch.randn(2, 4, 5, 7), torch.randn(2, 2, 5, 7), _P), ["d_h", "head_dim", "q"]),
+    "q_rank3": (lambda: wk.srpe(torch.randn(4, 5, 8), _K, _P), ["q"]),
+    "k_d_h_mismatch": (lambda: wk.srpe(_Q, torch.randn(2, 2, 5, 6), _P), ["k"]),
+    "k_T_mismatch": (lambda: wk.srpe(_Q, torch.randn(2, 2, 4, 8), _P), ["k"]),
+    "k_B_mismatch": (lambda: wk.srpe(_Q, torch.randn(3, 2, 5, 8), _P), ["k"]),
+    "H_not_multiple_of_H_kv": (lambda: wk.srpe(_Q, torch.randn(2, 3, 5, 8), _P), ["H_kv", "k"]),
+    "positions_wrong_T": (lambda: wk.srpe(_Q, _K, torch.arange(6)), ["position_ids", "positions"]),
+    "positions_wrong_B": (lambda: wk.srpe(_Q, _K, torch.zeros(3, 5, dtype=torch.long)), ["position_ids", "positions"]),
+    "positions_float": (lambda: wk.srpe(_Q, _K, torch.arange(5.0)), ["position_ids", "positions"]),
+    "positions_list": (lambda: wk.srpe(_Q, _K, list(range(5))), ["position_ids", "positions"]),
+    "q_int": (lambda: wk.srpe(_Q.to(torch.int32), _K, _P), ["q"]),
+    "q_complex": (lambda: wk.srpe(_Q.to(torch.complex64), _K, _P), ["q"]),
+    "k_dtype_mismatch": (lambda: wk.srpe(_Q, _K.double(), _P), ["k"]),
+    "q_list": (lambda: wk.srpe(_Q.tolist(), _K, _P), ["q"]),
+    "k_other_device": (lambda: wk.srpe(_Q, _K.to("meta"), _P), ["k", "device"]),
+}
+
+
+@pytest.mark.parametrize("case", list(SRPE_BAD))
+def test_srpe_bad_inputs(case):
+    fn, names = SRPE_BAD[case]
+    raises_naming((ValueError, TypeError), names, fn)
+
+
+def test_srpe_module_defaults():
+    m = SpiralRotaryEmbedding(8)
+    assert len(list(m.parameters())) == 0
+    q, k = _srpe_case(B=2, H=2, Hkv=1, T=4, dh=8)
+    pos = torch.tensor([[0, 1, 2, 3], [10, 20, 30, 40000]])
+    qo, ko = m(q, k, pos)
+    assert rel(qo, srpe_oracle(q, pos)) <= tolerance(torch.float32)   # θ₀ 1e4, k_s 8, a_s 0.1, f_s 0.01
+    assert rel(ko, srpe_oracle(k, pos)) <= tolerance(torch.float32)
+
+
+def test_srpe_module_custom_hyperparameters():
+    m = SpiralRotaryEmbedding(6, theta=100.0, spiral_divisor=2.0, radial_amplitude=0.5, radial_frequency=0.2)
+    q, k = _srpe_case(B=1, H=2, Hkv=2, T=3, dh=6)
+    pos = torch.tensor([7, 30, 1])
+    qo, ko = m(q, k, pos)
+    pb = pos.expand(1, 3)
+    assert rel(qo, srpe_oracle(q, pb, 100.0, 2.0, 0.5, 0.2)) <= tolerance(torch.float32)
+    assert rel(ko, srpe_oracle(k, pb, 100.0, 2.0, 0.5, 0.2)) <= tolerance(torch.float32)
+
+
+def test_srpe_opcheck():
+    q = torch.randn(1, 2, 3, 4, requires_grad=True)
+    k = torch.randn(1, 1, 3, 4, requires_grad=True)
+    pos = torch.tensor([[0, 5, 9]])
+    torch.library.opcheck(torch.ops.wiola.srpe.default, (q, k, pos, 10000.0, 8.0, 0.1, 0.01))
+
+
+def test_srpe_compile_fullgraph():
+    q = torch.randn(1, 2, 3, 4, requires_grad=True)
+    k = torch.randn(1, 1, 3, 4, requires_grad=True)
+    pos = torch.tensor([[0, 5, 9]])
+    f = torch.compile(lambda a, b, p: wk.srpe(a, b, p), fullgraph=True, backend="aot_eager")
+    qo, ko = f(q, k, pos)
+    assert rel(qo, srpe_oracle(q.detach(), pos)) <= tolerance(torch.float32)
+    (qo.sum() + ko.sum()).backward()
+    assert q.grad is not None and k.grad is not None
+
+
+# ========================================================================================
+# Numerics at the edges (every CPU backend)
+#   zero (finite) gradients; scores up to ~1e30 in float32 saturate the softmax correctly.
+# * ATM — ``τ = 1`` never merges (cos ≤ 1); ``τ = −1`` merges every non-opposite adjacent
+#
+# SRPE position range. Every backend computes the angle ``p·ω_j·(1 + 1/k_s)`` in float64
+# and reduces it modulo 2π in float64 (the CPU kernel's Cody–Waite reduction uses FMA, so
+# the reduction adds ~1e-16 absolute). The remaining error is that of the float64 angle
+# itself: ``ω_j`` and the product are each rounded once, so the angle error is at most
+# ``≈ p·ω_j·(1 + 1/k_s)·2^-52`` (two half-ulps of a number of size ``p·ω_j(1+1/k_s)``), and
+# a pair rotated by a wrong angle δ has relative error ≈ δ. With ``ω_0 = 1`` the worst pair
+# meets the float32 tolerance 1e-5 while ``p ≤ 1e-5·2^52 / (1 + 1/k_s) ≈ 4.5e10/(1 + 1/k_s)``:
+# for the default ``k_s = 8`` that is ``p ≤ 4.0e10 ≈ 2^35.2``; for ``k_s = 1``,
+# ``p ≤ 2.3e10 ≈ 2^34.4``. **Largest safe position: 2^34 (≈1.7e10) for every k_s ≥ 1;
+# 2^35 for the default k_s = 8.** Measured (d_h = 128, defaults, against a 200-bit
+# mpmath evaluation): relative error 5e-8 at 2^31, 4e-7 at 2^35, 3.4e-6 at 2^38,
+# 1.6e-5 at 2^40 — the whole-vector error is ~10× below the worst-pair bound. The SPEC
+# requires 2^20; tests below check 2^31 (and 2^34 against mpmath). Positions are int64;
+# beyond 2^53 the float64 conversion of p itself is inexact. ``wk.srpe`` refuses CPU
+# positions beyond ``wiola_kernels.ops.srpe.max_accurate_position(k_s)`` (tested below).
+# """
+# ========================================================================================
+
+def _srpe(backend, q, k, pos, grad=None, **kw):
+    q = q.clone().requires_grad_(grad is not None)
+    k = k.clone().requires_grad_(grad is not None)
+    with wk.use_backend(backend):
+        qo, ko = wk.srpe(q, k, pos, **kw)
+        if grad is None:
+            return qo.detach(), ko.detach(), None
+        return qo.detach(), ko.detach(), torch.autograd.grad((qo, ko), (q, k), grad)
+
+
+@pytest.mark.parametrize("backend", EDGE_BACKENDS)
+def test_srpe_float32_meets_tolerance_up_to_2_31(backend):
+    g = gen(4)
+    b, h, h_kv, t, dh = 2, 2, 1, 64, 128
+    pos = torch.randint(2**31 - 2**24, 2**31 + 1, (b, t), generator=g)
+    pos[0, :5] = torch.tensor([2**31, 2**31 - 1, 2**30, 2**24 + 1, 2**20])
+    q, k = torch.randn(b, h, t, dh, generator=g), torch.randn(b, h_kv, t, dh, generator=g)
+    for ks in (8.0, 1.0):
+        qo, ko, _ = _srpe(backend, q, k, pos, spiral_divisor=ks)
+        q_ref, k_ref = reference.srpe(q.double(), k.double(), pos, spiral_divisor=ks)
+        assert rel_err(qo, q_ref) <= 1e-5 and rel_err(ko, k_ref) <= 1e-5
+
+
+@pytest.mark.parametrize("backend", EDGE_BACKENDS)
+def test_srpe_large_positions_against_mpmath(backend):
+    """The float64 angle error bound of the module docstring, against a 200-bit evaluation."""
+    mpmath = pytest.importorskip("mpmath")
+    mpmath.mp.prec = 200
+    dh, theta, ks, a_s, f_s = 64, 10000.0, 8.0, 0.1, 0.01
+    half = dh // 2
+    g = gen(5)
+    for p in (2**20, 2**31, 2**34):
+        q = torch.randn(1, 1, 1, dh, generator=g, dtype=torch.float64)
+        c, s = [], []
+        for j in range(half):
+            om = mpmath.power(theta, mpmath.mpf(-2 * j) / dh)
+            r = 1 + mpmath.mpf(a_s) * mpmath.sin(p * om * mpmath.mpf(f_s))
+            ang = p * om * (1 + 1 / mpmath.mpf(ks))
+            c.append(float(r * mpmath.cos(ang)))
+            s.append(float(r * mpmath.sin(ang)))
+        c64, s64 = torch.tensor(c, dtype=torch.float64), torch.tensor(s, dtype=torch.float64)
+        x1, x2 = q[..., :half], q[..., half:]
+        exact = torch.cat((x1 * c64 - x2 * s64, x1 * s64 + x2 * c64), -1)
+        qo, _, _ = _srpe(backend, q.float(), q.float(), torch.tensor([p]), theta=theta, spiral_divisor=ks,
+                         radial_amplitude=a_s, radial_frequency=f_s)
+        bound = max(p * (1 + 1 / ks) * 2.0**-52, 1e-7)  # worst pair; + float32 rounding of the output
+        assert rel_err(qo, exact) <= min(bound, 1e-5), p
+
+
+@pytest.mark.parametrize("backend", EDGE_BACKENDS)
+@pytest.mark.parametrize("dtype,scale,a_s", [(torch.float32, 1e30, 0.1), (torch.float32, 1e-30, 0.1),
+                                             (torch.bfloat16, 1e37, 0.0), (torch.bfloat16, 1e-30, 0.1),
+                                             (torch.float16, 2e4, 0.0), (torch.float16, 1e-3, 0.1)])
+def test_srpe_huge_and_tiny_magnitudes(backend, dtype, scale, a_s):
+    """Linear in q, k: the relative tolerance holds while outputs are representable (|y| ≤ √2·(1+a_s)·|q|)."""
+    g = gen(6)
+    q = (torch.randn(2, 2, 9, 16, generator=g).clamp(-2, 2) * scale).to(dtype)
+    k = (torch.randn(2, 1, 9, 16, generator=g).clamp(-2, 2) * scale).to(dtype)
+    pos = torch.randint(0, 2**20, (2, 9), generator=g)
+    grad = (torch.randn(2, 2, 9, 16, generator=g).clamp(-2, 2) * scale).to(dtype), \
+        (torch.randn(2, 1, 9, 16, generator=g).clamp(-2, 2) * scale).to(dtype)
+    qo, ko, (gq, gk) = _srpe(backend, q, k, pos, grad=grad, radial_amplitude=a_s)
+    assert finite(qo, ko, gq, gk)
+    q_ref, k_ref = reference.srpe(q.double(), k.double(), pos, radial_amplitude=a_s)
+    gq_ref, gk_ref = reference.srpe_backward(grad[0].double(), grad[1].double(), pos, radial_amplitude=a_s)
+    for got, want in ((qo, q_ref), (ko, k_ref), (gq, gq_ref), (gk, gk_ref)):
+        assert rel_err(got, want) <= tolerance(dtype)
+
+
+@pytest.mark.parametrize("backend", EDGE_BACKENDS)
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_srpe_nonfinite_token_is_confined(backend, bad):
+    g = gen(7)
+    q, k = torch.randn(2, 4, 10, 8, generator=g), torch.randn(2, 2, 10, 8, generator=g)
+    pos = torch.randint(0, 1000, (2, 10), generator=g)
+    grad = torch.randn(2, 4, 10, 8, generator=g), torch.randn(2, 2, 10, 8, generator=g)
+    q0, k0, (gq0, gk0) = _srpe(backend, q, k, pos, grad=grad)
+    qb = q.clone()
+    qb[1, 2, 3, 1] = bad
+    qo, ko, _ = _srpe(backend, qb, k, pos)
+    mask = torch.ones_like(qo, dtype=torch.bool)
+    mask[1, 2, 3] = False  # the token's own head vector (its pair partner) may be affected
+    assert torch.equal(qo[mask], q0[mask]) and torch.equal(ko, k0)
+    gb = (grad[0], grad[1].clone())
+    gb[1][0, 1, 9, 7] = bad
+    _, _, (gq, gk) = _srpe(backend, q, k, pos, grad=gb)
+    mask = torch.ones_like(gk, dtype=torch.bool)
+    mask[0, 1, 9] = False
+    assert torch.equal(gq, gq0) and torch.equal(gk[mask], gk0[mask])
+
+
+
+@pytest.mark.parametrize("k_s", [8.0, 1.0, 0.5])
+def test_srpe_refuses_positions_beyond_the_accurate_range(k_s):
+    from wiola_kernels.ops.srpe import max_accurate_position
+
+    limit = max_accurate_position(k_s)
+    assert limit == int(1e-5 * 2.0**52 / abs(1 + 1 / k_s))
+    q, k = torch.randn(1, 2, 2, 8), torch.randn(1, 1, 2, 8)
+    wk.srpe(q, k, torch.tensor([0, limit]), spiral_divisor=k_s)  # at the limit: accepted
+    with pytest.raises(ValueError, match="position_ids must lie within"):
+        wk.srpe(q, k, torch.tensor([0, limit + 1]), spiral_divisor=k_s)
+    with pytest.raises(ValueError, match="position_ids must lie within"):
+        wk.srpe(q, k, torch.tensor([-(limit + 1), 0]), spiral_divisor=k_s)
+    assert max_accurate_position(-1.0) == 2**53  # 1 + 1/k_s = 0: no rotation at all
+
+
+# ========================================================================================
+# Properties (hypothesis): any shape, stride, dtype; bad input names the argument
+# ========================================================================================
+
+@given(
+    b=st.integers(1, 3), h_kv=st.integers(1, 3), groups=st.integers(1, 3), t=st.integers(1, 20),
+    half=st.integers(1, 40), dtype=st.sampled_from(DTYPES),
+    how=st.sampled_from(["contiguous", "transposed", "sliced"]),
+    pos_max=st.sampled_from([1, 2048, 2**20]), shared_positions=st.booleans(),
+    theta=st.sampled_from([100.0, 10000.0, 500000.0]), k_s=st.sampled_from([-3.0, 1.0, 8.0]),
+    a_s=st.sampled_from([0.0, 0.1, 0.5]), f_s=st.sampled_from([0.0, 0.01, 1.0]),
+    backend=st.sampled_from(EDGE_BACKENDS), seed=SEEDS,
+)
+def test_srpe_any_shape_stride_dtype(b, h_kv, groups, t, half, dtype, how, pos_max, shared_positions, theta,
+                                     k_s, a_s, f_s, backend, seed):
+    h, dh = h_kv * groups, 2 * half
+    g = torch.Generator().manual_seed(seed)
+    q64 = torch.randn(b, h, t, dh, dtype=torch.float64, generator=g)
+    k64 = torch.randn(b, h_kv, t, dh, dtype=torch.float64, generator=g)
+    pos = torch.randint(0, pos_max, (t,) if shared_positions else (b, t), generator=g)
+    q, k = strided_view(q64.to(dtype), how), strided_view(k64.to(dtype), how)
+    with wk.use_backend(backend):
+        q_out, k_out = wk.srpe(q, k, pos, theta, k_s, a_s, f_s)
+    q_ref, k_ref = reference.srpe(q.double(), k.double(), pos, theta, k_s, a_s, f_s)
+    assert q_out.shape == q.shape and k_out.shape == k.shape and q_out.dtype == dtype
+    tol = srpe_tolerance(dtype, pos, k_s)  # float64: bounded by the float64 angle's own rounding
+    assert rel_err(q_out, q_ref) <= tol
+    assert rel_err(k_out, k_ref) <= tol
+
+
+
+@given(
+    q_dh=st.integers(1, 9), k_dh=st.integers(1, 9), h=st.integers(1, 6), h_kv=st.integers(1, 6),
+    t_q=st.integers(1, 4), t_k=st.integers(1, 4),
+    pos_kind=st.sampled_from(["T", "BT", "float", "wrong_len", "3d"]), seed=SEEDS,
+)
+def test_srpe_bad_input_raises_named_error(q_dh, k_dh, h, h_kv, t_q, t_k, pos_kind, seed):
+    g = torch.Generator().manual_seed(seed)
+    q, k = torch.randn(2, h, t_q, q_dh, generator=g), torch.randn(2, h_kv, t_k, k_dh, generator=g)
+    pos = {"T": torch.arange(t_q), "BT": torch.arange(t_q).expand(2, t_q), "float": torch.arange(t_q) * 1.0,
+           "wrong_len": torch.arange(t_q + 1), "3d": torch.zeros(1, 2, t_q, dtype=torch.long)}[pos_kind]
+    try:
+        q_out, k_out = wk.srpe(q, k, pos)
+    except (ValueError, TypeError) as exc:
+        assert any(name in str(exc) for name in ("q", "k", "position_ids"))
+        return
+    assert q_dh == k_dh and q_dh % 2 == 0 and h % h_kv == 0 and t_q == t_k and pos_kind in ("T", "BT")
+    assert q_out.shape == q.shape and k_out.shape == k.shape
+
+
+# ========================================================================================
+# Bitwise determinism of the C++ kernel, 1 vs 2 threads (helpers.run_on_thread_counts)
+# ========================================================================================
+
+@needs_cpu_extension
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_srpe_bitwise_reproducible(dtype):
+    g = gen(1)
+    q, k = torch.randn(2, 4, 300, 64, generator=g).to(dtype), torch.randn(2, 2, 300, 64, generator=g).to(dtype)
+    pos = torch.randint(0, 2**20, (2, 300), generator=g)
+    gq, gk = torch.randn(2, 4, 300, 64, generator=g).to(dtype), torch.randn(2, 2, 300, 64, generator=g).to(dtype)
+
+    def fn(q, k, pos):
+        qo, ko = wk.srpe(q, k, pos)
+        # one output for the harness: concatenate along heads (grad split back by autograd)
+        return torch.cat([qo, ko], 1), torch.cat([gq, gk], 1)
+
+    assert_bitwise(run_on_thread_counts(fn, [q, k, pos]), ["out", "grad_q", "grad_k"])
+
+
+# ========================================================================================
+# On a GPU (skipped without one)
+# ========================================================================================
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("b, h, h_kv, t, dh", [(1, 1, 1, 1, 64), (3, 16, 4, 257, 64), (2, 8, 8, 100, 128),
+                                               (1, 4, 2, 33, 10)])
+@gpu_only
+def test_srpe_triton_vs_float64(b, h, h_kv, t, dh, dtype):
+    q, k = torch.randn(b, h, t, dh, dtype=torch.float64), torch.randn(b, h_kv, t, dh, dtype=torch.float64)
+    pos = torch.randint(0, 2**20, (b, t))
+    gq, gk = torch.randn_like(q), torch.randn_like(k)
+    with wk.use_backend("triton"):
+        outs, grads = forward_backward(lambda a, c: wk.srpe(a, c, pos.to("cuda")), [q.to("cuda", dtype), k.to("cuda", dtype)],
+                             [gq.to("cuda", dtype), gk.to("cuda", dtype)])
+    ref_outs, ref_grads = forward_backward(lambda a, c: reference.srpe(a, c, pos), [q, k], [gq, gk])
+    for got, want in zip(outs + grads, ref_outs + ref_grads):
+        assert_close_rel(got.cpu(), want, tolerance(dtype))
 
 
 # ---- (B, T, H, d_h) passed instead of (B, H, T, d_h) (issue 15) --------------------------------

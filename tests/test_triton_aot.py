@@ -120,17 +120,21 @@ def _parametrized(test_fn, argnames):
 
 
 def test_gpu_test_shapes_are_compiled():
-    """The AOT shape lists cover what tests/test_gpu.py runs the Triton kernels at."""
-    spec = importlib.util.spec_from_file_location("_test_gpu_shapes", ROOT / "tests" / "test_gpu.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    """The AOT shape lists cover what the GPU tests of tests/test_rms_norm.py and
+    tests/test_srpe.py run the Triton kernels at."""
+    def load(name):
+        spec = importlib.util.spec_from_file_location(f"_{name}_gpu_shapes", ROOT / "tests" / f"{name}.py")
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        return mod
+
     from wiola_kernels.triton import rms_norm, srpe
 
-    p = _parametrized(mod.test_rms_norm_triton_vs_float64, ("shape", "dtype"))
+    p = _parametrized(load("test_rms_norm").test_rms_norm_triton_vs_float64, ("shape", "dtype"))
     for shape in p["shape"]:
         for dtype in p["dtype"]:
             assert (tuple(shape), dtype) in rms_norm.GPU_TEST_SHAPES, (shape, dtype)
-    p = _parametrized(mod.test_srpe_triton_vs_float64, ("b, h, h_kv, t, dh", "dtype"))
+    p = _parametrized(load("test_srpe").test_srpe_triton_vs_float64, ("b, h, h_kv, t, dh", "dtype"))
     for shape in p["b, h, h_kv, t, dh"]:
         for dtype in p["dtype"]:
             assert (tuple(shape), dtype) in srpe.GPU_TEST_SHAPES, (shape, dtype)

@@ -60,7 +60,7 @@ def max_accurate_position(spiral_divisor: float) -> int:
     ``p·(1 + 1/k_s)·2^-52`` radians for the worst pair (``ω_0 = 1``); a pair rotated by a
     wrong angle δ has relative error ≈ δ. So ``p ≤ 1e-5·2^52/|1 + 1/k_s|``: about 2^35
     for the default ``k_s = 8``, 2^34 for any ``k_s ≥ 1`` (derivation and mpmath checks
-    in tests/test_numerics.py). Capped at 2^53, where int64 → float64 stops being exact.
+    in tests/test_srpe.py). Capped at 2^53, where int64 → float64 stops being exact.
     """
     factor = abs(1.0 + 1.0 / spiral_divisor)
     return 2**53 if factor == 0.0 else min(2**53, int(1e-5 * 2.0**52 / factor))

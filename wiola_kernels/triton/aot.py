@@ -7,7 +7,7 @@ defining, next to them::
     def aot_launches(sms: int) -> Iterator[Launch]
 
 which yields one :class:`Launch` per kernel launch its launchers make at the shapes
-it names (the GPU test shapes of ``tests/test_gpu.py`` and the bench shapes of
+it names (the GPU test shapes of ``tests/test_rms_norm.py`` and ``tests/test_srpe.py`` and the bench shapes of
 ``wiola_kernels/bench/cases.py``) on a GPU with ``sms`` SMs, built with the launchers'
 own choice functions. Pointer arguments are :class:`DevicePointer` stand-ins; scalar
 arguments are the real values, so the JIT's launch-time specialisation (integers

@@ -324,10 +324,10 @@ def rms_norm_backward(grad_y, x, weight, shift, rstd):
     return grad_x, dw_partial.sum(0).to(weight.dtype), grad_shift
 
 
-# GPU test shapes (tests/test_gpu.py and the float64 gradcheck of tests/test_rms_norm.py,
+# GPU test shapes (the GPU section and the float64 gradcheck of tests/test_rms_norm.py,
 # which runs on the GPU's Triton backend there): (x shape, dtype). The bench shapes come
 # from wiola_kernels/bench/cases.py. tests/test_triton_aot.py checks this list covers
-# test_gpu.py's parameters.
+# those tests' parameters.
 GPU_TEST_SHAPES = tuple(
     [(shape, dtype) for dtype in (torch.float32, torch.bfloat16, torch.float16)
      for shape in ((1, 3), (37, 192), (4, 33, 760), (1151, 4096), (2, 8193))]

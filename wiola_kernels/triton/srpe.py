@@ -194,9 +194,9 @@ def srpe_apply(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, theta:
     return q_out, k_out
 
 
-# GPU test shapes (tests/test_gpu.py; tests/test_srpe.py's float64 cases run on the GPU's
+# GPU test shapes (the GPU section of tests/test_srpe.py; tests/test_srpe.py's float64 cases run on the GPU's
 # Triton backend there too): ((B, H, H_kv, T, d_h), dtype). Bench shapes come from
-# wiola_kernels/bench/cases.py; tests/test_triton_aot.py checks this covers test_gpu.py.
+# wiola_kernels/bench/cases.py; tests/test_triton_aot.py checks this covers those tests.
 GPU_TEST_SHAPES = tuple(
     [(shape, dtype) for dtype in (torch.float32, torch.bfloat16)
      for shape in ((1, 1, 1, 1, 64), (3, 16, 4, 257, 64), (2, 8, 8, 100, 128), (1, 4, 2, 33, 10))]

@@ -1,0 +1,329 @@
+"""Independent float64 oracles of the ops, written from SPEC.md alone (loops over heads,
+pairs and tokens), and the one greedy-merge loop of SPEC §6.2 that every ATM test uses.
+
+Nothing here imports ``wiola_kernels``: a bug in the package (its reference included)
+cannot reach these oracles. Tests compare kernels with them, never with the code under
+test. ``rel`` is the relative error the black-box tests use: it also asserts equal shapes
+and finite outputs.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+F64 = torch.float64
+
+
+def rel(out, ref):
+    """``‖out − ref‖ / ‖ref‖`` in float64, asserting equal shapes and a finite ``out``."""
+    out, ref = out.double(), ref.double()
+    assert out.shape == ref.shape, (out.shape, ref.shape)
+    assert torch.isfinite(out).all()
+    den = ref.norm()
+    num = (out - ref).norm()
+    if den == 0:
+        return num.item()
+    return (num / den).item()
+
+
+def raises_naming(exc_types, names, fn):
+    """``fn()`` raises one of ``exc_types`` whose message names one of ``names``."""
+    with pytest.raises(exc_types) as info:
+        fn()
+    msg = str(info.value)
+    assert any(n in msg for n in names), f"message {msg!r} names none of {names}"
+
+
+def rms_oracle(x, w, s, eps):
+    x, w, s = x.double(), w.double(), s.double()
+    z = x + s
+    r = torch.sqrt((z * z).mean(-1, keepdim=True) + eps)
+    return w * z / r
+
+
+def srpe_oracle(x, pos, theta=10000.0, ks=8.0, a_s=0.1, f_s=0.01):
+    """x (B, Hx, T, d_h) float64; pos (B, T) python-int positions. Pair loop, rotate-half."""
+    x = x.double()
+    B, Hx, T, dh = x.shape
+    half = dh // 2
+    pos = pos.to(torch.int64)
+    cols_lo, cols_hi = [], []
+    for j in range(half):
+        w_j = theta ** (-2.0 * j / dh)
+        p = pos.double()                                      # (B, T)
+        ang = p * w_j * (1.0 + 1.0 / ks)
+        r = 1.0 + a_s * torch.sin(p * f_s * w_j)
+        c = (r * torch.cos(ang))[:, None, :]
+        sn = (r * torch.sin(ang))[:, None, :]
+        a, b = x[..., j], x[..., j + half]
+        cols_lo.append(a * c - b * sn)
+        cols_hi.append(a * sn + b * c)
+    return torch.stack(cols_lo + cols_hi, dim=-1)
+
+
+def gcla_oracle(q_rot, k_rot, v, q, kc, vc, gate, lengths=None, return_lse=False):
+    q_rot, k_rot, v, q, kc, vc, gate = (t.double() for t in (q_rot, k_rot, v, q, kc, vc, gate))
+    B, H, T, dh = q_rot.shape
+    Hkv = k_rot.shape[1]
+    S, Lam = kc.shape[2], kc.shape[3]
+    scale = 1.0 / math.sqrt(dh)
+    outs, lses = [], []
+    for b in range(B):
+        L = T if lengths is None else int(lengths[b])
+        heads, lse_h = [], []
+        for h in range(H):
+            g = h % Hkv                                       # SPEC §5.2: h mod H_kv
+            rows, lrow = [], []
+            for t in range(T):
+                if t >= L:
+                    rows.append(torch.zeros(dh, dtype=torch.float64))
+                    lrow.append(torch.tensor(float("nan"), dtype=torch.float64))
+                    continue
+                sc = (k_rot[b, g, : t + 1] @ q_rot[b, h, t]) * scale      # keys 0..t (all < L)
+                lse = torch.logsumexp(sc, 0)
+                o = torch.softmax(sc, 0) @ v[b, g, : t + 1]
+                if Lam > 0:
+                    sidx = 0 if S == 1 else t
+                    cs = (kc[b, h, sidx] @ q[b, h, t]) * scale             # (Λ',)
+                    oc = torch.softmax(cs, 0) @ vc[b, h, sidx]
+                    o = o + torch.sigmoid(gate[h]) * oc
+                rows.append(o)
+                lrow.append(lse)
+            heads.append(torch.stack(rows))
+            lse_h.append(torch.stack(lrow))
+        outs.append(torch.stack(heads))
+        lses.append(torch.stack(lse_h))
+    out = torch.stack(outs)
+    if return_lse:
+        return out, torch.stack(lses)
+    return out
+
+
+def greedy_groups(length, candidate):
+    """SPEC §6.2, the greedy left-to-right scan over one row's first ``length`` tokens:
+    token t is paired with t + 1 when edge t is a candidate (``candidate(t)``: s_t > τ) and
+    t is not already taken; every other token stays alone. Returns the groups in order,
+    tuples ``(t, t + 1)`` or ``(t,)``; padding tokens (t ≥ length) are never grouped."""
+    groups, t = [], 0
+    while t < length:
+        if t + 1 < length and candidate(t):
+            groups.append((t, t + 1))
+            t += 2
+        else:
+            groups.append((t,))
+            t += 1
+    return groups
+
+
+def index_map_of(groups, t_len, length):
+    """The index map SPEC §6.3 gives ``groups`` of a row of ``t_len`` tokens, ``length``
+    of them real: token → its slot; padding token p → T' + (p − length)."""
+    imap = [0] * t_len
+    for slot, grp in enumerate(groups):
+        for t in grp:
+            imap[t] = slot
+    for p in range(length, t_len):
+        imap[p] = len(groups) + (p - length)
+    return imap
+
+
+def atm_decisions(x, threshold, lengths=None):
+    """The groups of every row (SPEC §6.1-6.2): cosine similarity of neighbours in float64,
+    candidates ``s > threshold``, then :func:`greedy_groups`."""
+    x = x.double()
+    B, T, _ = x.shape
+    groups = []
+    for b in range(B):
+        L = T if lengths is None else int(lengths[b])
+        sims = [torch.nn.functional.cosine_similarity(x[b, t], x[b, t + 1], dim=0, eps=0.0).item()
+                for t in range(max(L - 1, 0))]
+        groups.append(greedy_groups(L, lambda t, sims=sims: sims[t] > threshold))
+    return groups
+
+
+def atm_oracle(x, pos, groups, lengths=None):
+    """Given decisions, build merged/positions/lengths/index_map in float64 (differentiable)."""
+    B, T, d = x.shape
+    xd = x.double()
+    merged_rows, mpos, mlen, imap = [], torch.zeros(B, T, dtype=torch.int64), [], torch.zeros(B, T, dtype=torch.int64)
+    for b in range(B):
+        L = T if lengths is None else int(lengths[b])
+        rows = []
+        for slot, grp in enumerate(groups[b]):
+            rows.append(sum(xd[b, t] for t in grp) / len(grp))
+            mpos[b, slot] = pos[b, grp[0]]
+            for t in grp:
+                imap[b, t] = slot
+        Tp = len(rows)
+        for t in range(L, T):
+            imap[b, t] = Tp + (t - L)
+        rows += [torch.zeros(d, dtype=torch.float64)] * (T - Tp)
+        merged_rows.append(torch.stack(rows))
+        mlen.append(Tp)
+    return torch.stack(merged_rows), mpos, torch.tensor(mlen), imap
+
+
+def make_atm_input(B, T, d, dtype=torch.float32, seed=0):
+    """Random tokens with runs of near-duplicates (runs of 2, 3, 4 and 5) so the greedy
+    rule matters, and clearly dissimilar neighbours elsewhere."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(B, T, d, generator=g, dtype=torch.float64)
+    for b in range(B):
+        t = b % 2
+        run = 2 + b % 4
+        while t + run <= T:
+            base = x[b, t].clone()
+            for u in range(t, t + run):
+                x[b, u] = base + 0.05 * torch.randn(d, generator=g, dtype=torch.float64)
+            t += run + 1 + (t % 3)
+            run = 2 + (run - 1) % 4
+    return x.to(dtype)
+
+
+# ----------------------------------------------------------------------------------------
+# The float64 oracle (SPEC §2-§7)
+# ----------------------------------------------------------------------------------------
+
+class ModelOracle:
+    """One Wiola forward in float64 from the SPEC formulas, weights copied from a model."""
+
+    def __init__(self, model, cfg, requires_grad=False):
+        self.cfg = cfg
+        P = {k: v.detach().to(F64).clone().requires_grad_(requires_grad) for k, v in model.named_parameters()}
+        self.P = P
+        emb = [k for k in P if "embed" in k]
+        assert len(emb) == 1, emb
+        self.E = P[emb[0]]
+        self.final_w = P["model.norm.weight"]
+        self.final_s = P["model.norm.shift"]
+        self.layers = []
+        for i in range(cfg.num_hidden_layers):
+            pre = f"model.layers.{i}."
+            g = lambda name: P[pre + name]  # noqa: E731
+            self.layers.append(dict(
+                n1w=g("attn_norm.weight"), n1s=g("attn_norm.shift"),
+                n2w=g("ffn_norm.weight"), n2s=g("ffn_norm.shift"),
+                Wq=g("attn.q_proj.weight").T, Wk=g("attn.k_proj.weight").T,
+                Wv=g("attn.v_proj.weight").T, Wo=g("attn.o_proj.weight").T,
+                Wkc=g("attn.kc_proj.weight").T, Wvc=g("attn.vc_proj.weight").T,
+                gate=g("attn.gate"), beta=g("ffn.beta"),
+                Wn1=g("ffn.w_n1.weight").T, Wn2=g("ffn.w_n2.weight").T, Wn3=g("ffn.w_n3.weight").T,
+                Ww1=g("ffn.w_w1.weight").T, Ww2=g("ffn.w_w2.weight").T, Ww3=g("ffn.w_w3.weight").T,
+            ))
+        # everything the model has is used by the oracle
+        used = {k for k in P if k.startswith("model.layers.")}
+        n_used = 18 * cfg.num_hidden_layers
+        assert len(used) == n_used, sorted(used)
+        assert set(P) - used == {emb[0], "model.norm.weight", "model.norm.shift"}
+
+    # §3
+    def norm(self, x, w, s):
+        z = x + s
+        r = torch.sqrt((z * z).mean(-1, keepdim=True) + self.cfg.rms_norm_eps)
+        return w * z / r
+
+    # §4; x (H, T, d_h), pos (T,)
+    def srpe(self, x, pos):
+        c = self.cfg
+        dh = x.shape[-1]
+        half = dh // 2
+        j = torch.arange(half, dtype=F64)
+        omega = float(c.srpe_theta) ** (-2.0 * j / dh)
+        p = pos.to(F64)[:, None]
+        theta = p * omega * (1.0 + 1.0 / c.srpe_spiral_divisor)
+        r = 1.0 + c.srpe_radial_amplitude * torch.sin(p * c.srpe_radial_frequency * omega)
+        cs, sn = r * torch.cos(theta), r * torch.sin(theta)
+        x1, x2 = x[..., :half], x[..., half:]
+        return torch.cat([x1 * cs - x2 * sn, x1 * sn + x2 * cs], dim=-1)
+
+    # §5.2-5.4 for one sequence; xt (T, d), pos (T,), ctx (S, Λ', d) with S ∈ {1, T} or None
+    def gcla(self, lp, xt, pos, ctx, group_rule="mod"):
+        c = self.cfg
+        T = xt.shape[0]
+        H, Hkv, dh = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        Q = (xt @ lp["Wq"]).view(T, H, dh).transpose(0, 1)
+        K = (xt @ lp["Wk"]).view(T, Hkv, dh).transpose(0, 1)
+        V = (xt @ lp["Wv"]).view(T, Hkv, dh).transpose(0, 1)
+        Qr, Kr = self.srpe(Q, pos), self.srpe(K, pos)
+        mask = torch.triu(torch.ones(T, T, dtype=torch.bool), diagonal=1)
+        if ctx is not None:
+            S, Lc = ctx.shape[0], ctx.shape[1]
+            Kc = (ctx @ lp["Wkc"]).view(S, Lc, H, dh)
+            Vc = (ctx @ lp["Wvc"]).view(S, Lc, H, dh)
+        outs = []
+        for h in range(H):
+            g = h % Hkv if group_rule == "mod" else h // (H // Hkv)
+            s = (Qr[h] @ Kr[g].T) / math.sqrt(dh)
+            s = s.masked_fill(mask, float("-inf"))
+            o = torch.softmax(s, -1) @ V[g]
+            if ctx is not None:
+                kc = Kc[:, :, h].expand(T, Lc, dh)
+                vc = Vc[:, :, h].expand(T, Lc, dh)
+                a = torch.softmax(torch.einsum("td,tld->tl", Q[h], kc) / math.sqrt(dh), -1)
+                o = o + torch.sigmoid(lp["gate"][h]) * torch.einsum("tl,tld->td", a, vc)
+            outs.append(o)
+        O = torch.stack(outs, 1).reshape(T, H * dh)
+        return O @ lp["Wo"]
+
+    # §7
+    def dsff(self, lp, x):
+        nar = (F.silu(x @ lp["Wn1"]) * (x @ lp["Wn3"])) @ lp["Wn2"]
+        wid = (F.gelu(x @ lp["Ww1"], approximate="tanh") * (x @ lp["Ww3"])) @ lp["Ww2"]
+        lam = torch.sigmoid(lp["beta"])
+        return lam * nar + (1 - lam) * wid
+
+    # §6; returns (slots: list of member lists, min |s_t - τ|)
+    @staticmethod
+    def merge_plan(xt, tau):
+        xt = xt.detach()
+        T = xt.shape[0]
+        margin = float("inf")
+        cos = [float(torch.dot(xt[i], xt[i + 1]) / (xt[i].norm() * xt[i + 1].norm())) for i in range(T - 1)]
+        if cos:
+            margin = min(abs(s - tau) for s in cos)
+        return [list(grp) for grp in greedy_groups(T, lambda t: cos[t] > tau)], margin
+
+    def forward(self, ids, pos=None, mode="causal", atm_layers=(), group_rule="mod",
+                lookback=None, info=None, atm_member=0):
+        """ids (B, T); pos (B, T) or None; returns logits (B, T, V)."""
+        c = self.cfg
+        B, T = ids.shape
+        if pos is None:
+            pos = torch.arange(T).expand(B, T)
+        lookback = c.gcla_lookback if lookback is None else lookback
+        X = self.E[ids]
+        summaries = []
+        for l, lp in enumerate(self.layers):
+            Xn = self.norm(X, lp["n1w"], lp["n1s"])
+            ctx_layers = summaries[max(0, l - lookback):l]
+            A = torch.empty_like(X)
+            for b in range(B):
+                ctx = torch.stack([s[b] for s in ctx_layers], dim=1) if ctx_layers else None
+                if l in atm_layers:
+                    slots, margin = self.merge_plan(Xn[b], c.atm_threshold)
+                    if info is not None:
+                        info.setdefault("margin", []).append(margin)
+                        info.setdefault("merges", {}).setdefault(l, 0)
+                        info["merges"][l] += sum(len(s) == 2 for s in slots)
+                    # SPEC: position and causal context of a slot are its first member's
+                    # (atm_member=-1 is a wrong variant, used to show the tests discriminate)
+                    first = torch.tensor([s[atm_member] for s in slots])
+                    xm = torch.stack([Xn[b, s].mean(0) for s in slots])
+                    cm = None if ctx is None else (ctx[first] if ctx.shape[0] == T else ctx)
+                    Am = self.gcla(lp, xm, pos[b, first], cm, group_rule)
+                    for k, s in enumerate(slots):
+                        for t in s:
+                            A[b, t] = Am[k]
+                else:
+                    A[b] = self.gcla(lp, Xn[b], pos[b], ctx, group_rule)
+            X = X + A
+            X = X + self.dsff(lp, self.norm(X, lp["n2w"], lp["n2s"]))
+            if mode == "paper":
+                summaries.append(X.mean(1, keepdim=True))
+            else:
+                summaries.append(X.cumsum(1) / torch.arange(1, T + 1, dtype=F64)[None, :, None])
+        return self.norm(X, self.final_w, self.final_s) @ self.E.T
