@@ -91,13 +91,14 @@ def close(out, ref, tol, what, floor=0.25):
     assert err <= tol, f"{what}: relative error {err:.3e} > {tol:.1e}"
 
 
-# (T, mode, lengths-or-None, Λ', H, H_kv); lengths chosen off any block boundary.
+# (T, mode, lengths-or-None, Λ', H, H_kv); lengths chosen off any block boundary. (4, 2) and
+# (6, 3) are the GQA shapes where the group h mod H_kv (SPEC §5.2) and h // (H/H_kv) differ.
 def _cases():
     cases = []
     for T in (1, 7, 64, 257):
         for mode in ("paper", "causal"):
             for with_len in (False, True):
-                for L, (H, H_kv) in ((0, (4, 4)), (1, (4, 1)), (2, (4, 4)), (2, (4, 1))):
+                for L, (H, H_kv) in ((0, (4, 4)), (1, (4, 1)), (2, (4, 4)), (2, (4, 1)), (2, (4, 2)), (1, (6, 3))):
                     lens = None
                     if with_len:
                         lens = [T, 0] if T == 1 else [T - 3 if T > 3 else T, max(1, T // 3 + 1)]
