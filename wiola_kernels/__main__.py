@@ -126,12 +126,12 @@ def cmd_check(args: argparse.Namespace) -> int:
 
     device = _device(args.device)
     failures = 0
-    for case in all_cases(device, small=True):
+    for case in all_cases(device, small=True, ops=_ops(args.ops)):
         for backend in available_backends(case.op, device):
             try:
                 ok, err, tol = check_case(case, backend, device)
                 line = f"{'PASS' if ok else 'FAIL'}  {case.op:<16} {backend:<10} {case.shape} {case.dtype}: " \
-                       f"max rel err {err:.2e} (tolerance {tol:.0e})"
+                       f"max rel err vs float64 oracle {err:.2e} (tolerance {tol:.0e})"
             except Exception as exc:  # report and go on: this is a self-test
                 ok, line = False, f"FAIL  {case.op:<16} {backend:<10} raised {type(exc).__name__}: {exc}"
             failures += not ok
@@ -180,8 +180,10 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--plot", metavar="FILE.png", help="also draw the speedups (needs matplotlib)")
     bench.set_defaults(func=cmd_bench)
 
-    check = command("check", "run every available backend against the float64 reference")
+    check = command("check", "run every available backend against the float64 oracle (wiola_kernels.reference), "
+                                     "forward and gradients, within the SPEC §9 tolerances")
     check.add_argument("--device", choices=("cpu", "cuda"), help=device_help)
+    check.add_argument("--ops", metavar="OP[,OP...]", help="comma-separated ops, as for bench; default: all")
     check.set_defaults(func=cmd_check)
 
     be = command("backends", "list each op's backends and why unavailable ones are")

@@ -167,7 +167,7 @@ def run_case(case: BenchCase, device: torch.device, *, repeats: int = 10, compil
              passes: Iterable[str] = PASSES, progress=None) -> list[Record]:
     """Time one case for each pass; ``progress`` (a tqdm bar) is advanced per timing."""
     inputs = case.make_inputs()
-    compiled = torch.compile(case.compiled_source(), dynamic=False) if compile else None
+    compiled = torch.compile(case.baseline_to_compile(), dynamic=False) if compile else None
     backend = dispatch.select(case.op, device)
     records = []
     for pass_ in passes:
