@@ -32,8 +32,29 @@ def test_min_bytes_counts_each_tensor_once():
     x, w, s = inputs
     x_bytes, p_bytes = x.numel() * 4, w.numel() * 4
     assert min_bytes(case, "fwd", inputs) == 2 * x_bytes + 2 * p_bytes  # read x, w, s; write y
-    # fwd+bwd: + read dy, + write dx, dw, ds
-    assert min_bytes(case, "fwd+bwd", inputs) == 4 * x_bytes + 4 * p_bytes
+    # fwd+bwd: + read dy, + write dx, dw, ds, + read x, w, s again (the backward runs after the
+    # forward, when a 64 MiB x has left the caches)
+    assert min_bytes(case, "fwd+bwd", inputs) == 5 * x_bytes + 6 * p_bytes
+    srpe = next(c for c in all_cases("cpu", small=True) if c.op == "srpe")
+    q, k, pos = srpe.make_inputs()
+    qk_bytes = (q.numel() + k.numel()) * 4
+    # fwd: read q, k, positions, write q', k'; bwd: read dq', dk', positions again, write dq, dk
+    assert min_bytes(srpe, "fwd+bwd", (q, k, pos)) == 4 * qk_bytes + 2 * pos.numel() * 8
+
+
+@pytest.mark.parametrize("policy", ["warm", "fresh"])
+def test_copies_under_each_page_policy_are_exact(policy):
+    from wiola_kernels.bench.runner import page_policy
+
+    copy = torch.ops.wiola._copy if hasattr(torch.ops.wiola, "_copy") else torch.clone
+    with page_policy(policy, torch.device("cpu")) as before:
+        for seed in range(3):  # 64 MiB: mmapped by default, from the heap under "warm"
+            x = torch.randn(1 << 24, generator=torch.Generator().manual_seed(seed))
+            before()
+            assert torch.equal(copy(x), x)
+    with pytest.raises(ValueError, match="policy"):
+        with page_policy("lukewarm", torch.device("cpu")):
+            pass
 
 
 def test_copy_baseline_copies():

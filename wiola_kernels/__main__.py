@@ -93,6 +93,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     ops = _ops(args.ops)
     if args.plot:
         require_matplotlib()
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     cases = all_cases(device, small=args.small, ops=ops)
     passes = [p for p in PASSES if args.passes in ("all", p)]
     records = []
@@ -171,6 +173,7 @@ def main(argv: list[str] | None = None) -> int:
                        help="force a backend for the fused op (an op without it keeps its default)")
     bench.add_argument("--passes", default="all", choices=["all", "fwd", "fwd+bwd"], help="which passes to time")
     bench.add_argument("--repeats", type=positive_int, default=10, help="timed runs per measurement (median)")
+    bench.add_argument("--threads", type=positive_int, help="CPU threads (torch.set_num_threads); default: torch's")
     bench.add_argument("--hf", choices=["llama", "rope"],
                        help="instead of the ops: llama = a training step of a Hugging Face Llama patched by "
                             "wiola_kernels.patch_hf vs unpatched; rope = RoPE error at large positions, ours vs HF's")

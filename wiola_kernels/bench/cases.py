@@ -37,6 +37,7 @@ class BenchCase:
     compiled_baseline: Callable[..., object] | None = None  # what torch.compile compiles (default: eager)
     differentiable: Sequence[int] | None = None     # input indices that get gradients (default: float ones)
     min_bytes: Callable[[str, tuple, tuple, tuple], int] | None = None  # override of the byte count
+    backward_rereads: Sequence[int] = ()             # inputs the backward must read again (bench byte count)
     notes: dict = field(default_factory=dict)       # extra numbers a case wants reported
     tolerance_kind: str = "elementwise"             # SPEC §9 class for `check`: elementwise|attention
 
@@ -94,6 +95,7 @@ def rms_norm_cases(device: torch.device, small: bool) -> list[BenchCase]:
         fused=lambda x, w, s: rms_norm(x, w, s, 1e-6),
         eager=lambda x, w, s: _rms_norm_eager(x, w, s, 1e-6),
         oracle=lambda x, w, s: reference.rms_norm(x, w, s, 1e-6),
+        backward_rereads=(0, 1, 2),  # ∂x needs z = x + δ and γ
     )]
 
 
@@ -123,6 +125,7 @@ def srpe_cases(device: torch.device, small: bool) -> list[BenchCase]:
         fused=lambda q, k, p: srpe(q, k, p),
         eager=lambda q, k, p: reference.srpe(q, k, p),
         oracle=lambda q, k, p: reference.srpe(q, k, p),
+        backward_rereads=(2,),  # the rotation is linear: its backward needs the positions, not q or k
     )]
 
 
@@ -235,4 +238,5 @@ def gcla_attention_cases(device: torch.device, small: bool) -> list[BenchCase]:
         op="gcla_attention", shape=f"q ({b}, {h}, {t}, {dh}), kv heads {h_kv}, Λ' {lam} causal", dtype=dtype,
         make_inputs=make_inputs, fused=gcla_attention, eager=_gcla_eager(h, h_kv),
         oracle=reference.gcla_attention, compiled_baseline=reference.gcla_attention, tolerance_kind="attention",
+        backward_rereads=tuple(range(7)),  # attention's backward recomputes from every input
     )]
