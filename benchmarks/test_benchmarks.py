@@ -25,7 +25,7 @@ def test_bench(benchmark, case, pass_, impl):
     if impl == "compile" and benchmark.disabled:
         pytest.skip("torch.compile baselines are timed only with --benchmark-enable (compiling is slow)")
     fn = {"fused": case.fused, "eager": case.eager,
-          "compile": torch.compile(case.compiled_source(), dynamic=False) if impl == "compile" else None}[impl]
+          "compile": torch.compile(case.baseline_to_compile(), dynamic=False) if impl == "compile" else None}[impl]
     run = make_pass(case, fn, pass_, case.make_inputs())
     benchmark.group = f"{case.op} {case.shape} {pass_}"
     benchmark.extra_info.update(op=case.op, shape=case.shape, dtype=str(case.dtype), impl=impl)

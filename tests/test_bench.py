@@ -32,8 +32,29 @@ def test_min_bytes_counts_each_tensor_once():
     x, w, s = inputs
     x_bytes, p_bytes = x.numel() * 4, w.numel() * 4
     assert min_bytes(case, "fwd", inputs) == 2 * x_bytes + 2 * p_bytes  # read x, w, s; write y
-    # fwd+bwd: + read dy, + write dx, dw, ds
-    assert min_bytes(case, "fwd+bwd", inputs) == 4 * x_bytes + 4 * p_bytes
+    # fwd+bwd: + read dy, + write dx, dw, ds, + read x, w, s again (the backward runs after the
+    # forward, when a 64 MiB x has left the caches)
+    assert min_bytes(case, "fwd+bwd", inputs) == 5 * x_bytes + 6 * p_bytes
+    srpe = next(c for c in all_cases("cpu", small=True) if c.op == "srpe")
+    q, k, pos = srpe.make_inputs()
+    qk_bytes = (q.numel() + k.numel()) * 4
+    # fwd: read q, k, positions, write q', k'; bwd: read dq', dk', positions again, write dq, dk
+    assert min_bytes(srpe, "fwd+bwd", (q, k, pos)) == 4 * qk_bytes + 2 * pos.numel() * 8
+
+
+@pytest.mark.parametrize("policy", ["warm", "fresh"])
+def test_copies_under_each_page_policy_are_exact(policy):
+    from wiola_kernels.bench.runner import page_policy
+
+    copy = torch.ops.wiola._copy if hasattr(torch.ops.wiola, "_copy") else torch.clone
+    with page_policy(policy, torch.device("cpu")) as before:
+        for seed in range(3):  # 64 MiB: mmapped by default, from the heap under "warm"
+            x = torch.randn(1 << 24, generator=torch.Generator().manual_seed(seed))
+            before()
+            assert torch.equal(copy(x), x)
+    with pytest.raises(ValueError, match="policy"):
+        with page_policy("lukewarm", torch.device("cpu")):
+            pass
 
 
 def test_copy_baseline_copies():
@@ -76,3 +97,57 @@ def test_check_command_passes():
     lines = [ln for ln in run.stdout.splitlines() if ln.startswith(("PASS", "FAIL"))]
     assert lines and all(ln.startswith("PASS") for ln in lines)
     assert run.stdout.strip().endswith("all checks passed")
+
+
+# ---- `check` compares with the float64 oracle ----------------------------------------------
+
+def _plant(monkeypatch, op: str, backend: str, *, forward=None, backward=None):
+    """Replace ``backend``'s implementation of ``op`` by one with a planted bug."""
+    from types import SimpleNamespace
+
+    from wiola_kernels import dispatch
+
+    good = dispatch._registry[op][backend]
+    monkeypatch.setitem(dispatch._registry[op], backend, SimpleNamespace(
+        forward=forward(good.forward) if forward else good.forward,
+        backward=backward(good.backward) if backward else good.backward))
+
+
+def _check(capsys, *args: str) -> tuple[int, list[str]]:
+    import wiola_kernels.__main__ as cli
+
+    status = cli.main(["check", "--device", "cpu", *args])
+    return status, [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith(("PASS", "FAIL"))]
+
+
+def _scaled(fn, index: int, factor: float):
+    """``fn`` with its output number ``index`` multiplied by ``factor``."""
+    def wrong(*args, **kwargs):
+        outs = list(fn(*args, **kwargs))
+        outs[index] = outs[index] * factor
+        return tuple(outs)
+    return wrong
+
+
+@pytest.mark.parametrize("where", ["forward", "backward"])
+def test_check_reports_a_planted_wrong_backend(monkeypatch, capsys, where):
+    # A relative error of 1e-4 in y (forward) or in grad_x (backward): 10x the float32
+    # tolerance (1e-5), 200x what the correct kernel shows.
+    _plant(monkeypatch, "rms_norm", "cpu", **{where: lambda fn: _scaled(fn, 0, 1 + 1e-4)})
+    status, lines = _check(capsys, "--ops", "rms_norm")
+    assert status == 1
+    by_backend = {ln.split()[2]: ln for ln in lines}
+    assert by_backend["cpu"].startswith("FAIL") and "rms_norm" in by_backend["cpu"]
+    assert by_backend["reference"].startswith("PASS")
+
+
+def test_check_compares_with_the_oracle_not_the_eager_baseline(monkeypatch, capsys):
+    from wiola_kernels.bench import cases
+
+    # `check` never runs the eager baseline (it used to, as its "reference"): a wrong one
+    # changes nothing, and every backend still passes against the oracle.
+    monkeypatch.setattr(cases, "_rms_norm_eager", lambda x, w, s, eps: torch.zeros_like(x))
+    status, lines = _check(capsys, "--ops", "rms_norm")
+    assert status == 0 and len(lines) >= 2 and all(ln.startswith("PASS") for ln in lines)
+    assert all("float64 oracle" in ln for ln in lines)
+

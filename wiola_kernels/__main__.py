@@ -93,6 +93,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     ops = _ops(args.ops)
     if args.plot:
         require_matplotlib()
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     cases = all_cases(device, small=args.small, ops=ops)
     passes = [p for p in PASSES if args.passes in ("all", p)]
     records = []
@@ -126,12 +128,12 @@ def cmd_check(args: argparse.Namespace) -> int:
 
     device = _device(args.device)
     failures = 0
-    for case in all_cases(device, small=True):
+    for case in all_cases(device, small=True, ops=_ops(args.ops)):
         for backend in available_backends(case.op, device):
             try:
                 ok, err, tol = check_case(case, backend, device)
                 line = f"{'PASS' if ok else 'FAIL'}  {case.op:<16} {backend:<10} {case.shape} {case.dtype}: " \
-                       f"max rel err {err:.2e} (tolerance {tol:.0e})"
+                       f"max rel err vs float64 oracle {err:.2e} (tolerance {tol:.0e})"
             except Exception as exc:  # report and go on: this is a self-test
                 ok, line = False, f"FAIL  {case.op:<16} {backend:<10} raised {type(exc).__name__}: {exc}"
             failures += not ok
@@ -171,6 +173,7 @@ def main(argv: list[str] | None = None) -> int:
                        help="force a backend for the fused op (an op without it keeps its default)")
     bench.add_argument("--passes", default="all", choices=["all", "fwd", "fwd+bwd"], help="which passes to time")
     bench.add_argument("--repeats", type=positive_int, default=10, help="timed runs per measurement (median)")
+    bench.add_argument("--threads", type=positive_int, help="CPU threads (torch.set_num_threads); default: torch's")
     bench.add_argument("--hf", choices=["llama", "rope"],
                        help="instead of the ops: llama = a training step of a Hugging Face Llama patched by "
                             "wiola_kernels.patch_hf vs unpatched; rope = RoPE error at large positions, ours vs HF's")
@@ -180,8 +183,10 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--plot", metavar="FILE.png", help="also draw the speedups (needs matplotlib)")
     bench.set_defaults(func=cmd_bench)
 
-    check = command("check", "run every available backend against the float64 reference")
+    check = command("check", "run every available backend against the float64 oracle (wiola_kernels.reference), "
+                                     "forward and gradients, within the SPEC §9 tolerances")
     check.add_argument("--device", choices=("cpu", "cuda"), help=device_help)
+    check.add_argument("--ops", metavar="OP[,OP...]", help="comma-separated ops, as for bench; default: all")
     check.set_defaults(func=cmd_check)
 
     be = command("backends", "list each op's backends and why unavailable ones are")

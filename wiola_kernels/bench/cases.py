@@ -1,9 +1,11 @@
 """Benchmark cases, shared by ``python -m wiola_kernels bench`` and ``benchmarks/``.
 
-A case names an op, builds its inputs on a device, and gives three callables that
-compute the same thing: ``fused`` (the public op, on whatever backend dispatch picks),
-``eager`` (the plain PyTorch baseline) and ``reference`` (what ``torch.compile``
-compiles; by default the eager baseline). Each op contributes a factory decorated
+A case names an op, builds its inputs on a device, and gives callables that compute the
+same thing: ``fused`` (the public op, on whatever backend dispatch picks), ``eager`` (the
+plain PyTorch baseline a model author would write), ``compiled_baseline`` (what the
+``torch.compile`` baseline compiles; by default ``eager``) and ``oracle`` (the SPEC
+formula from :mod:`wiola_kernels.reference`, which ``check`` runs in float64; never
+timed). Each op contributes a factory decorated
 with :func:`case_factory` that returns its cases for a device; ``small=True`` asks for
 shapes that run in seconds (smoke tests, CI).
 """
@@ -31,14 +33,17 @@ class BenchCase:
     make_inputs: Callable[[], tuple[torch.Tensor, ...]]  # fresh leaf tensors on the device
     fused: Callable[..., object]                    # the fused op
     eager: Callable[..., object]                    # eager PyTorch baseline
-    reference: Callable[..., object] | None = None  # what torch.compile compiles (default: eager)
+    oracle: Callable[..., object]                   # wiola_kernels.reference's formula (`check`, in float64)
+    compiled_baseline: Callable[..., object] | None = None  # what torch.compile compiles (default: eager)
     differentiable: Sequence[int] | None = None     # input indices that get gradients (default: float ones)
     min_bytes: Callable[[str, tuple, tuple, tuple], int] | None = None  # override of the byte count
+    backward_rereads: Sequence[int] = ()             # inputs the backward must read again (bench byte count)
     notes: dict = field(default_factory=dict)       # extra numbers a case wants reported
     tolerance_kind: str = "elementwise"             # SPEC §9 class for `check`: elementwise|attention
 
-    def compiled_source(self) -> Callable[..., object]:
-        return self.reference if self.reference is not None else self.eager
+    def baseline_to_compile(self) -> Callable[..., object]:
+        """The callable the ``torch.compile`` baseline compiles (``compiled_baseline``, else ``eager``)."""
+        return self.compiled_baseline if self.compiled_baseline is not None else self.eager
 
 
 _factories: list[Callable[[torch.device, bool], list[BenchCase]]] = []
@@ -79,15 +84,18 @@ def rms_norm_cases(device: torch.device, small: bool) -> list[BenchCase]:
     dtype = _default_dtype(device)
 
     def make_inputs():
-        x = torch.randn(rows, d, device=device, dtype=dtype)
-        weight = torch.rand(d, device=device, dtype=dtype) + 0.5
-        shift = 0.1 * torch.randn(d, device=device, dtype=dtype)
+        g = torch.Generator(device="cpu").manual_seed(0)
+        x = torch.randn(rows, d, generator=g).to(device=device, dtype=dtype)
+        weight = (torch.rand(d, generator=g) + 0.5).to(device=device, dtype=dtype)
+        shift = (0.1 * torch.randn(d, generator=g)).to(device=device, dtype=dtype)
         return x, weight, shift
 
     return [BenchCase(
         op="rms_norm", shape=f"x ({rows}, {d})", dtype=dtype, make_inputs=make_inputs,
         fused=lambda x, w, s: rms_norm(x, w, s, 1e-6),
         eager=lambda x, w, s: _rms_norm_eager(x, w, s, 1e-6),
+        oracle=lambda x, w, s: reference.rms_norm(x, w, s, 1e-6),
+        backward_rereads=(0, 1, 2),  # ∂x needs z = x + δ and γ
     )]
 
 
@@ -105,8 +113,9 @@ def srpe_cases(device: torch.device, small: bool) -> list[BenchCase]:
     dtype = _default_dtype(device)
 
     def make_inputs():
-        q = torch.randn(b, h, t, dh, device=device, dtype=dtype)
-        k = torch.randn(b, h_kv, t, dh, device=device, dtype=dtype)
+        g = torch.Generator(device="cpu").manual_seed(0)
+        q = torch.randn(b, h, t, dh, generator=g).to(device=device, dtype=dtype)
+        k = torch.randn(b, h_kv, t, dh, generator=g).to(device=device, dtype=dtype)
         positions = torch.arange(t, device=device).expand(b, t).contiguous()
         return q, k, positions
 
@@ -115,6 +124,8 @@ def srpe_cases(device: torch.device, small: bool) -> list[BenchCase]:
         make_inputs=make_inputs,
         fused=lambda q, k, p: srpe(q, k, p),
         eager=lambda q, k, p: reference.srpe(q, k, p),
+        oracle=lambda q, k, p: reference.srpe(q, k, p),
+        backward_rereads=(2,),  # the rotation is linear: its backward needs the positions, not q or k
     )]
 
 
@@ -172,8 +183,12 @@ def atm_cases(device: torch.device, small: bool) -> list[BenchCase]:
         merged, _, _, index_map = _atm_merge_eager(x, positions, tau)
         return merged.gather(1, index_map.unsqueeze(-1).expand_as(x))
 
+    def oracle(x, positions):
+        merged, _, _, index_map = reference.atm_merge(x, positions, tau)
+        return reference.atm_unmerge(merged, index_map)
+
     return [BenchCase(op="atm", shape=f"x ({b}, {t}, {d}), merge+unmerge", dtype=dtype, make_inputs=make_inputs,
-                      fused=fused, eager=eager, differentiable=(0,), notes=notes)]
+                      fused=fused, eager=eager, oracle=oracle, differentiable=(0,), notes=notes)]
 
 
 def _gcla_eager(num_heads: int, num_kv_heads: int):
@@ -210,15 +225,18 @@ def gcla_attention_cases(device: torch.device, small: bool) -> list[BenchCase]:
     dtype = _default_dtype(device)
 
     def make_inputs():
-        def r(*shape):
-            return torch.randn(*shape, device=device, dtype=dtype)
+        g = torch.Generator(device="cpu").manual_seed(0)
 
-        gate = -3.0 + 0.5 * torch.randn(h, device=device)
+        def r(*shape):
+            return torch.randn(*shape, generator=g).to(device=device, dtype=dtype)
+
+        gate = (-3.0 + 0.5 * torch.randn(h, generator=g)).to(device)
         return r(b, h, t, dh), r(b, h_kv, t, dh), r(b, h_kv, t, dh), r(b, h, t, dh), r(b, h, t, lam, dh), \
             r(b, h, t, lam, dh), gate
 
     return [BenchCase(
         op="gcla_attention", shape=f"q ({b}, {h}, {t}, {dh}), kv heads {h_kv}, Λ' {lam} causal", dtype=dtype,
         make_inputs=make_inputs, fused=gcla_attention, eager=_gcla_eager(h, h_kv),
-        reference=reference.gcla_attention, tolerance_kind="attention",
+        oracle=reference.gcla_attention, compiled_baseline=reference.gcla_attention, tolerance_kind="attention",
+        backward_rereads=tuple(range(7)),  # attention's backward recomputes from every input
     )]
