@@ -92,17 +92,19 @@ def close(out, ref, tol, what, floor=0.25):
 
 
 # (T, mode, lengths-or-None, Λ', H, H_kv); lengths chosen off any block boundary. (4, 2) and
-# (6, 3) are the GQA shapes where the group h mod H_kv (SPEC §5.2) and h // (H/H_kv) differ.
+# (6, 3) are the GQA shapes where the group h mod H_kv (SPEC §5.2) and h // (H/H_kv) differ;
+# they come after the others, so the slices of CASES below keep their earlier members.
 def _cases():
     cases = []
-    for T in (1, 7, 64, 257):
-        for mode in ("paper", "causal"):
-            for with_len in (False, True):
-                for L, (H, H_kv) in ((0, (4, 4)), (1, (4, 1)), (2, (4, 4)), (2, (4, 1)), (2, (4, 2)), (1, (6, 3))):
-                    lens = None
-                    if with_len:
-                        lens = [T, 0] if T == 1 else [T - 3 if T > 3 else T, max(1, T // 3 + 1)]
-                    cases.append((T, mode, lens, L, H, H_kv))
+    for heads in (((0, (4, 4)), (1, (4, 1)), (2, (4, 4)), (2, (4, 1))), ((2, (4, 2)), (1, (6, 3)))):
+        for T in (1, 7, 64, 257):
+            for mode in ("paper", "causal"):
+                for with_len in (False, True):
+                    for L, (H, H_kv) in heads:
+                        lens = None
+                        if with_len:
+                            lens = [T, 0] if T == 1 else [T - 3 if T > 3 else T, max(1, T // 3 + 1)]
+                        cases.append((T, mode, lens, L, H, H_kv))
     return cases
 
 
