@@ -140,9 +140,9 @@ def test_reference_and_auto_backends_agree(mode, training):
     ids = torch.randint(3, 259, (3, 23))
     ref_logits, ref_grads = _logits_and_grads(model, ids, "reference")
     logits, grads = _logits_and_grads(model, ids, "auto")
-    assert rel_err(logits, ref_logits) <= 1e-5
+    assert rel_err(logits, ref_logits) <= tolerance(torch.float32)
     for name, g in ref_grads.items():
-        assert rel_err(grads[name], g) <= 1e-4, name
+        assert rel_err(grads[name], g) <= tolerance(torch.float32, "attention"), name
 
 
 def test_gradient_checkpointing_from_the_config():
@@ -157,7 +157,7 @@ def test_gradient_checkpointing_gives_the_same_gradients():
     getattr(model, "activation_checkpointing_enable", model.gradient_checkpointing_enable)()
     _, ckpt = _logits_and_grads(model, ids, "reference")
     for name, g in plain.items():
-        assert rel_err(ckpt[name], g) <= 1e-6, name
+        assert rel_err(ckpt[name], g) <= tolerance(torch.float32), name
 
 
 # ---- causality (SPEC §5.1, §6.5) -------------------------------------------------------------
@@ -226,7 +226,7 @@ def test_right_padding_matches_unpadded_rows():
     with torch.no_grad():
         padded = model(ids, attention_mask=mask, use_cache=False).logits
         alone = model(ids[1:, :7], use_cache=False).logits
-    assert rel_err(padded[1, :7], alone[0]) <= 1e-5
+    assert rel_err(padded[1, :7], alone[0]) <= tolerance(torch.float32)
     holed = mask.clone()
     holed[0, 3] = 0
     with pytest.raises(ValueError, match="contiguous"):
@@ -247,7 +247,7 @@ def test_cached_decoding_equals_full_forward(chunks):
             cache, start = out.cache, start + n
             pieces.append(out.logits)
     assert cache.get_seq_length() == ids.shape[1]
-    assert rel_err(torch.cat(pieces, 1), full) <= 1e-5
+    assert rel_err(torch.cat(pieces, 1), full) <= tolerance(torch.float32)
 
 
 def _greedy_by_hand(model, ids, n):
@@ -308,7 +308,7 @@ def test_save_and_load_round_trip_bit_exact(tmp_path):
         assert torch.equal(ref[name], got[name]), name
     ids = torch.randint(3, 259, (1, 9))
     with torch.no_grad():  # same weights; BLAS may round differently on differently aligned buffers
-        assert rel_err(loaded.eval()(ids).logits, model(ids).logits) <= 1e-6
+        assert rel_err(loaded.eval()(ids).logits, model(ids).logits) <= tolerance(torch.float32)
 
 
 # ---- training ---------------------------------------------------------------------------------

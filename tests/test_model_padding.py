@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from wiola import WiolaCache, WiolaConfig, WiolaForCausalLM
-from wiola_kernels.testing import rel_err
+from wiola_kernels.testing import rel_err, tolerance
 
 TOL = 1e-5  # issue 12: padded rows vs the same prompt alone, fp32
 
@@ -94,7 +94,7 @@ def test_left_padded_loss_gradients_match_the_rows_alone():
     (total / sum(len(r) - 1 for r in rows)).backward()
     for name, p in model.named_parameters():
         if p.grad is not None:
-            assert rel_err(padded[name], p.grad) <= 1e-4, name
+            assert rel_err(padded[name], p.grad) <= tolerance(torch.float32, "attention"), name
 
 
 def _greedy(model, ids, mask, n):
@@ -174,7 +174,7 @@ def test_output_hidden_states_follow_hugging_face():
         assert all(h.shape == (2, 7, 64) for h in hs)
         # first: the embeddings; last: after the final norm (what the tied head reads)
         assert torch.equal(hs[0][mask.bool()], model.model.embed_tokens.weight[ids[mask.bool()]])
-        assert rel_err(hs[-1] @ model.lm_head.weight.T, out.logits) <= 1e-6
+        assert rel_err(hs[-1] @ model.lm_head.weight.T, out.logits) <= tolerance(torch.float32)
         alone = model(rows[1][None], use_cache=False, output_hidden_states=True).hidden_states
         for i, (h, a) in enumerate(zip(hs, alone)):
             assert rel_err(h[1, 3:], a[0]) <= TOL, i
