@@ -392,8 +392,8 @@ def test_unmerge_backward_any_map_deterministic(backend):
     g = torch.randn(2, 9, 11, dtype=torch.float32)
     imap = torch.tensor([[3, 3, 0, 3, 8, 8, 8, 1, 0], [0, 1, 2, 3, 4, 5, 6, 7, 8]])
     with wk.use_backend(backend):
-        out1 = torch.ops.wiola.atm_unmerge_backward(g, imap)
-        out2 = torch.ops.wiola.atm_unmerge_backward(g, imap)
+        out1 = torch.ops.wiola.atm_unmerge_grad(g, imap)
+        out2 = torch.ops.wiola.atm_unmerge_grad(g, imap)
     assert torch.equal(out1, out2)
     torch.testing.assert_close(out1, ref.atm_unmerge_backward(g.double(), imap).float())
 
@@ -488,11 +488,11 @@ def test_opcheck(backend):
     pos, lens = torch.arange(7).expand(2, 7).contiguous(), torch.tensor([7, 4])
     with wk.use_backend(backend):
         merged, _, mlen, imap = wk.atm_merge(x.detach(), pos, 0.5, lens)
-        y = torch.randn(2, 7, 5, requires_grad=True)
-        torch.library.opcheck(torch.ops.wiola.atm_merge.default, (x, pos, lens, 0.5))
+        y = torch.randn(2, 7, 5)  # autograd is ATMMergeFunction's / ATMUnmergeFunction's
+        torch.library.opcheck(torch.ops.wiola.atm_merge.default, (x.detach(), pos, lens, 0.5))
         torch.library.opcheck(torch.ops.wiola.atm_unmerge.default, (y, imap))
-        torch.library.opcheck(torch.ops.wiola.atm_merge_backward.default, (torch.randn(2, 7, 5), imap, mlen))
-        torch.library.opcheck(torch.ops.wiola.atm_unmerge_backward.default, (torch.randn(2, 7, 5), imap))
+        torch.library.opcheck(torch.ops.wiola.atm_merge_grad.default, (torch.randn(2, 7, 5), imap, mlen))
+        torch.library.opcheck(torch.ops.wiola.atm_unmerge_grad.default, (torch.randn(2, 7, 5), imap))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -420,9 +420,10 @@ def test_rms_norm_module_dtype_and_eps_kwargs():
 
 
 def test_rms_norm_opcheck():
-    x = torch.randn(3, 8, requires_grad=True)
-    w = torch.randn(8, requires_grad=True)
-    s = torch.randn(8, requires_grad=True)
+    # The registered ops take no grad (autograd is wk.RMSNormFunction's): plain inputs.
+    x = torch.randn(3, 8)
+    w = torch.randn(8)
+    s = torch.randn(8)
     torch.library.opcheck(torch.ops.wiola.rms_norm.default, (x, w, s, 1e-6))
 
 
@@ -670,8 +671,8 @@ def test_srpe_module_custom_hyperparameters():
 
 
 def test_srpe_opcheck():
-    q = torch.randn(1, 2, 3, 4, requires_grad=True)
-    k = torch.randn(1, 1, 3, 4, requires_grad=True)
+    q = torch.randn(1, 2, 3, 4)  # the registered ops take no grad (autograd is wk.SRPEFunction's)
+    k = torch.randn(1, 1, 3, 4)
     pos = torch.tensor([[0, 5, 9]])
     torch.library.opcheck(torch.ops.wiola.srpe.default, (q, k, pos, 10000.0, 8.0, 0.1, 0.01))
 
@@ -970,7 +971,7 @@ def test_gcla_bad_inputs(case):
 
 
 def test_gcla_opcheck():
-    args = [a.requires_grad_() for a in _gcla_case(B=1, H=2, Hkv=1, T=3, dh=4, S=3, Lam=2)]
+    args = _gcla_case(B=1, H=2, Hkv=1, T=3, dh=4, S=3, Lam=2)  # no grad: autograd is wk.GCLAAttentionFunction's
     torch.library.opcheck(torch.ops.wiola.gcla_attention.default, (*args, torch.tensor([2])))
     torch.library.opcheck(torch.ops.wiola.gcla_attention.default, (*args, None))
 
@@ -1250,12 +1251,12 @@ def test_atm_bad_inputs(case):
 
 
 def test_atm_opcheck():
-    x = make_atm_input(2, 6, 4).requires_grad_()
+    x = make_atm_input(2, 6, 4)  # the registered ops take no grad (autograd is wk.ATM*Function's)
     pos = torch.arange(6).expand(2, 6).contiguous()
     lengths = torch.tensor([6, 4])
     torch.library.opcheck(torch.ops.wiola.atm_merge.default, (x, pos, lengths, 0.92))
     _, _, _, imap = wk.atm_merge(x.detach(), pos, 0.92, lengths)
-    y = torch.randn(2, 6, 4, requires_grad=True)
+    y = torch.randn(2, 6, 4)
     torch.library.opcheck(torch.ops.wiola.atm_unmerge.default, (y, imap))
 
 
