@@ -1,11 +1,13 @@
 """wiola-kernels: fused kernels for the Wiola small-language-model architecture.
 
-Public ops (each registered as ``torch.ops.wiola.<name>`` with autograd):
+Public ops, each a function over one ``torch.autograd.Function`` that drives the registered
+kernels ``torch.ops.wiola.<name>`` (forward) and ``torch.ops.wiola.<name>_grad`` (backward):
 
-* :func:`rms_norm` — WiolaRMSNorm (SPEC §3)
-* :func:`srpe` — spiral rotary position encoding of Q and K (SPEC §4)
-* :func:`gcla_attention` — GCLA summary-augmented causal attention (SPEC §5.5)
-* :func:`atm_merge` / :func:`atm_unmerge` — ATM greedy adjacent token merging (SPEC §6)
+* :func:`rms_norm` / :class:`RMSNormFunction` — WiolaRMSNorm (SPEC §3)
+* :func:`srpe` / :class:`SRPEFunction` — spiral rotary position encoding of Q and K (SPEC §4)
+* :func:`gcla_attention` / :class:`GCLAAttentionFunction` — GCLA summary-augmented causal attention (SPEC §5.5)
+* :func:`atm_merge` / :class:`ATMMergeFunction`, :func:`atm_unmerge` / :class:`ATMUnmergeFunction` —
+  ATM greedy adjacent token merging (SPEC §6)
 * :func:`patch_hf` / :func:`unpatch_hf` — these kernels in Hugging Face Llama / Mistral / Qwen2 models
 
 Backends are chosen per device (see :mod:`wiola_kernels.dispatch`); force one with
@@ -19,12 +21,13 @@ _extension.load_error()  # import the C++ extension (registers its kernels), war
 
 from .hf import patch_hf, unpatch_hf  # noqa: E402  (Hugging Face models; transformers not needed to import)
 from .modules import RMSNorm, SpiralRotaryEmbedding, WiolaRMSNorm  # noqa: E402
-from .ops.atm import atm_merge, atm_unmerge  # noqa: E402
-from .ops.gcla_attention import gcla_attention  # noqa: E402
-from .ops.rms_norm import rms_norm  # noqa: E402
-from .ops.srpe import srpe  # noqa: E402
+from .ops.atm import ATMMergeFunction, ATMUnmergeFunction, atm_merge, atm_unmerge  # noqa: E402
+from .ops.gcla_attention import GCLAAttentionFunction, gcla_attention  # noqa: E402
+from .ops.rms_norm import RMSNormFunction, rms_norm  # noqa: E402
+from .ops.srpe import SRPEFunction, srpe  # noqa: E402
 
 __version__ = "0.1.0"
 
-__all__ = ["RMSNorm", "SpiralRotaryEmbedding", "WiolaRMSNorm", "atm_merge", "atm_unmerge", "backends", "gcla_attention",
-           "patch_hf", "rms_norm", "srpe", "unpatch_hf", "use_backend"]
+__all__ = ["ATMMergeFunction", "ATMUnmergeFunction", "GCLAAttentionFunction", "RMSNorm", "RMSNormFunction",
+           "SRPEFunction", "SpiralRotaryEmbedding", "WiolaRMSNorm", "atm_merge", "atm_unmerge", "backends",
+           "gcla_attention", "patch_hf", "rms_norm", "srpe", "unpatch_hf", "use_backend"]

@@ -147,7 +147,7 @@ def cmd_backends(args: argparse.Namespace) -> int:
 
     for op, table in backends(_device(args.device, must_run=False)).items():
         for backend, status in table.items():
-            print(f"{op:<16} {backend:<10} {status}")
+            print(f"{op:<16} {backend:<10} {status} [takes {status.limits.describe()}]")
     return 0
 
 

@@ -1,8 +1,14 @@
 """Argument checks shared by every op: each raises ``TypeError``/``ValueError`` that
-names the argument and what was expected (SPEC §9), before any kernel runs."""
+names the argument and what was expected (SPEC §9), before any kernel runs.
+
+Everything an op checks lives here, so that the ops agree: tensor types and float dtypes,
+ranks and shapes, devices, ``position_ids`` (``(B, T)``, ``(1, T)`` or ``(T,)``, any of
+:data:`INDEX_DTYPES`), ``lengths``, ATM index maps, head widths, and the limits of each
+backend (:class:`Limits`: which dtypes and head widths its kernels take)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -98,3 +104,146 @@ def check_real(name: str, value: object) -> float:
     if v != v or v in (float("inf"), float("-inf")):
         raise ValueError(f"{name} must be finite, got {value!r}")
     return v
+
+
+# --- integer inputs: position ids, lengths, index maps ------------------------------------
+
+#: Integer dtypes every op accepts for ``position_ids`` and ``lengths`` (converted to int64).
+INDEX_DTYPES = (torch.int64, torch.int32, torch.int16, torch.uint8)
+
+
+def check_position_ids(position_ids: object, b: int, t: int, *, hint: str = "") -> torch.Tensor:
+    """``position_ids`` of an op over ``(B, T)`` tokens: an integer tensor ``(B, T)``, ``(1, T)``
+    or ``(T,)`` (the last two shared by the batch), the same for every op that takes positions.
+    Returns an int64 ``(B, T)`` view (expanded, not copied, when shared). ``hint`` is appended
+    to a shape error (see :func:`bthd_hint`)."""
+    check_tensor("position_ids", position_ids, dtypes=INDEX_DTYPES)
+    shape = tuple(position_ids.shape)
+    if shape not in ((b, t), (1, t), (t,)):
+        raise ValueError(f"position_ids must have shape (B, T) = ({b}, {t}), (1, T) = (1, {t}) or (T,) = ({t},), "
+                         f"got {shape}{hint}")
+    return position_ids.to(torch.int64).expand(b, t)
+
+
+def _checks_values(t: torch.Tensor) -> bool:
+    # Reading values needs the data: on a GPU that is a device sync per call, and under
+    # torch.compile a graph break. There the kernels clamp instead (docs/ops.md, bad input).
+    return t.device.type == "cpu" and t.numel() > 0 and not torch.compiler.is_compiling()
+
+
+def check_lengths(lengths: object, b: int, t: int) -> torch.Tensor | None:
+    """Optional per-row lengths: None, or an integer tensor ``(B,)`` with values in ``[0, T]``
+    (values checked on CPU tensors). Returns int64 ``(B,)`` or None."""
+    if lengths is None:
+        return None
+    check_tensor("lengths", lengths, dtypes=INDEX_DTYPES)
+    check_shape("lengths", lengths, (b,), "(B,)")
+    check_lengths_values(lengths, t)
+    return lengths.to(torch.int64)
+
+
+def check_lengths_values(lengths: torch.Tensor, t: int) -> None:
+    """``lengths`` values lie in ``[0, T]`` (checked on CPU tensors only, see :func:`check_lengths`)."""
+    if _checks_values(lengths):
+        lo, hi = int(lengths.min()), int(lengths.max())
+        if lo < 0 or hi > t:
+            raise ValueError(f"lengths must lie in [0, T] = [0, {t}], got values in [{lo}, {hi}]")
+
+
+def check_index_map(index_map: object, b: int, t: int, *, like: str) -> torch.Tensor:
+    """An ATM ``index_map``: int64 ``(B, T)`` matching ``like``'s first two dims, values in ``[0, T)``."""
+    check_tensor("index_map", index_map, dtypes=(torch.int64,))
+    if tuple(index_map.shape) != (b, t):
+        raise ValueError(f"index_map must have shape (B, T) = ({b}, {t}) to match {like}, "
+                         f"got {tuple(index_map.shape)}")
+    check_index_map_values(index_map, t)
+    return index_map
+
+
+def check_index_map_values(index_map: torch.Tensor, t: int) -> None:
+    """``index_map`` values lie in ``[0, T)`` (checked on CPU tensors only)."""
+    if _checks_values(index_map):
+        lo, hi = int(index_map.min()), int(index_map.max())
+        if lo < 0 or hi >= t:
+            raise ValueError(f"index_map values must lie in [0, T) = [0, {t}), got values in [{lo}, {hi}]")
+
+
+def check_position_range(positions: torch.Tensor, limit: int, why: str) -> None:
+    """``|position_ids| ≤ limit`` (checked on CPU tensors only); ``why`` says what breaks beyond."""
+    if _checks_values(positions):
+        largest = int(positions.abs().max())
+        if largest > limit:
+            raise ValueError(f"position_ids must lie within ±{limit} ({why}), got |p| = {largest}")
+
+
+# --- attention tensors: heads and head dims ------------------------------------------------
+
+def check_head_dim(name: str, head_dim: int) -> None:
+    """The head width every op takes: even (rotate-half pairs) and > 0. Backend-specific limits
+    are :class:`Limits`, checked when a backend is chosen."""
+    if head_dim == 0 or head_dim % 2 != 0:
+        raise ValueError(f"{name} must have an even, non-zero head dim d_h (last dim), got d_h = {head_dim}")
+
+
+def check_query_key(q_name: str, q: torch.Tensor, k_name: str, k: torch.Tensor) -> tuple[int, int, int, int, int]:
+    """``q (B, H, T, d_h)`` and ``k (B, H_kv, T, d_h)`` with ``H`` a multiple of ``H_kv`` and an
+    even ``d_h``; returns ``(B, H, H_kv, T, d_h)``."""
+    check_rank(q_name, q, 4, "(B, H, T, d_h)")
+    check_rank(k_name, k, 4, "(B, H_kv, T, d_h)")
+    b, h, t, dh = q.shape
+    if k.shape[0] != b or k.shape[2] != t or k.shape[3] != dh:
+        raise ValueError(f"{k_name} must have shape (B, H_kv, T, d_h) = ({b}, H_kv, {t}, {dh}) to match {q_name}, "
+                         f"got {tuple(k.shape)}{bthd_hint(q, k)}")
+    h_kv = k.shape[1]
+    if h_kv == 0 or h % h_kv != 0:
+        raise ValueError(f"{q_name}'s heads H = {h} (dim 1) must be a multiple of {k_name}'s heads H_kv = {h_kv} "
+                         f"(dim 1){bthd_hint(q, k)}")
+    check_head_dim(q_name, dh)
+    return b, h, h_kv, t, dh
+
+
+# --- what a backend takes -------------------------------------------------------------------
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+@dataclass(frozen=True)
+class Limits:
+    """The inputs one backend of one op takes (``None``: no limit). A backend chosen for an
+    input outside its limits is skipped, with a one-time warning that names the reason
+    (:func:`wiola_kernels.dispatch.select`); :func:`wiola_kernels.backends` lists them."""
+
+    dtypes: tuple[torch.dtype, ...] | None = None      # floating dtypes of the op's main input
+    head_dims: tuple[int, ...] | None = None           # d_h values with kernels
+    max_head_dim: int | None = None                    # even d_h up to this
+
+    def reason(self, dtype: torch.dtype | None, head_dim: int | None) -> str | None:
+        """None when the backend takes ``dtype`` / ``head_dim``, else why not."""
+        if dtype is not None and self.dtypes is not None and dtype not in self.dtypes:
+            return f"dtype {_dtype_name(dtype)} (it takes {', '.join(map(_dtype_name, self.dtypes))})"
+        if head_dim is not None and self.head_dims is not None and head_dim not in self.head_dims:
+            return f"d_h = {head_dim} (it has kernels for d_h in {{{', '.join(map(str, self.head_dims))}}})"
+        if head_dim is not None and self.max_head_dim is not None and head_dim > self.max_head_dim:
+            return f"d_h = {head_dim} (it takes even head widths d_h in [2, {self.max_head_dim}])"
+        return None
+
+    def describe(self) -> str:
+        """One line, e.g. ``"dtypes float32, float16, bfloat16; d_h in {64, 128}"``; ``"any input"``."""
+        parts = []
+        if self.dtypes is not None:
+            parts.append("dtypes " + ", ".join(map(_dtype_name, self.dtypes)))
+        if self.head_dims is not None:
+            parts.append("d_h in {" + ", ".join(map(str, self.head_dims)) + "}")
+        if self.max_head_dim is not None:
+            parts.append(f"even d_h in [2, {self.max_head_dim}]")
+        return "; ".join(parts) or "any input"
+
+
+NO_LIMITS = Limits()
+#: The CUDA C++ kernels (GCLA summary kernels, ATM) are instantiated for these dtypes only.
+CUDA_KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+#: Head widths the CUDA GCLA summary kernels are instantiated for (csrc/cuda/gcla_attention.cu).
+CUDA_GCLA_HEAD_DIMS = (64, 128)
+#: Widest head the Triton GCLA kernels tile (16 … 256 columns; triton/gcla_attention.py).
+TRITON_GCLA_MAX_HEAD_DIM = 256

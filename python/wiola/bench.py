@@ -67,8 +67,9 @@ def _setup(args: dict, backend: str, atm: bool):
     model = WiolaForCausalLM(config).train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     ids = torch.randint(3, args["vocab"], (args["batch"], args["seq"]), generator=torch.Generator().manual_seed(0))
-    if not getattr(wiola_kernels.atm_merge, "_counting", False):  # count what ATM merges (all cases share it)
-        original = wiola_kernels.atm_merge
+    merge = wiola_kernels.ATMMergeFunction  # what the model calls
+    if not getattr(merge.apply, "_counting", False):  # count what ATM merges (all cases share it)
+        original = merge.apply
 
         def counting(x, *a, **k):
             out = original(x, *a, **k)
@@ -78,7 +79,7 @@ def _setup(args: dict, backend: str, atm: bool):
             return out
 
         counting._counting, counting.tokens, counting.rows, counting.lengths = True, 0, 0, []
-        wiola_kernels.atm_merge = counting
+        merge.apply = counting
     return model, opt, ids
 
 
@@ -141,7 +142,7 @@ def _timing(args: dict, queue) -> None:
         step = statistics.median(t[1:])
         results.append(dict(backend=backend, atm=atm, step_s=step, steps_s=t[1:],
                             tokens_per_s=args["batch"] * args["seq"] / step, ops=ops))
-    counter = wiola_kernels.atm_merge
+    counter = wiola_kernels.ATMMergeFunction.apply
     queue.put(dict(results=results, threads=torch.get_num_threads(),
                    atm_merged_fraction=counter.tokens / max(1, counter.rows),
                    atm_flops=_atm_flops(args, counter.lengths)))

@@ -256,7 +256,7 @@ class WiolaAttention(nn.Module):
         s, n_ctx = context.shape[1], context.shape[2]
         fold = self.folds(context, t, x)
         if fold:
-            kc = vc = q.new_zeros(b, h, 1, 0, dh)
+            kc, vc = q.new_zeros(b, h, 1, 0, dh), q.new_zeros(b, h, 1, 0, dh)  # two: see wiola_kernels.ops.distinct
         else:
             kc = self.kc_proj(context).view(b, s, n_ctx, h, dh).permute(0, 3, 1, 2, 4)  # (B, H, S, Λ', d_h)
             vc = self.vc_proj(context).view(b, s, n_ctx, h, dh).permute(0, 3, 1, 2, 4)  # (B, H, S, Λ', d_h)
@@ -268,7 +268,8 @@ class WiolaAttention(nn.Module):
             if cache is not None:  # cached in the mask's layout (left-padded rows were shifted to compute)
                 cache.update(*((layout.to_mask_layout(k_rot, 2), layout.to_mask_layout(v, 2))
                                if layout is not None else (k_rot, v)), self.layer_idx)
-            out = wiola_kernels.gcla_attention(q_rot, k_rot, v, q, kc, vc, self.gate, lengths)  # (B, H, T, d_h)
+            out = wiola_kernels.GCLAAttentionFunction.apply(q_rot, k_rot, v, q, kc, vc, self.gate,
+                                                            lengths)  # (B, H, T, d_h)
         out = out.transpose(1, 2)  # (B, T, H, d_h)
         if fold:
             cross = folded_context_attention(q_bthd.reshape(b * t, h, dh), context.reshape(b * t, n_ctx, -1),
@@ -302,9 +303,9 @@ class WiolaAttention(nn.Module):
             b = context.shape[0]
             kc = self.kc_proj(context).view(b, 1, n_ctx, h, dh).permute(0, 3, 1, 2, 4)
             vc = self.vc_proj(context).view(b, 1, n_ctx, h, dh).permute(0, 3, 1, 2, 4)
-        out = wiola_kernels.gcla_attention(rows.unpack_heads(q_rot[0]), rows.unpack_heads(k_rot[0]),
-                                           rows.unpack_heads(v.transpose(0, 1)), rows.unpack_heads(q[0]), kc, vc,
-                                           self.gate, rows.lengths)  # (B, H, T, d_h), zero past T'_b
+        out = wiola_kernels.GCLAAttentionFunction.apply(
+            rows.unpack_heads(q_rot[0]), rows.unpack_heads(k_rot[0]), rows.unpack_heads(v.transpose(0, 1)),
+            rows.unpack_heads(q[0]), kc, vc, self.gate, rows.lengths)  # (B, H, T, d_h), zero past T'_b
         return self.o_proj(rows.pack_heads(out).reshape(n, h * dh))  # (N, d)
 
 
@@ -360,8 +361,8 @@ class WiolaBlock(GradientCheckpointingLayer):
         h = fast_path.rms_norm(self.attn_norm, x)  # X̃ (B, T, d)
         if self.merges and self.training and cache is None:
             # ATM (SPEC §6): merge similar neighbours, attend over the shorter rows, restore length T.
-            merged, merged_pos, merged_len, index_map = wiola_kernels.atm_merge(h, position_ids, self.atm_threshold,
-                                                                               lengths)
+            merged, merged_pos, merged_len, index_map = wiola_kernels.ATMMergeFunction.apply(
+                h, position_ids, self.atm_threshold, lengths)
             if self.pack_merged:  # the attention block's projections skip the merged-away rows
                 rows = PackedRows(merged_len, h.shape[1])
                 if context.shape[1] > 1:  # causal summaries: each slot reads the context at its first member
@@ -372,7 +373,7 @@ class WiolaBlock(GradientCheckpointingLayer):
                 if context.shape[1] > 1:
                     context = context.gather(1, first_member(index_map)[:, :, None, None].expand_as(context))
                 a = self.attn(merged, merged_pos, context, merged_len)  # (B, T, d), zero past merged_len
-                a = wiola_kernels.atm_unmerge(a, index_map)            # A_t = A'_{map(t)}
+                a = wiola_kernels.ATMUnmergeFunction.apply(a, index_map)  # A_t = A'_{map(t)}
         else:
             a = self.attn(h, position_ids, context, lengths, cache, layout)
         x = x + a                                  # X'

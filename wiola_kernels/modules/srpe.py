@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
-from ..ops.srpe import srpe
+from ..ops.srpe import SRPEFunction
 
 
 class SpiralRotaryEmbedding(nn.Module):
@@ -33,11 +33,11 @@ class SpiralRotaryEmbedding(nn.Module):
         self.radial_frequency = float(radial_frequency)
 
     def forward(self, q: Tensor, k: Tensor, position_ids: Tensor) -> tuple[Tensor, Tensor]:
-        """``q (B, H, T, d_h)``, ``k (B, H_kv, T, d_h)``, ``position_ids (B, T) | (T,)``."""
+        """``q (B, H, T, d_h)``, ``k (B, H_kv, T, d_h)``, ``position_ids (B, T) | (1, T) | (T,)``."""
         if q.shape[-1] != self.head_dim:
             raise ValueError(f"q must have head dim {self.head_dim}, got {q.shape[-1]}")
-        return srpe(q, k, position_ids, self.theta, self.spiral_divisor, self.radial_amplitude,
-                    self.radial_frequency)
+        return SRPEFunction.apply(q, k, position_ids, self.theta, self.spiral_divisor, self.radial_amplitude,
+                                  self.radial_frequency)
 
     def extra_repr(self) -> str:
         return (f"head_dim={self.head_dim}, theta={self.theta}, spiral_divisor={self.spiral_divisor}, "

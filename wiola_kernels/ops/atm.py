@@ -1,5 +1,7 @@
-"""ATM greedy adjacent merge / unmerge as registered ops (SPEC §6):
-``torch.ops.wiola.atm_merge`` / ``atm_unmerge`` (+ their ``*_backward`` ops).
+"""ATM greedy adjacent merge / unmerge (SPEC §6): the registered ops ``wiola::atm_merge`` /
+``wiola::atm_merge_grad`` and ``wiola::atm_unmerge`` / ``wiola::atm_unmerge_grad``, the
+:class:`ATMMergeFunction` / :class:`ATMUnmergeFunction` that drive them, and the public
+:func:`atm_merge` / :func:`atm_unmerge`.
 
 Each backend provides, on contiguous tensors (``x, y (B, T, d)``, int64 ``positions
 (B, T)``, ``lengths (B,)``, ``index_map (B, T)``):
@@ -11,8 +13,8 @@ Each backend provides, on contiguous tensors (``x, y (B, T, d)``, int64 ``positi
 
 Merge decisions are constants for autograd (SPEC §6): gradients flow only through the
 averaging (merge) and the copy back (unmerge). Values that would need a device sync
-to check (lengths in ``[0, T]``, ``index_map`` entries in ``[0, T)``) are checked by
-the CPU kernels and the reference (``ValueError``); the CUDA kernels clamp lengths
+to check (lengths in ``[0, T]``, ``index_map`` entries in ``[0, T)``) are checked on CPU
+tensors (``ValueError``, :mod:`wiola_kernels.validation`); the CUDA kernels clamp lengths
 and write NaN for an out-of-range index instead of synchronising.
 """
 
@@ -24,37 +26,27 @@ import torch
 from torch import Tensor
 
 from .. import dispatch
+from . import distinct
 from ..reference import atm as ref
-from ..validation import check_rank, check_real, check_same_device, check_tensor
+from ..validation import (CUDA_KERNEL_DTYPES, Limits, check_index_map, check_index_map_values, check_lengths,
+                          check_lengths_values, check_position_ids, check_rank, check_real, check_same_device,
+                          check_tensor)
 
 OP = "atm"
-_INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.uint8)
-
-
-def _check_lengths_values(lengths: Tensor, t: int) -> None:
-    if lengths.numel() and (int(lengths.min()) < 0 or int(lengths.max()) > t):
-        raise ValueError(f"lengths must lie in [0, T] = [0, {t}], got values in "
-                         f"[{int(lengths.min())}, {int(lengths.max())}]")
-
-
-def _check_index_values(index_map: Tensor, t: int) -> None:
-    if index_map.numel() and (int(index_map.min()) < 0 or int(index_map.max()) >= t):
-        raise ValueError(f"index_map values must lie in [0, T) = [0, {t}), got values in "
-                         f"[{int(index_map.min())}, {int(index_map.max())}]")
 
 
 def _reference_merge(x, positions, lengths, threshold):
-    _check_lengths_values(lengths, x.shape[1])
+    check_lengths_values(lengths, x.shape[1])
     return ref.atm_merge(x, positions, threshold, lengths)
 
 
 def _reference_unmerge(y, index_map):
-    _check_index_values(index_map, y.shape[1])
+    check_index_map_values(index_map, y.shape[1])
     return ref.atm_unmerge(y, index_map).contiguous()
 
 
 def _reference_unmerge_backward(grad, index_map):
-    _check_index_values(index_map, grad.shape[1])
+    check_index_map_values(index_map, grad.shape[1])
     return ref.atm_unmerge_backward(grad, index_map)
 
 
@@ -74,24 +66,6 @@ def _kernel_unmerge_backward(grad, index_map):
     return torch.ops.wiola._atm_unmerge_bwd(grad, index_map)
 
 
-def _kernel_unless_float64(kernel, fallback):
-    """The CUDA kernels cover float32/float16/bfloat16; float64 CUDA tensors use the reference."""
-    def run(t: Tensor, *args):
-        return (fallback if t.dtype == torch.float64 else kernel)(t, *args)
-    return run
-
-
-_REFERENCE = SimpleNamespace(merge=_reference_merge, merge_backward=ref.atm_merge_backward, unmerge=_reference_unmerge,
-                             unmerge_backward=_reference_unmerge_backward)
-_KERNELS = SimpleNamespace(merge=_kernel_merge, merge_backward=_kernel_merge_backward, unmerge=_kernel_unmerge,
-                           unmerge_backward=_kernel_unmerge_backward)
-dispatch.register(OP, "reference", _REFERENCE)
-dispatch.register(OP, "cpu", _KERNELS)  # csrc/cpu/atm.cpp (every float dtype)
-dispatch.register(OP, "cuda", SimpleNamespace(**{  # csrc/cuda/atm.cu via csrc/cuda/atm_binding.cpp
-    name: _kernel_unless_float64(getattr(_KERNELS, name), getattr(_REFERENCE, name))
-    for name in ("merge", "merge_backward", "unmerge", "unmerge_backward")}))
-
-
 def _emu_merge(x, positions, lengths, threshold):
     return torch.ops.wiola_cuda_emu._atm_merge(x, positions, lengths, threshold)
 
@@ -108,99 +82,52 @@ def _emu_unmerge_backward(grad, index_map):
     return torch.ops.wiola_cuda_emu._atm_unmerge_bwd(grad, index_map)
 
 
-# Test backend: the same CUDA kernels and binding, on CPU tensors, in the SIMT emulator.
-_EMU = SimpleNamespace(merge=_emu_merge, merge_backward=_emu_merge_backward, unmerge=_emu_unmerge,
-                       unmerge_backward=_emu_unmerge_backward)
-dispatch.register(OP, "cuda_emu", SimpleNamespace(**{
-    name: _kernel_unless_float64(getattr(_EMU, name), getattr(_REFERENCE, name))
-    for name in ("merge", "merge_backward", "unmerge", "unmerge_backward")}))
+_REFERENCE = SimpleNamespace(merge=_reference_merge, merge_backward=ref.atm_merge_backward, unmerge=_reference_unmerge,
+                             unmerge_backward=_reference_unmerge_backward)
+_KERNELS = SimpleNamespace(merge=_kernel_merge, merge_backward=_kernel_merge_backward, unmerge=_kernel_unmerge,
+                           unmerge_backward=_kernel_unmerge_backward)
+# The CUDA kernels (csrc/cuda/atm.cu via csrc/cuda/atm_binding.cpp) exist for fp32/fp16/bf16;
+# cuda_emu runs the same kernels and binding on CPU tensors, in the SIMT emulator.
+_CUDA_LIMITS = Limits(dtypes=CUDA_KERNEL_DTYPES)
+dispatch.register(OP, "reference", _REFERENCE)
+dispatch.register(OP, "cpu", _KERNELS)  # csrc/cpu/atm.cpp (every float dtype)
+dispatch.register(OP, "cuda", SimpleNamespace(**vars(_KERNELS)), _CUDA_LIMITS)
+dispatch.register(OP, "cuda_emu", SimpleNamespace(merge=_emu_merge, merge_backward=_emu_merge_backward,
+                                                  unmerge=_emu_unmerge, unmerge_backward=_emu_unmerge_backward),
+                  _CUDA_LIMITS)
 
 
 # --- merge ---------------------------------------------------------------------------
 
 @torch.library.custom_op("wiola::atm_merge", mutates_args=())
-def atm_merge_op(x: Tensor, positions: Tensor, lengths: Tensor,
-                 threshold: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def atm_merge_op(x: Tensor, positions: Tensor, lengths: Tensor, threshold: float,
+                 backend: str = "auto") -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """``x (B, T, d)``, int64 ``positions (B, T)`` and ``lengths (B,)`` →
-    ``(merged, merged_positions, merged_lengths, index_map)``."""
-    impl = dispatch.implementation(OP, x.device)
+    ``(merged, merged_positions, merged_lengths, index_map)``, on ``backend``."""
+    impl = dispatch.resolve(OP, backend, x.device, x.dtype)
     return impl.merge(x.contiguous(), positions.contiguous(), lengths.contiguous(), threshold)
 
 
 @atm_merge_op.register_fake
-def _(x, positions, lengths, threshold):
+def _(x, positions, lengths, threshold, backend="auto"):
     b, t, _ = x.shape
     return (torch.empty_like(x, memory_format=torch.contiguous_format),
             x.new_empty((b, t), dtype=torch.int64), x.new_empty((b,), dtype=torch.int64),
             x.new_empty((b, t), dtype=torch.int64))
 
 
-@torch.library.custom_op("wiola::atm_merge_backward", mutates_args=())
-def atm_merge_backward_op(grad_merged: Tensor, index_map: Tensor, merged_lengths: Tensor,
-                          backend: str = "auto") -> Tensor:
+@torch.library.custom_op("wiola::atm_merge_grad", mutates_args=())
+def atm_merge_grad_op(grad_merged: Tensor, index_map: Tensor, merged_lengths: Tensor,
+                      backend: str = "auto") -> Tensor:
     """``grad_x[b, t] = w_t · grad_merged[b, index_map[b, t]]`` (w: ½ pair, 1 single, 0 padding)."""
-    impl = dispatch.backward_implementation(OP, grad_merged.device, backend)
+    impl = dispatch.resolve(OP, backend, grad_merged.device, grad_merged.dtype)
     return impl.merge_backward(grad_merged.contiguous(), index_map.contiguous(), merged_lengths.contiguous())
 
 
-@atm_merge_backward_op.register_fake
+@atm_merge_grad_op.register_fake
 def _(grad_merged, index_map, merged_lengths, backend="auto"):
     return torch.empty_like(grad_merged, memory_format=torch.contiguous_format)
 
-
-def _merge_setup_context(ctx, inputs, output):
-    _merged, _positions, merged_lengths, index_map = output
-    ctx.save_for_backward(index_map, merged_lengths)
-    ctx.backend = dispatch.select(OP, index_map.device)
-
-
-def _merge_backward(ctx, grad_merged, _g_pos, _g_len, _g_map):
-    index_map, merged_lengths = ctx.saved_tensors
-    return atm_merge_backward_op(grad_merged, index_map, merged_lengths, ctx.backend), None, None, None
-
-
-torch.library.register_autograd("wiola::atm_merge", _merge_backward, setup_context=_merge_setup_context)
-
-
-# --- unmerge -------------------------------------------------------------------------
-
-@torch.library.custom_op("wiola::atm_unmerge", mutates_args=())
-def atm_unmerge_op(y: Tensor, index_map: Tensor) -> Tensor:
-    """``restored[b, t] = y[b, index_map[b, t]]`` for ``y (B, T, d)``."""
-    return dispatch.implementation(OP, y.device).unmerge(y.contiguous(), index_map.contiguous())
-
-
-@atm_unmerge_op.register_fake
-def _(y, index_map):
-    return torch.empty_like(y, memory_format=torch.contiguous_format)
-
-
-@torch.library.custom_op("wiola::atm_unmerge_backward", mutates_args=())
-def atm_unmerge_backward_op(grad_restored: Tensor, index_map: Tensor, backend: str = "auto") -> Tensor:
-    """``grad_y[b, s] = Σ_{t : index_map[b, t] = s} grad_restored[b, t]`` (deterministic)."""
-    impl = dispatch.backward_implementation(OP, grad_restored.device, backend)
-    return impl.unmerge_backward(grad_restored.contiguous(), index_map.contiguous())
-
-
-@atm_unmerge_backward_op.register_fake
-def _(grad_restored, index_map, backend="auto"):
-    return torch.empty_like(grad_restored, memory_format=torch.contiguous_format)
-
-
-def _unmerge_setup_context(ctx, inputs, output):
-    ctx.save_for_backward(inputs[1])
-    ctx.backend = dispatch.select(OP, inputs[1].device)
-
-
-def _unmerge_backward(ctx, grad_restored):
-    (index_map,) = ctx.saved_tensors
-    return atm_unmerge_backward_op(grad_restored, index_map, ctx.backend), None
-
-
-torch.library.register_autograd("wiola::atm_unmerge", _unmerge_backward, setup_context=_unmerge_setup_context)
-
-
-# --- public functions ----------------------------------------------------------------
 
 def _check_x(name: str, x: object) -> tuple[int, int, int]:
     check_tensor(name, x)
@@ -210,6 +137,85 @@ def _check_x(name: str, x: object) -> tuple[int, int, int]:
         raise ValueError(f"{name} must have a non-empty last dimension d, got shape {tuple(x.shape)}")
     return b, t, d
 
+
+class ATMMergeFunction(torch.autograd.Function):
+    """Autograd for :func:`atm_merge`: ``ATMMergeFunction.apply(x, position_ids, threshold,
+    lengths)`` (every argument positional, ``lengths`` may be None; see :func:`atm_merge`).
+    Validates, picks the backend once (kept on ``ctx``: the backward runs where the forward
+    ran) and calls ``wiola::atm_merge`` / ``wiola::atm_merge_grad``. Only ``merged`` is
+    differentiable; the merge decisions are constants."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, position_ids: Tensor, threshold: float, lengths: Tensor | None
+                ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        b, t, _ = _check_x("x", x)
+        check_same_device(x=x, position_ids=position_ids, lengths=lengths)
+        positions = check_position_ids(position_ids, b, t)
+        threshold = check_real("threshold", threshold)
+        if not -1.0 <= threshold <= 1.0:
+            raise ValueError(f"threshold must lie in [-1, 1] (a cosine similarity), got {threshold!r}")
+        lengths = check_lengths(lengths, b, t)
+        if lengths is None:
+            lengths = torch.full((b,), t, dtype=torch.int64, device=x.device)
+        ctx.backend = dispatch.select(OP, x.device, x.dtype)
+        merged, merged_positions, merged_lengths, index_map = atm_merge_op(x, positions, lengths, threshold,
+                                                                           ctx.backend)
+        ctx.save_for_backward(index_map, merged_lengths)
+        ctx.mark_non_differentiable(merged_positions, merged_lengths, index_map)
+        return merged, merged_positions, merged_lengths, index_map
+
+    @staticmethod
+    def backward(ctx, grad_merged: Tensor, _grad_positions, _grad_lengths, _grad_index_map):
+        index_map, merged_lengths = ctx.saved_tensors
+        return atm_merge_grad_op(grad_merged, index_map, merged_lengths, ctx.backend), None, None, None
+
+
+# --- unmerge -------------------------------------------------------------------------
+
+@torch.library.custom_op("wiola::atm_unmerge", mutates_args=())
+def atm_unmerge_op(y: Tensor, index_map: Tensor, backend: str = "auto") -> Tensor:
+    """``restored[b, t] = y[b, index_map[b, t]]`` for ``y (B, T, d)``, on ``backend``."""
+    return dispatch.resolve(OP, backend, y.device, y.dtype).unmerge(y.contiguous(), index_map.contiguous())
+
+
+@atm_unmerge_op.register_fake
+def _(y, index_map, backend="auto"):
+    return torch.empty_like(y, memory_format=torch.contiguous_format)
+
+
+@torch.library.custom_op("wiola::atm_unmerge_grad", mutates_args=())
+def atm_unmerge_grad_op(grad_restored: Tensor, index_map: Tensor, backend: str = "auto") -> Tensor:
+    """``grad_y[b, s] = Σ_{t : index_map[b, t] = s} grad_restored[b, t]`` (deterministic)."""
+    impl = dispatch.resolve(OP, backend, grad_restored.device, grad_restored.dtype)
+    return impl.unmerge_backward(grad_restored.contiguous(), index_map.contiguous())
+
+
+@atm_unmerge_grad_op.register_fake
+def _(grad_restored, index_map, backend="auto"):
+    return torch.empty_like(grad_restored, memory_format=torch.contiguous_format)
+
+
+class ATMUnmergeFunction(torch.autograd.Function):
+    """Autograd for :func:`atm_unmerge`: ``ATMUnmergeFunction.apply(y, index_map)``. Validates,
+    picks the backend once (kept on ``ctx``: the backward runs where the forward ran) and calls
+    ``wiola::atm_unmerge`` / ``wiola::atm_unmerge_grad``."""
+
+    @staticmethod
+    def forward(ctx, y: Tensor, index_map: Tensor) -> Tensor:
+        b, t, _ = _check_x("y", y)
+        check_index_map(index_map, b, t, like="y")
+        check_same_device(y=y, index_map=index_map)
+        ctx.backend = dispatch.select(OP, y.device, y.dtype)
+        ctx.save_for_backward(index_map)
+        return atm_unmerge_op(y, index_map, ctx.backend)
+
+    @staticmethod
+    def backward(ctx, grad_restored: Tensor):
+        (index_map,) = ctx.saved_tensors
+        return atm_unmerge_grad_op(grad_restored, index_map, ctx.backend), None
+
+
+# --- public functions ----------------------------------------------------------------
 
 def atm_merge(x: Tensor, position_ids: Tensor, threshold: float, lengths: Tensor | None = None
               ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -224,10 +230,10 @@ def atm_merge(x: Tensor, position_ids: Tensor, threshold: float, lengths: Tensor
 
     Args:
         x: ``(B, T, d)``; float32, float64, bfloat16 or float16. Any strides.
-        position_ids: integer ``(B, T)`` or ``(T,)`` (shared by the batch).
+        position_ids: integer ``(B, T)``, or ``(1, T)`` / ``(T,)`` shared by the batch.
         threshold: τ, a real number in ``[−1, 1]``.
-        lengths: integer ``(B,)`` with values in ``[0, T]``, or None (every row has length T).
-            Tokens at ``t ≥ lengths[b]`` are padding: never merged.
+        lengths: integer ``(B,)`` with values in ``[0, T]`` (checked on CPU tensors), or None
+            (every row has length T). Tokens at ``t ≥ lengths[b]`` are padding: never merged.
 
     Returns:
         ``(merged, merged_position_ids, merged_lengths, index_map)``:
@@ -239,36 +245,10 @@ def atm_merge(x: Tensor, position_ids: Tensor, threshold: float, lengths: Tensor
         * ``index_map (B, T)`` int64: the merged slot of each original token; padding token
           ``t`` maps to ``T'_b + (t − lengths[b])``.
 
-        Differentiable in ``x`` (decisions are constants): each member of a pair gets half
-        of its slot's gradient, a singleton its own, padding zero.
+        Differentiable in ``x`` (decisions are constants; through :class:`ATMMergeFunction`):
+        each member of a pair gets half of its slot's gradient, a singleton its own, padding zero.
     """
-    b, t, _ = _check_x("x", x)
-    check_tensor("position_ids", position_ids, dtypes=_INT_DTYPES)
-    if position_ids.dim() == 1:
-        if position_ids.shape[0] != t:
-            raise ValueError(f"position_ids must have shape (T,) = ({t},) or (B, T) = ({b}, {t}), "
-                             f"got {tuple(position_ids.shape)}")
-        positions = position_ids.to(torch.int64).expand(b, t)
-    elif position_ids.dim() == 2:
-        if tuple(position_ids.shape) != (b, t):
-            raise ValueError(f"position_ids must have shape (B, T) = ({b}, {t}) or (T,) = ({t},), "
-                             f"got {tuple(position_ids.shape)}")
-        positions = position_ids.to(torch.int64)
-    else:
-        raise ValueError(f"position_ids must have shape (B, T) = ({b}, {t}) or (T,) = ({t},), "
-                         f"got {tuple(position_ids.shape)}")
-    threshold = check_real("threshold", threshold)
-    if not -1.0 <= threshold <= 1.0:
-        raise ValueError(f"threshold must lie in [-1, 1] (a cosine similarity), got {threshold!r}")
-    if lengths is None:
-        lengths = torch.full((b,), t, dtype=torch.int64, device=x.device)
-    else:
-        check_tensor("lengths", lengths, dtypes=_INT_DTYPES)
-        if tuple(lengths.shape) != (b,):
-            raise ValueError(f"lengths must have shape (B,) = ({b},), got {tuple(lengths.shape)}")
-        lengths = lengths.to(torch.int64)
-    check_same_device(x=x, position_ids=position_ids, lengths=lengths)
-    return atm_merge_op(x, positions, lengths, threshold)
+    return ATMMergeFunction.apply(*distinct(x, position_ids, threshold, lengths))
 
 
 def atm_unmerge(y: Tensor, index_map: Tensor) -> Tensor:
@@ -282,12 +262,8 @@ def atm_unmerge(y: Tensor, index_map: Tensor) -> Tensor:
         index_map: int64 ``(B, T)`` from :func:`atm_merge`, values in ``[0, T)``.
 
     Returns:
-        ``restored (B, T, d)``, dtype of y. Differentiable in ``y``: a slot receives the
-        sum of the gradients of the tokens mapped to it (deterministic).
+        ``restored (B, T, d)``, dtype of y. Differentiable in ``y`` (through
+        :class:`ATMUnmergeFunction`): a slot receives the sum of the gradients of the tokens
+        mapped to it (deterministic).
     """
-    b, t, _ = _check_x("y", y)
-    check_tensor("index_map", index_map, dtypes=(torch.int64,))
-    if tuple(index_map.shape) != (b, t):
-        raise ValueError(f"index_map must have shape (B, T) = ({b}, {t}) to match y, got {tuple(index_map.shape)}")
-    check_same_device(y=y, index_map=index_map)
-    return atm_unmerge_op(y, index_map)
+    return ATMUnmergeFunction.apply(y, index_map)

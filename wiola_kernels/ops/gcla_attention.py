@@ -1,5 +1,6 @@
-"""GCLA summary-augmented attention as a registered op (SPEC §5.5):
-``torch.ops.wiola.gcla_attention`` (+ ``gcla_attention_backward``).
+"""GCLA summary-augmented attention (SPEC §5.5): the registered ops ``wiola::gcla_attention``
+/ ``wiola::gcla_attention_grad``, the :class:`GCLAAttentionFunction` that drives them, and the
+public :func:`gcla_attention`.
 
 ``O = softmax_causal(q̃ k̃ᵀ/√d_h) v + σ(g) · softmax_λ(q kcᵀ/√d_h) vc`` per head, with kv
 group ``h mod H_kv``; see :mod:`wiola_kernels.reference.gcla_attention` for the maths.
@@ -23,10 +24,12 @@ import torch
 from torch import Tensor
 
 from .. import dispatch
-from . import gcla_attention_cuda
-from ..reference.gcla_attention import gcla_attention_backward, gcla_attention_forward
 from ..dtypes import compute_dtype
-from ..validation import bthd_hint, check_rank, check_same_device, check_same_dtype, check_shape, check_tensor
+from ..reference.gcla_attention import gcla_attention_backward, gcla_attention_forward
+from ..validation import (CUDA_GCLA_HEAD_DIMS, CUDA_KERNEL_DTYPES, INDEX_DTYPES, TRITON_GCLA_MAX_HEAD_DIM, Limits,
+                          bthd_hint, check_lengths, check_query_key, check_rank, check_same_device, check_same_dtype,
+                          check_shape, check_tensor)
+from . import distinct, gcla_attention_cuda
 
 OP = "gcla_attention"
 
@@ -37,35 +40,6 @@ def _cpu_forward(q_rot, k_rot, v, q, kc, vc, gate, lengths):
 
 def _cpu_backward(grad_out, q_rot, k_rot, v, q, kc, vc, gate, lengths, out, lse):
     return torch.ops.wiola._gcla_attention_bwd(grad_out, q_rot, k_rot, v, q, kc, vc, gate, lengths, out, lse)
-
-
-CUDA_HEAD_DIMS = (64, 128)
-CUDA_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-
-
-def _cuda_supports(q_rot: Tensor) -> bool:
-    """The summary kernels are instantiated for d_h ∈ {64, 128} and fp32/fp16/bf16; other CUDA
-    inputs (float64 for gradcheck, odd head widths) run the reference, with a warning."""
-    return q_rot.shape[-1] in CUDA_HEAD_DIMS and q_rot.dtype in CUDA_DTYPES
-
-
-def _warn_reference(q_rot: Tensor) -> None:
-    gcla_attention_cuda._warn_once(
-        f"wiola gcla_attention: the cuda backend has kernels for d_h in {CUDA_HEAD_DIMS} and "
-        f"float32/float16/bfloat16, got d_h = {q_rot.shape[-1]}, {q_rot.dtype}: running the O(T²) reference")
-
-
-def _cuda_forward(q_rot, k_rot, v, q, kc, vc, gate, lengths):
-    if not _cuda_supports(q_rot):
-        _warn_reference(q_rot)
-        return gcla_attention_forward(q_rot, k_rot, v, q, kc, vc, gate, lengths)
-    return gcla_attention_cuda.forward(q_rot, k_rot, v, q, kc, vc, gate, lengths)
-
-
-def _cuda_backward(grad_out, q_rot, k_rot, v, q, kc, vc, gate, lengths, out, lse):
-    if not _cuda_supports(q_rot):
-        return gcla_attention_backward(grad_out, q_rot, k_rot, v, q, kc, vc, gate, lengths, out, lse)
-    return gcla_attention_cuda.backward(grad_out, q_rot, k_rot, v, q, kc, vc, gate, lengths, out, lse)
 
 
 def _triton_forward(q_rot, k_rot, v, q, kc, vc, gate, lengths):
@@ -80,29 +54,20 @@ def _triton_backward(grad_out, q_rot, k_rot, v, q, kc, vc, gate, lengths, out, l
     return tk.gcla_attention_bwd(grad_out, q_rot, k_rot, v, q, kc, vc, gate, lengths, out, lse)
 
 
-def _emu_forward(q_rot, k_rot, v, q, kc, vc, gate, lengths):
-    if not _cuda_supports(q_rot):
-        return gcla_attention_forward(q_rot, k_rot, v, q, kc, vc, gate, lengths)
-    # CPU tensors: the CPU flash kernel for the self part, the summary kernels emulated.
-    return gcla_attention_cuda.forward(q_rot, k_rot, v, q, kc, vc, gate, lengths)
-
-
-def _emu_backward(grad_out, q_rot, k_rot, v, q, kc, vc, gate, lengths, out, lse):
-    if not _cuda_supports(q_rot):
-        return gcla_attention_backward(grad_out, q_rot, k_rot, v, q, kc, vc, gate, lengths, out, lse)
-    return gcla_attention_cuda.backward(grad_out, q_rot, k_rot, v, q, kc, vc, gate, lengths, out, lse)
-
-
 # The C++ CPU kernel is torch.ops.wiola._gcla_attention_fwd/_bwd; the cuda backend (and its
-# emulation, cuda_emu) is PyTorch's fused attention plus the summary kernels (gcla_attention_cuda.py).
-# CUDA tensors run `cuda` by default; `triton` (fused FlashAttention-2 style kernels) is chosen
-# with use_backend("triton"), or on CPU tensors only when forced under TRITON_INTERPRET=1.
+# emulation, cuda_emu: the same orchestration with the summary kernels run by the SIMT emulator
+# on CPU tensors, csrc/cuda/emu/) is PyTorch's fused attention plus the summary kernels
+# (gcla_attention_cuda.py), which exist for fp32/fp16/bf16 and d_h ∈ {64, 128} only.
+# CUDA tensors run `cuda` by default; `triton` (fused FlashAttention-2 style kernels, even
+# d_h up to 256) is chosen with use_backend("triton"), on CPU tensors only under TRITON_INTERPRET=1.
+_CUDA = SimpleNamespace(forward=gcla_attention_cuda.forward, backward=gcla_attention_cuda.backward)
+_CUDA_LIMITS = Limits(dtypes=CUDA_KERNEL_DTYPES, head_dims=CUDA_GCLA_HEAD_DIMS)
 dispatch.register(OP, "reference", SimpleNamespace(forward=gcla_attention_forward, backward=gcla_attention_backward))
 dispatch.register(OP, "cpu", SimpleNamespace(forward=_cpu_forward, backward=_cpu_backward))
-dispatch.register(OP, "cuda", SimpleNamespace(forward=_cuda_forward, backward=_cuda_backward))
-dispatch.register(OP, "triton", SimpleNamespace(forward=_triton_forward, backward=_triton_backward))
-# Test backend: the CUDA kernels and binding on CPU tensors, in the SIMT emulator (csrc/cuda/emu/).
-dispatch.register(OP, "cuda_emu", SimpleNamespace(forward=_emu_forward, backward=_emu_backward))
+dispatch.register(OP, "cuda", _CUDA, _CUDA_LIMITS)
+dispatch.register(OP, "triton", SimpleNamespace(forward=_triton_forward, backward=_triton_backward),
+                  Limits(max_head_dim=TRITON_GCLA_MAX_HEAD_DIM))
+dispatch.register(OP, "cuda_emu", _CUDA, _CUDA_LIMITS)
 
 
 def _contig(t: Optional[Tensor]) -> Optional[Tensor]:
@@ -111,32 +76,32 @@ def _contig(t: Optional[Tensor]) -> Optional[Tensor]:
 
 @torch.library.custom_op("wiola::gcla_attention", mutates_args=())
 def gcla_attention_op(q_rot: Tensor, k_rot: Tensor, v: Tensor, q: Tensor, kc: Tensor, vc: Tensor, gate: Tensor,
-                      lengths: Optional[Tensor]) -> tuple[Tensor, Tensor]:
-    """Forward: returns ``(out (B, H, T, d_h), lse (B, H, T))``."""
-    impl = dispatch.implementation(OP, q_rot.device)
+                      lengths: Optional[Tensor], backend: str = "auto") -> tuple[Tensor, Tensor]:
+    """Forward on ``backend``: returns ``(out (B, H, T, d_h), lse (B, H, T))``."""
+    impl = dispatch.resolve(OP, backend, q_rot.device, q_rot.dtype, q_rot.shape[-1])
     return impl.forward(q_rot.contiguous(), k_rot.contiguous(), v.contiguous(), q.contiguous(), kc.contiguous(),
                         vc.contiguous(), gate.contiguous(), _contig(lengths))
 
 
 @gcla_attention_op.register_fake
-def _(q_rot, k_rot, v, q, kc, vc, gate, lengths):
+def _(q_rot, k_rot, v, q, kc, vc, gate, lengths, backend="auto"):
     B, H, T, _ = q_rot.shape
     return (torch.empty_like(q_rot, memory_format=torch.contiguous_format),
             q_rot.new_empty((B, H, T), dtype=compute_dtype(q_rot.dtype)))
 
 
-@torch.library.custom_op("wiola::gcla_attention_backward", mutates_args=())
-def gcla_attention_backward_op(grad_out: Tensor, q_rot: Tensor, k_rot: Tensor, v: Tensor, q: Tensor, kc: Tensor,
-                               vc: Tensor, gate: Tensor, lengths: Optional[Tensor], out: Tensor, lse: Tensor,
-                               backend: str = "auto") -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """Backward: ``(d q_rot, d k_rot, d v, d q, d kc, d vc, d gate)`` on the forward's ``backend``."""
-    impl = dispatch.backward_implementation(OP, q_rot.device, backend)
+@torch.library.custom_op("wiola::gcla_attention_grad", mutates_args=())
+def gcla_attention_grad_op(grad_out: Tensor, q_rot: Tensor, k_rot: Tensor, v: Tensor, q: Tensor, kc: Tensor,
+                           vc: Tensor, gate: Tensor, lengths: Optional[Tensor], out: Tensor, lse: Tensor,
+                           backend: str = "auto") -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Backward on ``backend``: ``(d q_rot, d k_rot, d v, d q, d kc, d vc, d gate)``."""
+    impl = dispatch.resolve(OP, backend, q_rot.device, q_rot.dtype, q_rot.shape[-1])
     return impl.backward(grad_out.contiguous(), q_rot.contiguous(), k_rot.contiguous(), v.contiguous(),
                          q.contiguous(), kc.contiguous(), vc.contiguous(), gate.contiguous(), _contig(lengths),
                          out.contiguous(), lse.contiguous())
 
 
-@gcla_attention_backward_op.register_fake
+@gcla_attention_grad_op.register_fake
 def _(grad_out, q_rot, k_rot, v, q, kc, vc, gate, lengths, out, lse, backend="auto"):
     def like(t):
         return torch.empty_like(t, memory_format=torch.contiguous_format)
@@ -144,22 +109,56 @@ def _(grad_out, q_rot, k_rot, v, q, kc, vc, gate, lengths, out, lse, backend="au
     return like(q_rot), like(k_rot), like(v), like(q), like(kc), like(vc), like(gate)
 
 
-def _setup_context(ctx, inputs, output):
-    ctx.save_for_backward(*inputs[:7], inputs[7], output[0], output[1])
-    ctx.backend = dispatch.select(OP, inputs[0].device)
+def _check_inputs(q_rot, k_rot, v, q, kc, vc, gate, lengths) -> Optional[Tensor]:
+    """Every check of :func:`gcla_attention`; returns ``lengths`` as int64 (or None)."""
+    for name, t in (("q_rot", q_rot), ("k_rot", k_rot), ("v", v), ("q", q), ("kc", kc), ("vc", vc),
+                    ("gate", gate)):
+        check_tensor(name, t)
+    B, H, H_kv, T, dh = check_query_key("q_rot", q_rot, "k_rot", k_rot)
+    # With H = H_kv the four tensors agree in either layout; kc/gate give a transposed call away.
+    transposed = bthd_hint(q_rot, k_rot, v, q)
+    check_shape("v", v, (B, H_kv, T, dh), "(B, H_kv, T, d_h)")
+    check_shape("q", q, (B, H, T, dh), "(B, H, T, d_h)")
+    check_rank("kc", kc, 5, "(B, H, S, Λ', d_h)")
+    if kc.shape[0] != B or kc.shape[1] != H or kc.shape[4] != dh or kc.shape[2] not in (1, T):
+        hint = transposed if kc.shape[1] == T and kc.shape[2] in (1, H) else ""
+        raise ValueError(f"kc must have shape (B, H, S, Λ', d_h) = ({B}, {H}, S, Λ', {dh}) with S in "
+                         f"{{1, T = {T}}}, got {tuple(kc.shape)}{hint}")
+    check_rank("vc", vc, 5, "(B, H, S, Λ', d_h)")
+    if tuple(vc.shape) != tuple(kc.shape):
+        raise ValueError(f"vc must have the shape of kc (B, H, S, Λ', d_h) = {tuple(kc.shape)} (same S and Λ'), "
+                         f"got {tuple(vc.shape)}")
+    if tuple(gate.shape) != (H,):
+        hint = transposed if tuple(gate.shape) == (T,) else ""
+        raise ValueError(f"gate must have shape (H,) = ({H},), got {tuple(gate.shape)}{hint}")
+    check_same_dtype(q_rot=q_rot, k_rot=k_rot, v=v, q=q, kc=kc, vc=vc)
+    if lengths is not None:
+        check_tensor("lengths", lengths, dtypes=INDEX_DTYPES)
+    check_same_device(q_rot=q_rot, k_rot=k_rot, v=v, q=q, kc=kc, vc=vc, gate=gate, lengths=lengths)
+    return check_lengths(lengths, B, T)
 
 
-def _backward(ctx, grad_out, _grad_lse):
-    q_rot, k_rot, v, q, kc, vc, gate, lengths, out, lse = ctx.saved_tensors
-    grads = gcla_attention_backward_op(grad_out, q_rot, k_rot, v, q, kc, vc, gate, lengths, out, lse,
-                                       ctx.backend)
-    return (*grads, None)
+class GCLAAttentionFunction(torch.autograd.Function):
+    """Autograd for :func:`gcla_attention`: ``GCLAAttentionFunction.apply(q_rot, k_rot, v, q, kc,
+    vc, gate, lengths)`` (every argument positional, ``lengths`` may be None; see
+    :func:`gcla_attention`). Validates, picks the backend once for the input's dtype and head
+    width (kept on ``ctx``: the backward runs where the forward ran) and calls
+    ``wiola::gcla_attention`` / ``wiola::gcla_attention_grad``."""
 
+    @staticmethod
+    def forward(ctx, q_rot: Tensor, k_rot: Tensor, v: Tensor, q: Tensor, kc: Tensor, vc: Tensor, gate: Tensor,
+                lengths: Optional[Tensor]) -> Tensor:
+        lengths = _check_inputs(q_rot, k_rot, v, q, kc, vc, gate, lengths)
+        ctx.backend = dispatch.select(OP, q_rot.device, q_rot.dtype, q_rot.shape[-1])
+        out, lse = gcla_attention_op(q_rot, k_rot, v, q, kc, vc, gate, lengths, ctx.backend)
+        ctx.save_for_backward(q_rot, k_rot, v, q, kc, vc, gate, lengths, out, lse)
+        return out
 
-torch.library.register_autograd("wiola::gcla_attention", _backward, setup_context=_setup_context)
-
-
-_INT_DTYPES = (torch.int32, torch.int64)
+    @staticmethod
+    def backward(ctx, grad_out: Tensor):
+        q_rot, k_rot, v, q, kc, vc, gate, lengths, out, lse = ctx.saved_tensors
+        grads = gcla_attention_grad_op(grad_out, q_rot, k_rot, v, q, kc, vc, gate, lengths, out, lse, ctx.backend)
+        return (*grads, None)
 
 
 def gcla_attention(q_rot: Tensor, k_rot: Tensor, v: Tensor, q: Tensor, kc: Tensor, vc: Tensor, gate: Tensor,
@@ -180,56 +179,13 @@ def gcla_attention(q_rot: Tensor, k_rot: Tensor, v: Tensor, q: Tensor, kc: Tenso
             shared by all positions) or ``S = T`` (causal summaries); ``Λ' = 0`` gives
             plain causal attention. Same dtype as ``q_rot`` (all six tensors share one).
         gate: ``(H,)`` gate logits ``g`` (any float dtype); the cross part is scaled by ``σ(g_h)``.
-        lengths: optional ``(B,)`` int32/int64 in ``[0, T]``: keys at ``t ≥ len_b`` are
+        lengths: optional integer ``(B,)`` in ``[0, T]``: keys at ``t ≥ len_b`` are
             masked, outputs there are exactly zero, and no work is done past ``len_b``.
+            Values are checked on CPU tensors (on a GPU the kernels clamp: no device sync).
 
     Returns:
         ``O (B, H, T, d_h)`` in the dtype of ``q_rot``; softmax statistics in float32
         (float64 for float64 inputs). Causal, scale ``1/√d_h``. Differentiable in every
-        tensor argument except ``lengths``.
+        tensor argument except ``lengths`` (through :class:`GCLAAttentionFunction`).
     """
-    for name, t in (("q_rot", q_rot), ("k_rot", k_rot), ("v", v), ("q", q), ("kc", kc), ("vc", vc),
-                    ("gate", gate)):
-        check_tensor(name, t)
-    check_rank("q_rot", q_rot, 4, "(B, H, T, d_h)")
-    B, H, T, dh = q_rot.shape
-    check_rank("k_rot", k_rot, 4, "(B, H_kv, T, d_h)")
-    H_kv = k_rot.shape[1]
-    if k_rot.shape[0] != B or k_rot.shape[2] != T or k_rot.shape[3] != dh:
-        raise ValueError(f"k_rot must have shape (B, H_kv, T, d_h) = ({B}, H_kv, {T}, {dh}), got {tuple(k_rot.shape)}"
-                         f"{bthd_hint(q_rot, k_rot)}")
-    if H_kv == 0 or H % H_kv != 0:
-        raise ValueError(f"the number of query heads H = {H} (q_rot dim 1) must be a multiple of "
-                         f"H_kv = {H_kv} (k_rot dim 1){bthd_hint(q_rot, k_rot)}")
-    if dh == 0 or dh % 2 != 0:
-        raise ValueError(f"head width d_h (last dim of q_rot) must be even and > 0, got {dh}")
-    # With H = H_kv the four tensors agree in either layout; kc/gate give a transposed call away.
-    transposed = bthd_hint(q_rot, k_rot, v, q)
-    check_shape("v", v, (B, H_kv, T, dh), "(B, H_kv, T, d_h)")
-    check_shape("q", q, (B, H, T, dh), "(B, H, T, d_h)")
-    check_rank("kc", kc, 5, "(B, H, S, Λ', d_h)")
-    if kc.shape[0] != B or kc.shape[1] != H or kc.shape[4] != dh or kc.shape[2] not in (1, T):
-        hint = transposed if kc.shape[1] == T and kc.shape[2] in (1, H) else ""
-        raise ValueError(f"kc must have shape (B, H, S, Λ', d_h) = ({B}, {H}, S, Λ', {dh}) with S in "
-                         f"{{1, T = {T}}}, got {tuple(kc.shape)}{hint}")
-    check_rank("vc", vc, 5, "(B, H, S, Λ', d_h)")
-    if tuple(vc.shape) != tuple(kc.shape):
-        raise ValueError(f"vc must have the shape of kc (B, H, S, Λ', d_h) = {tuple(kc.shape)} (same S and Λ'), "
-                         f"got {tuple(vc.shape)}")
-    if tuple(gate.shape) != (H,):
-        hint = transposed if tuple(gate.shape) == (T,) else ""
-        raise ValueError(f"gate must have shape (H,) = ({H},), got {tuple(gate.shape)}{hint}")
-    check_same_dtype(q_rot=q_rot, k_rot=k_rot, v=v, q=q, kc=kc, vc=vc)
-    if lengths is not None:
-        check_tensor("lengths", lengths, dtypes=_INT_DTYPES)
-    check_same_device(q_rot=q_rot, k_rot=k_rot, v=v, q=q, kc=kc, vc=vc, gate=gate, lengths=lengths)
-    if lengths is not None:
-        check_shape("lengths", lengths, (B,), "(B,)")
-        # A value check needs the data; under torch.compile the kernels clamp instead.
-        if not torch.compiler.is_compiling() and B > 0:
-            lo, hi = int(lengths.min()), int(lengths.max())
-            if lo < 0 or hi > T:
-                raise ValueError(f"lengths must lie in [0, T] = [0, {T}], got values in [{lo}, {hi}]")
-        lengths = lengths.to(torch.int64)
-    out, _ = gcla_attention_op(q_rot, k_rot, v, q, kc, vc, gate, lengths)
-    return out
+    return GCLAAttentionFunction.apply(*distinct(q_rot, k_rot, v, q, kc, vc, gate, lengths))

@@ -1,4 +1,5 @@
-"""SRPE as a registered op: ``torch.ops.wiola.srpe`` (+ ``srpe_backward``).
+"""SRPE (SPEC §4): the registered ops ``wiola::srpe`` / ``wiola::srpe_grad``, the
+:class:`SRPEFunction` that drives them, and the public :func:`srpe`.
 
 Each backend provides ``apply(q, k, positions, theta, spiral_divisor, radial_amplitude,
 radial_frequency, transpose) -> (q_out, k_out)`` on contiguous ``q (B, H, T, d_h)``,
@@ -17,10 +18,12 @@ import torch
 from torch import Tensor
 
 from .. import dispatch
+from . import distinct
 from ..reference.srpe import srpe as srpe_reference
 from ..reference.srpe import srpe_backward as srpe_reference_backward
 from ..srpe_tables import kernel_frequencies
-from ..validation import bthd_hint, check_positive, check_rank, check_real, check_same_device, check_same_dtype, check_tensor
+from ..validation import (bthd_hint, check_position_ids, check_position_range, check_positive, check_query_key,
+                          check_real, check_same_device, check_same_dtype, check_tensor)
 
 OP = "srpe"
 
@@ -66,63 +69,79 @@ def max_accurate_position(spiral_divisor: float) -> int:
     return 2**53 if factor == 0.0 else min(2**53, int(1e-5 * 2.0**52 / factor))
 
 
-def _check_positions(positions: Tensor, spiral_divisor: float) -> None:
-    # Inside the op (opaque to torch.compile); CPU only: on a GPU this check would cost a
-    # device sync on every call, so CUDA callers get the documented limit without a check.
-    if positions.device.type == "cpu" and positions.numel():
-        limit = max_accurate_position(spiral_divisor)
-        largest = int(positions.abs().max())
-        if largest > limit:
-            raise ValueError(f"position_ids must lie within ±{limit} (float32 SRPE outputs lose SPEC accuracy "
-                             f"beyond it for spiral_divisor={spiral_divisor}), got |p| = {largest}")
+_POSITION_LIMIT_REASON = "float32 SRPE outputs lose SPEC accuracy beyond it for spiral_divisor={}"
 
 
 @torch.library.custom_op("wiola::srpe", mutates_args=())
 def srpe_op(q: Tensor, k: Tensor, positions: Tensor, theta: float, spiral_divisor: float,
-            radial_amplitude: float, radial_frequency: float) -> tuple[Tensor, Tensor]:
-    """``(R(p) q, R(p) k)`` for ``positions (B, T)`` int64."""
-    _check_positions(positions, spiral_divisor)
-    impl = dispatch.implementation(OP, q.device)
+            radial_amplitude: float, radial_frequency: float, backend: str = "auto") -> tuple[Tensor, Tensor]:
+    """``(R(p) q, R(p) k)`` for ``positions (B, T)`` int64, on ``backend``."""
+    # Inside the op (opaque to torch.compile), and on CPU only: on a GPU the check would cost
+    # a device sync on every call, so CUDA callers get the documented limit without a check.
+    check_position_range(positions, max_accurate_position(spiral_divisor),
+                         _POSITION_LIMIT_REASON.format(spiral_divisor))
+    impl = dispatch.resolve(OP, backend, q.device, q.dtype)
     return impl.apply(q.contiguous(), k.contiguous(), positions.contiguous(), theta, spiral_divisor,
                       radial_amplitude, radial_frequency, False)
 
 
 @srpe_op.register_fake
-def _(q, k, positions, theta, spiral_divisor, radial_amplitude, radial_frequency):
+def _(q, k, positions, theta, spiral_divisor, radial_amplitude, radial_frequency, backend="auto"):
     return (torch.empty_like(q, memory_format=torch.contiguous_format),
             torch.empty_like(k, memory_format=torch.contiguous_format))
 
 
-@torch.library.custom_op("wiola::srpe_backward", mutates_args=())
-def srpe_backward_op(grad_q: Tensor, grad_k: Tensor, positions: Tensor, theta: float, spiral_divisor: float,
-                     radial_amplitude: float, radial_frequency: float,
-                     backend: str = "auto") -> tuple[Tensor, Tensor]:
-    """``(R(p)ᵀ grad_q, R(p)ᵀ grad_k)`` on the forward's ``backend``."""
-    impl = dispatch.backward_implementation(OP, grad_q.device, backend)
+@torch.library.custom_op("wiola::srpe_grad", mutates_args=())
+def srpe_grad_op(grad_q: Tensor, grad_k: Tensor, positions: Tensor, theta: float, spiral_divisor: float,
+                 radial_amplitude: float, radial_frequency: float, backend: str = "auto") -> tuple[Tensor, Tensor]:
+    """``(R(p)ᵀ grad_q, R(p)ᵀ grad_k)`` on ``backend``."""
+    impl = dispatch.resolve(OP, backend, grad_q.device, grad_q.dtype)
     return impl.apply(grad_q.contiguous(), grad_k.contiguous(), positions.contiguous(), theta, spiral_divisor,
                       radial_amplitude, radial_frequency, True)
 
 
-@srpe_backward_op.register_fake
+@srpe_grad_op.register_fake
 def _(grad_q, grad_k, positions, theta, spiral_divisor, radial_amplitude, radial_frequency, backend="auto"):
     return (torch.empty_like(grad_q, memory_format=torch.contiguous_format),
             torch.empty_like(grad_k, memory_format=torch.contiguous_format))
 
 
-def _setup_context(ctx, inputs, output):
-    _q, _k, positions, *params = inputs
-    ctx.save_for_backward(positions)
-    ctx.params = params
-    ctx.backend = dispatch.select(OP, positions.device)
+class SRPEFunction(torch.autograd.Function):
+    """Autograd for :func:`srpe`: ``SRPEFunction.apply(q, k, position_ids, theta, spiral_divisor,
+    radial_amplitude, radial_frequency)`` (every argument positional; see :func:`srpe`).
+    Validates, picks the backend once (kept on ``ctx``: the backward runs where the forward
+    ran) and calls ``wiola::srpe`` / ``wiola::srpe_grad``."""
 
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor, position_ids: Tensor, theta: float, spiral_divisor: float,
+                radial_amplitude: float, radial_frequency: float) -> tuple[Tensor, Tensor]:
+        check_tensor("q", q)
+        check_tensor("k", k)
+        check_same_dtype(q=q, k=k)
+        b, _h, _h_kv, t, _dh = check_query_key("q", q, "k", k)
+        check_same_device(q=q, k=k, position_ids=position_ids)
+        hint = bthd_hint(q, k, t=position_ids.shape[-1]) if position_ids.dim() in (1, 2) else ""
+        positions = check_position_ids(position_ids, b, t, hint=hint)
+        theta = check_positive("theta", theta)
+        if isinstance(spiral_divisor, float) and spiral_divisor in (math.inf, -math.inf):  # (traceable by dynamo)
+            spiral_divisor = float(spiral_divisor)  # 1/k_s = 0: the plain RoPE angle p·ω_j
+        else:
+            spiral_divisor = check_real("spiral_divisor", spiral_divisor)
+        if spiral_divisor == 0.0:
+            raise ValueError("spiral_divisor must be non-zero (the angle uses 1 + 1/k_s)")
+        params = (theta, spiral_divisor, check_real("radial_amplitude", radial_amplitude),
+                  check_real("radial_frequency", radial_frequency))
+        ctx.backend = dispatch.select(OP, q.device, q.dtype)
+        q_out, k_out = srpe_op(q, k, positions, *params, ctx.backend)
+        ctx.save_for_backward(positions)
+        ctx.params = params
+        return q_out, k_out
 
-def _backward(ctx, grad_q, grad_k):
-    (positions,) = ctx.saved_tensors
-    grad_q_in, grad_k_in = srpe_backward_op(grad_q, grad_k, positions, *ctx.params, ctx.backend)
-    return grad_q_in, grad_k_in, None, None, None, None, None
-
-
-torch.library.register_autograd("wiola::srpe", _backward, setup_context=_setup_context)
+    @staticmethod
+    def backward(ctx, grad_q: Tensor, grad_k: Tensor):
+        (positions,) = ctx.saved_tensors
+        grad_q_in, grad_k_in = srpe_grad_op(grad_q, grad_k, positions, *ctx.params, ctx.backend)
+        return grad_q_in, grad_k_in, None, None, None, None, None
 
 
 def srpe(q: Tensor, k: Tensor, position_ids: Tensor, theta: float = 10000.0, spiral_divisor: float = 8.0,
@@ -153,44 +172,7 @@ def srpe(q: Tensor, k: Tensor, position_ids: Tensor, theta: float = 10000.0, spi
 
     Returns:
         ``(q_out, k_out)``: new contiguous tensors with the shapes and dtype of
-        ``q``/``k``; the inputs are never modified. Differentiable in ``q`` and ``k``.
+        ``q``/``k``; the inputs are never modified. Differentiable in ``q`` and ``k``
+        (through :class:`SRPEFunction`).
     """
-    check_tensor("q", q)
-    check_tensor("k", k)
-    check_tensor("position_ids", position_ids, dtypes=(torch.int64, torch.int32, torch.int16, torch.uint8))
-    check_rank("q", q, 4, "(B, H, T, d_h)")
-    check_rank("k", k, 4, "(B, H_kv, T, d_h)")
-    check_same_dtype(q=q, k=k)
-    check_same_device(q=q, k=k, position_ids=position_ids)
-    b, h, t, dh = q.shape
-    if dh % 2 != 0 or dh == 0:
-        raise ValueError(f"q must have an even, non-zero head dim d_h (rotate-half pairs), got d_h = {dh}")
-    if k.shape[0] != b or k.shape[2] != t or k.shape[3] != dh:
-        raise ValueError(f"k must have shape (B, H_kv, T, d_h) = ({b}, H_kv, {t}, {dh}) to match q, got {tuple(k.shape)}"
-                         f"{bthd_hint(q, k)}")
-    h_kv = k.shape[1]
-    if h_kv == 0 or h % h_kv != 0:
-        raise ValueError(f"q's heads H = {h} must be a multiple of k's heads H_kv = {h_kv}{bthd_hint(q, k)}")
-    hint = bthd_hint(q, k, t=position_ids.shape[-1]) if position_ids.dim() in (1, 2) else ""
-    if position_ids.dim() == 1:
-        if position_ids.shape[0] != t:
-            raise ValueError(f"position_ids must have shape (T,) = ({t},) or (B, T) = ({b}, {t}), "
-                             f"got {tuple(position_ids.shape)}{hint}")
-        positions = position_ids.to(torch.int64).expand(b, t)
-    elif position_ids.dim() == 2:
-        if tuple(position_ids.shape) not in ((b, t), (1, t)):
-            raise ValueError(f"position_ids must have shape (B, T) = ({b}, {t}), (1, T) or (T,) = ({t},), "
-                             f"got {tuple(position_ids.shape)}{hint}")
-        positions = position_ids.to(torch.int64).expand(b, t)
-    else:
-        raise ValueError(f"position_ids must have shape (B, T) or (T,), got {tuple(position_ids.shape)}")
-    theta = check_positive("theta", theta)
-    if isinstance(spiral_divisor, float) and spiral_divisor in (math.inf, -math.inf):  # (traceable by dynamo)
-        spiral_divisor = float(spiral_divisor)  # 1/k_s = 0: the plain RoPE angle p·ω_j
-    else:
-        spiral_divisor = check_real("spiral_divisor", spiral_divisor)
-    if spiral_divisor == 0.0:
-        raise ValueError("spiral_divisor must be non-zero (the angle uses 1 + 1/k_s)")
-    radial_amplitude = check_real("radial_amplitude", radial_amplitude)
-    radial_frequency = check_real("radial_frequency", radial_frequency)
-    return srpe_op(q, k, positions, theta, spiral_divisor, radial_amplitude, radial_frequency)
+    return SRPEFunction.apply(*distinct(q, k, position_ids), theta, spiral_divisor, radial_amplitude, radial_frequency)

@@ -285,8 +285,8 @@ def _sms(device: torch.device) -> int | None:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else None
 
 
-def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, shift: torch.Tensor | None,
-                     eps: float, hf_order: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def rms_norm_fwd(x: torch.Tensor, weight: torch.Tensor, shift: torch.Tensor | None,
+                 eps: float, hf_order: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the forward on contiguous ``x (rows, d)``; returns ``(y, rstd)``.
     ``shift=None``: δ = 0; ``hf_order``: Hugging Face's rounding order."""
     rows, d = x.shape
@@ -304,7 +304,7 @@ def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, shift: torch.Tensor 
     return y, rstd
 
 
-def rms_norm_backward(grad_y, x, weight, shift, rstd):
+def rms_norm_bwd(grad_y, x, weight, shift, rstd):
     """Launch the backward; returns ``(grad_x, grad_weight, grad_shift)`` (``grad_shift``
     None when ``shift`` is)."""
     rows, d = x.shape
