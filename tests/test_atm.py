@@ -510,7 +510,8 @@ def test_torch_compile_fullgraph(backend):
 
 
 # ========================================================================================
-# Merged from the former cross-op files (issue 14 §5): one file holds everything about this op
+# Backends and draws of the sections below: from SPEC alone, numerics at the edges, properties,
+# bitwise determinism, GPU
 # ========================================================================================
 
 SPEC_BACKENDS = [name for name, state in wk.backends("cpu")["atm"].items() if state == "available"]
@@ -796,17 +797,20 @@ def test_atm_compile_fullgraph():
 
 
 # ========================================================================================
-# Numerics at the edges (every CPU backend)
+# Numerics at the edges
+# Every CPU backend (reference, cpu): huge and tiny magnitudes, all-zero rows, masked rows,
+# and NaN/Inf confinement (a non-finite value in one row never reaches another row or batch
+# element, forward or backward). What must hold:
+#
+# * ATM — ``τ = 1`` never merges (cos ≤ 1); ``τ = −1`` merges every non-opposite adjacent
+#   pair greedily (zero vectors have s = 0 > −1; exactly opposite vectors have s = −1 and
+#   never merge; NaN/Inf tokens never merge). The criterion is exactly scale-invariant at
 #   every magnitude: a token whose ``‖x‖²`` would overflow, underflow or lose precision in
 #   the accumulation dtype is rescaled by a power of two first (the test is homogeneous in
 #   each token), and ``D² > τ² n_t n_{t+1}`` is compared as with an unbounded exponent
 #   range, so scaling any token by any power of two that keeps it representable never
 #   changes a decision — from subnormal to the dtype's maximum, in every dtype. The pair
 #   mean is ``x_t/2 + x_{t+1}/2``: no overflow up to the dtype's maximum.
-# 
-# SRPE position range. Every backend computes the angle ``p·ω_j·(1 + 1/k_s)`` in float64
-# and reduces it modulo 2π in float64 (the CPU kernel's Cody–Waite reduction uses FMA, so
-# the reduction adds ~1e-16 absolute). The remaining error is that of the float64 angle
 # ========================================================================================
 
 def _merge(backend, x, tau, lengths=None, pos=None):

@@ -572,7 +572,8 @@ def test_triton_gpu_vs_float64(dtype, B, H, H_kv, T, dh, mode, lens):
 
 
 # ========================================================================================
-# Merged from the former cross-op files (issue 14 §5): one file holds everything about this op
+# Backends and draws of the sections below: from SPEC alone, numerics at the edges, properties,
+# bitwise determinism, GPU
 # ========================================================================================
 
 SPEC_BACKENDS = [name for name, state in wk.backends("cpu")["gcla_attention"].items() if state == "available"]
@@ -895,9 +896,13 @@ def test_gcla_gate_init_in_model():
 
 
 # ========================================================================================
-# Numerics at the edges (every CPU backend)
-#   pair greedily (zero vectors have s = 0 > −1; exactly opposite vectors have s = −1 and
-#   never merge; NaN/Inf tokens never merge). The criterion is exactly scale-invariant at
+# Numerics at the edges
+# Every CPU backend (reference, cpu): huge and tiny magnitudes, all-zero rows, masked rows,
+# and NaN/Inf confinement (a non-finite value in one row never reaches another row or batch
+# element, forward or backward). What must hold:
+#
+# * gcla_attention — rows whose keys are all masked by ``lengths`` are exactly 0 with
+#   zero (finite) gradients; scores up to ~1e30 in float32 saturate the softmax correctly.
 # ========================================================================================
 
 def _gcla_inputs(B=2, H=4, H_kv=2, T=21, dh=8, S=1, L=2, dtype=torch.float32, seed=8, scales=None):
@@ -1159,11 +1164,10 @@ def test_gcla_attention_bitwise_reproducible(dtype, S, lengths):
 
 
 # ========================================================================================
-# The cuda backend (wiola_kernels/ops/gcla_attention_cuda.py)
-# The ``cuda`` backend of GCLA attention (wiola_kernels/ops/gcla_attention_cuda.py): PyTorch's
-# fused self-attention with permuted query heads plus our summary kernels
-# (csrc/cuda/gcla_attention.cu), against the float64 oracle.
-# 
+# The cuda backend (wiola_kernels/ops/gcla_attention_cuda.py): PyTorch's fused self-attention
+# with permuted query heads plus our summary kernels (csrc/cuda/gcla_attention.cu), against
+# the float64 oracle.
+#
 # * CPU (every CI run): the whole orchestration — head permutation, layouts, lengths, the
 #   float32 path's K/V expansion, the fused self-attention forward/backward (PyTorch's CPU
 #   flash kernel standing in for the GPU one) — with the summary kernels given twice: as

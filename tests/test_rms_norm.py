@@ -484,7 +484,8 @@ def test_plain_rms_norm_module_shares_weight_and_promotes_like_hf():
 
 
 # ========================================================================================
-# Merged from the former cross-op files (issue 14 §5): one file holds everything about this op
+# Backends and draws of the sections below: from SPEC alone, numerics at the edges, properties,
+# bitwise determinism, GPU
 # ========================================================================================
 
 SPEC_BACKENDS = [name for name, state in wk.backends("cpu")["rms_norm"].items() if state == "available"]
@@ -732,16 +733,19 @@ def test_rms_norm_compile_fullgraph():
 
 
 # ========================================================================================
-# Numerics at the edges (every CPU backend)
+# Numerics at the edges
+# Every CPU backend (reference, cpu): huge and tiny magnitudes, all-zero rows, masked rows,
+# and NaN/Inf confinement (a non-finite value in one row never reaches another row or batch
+# element, forward or backward). What must hold:
+#
+# * rms_norm — ``y = γ z / sqrt(mean z² + ε)`` is scale-invariant once ``mean z² ≫ ε``,
+#   so ``y(s·x) = y(x)`` for every representable ``s·x``; tiny inputs (``mean z² ≪ ε``)
 #   give ``γ z / √ε`` (ε does its job), all-zero rows give exactly 0 and finite
 #   gradients. Huge rows too: where the statistic ``Σ z²`` overflows (float32: ``|z| ≳
 #   1.8e19/√d``, fp32/bf16 inputs; float64: ``≳ 1.3e154/√d``) a finite row is rescaled by
 #   an exact power of two, so y and the gradients match the float64 oracle for every
 #   finite z up to the dtype's maximum (gradients work with ẑ = z/r, nothing overflows);
 #   rows with NaN/Inf stay non-finite and alone.
-# * srpe — linear in q, k: huge/tiny magnitudes keep the relative tolerance as long as
-#   the output is representable.
-# * gcla_attention — rows whose keys are all masked by ``lengths`` are exactly 0 with
 # ========================================================================================
 
 def _rms(backend, x, w, s, eps=1e-6, grad=None):

@@ -386,7 +386,8 @@ def test_position_ids_shared_by_the_batch(backend):
 
 
 # ========================================================================================
-# Merged from the former cross-op files (issue 14 §5): one file holds everything about this op
+# Backends and draws of the sections below: from SPEC alone, numerics at the edges, properties,
+# bitwise determinism, GPU
 # ========================================================================================
 
 SPEC_BACKENDS = [name for name, state in wk.backends("cpu")["srpe"].items() if state == "available"]
@@ -648,9 +649,13 @@ def test_srpe_compile_fullgraph():
 
 
 # ========================================================================================
-# Numerics at the edges (every CPU backend)
-#   zero (finite) gradients; scores up to ~1e30 in float32 saturate the softmax correctly.
-# * ATM — ``τ = 1`` never merges (cos ≤ 1); ``τ = −1`` merges every non-opposite adjacent
+# Numerics at the edges
+# Every CPU backend (reference, cpu): huge and tiny magnitudes, all-zero rows, masked rows,
+# and NaN/Inf confinement (a non-finite value in one row never reaches another row or batch
+# element, forward or backward). What must hold:
+#
+# * srpe — linear in q, k: huge/tiny magnitudes keep the relative tolerance as long as
+#   the output is representable.
 #
 # SRPE position range. Every backend computes the angle ``p·ω_j·(1 + 1/k_s)`` in float64
 # and reduces it modulo 2π in float64 (the CPU kernel's Cody–Waite reduction uses FMA, so
@@ -667,7 +672,6 @@ def test_srpe_compile_fullgraph():
 # requires 2^20; tests below check 2^31 (and 2^34 against mpmath). Positions are int64;
 # beyond 2^53 the float64 conversion of p itself is inexact. ``wk.srpe`` refuses CPU
 # positions beyond ``wiola_kernels.ops.srpe.max_accurate_position(k_s)`` (tested below).
-# """
 # ========================================================================================
 
 def _srpe(backend, q, k, pos, grad=None, **kw):
