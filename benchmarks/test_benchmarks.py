@@ -16,7 +16,8 @@ def pytest_generate_tests(metafunc):
     if "case" in metafunc.fixturenames:
         enabled = not metafunc.config.getoption("benchmark_disable", False)
         cases = all_cases(DEVICE, small=not enabled)
-        metafunc.parametrize("case", cases, ids=[f"{c.op}[{c.shape}]" for c in cases])
+        metafunc.parametrize("case", cases, ids=[f"{c.op}[{c.shape}, {str(c.dtype).replace('torch.', '')}]"
+                                                 for c in cases])
 
 
 @pytest.mark.parametrize("pass_", PASSES)

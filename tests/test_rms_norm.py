@@ -483,6 +483,28 @@ def test_plain_rms_norm_module_shares_weight_and_promotes_like_hf():
         wk.RMSNorm(eps=1e-5, weight=torch.ones(4))
 
 
+@pytest.mark.skipif("cpu" not in BACKENDS, reason="needs the C++ extension")
+@pytest.mark.parametrize("dtype, rows", [(torch.float32, 4096), (torch.bfloat16, 8192)])
+def test_cpu_outputs_large_enough_to_stream(dtype, rows):
+    """16 MiB outputs: y and ∂x take the non-temporal-store path (bf16 also converts on the
+    fly); against the float64 reference, and bitwise the same on 1 thread as on all."""
+    x, w, s = make((rows, 1024), dtype, seed=21)
+    g = torch.randn(rows, 1024, generator=torch.Generator().manual_seed(22)).to(dtype)
+    got = run("cpu", x, w, s, grad=g)
+    want = run("reference", x.double(), w.double(), s.double(), grad=g.double())
+    tol = tolerance(dtype)
+    for name, a, b in zip(("y", "grad_x", "grad_weight", "grad_shift"), got, want):
+        assert a.dtype == dtype
+        assert_close_rel(a, b, tol, name)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        single = run("cpu", x, w, s, grad=g)
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(a, b) for a, b in zip(got, single)), "depends on the thread count"
+
+
 # ========================================================================================
 # Backends and draws of the sections below: from SPEC alone, numerics at the edges, properties,
 # bitwise determinism, GPU

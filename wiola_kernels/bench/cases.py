@@ -80,23 +80,27 @@ def _default_dtype(device: torch.device) -> torch.dtype:
 
 @case_factory
 def rms_norm_cases(device: torch.device, small: bool) -> list[BenchCase]:
+    # On the CPU also in bf16 (the training dtype of the model), whose kernels convert on the fly.
     rows, d = RMS_NORM_SHAPES["small" if small else "full"]
-    dtype = _default_dtype(device)
+    dtypes = [_default_dtype(device)] + ([torch.bfloat16] if device.type == "cpu" else [])
 
-    def make_inputs():
-        g = torch.Generator(device="cpu").manual_seed(0)
-        x = torch.randn(rows, d, generator=g).to(device=device, dtype=dtype)
-        weight = (torch.rand(d, generator=g) + 0.5).to(device=device, dtype=dtype)
-        shift = (0.1 * torch.randn(d, generator=g)).to(device=device, dtype=dtype)
-        return x, weight, shift
+    def case(dtype: torch.dtype) -> BenchCase:
+        def make_inputs():
+            g = torch.Generator(device="cpu").manual_seed(0)
+            x = torch.randn(rows, d, generator=g).to(device=device, dtype=dtype)
+            weight = (torch.rand(d, generator=g) + 0.5).to(device=device, dtype=dtype)
+            shift = (0.1 * torch.randn(d, generator=g)).to(device=device, dtype=dtype)
+            return x, weight, shift
 
-    return [BenchCase(
-        op="rms_norm", shape=f"x ({rows}, {d})", dtype=dtype, make_inputs=make_inputs,
-        fused=lambda x, w, s: rms_norm(x, w, s, 1e-6),
-        eager=lambda x, w, s: _rms_norm_eager(x, w, s, 1e-6),
-        oracle=lambda x, w, s: reference.rms_norm(x, w, s, 1e-6),
-        backward_rereads=(0, 1, 2),  # ∂x needs z = x + δ and γ
-    )]
+        return BenchCase(
+            op="rms_norm", shape=f"x ({rows}, {d})", dtype=dtype, make_inputs=make_inputs,
+            fused=lambda x, w, s: rms_norm(x, w, s, 1e-6),
+            eager=lambda x, w, s: _rms_norm_eager(x, w, s, 1e-6),
+            oracle=lambda x, w, s: reference.rms_norm(x, w, s, 1e-6),
+            backward_rereads=(0, 1, 2),  # ∂x needs z = x + δ and γ
+        )
+
+    return [case(dtype) for dtype in dtypes]
 
 
 def _rms_norm_eager(x, weight, shift, eps):

@@ -21,8 +21,11 @@ while the ops did not (issue 14 §4), and both are pinned here:
   copy alike: ``warm`` (freed memory is kept and reused: the steady state of a training
   loop; ``pct_of_copy``) and ``fresh`` (every large output is newly mapped:
   ``pct_of_copy_fresh``). Both are reported on the CPU because both matter there.
-* Load. The machine is shared; the op and the copy are timed in alternation and the ratio
-  is the median of the per-pair ratios, so a burst of load hits both sides of a pair.
+* Load. The machine is shared; the op and the copy are timed in alternation, and on the
+  CPU ``pct_of_copy`` is the median over pairs of the ratio of their CPU times (a process
+  waiting for a core accrues none; see :func:`time_vs_copy`). ``ms``, ``gbps`` and
+  ``copy_gbps`` stay wall-time medians, so on a loaded machine ``pct_of_copy`` need not
+  equal ``gbps / copy_gbps``.
 """
 
 from __future__ import annotations
@@ -108,34 +111,46 @@ def time_interleaved_ms(fns: list[Callable[[], object]], device: torch.device, r
     return [statistics.median(s) for s in _interleaved_samples(fns, device, repeats, warmup)]
 
 
-def _interleaved_samples(fns: list[Callable[[], object]], device: torch.device, repeats: int,
-                         warmup: int, before: Callable[[], object] | None = None) -> list[list[float]]:
+def _interleaved_samples(fns: list[Callable[[], object]], device: torch.device, repeats: int, warmup: int,
+                         before: Callable[[], object] | None = None, cpu_times: list[list[float]] | None = None
+                         ) -> list[list[float]]:
+    """Wall times (ms) of ``fns`` run in alternation, the order flipped every round; with
+    ``cpu_times``, the process's CPU times (ms, all threads, user + system) are appended there."""
     for _ in range(warmup):
         for fn in fns:
             fn()
     _sync(device)
     samples: list[list[float]] = [[] for _ in fns]
+    if cpu_times is not None:
+        cpu_times[:] = [[] for _ in fns]
     for r in range(repeats):
         order = range(len(fns)) if r % 2 == 0 else reversed(range(len(fns)))  # no fixed "runs first"
         for i in order:
             if before is not None:
                 before()
-            t0 = time.perf_counter()
+            c0, t0 = time.process_time(), time.perf_counter()
             fns[i]()
             _sync(device)
             samples[i].append((time.perf_counter() - t0) * 1e3)
+            if cpu_times is not None:
+                cpu_times[i].append((time.process_time() - c0) * 1e3)
     return samples
 
 
 def time_vs_copy(op: Callable[[], object], copy: Callable[[], object], device: torch.device, repeats: int = 10,
                  warmup: int = 2, before: Callable[[], object] | None = None) -> tuple[float, float, float]:
-    """``(op ms, copy ms, median of copy_ms/op_ms over pairs)``: the op and its copy baseline
-    in alternation (``before()``, untimed, ahead of each run); the median of the per-pair
-    ratios shrugs off a load burst that a ratio of two medians does not (both sides of a
-    pair see it)."""
-    op_ms, copy_ms = _interleaved_samples([op, copy], device, repeats, warmup, before)
-    return statistics.median(op_ms), statistics.median(copy_ms), statistics.median(
-        c / o for o, c in zip(op_ms, copy_ms))
+    """``(op ms, copy ms, copy/op time ratio)``: the op and its copy baseline in alternation
+    (``before()``, untimed, ahead of each run), wall-time medians, and the median over pairs
+    of the ratio of their times. On the CPU the ratio is of CPU time (the process's, all
+    threads, page faults included), which leaves out the time the process waited for a
+    core: on a shared machine that wait swamps everything else (measured: 8 ms of CPU time
+    in 48 ms of wall time at a load average of 12 on 2 cores). On a GPU it is of wall time."""
+    cpu: list[list[float]] = []
+    op_ms, copy_ms = _interleaved_samples([op, copy], device, repeats, warmup, before,
+                                          cpu if device.type == "cpu" else None)
+    ratio_of = cpu if device.type == "cpu" else [op_ms, copy_ms]
+    ratios = [c / o for o, c in zip(*ratio_of) if o > 0 and c > 0]
+    return statistics.median(op_ms), statistics.median(copy_ms), statistics.median(ratios) if ratios else float("nan")
 
 
 def _libc():
