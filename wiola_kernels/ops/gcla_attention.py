@@ -60,14 +60,15 @@ def _triton_backward(grad_out, q_rot, k_rot, v, q, kc, vc, gate, lengths, out, l
 # (gcla_attention_cuda.py), which exist for fp32/fp16/bf16 and d_h ∈ {64, 128} only.
 # CUDA tensors run `cuda` by default; `triton` (fused FlashAttention-2 style kernels, even
 # d_h up to 256) is chosen with use_backend("triton"), on CPU tensors only under TRITON_INTERPRET=1.
-_CUDA = SimpleNamespace(forward=gcla_attention_cuda.forward, backward=gcla_attention_cuda.backward)
 _CUDA_LIMITS = Limits(dtypes=CUDA_KERNEL_DTYPES, head_dims=CUDA_GCLA_HEAD_DIMS)
 dispatch.register(OP, "reference", SimpleNamespace(forward=gcla_attention_forward, backward=gcla_attention_backward))
 dispatch.register(OP, "cpu", SimpleNamespace(forward=_cpu_forward, backward=_cpu_backward))
-dispatch.register(OP, "cuda", _CUDA, _CUDA_LIMITS)
+dispatch.register(OP, "cuda", SimpleNamespace(forward=gcla_attention_cuda.forward,
+                                              backward=gcla_attention_cuda.backward), _CUDA_LIMITS)
 dispatch.register(OP, "triton", SimpleNamespace(forward=_triton_forward, backward=_triton_backward),
                   Limits(max_head_dim=TRITON_GCLA_MAX_HEAD_DIM))
-dispatch.register(OP, "cuda_emu", _CUDA, _CUDA_LIMITS)
+dispatch.register(OP, "cuda_emu", SimpleNamespace(forward=gcla_attention_cuda.forward,
+                                                  backward=gcla_attention_cuda.backward), _CUDA_LIMITS)
 
 
 def _contig(t: Optional[Tensor]) -> Optional[Tensor]:
