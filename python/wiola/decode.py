@@ -215,7 +215,6 @@ class DecodeStep:
         x = x + attn.o_proj(out.to(x.dtype).reshape(b, t, h * dh))              # X'
 
         hf = self.rms_norm(block.ffn_norm, x)
-        n, w = ffn.w_n1.out_features, ffn.w_w1.out_features
         if packed is not None:
             gn, un, gw, uw = (hf @ packed[1].t).split(packed[1].splits, -1)
         else:

@@ -48,6 +48,8 @@ from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutpu
 import wiola_kernels
 from wiola_kernels import SpiralRotaryEmbedding, WiolaRMSNorm
 from wiola_kernels.reference import dsff as dsff_reference
+from wiola_kernels.reference.gcla_attention import _cross as context_attention
+from wiola_kernels.reference.gcla_attention import gcla_context_kv, gcla_summary
 from wiola_kernels.dtypes import compute_dtype
 
 from .configuration_wiola import WiolaConfig
@@ -62,22 +64,6 @@ from .loading import check_checkpoint_path, portable_kernel_backend, quiet_load_
 # ----------------------------------------------------------------------------------------
 # Summaries and the cache (SPEC §5.1)
 # ----------------------------------------------------------------------------------------
-
-def summarize(x: Tensor, mode: str, lengths: Tensor | None = None) -> Tensor:
-    """Summary of a layer's output ``x (B, T, d)``: ``(B, T, d)`` prefix means (causal) or
-    ``(B, 1, d)`` sequence means over the first ``lengths[b]`` positions (paper)."""
-    b, t, _ = x.shape
-    acc = compute_dtype(x.dtype)
-    xf = x.to(acc)
-    if mode == "paper":
-        if lengths is None:
-            return xf.mean(1, keepdim=True).to(x.dtype)
-        valid = (torch.arange(t, device=x.device) < lengths[:, None]).unsqueeze(-1)  # (B, T, 1)
-        total = (xf * valid).sum(1, keepdim=True)
-        return (total / lengths.clamp(min=1)[:, None, None].to(acc)).to(x.dtype)
-    count = torch.arange(1, t + 1, device=x.device, dtype=acc)[None, :, None]
-    return (xf.cumsum(1) / count).to(x.dtype)
-
 
 class WiolaCache(DynamicCache):
     """KV cache (rotated keys and values per layer) plus each layer's running summary sum.
@@ -176,11 +162,9 @@ def gcla_attention_cached(q_rot: Tensor, k_rot: Tensor, v: Tensor, q: Tensor, kc
     b, h, t_new, dh = q_rot.shape
     acc = compute_dtype(q.dtype)
     out = decode.cached_attention(q_rot, k_rot, v, key_valid)  # (B, H, T_new, d_h), accumulation dtype
-    if kc.shape[3] > 0:
-        kc = kc.to(acc).expand(b, h, t_new, -1, dh)  # (B, H, T_new, Λ', d_h)
-        vc = vc.to(acc).expand(b, h, t_new, -1, dh)
-        a = torch.softmax(torch.einsum("bhtd,bhtld->bhtl", q.to(acc), kc) / math.sqrt(dh), -1)
-        out = out + torch.sigmoid(gate.to(acc))[None, :, None, None] * torch.einsum("bhtl,bhtld->bhtd", a, vc)
+    if kc.shape[3] > 0:  # SPEC §5.3: the reference's slot softmax and mixture; kc, vc broadcast S = 1 over T_new
+        _, cross = context_attention(q.to(acc), kc.to(acc), vc.to(acc), 1.0 / math.sqrt(dh))
+        out = out + torch.sigmoid(gate.to(acc))[None, :, None, None] * cross
     return out.to(q.dtype)
 
 
@@ -219,6 +203,10 @@ class WiolaAttention(nn.Module):
     #: part. "always" / "never" force it (tests, benchmarks).
     fold_context = "auto"
 
+    def context_kv(self, context: Tensor) -> tuple[Tensor, Tensor]:
+        """``Kᶜ = C W_Kc``, ``Vᶜ = C W_Vc`` (SPEC §5.3) of ``context (B, S, Λ', d)``: ``(B, H, S, Λ', d_h)`` each."""
+        return gcla_context_kv(context, self.kc_proj.weight.t(), self.vc_proj.weight.t(), self.n_head)
+
     def folds(self, context: Tensor, t: int, x: Tensor) -> bool:
         """Whether this forward uses the folded cross part (see :attr:`fold_context`)."""
         if context.shape[2] == 0 or context.shape[1] != t or self.fold_context == "never":
@@ -241,13 +229,12 @@ class WiolaAttention(nn.Module):
         k = self.k_proj(x).view(b, t, h_kv, dh).transpose(1, 2)    # (B, H_kv, T, d_h)
         v = self.v_proj(x).view(b, t, h_kv, dh).transpose(1, 2)    # (B, H_kv, T, d_h)
         q_rot, k_rot = fast_path.srpe(self.srpe, q, k, position_ids)  # SRPE on Q and K, one launch
-        s, n_ctx = context.shape[1], context.shape[2]
+        n_ctx = context.shape[2]
         fold = self.folds(context, t, x)
         if fold:
             kc = vc = q.new_zeros(b, h, 1, 0, dh)
         else:
-            kc = self.kc_proj(context).view(b, s, n_ctx, h, dh).permute(0, 3, 1, 2, 4)  # (B, H, S, Λ', d_h)
-            vc = self.vc_proj(context).view(b, s, n_ctx, h, dh).permute(0, 3, 1, 2, 4)  # (B, H, S, Λ', d_h)
+            kc, vc = self.context_kv(context)  # (B, H, S, Λ', d_h) each
         if cache is not None and cache.get_seq_length(self.layer_idx) > 0:
             k_all, v_all = cache.update(k_rot, v, self.layer_idx)  # (B, H_kv, T_past + T, d_h)
             key_valid = layout.key_valid if layout is not None else None
@@ -282,14 +269,10 @@ class WiolaAttention(nn.Module):
         k = self.k_proj(x).view(1, n, h_kv, dh).transpose(1, 2)     # (1, H_kv, N, d_h)
         v = self.v_proj(x).view(n, h_kv, dh)
         q_rot, k_rot = fast_path.srpe(self.srpe, q, k, position_ids[None])  # SRPE is per position
-        n_ctx = context.shape[-2]
         if context.dim() == 3:  # per-position summaries, packed like x
-            kc = rows.unpack(self.kc_proj(context).view(n, n_ctx, h, dh)).permute(0, 3, 1, 2, 4)
-            vc = rows.unpack(self.vc_proj(context).view(n, n_ctx, h, dh)).permute(0, 3, 1, 2, 4)
+            kc, vc = (rows.unpack(c[:, :, 0]).transpose(1, 2) for c in self.context_kv(context[:, None]))
         else:  # (B, 1, Λ', d): one context per row, nothing to pack
-            b = context.shape[0]
-            kc = self.kc_proj(context).view(b, 1, n_ctx, h, dh).permute(0, 3, 1, 2, 4)
-            vc = self.vc_proj(context).view(b, 1, n_ctx, h, dh).permute(0, 3, 1, 2, 4)
+            kc, vc = self.context_kv(context)
         out = wiola_kernels.gcla_attention(rows.unpack_heads(q_rot[0]), rows.unpack_heads(k_rot[0]),
                                            rows.unpack_heads(v.transpose(0, 1)), rows.unpack_heads(q[0]), kc, vc,
                                            self.gate, rows.lengths)  # (B, H, T, d_h), zero past T'_b
@@ -624,7 +607,8 @@ class WiolaModel(WiolaPreTrainedModel):
                 if cache is not None and cfg.gcla_summary == "causal":
                     summaries.append(cache.summary(i, x, past, layout.summary_valid if layout is not None else None))
                 else:
-                    summaries.append(summarize(x, cfg.gcla_summary, lengths))
+                    acc = compute_dtype(x.dtype)  # summed in float32 (float64 models: 64)
+                    summaries.append(gcla_summary(x.to(acc), cfg.gcla_summary, lengths).to(x.dtype))
                 summaries = summaries[-lookback:]
         if cache is not None:
             cache.advance(layout.new_valid if layout is not None else None, past)
@@ -920,5 +904,4 @@ class WiolaForCausalLM(WiolaPreTrainedModel, GenerationMixin):
                              f"lower max_new_tokens to at most {max(limit - input_ids_length, 0)}")
 
 
-__all__ = ["WiolaCache", "backend_scope", "check_length", "WiolaForCausalLM", "WiolaModel", "WiolaPreTrainedModel",
-           "summarize"]
+__all__ = ["WiolaCache", "backend_scope", "check_length", "WiolaForCausalLM", "WiolaModel", "WiolaPreTrainedModel"]
