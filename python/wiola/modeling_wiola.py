@@ -11,6 +11,10 @@
         record the summary s⁽ˡ⁾ of Xˡ⁺¹
     logits = WRMSNorm_final(Xᴸ) · Eᵀ       (tied head)
 
+Cached decoding steps without gradients run the same maths on packed copies of the widest
+weights (``decode.py``: batch-1 GEMVs in the layout MKL streams fastest, the KV cache
+appended in place).
+
 The heavy lifting is done by ``wiola_kernels`` ops (``rms_norm``, ``srpe``,
 ``gcla_attention``, ``atm_merge``/``atm_unmerge``); which implementation runs is chosen
 by ``config.kernel_backend`` through :func:`wiola_kernels.use_backend` around the
