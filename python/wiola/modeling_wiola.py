@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -59,7 +58,8 @@ from wiola_kernels.dtypes import compute_dtype
 from .configuration_wiola import WiolaConfig
 from . import decode, fast_path
 from .context_fold import folded_context_attention
-from .loading import check_checkpoint_path, portable_kernel_backend, quiet_load_report
+from .loading import (check_checkpoint_path, check_load_kwargs, portable_kernel_backend, quiet_load_report,
+                      refuse_partial_load, refuse_pickle_only_directory)
 
 # WiolaRMSNorm (SPEC §3) and SpiralRotaryEmbedding (SPEC §4) are the wiola_kernels
 # modules: RMSNorm with a learned shift δ before the RMS, and the spiral rotary map.
@@ -354,20 +354,6 @@ class WiolaBlock(GradientCheckpointingLayer):
         return x + self.ffn(fast_path.rms_norm(self.ffn_norm, x))  # Xˡ⁺¹
 
 
-def refuse_pickle_only_directory(who: str, path, subfolder: str) -> None:
-    """``OSError`` when a local checkpoint directory has pickled weights but no safetensors."""
-    folder = os.path.join(str(path), subfolder) if subfolder else str(path)
-    if not os.path.isdir(folder):
-        return  # a Hub id or a file: use_safetensors=True makes Hugging Face refuse pickles there
-    names = os.listdir(folder)
-    if not any(n.endswith(".safetensors") or n.endswith(".safetensors.index.json") for n in names):
-        pickles = sorted(n for n in names if n.endswith((".bin", ".pt", ".pth", ".ckpt", ".pkl")))
-        if pickles:
-            raise OSError(f"{who}.from_pretrained: {folder} holds only pickled weights ({', '.join(pickles)}); "
-                          "Wiola loads safetensors only, never pickle (SECURITY.md). Convert the checkpoint to "
-                          "model.safetensors with a trusted tool first.")
-
-
 class PackedRows:
     """The valid merged rows of an ATM-merged batch, packed (SPEC §6.2: row ``b`` holds its
     ``T'_b`` merged tokens first and zeros after).
@@ -457,12 +443,7 @@ class WiolaPreTrainedModel(PreTrainedModel):
           tensor is a ``ValueError`` naming it (Hugging Face would warn and initialise it
           at random). ``ignore_mismatched_sizes=True`` is refused for the same reason.
         """
-        if kwargs.get("use_safetensors") is False:
-            raise ValueError(f"{cls.__name__}.from_pretrained: use_safetensors=False is refused; Wiola checkpoints "
-                             "load from safetensors only, never pickle (SECURITY.md)")
-        if kwargs.get("ignore_mismatched_sizes"):
-            raise ValueError(f"{cls.__name__}.from_pretrained: ignore_mismatched_sizes=True is refused; loading is "
-                             "strict (a mismatched tensor would be initialised at random)")
+        check_load_kwargs(cls.__name__, kwargs)
         check_checkpoint_path(cls.__name__, pretrained_model_name_or_path, kwargs.get("subfolder") or "",
                               local_files_only=bool(kwargs.get("local_files_only")))
         refuse_pickle_only_directory(cls.__name__, pretrained_model_name_or_path, kwargs.get("subfolder") or "")
@@ -472,14 +453,7 @@ class WiolaPreTrainedModel(PreTrainedModel):
         with quiet_load_report():
             model, info = super().from_pretrained(pretrained_model_name_or_path, *args, output_loading_info=True,
                                                   **kwargs)
-        problems = [f"missing {k}" for k in sorted(info["missing_keys"])]
-        problems += [f"unexpected {k}" for k in sorted(info["unexpected_keys"])]
-        problems += [f"{k}: shape {tuple(ckpt)} in the checkpoint, {tuple(want)} in the model"
-                     for k, ckpt, want in sorted(info["mismatched_keys"], key=lambda m: m[0])]
-        problems += [str(e) for e in info["error_msgs"]]
-        if problems:
-            raise ValueError(f"{cls.__name__}.from_pretrained({str(pretrained_model_name_or_path)!r}): the checkpoint "
-                             f"does not match the config; refusing a partial load: " + "; ".join(problems))
+        refuse_partial_load(cls.__name__, pretrained_model_name_or_path, info)
         portable_kernel_backend(cls.__name__, model.config, next(model.parameters()).device,
                                 explicit="kernel_backend" in kwargs)
         return (model, info) if want_info else model
