@@ -12,7 +12,7 @@ from torch.utils.flop_counter import FlopCounterMode
 import wiola_kernels
 from wiola import WiolaConfig, WiolaForCausalLM
 from wiola.bench import attention_flops
-from wiola.modeling_wiola import PackedRows
+from wiola.modeling_wiola import PackedRows, WiolaAttention
 from wiola_kernels.testing import rel_err, tolerance
 
 
@@ -98,8 +98,15 @@ def test_packed_projections_run_on_merged_rows_only(monkeypatch):
     ids, mask = batch(b, t, seed=2, padding="right")
     seen = record_merges(monkeypatch)
     rows = {}
+    project = WiolaAttention.context_kv  # the context projections read kc_proj.weight, not the module
+
+    def count_context_rows(attn, context):
+        rows[(attn.layer_idx, "kc_proj")] = context.shape[:-1].numel()
+        return project(attn, context)
+
+    monkeypatch.setattr(WiolaAttention, "context_kv", count_context_rows)
     for i, layer in enumerate(model.model.layers):
-        for name in ("q_proj", "o_proj", "kc_proj"):
+        for name in ("q_proj", "o_proj"):
             getattr(layer.attn, name).register_forward_hook(
                 lambda mod, inp, out, key=(i, name): rows.__setitem__(key, inp[0].reshape(-1, inp[0].shape[-1]).shape[0]))
     with torch.no_grad():

@@ -44,7 +44,7 @@ def test_decode_rate_returns_the_greedy_tokens():
 def test_bench_decode_writes_the_records(tmp_path, capsys):
     out = tmp_path / "decode.json"
     records = bench_main(["--decode", "--preset", "wiola-tiny", "--prompt", "4", "--new-tokens", "3",
-                          "--repeats", "1", "--threads", "1", "--clock", "cpu", "--json", str(out)])
+                          "--repeats", "1", "--threads", "1", "--clock", "cpu", "--breakdown", "--json", str(out)])
     saved = json.loads(out.read_text())
     assert saved == json.loads(json.dumps(records))
     r = saved[0]
@@ -53,4 +53,5 @@ def test_bench_decode_writes_the_records(tmp_path, capsys):
     assert r["preset"] == "wiola-tiny" and r["clock"] == "cpu" and r["tokens_per_s"] > 0 and r["llama_tokens_per_s"] > 0
     assert abs(r["floor_tokens_per_s"] - r["bandwidth_bytes_per_s"] / r["weight_bytes"]) <= 1e-9 * r["floor_tokens_per_s"]
     assert abs(r["pct_of_floor"] - 100 * r["tokens_per_s"] / r["floor_tokens_per_s"]) <= 1e-9 * r["pct_of_floor"]
+    assert r["step_s"] > 0 and r["gemv_s"] > 0  # --breakdown
     assert "of the floor" in capsys.readouterr().out

@@ -11,9 +11,16 @@ weight-streaming floor and a Hugging Face Llama of the same shape.
   alternating so that a change in machine load hits both.
 * Weight-streaming floor: at batch 1 every weight is read once per token, so decoding
   cannot beat ``bandwidth ÷ bytes of weights`` (the tied embedding is read once, as the
-  output head). The bandwidth is measured here: the larger of a read-only pass
-  (``torch.sum``) and a copy (bytes read + written) over a 512 MiB buffer, with the same
-  threads — the strictest floor of the two.
+  output head; the decoding path's packed copies replace the weights they copy, so the
+  bytes per token are the same). The bandwidth is measured here: the larger of a
+  read-only pass (``torch.sum``) and a copy (bytes read + written) over a 512 MiB buffer,
+  with the same threads — the strictest floor of the two. It is measured before every
+  round, so that it sees the load the round's decoding sees (on a machine other jobs
+  load, a bandwidth taken once, at the start, moved by ±15 % against the runs), and the
+  median is reported.
+* ``--breakdown``: the decoding step's time against its weight reads alone — the same
+  GEMVs on the same weight objects and layouts, nothing else — alternating; what the
+  GEMVs reach is the ceiling the rest of the step (attention, norms, Python) lowers.
 * Llama: ``LlamaForCausalLM`` with Wiola's width, depth, heads, vocabulary and an MLP of
   ``n + w`` (DSFF's two streams), tied embeddings, SDPA attention. Per-parameter parity
   means ``tokens/s × parameters`` at least the Llama's.
@@ -79,6 +86,54 @@ def decode_rate(model, prompt: torch.Tensor, new_tokens: int, clock: str = "wall
     return steps / (clock.times[-1] - clock.times[0]), out[:, prompt.shape[1]:]
 
 
+def _weight_reads(model) -> None:
+    """The GEMVs of one decoding step of ``model`` (a WiolaForCausalLM, batch 1) on its own
+    weight objects and layouts (decode.py), with placeholder inputs and nothing else."""
+    inner = model.model
+    packed = inner._decode_weights
+    d = model.config.hidden_size
+    x = torch.ones(1, 1, d)
+    for blk in inner.layers:
+        a, f = blk.attn, blk.ffn
+        if packed is not None:
+            qkv, up = packed.blocks[blk.layer_idx]
+            x @ qkv.t, x @ up.t
+        else:
+            a.q_proj(x), a.k_proj(x), a.v_proj(x), f.w_n1(x), f.w_n3(x), f.w_w1(x), f.w_w3(x)
+        h, dh = a.n_head, a.head_dim
+        q = torch.ones(1, h, dh)  # the folded context part (context_fold.py) reads W_Kc and W_Vc by heads
+        q_hat = torch.einsum("nhe,hed->nhd", q, a.kc_proj.weight.view(h, dh, d))
+        torch.einsum("nhd,hed->nhe", q_hat, a.vc_proj.weight.view(h, dh, d))
+        a.o_proj(x), f.w_n2(torch.ones(1, 1, f.w_n2.in_features)), f.w_w2(torch.ones(1, 1, f.w_w2.in_features))
+    if packed is not None and packed.head is not None:
+        x @ packed.head.t
+    else:
+        model.lm_head(x)
+
+
+def step_breakdown(model, prompt: torch.Tensor, clock: str = "wall", rounds: int = 5, steps: int = 4
+                   ) -> tuple[float, float]:
+    """``(seconds per decoding step, seconds of its weight reads alone)``, medians of
+    ``rounds`` alternating runs of ``steps`` each, after ``prompt`` (batch 1)."""
+    tick = CLOCKS[clock]
+    with torch.no_grad():
+        out = model(prompt, use_cache=True)
+        cache, tok = out.cache, out.logits[:, -1:].argmax(-1)
+        model(tok, cache=cache, use_cache=True)  # builds the packed weights
+        step_times, read_times = [], []
+        for _ in range(rounds):
+            t0 = tick()
+            for _ in range(steps):
+                model(tok, cache=cache, use_cache=True)
+            t1 = tick()
+            for _ in range(steps):
+                _weight_reads(model)
+            t2 = tick()
+            step_times.append((t1 - t0) / steps)
+            read_times.append((t2 - t1) / steps)
+    return statistics.median(step_times), statistics.median(read_times)
+
+
 def llama_like(config):
     """A random ``LlamaForCausalLM`` of the Wiola config's shape (MLP width n + w, tied, SDPA)."""
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -114,6 +169,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--no-llama", action="store_true", help="skip the Llama comparison")
     p.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
                    help="wall time, or this process's CPU time (with --threads 1 on a machine other jobs load)")
+    p.add_argument("--breakdown", action="store_true",
+                   help="also time one decoding step against its weight reads (GEMVs) alone")
     p.add_argument("--json", default=None, help="also write the records here")
     a = p.parse_args(argv)
     if a.new_tokens < 2 or a.prompt < 1 or a.repeats < 1:
@@ -133,14 +190,16 @@ def main(argv: list[str] | None = None) -> list[dict]:
     prompt = torch.randint(3, config.vocab_size, (1, a.prompt), generator=torch.Generator().manual_seed(0))
     print(f"wiola bench --decode: {a.preset} ({params['wiola'] / 1e6:.1f}M parameters), batch 1, prompt {a.prompt}, "
           f"{a.new_tokens} new tokens, greedy, fp32, {torch.get_num_threads()} threads, {a.clock} clock", flush=True)
-    bw = measure_bandwidth(clock=CLOCKS[a.clock])
-    bandwidth = max(bw["read_bytes_per_s"], bw["copy_bytes_per_s"])
     rates: dict[str, list[float]] = {k: [] for k in models}
-    for name, model in models.items():  # warm-up (allocator, one-time kernel selection)
+    for name, model in models.items():  # warm-up (allocator, one-time kernel selection, packed weights)
         decode_rate(model, prompt[:, :8], 2)
+    rounds = []
     for _ in range(a.repeats):
+        rounds.append(measure_bandwidth(repeats=2, clock=CLOCKS[a.clock]))
         for name, model in models.items():
             rates[name].append(decode_rate(model, prompt, a.new_tokens, a.clock)[0])
+    bw = {k: statistics.median(r[k] for r in rounds) for k in rounds[0]}
+    bandwidth = statistics.median(max(r["read_bytes_per_s"], r["copy_bytes_per_s"]) for r in rounds)
     wiola_bytes = weight_bytes(models["wiola"])
     floor = bandwidth / wiola_bytes
     tps = statistics.median(rates["wiola"])
@@ -148,9 +207,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
                   llama_tokens_per_s=statistics.median(rates["llama"]) if "llama" in rates else None,
                   params=params["wiola"], llama_params=params.get("llama"), weight_bytes=wiola_bytes,
                   bandwidth_bytes_per_s=bandwidth, threads=torch.get_num_threads(), clock=a.clock, runs=rates)
-    print(f"  bandwidth: read {bw['read_bytes_per_s'] / 1e9:.2f} GB/s, copy {bw['copy_bytes_per_s'] / 1e9:.2f} GB/s "
-          f"(read + write); floor = {bandwidth / 1e9:.2f} GB/s / {wiola_bytes / 1e9:.3f} GB of weights = "
-          f"{floor:.2f} tok/s")
+    per_round = [round(max(r["read_bytes_per_s"], r["copy_bytes_per_s"]) / 1e9, 1) for r in rounds]
+    print(f"  bandwidth (median of rounds {per_round} GB/s): read {bw['read_bytes_per_s'] / 1e9:.2f} GB/s, copy "
+          f"{bw['copy_bytes_per_s'] / 1e9:.2f} GB/s (read + write); floor = {bandwidth / 1e9:.2f} GB/s / "
+          f"{wiola_bytes / 1e9:.3f} GB of weights = {floor:.2f} tok/s")
     print(f"  wiola: {tps:.2f} tok/s ({record['pct_of_floor']:.0f}% of the floor; target >= 80%) "
           f"runs {[round(r, 2) for r in rates['wiola']]}")
     if "llama" in rates:
@@ -159,10 +219,16 @@ def main(argv: list[str] | None = None) -> list[dict]:
         record["per_param_vs_llama"] = parity
         print(f"  llama ({params['llama'] / 1e6:.1f}M): {llama:.2f} tok/s; wiola tok/s x params / llama's = "
               f"{parity:.2f} (target >= 1.0) runs {[round(r, 2) for r in rates['llama']]}")
+    if a.breakdown:
+        step, gemv = step_breakdown(models["wiola"], prompt, clock=a.clock)
+        record.update(step_s=step, gemv_s=gemv)
+        print(f"  breakdown: one step {step * 1e3:.1f} ms; its weight reads alone (GEMVs, same layouts) "
+              f"{gemv * 1e3:.1f} ms = {wiola_bytes / gemv / 1e9:.1f} GB/s ({100 * wiola_bytes / gemv / bandwidth:.0f}% "
+              f"of the floor's bandwidth); the rest of the step {(step - gemv) * 1e3:.1f} ms")
     if a.json:
         with open(a.json, "w") as f:
             json.dump([record], f, indent=2)
     return [record]
 
 
-__all__ = ["decode_rate", "llama_like", "main", "measure_bandwidth", "weight_bytes"]
+__all__ = ["decode_rate", "llama_like", "main", "measure_bandwidth", "step_breakdown", "weight_bytes"]

@@ -9,6 +9,12 @@
   cannot run where the model was loaded is replaced by ``"auto"``, with a one-line note.
 * :func:`quiet_load_report` — the loader's "LOAD REPORT" (missing keys "newly
   initialized") is not printed: Wiola refuses such a load and names the keys itself.
+
+The strict policy of ``from_pretrained`` (SECURITY.md): safetensors only, never pickle —
+:func:`check_load_kwargs` refuses ``use_safetensors=False`` and
+``ignore_mismatched_sizes=True``, :func:`refuse_pickle_only_directory` a folder holding only
+pickled weights — and every tensor accounted for: :func:`refuse_partial_load` turns the
+loader's missing / unexpected / mismatched keys into one ``ValueError`` naming them all.
 """
 
 from __future__ import annotations
@@ -117,4 +123,44 @@ def portable_kernel_backend(who: str, config, device: torch.device, explicit: bo
                   UserWarning, stacklevel=3)
 
 
-__all__ = ["check_checkpoint_path", "looks_local", "portable_kernel_backend", "quiet_load_report"]
+def check_load_kwargs(who: str, kwargs: dict) -> None:
+    """``ValueError`` for ``from_pretrained`` options that would weaken the policy: pickle
+    weights (``use_safetensors=False``) or random re-initialisation of mismatched tensors
+    (``ignore_mismatched_sizes=True``)."""
+    if kwargs.get("use_safetensors") is False:
+        raise ValueError(f"{who}.from_pretrained: use_safetensors=False is refused; Wiola checkpoints "
+                         "load from safetensors only, never pickle (SECURITY.md)")
+    if kwargs.get("ignore_mismatched_sizes"):
+        raise ValueError(f"{who}.from_pretrained: ignore_mismatched_sizes=True is refused; loading is "
+                         "strict (a mismatched tensor would be initialised at random)")
+
+
+def refuse_pickle_only_directory(who: str, path, subfolder: str) -> None:
+    """``OSError`` when a local checkpoint directory has pickled weights but no safetensors."""
+    folder = os.path.join(str(path), subfolder) if subfolder else str(path)
+    if not os.path.isdir(folder):
+        return  # a Hub id or a file: use_safetensors=True makes Hugging Face refuse pickles there
+    names = os.listdir(folder)
+    if not any(n.endswith(".safetensors") or n.endswith(".safetensors.index.json") for n in names):
+        pickles = sorted(n for n in names if n.endswith((".bin", ".pt", ".pth", ".ckpt", ".pkl")))
+        if pickles:
+            raise OSError(f"{who}.from_pretrained: {folder} holds only pickled weights ({', '.join(pickles)}); "
+                          "Wiola loads safetensors only, never pickle (SECURITY.md). Convert the checkpoint to "
+                          "model.safetensors with a trusted tool first.")
+
+
+def refuse_partial_load(who: str, path, info: dict) -> None:
+    """``ValueError`` naming every missing, unexpected or wrongly shaped tensor (and loader
+    error) of Hugging Face's loading ``info``: a partial load is never accepted."""
+    problems = [f"missing {k}" for k in sorted(info["missing_keys"])]
+    problems += [f"unexpected {k}" for k in sorted(info["unexpected_keys"])]
+    problems += [f"{k}: shape {tuple(ckpt)} in the checkpoint, {tuple(want)} in the model"
+                 for k, ckpt, want in sorted(info["mismatched_keys"], key=lambda m: m[0])]
+    problems += [str(e) for e in info["error_msgs"]]
+    if problems:
+        raise ValueError(f"{who}.from_pretrained({str(path)!r}): the checkpoint does not match the config; "
+                         f"refusing a partial load: " + "; ".join(problems))
+
+
+__all__ = ["check_checkpoint_path", "check_load_kwargs", "looks_local", "portable_kernel_backend", "quiet_load_report",
+           "refuse_partial_load", "refuse_pickle_only_directory"]

@@ -11,6 +11,10 @@
         record the summary s⁽ˡ⁾ of Xˡ⁺¹
     logits = WRMSNorm_final(Xᴸ) · Eᵀ       (tied head)
 
+Cached decoding steps without gradients run the same maths on packed copies of the widest
+weights (``decode.py``: batch-1 GEMVs in the layout MKL streams fastest, the KV cache
+appended in place).
+
 The heavy lifting is done by ``wiola_kernels`` ops (``rms_norm``, ``srpe``,
 ``gcla_attention``, ``atm_merge``/``atm_unmerge``); which implementation runs is chosen
 by ``config.kernel_backend`` through :func:`wiola_kernels.use_backend` around the
@@ -35,25 +39,27 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers import GenerationMixin, PreTrainedModel
 from transformers import initialization as init
-from transformers.cache_utils import Cache, DynamicCache
+from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 
 import wiola_kernels
 from wiola_kernels import SpiralRotaryEmbedding, WiolaRMSNorm
 from wiola_kernels.reference import dsff as dsff_reference
+from wiola_kernels.reference.gcla_attention import _cross as context_attention
+from wiola_kernels.reference.gcla_attention import gcla_context_kv, gcla_summary
 from wiola_kernels.dtypes import compute_dtype
 
 from .configuration_wiola import WiolaConfig
-from . import fast_path
+from . import decode, fast_path
 from .context_fold import folded_context_attention
-from .loading import check_checkpoint_path, portable_kernel_backend, quiet_load_report
+from .loading import (check_checkpoint_path, check_load_kwargs, portable_kernel_backend, quiet_load_report,
+                      refuse_partial_load, refuse_pickle_only_directory)
 
 # WiolaRMSNorm (SPEC §3) and SpiralRotaryEmbedding (SPEC §4) are the wiola_kernels
 # modules: RMSNorm with a learned shift δ before the RMS, and the spiral rotary map.
@@ -62,22 +68,6 @@ from .loading import check_checkpoint_path, portable_kernel_backend, quiet_load_
 # ----------------------------------------------------------------------------------------
 # Summaries and the cache (SPEC §5.1)
 # ----------------------------------------------------------------------------------------
-
-def summarize(x: Tensor, mode: str, lengths: Tensor | None = None) -> Tensor:
-    """Summary of a layer's output ``x (B, T, d)``: ``(B, T, d)`` prefix means (causal) or
-    ``(B, 1, d)`` sequence means over the first ``lengths[b]`` positions (paper)."""
-    b, t, _ = x.shape
-    acc = compute_dtype(x.dtype)
-    xf = x.to(acc)
-    if mode == "paper":
-        if lengths is None:
-            return xf.mean(1, keepdim=True).to(x.dtype)
-        valid = (torch.arange(t, device=x.device) < lengths[:, None]).unsqueeze(-1)  # (B, T, 1)
-        total = (xf * valid).sum(1, keepdim=True)
-        return (total / lengths.clamp(min=1)[:, None, None].to(acc)).to(x.dtype)
-    count = torch.arange(1, t + 1, device=x.device, dtype=acc)[None, :, None]
-    return (xf.cumsum(1) / count).to(x.dtype)
-
 
 class WiolaCache(DynamicCache):
     """KV cache (rotated keys and values per layer) plus each layer's running summary sum.
@@ -95,6 +85,8 @@ class WiolaCache(DynamicCache):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
+        if self.layer_class_to_replicate is DynamicLayer:  # append in place, not torch.cat of the whole cache
+            self.layer_class_to_replicate = decode.GrowingKV
         self.summary_sums: dict[int, Tensor] = {}  # layer -> (B, d) Σ_u Xˡ⁺¹_u, float32 (float64 models: 64)
         self.key_valid: Tensor | None = None       # (B, past) bool: cached position is a real token
         self.summary_counts: Tensor | None = None  # (B,) real positions summarised so far
@@ -172,27 +164,11 @@ def gcla_attention_cached(q_rot: Tensor, k_rot: Tensor, v: Tensor, q: Tensor, kc
     takes one T).
     """
     b, h, t_new, dh = q_rot.shape
-    h_kv, t_k = k_rot.shape[1], k_rot.shape[2]
-    # Head h uses key/value group h mod H_kv (SPEC §5.2): repeat, not repeat_interleave.
-    k_rot, v = k_rot.repeat(1, h // h_kv, 1, 1), v.repeat(1, h // h_kv, 1, 1)  # (B, H, T_k, d_h)
-    q_pos = torch.arange(t_k - t_new, t_k, device=q.device)
-    allowed = torch.arange(t_k, device=q.device)[None, :] <= q_pos[:, None]  # (T_new, T_k)
-    if key_valid is not None:
-        allowed = allowed[None, None] & key_valid[:, None, None, :]  # (B, 1, T_new, T_k)
     acc = compute_dtype(q.dtype)
-    scores = (q_rot.to(acc) @ k_rot.to(acc).transpose(-1, -2)) / math.sqrt(dh)  # (B, H, T_new, T_k)
-    scores = scores.masked_fill(~allowed, float("-inf"))
-    if key_valid is not None:  # a padded query before any real key: no key at all, output 0 (no NaN)
-        any_key = allowed.any(-1, keepdim=True)
-        scores = scores.masked_fill(~any_key, 0.0)
-        out = (torch.softmax(scores, -1) * any_key) @ v.to(acc)
-    else:
-        out = torch.softmax(scores, -1) @ v.to(acc)  # (B, H, T_new, d_h)
-    if kc.shape[3] > 0:
-        kc = kc.to(acc).expand(b, h, t_new, -1, dh)  # (B, H, T_new, Λ', d_h)
-        vc = vc.to(acc).expand(b, h, t_new, -1, dh)
-        a = torch.softmax(torch.einsum("bhtd,bhtld->bhtl", q.to(acc), kc) / math.sqrt(dh), -1)
-        out = out + torch.sigmoid(gate.to(acc))[None, :, None, None] * torch.einsum("bhtl,bhtld->bhtd", a, vc)
+    out = decode.cached_attention(q_rot, k_rot, v, key_valid)  # (B, H, T_new, d_h), accumulation dtype
+    if kc.shape[3] > 0:  # SPEC §5.3: the reference's slot softmax and mixture; kc, vc broadcast S = 1 over T_new
+        _, cross = context_attention(q.to(acc), kc.to(acc), vc.to(acc), 1.0 / math.sqrt(dh))
+        out = out + torch.sigmoid(gate.to(acc))[None, :, None, None] * cross
     return out.to(q.dtype)
 
 
@@ -231,6 +207,10 @@ class WiolaAttention(nn.Module):
     #: part. "always" / "never" force it (tests, benchmarks).
     fold_context = "auto"
 
+    def context_kv(self, context: Tensor) -> tuple[Tensor, Tensor]:
+        """``Kᶜ = C W_Kc``, ``Vᶜ = C W_Vc`` (SPEC §5.3) of ``context (B, S, Λ', d)``: ``(B, H, S, Λ', d_h)`` each."""
+        return gcla_context_kv(context, self.kc_proj.weight.t(), self.vc_proj.weight.t(), self.n_head)
+
     def folds(self, context: Tensor, t: int, x: Tensor) -> bool:
         """Whether this forward uses the folded cross part (see :attr:`fold_context`)."""
         if context.shape[2] == 0 or context.shape[1] != t or self.fold_context == "never":
@@ -253,13 +233,12 @@ class WiolaAttention(nn.Module):
         k = self.k_proj(x).view(b, t, h_kv, dh).transpose(1, 2)    # (B, H_kv, T, d_h)
         v = self.v_proj(x).view(b, t, h_kv, dh).transpose(1, 2)    # (B, H_kv, T, d_h)
         q_rot, k_rot = fast_path.srpe(self.srpe, q, k, position_ids)  # SRPE on Q and K, one launch
-        s, n_ctx = context.shape[1], context.shape[2]
+        n_ctx = context.shape[2]
         fold = self.folds(context, t, x)
         if fold:
             kc, vc = q.new_zeros(b, h, 1, 0, dh), q.new_zeros(b, h, 1, 0, dh)  # two: see wiola_kernels.ops.distinct
         else:
-            kc = self.kc_proj(context).view(b, s, n_ctx, h, dh).permute(0, 3, 1, 2, 4)  # (B, H, S, Λ', d_h)
-            vc = self.vc_proj(context).view(b, s, n_ctx, h, dh).permute(0, 3, 1, 2, 4)  # (B, H, S, Λ', d_h)
+            kc, vc = self.context_kv(context)  # (B, H, S, Λ', d_h) each
         if cache is not None and cache.get_seq_length(self.layer_idx) > 0:
             k_all, v_all = cache.update(k_rot, v, self.layer_idx)  # (B, H_kv, T_past + T, d_h)
             key_valid = layout.key_valid if layout is not None else None
@@ -295,14 +274,10 @@ class WiolaAttention(nn.Module):
         k = self.k_proj(x).view(1, n, h_kv, dh).transpose(1, 2)     # (1, H_kv, N, d_h)
         v = self.v_proj(x).view(n, h_kv, dh)
         q_rot, k_rot = fast_path.srpe(self.srpe, q, k, position_ids[None])  # SRPE is per position
-        n_ctx = context.shape[-2]
         if context.dim() == 3:  # per-position summaries, packed like x
-            kc = rows.unpack(self.kc_proj(context).view(n, n_ctx, h, dh)).permute(0, 3, 1, 2, 4)
-            vc = rows.unpack(self.vc_proj(context).view(n, n_ctx, h, dh)).permute(0, 3, 1, 2, 4)
+            kc, vc = (rows.unpack(c[:, :, 0]).transpose(1, 2) for c in self.context_kv(context[:, None]))
         else:  # (B, 1, Λ', d): one context per row, nothing to pack
-            b = context.shape[0]
-            kc = self.kc_proj(context).view(b, 1, n_ctx, h, dh).permute(0, 3, 1, 2, 4)
-            vc = self.vc_proj(context).view(b, 1, n_ctx, h, dh).permute(0, 3, 1, 2, 4)
+            kc, vc = self.context_kv(context)
         out = wiola_kernels.GCLAAttentionFunction.apply(
             rows.unpack_heads(q_rot[0]), rows.unpack_heads(k_rot[0]), rows.unpack_heads(v.transpose(0, 1)),
             rows.unpack_heads(q[0]), kc, vc, self.gate, rows.lengths)  # (B, H, T, d_h), zero past T'_b
@@ -378,20 +353,6 @@ class WiolaBlock(GradientCheckpointingLayer):
             a = self.attn(h, position_ids, context, lengths, cache, layout)
         x = x + a                                  # X'
         return x + self.ffn(fast_path.rms_norm(self.ffn_norm, x))  # Xˡ⁺¹
-
-
-def refuse_pickle_only_directory(who: str, path, subfolder: str) -> None:
-    """``OSError`` when a local checkpoint directory has pickled weights but no safetensors."""
-    folder = os.path.join(str(path), subfolder) if subfolder else str(path)
-    if not os.path.isdir(folder):
-        return  # a Hub id or a file: use_safetensors=True makes Hugging Face refuse pickles there
-    names = os.listdir(folder)
-    if not any(n.endswith(".safetensors") or n.endswith(".safetensors.index.json") for n in names):
-        pickles = sorted(n for n in names if n.endswith((".bin", ".pt", ".pth", ".ckpt", ".pkl")))
-        if pickles:
-            raise OSError(f"{who}.from_pretrained: {folder} holds only pickled weights ({', '.join(pickles)}); "
-                          "Wiola loads safetensors only, never pickle (SECURITY.md). Convert the checkpoint to "
-                          "model.safetensors with a trusted tool first.")
 
 
 class PackedRows:
@@ -483,12 +444,7 @@ class WiolaPreTrainedModel(PreTrainedModel):
           tensor is a ``ValueError`` naming it (Hugging Face would warn and initialise it
           at random). ``ignore_mismatched_sizes=True`` is refused for the same reason.
         """
-        if kwargs.get("use_safetensors") is False:
-            raise ValueError(f"{cls.__name__}.from_pretrained: use_safetensors=False is refused; Wiola checkpoints "
-                             "load from safetensors only, never pickle (SECURITY.md)")
-        if kwargs.get("ignore_mismatched_sizes"):
-            raise ValueError(f"{cls.__name__}.from_pretrained: ignore_mismatched_sizes=True is refused; loading is "
-                             "strict (a mismatched tensor would be initialised at random)")
+        check_load_kwargs(cls.__name__, kwargs)
         check_checkpoint_path(cls.__name__, pretrained_model_name_or_path, kwargs.get("subfolder") or "",
                               local_files_only=bool(kwargs.get("local_files_only")))
         refuse_pickle_only_directory(cls.__name__, pretrained_model_name_or_path, kwargs.get("subfolder") or "")
@@ -498,14 +454,7 @@ class WiolaPreTrainedModel(PreTrainedModel):
         with quiet_load_report():
             model, info = super().from_pretrained(pretrained_model_name_or_path, *args, output_loading_info=True,
                                                   **kwargs)
-        problems = [f"missing {k}" for k in sorted(info["missing_keys"])]
-        problems += [f"unexpected {k}" for k in sorted(info["unexpected_keys"])]
-        problems += [f"{k}: shape {tuple(ckpt)} in the checkpoint, {tuple(want)} in the model"
-                     for k, ckpt, want in sorted(info["mismatched_keys"], key=lambda m: m[0])]
-        problems += [str(e) for e in info["error_msgs"]]
-        if problems:
-            raise ValueError(f"{cls.__name__}.from_pretrained({str(pretrained_model_name_or_path)!r}): the checkpoint "
-                             f"does not match the config; refusing a partial load: " + "; ".join(problems))
+        refuse_partial_load(cls.__name__, pretrained_model_name_or_path, info)
         portable_kernel_backend(cls.__name__, model.config, next(model.parameters()).device,
                                 explicit="kernel_backend" in kwargs)
         return (model, info) if want_info else model
@@ -533,7 +482,30 @@ class WiolaModel(WiolaPreTrainedModel):
         self.layers = nn.ModuleList(WiolaBlock(config, i) for i in range(config.num_hidden_layers))
         self.norm = WiolaRMSNorm(config.hidden_size, config.rms_norm_eps)         # WRMSNorm_final
         self.gradient_checkpointing = False
+        self._decode_weights: decode.DecodeWeights | None = None
         self.post_init()
+
+    #: Cached decoding steps read packed, transposed copies of the widest weights (decode.py:
+    #: ~1.3x faster batch-1 decoding on the CPU, for ~0.6x the parameters' memory, built on the
+    #: first step and freed by ``train()``). False decodes from the parameters themselves.
+    decode_packing = True
+
+    def decode_weights(self) -> "decode.DecodeWeights | None":
+        """The packed copies decoding steps read (None when :attr:`decode_packing` is off)."""
+        if not self.decode_packing:
+            self._decode_weights = None
+        elif self._decode_weights is None:
+            self._decode_weights = decode.DecodeWeights()
+        return self._decode_weights
+
+    def release_decode_weights(self) -> None:
+        """Free the packed copies decoding built (they are rebuilt by the next decoding step)."""
+        self._decode_weights = None
+
+    def train(self, mode: bool = True):
+        if mode:
+            self.release_decode_weights()
+        return super().train(mode)
 
     def get_input_embeddings(self) -> nn.Embedding:
         return self.embed_tokens
@@ -591,6 +563,11 @@ class WiolaModel(WiolaPreTrainedModel):
         if layout is not None and layout.shift is not None:  # left padding: compute on right-padded rows
             x, position_ids = layout.to_compute_layout(x, 1), layout.to_compute_layout(position_ids, 1)
         hidden_states: list[Tensor] | None = [x] if output_hidden_states else None
+        step = None  # a cached decoding step: blocks run on the packed weights (decode.py)
+        if decode.applies(self, b, t, past, cache, x.requires_grad) \
+                and decode.positions_ok(position_ids, cfg.srpe_spiral_divisor):
+            step = decode.DecodeStep(self, position_ids, cache, layout.key_valid if layout is not None else None,
+                                     self.decode_weights())
 
         lookback = cfg.gcla_lookback
         summaries: list[Tensor] = []  # s⁽ˡ⁾, (B, S, d) each, oldest first
@@ -599,18 +576,22 @@ class WiolaModel(WiolaPreTrainedModel):
                 context = torch.stack(summaries[-lookback:], dim=2)  # Cˡ (B, S, Λ', d)
             else:
                 context = x.new_zeros(b, 1, 0, x.shape[-1])           # no earlier layers: plain attention
-            x = layer(x, position_ids, context, lengths=lengths, cache=cache, layout=layout)
+            if step is not None:
+                x = step.block(layer, x, context)
+            else:
+                x = layer(x, position_ids, context, lengths=lengths, cache=cache, layout=layout)
             if hidden_states is not None and i < len(self.layers) - 1:
                 hidden_states.append(x)
             if lookback > 0 and i < len(self.layers) - 1:  # the last layer's summary is never read
                 if cache is not None and cfg.gcla_summary == "causal":
                     summaries.append(cache.summary(i, x, past, layout.summary_valid if layout is not None else None))
                 else:
-                    summaries.append(summarize(x, cfg.gcla_summary, lengths))
+                    acc = compute_dtype(x.dtype)  # summed in float32 (float64 models: 64)
+                    summaries.append(gcla_summary(x.to(acc), cfg.gcla_summary, lengths).to(x.dtype))
                 summaries = summaries[-lookback:]
         if cache is not None:
             cache.advance(layout.new_valid if layout is not None else None, past)
-        x = fast_path.rms_norm(self.norm, x)
+        x = step.rms_norm(self.norm, x) if step is not None else fast_path.rms_norm(self.norm, x)
         if hidden_states is not None:
             hidden_states.append(x)  # Hugging Face convention: the last entry is after the final norm
         if layout is not None and layout.shift is not None:
@@ -836,6 +817,11 @@ class WiolaForCausalLM(WiolaPreTrainedModel, GenerationMixin):
         shifted inside, like Hugging Face causal LMs."""
         if cache is None:
             cache = kwargs.pop("past_key_values", None)
+        ids = input_ids if input_ids is not None else inputs_embeds
+        past = cache.get_seq_length() if isinstance(cache, WiolaCache) else 0
+        packed_head = isinstance(ids, Tensor) and ids.dim() >= 2 and self.model.decode_packing \
+            and use_cache is not False and decode.applies(self.model, ids.shape[0], ids.shape[1], past, cache,
+                               inputs_embeds is not None and inputs_embeds.requires_grad)
         with self.kernel_backend():
             out = self.model(input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
                              inputs_embeds=inputs_embeds, use_cache=use_cache,
@@ -843,7 +829,10 @@ class WiolaForCausalLM(WiolaPreTrainedModel, GenerationMixin):
             hidden = out.last_hidden_state                                   # (B, T, d)
             if logits_to_keep:
                 hidden = hidden[:, -logits_to_keep:]
-            logits = self.lm_head(hidden)                                    # (B, T, V)
+            if packed_head:  # E as a (d, V) copy: the fast GEMV layout (decode.py)
+                logits = hidden @ self.model.decode_weights().lm_head(self.lm_head.weight).t
+            else:
+                logits = self.lm_head(hidden)                                # (B, T, V)
         loss = None
         if labels is not None:
             check_labels(labels, (input_ids if input_ids is not None else inputs_embeds).shape[:2])
@@ -894,5 +883,4 @@ class WiolaForCausalLM(WiolaPreTrainedModel, GenerationMixin):
                              f"lower max_new_tokens to at most {max(limit - input_ids_length, 0)}")
 
 
-__all__ = ["WiolaCache", "backend_scope", "check_length", "WiolaForCausalLM", "WiolaModel", "WiolaPreTrainedModel",
-           "summarize"]
+__all__ = ["WiolaCache", "backend_scope", "check_length", "WiolaForCausalLM", "WiolaModel", "WiolaPreTrainedModel"]

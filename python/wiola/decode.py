@@ -1,0 +1,249 @@
+"""Cached decoding steps (issue 12 §3): the same maths as the model's forward, laid out for
+batch-1 GEMVs on the CPU.
+
+At batch 1 a decoding step is a chain of matrix-vector products; its cost is reading every
+weight once. Measured on this machine (1 thread, weights streamed from DRAM, fp32; numbers
+in the issue 12 notes): MKL streams a ``(1, d) × (d, n)`` product at ~15 GB/s when the
+weight is ``nn.Linear``'s ``(n, d)`` and ``n ≥ d``, but at ~19–22 GB/s from a ``(d, n)``
+contiguous copy (``x @ W_t``), the more so the wider ``n``; for ``n < d`` (the down
+projections, ``W_O``) ``nn.Linear``'s layout is already the fast one. So a decoding step
+reads, per block:
+
+* ``W_Q | W_K | W_V`` packed and transposed, ``(d, (H + 2 H_kv) d_h)``: one product;
+* ``W_n1 | W_n3 | W_w1 | W_w3`` packed and transposed, ``(d, 2n + 2w)``: one product for
+  both DSFF streams' gate and up projections (two thirds of the block's bytes);
+* ``W_O``, ``W_n2``, ``W_w2`` and the context matrices in place (the context part is the
+  folded form of :mod:`wiola.context_fold`, which reads ``W_Kc`` and ``W_Vc`` once each);
+
+and the tied head reads a transposed copy of the embedding, ``(d, V)``.
+
+:class:`DecodeWeights` holds those copies. They cost memory — for wiola-360m about 0.9 GB
+next to the 1.44 GB of parameters — so they are built on the first cached decoding step
+without gradients, checked against the parameters' identity and version counters on every
+step (an optimizer step, ``load_state_dict`` or ``.to()`` rebuilds them), and dropped by
+``model.train()`` or :meth:`WiolaForCausalLM.release_decode_weights`. Set
+``WiolaForCausalLM.decode_packing = False`` to decode from the parameters themselves.
+
+:class:`GrowingKV` is the cache layer: keys and values are written into a buffer with spare
+capacity (doubling), instead of ``torch.cat`` copying the whole cache on every token.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from transformers.cache_utils import DynamicLayer
+
+from wiola_kernels import dispatch
+from wiola_kernels.dtypes import compute_dtype
+from wiola_kernels.ops.srpe import max_accurate_position
+
+from .context_fold import folded_context_attention
+
+#: Decoding steps with at most this many new positions (× batch) use the packed weights;
+#: a longer chunk after a cache is a prefill and takes the fused attention path.
+MAX_STEP_POSITIONS = 16
+
+
+class GrowingKV(DynamicLayer):
+    """A :class:`~transformers.cache_utils.DynamicLayer` whose ``keys`` / ``values`` are views
+    of buffers with spare capacity along the sequence, so appending ``T_new`` positions
+    copies ``T_new`` positions (``DynamicLayer`` concatenates, copying the whole cache).
+
+    Hugging Face's cache methods that replace ``keys`` (beam reordering, repeats) leave
+    views of other storage; the next update notices and re-seeds the buffer from them.
+    ``crop`` slices the view, which the next update simply overwrites past."""
+
+    _min_capacity = 256
+
+    def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
+        super().lazy_initialization(key_states, value_states)
+        self._kbuf = self._vbuf = None
+
+    def _fits(self, buf: Tensor | None, cur: Tensor, new: Tensor) -> bool:
+        if buf is None or cur.dim() != 4 or cur.data_ptr() != buf.data_ptr() or cur.stride() != buf.stride():
+            return False
+        return (buf.dtype == new.dtype and buf.shape[0] == new.shape[0] and buf.shape[1] == new.shape[1]
+                and buf.shape[3] == new.shape[3] and cur.shape[2] + new.shape[2] <= buf.shape[2])
+
+    @staticmethod
+    def _grow(cur: Tensor, new: Tensor, capacity: int) -> Tensor:
+        b, h, _, dh = new.shape
+        buf = new.new_empty(b, h, capacity, dh)
+        if cur.dim() == 4 and cur.shape[2]:
+            buf[:, :, :cur.shape[2]].copy_(cur)
+        return buf
+
+    def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
+        """Append ``(B, H_kv, T_new, d_h)`` keys and values; returns every cached key and value."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        past = self.keys.shape[2] if self.keys.dim() == 4 else 0
+        end = past + key_states.shape[2]
+        if not (self._fits(self._kbuf, self.keys, key_states) and self._fits(self._vbuf, self.values, value_states)):
+            capacity = max(2 * end, self._min_capacity)
+            self._kbuf = self._grow(self.keys, key_states, capacity)
+            self._vbuf = self._grow(self.values, value_states, capacity)
+        self._kbuf[:, :, past:end].copy_(key_states)
+        self._vbuf[:, :, past:end].copy_(value_states)
+        self.keys, self.values = self._kbuf[:, :, :end], self._vbuf[:, :, :end]
+        return self.keys, self.values
+
+
+def cached_attention(q_rot: Tensor, k_rot: Tensor, v: Tensor, key_valid: Tensor | None = None) -> Tensor:
+    """Causal self-attention of ``T_new`` queries against ``T_k ≥ T_new`` cached keys (SPEC
+    §5.2; the last ``T_new`` keys are the queries' own positions), in the accumulation dtype.
+
+    ``q_rot (B, H, T_new, d_h)``, ``k_rot, v (B, H_kv, T_k, d_h)``; ``key_valid (B, T_k)``
+    bool masks padded keys (a query with no real key at or before it gets 0). Head ``h``
+    reads group ``h mod H_kv``: the heads of one group are gathered into one batched product
+    (queries viewed ``(B, H_kv, H/H_kv · T_new, d_h)``), so the cache is never repeated.
+    Returns ``(B, H, T_new, d_h)``.
+    """
+    b, h, t_new, dh = q_rot.shape
+    h_kv, t_k = k_rot.shape[1], k_rot.shape[2]
+    r = h // h_kv
+    acc = compute_dtype(q_rot.dtype)
+    # h = r·H_kv + g  →  (B, H_kv, R·T_new, d_h), rows ordered (r, t)
+    q = q_rot.to(acc).reshape(b, r, h_kv, t_new, dh).transpose(1, 2).reshape(b, h_kv, r * t_new, dh)
+    scores = (q @ k_rot.to(acc).transpose(-1, -2)) * (1.0 / math.sqrt(dh))  # (B, H_kv, R·T_new, T_k)
+    allowed = None
+    if t_new > 1:
+        q_pos = torch.arange(t_k - t_new, t_k, device=q.device).repeat(r)                    # (R·T_new,)
+        allowed = torch.arange(t_k, device=q.device)[None, :] <= q_pos[:, None]            # (R·T_new, T_k)
+    if key_valid is not None:
+        kv = key_valid[:, None, None, :]                                                   # (B, 1, 1, T_k)
+        allowed = kv if allowed is None else allowed[None, None] & kv
+    if allowed is not None:
+        scores = scores.masked_fill(~allowed, float("-inf"))
+    if key_valid is not None:  # a padded query before any real key: no key at all, output 0 (no NaN)
+        any_key = allowed.any(-1, keepdim=True)
+        p = torch.softmax(scores.masked_fill(~any_key, 0.0), -1) * any_key
+    else:
+        p = torch.softmax(scores, -1)
+    out = p @ v.to(acc)                                                                    # (B, H_kv, R·T_new, d_h)
+    return out.view(b, h_kv, r, t_new, dh).transpose(1, 2).reshape(b, h, t_new, dh)
+
+
+def _source_key(params: tuple[Tensor, ...]) -> tuple:
+    return tuple((id(p), p.data_ptr(), p._version, p.dtype, p.device) for p in params)
+
+
+class _Packed:
+    """One packed, transposed copy of some ``(n_i, d)`` weights: ``(d, Σ n_i)`` contiguous."""
+
+    def __init__(self, *weights: Tensor):
+        self.sources = weights
+        self.key = _source_key(weights)
+        self.t = torch.cat([w.detach() for w in weights], 0).t().contiguous()
+        self.splits = [w.shape[0] for w in weights]
+
+    def fresh(self) -> bool:
+        return self.key == _source_key(self.sources)
+
+
+class DecodeWeights:
+    """The packed copies one model decodes from (see the module docstring), built lazily."""
+
+    def __init__(self):
+        self.blocks: dict[int, tuple[_Packed, _Packed]] = {}
+        self.head: _Packed | None = None
+
+    def block(self, block) -> tuple[_Packed, _Packed]:
+        """``(W_Q|W_K|W_V, W_n1|W_n3|W_w1|W_w3)`` of ``block``, rebuilt when a source changed."""
+        got = self.blocks.get(block.layer_idx)
+        if got is None or not (got[0].fresh() and got[1].fresh()):
+            a, f = block.attn, block.ffn
+            got = (_Packed(a.q_proj.weight, a.k_proj.weight, a.v_proj.weight),
+                   _Packed(f.w_n1.weight, f.w_n3.weight, f.w_w1.weight, f.w_w3.weight))
+            self.blocks[block.layer_idx] = got
+        return got
+
+    def lm_head(self, weight: Tensor) -> _Packed:
+        if self.head is None or self.head.sources[0] is not weight or not self.head.fresh():
+            self.head = _Packed(weight)
+        return self.head
+
+
+class DecodeStep:
+    """One cached decoding forward's shared state: the dispatched RMSNorm / SRPE
+    implementations (resolved once per step, not per call), the position ids, the cache and
+    the padding mask of the keys."""
+
+    def __init__(self, model, position_ids: Tensor, cache, key_valid: Tensor | None, weights: DecodeWeights | None):
+        device = position_ids.device
+        self.rms = dispatch.implementation("rms_norm", device)
+        self.srpe_impl = dispatch.implementation("srpe", device)
+        self.position_ids = position_ids.contiguous()
+        self.cache, self.key_valid, self.weights = cache, key_valid, weights
+
+    def rms_norm(self, module, x: Tensor) -> Tensor:
+        """WiolaRMSNorm (SPEC §3) of ``x (..., d)`` by the dispatched implementation."""
+        d = x.shape[-1]
+        y, _ = self.rms.forward(x.reshape(-1, d).contiguous(), module.weight, module.shift, module.eps)
+        return y.view(x.shape)
+
+    def block(self, block, x: Tensor, context: Tensor) -> Tensor:
+        """``Xˡ⁺¹`` of one block for ``x (B, T_new, d)``; ``context (B, S, Λ', d)``."""
+        attn, ffn = block.attn, block.ffn
+        b, t, d = x.shape
+        h, h_kv, dh = attn.n_head, attn.n_kv_head, attn.head_dim
+        packed = self.weights.block(block) if self.weights is not None else None
+
+        hx = self.rms_norm(block.attn_norm, x)                                   # X̃ (B, T, d)
+        if packed is not None:
+            q, k, v = (hx @ packed[0].t).split(packed[0].splits, -1)
+        else:
+            q, k, v = attn.q_proj(hx), attn.k_proj(hx), attn.v_proj(hx)
+        q = q.view(b, t, h, dh)
+        k = k.view(b, t, h_kv, dh).transpose(1, 2)                              # (B, H_kv, T, d_h)
+        v = v.view(b, t, h_kv, dh).transpose(1, 2)
+        s = attn.srpe
+        q_rot, k_rot = self.srpe_impl.apply(q.transpose(1, 2).contiguous(), k.contiguous(), self.position_ids,
+                                            s.theta, s.spiral_divisor, s.radial_amplitude, s.radial_frequency, False)
+        k_all, v_all = self.cache.update(k_rot, v, attn.layer_idx)               # (B, H_kv, T_past + T, d_h)
+        out = cached_attention(q_rot, k_all, v_all, self.key_valid).transpose(1, 2)  # (B, T, H, d_h)
+        n_ctx = context.shape[2]
+        if n_ctx:
+            cross = folded_context_attention(q.reshape(b * t, h, dh),
+                                             context.expand(b, t, n_ctx, d).reshape(b * t, n_ctx, d),
+                                             attn.kc_proj.weight, attn.vc_proj.weight, attn.gate)
+            out = out + cross.view(b, t, h, dh)
+        x = x + attn.o_proj(out.to(x.dtype).reshape(b, t, h * dh))              # X'
+
+        hf = self.rms_norm(block.ffn_norm, x)
+        if packed is not None:
+            gn, un, gw, uw = (hf @ packed[1].t).split(packed[1].splits, -1)
+        else:
+            gn, un, gw, uw = ffn.w_n1(hf), ffn.w_n3(hf), ffn.w_w1(hf), ffn.w_w3(hf)
+        narrow = ffn.w_n2(F.silu(gn) * un)
+        wide = ffn.w_w2(F.gelu(gw, approximate="tanh") * uw)
+        lam = torch.sigmoid(ffn.beta)
+        return x + (lam * narrow + (1.0 - lam) * wide)                          # Xˡ⁺¹
+
+
+def applies(model, batch: int, t: int, past: int, cache, requires_grad: bool) -> bool:
+    """Whether a forward of ``model`` (a :class:`WiolaModel`) over ``batch × t`` new positions
+    is a cached decoding step the fast path takes: a non-empty cache, at most
+    :data:`MAX_STEP_POSITIONS` new positions, no gradient wanted (``requires_grad``: the
+    input embeddings need one), not training, not being compiled."""
+    if cache is None or past == 0 or model.training or torch.compiler.is_compiling():
+        return False
+    if batch * t > MAX_STEP_POSITIONS:
+        return False
+    return not (torch.is_grad_enabled() and (requires_grad or model.embed_tokens.weight.requires_grad))
+
+
+def positions_ok(position_ids: Tensor, spiral_divisor: float) -> bool:
+    """Every position within the range SRPE's kernels compute accurately (else the op path
+    runs and raises its own error)."""
+    if position_ids.device.type != "cpu" or position_ids.dtype != torch.int64 or not position_ids.numel():
+        return position_ids.dtype == torch.int64
+    return int(position_ids.abs().max()) <= max_accurate_position(spiral_divisor)
+
+
+__all__ = ["DecodeStep", "DecodeWeights", "GrowingKV", "MAX_STEP_POSITIONS", "applies", "cached_attention",
+           "positions_ok"]

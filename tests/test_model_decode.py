@@ -1,0 +1,157 @@
+"""Cached decoding steps (python/wiola/decode.py, issue 12 §3): the attention over the cache
+against the float64 SPEC oracle, the in-place KV cache against concatenation, and decoding
+on the packed weights against the model's full forward (which runs the fused ops)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from wiola import WiolaConfig, WiolaForCausalLM
+from wiola.decode import GrowingKV, cached_attention
+from wiola.modeling_wiola import WiolaCache, WiolaModel
+from wiola_kernels.reference.gcla_attention import gcla_attention_forward
+from wiola_kernels.testing import assert_close_rel, tolerance
+
+F64 = torch.float64
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def randn(g, *shape, dtype=F64):
+    return torch.randn(*shape, generator=g, dtype=F64).to(dtype)
+
+
+def no_context(b, h, dh, dtype=F64):
+    """Λ' = 0 context for the reference op: plain causal attention."""
+    return torch.zeros(b, h, 1, 0, dh, dtype=dtype), torch.zeros(b, h, 1, 0, dh, dtype=dtype)
+
+
+# ---- attention over the cache ---------------------------------------------------------------
+
+@pytest.mark.parametrize("h,h_kv", [(4, 4), (4, 1), (4, 2), (6, 3), (8, 2)])
+@pytest.mark.parametrize("t_new", [1, 3])
+@pytest.mark.parametrize("dtype", [F64, torch.float32])
+def test_cached_attention_is_the_last_rows_of_the_full_attention(h, h_kv, t_new, dtype):
+    # Oracle: SPEC §5.5's attention over the whole sequence (reference op, float64, Λ' = 0);
+    # the queries of the last t_new positions against all keys are its last t_new rows.
+    g = torch.Generator().manual_seed(100 * h + 10 * h_kv + t_new)
+    b, t, dh = 2, 9, 8
+    q, k, v = randn(g, b, h, t, dh), randn(g, b, h_kv, t, dh), randn(g, b, h_kv, t, dh)
+    kc, vc = no_context(b, h, dh)
+    ref = gcla_attention_forward(q, k, v, q, kc, vc, torch.zeros(h, dtype=F64))[0][:, :, -t_new:]
+    out = cached_attention(q[:, :, -t_new:].to(dtype), k.to(dtype), v.to(dtype))
+    assert out.shape == (b, h, t_new, dh)
+    assert_close_rel(out, ref, tolerance(dtype, "attention"), "cached attention")
+
+
+def test_cached_attention_leaves_padded_keys_out():
+    # Row 0 is left-padded by 3 keys: its result must be that of its real keys alone
+    # (oracle: the reference op on the row with the pads cut off); a query with no real key
+    # at or before it gets 0.
+    g = torch.Generator().manual_seed(7)
+    b, h, h_kv, t, dh = 2, 6, 3, 8, 4
+    q, k, v = randn(g, b, h, 2, dh), randn(g, b, h_kv, t, dh), randn(g, b, h_kv, t, dh)
+    key_valid = torch.ones(b, t, dtype=torch.bool)
+    key_valid[0, :3] = False
+    out = cached_attention(q, k, v, key_valid)
+    kc, vc = no_context(1, h, dh)
+    for row, start in ((0, 3), (1, 0)):
+        ks, vs = k[row:row + 1, :, start:], v[row:row + 1, :, start:]
+        q_full = torch.cat([torch.zeros(1, h, ks.shape[2] - 2, dh, dtype=F64), q[row:row + 1]], 2)
+        ref = gcla_attention_forward(q_full, ks, vs, q_full, kc, vc, torch.zeros(h, dtype=F64))[0][:, :, -2:]
+        assert_close_rel(out[row:row + 1], ref, tolerance(F64, "attention"), f"row {row}")
+    all_pad = torch.zeros(1, t, dtype=torch.bool)
+    assert torch.equal(cached_attention(q[:1], k[:1], v[:1], all_pad), torch.zeros(1, h, 2, dh, dtype=F64))
+
+
+# ---- the in-place KV cache --------------------------------------------------------------------
+
+def test_growing_cache_holds_what_concatenation_would():
+    g = torch.Generator().manual_seed(3)
+    cache = WiolaCache()
+    assert cache.layer_class_to_replicate is GrowingKV
+    chunks = [randn(g, 2, 3, n, 4, dtype=torch.float32) for n in (5, 1, 1, 300, 1, 2)]
+    vals = [c * 2 + 1 for c in chunks]
+    for c, v in zip(chunks, vals):
+        keys, values = cache.update(c, v, 0)
+    assert torch.equal(keys, torch.cat(chunks, 2)) and torch.equal(values, torch.cat(vals, 2))
+    assert cache.get_seq_length() == sum(c.shape[2] for c in chunks)
+    # Hugging Face methods that replace the tensors (beam reordering, repeats) or slice them (crop)
+    beam = torch.tensor([1, 0])
+    cache.layers[0].reorder_cache(beam)
+    new = randn(g, 2, 3, 1, 4, dtype=torch.float32)
+    keys, _ = cache.update(new, new, 0)
+    assert torch.equal(keys, torch.cat([torch.cat(chunks, 2).index_select(0, beam), new], 2))
+    cache.layers[0].crop(-4)
+    newer = randn(g, 2, 3, 2, 4, dtype=torch.float32)
+    keys, _ = cache.update(newer, newer, 0)
+    expect = torch.cat([torch.cat([torch.cat(chunks, 2).index_select(0, beam), new], 2)[:, :, :-4], newer], 2)
+    assert torch.equal(keys, expect)
+    cache.layers[0].batch_repeat_interleave(2)
+    last = randn(g, 4, 3, 1, 4, dtype=torch.float32)
+    keys, _ = cache.update(last, last, 0)
+    assert torch.equal(keys, torch.cat([expect.repeat_interleave(2, 0), last], 2))
+
+
+# ---- decoding steps on the packed weights ----------------------------------------------------------
+
+def tiny(dtype=torch.float32, **kw):
+    torch.manual_seed(0)
+    cfg = WiolaConfig.from_name("wiola-tiny", num_hidden_layers=4, **kw)
+    return WiolaForCausalLM(cfg).to(dtype).eval()
+
+
+def decode_logits(model, ids, prompt):
+    """Logits of ``ids`` from a prompt forward and then one cached step per token."""
+    with torch.no_grad():
+        out = model(ids[:, :prompt], use_cache=True)
+        pieces, cache = [out.logits], out.cache
+        for i in range(prompt, ids.shape[1]):
+            out = model(ids[:, i:i + 1], cache=cache, use_cache=True)
+            pieces.append(out.logits)
+    return torch.cat(pieces, 1)
+
+
+@pytest.mark.parametrize("dtype", [F64, torch.float32])
+@pytest.mark.parametrize("packing", [True, False])
+def test_decoding_steps_equal_the_full_forward(dtype, packing, monkeypatch):
+    monkeypatch.setattr(WiolaModel, "decode_packing", packing)
+    model = tiny(dtype, num_key_value_heads=2)  # H 4, H_kv 2: the h mod H_kv grouping matters
+    ids = torch.randint(3, model.config.vocab_size, (2, 14), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        full = model(ids, use_cache=False).logits
+    got = decode_logits(model, ids, 6)
+    assert_close_rel(got, full, tolerance(dtype, "attention"), "decoded logits")
+    assert (model.model._decode_weights is not None) == packing
+
+
+def test_packed_copies_follow_the_weights(monkeypatch):
+    # An in-place change of a parameter (an optimizer step, load_state_dict) after decoding
+    # must reach the next decoding step: oracle, the full forward of the changed model.
+    monkeypatch.setattr(WiolaModel, "decode_packing", True)
+    model = tiny()
+    ids = torch.randint(3, model.config.vocab_size, (1, 10), generator=torch.Generator().manual_seed(6))
+    decode_logits(model, ids, 5)
+    g = torch.Generator().manual_seed(8)
+    with torch.no_grad():
+        blk = model.model.layers[1]
+        for p in (blk.attn.k_proj.weight, blk.ffn.w_w3.weight, model.model.embed_tokens.weight):
+            p.add_(torch.randn(p.shape, generator=g) * 0.05)
+        full = model(ids, use_cache=False).logits
+    assert_close_rel(decode_logits(model, ids, 5), full, tolerance(torch.float32, "attention"), "after the change")
+    model.train()
+    assert model.model._decode_weights is None  # train() frees the copies
+
+
+def test_padded_batch_decodes_each_row_as_alone():
+    model = tiny()
+    g = torch.Generator().manual_seed(9)
+    long, short = torch.randint(3, 200, (1, 9), generator=g), torch.randint(3, 200, (1, 6), generator=g)
+    ids = torch.cat([long, torch.cat([torch.zeros(1, 3, dtype=torch.long), short], 1)])
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    with torch.no_grad():
+        batch = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
+        alone = model.generate(short, attention_mask=torch.ones_like(short), max_new_tokens=6, do_sample=False)
+    assert torch.equal(batch[1, 9:], alone[0, 6:])
