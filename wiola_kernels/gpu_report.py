@@ -61,7 +61,11 @@ ATM_GRIDS = {
     "gather_average_kernel": lambda B, T, d: B * T,
     "merge_backward_kernel": lambda B, T, d: B * T,
     "unmerge_kernel": lambda B, T, d: B * T,
-    "unmerge_backward_kernel": lambda B, T, d: math.ceil(d / _cuda_constant("atm", "kColumnThreads")) * min(B, 65535),
+    "map_sorted_kernel": lambda B, T, d: B,
+    # segments × column blocks of 16-byte chunks (8 bf16 columns each), × rows
+    "unmerge_backward_kernel": lambda B, T, d: (math.ceil(T / _cuda_constant("atm", "kUnmergeSegment"))
+                                                * math.ceil(d / 8 / _cuda_constant("atm", "kColumnThreads"))
+                                                * min(B, 65535)),
 }
 
 

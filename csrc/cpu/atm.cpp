@@ -359,7 +359,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> atm_merge(const at::T
   for (int64_t b = 0; b < B; ++b) {
     WIOLA_CHECK_ARG(len[b] >= 0 && len[b] <= T, "lengths must lie in [0, T] = [0, ", T, "], got ", len[b]);
   }
-  const auto acc = x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  const auto acc = acc_scalar_type(x);
   at::Tensor merged = empty_output(x.sizes(), x.options());
   at::Tensor merged_pos = empty_output({B, T}, positions.options());
   at::Tensor merged_len = empty_output({B}, lengths.options());

@@ -11,52 +11,24 @@
 #include <limits>
 #include <type_traits>
 
-#if defined(__linux__)
-#include <sys/mman.h>
-#endif
+#include "wiola/empty_output.h"
 #if defined(CPU_CAPABILITY_AVX2)
 #include <immintrin.h>
 #endif
 
 namespace wiola::cpu {
 
-// Large outputs are freshly mapped memory whose first-touch page faults can cost more
-// than the writes themselves (measured on the 2-core CI VM: a 64 MiB clone took 165 ms
-// with 4 KiB pages, 53 ms with huge pages). Ask for transparent huge pages before the
-// kernel's first write. Only a hint: ignored where THP is off; 2 MiB-aligned interior only.
-inline void advise_huge_pages(const at::Tensor& t) {
-#if defined(__linux__) && defined(MADV_HUGEPAGE)
-  constexpr uintptr_t kHuge = uintptr_t(1) << 21;
-  if (t.nbytes() < 4 * kHuge) return;
-  const uintptr_t begin = reinterpret_cast<uintptr_t>(t.data_ptr());
-  const uintptr_t first = (begin + kHuge - 1) & ~(kHuge - 1);
-  const uintptr_t last = (begin + static_cast<uintptr_t>(t.nbytes())) & ~(kHuge - 1);
-  if (last > first) madvise(reinterpret_cast<void*>(first), last - first, MADV_HUGEPAGE);
-#else
-  (void)t;
-#endif
-}
-
-// torch.empty for kernel outputs (with the huge-page hint above); filled with NaN
-// (floats) or -1 (integers) when the environment sets WIOLA_POISON_OUTPUTS=1, so a test
-// sees any element a kernel skips.
-inline at::Tensor empty_output(at::IntArrayRef sizes, const at::TensorOptions& options) {
-  at::Tensor out = at::empty(sizes, options);
-  advise_huge_pages(out);
-  const char* flag = std::getenv("WIOLA_POISON_OUTPUTS");
-  if (flag != nullptr && flag[0] != '\0' && std::strcmp(flag, "0") != 0) {
-    if (at::isFloatingType(out.scalar_type())) {
-      out.fill_(std::numeric_limits<double>::quiet_NaN());
-    } else {
-      out.fill_(-1);
-    }
-  }
-  return out;
-}
+using wiola::advise_huge_pages;
+using wiola::empty_output;  // wiola/empty_output.h, shared with the CUDA bindings
 
 // Accumulation type: double stays double, every other float type computes in float.
 template <typename scalar_t>
 using acc_type = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
+
+// The same rule for a tensor's dtype: float64 stays float64, every other float computes in float32.
+inline at::ScalarType acc_scalar_type(const at::Tensor& x) {
+  return x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+}
 
 // dst[i] = (acc_t) src[i], vectorised for the reduced-precision types.
 template <typename scalar_t, typename acc_t>

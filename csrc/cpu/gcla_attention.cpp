@@ -615,10 +615,6 @@ Dims check_inputs(const at::Tensor& q_rot, const at::Tensor& k_rot, const at::Te
   return Dims{B, H, Hkv, T, dh, kc.size(2), kc.size(3), 1.0 / std::sqrt(static_cast<double>(dh))};
 }
 
-at::ScalarType acc_scalar_type(const at::Tensor& x) {
-  return x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
-}
-
 std::tuple<at::Tensor, at::Tensor> gcla_attention_fwd(const at::Tensor& q_rot, const at::Tensor& k_rot,
                                                       const at::Tensor& v, const at::Tensor& q, const at::Tensor& kc,
                                                       const at::Tensor& vc, const at::Tensor& gate,

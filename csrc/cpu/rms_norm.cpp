@@ -427,10 +427,6 @@ at::Tensor shift_or_zeros(const std::optional<at::Tensor>& shift, const at::Tens
   return shift.has_value() ? shift->to(acc).contiguous() : at::zeros({x.size(1)}, x.options().dtype(acc));
 }
 
-at::ScalarType acc_scalar_type(const at::Tensor& x) {
-  return x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
-}
-
 std::tuple<at::Tensor, at::Tensor> rms_norm_fwd(const at::Tensor& x, const at::Tensor& weight,
                                                 const std::optional<at::Tensor>& shift, double eps, bool hf_order) {
   check_inputs(x, weight, shift);

@@ -23,8 +23,9 @@
 //      (--use_fast_math flushes float32 subnormals here: a merged pair of subnormal
 //      float32 tokens comes out as 0; decisions are unaffected, see exact_double.)
 // Unmerge is a gather. Backwards: merge is a gather scaled by ½ / 1 / 0; unmerge is a
-// segment sum where one thread owns one column of a row and walks the tokens in order
-// (no atomics: deterministic for any index map).
+// segment sum in token order, in parallel over segments of T for the sorted maps merge
+// produces, one sequential walk per column otherwise (no atomics: deterministic for any
+// index map; see unmerge_backward_kernel).
 #ifdef WIOLA_CUDA_EMU
 #include "emu/cuda_emu.h"  // host C++ build for the SIMT emulator (backend cuda_emu)
 #else
@@ -39,13 +40,17 @@
 #include "wiola/atm.h"
 #include "wiola/cuda_convert.cuh"
 #include "wiola/cuda_launch.cuh"
+#include "wiola/warp_reduce.cuh"
 
 namespace wiola::atm {
 namespace {
 
 constexpr int kSimTokens = 8;     // tokens per block in norms_and_dots
-constexpr int kSimThreads = 256;
-constexpr int kSimBatch = 4;  // columns per thread loaded before they are summed
+// norms_and_dots: a step of a thread is one 16-byte chunk of each of the kSimTokens + 1
+// tokens (9 × 16 B in flight per thread; a bf16 row of d = 1024 is one step of 128 threads).
+constexpr int kSimThreads = 128;
+constexpr int kSimBlocks = 4;        // resident blocks per SM the register budget is sized for
+constexpr int kSimScalarBatch = 2;   // element-wise path (d or x not 16-byte aligned): columns per step
 constexpr int kScanThreads = 256;  // select: one block per row, tiles of kScanThreads·kScanItems tokens
 constexpr int kScanItems = 4;
 constexpr int kTile = kScanThreads * kScanItems;
@@ -56,31 +61,26 @@ constexpr int kTile = kScanThreads * kScanItems;
 // (issue 10 §3: ≥ 32 KB for HBM bandwidth; one 2-byte load per thread had 4 KB).
 constexpr int kRowThreads = 64;
 constexpr int kRowChunks = 2;
-constexpr int kColumnThreads = 128;  // unmerge backward: one thread per column
-constexpr int kUnmergeBatch = 4;     // unmerge backward: tokens loaded ahead of the sequential walk
+// Unmerge backward: a block owns kUnmergeSegment tokens of one row and kColumnThreads
+// 16-byte chunks (or elements) of their columns; the segments of a row run in parallel.
+constexpr int kColumnThreads = 128;
+constexpr int kUnmergeSegment = 16;
+constexpr int kUnmergeBatch = 4;     // tokens whose chunks are loaded before any is summed
+constexpr int kCheckThreads = 1024;  // map_sorted_kernel: one block per row,
+constexpr int kCheckItems = 4;       // consecutive entries per thread
 
+using wiola::cuda::dispatch_dtype;
 using wiola::cuda::from_float;
 using wiola::cuda::launch_kernel;
 using wiola::cuda::to_float;
+using wiola::cuda::warp_max;
+using wiola::cuda::warp_sum;
 
 __device__ __forceinline__ float quiet_nan() { return __int_as_float(0x7fc00000); }
 
-__device__ __forceinline__ float warp_sum(float v) {
-#pragma unroll
-  for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
-  return v;
-}
-
-__device__ __forceinline__ unsigned warp_max(unsigned v) {
-#pragma unroll
-  for (int offset = 16; offset > 0; offset >>= 1) v = max(v, __shfl_xor_sync(0xffffffffu, v, offset));
-  return v;
-}
-
 // Sum over the block in a fixed order, returned to every thread; `scratch` has one slot per warp.
 __device__ __forceinline__ double block_sum(double v, double* scratch) {
-#pragma unroll
-  for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
+  v = warp_sum(v);
   if (threadIdx.x % 32 == 0) scratch[threadIdx.x / 32] = v;
   __syncthreads();
   double total = 0.0;
@@ -236,17 +236,40 @@ struct MaxOp {
   __device__ __forceinline__ int operator()(int a, int b) const { return a > b ? a : b; }
 };
 
+// Adds kCols columns of a step to one thread's sums, columns in ascending order:
+// elem(k, c) is column c of token k (0 for a column past d or a token not read, which
+// leaves ‖·‖² and max|·| unchanged).
+template <int kCols, typename Elem>
+__device__ __forceinline__ void accumulate_step(Elem elem, int n, float (&ns)[kSimTokens], float (&dt)[kSimTokens],
+                                                unsigned (&mx)[kSimTokens + 1]) {
+#pragma unroll
+  for (int c = 0; c < kCols; ++c) {
+    float prev = elem(0, c);
+    mx[0] = max(mx[0], abs_bits(prev));
+#pragma unroll
+    for (int k = 0; k < kSimTokens; ++k) {
+      if (k < n) {
+        const float next = elem(k + 1, c);
+        mx[k + 1] = max(mx[k + 1], abs_bits(next));
+        ns[k] = fmaf(prev, prev, ns[k]);
+        dt[k] = fmaf(prev, next, dt[k]);
+        prev = next;
+      }
+    }
+  }
+}
+
 // ‖x_t‖² and ⟨x_t, x_{t+1}⟩ for kSimTokens tokens of one row per block.
 template <typename scalar_t>
-// 2 blocks per SM: room for the kSimBatch × (kSimTokens + 1) loaded values (ptxas's default
-// budget of 64–80 registers spilled on sm_80, gpu-report).
-__global__ void __launch_bounds__(kSimThreads, 2)
+// kSimBlocks blocks per SM: room for the kSimTokens + 1 chunks loaded per step.
+__global__ void __launch_bounds__(kSimThreads, kSimBlocks)
     norms_and_dots_kernel(const scalar_t* __restrict__ x, float* __restrict__ norm_sq, float* __restrict__ dot,
-                          int64_t T, int64_t d, int64_t chunks_per_row) {
+                          int64_t T, int64_t d, int64_t chunks_per_row, bool vec) {
   const int64_t b = blockIdx.x / chunks_per_row;
   const int64_t t0 = (blockIdx.x % chunks_per_row) * kSimTokens;
   const int n = static_cast<int>(T - t0 < kSimTokens ? T - t0 : kSimTokens);  // tokens owned
   const bool look_ahead = t0 + n < T;
+  const int reads = n + (look_ahead ? 1 : 0);  // tokens read: owned + look-ahead
   const scalar_t* row = x + (b * T + t0) * d;
   float ns[kSimTokens], dt[kSimTokens];
   unsigned mx[kSimTokens + 1];  // bits of max|x| of each token and of the look-ahead
@@ -254,31 +277,36 @@ __global__ void __launch_bounds__(kSimThreads, 2)
   for (int k = 0; k < kSimTokens; ++k) ns[k] = dt[k] = 0.f;
 #pragma unroll
   for (int k = 0; k <= kSimTokens; ++k) mx[k] = 0u;
-  // kSimBatch columns of all tokens are loaded before any is summed (memory-level
-  // parallelism, issue 10 §3); the sums still take the columns in ascending order.
+  // A step loads its columns of all tokens before any is summed (memory-level
+  // parallelism, issue 10 §3); each thread sums its columns in ascending order, the
+  // block its threads in a fixed order below: deterministic.
+  if (vec) {  // one 16-byte chunk per token: columns [c·E, c·E + E) of chunk c
+    constexpr int E = static_cast<int>(kPerChunk<scalar_t>);
+    const int64_t chunks = d / E;
 #pragma unroll 1
-  for (int64_t j0 = threadIdx.x; j0 < d; j0 += static_cast<int64_t>(blockDim.x) * kSimBatch) {
-    float v[kSimBatch][kSimTokens + 1];
+    for (int64_t c = threadIdx.x; c < chunks; c += blockDim.x) {
+      Chunk v[kSimTokens + 1];
 #pragma unroll
-    for (int u = 0; u < kSimBatch; ++u) {
-      const int64_t j = j0 + static_cast<int64_t>(u) * blockDim.x;
-#pragma unroll
-      for (int k = 0; k <= kSimTokens; ++k)
-        v[u][k] = j < d && (k < n || (k == n && look_ahead)) ? to_float(row[k * d + j]) : 0.f;
-    }
-#pragma unroll
-    for (int u = 0; u < kSimBatch; ++u) {
-      if (j0 + static_cast<int64_t>(u) * blockDim.x >= d) break;
-      mx[0] = max(mx[0], abs_bits(v[u][0]));
-#pragma unroll
-      for (int k = 0; k < kSimTokens; ++k) {
-        if (k < n) {
-          const float prev = v[u][k], next = v[u][k + 1];
-          mx[k + 1] = max(mx[k + 1], abs_bits(next));
-          ns[k] = fmaf(prev, prev, ns[k]);
-          dt[k] = fmaf(prev, next, dt[k]);
+      for (int k = 0; k <= kSimTokens; ++k) {
+        if (k < reads) {
+          v[k] = reinterpret_cast<const Chunk*>(row + k * d)[c];
+        } else {
+          v[k] = Chunk{};
         }
       }
+      accumulate_step<E>([&](int k, int e) { return to_float(unpack<scalar_t>(v[k]).v[e]); }, n, ns, dt, mx);
+    }
+  } else {  // element-wise: kSimScalarBatch columns blockDim apart
+#pragma unroll 1
+    for (int64_t j0 = threadIdx.x; j0 < d; j0 += static_cast<int64_t>(blockDim.x) * kSimScalarBatch) {
+      float v[kSimTokens + 1][kSimScalarBatch];
+#pragma unroll
+      for (int u = 0; u < kSimScalarBatch; ++u) {
+        const int64_t j = j0 + static_cast<int64_t>(u) * blockDim.x;
+#pragma unroll
+        for (int k = 0; k <= kSimTokens; ++k) v[k][u] = j < d && k < reads ? to_float(row[k * d + j]) : 0.f;
+      }
+      accumulate_step<kSimScalarBatch>([&](int k, int u) { return v[k][u]; }, n, ns, dt, mx);
     }
   }
   __shared__ float partial[kSimThreads / 32][2 * kSimTokens];
@@ -482,49 +510,204 @@ __global__ void __launch_bounds__(kRowThreads)
   copy_row(y + ((i / T) * T + slot) * d, o, d, vec);
 }
 
-// grid (column blocks, B): one thread owns column j of row b and walks the tokens in
-// order, summing runs of equal slots in float and adding each run to its slot once.
+// --- Unmerge backward: grad_y[s] = Σ_{t: map(t) = s} grad[t], summed in token order ---
+//
+// Runs of consecutive tokens with the same slot are summed in float in token order and
+// stored once; a slot met again in a later run (not in a map from merge) gets the run
+// added to what is there (as csrc/cpu/atm.cpp). Two paths, chosen per row on the device:
+//   * sorted rows (every entry in [0, T), never decreasing: all maps merge produces): each
+//     slot is one run, so the row splits into segments of kUnmergeSegment tokens that run
+//     in parallel. A segment sums the runs that start in it — skipping tokens that continue
+//     a run from before it and reading past its end to finish its last run — and zeroes
+//     the slots no token maps to (the gap before each run it starts; slots before the
+//     first / after the last token's slot that fall in its own range). Every output row
+//     has one writer and each sum its token order: deterministic without atomics.
+//   * other rows: one sequential walk over T per column (segment 0's blocks).
+// A thread owns one 16-byte chunk of the columns (vec) or one element.
+
+// One block per row: row_sorted[b] = 1 when the row's map is sorted (above), else 0. A
+// thread checks kCheckItems consecutive entries, loaded together: one or two memory round
+// trips at the bench shapes, so the check costs little next to the segment sums.
+__global__ void __launch_bounds__(kCheckThreads)
+    map_sorted_kernel(const int64_t* __restrict__ index_map, int* __restrict__ row_sorted, int64_t T) {
+  const int64_t* map = index_map + static_cast<int64_t>(blockIdx.x) * T;
+  bool ok = true;
+#pragma unroll 1
+  for (int64_t t0 = static_cast<int64_t>(threadIdx.x) * kCheckItems; t0 < T;
+       t0 += static_cast<int64_t>(blockDim.x) * kCheckItems) {
+    int64_t v[kCheckItems + 1];  // entries t0 − 1 … t0 + kCheckItems − 1
+    v[0] = t0 > 0 ? map[t0 - 1] : 0;
+#pragma unroll
+    for (int i = 0; i < kCheckItems; ++i) v[i + 1] = t0 + i < T ? map[t0 + i] : T - 1;
+#pragma unroll
+    for (int i = 0; i < kCheckItems; ++i) ok = ok & (v[i + 1] >= 0) & (v[i + 1] < T) & (v[i] <= v[i + 1]);
+  }
+  __shared__ int warp_ok[kCheckThreads / 32];
+  const int all = __all_sync(0xffffffffu, ok);
+  if (threadIdx.x % 32 == 0) warp_ok[threadIdx.x / 32] = all;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    int r = 1;
+    for (int w = 0; w < static_cast<int>(blockDim.x / 32); ++w) r = r & (warp_ok[w] != 0);
+    row_sorted[blockIdx.x] = r;
+  }
+}
+
+// The columns of a row one thread owns: a 16-byte chunk (kVec), or one element (the
+// chunk's first; the others are zero). A template parameter, so that each path's loop
+// holds only its own loads.
+template <typename scalar_t, bool kVec>
+struct ColumnLane {
+  static constexpr int E = static_cast<int>(kPerChunk<scalar_t>);
+
+  static __device__ __forceinline__ Chunk load(const scalar_t* p) {
+    if (kVec) return *reinterpret_cast<const Chunk*>(p);
+    Chunk c{};
+    const scalar_t v = *p;
+    memcpy(&c, &v, sizeof(scalar_t));
+    return c;
+  }
+  static __device__ __forceinline__ void store(scalar_t* p, const float (&acc)[E]) {
+    if (kVec) {
+      Elems<scalar_t> e;
+#pragma unroll
+      for (int i = 0; i < E; ++i) e.v[i] = from_float<scalar_t>(acc[i]);
+      *reinterpret_cast<Chunk*>(p) = pack(e);
+    } else {
+      *p = from_float<scalar_t>(acc[0]);
+    }
+  }
+  static __device__ __forceinline__ void zero(scalar_t* p) {
+    float z[E];
+#pragma unroll
+    for (int i = 0; i < E; ++i) z[i] = 0.f;
+    store(p, z);
+  }
+  static __device__ __forceinline__ void set(float (&acc)[E], const Chunk& c) {
+    const Elems<scalar_t> e = unpack<scalar_t>(c);
+#pragma unroll
+    for (int i = 0; i < E; ++i) acc[i] = to_float(e.v[i]);
+  }
+  static __device__ __forceinline__ void add(float (&acc)[E], const Chunk& c) {
+    const Elems<scalar_t> e = unpack<scalar_t>(c);
+#pragma unroll
+    for (int i = 0; i < E; ++i) acc[i] += to_float(e.v[i]);
+  }
+};
+
+// Any map, one thread's columns of one row: zero every slot, then walk the tokens in
+// order, adding each run to its slot (invalid entries contribute nothing).
+template <typename Lane, typename scalar_t>
+__device__ __forceinline__ void unmerge_backward_any_map(const scalar_t* g, const int64_t* map, scalar_t* out,
+                                                         int64_t T, int64_t d) {
+#pragma unroll 1
+  for (int64_t s = 0; s < T; ++s) Lane::zero(out + s * d);
+  int64_t cur = -1;
+  float acc[Lane::E] = {};
+  const auto flush = [&]() {
+    float sum[Lane::E];
+    Lane::set(sum, Lane::load(out + cur * d));
+#pragma unroll
+    for (int i = 0; i < Lane::E; ++i) sum[i] += acc[i];
+    Lane::store(out + cur * d, sum);
+  };
+#pragma unroll 1
+  for (int64_t t = 0; t < T; ++t) {
+    const int64_t slot = map[t];
+    if (slot < 0 || slot >= T) continue;
+    const Chunk v = Lane::load(g + t * d);
+    if (slot == cur) {
+      Lane::add(acc, v);
+      continue;
+    }
+    if (cur >= 0) flush();
+    cur = slot;
+    Lane::set(acc, v);
+  }
+  if (cur >= 0) flush();
+}
+
+// A sorted row, one thread's columns of tokens [t0, t1): the runs that start there, and
+// the zero slots this segment owns. seg_map[0] is the slot of token t0 − 1 (−1 for none),
+// seg_map[1 + i] that of token t0 + i.
+template <typename Lane, typename scalar_t>
+__device__ __forceinline__ void unmerge_backward_segment(const scalar_t* g, const int64_t* map, scalar_t* out,
+                                                         const int64_t* seg_map, int64_t T, int64_t d, int64_t t0,
+                                                         int64_t t1) {
+  // Slots before the first token's / after the last token's slot, in this segment's range.
+  const int64_t first = map[0], last = map[T - 1];
+#pragma unroll 1
+  for (int64_t s = t0; s < t1; ++s)
+    if (s < first || s > last) Lane::zero(out + s * d);
+  int64_t prev = seg_map[0];  // slot of the previous token
+  int64_t cur = -1;           // slot of the run being summed (one this segment started)
+  float acc[Lane::E] = {};
+  const auto visit = [&](int64_t slot, const Chunk& v) {
+    if (slot == prev) {  // the run goes on (one from before the segment when cur < 0: skipped)
+      if (cur >= 0) Lane::add(acc, v);
+      return;
+    }
+    if (cur >= 0) Lane::store(out + cur * d, acc);
+#pragma unroll 1
+    for (int64_t s = prev + 1; prev >= 0 && s < slot; ++s) Lane::zero(out + s * d);  // no token maps there
+    cur = prev = slot;
+    Lane::set(acc, v);
+  };
+  // kUnmergeBatch tokens' chunks are loaded before any is summed (issue 10 §3).
+#pragma unroll 1
+  for (int64_t t = t0; t < t1; t += kUnmergeBatch) {
+    Chunk v[kUnmergeBatch];
+#pragma unroll
+    for (int k = 0; k < kUnmergeBatch; ++k)
+      if (t + k < t1) v[k] = Lane::load(g + (t + k) * d);
+#pragma unroll
+    for (int k = 0; k < kUnmergeBatch; ++k)
+      if (t + k < t1) visit(seg_map[t + k - t0 + 1], v[k]);
+  }
+  if (cur >= 0) {  // the last run may go on past the segment
+#pragma unroll 1
+    for (int64_t t = t1; t < T && map[t] == cur; ++t) Lane::add(acc, Lane::load(g + t * d));
+    Lane::store(out + cur * d, acc);
+  }
+}
+
+// grid (segments × column blocks, rows b0 …); row_sorted from map_sorted_kernel.
 template <typename scalar_t>
 __global__ void __launch_bounds__(kColumnThreads)
     unmerge_backward_kernel(const scalar_t* __restrict__ grad, const int64_t* __restrict__ index_map,
-                            scalar_t* __restrict__ grad_y, int64_t B, int64_t T, int64_t d) {
-  const int64_t j = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (j >= d) return;
-  for (int64_t b = blockIdx.y; b < B; b += gridDim.y) {  // gridDim.y ≤ 65535
-    const int64_t* map = index_map + b * T;
-    const scalar_t* g = grad + b * T * d + j;
-    scalar_t* out = grad_y + b * T * d + j;
-#pragma unroll 1  // unrolled, this loop made ptxas spill 8 bytes on sm_90 (gpu-report)
-    for (int64_t s = 0; s < T; ++s) out[s * d] = from_float<scalar_t>(0.f);
-    int64_t cur = -1;
-    float acc = 0.f;
-    // One token of the walk (the order of the float sums is the token order).
-    auto visit = [&](int64_t slot, float v) {
-      if (slot < 0 || slot >= T) return;  // invalid entries contribute nothing
-      if (slot == cur) {
-        acc += v;
-        return;
+                            const int* __restrict__ row_sorted, scalar_t* __restrict__ grad_y, int64_t b0, int64_t T,
+                            int64_t d, int64_t lanes, bool vec) {
+  static_assert(kColumnThreads > kUnmergeSegment, "one thread stages each map entry of a segment");
+  __shared__ int64_t seg_map[kUnmergeSegment + 1];
+  const int64_t column_blocks = (lanes + kColumnThreads - 1) / kColumnThreads;
+  const int64_t seg = blockIdx.x / column_blocks;
+  const int64_t lane = (blockIdx.x % column_blocks) * kColumnThreads + threadIdx.x;
+  const bool active = lane < lanes;
+  const int64_t t0 = seg * kUnmergeSegment;
+  const int64_t t1 = t0 + kUnmergeSegment < T ? t0 + kUnmergeSegment : T;
+  const int64_t b = b0 + blockIdx.y;
+  const int64_t* map = index_map + b * T;
+  const int64_t col = vec ? lane * kPerChunk<scalar_t> : lane;
+  const scalar_t* g = grad + b * T * d + col;
+  scalar_t* out = grad_y + b * T * d + col;
+  if (!row_sorted[b]) {  // block-uniform
+    if (seg == 0 && active) {
+      if (vec) {
+        unmerge_backward_any_map<ColumnLane<scalar_t, true>>(g, map, out, T, d);
+      } else {
+        unmerge_backward_any_map<ColumnLane<scalar_t, false>>(g, map, out, T, d);
       }
-      if (cur >= 0) out[cur * d] = from_float<scalar_t>(to_float(out[cur * d]) + acc);
-      cur = slot;
-      acc = v;
-    };
-    // The walk is sequential, and only B·d threads exist: each loads kUnmergeBatch tokens'
-    // map entries and gradients before visiting them, so that many loads are in flight.
-    int64_t t = 0;
-    for (; t + kUnmergeBatch <= T; t += kUnmergeBatch) {
-      int64_t slots[kUnmergeBatch];
-      float vals[kUnmergeBatch];
-#pragma unroll
-      for (int k = 0; k < kUnmergeBatch; ++k) {
-        slots[k] = map[t + k];
-        vals[k] = to_float(g[(t + k) * d]);  // in bounds even where the entry is invalid
-      }
-#pragma unroll
-      for (int k = 0; k < kUnmergeBatch; ++k) visit(slots[k], vals[k]);
     }
-    for (; t < T; ++t) visit(map[t], to_float(g[t * d]));
-    if (cur >= 0) out[cur * d] = from_float<scalar_t>(to_float(out[cur * d]) + acc);
+    return;
+  }
+  if (threadIdx.x <= t1 - t0)
+    seg_map[threadIdx.x] = threadIdx.x > 0 ? map[t0 + threadIdx.x - 1] : (t0 > 0 ? map[t0 - 1] : -1);
+  __syncthreads();
+  if (!active) return;
+  if (vec) {
+    unmerge_backward_segment<ColumnLane<scalar_t, true>>(g, map, out, seg_map, T, d, t0, t1);
+  } else {
+    unmerge_backward_segment<ColumnLane<scalar_t, false>>(g, map, out, seg_map, T, d, t0, t1);
   }
 }
 
@@ -532,7 +715,7 @@ template <typename scalar_t>
 cudaError_t merge_typed(const MergeParams& p, cudaStream_t stream) {
   const int64_t chunks = (p.T + kSimTokens - 1) / kSimTokens;
   launch_kernel(norms_and_dots_kernel<scalar_t>, static_cast<unsigned>(p.B * chunks), kSimThreads, 0, stream,
-      static_cast<const scalar_t*>(p.x), p.norm_sq, p.dot, p.T, p.d, chunks);
+      static_cast<const scalar_t*>(p.x), p.norm_sq, p.dot, p.T, p.d, chunks, rows_vectorizable<scalar_t>(p.d, p.x, p.x));
   launch_kernel(select_kernel, static_cast<unsigned>(p.B), kScanThreads, 0, stream,
       p.norm_sq, p.dot, p.positions, p.lengths, p.threshold, p.T, p.index_map, p.merged_positions,
       p.merged_lengths, p.slot_source);
@@ -560,25 +743,20 @@ cudaError_t unmerge_typed(const UnmergeParams& p, cudaStream_t stream) {
 
 template <typename scalar_t>
 cudaError_t unmerge_backward_typed(const UnmergeParams& p, cudaStream_t stream) {
-  const dim3 grid(static_cast<unsigned>((p.d + kColumnThreads - 1) / kColumnThreads),
-                  static_cast<unsigned>(p.B < 65535 ? p.B : 65535));
-  launch_kernel(unmerge_backward_kernel<scalar_t>, grid, kColumnThreads, 0, stream,
-      static_cast<const scalar_t*>(p.in), p.index_map, static_cast<scalar_t*>(p.out), p.B, p.T, p.d);
-  return cudaGetLastError();
-}
-
-// Calls fn.template operator()<scalar_t>() for the runtime dtype.
-template <typename Fn>
-cudaError_t dispatch_dtype(DType dtype, Fn&& fn) {
-  switch (dtype) {
-    case DType::kFloat32:
-      return fn(float{});
-    case DType::kFloat16:
-      return fn(__half{});
-    case DType::kBFloat16:
-      return fn(__nv_bfloat16{});
+  const bool vec = rows_vectorizable<scalar_t>(p.d, p.in, p.out);
+  const int64_t lanes = vec ? p.d / kPerChunk<scalar_t> : p.d;
+  const int64_t segments = (p.T + kUnmergeSegment - 1) / kUnmergeSegment;
+  const int64_t blocks = segments * ((lanes + kColumnThreads - 1) / kColumnThreads);
+  if (blocks > INT32_MAX || p.B > INT32_MAX) return cudaErrorInvalidValue;
+  launch_kernel(map_sorted_kernel, static_cast<unsigned>(p.B), kCheckThreads, 0, stream, p.index_map, p.row_sorted,
+      p.T);
+  for (int64_t b0 = 0; b0 < p.B; b0 += 65535) {  // gridDim.y ≤ 65535
+    const unsigned rows = static_cast<unsigned>(p.B - b0 < 65535 ? p.B - b0 : 65535);
+    launch_kernel(unmerge_backward_kernel<scalar_t>, dim3(static_cast<unsigned>(blocks), rows), kColumnThreads, 0,
+        stream, static_cast<const scalar_t*>(p.in), p.index_map, p.row_sorted, static_cast<scalar_t*>(p.out), b0, p.T,
+        p.d, lanes, vec);
   }
-  return cudaErrorInvalidValue;
+  return cudaGetLastError();
 }
 
 }  // namespace

@@ -4,33 +4,19 @@
 // routed to the reference by wiola_kernels/ops/atm.py).
 #include <torch/library.h>
 
-#include "../cpu/common.h"
 #include "binding_device.h"
 #include "wiola/atm.h"
 
 namespace wiola::cuda_atm {
 namespace {
 
-using wiola::cpu::empty_output;
+using wiola::WIOLA_CUDA_BINDING_NS::check_launch;
 using wiola::WIOLA_CUDA_BINDING_NS::current_stream;
 using wiola::WIOLA_CUDA_BINDING_NS::DeviceGuard;
+using wiola::WIOLA_CUDA_BINDING_NS::empty_output;
 using wiola::WIOLA_CUDA_BINDING_NS::kDevice;
+using wiola::WIOLA_CUDA_BINDING_NS::kernel_dtype;
 using wiola::WIOLA_CUDA_BINDING_NS::on_kernel_device;
-
-atm::DType kernel_dtype(const at::Tensor& t, const char* name) {
-  switch (t.scalar_type()) {
-    case at::kFloat:
-      return atm::DType::kFloat32;
-    case at::kHalf:
-      return atm::DType::kFloat16;
-    case at::kBFloat16:
-      return atm::DType::kBFloat16;
-    default:
-      TORCH_CHECK_TYPE(false, name, " must be float32, float16 or bfloat16 for the CUDA kernels, got ",
-                       t.scalar_type());
-  }
-  return atm::DType::kFloat32;
-}
 
 void check_x(const char* name, const at::Tensor& x) {
   TORCH_CHECK_VALUE(on_kernel_device(x) && x.dim() == 3 && x.is_contiguous() && x.size(2) > 0, name,
@@ -43,10 +29,6 @@ void check_int(const char* name, const at::Tensor& t, const at::Tensor& like, at
                         t.sizes() == sizes,
                     name, " must be a contiguous int64 tensor of shape ", sizes, " on ", like.device(), ", got ",
                     t.sizes(), " ", t.scalar_type(), " on ", t.device());
-}
-
-void check_launch(cudaError_t err, const char* what) {
-  TORCH_CHECK(err == cudaSuccess, "wiola atm: ", what, " launch failed: ", cudaGetErrorString(err));
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> atm_merge(const at::Tensor& x, const at::Tensor& positions,
@@ -80,7 +62,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> atm_merge(const at::T
   p.T = T;
   p.d = d;
   p.dtype = kernel_dtype(x, "x");
-  check_launch(atm::launch_merge(p, current_stream()), "merge");
+  check_launch(atm::launch_merge(p, current_stream()), "atm merge");
   return {merged, merged_positions, merged_lengths, index_map};
 }
 
@@ -95,7 +77,7 @@ at::Tensor atm_merge_bwd(const at::Tensor& grad_merged, const at::Tensor& index_
   atm::MergeBackwardParams p{grad_merged.const_data_ptr(), index_map.const_data_ptr<int64_t>(),
                              merged_lengths.const_data_ptr<int64_t>(), grad_x.mutable_data_ptr(), B, T, d,
                              kernel_dtype(grad_merged, "grad_merged")};
-  check_launch(atm::launch_merge_backward(p, current_stream()), "merge backward");
+  check_launch(atm::launch_merge_backward(p, current_stream()), "atm merge backward");
   return grad_x;
 }
 
@@ -105,11 +87,14 @@ at::Tensor unmerge_common(const at::Tensor& in, const at::Tensor& index_map, boo
   check_int("index_map", index_map, in, {B, T});
   const DeviceGuard guard(in.device());
   at::Tensor out = empty_output(in.sizes(), in.options());
+  // Backward: whether each row's map is sorted (its segments then run in parallel, atm.cu).
+  at::Tensor row_sorted = at::empty({backward ? B : 0}, in.options().dtype(at::kInt));
   atm::UnmergeParams p{in.const_data_ptr(), index_map.const_data_ptr<int64_t>(), out.mutable_data_ptr(), B, T, d,
-                       kernel_dtype(in, backward ? "grad_restored" : "y")};
+                       kernel_dtype(in, backward ? "grad_restored" : "y"),
+                       backward ? row_sorted.mutable_data_ptr<int>() : nullptr};
   const auto stream = current_stream();
   check_launch(backward ? atm::launch_unmerge_backward(p, stream) : atm::launch_unmerge(p, stream),
-               backward ? "unmerge backward" : "unmerge");
+               backward ? "atm unmerge backward" : "atm unmerge");
   return out;
 }
 

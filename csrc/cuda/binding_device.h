@@ -7,6 +7,9 @@
 
 #include <torch/library.h>
 
+#include "wiola/dtype.h"
+#include "wiola/empty_output.h"
+
 #ifdef WIOLA_CUDA_EMU
 #include "emu/runtime.h"
 
@@ -38,3 +41,32 @@ inline cudaStream_t current_stream() { return c10::cuda::getCurrentCUDAStream();
 
 #define WIOLA_CUDA_KERNELS_IMPL(m) TORCH_LIBRARY_IMPL(wiola, CUDA, m)
 #endif
+
+// The checks every binding makes, once per variant (the namespaces above: a GPU build links
+// both, and cudaGetErrorString differs between them).
+namespace wiola::WIOLA_CUDA_BINDING_NS {
+
+using wiola::empty_output;
+
+// The kernels' storage dtype of t; a TypeError naming `name` for any other dtype.
+inline DType kernel_dtype(const at::Tensor& t, const char* name) {
+  switch (t.scalar_type()) {
+    case at::kFloat:
+      return DType::kFloat32;
+    case at::kHalf:
+      return DType::kFloat16;
+    case at::kBFloat16:
+      return DType::kBFloat16;
+    default:
+      TORCH_CHECK_TYPE(false, name, " must be float32, float16 or bfloat16 for the CUDA kernels, got ",
+                       t.scalar_type());
+  }
+  return DType::kFloat32;
+}
+
+// A launcher's status: an error naming `what` unless cudaSuccess.
+inline void check_launch(cudaError_t err, const char* what) {
+  TORCH_CHECK(err == cudaSuccess, "wiola ", what, " launch failed: ", cudaGetErrorString(err));
+}
+
+}  // namespace wiola::WIOLA_CUDA_BINDING_NS

@@ -24,10 +24,12 @@
 #endif
 
 #include <cmath>
+#include <type_traits>
 
 #include "wiola/cuda_convert.cuh"
 #include "wiola/gcla_attention.h"
 #include "wiola/cuda_launch.cuh"
+#include "wiola/warp_reduce.cuh"
 
 namespace wiola::gcla {
 namespace {
@@ -36,15 +38,11 @@ constexpr int kWarps = 4;
 constexpr int kThreads = kWarps * 32;
 constexpr size_t kMaxSmem = 227 * 1024;  // opt-in shared memory per block on sm_90
 
+using wiola::cuda::dispatch_dtype;
 using wiola::cuda::from_float;
 using wiola::cuda::launch_kernel;
 using wiola::cuda::to_float;
-
-__device__ __forceinline__ float warp_sum(float x) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
-  return x;
-}
+using wiola::cuda::warp_sum;
 
 __device__ __forceinline__ int64_t row_length(const int64_t* lengths, int64_t b, int64_t T) {
   if (lengths == nullptr) return T;
@@ -373,38 +371,28 @@ cudaError_t backward_typed(const SummaryBackwardParams& p, cudaStream_t stream) 
   return err;
 }
 
-template <typename scalar_t>
-cudaError_t forward_dh(const SummaryForwardParams& p, cudaStream_t stream) {
-  if (p.dh == 64) return forward_typed<scalar_t, 64>(p, stream);
-  if (p.dh == 128) return forward_typed<scalar_t, 128>(p, stream);
-  return cudaErrorInvalidValue;
-}
-
-template <typename scalar_t>
-cudaError_t backward_dh(const SummaryBackwardParams& p, cudaStream_t stream) {
-  if (p.dh == 64) return backward_typed<scalar_t, 64>(p, stream);
-  if (p.dh == 128) return backward_typed<scalar_t, 128>(p, stream);
-  return cudaErrorInvalidValue;
+// Calls fn(std::integral_constant<int, DH>{}) for dh in HeadDims (wiola/gcla_attention.h).
+template <typename Fn, int... Ds>
+cudaError_t dispatch_head_dim(int64_t dh, HeadDimList<Ds...>, Fn&& fn) {
+  cudaError_t err = cudaErrorInvalidValue;
+  (void)((dh == Ds && ((err = fn(std::integral_constant<int, Ds>{})), true)) || ...);
+  return err;
 }
 
 }  // namespace
 
 cudaError_t launch_summary_forward(const SummaryForwardParams& p, cudaStream_t stream) {
-  switch (p.dtype) {
-    case DType::kFloat32: return forward_dh<float>(p, stream);
-    case DType::kFloat16: return forward_dh<__half>(p, stream);
-    case DType::kBFloat16: return forward_dh<__nv_bfloat16>(p, stream);
-  }
-  return cudaErrorInvalidValue;
+  return dispatch_dtype(p.dtype, [&](auto tag) {
+    return dispatch_head_dim(p.dh, HeadDims{},
+                             [&](auto dh) { return forward_typed<decltype(tag), decltype(dh)::value>(p, stream); });
+  });
 }
 
 cudaError_t launch_summary_backward(const SummaryBackwardParams& p, cudaStream_t stream) {
-  switch (p.dtype) {
-    case DType::kFloat32: return backward_dh<float>(p, stream);
-    case DType::kFloat16: return backward_dh<__half>(p, stream);
-    case DType::kBFloat16: return backward_dh<__nv_bfloat16>(p, stream);
-  }
-  return cudaErrorInvalidValue;
+  return dispatch_dtype(p.dtype, [&](auto tag) {
+    return dispatch_head_dim(p.dh, HeadDims{},
+                             [&](auto dh) { return backward_typed<decltype(tag), decltype(dh)::value>(p, stream); });
+  });
 }
 
 }  // namespace wiola::gcla

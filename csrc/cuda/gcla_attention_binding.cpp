@@ -8,32 +8,19 @@
 #include <cmath>
 #include <optional>
 
-#include "../cpu/common.h"
 #include "binding_device.h"
 #include "wiola/gcla_attention.h"
 
 namespace wiola::cuda_gcla {
 namespace {
 
-using wiola::cpu::empty_output;
+using wiola::WIOLA_CUDA_BINDING_NS::check_launch;
 using wiola::WIOLA_CUDA_BINDING_NS::current_stream;
 using wiola::WIOLA_CUDA_BINDING_NS::DeviceGuard;
+using wiola::WIOLA_CUDA_BINDING_NS::empty_output;
 using wiola::WIOLA_CUDA_BINDING_NS::kDevice;
+using wiola::WIOLA_CUDA_BINDING_NS::kernel_dtype;
 using wiola::WIOLA_CUDA_BINDING_NS::on_kernel_device;
-
-gcla::DType kernel_dtype(const at::Tensor& t) {
-  switch (t.scalar_type()) {
-    case at::kFloat:
-      return gcla::DType::kFloat32;
-    case at::kHalf:
-      return gcla::DType::kFloat16;
-    case at::kBFloat16:
-      return gcla::DType::kBFloat16;
-    default:
-      TORCH_CHECK_TYPE(false, "q must be float32, float16 or bfloat16 for the CUDA kernels, got ", t.scalar_type());
-  }
-  return gcla::DType::kFloat32;
-}
 
 void check_cuda(const char* name, const at::Tensor& t, const at::Tensor& like, at::IntArrayRef sizes,
                 const char* layout) {
@@ -42,10 +29,6 @@ void check_cuda(const char* name, const at::Tensor& t, const at::Tensor& like, a
                     t.sizes(), " on ", t.device());
   TORCH_CHECK_TYPE(t.scalar_type() == like.scalar_type(), name, " must have dtype ", like.scalar_type(), ", got ",
                    t.scalar_type());
-}
-
-void check_launch(cudaError_t err, const char* what) {
-  TORCH_CHECK(err == cudaSuccess, "wiola gcla_attention: ", what, " launch failed: ", cudaGetErrorString(err));
 }
 
 // Shapes shared by both kernels, from q (B, H, T, dh) and kc (B, H, S, L, dh).
@@ -58,9 +41,9 @@ Shape check_common(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& 
   TORCH_CHECK_VALUE(on_kernel_device(q) && q.dim() == 4 && q.is_contiguous(), "q must be a contiguous ", kDevice, " (B, H, T, d_h) tensor, got ",
                     q.sizes(), " on ", q.device());
   Shape s{q.size(0), q.size(1), q.size(2), q.size(3), 0, 0};
-  kernel_dtype(q);
-  TORCH_CHECK_VALUE(gcla::supported_head_dim(s.dh), "the CUDA gcla_attention kernels support d_h in {64, 128}, got ",
-                    s.dh);
+  kernel_dtype(q, "q");
+  TORCH_CHECK_VALUE(gcla::supported_head_dim(s.dh), "the CUDA gcla_attention kernels support d_h in ",
+                    gcla::head_dims_text(), ", got ", s.dh);
   TORCH_CHECK_VALUE(kc.dim() == 5 && (kc.size(2) == 1 || kc.size(2) == s.T),
                     "kc must be (B, H, S, L, d_h) with S in {1, T}, got ", kc.sizes());
   s.S = kc.size(2);
@@ -136,8 +119,8 @@ std::tuple<at::Tensor, at::Tensor> gcla_summary_fwd(const at::Tensor& o_self, co
   p.L = s.L;
   p.perm_kv = perm_kv;
   p.scale = scale_of(s);
-  p.dtype = kernel_dtype(q);
-  check_launch(gcla::launch_summary_forward(p, current_stream()), "summary forward");
+  p.dtype = kernel_dtype(q, "q");
+  check_launch(gcla::launch_summary_forward(p, current_stream()), "gcla_attention summary forward");
   return {out, lse};
 }
 
@@ -202,8 +185,8 @@ gcla_summary_bwd(const at::Tensor& grad_out, const at::Tensor& out, const at::Te
   p.L = s.L;
   p.perm_kv = perm_kv;
   p.scale = scale_of(s);
-  p.dtype = kernel_dtype(q);
-  check_launch(gcla::launch_summary_backward(p, current_stream()), "summary backward");
+  p.dtype = kernel_dtype(q, "q");
+  check_launch(gcla::launch_summary_backward(p, current_stream()), "gcla_attention summary backward");
   return {dq, dkc, dvc, dgate, do_self, o_self, q_self, lse_self};
 }
 

@@ -352,8 +352,11 @@ void test_atm() {
   std::vector<float> restored(x.size(), NAN), gx(x.size(), NAN), gy(x.size(), NAN);
   wiola::atm::UnmergeParams up{g.data(), imap.data(), restored.data(), B, T, d, wiola::atm::DType::kFloat32};
   check(wiola::atm::launch_unmerge(up, nullptr) == cudaSuccess, "atm: unmerge launch");
-  wiola::atm::UnmergeParams ub{g.data(), imap.data(), gy.data(), B, T, d, wiola::atm::DType::kFloat32};
+  std::vector<int> row_sorted(size_t(B), -1);
+  wiola::atm::UnmergeParams ub{g.data(), imap.data(), gy.data(), B, T, d, wiola::atm::DType::kFloat32,
+                               row_sorted.data()};
   check(wiola::atm::launch_unmerge_backward(ub, nullptr) == cudaSuccess, "atm: unmerge backward launch");
+  check(row_sorted == std::vector<int>(size_t(B), 1), "atm: maps from merge are sorted (parallel segments)");
   wiola::atm::MergeBackwardParams mb{g.data(), imap.data(), mlen.data(), gx.data(), B, T, d,
                                      wiola::atm::DType::kFloat32};
   check(wiola::atm::launch_merge_backward(mb, nullptr) == cudaSuccess, "atm: merge backward launch");
@@ -376,6 +379,32 @@ void test_atm() {
   check(ok_r, "atm: unmerge gathers the slot values");
   check(ok_x, "atm: merge backward = w · grad(slot)");
   check(ok_y, "atm: unmerge backward = segment sums");
+  // Unsorted maps (row 0: a slot in two separate runs; row 1: reversed; row 2: an entry
+  // out of range) take the sequential walk; sorted ones with gaps the segments.
+  std::vector<int64_t> map2(imap);
+  std::swap(map2[5], map2[700]);
+  for (int64_t t = 0; t < T; ++t) map2[size_t(T + t)] = T - 1 - t;
+  for (int64_t t = 0; t < T; ++t) map2[size_t(2 * T + t)] = t < 40 ? 3 : (t < 540 ? 2 * t : T - 1);
+  std::vector<int64_t> map3(map2);
+  map3[size_t(2 * T + 17)] = T;  // invalid: contributes nothing
+  for (const auto* m : {&map2, &map3}) {
+    std::vector<float> gy2(x.size(), NAN);
+    wiola::atm::UnmergeParams u2{g.data(), m->data(), gy2.data(), B, T, d, wiola::atm::DType::kFloat32,
+                                 row_sorted.data()};
+    check(wiola::atm::launch_unmerge_backward(u2, nullptr) == cudaSuccess, "atm: unmerge backward launch (any map)");
+    std::vector<double> want(x.size(), 0.0);
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t t = 0; t < T; ++t) {
+        const int64_t s = (*m)[size_t(b * T + t)];
+        if (s < 0 || s >= T) continue;
+        for (int64_t j = 0; j < d; ++j) want[size_t((b * T + s) * d + j)] += g[size_t((b * T + t) * d + j)];
+      }
+    bool ok = true;
+    for (size_t i = 0; i < x.size(); ++i) ok = ok && std::fabs(gy2[i] - want[i]) <= 1e-5 * (1 + std::fabs(want[i]));
+    const std::vector<int> want_sorted{0, 0, m == &map2 ? 1 : 0};
+    check(row_sorted == want_sorted, "atm: unsorted / invalid rows detected");
+    check(ok, "atm: unmerge backward = segment sums (unsorted maps, gaps, invalid entries)");
+  }
 }
 #endif
 

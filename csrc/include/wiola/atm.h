@@ -15,9 +15,11 @@
 
 #include <cstdint>
 
+#include "wiola/dtype.h"
+
 namespace wiola::atm {
 
-enum class DType : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
+using wiola::DType;
 
 struct MergeParams {
   const void* x;               // (B, T, d) input
@@ -51,6 +53,7 @@ struct UnmergeParams {
   void* out;                  // forward: restored; backward: grad_y
   int64_t B, T, d;
   DType dtype;
+  int* row_sorted = nullptr;  // backward: workspace (B,) int32 (whether each row's map is sorted)
 };
 
 cudaError_t launch_merge(const MergeParams& p, cudaStream_t stream);

@@ -33,13 +33,34 @@
 #endif
 
 #include <cstdint>
+#include <string>
+
+#include "wiola/dtype.h"
 
 namespace wiola::gcla {
 
-enum class DType : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
+using wiola::DType;
 
-// Head widths the kernels are instantiated for.
-inline bool supported_head_dim(int64_t dh) { return dh == 64 || dh == 128; }
+// Head widths the kernels are instantiated for, written once: gcla_attention.cu
+// instantiates and dispatches over this list, the binding checks and names it.
+template <int... Ds>
+struct HeadDimList {};
+using HeadDims = HeadDimList<64, 128>;
+
+template <int... Ds>
+constexpr bool in_list(int64_t dh, HeadDimList<Ds...>) {
+  return ((dh == Ds) || ...);
+}
+inline bool supported_head_dim(int64_t dh) { return in_list(dh, HeadDims{}); }
+
+// "{64, 128}", for error messages.
+template <int... Ds>
+std::string list_text(HeadDimList<Ds...>) {
+  std::string s;
+  ((s += (s.empty() ? "{" : ", ") + std::to_string(Ds)), ...);
+  return s + "}";
+}
+inline std::string head_dims_text() { return list_text(HeadDims{}); }
 
 // Query rows per block of the backward kernel: the S = 1 and gate partial sums have one
 // entry per (b, h, chunk of this many rows).
