@@ -308,7 +308,7 @@ def test_noncontiguous_and_deterministic(backend):
 def test_opcheck():
     for lens in (None, torch.tensor([7, 3])):
         ins, _ = make_inputs(2, 4, 2, 7, 4, 7, 2, torch.float32)  # autograd is GCLAAttentionFunction's
-        torch.library.opcheck(gcla_attention_op, (*ins, lens))
+        torch.library.opcheck(gcla_attention_op, (*[x.detach() for x in ins], lens))  # no grad: the Function's
         out, lse = gcla_attention_op(*[x.detach() for x in ins], lens)
         torch.library.opcheck(gcla_attention_grad_op,
                               (torch.randn_like(out), *[x.detach() for x in ins], lens, out, lse))
@@ -1702,3 +1702,97 @@ def test_aot_bench_shapes_no_spills_tensor_cores(arch, head_dim):
         assert r["stack_bytes"] == 0 and r["local_bytes"] == 0 and r["spill_instructions"] == 0, r
         assert r["shared_bytes"] <= SMEM_PER_BLOCK[arch], r
         assert r["tensor_core_instructions"] > 0, r
+
+
+# --- strided inputs, no hidden copies (issue 14 §3) ----------------------------------------
+
+STRIDED_BACKENDS = [b for b in BACKENDS_ALL if b in ("cpu", "triton")]  # the kernels that take strides
+
+
+def model_layout_inputs(B, H, H_kv, T, dh, S, L, dtype=torch.float32, seed=0):
+    """The seven inputs as the model makes them, requiring grad: q_rot, q
+    ``(B, T, H, d_h)``-ordered and k_rot, v ``(B, T, H_kv, d_h)``-ordered transposed views;
+    kc, vc ``view(B, S, Λ', H, d_h).permute(0, 3, 1, 2, 4)`` of a context projection; and an
+    upstream gradient ∂L/∂O that is a transposed view too (the gradient of
+    ``O.transpose(1, 2).reshape(B, T, H·d_h)``)."""
+    g = torch.Generator().manual_seed(seed)
+
+    def r(*shape):
+        return torch.randn(*shape, generator=g, dtype=torch.float64).to(dtype)
+
+    ins = [r(B, T, H, dh).transpose(1, 2), r(B, T, H_kv, dh).transpose(1, 2), r(B, T, H_kv, dh).transpose(1, 2),
+           r(B, T, H, dh).transpose(1, 2), r(B, S, L, H, dh).permute(0, 3, 1, 2, 4),
+           r(B, S, L, H, dh).permute(0, 3, 1, 2, 4), r(H)]
+    return [x.requires_grad_() for x in ins], r(B, T, H, dh).transpose(1, 2)
+
+
+@pytest.mark.parametrize("backend", STRIDED_BACKENDS)
+@pytest.mark.parametrize("mode, lens", [("causal", None), ("paper", [21, 9]), ("causal", [0, 17])])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+def test_strided_views_make_no_copies(backend, mode, lens, dtype):
+    """The model's views go through forward and backward without one aten::copy_/clone/_to_copy
+    (counted by a TorchDispatchMode inside the ops); O is in (B, T, H, d_h) memory order, so
+    the output projection's reshape is a view; every gradient takes its input's layout
+    (∂kc, ∂vc contiguous for S = 1, where they are sums over positions); values and
+    gradients equal the float64 reference."""
+    from wiola_kernels.testing import CopyCounter
+
+    B, H, H_kv, T, dh, L = 2, 6, 3, 21, 16, 2
+    S = T if mode == "causal" else 1
+    ins, grad = model_layout_inputs(B, H, H_kv, T, dh, S, L, dtype, seed=len(mode) + T)
+    lengths = None if lens is None else torch.tensor(lens, dtype=torch.int64)
+    with wiola_kernels.use_backend(backend), CopyCounter() as fwd:
+        out = wiola_kernels.gcla_attention(*ins, lengths=lengths)
+    with wiola_kernels.use_backend(backend), CopyCounter() as bwd:
+        grads = torch.autograd.grad(out, ins, grad)
+    assert fwd.counts.get("wiola.gcla_attention") == 1 and bwd.counts.get("wiola.gcla_attention_grad") == 1
+    assert fwd.copies == 0, fwd.counts
+    assert bwd.copies == 0, bwd.counts
+    assert out.stride() == ins[0].stride()
+    flat = out.transpose(1, 2).reshape(B, T, H * dh)
+    assert flat.data_ptr() == out.data_ptr() and flat.is_contiguous(), "the output projection's input is a view"
+    for name, g_, x in zip(NAMES, grads, ins):
+        want = x.stride() if name not in ("kc", "vc") or S != 1 else x.contiguous().stride()
+        assert g_.stride() == want, (name, g_.stride(), want)
+    from wiola_kernels.reference.gcla_attention import gcla_attention as gcla_attention_reference
+
+    ref = [x.detach().double().requires_grad_() for x in ins]
+    with torch.enable_grad():
+        out_ref = gcla_attention_reference(*ref, lengths=lengths)
+        grads_ref = torch.autograd.grad(out_ref, ref, grad.double())
+    tol = tolerance(dtype, "attention")
+    close(out, out_ref, tol, f"{backend} out")
+    for name, g_, r_ in zip(NAMES, grads, grads_ref):
+        close(g_, r_, tol, f"{backend} grad {name}")
+
+
+@pytest.mark.parametrize("backend", BACKENDS + ["cuda_emu"])
+def test_every_backend_returns_the_fakes_layouts(backend):
+    """Backends that copy (the reference oracle; the cuda composite, here emulated) still return
+    the layouts the op's fakes promise, and the right values."""
+    if backend not in available_backends("gcla_attention", "cpu"):
+        pytest.skip(f"{backend} unavailable here")
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    B, H, H_kv, T, dh, L = 2, 4, 2, 9, 64, 2
+    for S in (T, 1):
+        ins, grad = model_layout_inputs(B, H, H_kv, T, dh, S, L, seed=S)
+        lengths = torch.tensor([9, 5])
+        with wiola_kernels.use_backend(backend):
+            out, lse = gcla_attention_op(*[x.detach() for x in ins], lengths)
+            grads = gcla_attention_grad_op(grad, *[x.detach() for x in ins], lengths, out, lse, backend)
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            fake_out, _ = gcla_attention_op(*[x.detach() for x in ins], lengths)
+            fake_grads = gcla_attention_grad_op(grad, *[x.detach() for x in ins], lengths, out, lse, backend)
+        for name, real, fake in zip(("out",) + NAMES, (out, *grads), (fake_out, *fake_grads)):
+            significant = [s for n, s in zip(real.shape, real.stride()) if n > 1]
+            assert significant == [s for n, s in zip(fake.shape, fake.stride()) if n > 1], (backend, S, name)
+        close(out, naive(*ins, lengths), tolerance(torch.float32, "attention"), f"{backend} S={S} out")
+
+
+def test_opcheck_on_the_models_views():
+    for S, lens in ((7, None), (1, torch.tensor([7, 3]))):
+        ins, grad = model_layout_inputs(2, 4, 2, 7, 4, S, 2, seed=S)
+        torch.library.opcheck(gcla_attention_op, (*[x.detach() for x in ins], lens))  # no grad: the Function's
+        out, lse = gcla_attention_op(*[x.detach() for x in ins], lens)
+        torch.library.opcheck(gcla_attention_grad_op, (grad, *[x.detach() for x in ins], lens, out, lse))

@@ -323,8 +323,8 @@ def test_cpp_kernel_rejects_bad_shapes():
         torch.ops.wiola._srpe(q, k[:, :, :2], pos, af, rf, 0.1, False)
     with pytest.raises(ValueError, match="multiple"):
         torch.ops.wiola._srpe(q, torch.randn(2, 3, 3, 8), pos, af, rf, 0.1, False)
-    with pytest.raises(ValueError, match="contiguous"):
-        torch.ops.wiola._srpe(torch.randn(2, 3, 4, 8).transpose(1, 2), k, pos, af, rf, 0.1, False)
+    with pytest.raises(ValueError, match="contiguous last dimension"):  # other strides are read in place
+        torch.ops.wiola._srpe(torch.randn(2, 4, 8, 3).transpose(2, 3), k, pos, af, rf, 0.1, False)
     with pytest.raises(TypeError, match="float64"):
         torch.ops.wiola._srpe(q, k, pos, af.float(), rf, 0.1, False)
 
@@ -969,3 +969,94 @@ def test_bad_divisor_still_rejected(divisor):
     q, k, pos = _rope_inputs(1, 1, 1, 2, 4, torch.float32, max_pos=8)
     with pytest.raises(ValueError, match="spiral_divisor"):
         wiola_kernels.srpe(q, k, pos, spiral_divisor=divisor)
+
+
+# --- strided inputs, no hidden copies (issue 14 §3) ----------------------------------------
+
+STRIDED_BACKENDS = [b for b in BACKENDS if b in ("cpu", "triton")]  # the kernels that take strides
+
+
+def _model_layout_inputs(b, h, h_kv, t, dh, dtype, seed):
+    """q, k as the model makes them: ``Linear(x).view(B, T, H, d_h).transpose(1, 2)`` views,
+    and int64 positions expanded from ``(1, T)`` (stride 0 over the batch)."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, t, h, dh, generator=g, dtype=dtype).transpose(1, 2)
+    k = torch.randn(b, t, h_kv, dh, generator=g, dtype=dtype).transpose(1, 2)
+    pos = torch.randperm(4 * t, generator=g)[:t].sort().values[None].expand(b, t)
+    gq = torch.randn(b, t, h, dh, generator=g, dtype=dtype).transpose(1, 2)
+    gk = torch.randn(b, t, h_kv, dh, generator=g, dtype=dtype).transpose(1, 2)
+    return q, k, pos, gq, gk
+
+
+@pytest.mark.parametrize("backend", STRIDED_BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("shape", [(2, 4, 2, 37, 16), (3, 2, 1, 5, 66), (1, 4, 4, 1, 64)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_strided_views_make_no_copies(backend, dtype, shape):
+    """The model's transposed q/k views go through forward and backward without one
+    aten::copy_/clone/_to_copy (counted by a TorchDispatchMode inside the ops), the outputs and
+    the input gradients keep the views' (B, T, H, d_h) memory order, and the values equal the
+    float64 reference."""
+    from wiola_kernels.testing import CopyCounter
+
+    q, k, pos, gq, gk = _model_layout_inputs(*shape, dtype, seed=sum(shape))
+    q.requires_grad_(True)
+    k.requires_grad_(True)
+    with use_backend(backend), CopyCounter() as fwd:
+        q_out, k_out = wiola_kernels.srpe(q, k, pos)
+    with use_backend(backend), CopyCounter() as bwd:
+        dq, dk = torch.autograd.grad((q_out, k_out), (q, k), (gq, gk))
+    assert fwd.counts.get("wiola.srpe") == 1 and bwd.counts.get("wiola.srpe_grad") == 1
+    assert fwd.copies == 0, fwd.counts
+    assert bwd.copies == 0, bwd.counts
+    for out, like in ((q_out, q), (k_out, k), (dq, q), (dk, k)):
+        assert out.stride() == like.stride(), (out.stride(), like.stride())
+    tol = srpe_tolerance(dtype, pos, 8.0)
+    q_ref, k_ref = reference_srpe(q.detach().double(), k.detach().double(), pos)
+    dq_ref, dk_ref = reference_srpe_backward(gq.double(), gk.double(), pos)
+    assert_close_rel(q_out, q_ref, tol, f"{backend} q_out")
+    assert_close_rel(k_out, k_ref, tol, f"{backend} k_out")
+    assert_close_rel(dq, dq_ref, tol, f"{backend} grad q")
+    assert_close_rel(dk, dk_ref, tol, f"{backend} grad k")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_any_strides_match_the_reference_and_the_fake_layout(backend):
+    """Layouts the kernels cannot read in place are still right: a last dimension with stride
+    ≠ 1 (copied first), q sliced out of a fused qkv projection (not dense: contiguous output),
+    positions with a stride ≠ 1 over T. Every backend returns the layout the op's fake
+    promises (torch.empty_like of the input), which torch.compile relies on."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    g = torch.Generator().manual_seed(7)
+    b, h, h_kv, t, dh = 2, 4, 2, 9, 10
+    qkv = torch.randn(b, t, h + 2 * h_kv, dh, generator=g, dtype=torch.float64)
+    cases = {
+        "fused qkv slice": (qkv[:, :, :h].transpose(1, 2), qkv[:, :, h:h + h_kv].transpose(1, 2)),
+        "last stride 2": (torch.randn(b, h, t, 2 * dh, generator=g, dtype=torch.float64)[..., ::2],
+                          torch.randn(b, h_kv, t, 2 * dh, generator=g, dtype=torch.float64)[..., ::2]),
+        "d_h-major": (torch.randn(b, h, dh, t, generator=g, dtype=torch.float64).transpose(2, 3),
+                      torch.randn(b, h_kv, dh, t, generator=g, dtype=torch.float64).transpose(2, 3)),
+    }
+    pos = torch.randint(0, 5000, (b, 2 * t), generator=g)[:, ::2]
+    for name, (q, k) in cases.items():
+        with use_backend(backend):
+            q_out, k_out = wiola_kernels.srpe(q, k, pos)
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            fake_q, fake_k = torch.ops.wiola.srpe(q, k, pos, 10000.0, 8.0, 0.1, 0.01)
+        for out, fake in ((q_out, fake_q), (k_out, fake_k)):
+            significant = [s for n, s in zip(out.shape, out.stride()) if n > 1]
+            assert significant == [s for n, s in zip(fake.shape, fake.stride()) if n > 1], (name, out.stride())
+        q_ref, k_ref = reference_srpe(q, k, pos)
+        tol = srpe_tolerance(torch.float64, pos, 8.0)
+        assert_close_rel(q_out, q_ref, tol, f"{backend} {name} q_out")
+        assert_close_rel(k_out, k_ref, tol, f"{backend} {name} k_out")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_opcheck_on_the_models_views(backend):
+    q, k, pos, gq, gk = _model_layout_inputs(2, 4, 2, 5, 6, torch.float32, seed=3)
+    with use_backend(backend):
+        torch.library.opcheck(torch.ops.wiola.srpe.default,
+                              (q, k, pos, 10000.0, 8.0, 0.1, 0.01))  # the ops take no grad: SRPEFunction's
+        torch.library.opcheck(torch.ops.wiola.srpe_grad.default, (gq, gk, pos, 10000.0, 8.0, 0.1, 0.01))

@@ -21,3 +21,43 @@ def empty_output(shape, *, dtype: torch.dtype, device: torch.device) -> torch.Te
         out.fill_(float("nan") if out.is_floating_point() else -1)
     return out
 
+
+
+# ---- Layouts: kernels take strided inputs and return outputs in their inputs' layout ----
+#
+# The model's q/k/v are transposed views ``Linear(x).view(B, T, H, d_h).transpose(1, 2)``.
+# SRPE and GCLA attention read them through their strides and write each output with the
+# strides of the input it corresponds to (``torch.empty_like``: a dense input keeps its
+# memory order, any other comes out contiguous), so the next op — and autograd handing a
+# gradient back through the views — needs no copy. Only a non-unit last-dim stride (never
+# produced by a projection) is copied.
+
+
+def unit_last_stride(x: torch.Tensor) -> torch.Tensor:
+    """``x`` itself when its last dimension is contiguous (stride 1), else a contiguous copy:
+    the one input layout the strided kernels cannot read."""
+    return x if x.dim() == 0 or x.shape[-1] <= 1 or x.stride(-1) == 1 else x.contiguous()
+
+
+def empty_output_as(x: torch.Tensor) -> torch.Tensor:
+    """:func:`empty_output` shaped and laid out like ``x`` (``torch.empty_like``'s strides;
+    the C++ kernels' ``empty_output_like`` and the ops' fakes make the same choice)."""
+    out = torch.empty_like(x)
+    if poison_enabled():
+        out.fill_(float("nan") if out.is_floating_point() else -1)
+    return out
+
+
+def same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal shapes and equal strides in every dimension longer than 1 (the strides that
+    address memory)."""
+    return a.shape == b.shape and all(sa == sb for n, sa, sb in zip(a.shape, a.stride(), b.stride()) if n > 1)
+
+
+def in_layout_of(result: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``result`` in the layout ``torch.empty_like(like)`` has (``like`` may be a meta tensor):
+    itself when it already is (the strided kernels), else copied into it (the reference and
+    CUDA-composite backends)."""
+    if same_layout(result, torch.empty_like(like, dtype=result.dtype, device="meta")):
+        return result
+    return torch.empty_like(like, dtype=result.dtype, device=result.device).copy_(result)

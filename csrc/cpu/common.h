@@ -21,6 +21,36 @@ namespace wiola::cpu {
 using wiola::advise_huge_pages;
 using wiola::empty_output;  // wiola/empty_output.h, shared with the CUDA bindings
 
+// empty_output with the strides of x (torch.empty_like's preserve_format: a dense x such as
+// a transposed (B, T, H, d_h) view keeps its memory order, anything else comes out
+// contiguous), so a kernel's output takes the layout of its input and the op that
+// consumes it needs no copy. The Python fakes use torch.empty_like too: same strides.
+inline at::Tensor empty_output_like(const at::Tensor& x) {
+  at::Tensor out = at::empty_like(x);
+  advise_huge_pages(out);  // dense: nbytes() is its whole extent
+  const char* flag = std::getenv("WIOLA_POISON_OUTPUTS");
+  if (flag != nullptr && flag[0] != '\0' && std::strcmp(flag, "0") != 0) {
+    if (at::isFloatingType(out.scalar_type())) {
+      out.fill_(std::numeric_limits<double>::quiet_NaN());
+    } else {
+      out.fill_(-1);
+    }
+  }
+  return out;
+}
+
+// Element strides of the (B, heads, T) dimensions of a (B, heads, T, d_h) tensor whose last
+// dimension is contiguous: row (b, h, t) starts at b·sb + h·sh + t·st.
+struct RowStrides {
+  int64_t sb = 0, sh = 0, st = 0;
+  RowStrides() = default;
+  explicit RowStrides(const at::Tensor& x) : sb(x.stride(0)), sh(x.stride(1)), st(x.stride(2)) {}
+  int64_t operator()(int64_t b, int64_t h, int64_t t) const { return b * sb + h * sh + t * st; }
+};
+
+// A (B, heads, T, d_h) tensor the kernels can read row by row: d_h contiguous.
+inline bool rows_contiguous(const at::Tensor& x) { return x.dim() == 4 && (x.size(3) <= 1 || x.stride(3) == 1); }
+
 // Accumulation type: double stays double, every other float type computes in float.
 template <typename scalar_t>
 using acc_type = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;

@@ -186,10 +186,11 @@ inline void gemm_anticausal_rows(int64_t K, int64_t N, int64_t M, int64_t i0, in
   });
 }
 
-// Rows [0, n) of a (·, dh) scalar_t matrix into an acc_t tile with row stride ldd.
+// Rows [0, n) of a (·, dh) scalar_t matrix with row stride lds into an acc_t tile with row
+// stride ldd.
 template <typename scalar_t, typename acc_t>
-inline void load_tile(const scalar_t* src, int64_t n, int64_t dh, acc_t* dst, int64_t ldd) {
-  for (int64_t r = 0; r < n; ++r) load_row(src + r * dh, dst + r * ldd, dh);
+inline void load_tile(const scalar_t* src, int64_t n, int64_t lds, int64_t dh, acc_t* dst, int64_t ldd) {
+  for (int64_t r = 0; r < n; ++r) load_row(src + r * lds, dst + r * ldd, dh);
 }
 
 // Tile widths rounded up to two vectors of the widest accumulation type (16 floats).
@@ -203,8 +204,9 @@ inline int64_t transposed_ld(int64_t T) { return padded(T) + kPad; }
 // tile gemms read: transposed (n, dh, ldt) with ldt = transposed_ld(T) (zero columns past T), or
 // row-padded (n, T, padded(dh)). Linear in T, and saves a conversion per tile pair.
 template <typename scalar_t, typename acc_t>
-std::vector<acc_t> pack_transposed(const scalar_t* src, int64_t n, int64_t T, int64_t dh) {
-  const int64_t ldt = transposed_ld(T);
+std::vector<acc_t> pack_transposed(const scalar_t* src, const RowStrides& rs, int64_t B, int64_t Hkv, int64_t T,
+                                   int64_t dh) {
+  const int64_t n = B * Hkv, ldt = transposed_ld(T);
   std::vector<acc_t> out(n * dh * ldt, acc_t(0));
   at::parallel_for(0, n * ((T + kBlockK - 1) / kBlockK), 1, [&](int64_t begin, int64_t end) {
     std::vector<acc_t> row(dh);
@@ -212,7 +214,7 @@ std::vector<acc_t> pack_transposed(const scalar_t* src, int64_t n, int64_t T, in
     for (int64_t task = begin; task < end; ++task) {
       const int64_t k = task / nb, t0 = (task % nb) * kBlockK, t1 = std::min(T, t0 + kBlockK);
       for (int64_t t = t0; t < t1; ++t) {
-        load_row(src + (k * T + t) * dh, row.data(), dh);
+        load_row(src + rs(k / Hkv, k % Hkv, t), row.data(), dh);
         for (int64_t e = 0; e < dh; ++e) out[(k * dh + e) * ldt + t] = row[e];
       }
     }
@@ -221,11 +223,11 @@ std::vector<acc_t> pack_transposed(const scalar_t* src, int64_t n, int64_t T, in
 }
 
 template <typename scalar_t, typename acc_t>
-std::vector<acc_t> pack_rows(const scalar_t* src, int64_t rows, int64_t dh) {
-  const int64_t dp = padded(dh);
+std::vector<acc_t> pack_rows(const scalar_t* src, const RowStrides& rs, int64_t B, int64_t Hkv, int64_t T, int64_t dh) {
+  const int64_t rows = B * Hkv * T, dp = padded(dh);
   std::vector<acc_t> out(rows * dp, acc_t(0));
   at::parallel_for(0, rows, 256, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) load_row(src + r * dh, out.data() + r * dp, dh);
+    for (int64_t r = begin; r < end; ++r) load_row(src + rs(r / (Hkv * T), (r / T) % Hkv, r % T), out.data() + r * dp, dh);
   });
   return out;
 }
@@ -299,15 +301,31 @@ struct Dims {
   double scale;
 };
 
+// Element strides of a (B, H, S, L, d_h) context tensor (d_h contiguous): slot row l of
+// (b, h, s) starts at (b, h, s) + l·sl.
+struct CtxStrides {
+  int64_t sb = 0, sh = 0, ss = 0, sl = 0;
+  CtxStrides() = default;
+  explicit CtxStrides(const at::Tensor& x) : sb(x.stride(0)), sh(x.stride(1)), ss(x.stride(2)), sl(x.stride(3)) {}
+  int64_t operator()(int64_t b, int64_t h, int64_t s) const { return b * sb + h * sh + s * ss; }
+};
+
+// Where every tensor's rows are: the kernels read and write through strides (only d_h
+// must be contiguous), so the model's transposed (B, T, H, d_h) views need no copy.
+struct Layout {
+  RowStrides q_rot, k_rot, v, q, out, grad_out, dq_rot, dk_rot, dv, dq;
+  CtxStrides kc, vc, dkc, dvc;
+};
+
 // Cross part for one row: a (L), o_cross (dh) from q (dh), kc/vc rows (L×dh, scalar_t).
 template <typename scalar_t, typename acc_t>
-inline void cross_row(const acc_t* q, const scalar_t* kc, const scalar_t* vc, int64_t L, int64_t dh, acc_t scale,
-                      acc_t* a, acc_t* o_cross, acc_t* row) {
+inline void cross_row(const acc_t* q, const scalar_t* kc, int64_t ldk, const scalar_t* vc, int64_t ldv, int64_t L,
+                      int64_t dh, acc_t scale, acc_t* a, acc_t* o_cross, acc_t* row) {
   std::fill(o_cross, o_cross + dh, acc_t(0));
   if (L == 0) return;
   acc_t zmax = -std::numeric_limits<acc_t>::infinity();
   for (int64_t l = 0; l < L; ++l) {
-    load_row(kc + l * dh, row, dh);
+    load_row(kc + l * ldk, row, dh);
     a[l] = scale * dot(q, row, dh);
     zmax = std::max(zmax, a[l]);
   }
@@ -318,7 +336,7 @@ inline void cross_row(const acc_t* q, const scalar_t* kc, const scalar_t* vc, in
   }
   for (int64_t l = 0; l < L; ++l) {
     a[l] /= sum;
-    load_row(vc + l * dh, row, dh);
+    load_row(vc + l * ldv, row, dh);
     axpby(a[l], row, acc_t(1), o_cross, dh);
   }
 }
@@ -331,7 +349,7 @@ inline int64_t row_length(const int64_t* lengths, int64_t b, int64_t T) {
 // Forward
 // ---------------------------------------------------------------------------------
 template <typename scalar_t>
-void forward_impl(const Dims& d, const scalar_t* q_rot, const scalar_t* k_rot, const scalar_t* v, const scalar_t* q,
+void forward_impl(const Dims& d, const Layout& lay, const scalar_t* q_rot, const scalar_t* k_rot, const scalar_t* v, const scalar_t* q,
                   const scalar_t* kc, const scalar_t* vc, const acc_type<scalar_t>* gate, const int64_t* lengths,
                   scalar_t* out, acc_type<scalar_t>* lse) {
   using acc_t = acc_type<scalar_t>;
@@ -340,8 +358,8 @@ void forward_impl(const Dims& d, const scalar_t* q_rot, const scalar_t* k_rot, c
   const acc_t neg_inf = -std::numeric_limits<acc_t>::infinity();
   const int64_t nqb = (T + kBlockQ - 1) / kBlockQ;
   const int64_t dp = padded(dh), ldt = transposed_ld(T);
-  const std::vector<acc_t> kt_all = pack_transposed<scalar_t, acc_t>(k_rot, B * Hkv, T, dh);
-  const std::vector<acc_t> v_all = pack_rows<scalar_t, acc_t>(v, B * Hkv * T, dh);
+  const std::vector<acc_t> kt_all = pack_transposed<scalar_t, acc_t>(k_rot, lay.k_rot, B, Hkv, T, dh);
+  const std::vector<acc_t> v_all = pack_rows<scalar_t, acc_t>(v, lay.v, B, Hkv, T, dh);
   at::parallel_for(0, B * H * nqb, 1, [&](int64_t begin, int64_t end) {
     std::vector<acc_t> qbuf(kBlockQ * dp), sbuf(kBlockQ * kBlockK), obuf(kBlockQ * dp), m(kBlockQ), l(kBlockQ),
         a(std::max<int64_t>(L, 1)), oc(dh), row(dh), qrow(dh);
@@ -351,16 +369,15 @@ void forward_impl(const Dims& d, const scalar_t* q_rot, const scalar_t* k_rot, c
       const int64_t len = row_length(lengths, b, T);
       const int64_t i0 = qb * kBlockQ, i1 = std::min(T, i0 + kBlockQ);
       const int64_t bh = b * H + h;
-      scalar_t* out_bh = out + bh * T * dh;
       acc_t* lse_bh = lse + bh * T;
       const int64_t nq = std::max<int64_t>(0, std::min(i1, len) - i0);  // valid rows
       // Rows past the length: exactly zero, lse 0.
       for (int64_t i = i0 + nq; i < i1; ++i) {
-        std::fill(out_bh + i * dh, out_bh + (i + 1) * dh, scalar_t(0));
+        std::fill_n(out + lay.out(b, h, i), dh, scalar_t(0));
         lse_bh[i] = 0;
       }
       if (nq == 0) continue;
-      load_tile(q_rot + (bh * T + i0) * dh, nq, dh, qbuf.data(), dp);
+      load_tile(q_rot + lay.q_rot(b, h, i0), nq, lay.q_rot.st, dh, qbuf.data(), dp);
       const acc_t* KT_g = kt_all.data() + (b * Hkv + g) * dh * ldt;
       const acc_t* V_g = v_all.data() + (b * Hkv + g) * T * dp;
       std::fill(m.begin(), m.begin() + nq, neg_inf);
@@ -402,15 +419,15 @@ void forward_impl(const Dims& d, const scalar_t* q_rot, const scalar_t* k_rot, c
         const acc_t inv_l = acc_t(1) / l[r];
         lse_bh[i] = m[r] + std::log(l[r]);
         if (L > 0) {
-          load_row(q + (bh * T + i) * dh, qrow.data(), dh);
+          load_row(q + lay.q(b, h, i), qrow.data(), dh);
           const int64_t s_idx = S == 1 ? 0 : i;
-          const int64_t off = ((bh * S + s_idx) * L) * dh;
-          cross_row(qrow.data(), kc + off, vc + off, L, dh, scale, a.data(), oc.data(), row.data());
+          cross_row(qrow.data(), kc + lay.kc(b, h, s_idx), lay.kc.sl, vc + lay.vc(b, h, s_idx), lay.vc.sl, L, dh, scale,
+                    a.data(), oc.data(), row.data());
           for (int64_t e = 0; e < dh; ++e) o[e] = o[e] * inv_l + sig * oc[e];
         } else {
           for (int64_t e = 0; e < dh; ++e) o[e] *= inv_l;
         }
-        store_row(o, out_bh + i * dh, dh);
+        store_row(o, out + lay.out(b, h, i), dh);
       }
     }
   });
@@ -420,7 +437,7 @@ void forward_impl(const Dims& d, const scalar_t* q_rot, const scalar_t* k_rot, c
 // Backward
 // ---------------------------------------------------------------------------------
 template <typename scalar_t>
-void backward_impl(const Dims& d, const scalar_t* grad_out, const scalar_t* q_rot, const scalar_t* k_rot,
+void backward_impl(const Dims& d, const Layout& lay, const scalar_t* grad_out, const scalar_t* q_rot, const scalar_t* k_rot,
                    const scalar_t* v, const scalar_t* q, const scalar_t* kc, const scalar_t* vc,
                    const acc_type<scalar_t>* gate, const int64_t* lengths, const scalar_t* out,
                    const acc_type<scalar_t>* lse, scalar_t* dq_rot, scalar_t* dk_rot, scalar_t* dv, scalar_t* dq,
@@ -433,9 +450,9 @@ void backward_impl(const Dims& d, const scalar_t* grad_out, const scalar_t* q_ro
   const int64_t group = H / Hkv;
 
   const int64_t dp = padded(dh), ldt = transposed_ld(T);
-  const std::vector<acc_t> kt_all = pack_transposed<scalar_t, acc_t>(k_rot, B * Hkv, T, dh);
-  const std::vector<acc_t> vt_all = pack_transposed<scalar_t, acc_t>(v, B * Hkv, T, dh);
-  const std::vector<acc_t> k_all = pack_rows<scalar_t, acc_t>(k_rot, B * Hkv * T, dh);
+  const std::vector<acc_t> kt_all = pack_transposed<scalar_t, acc_t>(k_rot, lay.k_rot, B, Hkv, T, dh);
+  const std::vector<acc_t> vt_all = pack_transposed<scalar_t, acc_t>(v, lay.v, B, Hkv, T, dh);
+  const std::vector<acc_t> k_all = pack_rows<scalar_t, acc_t>(k_rot, lay.k_rot, B, Hkv, T, dh);
 
   // ---- Pass A: per (b, h, query block): cross part, D ----
   at::parallel_for(0, B * H * nqb, 1, [&](int64_t begin, int64_t end) {
@@ -454,50 +471,53 @@ void backward_impl(const Dims& d, const scalar_t* grad_out, const scalar_t* q_ro
       }
       // Rows past the length: zero gradients.
       for (int64_t i = i0 + nq; i < i1; ++i) {
-        std::fill(dq_rot + (bh * T + i) * dh, dq_rot + (bh * T + i + 1) * dh, scalar_t(0));
-        std::fill(dq + (bh * T + i) * dh, dq + (bh * T + i + 1) * dh, scalar_t(0));
+        std::fill_n(dq_rot + lay.dq_rot(b, h, i), dh, scalar_t(0));
+        std::fill_n(dq + lay.dq(b, h, i), dh, scalar_t(0));
         if (S != 1) {
-          std::fill(dkc + (bh * T + i) * L * dh, dkc + (bh * T + i + 1) * L * dh, scalar_t(0));
-          std::fill(dvc + (bh * T + i) * L * dh, dvc + (bh * T + i + 1) * L * dh, scalar_t(0));
+          for (int64_t l = 0; l < L; ++l) {
+            std::fill_n(dkc + lay.dkc(b, h, i) + l * lay.dkc.sl, dh, scalar_t(0));
+            std::fill_n(dvc + lay.dvc(b, h, i) + l * lay.dvc.sl, dh, scalar_t(0));
+          }
         }
         dbuf[bh * T + i] = 0;
       }
       acc_t gate_acc = 0;
       const acc_t sig = acc_t(1) / (acc_t(1) + std::exp(-gate[h]));
-      load_tile(grad_out + (bh * T + i0) * dh, nq, dh, dobuf.data(), dp);
+      load_tile(grad_out + lay.grad_out(b, h, i0), nq, lay.grad_out.st, dh, dobuf.data(), dp);
       // Cross part and D, row by row.
       for (int64_t r = 0; r < nq; ++r) {
         const int64_t i = i0 + r;
         const acc_t* dO = dobuf.data() + r * dp;
-        load_row(out + (bh * T + i) * dh, orow.data(), dh);
+        load_row(out + lay.out(b, h, i), orow.data(), dh);
         if (L > 0) {
-          load_row(q + (bh * T + i) * dh, qrow.data(), dh);
+          load_row(q + lay.q(b, h, i), qrow.data(), dh);
           const int64_t s_idx = S == 1 ? 0 : i;
-          const int64_t off = ((bh * S + s_idx) * L) * dh;
-          cross_row(qrow.data(), kc + off, vc + off, L, dh, scale, a.data(), oc.data(), row.data());
+          const scalar_t* kc_i = kc + lay.kc(b, h, s_idx);
+          const scalar_t* vc_i = vc + lay.vc(b, h, s_idx);
+          cross_row(qrow.data(), kc_i, lay.kc.sl, vc_i, lay.vc.sl, L, dh, scale, a.data(), oc.data(), row.data());
           const acc_t do_oc = dot(dO, oc.data(), dh);
           gate_acc += do_oc;
           std::fill(dqc.begin(), dqc.end(), acc_t(0));
           for (int64_t l = 0; l < L; ++l) {
-            load_row(vc + off + l * dh, row.data(), dh);
+            load_row(vc_i + l * lay.vc.sl, row.data(), dh);
             const acc_t dz = a[l] * sig * (dot(dO, row.data(), dh) - do_oc);  // dOc = σ dO
-            load_row(kc + off + l * dh, row.data(), dh);
+            load_row(kc_i + l * lay.kc.sl, row.data(), dh);
             axpby(scale * dz, row.data(), acc_t(1), dqc.data(), dh);
             if (S == 1) {
               axpby(scale * dz, qrow.data(), acc_t(1), dkc_p + l * dh, dh);
               axpby(a[l] * sig, dO, acc_t(1), dvc_p + l * dh, dh);
             } else {
               for (int64_t e = 0; e < dh; ++e) row[e] = scale * dz * qrow[e];
-              store_row(row.data(), dkc + off + l * dh, dh);
+              store_row(row.data(), dkc + lay.dkc(b, h, i) + l * lay.dkc.sl, dh);
               for (int64_t e = 0; e < dh; ++e) row[e] = a[l] * sig * dO[e];
-              store_row(row.data(), dvc + off + l * dh, dh);
+              store_row(row.data(), dvc + lay.dvc(b, h, i) + l * lay.dvc.sl, dh);
             }
           }
-          store_row(dqc.data(), dq + (bh * T + i) * dh, dh);
+          store_row(dqc.data(), dq + lay.dq(b, h, i), dh);
           // O^self = O − σ O^cross
           axpby(-sig, oc.data(), acc_t(1), orow.data(), dh);
         } else {
-          std::fill(dq + (bh * T + i) * dh, dq + (bh * T + i + 1) * dh, scalar_t(0));
+          std::fill_n(dq + lay.dq(b, h, i), dh, scalar_t(0));
         }
         dbuf[bh * T + i] = dot(dO, orow.data(), dh);
       }
@@ -520,8 +540,8 @@ void backward_impl(const Dims& d, const scalar_t* grad_out, const scalar_t* q_ro
       const int64_t len = row_length(lengths, b, T);
       // Keys past the length: zero gradients.
       for (int64_t j = len; j < T; ++j) {
-        std::fill(dk_rot + (bg * T + j) * dh, dk_rot + (bg * T + j + 1) * dh, scalar_t(0));
-        std::fill(dv + (bg * T + j) * dh, dv + (bg * T + j + 1) * dh, scalar_t(0));
+        std::fill_n(dk_rot + lay.dk_rot(b, g, j), dh, scalar_t(0));
+        std::fill_n(dv + lay.dv(b, g, j), dh, scalar_t(0));
       }
       if (len == 0) continue;
       const acc_t* KT_g = kt_all.data() + bg * dh * ldt;
@@ -536,8 +556,8 @@ void backward_impl(const Dims& d, const scalar_t* grad_out, const scalar_t* q_ro
         const acc_t* D_bh = dbuf + bh * T;
         for (int64_t i0 = 0; i0 < len; i0 += kBlockQ) {
           const int64_t nq = std::min(kBlockQ, len - i0);
-          load_tile(q_rot + (bh * T + i0) * dh, nq, dh, qbuf.data(), dp);
-          load_tile(grad_out + (bh * T + i0) * dh, nq, dh, dobuf.data(), dp);
+          load_tile(q_rot + lay.q_rot(b, h, i0), nq, lay.q_rot.st, dh, qbuf.data(), dp);
+          load_tile(grad_out + lay.grad_out(b, h, i0), nq, lay.grad_out.st, dh, dobuf.data(), dp);
           std::fill(dqacc.begin(), dqacc.begin() + nq * dp, acc_t(0));
           const int64_t kv_end = i0 + nq;  // keys j ≤ last valid row (< len)
           for (int64_t j0 = 0; j0 < kv_end; j0 += kBlockK) {
@@ -572,12 +592,12 @@ void backward_impl(const Dims& d, const scalar_t* grad_out, const scalar_t* q_ro
                                 true);  // dk̃ += c dSᵀ Q̃
             }
           }
-          for (int64_t r = 0; r < nq; ++r) store_row(dqacc.data() + r * dp, dq_rot + (bh * T + i0 + r) * dh, dh);
+          for (int64_t r = 0; r < nq; ++r) store_row(dqacc.data() + r * dp, dq_rot + lay.dq_rot(b, h, i0 + r), dh);
         }
       }
       for (int64_t j = 0; j < len; ++j) {
-        store_row(dkacc.data() + j * dp, dk_rot + (bg * T + j) * dh, dh);
-        store_row(dvacc.data() + j * dp, dv + (bg * T + j) * dh, dh);
+        store_row(dkacc.data() + j * dp, dk_rot + lay.dk_rot(b, g, j), dh);
+        store_row(dvacc.data() + j * dp, dv + lay.dv(b, g, j), dh);
       }
     }
   });
@@ -589,20 +609,21 @@ void backward_impl(const Dims& d, const scalar_t* grad_out, const scalar_t* q_ro
 Dims check_inputs(const at::Tensor& q_rot, const at::Tensor& k_rot, const at::Tensor& v, const at::Tensor& q,
                   const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& gate,
                   const std::optional<at::Tensor>& lengths) {
-  WIOLA_CHECK_ARG(q_rot.dim() == 4 && q_rot.is_contiguous(), "q_rot must be a contiguous (B, H, T, d_h) tensor, got ",
-                  q_rot.sizes());
+  // Any strides, as long as d_h is contiguous (rows_contiguous); the kernels take the rest.
+  WIOLA_CHECK_ARG(rows_contiguous(q_rot), "q_rot must be a (B, H, T, d_h) tensor with contiguous d_h, got sizes ",
+                  q_rot.sizes(), " strides ", q_rot.strides());
   const int64_t B = q_rot.size(0), H = q_rot.size(1), T = q_rot.size(2), dh = q_rot.size(3);
-  WIOLA_CHECK_ARG(k_rot.dim() == 4 && k_rot.is_contiguous() && k_rot.size(0) == B && k_rot.size(2) == T &&
-                      k_rot.size(3) == dh,
-                  "k_rot must be a contiguous (B, H_kv, T, d_h) tensor, got ", k_rot.sizes());
+  WIOLA_CHECK_ARG(rows_contiguous(k_rot) && k_rot.size(0) == B && k_rot.size(2) == T && k_rot.size(3) == dh,
+                  "k_rot must be a (B, H_kv, T, d_h) tensor with contiguous d_h, got ", k_rot.sizes());
   const int64_t Hkv = k_rot.size(1);
   WIOLA_CHECK_ARG(Hkv > 0 && H % Hkv == 0, "H = ", H, " must be a multiple of H_kv = ", Hkv);
-  WIOLA_CHECK_ARG(v.sizes() == k_rot.sizes() && v.is_contiguous(), "v must be a contiguous (B, H_kv, T, d_h) tensor");
-  WIOLA_CHECK_ARG(q.sizes() == q_rot.sizes() && q.is_contiguous(), "q must be a contiguous (B, H, T, d_h) tensor");
-  WIOLA_CHECK_ARG(kc.dim() == 5 && kc.is_contiguous() && kc.size(0) == B && kc.size(1) == H &&
-                      (kc.size(2) == 1 || kc.size(2) == T) && kc.size(4) == dh,
-                  "kc must be a contiguous (B, H, S, L, d_h) tensor with S in {1, T}, got ", kc.sizes());
-  WIOLA_CHECK_ARG(vc.sizes() == kc.sizes() && vc.is_contiguous(), "vc must be a contiguous tensor shaped like kc");
+  WIOLA_CHECK_ARG(v.sizes() == k_rot.sizes() && rows_contiguous(v), "v must be a (B, H_kv, T, d_h) tensor with contiguous d_h");
+  WIOLA_CHECK_ARG(q.sizes() == q_rot.sizes() && rows_contiguous(q), "q must be a (B, H, T, d_h) tensor with contiguous d_h");
+  auto ctx_ok = [](const at::Tensor& c) { return c.dim() == 5 && (c.size(4) <= 1 || c.stride(4) == 1); };
+  WIOLA_CHECK_ARG(ctx_ok(kc) && kc.size(0) == B && kc.size(1) == H && (kc.size(2) == 1 || kc.size(2) == T) &&
+                      kc.size(4) == dh,
+                  "kc must be a (B, H, S, L, d_h) tensor with S in {1, T} and contiguous d_h, got ", kc.sizes());
+  WIOLA_CHECK_ARG(vc.sizes() == kc.sizes() && ctx_ok(vc), "vc must be a tensor shaped like kc with contiguous d_h");
   WIOLA_CHECK_ARG(gate.dim() == 1 && gate.size(0) == H, "gate must have shape (H,)");
   for (const at::Tensor* t : {&k_rot, &v, &q, &kc, &vc}) {
     WIOLA_CHECK_ARG(t->scalar_type() == q_rot.scalar_type(), "q_rot, k_rot, v, q, kc, vc must share one dtype");
@@ -622,12 +643,15 @@ std::tuple<at::Tensor, at::Tensor> gcla_attention_fwd(const at::Tensor& q_rot, c
   const Dims d = check_inputs(q_rot, k_rot, v, q, kc, vc, gate, lengths);
   const auto acc = acc_scalar_type(q_rot);
   const at::Tensor gate_acc = gate.to(acc).contiguous();
-  at::Tensor out = empty_output(q_rot.sizes(), q_rot.options());
+  at::Tensor out = empty_output_like(q_rot);  // q_rot's layout: (B, T, H, d_h) order for the model's views
+  Layout lay;
+  lay.q_rot = RowStrides(q_rot), lay.k_rot = RowStrides(k_rot), lay.v = RowStrides(v), lay.q = RowStrides(q);
+  lay.out = RowStrides(out), lay.kc = CtxStrides(kc), lay.vc = CtxStrides(vc);
   at::Tensor lse = empty_output({d.B, d.H, d.T}, q_rot.options().dtype(acc));
   const int64_t* len_ptr = lengths.has_value() ? lengths->const_data_ptr<int64_t>() : nullptr;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q_rot.scalar_type(), "wiola_gcla_attention_fwd", [&] {
     using acc_t = acc_type<scalar_t>;
-    forward_impl<scalar_t>(d, q_rot.const_data_ptr<scalar_t>(), k_rot.const_data_ptr<scalar_t>(),
+    forward_impl<scalar_t>(d, lay, q_rot.const_data_ptr<scalar_t>(), k_rot.const_data_ptr<scalar_t>(),
                            v.const_data_ptr<scalar_t>(), q.const_data_ptr<scalar_t>(), kc.const_data_ptr<scalar_t>(),
                            vc.const_data_ptr<scalar_t>(), gate_acc.const_data_ptr<acc_t>(), len_ptr,
                            out.mutable_data_ptr<scalar_t>(), lse.mutable_data_ptr<acc_t>());
@@ -641,19 +665,21 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
     const std::optional<at::Tensor>& lengths, const at::Tensor& out, const at::Tensor& lse) {
   const Dims d = check_inputs(q_rot, k_rot, v, q, kc, vc, gate, lengths);
   const auto acc = acc_scalar_type(q_rot);
-  WIOLA_CHECK_ARG(grad_out.sizes() == q_rot.sizes() && grad_out.is_contiguous() &&
+  WIOLA_CHECK_ARG(grad_out.sizes() == q_rot.sizes() && rows_contiguous(grad_out) &&
                       grad_out.scalar_type() == q_rot.scalar_type(),
-                  "grad_out must be contiguous with the shape and dtype of q_rot");
-  WIOLA_CHECK_ARG(out.sizes() == q_rot.sizes() && out.is_contiguous() && out.scalar_type() == q_rot.scalar_type(),
-                  "out must be contiguous with the shape and dtype of q_rot");
+                  "grad_out must have the shape and dtype of q_rot and a contiguous d_h");
+  WIOLA_CHECK_ARG(out.sizes() == q_rot.sizes() && rows_contiguous(out) && out.scalar_type() == q_rot.scalar_type(),
+                  "out must have the shape and dtype of q_rot and a contiguous d_h");
   WIOLA_CHECK_ARG(lse.dim() == 3 && lse.size(0) == d.B && lse.size(1) == d.H && lse.size(2) == d.T &&
                       lse.is_contiguous() && lse.scalar_type() == acc,
                   "lse must be a contiguous (B, H, T) tensor of the accumulation dtype");
   const at::Tensor gate_acc = gate.to(acc).contiguous();
-  at::Tensor dq_rot = empty_output(q_rot.sizes(), q_rot.options());
-  at::Tensor dk_rot = empty_output(k_rot.sizes(), k_rot.options());
-  at::Tensor dv = empty_output(v.sizes(), v.options());
-  at::Tensor dq = empty_output(q.sizes(), q.options());
+  // Each gradient in its input's layout: autograd hands it back through the input's view
+  // chain (transpose, view of the projection) without a copy.
+  at::Tensor dq_rot = empty_output_like(q_rot);
+  at::Tensor dk_rot = empty_output_like(k_rot);
+  at::Tensor dv = empty_output_like(v);
+  at::Tensor dq = empty_output_like(q);
   const int64_t nqb = (d.T + kBlockQ - 1) / kBlockQ;
   const int64_t ntasks = d.B * d.H * nqb;
   const at::TensorOptions acc_opts = q_rot.options().dtype(acc);
@@ -662,14 +688,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
   const bool shared = d.S == 1;
   at::Tensor dkc_part = at::empty({shared ? ntasks : 0, d.L, d.dh}, acc_opts);
   at::Tensor dvc_part = at::empty({shared ? ntasks : 0, d.L, d.dh}, acc_opts);
-  at::Tensor dkc = shared ? at::Tensor() : empty_output(kc.sizes(), kc.options());
-  at::Tensor dvc = shared ? at::Tensor() : empty_output(vc.sizes(), vc.options());
+  at::Tensor dkc = shared ? at::Tensor() : empty_output_like(kc);
+  at::Tensor dvc = shared ? at::Tensor() : empty_output_like(vc);
+  Layout lay;
+  lay.q_rot = RowStrides(q_rot), lay.k_rot = RowStrides(k_rot), lay.v = RowStrides(v), lay.q = RowStrides(q);
+  lay.out = RowStrides(out), lay.grad_out = RowStrides(grad_out), lay.kc = CtxStrides(kc), lay.vc = CtxStrides(vc);
+  lay.dq_rot = RowStrides(dq_rot), lay.dk_rot = RowStrides(dk_rot), lay.dv = RowStrides(dv), lay.dq = RowStrides(dq);
+  if (!shared) lay.dkc = CtxStrides(dkc), lay.dvc = CtxStrides(dvc);
   const int64_t* len_ptr = lengths.has_value() ? lengths->const_data_ptr<int64_t>() : nullptr;
   if (d.B * d.H * d.T * d.dh > 0) {
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q_rot.scalar_type(), "wiola_gcla_attention_bwd", [&] {
       using acc_t = acc_type<scalar_t>;
       backward_impl<scalar_t>(
-          d, grad_out.const_data_ptr<scalar_t>(), q_rot.const_data_ptr<scalar_t>(), k_rot.const_data_ptr<scalar_t>(),
+          d, lay, grad_out.const_data_ptr<scalar_t>(), q_rot.const_data_ptr<scalar_t>(), k_rot.const_data_ptr<scalar_t>(),
           v.const_data_ptr<scalar_t>(), q.const_data_ptr<scalar_t>(), kc.const_data_ptr<scalar_t>(),
           vc.const_data_ptr<scalar_t>(), gate_acc.const_data_ptr<acc_t>(), len_ptr, out.const_data_ptr<scalar_t>(),
           lse.const_data_ptr<acc_t>(), dq_rot.mutable_data_ptr<scalar_t>(), dk_rot.mutable_data_ptr<scalar_t>(),

@@ -15,9 +15,12 @@
 // Work split: a task is (block of kTileT consecutive rows t, batch b), ordered t-major.
 // It first builds the (c, s) table of its positions once — p·freq in double, reduced
 // modulo π/2 in double (Cody–Waite), double sin/cos polynomials four pairs at a time —
-// and then streams every head of q (H) and of k (H_kv) over those rows: for one head
-// the block is kTileT·d_h contiguous elements, so reads and writes are sequential and
-// the table (kTileT·d_h/2 (c, s) pairs) stays in L1. When consecutive tasks of a thread
+// and then streams every head of q (H) and of k (H_kv) over those rows, in memory order:
+// head by head for (B, H, T, d_h)-contiguous tensors (a head's block is kTileT·d_h
+// contiguous elements), row by row for the model's transposed (B, T, H, d_h) views (a
+// row's heads are adjacent); the table (kTileT·d_h/2 (c, s) pairs) stays in L1. q, k and
+// positions are read through their strides (d_h contiguous), and each output takes its
+// input's layout (empty_output_like), so no copy is made on either side. When consecutive tasks of a thread
 // have the same positions (the usual position_ids = arange(T) shared by the batch),
 // the table is reused instead of rebuilt. The rotation runs in float (double for double
 // inputs); bf16/fp16 rows are converted through a float scratch row. Memory traffic is
@@ -151,10 +154,16 @@ inline void rotate_row(const acc_t* x, const acc_t* c, const acc_t* s, acc_t* ou
   }
 }
 
+// The strides of one (B, heads, T, d_h) input and of its output.
+struct IoStrides {
+  RowStrides in, out;
+};
+
 template <typename scalar_t>
-void srpe_kernel(const scalar_t* q, const scalar_t* k, const int64_t* positions, const double* angle_freq,
-                 const double* radial_freq, double amplitude, bool transpose, scalar_t* q_out, scalar_t* k_out,
-                 int64_t B, int64_t H, int64_t H_kv, int64_t T, int64_t dh) {
+void srpe_kernel(const scalar_t* q, const scalar_t* k, const int64_t* positions, int64_t pos_sb, int64_t pos_st,
+                 const double* angle_freq, const double* radial_freq, double amplitude, bool transpose,
+                 scalar_t* q_out, scalar_t* k_out, const IoStrides& qs, const IoStrides& ks, int64_t B, int64_t H,
+                 int64_t H_kv, int64_t T, int64_t dh) {
   using acc_t = acc_type<scalar_t>;
   constexpr bool kSameType = std::is_same_v<scalar_t, acc_t>;
   const int64_t half = dh / 2;
@@ -165,7 +174,9 @@ void srpe_kernel(const scalar_t* q, const scalar_t* k, const int64_t* positions,
   const int64_t tiles = (T + kTileT - 1) / kTileT;
   // Non-temporal stores for large float outputs (see common.h); q and k rows both aligned.
   const int64_t out_bytes = (H + H_kv) * B * T * dh * static_cast<int64_t>(sizeof(scalar_t));
-  const bool stream = half % 8 == 0 && use_streaming_stores(q_out, out_bytes, dh) &&
+  // Streaming also needs every output row 32-byte aligned: row offsets multiples of 8 floats.
+  const bool rows_aligned = (qs.out.sb | qs.out.sh | qs.out.st | ks.out.sb | ks.out.sh | ks.out.st) % 8 == 0;
+  const bool stream = half % 8 == 0 && rows_aligned && use_streaming_stores(q_out, out_bytes, dh) &&
                       use_streaming_stores(k_out, kStreamMinBytes, dh);
   // Each task moves (H + H_kv)·kTileT·d_h elements. A thread gets at least
   // kMinElemsPerThread of them (~1 MB read + written in fp32, ~0.1 ms): below that, waking
@@ -177,43 +188,47 @@ void srpe_kernel(const scalar_t* q, const scalar_t* k, const int64_t* positions,
     std::vector<acc_t> ctab(kTileT * half), stab(kTileT * half);
     std::vector<double> scratch(2 * half_padded);
     std::vector<acc_t> xrow(kSameType ? 0 : dh), orow(kSameType ? 0 : dh);
-    std::vector<int64_t> table_pos(kTileT);  // positions the table currently holds
+    std::vector<int64_t> table_pos(kTileT), pos(kTileT);  // positions the table holds; this task's
     int64_t table_nt = 0;
     for (int64_t task = task_begin; task < task_end; ++task) {
       const int64_t b = task % B;
       const int64_t t0 = (task / B) * kTileT;
       const int64_t nt = std::min(kTileT, T - t0);
-      const int64_t* pos = positions + b * T + t0;
-      if (nt != table_nt || !std::equal(pos, pos + nt, table_pos.begin())) {
+      for (int64_t i = 0; i < nt; ++i) pos[i] = positions[b * pos_sb + (t0 + i) * pos_st];
+      if (nt != table_nt || !std::equal(pos.begin(), pos.begin() + nt, table_pos.begin())) {
         for (int64_t i = 0; i < nt; ++i) {
           position_table<acc_t>(static_cast<double>(pos[i]), af.data(), rf.data(), half, half_padded, amplitude,
                                 transpose, ctab.data() + i * half, stab.data() + i * half, scratch.data());
         }
-        std::copy(pos, pos + nt, table_pos.begin());
+        std::copy(pos.begin(), pos.begin() + nt, table_pos.begin());
         table_nt = nt;
       }
-      auto sweep = [&](const scalar_t* src, scalar_t* dst, int64_t heads) {
-        for (int64_t h = 0; h < heads; ++h) {
-          const int64_t base = ((b * heads + h) * T + t0) * dh;  // int64: sizes can pass 2^31
+      auto rotate = [&](const scalar_t* x, scalar_t* y, int64_t i) {
+        if constexpr (kSameType) {
+          if (stream) {
+            rotate_row<acc_t, true>(x, ctab.data() + i * half, stab.data() + i * half, y, half);
+          } else {
+            rotate_row<acc_t>(x, ctab.data() + i * half, stab.data() + i * half, y, half);
+          }
+        } else {
+          load_row(x, xrow.data(), dh);
+          rotate_row<acc_t>(xrow.data(), ctab.data() + i * half, stab.data() + i * half, orow.data(), half);
+          store_row(orow.data(), y, dh);
+        }
+      };
+      auto sweep = [&](const scalar_t* src, scalar_t* dst, int64_t heads, const IoStrides& st) {
+        if (st.in.sh < st.in.st) {  // heads adjacent in memory: (B, T, H, d_h) order
           for (int64_t i = 0; i < nt; ++i) {
-            const scalar_t* x = src + base + i * dh;
-            scalar_t* y = dst + base + i * dh;
-            if constexpr (kSameType) {
-              if (stream) {
-                rotate_row<acc_t, true>(x, ctab.data() + i * half, stab.data() + i * half, y, half);
-              } else {
-                rotate_row<acc_t>(x, ctab.data() + i * half, stab.data() + i * half, y, half);
-              }
-            } else {
-              load_row(x, xrow.data(), dh);
-              rotate_row<acc_t>(xrow.data(), ctab.data() + i * half, stab.data() + i * half, orow.data(), half);
-              store_row(orow.data(), y, dh);
-            }
+            for (int64_t h = 0; h < heads; ++h) rotate(src + st.in(b, h, t0 + i), dst + st.out(b, h, t0 + i), i);
+          }
+        } else {
+          for (int64_t h = 0; h < heads; ++h) {
+            for (int64_t i = 0; i < nt; ++i) rotate(src + st.in(b, h, t0 + i), dst + st.out(b, h, t0 + i), i);
           }
         }
       };
-      sweep(q, q_out, H);
-      sweep(k, k_out, H_kv);
+      sweep(q, q_out, H, qs);
+      sweep(k, k_out, H_kv, ks);
     }
 #if defined(CPU_CAPABILITY_AVX2)
     if (stream) stream_fence();
@@ -231,7 +246,8 @@ std::tuple<at::Tensor, at::Tensor> srpe(const at::Tensor& q, const at::Tensor& k
   WIOLA_CHECK_ARG(dh > 0 && dh % 2 == 0, "q must have an even, non-zero head dim d_h, got d_h = ", dh);
   WIOLA_CHECK_ARG(k.size(0) == B && k.size(2) == T && k.size(3) == dh, "k must have shape (B, H_kv, T, d_h) = (",
                   B, ", H_kv, ", T, ", ", dh, ") to match q, got ", k.sizes());
-  WIOLA_CHECK_ARG(q.is_contiguous() && k.is_contiguous(), "q and k must be contiguous");
+  WIOLA_CHECK_ARG(rows_contiguous(q) && rows_contiguous(k), "q and k must have a contiguous last dimension "
+                  "(stride 1), got strides ", q.strides(), " and ", k.strides());
   TORCH_CHECK_TYPE(q.scalar_type() == k.scalar_type(), "k must have the dtype of q (", q.scalar_type(), "), got ",
                    k.scalar_type());
   TORCH_CHECK_TYPE(at::isFloatingType(q.scalar_type()), "q must be float32, float64, bfloat16 or float16, got ",
@@ -239,7 +255,6 @@ std::tuple<at::Tensor, at::Tensor> srpe(const at::Tensor& q, const at::Tensor& k
   WIOLA_CHECK_ARG(positions.dim() == 2 && positions.size(0) == B && positions.size(1) == T,
                   "positions must have shape (B, T) = (", B, ", ", T, "), got ", positions.sizes());
   TORCH_CHECK_TYPE(positions.scalar_type() == at::kLong, "positions must be int64, got ", positions.scalar_type());
-  WIOLA_CHECK_ARG(positions.is_contiguous(), "positions must be contiguous");
   for (const auto* f : {&angle_freq, &radial_freq}) {
     WIOLA_CHECK_ARG(f->dim() == 1 && f->size(0) == dh / 2 && f->is_contiguous(),
                     "angle_freq and radial_freq must be contiguous (d_h/2,) = (", dh / 2, ",) tensors, got ",
@@ -248,14 +263,16 @@ std::tuple<at::Tensor, at::Tensor> srpe(const at::Tensor& q, const at::Tensor& k
                      f->scalar_type());
   }
   WIOLA_CHECK_ARG(H_kv > 0 && H % H_kv == 0, "q's heads H = ", H, " must be a multiple of k's heads H_kv = ", H_kv);
-  at::Tensor q_out = empty_output(q.sizes(), q.options());
-  at::Tensor k_out = empty_output(k.sizes(), k.options());
+  at::Tensor q_out = empty_output_like(q);
+  at::Tensor k_out = empty_output_like(k);
   if (B * T == 0) return {q_out, k_out};
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "wiola_srpe", [&] {
     srpe_kernel<scalar_t>(q.const_data_ptr<scalar_t>(), k.const_data_ptr<scalar_t>(),
-                          positions.const_data_ptr<int64_t>(), angle_freq.const_data_ptr<double>(),
-                          radial_freq.const_data_ptr<double>(), radial_amplitude, transpose,
-                          q_out.mutable_data_ptr<scalar_t>(), k_out.mutable_data_ptr<scalar_t>(), B, H, H_kv, T, dh);
+                          positions.const_data_ptr<int64_t>(), positions.stride(0), positions.stride(1),
+                          angle_freq.const_data_ptr<double>(), radial_freq.const_data_ptr<double>(), radial_amplitude,
+                          transpose, q_out.mutable_data_ptr<scalar_t>(), k_out.mutable_data_ptr<scalar_t>(),
+                          IoStrides{RowStrides(q), RowStrides(q_out)}, IoStrides{RowStrides(k), RowStrides(k_out)}, B,
+                          H, H_kv, T, dh);
   });
   return {q_out, k_out};
 }

@@ -17,6 +17,7 @@ from torch import Tensor
 
 from wiola_kernels import dispatch
 from wiola_kernels.ops.srpe import max_accurate_position
+from wiola_kernels.outputs import unit_last_stride
 
 
 def _direct(*tensors: Tensor) -> bool:
@@ -45,8 +46,9 @@ def srpe(module, q: Tensor, k: Tensor, position_ids: Tensor) -> tuple[Tensor, Te
         limit = max_accurate_position(module.spiral_divisor)
         if int(position_ids.abs().max()) > limit:
             return module(q, k, position_ids)  # the op raises its own error
+    # The kernels read the model's transposed (B, T, H, d_h) views through their strides.
     return dispatch.implementation("srpe", q.device).apply(
-        q.contiguous(), k.contiguous(), position_ids.contiguous(), module.theta, module.spiral_divisor,
+        unit_last_stride(q), unit_last_stride(k), position_ids, module.theta, module.spiral_divisor,
         module.radial_amplitude, module.radial_frequency, False)
 
 

@@ -5,7 +5,8 @@ public :func:`gcla_attention`.
 ``O = softmax_causal(q̃ k̃ᵀ/√d_h) v + σ(g) · softmax_λ(q kcᵀ/√d_h) vc`` per head, with kv
 group ``h mod H_kv``; see :mod:`wiola_kernels.reference.gcla_attention` for the maths.
 
-Each backend provides, on contiguous tensors (``lengths`` int64 or ``None``):
+Each backend provides, on tensors with any strides but a contiguous last dimension
+(``lengths`` int64 or ``None``; the model's q/k/v are transposed ``(B, T, H, d_h)`` views):
 
 * ``forward(q_rot, k_rot, v, q, kc, vc, gate, lengths) -> (out, lse)``
 * ``backward(grad_out, q_rot, k_rot, v, q, kc, vc, gate, lengths, out, lse)
@@ -13,6 +14,13 @@ Each backend provides, on contiguous tensors (``lengths`` int64 or ``None``):
 
 ``lse (B, H, T)`` is the self-attention log-sum-exp in float32 (float64 for float64
 inputs), 0 on rows past the length.
+
+Layouts (no hidden copies): ``out`` and each gradient take the layout of
+``torch.empty_like`` of the matching input (``out``, ``d q_rot`` like ``q_rot``; ``d k_rot``,
+``d v``, ``d q`` like theirs; ``d kc``/``d vc`` like ``kc``/``vc`` for ``S = T``, contiguous for
+``S = 1``, where they are sums over positions). The cpu and triton kernels read strided
+inputs and write these layouts directly; the reference and the cuda composite (its summary
+kernels take contiguous tensors) have their results copied into them.
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ from torch import Tensor
 
 from .. import dispatch
 from ..dtypes import compute_dtype
+from ..outputs import in_layout_of, unit_last_stride
 from ..reference.gcla_attention import gcla_attention_backward, gcla_attention_forward
 from ..validation import (CUDA_GCLA_HEAD_DIMS, CUDA_KERNEL_DTYPES, INDEX_DTYPES, TRITON_GCLA_MAX_HEAD_DIM, Limits,
                           bthd_hint, check_lengths, check_query_key, check_rank, check_same_device, check_same_dtype,
@@ -75,19 +84,31 @@ def _contig(t: Optional[Tensor]) -> Optional[Tensor]:
     return None if t is None else t.contiguous()
 
 
+def _grad_layouts(q_rot, k_rot, v, q, kc, vc, gate) -> tuple[Tensor, ...]:
+    """Tensors whose ``torch.empty_like`` has the layout of each backward output (meta
+    tensors stand for contiguous ones: no allocation)."""
+    def contiguous(t):
+        return torch.empty(t.shape, dtype=t.dtype, device="meta")
+
+    if kc.shape[2] == 1:  # S = 1: sums over positions, contiguous
+        kc, vc = contiguous(kc), contiguous(vc)
+    return q_rot, k_rot, v, q, kc, vc, contiguous(gate)
+
+
 @torch.library.custom_op("wiola::gcla_attention", mutates_args=())
 def gcla_attention_op(q_rot: Tensor, k_rot: Tensor, v: Tensor, q: Tensor, kc: Tensor, vc: Tensor, gate: Tensor,
                       lengths: Optional[Tensor], backend: str = "auto") -> tuple[Tensor, Tensor]:
-    """Forward on ``backend``: returns ``(out (B, H, T, d_h), lse (B, H, T))``."""
+    """Forward on ``backend``: returns ``(out (B, H, T, d_h), lse (B, H, T))``; ``out`` laid out like ``q_rot``."""
     impl = dispatch.resolve(OP, backend, q_rot.device, q_rot.dtype, q_rot.shape[-1])
-    return impl.forward(q_rot.contiguous(), k_rot.contiguous(), v.contiguous(), q.contiguous(), kc.contiguous(),
-                        vc.contiguous(), gate.contiguous(), _contig(lengths))
+    q_rot, k_rot, v, q, kc, vc = map(unit_last_stride, (q_rot, k_rot, v, q, kc, vc))
+    out, lse = impl.forward(q_rot, k_rot, v, q, kc, vc, gate.contiguous(), _contig(lengths))
+    return in_layout_of(out, q_rot), lse
 
 
 @gcla_attention_op.register_fake
 def _(q_rot, k_rot, v, q, kc, vc, gate, lengths, backend="auto"):
     B, H, T, _ = q_rot.shape
-    return (torch.empty_like(q_rot, memory_format=torch.contiguous_format),
+    return (torch.empty_like(unit_last_stride(q_rot)),
             q_rot.new_empty((B, H, T), dtype=compute_dtype(q_rot.dtype)))
 
 
@@ -95,19 +116,18 @@ def _(q_rot, k_rot, v, q, kc, vc, gate, lengths, backend="auto"):
 def gcla_attention_grad_op(grad_out: Tensor, q_rot: Tensor, k_rot: Tensor, v: Tensor, q: Tensor, kc: Tensor,
                            vc: Tensor, gate: Tensor, lengths: Optional[Tensor], out: Tensor, lse: Tensor,
                            backend: str = "auto") -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """Backward on ``backend``: ``(d q_rot, d k_rot, d v, d q, d kc, d vc, d gate)``."""
+    """Backward on ``backend``: ``(d q_rot, d k_rot, d v, d q, d kc, d vc, d gate)``, each in its input's layout."""
     impl = dispatch.resolve(OP, backend, q_rot.device, q_rot.dtype, q_rot.shape[-1])
-    return impl.backward(grad_out.contiguous(), q_rot.contiguous(), k_rot.contiguous(), v.contiguous(),
-                         q.contiguous(), kc.contiguous(), vc.contiguous(), gate.contiguous(), _contig(lengths),
-                         out.contiguous(), lse.contiguous())
+    grad_out, q_rot, k_rot, v, q, kc, vc, out = map(unit_last_stride, (grad_out, q_rot, k_rot, v, q, kc, vc, out))
+    grads = impl.backward(grad_out, q_rot, k_rot, v, q, kc, vc, gate.contiguous(), _contig(lengths), out,
+                          lse.contiguous())
+    return tuple(in_layout_of(g, like) for g, like in zip(grads, _grad_layouts(q_rot, k_rot, v, q, kc, vc, gate)))
 
 
 @gcla_attention_grad_op.register_fake
 def _(grad_out, q_rot, k_rot, v, q, kc, vc, gate, lengths, out, lse, backend="auto"):
-    def like(t):
-        return torch.empty_like(t, memory_format=torch.contiguous_format)
-
-    return like(q_rot), like(k_rot), like(v), like(q), like(kc), like(vc), like(gate)
+    likes = _grad_layouts(*map(unit_last_stride, (q_rot, k_rot, v, q, kc, vc)), gate)
+    return tuple(torch.empty_like(t, device=q_rot.device) for t in likes)
 
 
 def _check_inputs(q_rot, k_rot, v, q, kc, vc, gate, lengths) -> Optional[Tensor]:
@@ -169,7 +189,9 @@ def gcla_attention(q_rot: Tensor, k_rot: Tensor, v: Tensor, q: Tensor, kc: Tenso
     Layout: every attention tensor is ``(B, heads, T, d_h)`` — heads before time.
     Projections reshaped with ``.view(B, T, H, d_h)`` need ``.transpose(1, 2)`` first; when
     ``H = H_kv = T`` the shapes cannot tell the two layouts apart, so no error can catch
-    that mistake.
+    that mistake. Any strides are read in place (only a last dimension with stride ≠ 1 is
+    copied first): pass the transposed views — and :func:`srpe`'s outputs, which keep
+    their layout — as they are; the cpu and triton backends make no copy.
 
     Args:
         q_rot: SRPE-rotated queries ``(B, H, T, d_h)``; float32, float64, bfloat16 or float16.
@@ -185,8 +207,11 @@ def gcla_attention(q_rot: Tensor, k_rot: Tensor, v: Tensor, q: Tensor, kc: Tenso
             Values are checked on CPU tensors (on a GPU the kernels clamp: no device sync).
 
     Returns:
-        ``O (B, H, T, d_h)`` in the dtype of ``q_rot``; softmax statistics in float32
+        ``O (B, H, T, d_h)`` in the dtype and layout (``torch.empty_like``) of ``q_rot``:
+        for the model's transposed views it is in ``(B, T, H, d_h)`` memory order, so
+        ``O.transpose(1, 2).reshape(B, T, H·d_h)`` is a view. Softmax statistics in float32
         (float64 for float64 inputs). Causal, scale ``1/√d_h``. Differentiable in every
-        tensor argument except ``lengths`` (through :class:`GCLAAttentionFunction`).
+        tensor argument except ``lengths`` (through :class:`GCLAAttentionFunction`); each
+        gradient takes its input's layout (``kc``/``vc``'s for ``S = T``, contiguous for ``S = 1``).
     """
     return GCLAAttentionFunction.apply(*distinct(q_rot, k_rot, v, q, kc, vc, gate, lengths))

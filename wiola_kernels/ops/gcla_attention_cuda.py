@@ -31,6 +31,13 @@ fused kernel multiplies masked-out (zero) weights by whole key blocks, and ``0 �
 garbage in the padding would reach valid rows. With ``dO`` and ``O^self`` zero on padded
 rows, those rows add exactly 0 to dK/dV.
 
+**Layouts.** The fused kernels take any strides with a contiguous ``d_h``, so ``q_rot``,
+``k_rot`` and ``v`` (the model's transposed ``(B, T, H, d_h)`` views) reach them uncopied.
+The summary kernels read ``q``, ``kc``, ``vc``, ``O`` and ``dO`` contiguous: those are
+``.contiguous()``-ed here (a copy each for the model's views), and the op layer copies
+the results into the layouts its fakes promise (like the inputs). Passing strides to the
+summary kernels (csrc/cuda/gcla_attention.cu) would remove these copies; not done yet.
+
 **Determinism.** Our kernels are deterministic (no atomics). FlashAttention-2's backward
 accumulates dq with atomics unless ``torch.use_deterministic_algorithms(True)`` is set,
 which PyTorch passes on to it; the same holds for the efficient kernel's split-key path.
@@ -60,7 +67,7 @@ def to_self_order(x: Tensor, perm_kv: int) -> Tensor:
     B, H, T, d = x.shape
     G = H // perm_kv
     # natural h = j·perm_kv + g  →  p = g·G + j
-    return x.view(B, G, perm_kv, T, d).permute(0, 3, 2, 1, 4).reshape(B, T, H, d).transpose(1, 2)
+    return x.reshape(B, G, perm_kv, T, d).permute(0, 3, 2, 1, 4).reshape(B, T, H, d).transpose(1, 2)
 
 
 def from_self_order(x: Tensor, perm_kv: int) -> Tensor:
@@ -180,7 +187,7 @@ def _kernels(device: torch.device):
 
 def forward(q_rot: Tensor, k_rot: Tensor, v: Tensor, q: Tensor, kc: Tensor, vc: Tensor, gate: Tensor,
             lengths: Optional[Tensor], kernels=None) -> tuple[Tensor, Tensor]:
-    """``(out, lse)`` of SPEC §5.5 on contiguous inputs (``lengths`` int64 or None).
+    """``(out, lse)`` of SPEC §5.5 (``lengths`` int64 or None; any strides with ``d_h`` contiguous).
 
     ``kernels`` holds ``_gcla_summary_fwd`` / ``_gcla_summary_bwd`` (default: the CUDA kernels
     for CUDA tensors, their emulation for CPU tensors).
@@ -194,7 +201,8 @@ def forward(q_rot: Tensor, k_rot: Tensor, v: Tensor, q: Tensor, kc: Tensor, vc: 
             q_self.masked_fill_(_pad_mask(lengths, T), 0.0)
     k_self, v_self = _self_kv(attn, k_rot, v, lengths, G)
     o_self, lse_self = attn.forward(q_self, k_self, v_self)
-    return kernels._gcla_summary_fwd(o_self, lse_self, q, kc, vc, gate, lengths, perm_kv)
+    return kernels._gcla_summary_fwd(o_self, lse_self, q.contiguous(), kc.contiguous(), vc.contiguous(), gate,
+                                     lengths, perm_kv)
 
 
 def backward(grad_out: Tensor, q_rot: Tensor, k_rot: Tensor, v: Tensor, q: Tensor, kc: Tensor, vc: Tensor,
@@ -206,14 +214,15 @@ def backward(grad_out: Tensor, q_rot: Tensor, k_rot: Tensor, v: Tensor, q: Tenso
     B, H, T, dh = q_rot.shape
     write_q_self = perm_kv != 1 or lengths is not None
     dq, dkc, dvc, dgate, do_self, o_self, q_self, lse_self = kernels._gcla_summary_bwd(
-        grad_out, out, lse, q_rot, q, kc, vc, gate, lengths, perm_kv, attn.lse_columns(T), write_q_self)
+        grad_out.contiguous(), out.contiguous(), lse, q_rot.contiguous(), q.contiguous(), kc.contiguous(),
+        vc.contiguous(), gate, lengths, perm_kv, attn.lse_columns(T), write_q_self)
     if not write_q_self:
         q_self = q_rot
     k_self, v_self = _self_kv(attn, k_rot, v, lengths, G)
     dq_self, dk, dv = attn.backward(do_self, q_self, k_self, v_self, o_self, lse_self)
-    dq_rot = from_self_order(dq_self, perm_kv) if perm_kv != 1 else dq_self.contiguous()
+    dq_rot = from_self_order(dq_self, perm_kv) if perm_kv != 1 else dq_self  # the op lays it out like q_rot
     if attn.kind == "efficient" and G > 1:
         H_kv = k_rot.shape[1]
         dk = dk.reshape(B, G, H_kv, T, dh).sum(1)
         dv = dv.reshape(B, G, H_kv, T, dh).sum(1)
-    return (dq_rot, dk.contiguous(), dv.contiguous(), dq, dkc, dvc, dgate.to(gate.dtype))
+    return (dq_rot, dk, dv, dq, dkc, dvc, dgate.to(gate.dtype))

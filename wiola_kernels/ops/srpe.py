@@ -2,8 +2,12 @@
 :class:`SRPEFunction` that drives them, and the public :func:`srpe`.
 
 Each backend provides ``apply(q, k, positions, theta, spiral_divisor, radial_amplitude,
-radial_frequency, transpose) -> (q_out, k_out)`` on contiguous ``q (B, H, T, d_h)``,
-``k (B, H_kv, T, d_h)`` and int64 ``positions (B, T)``. ``transpose=False`` applies
+radial_frequency, transpose) -> (q_out, k_out)`` on ``q (B, H, T, d_h)``,
+``k (B, H_kv, T, d_h)`` with any strides but a contiguous last dimension (the model's
+transposed ``(B, T, H, d_h)`` views) and int64 ``positions (B, T)`` with any strides (an
+expanded ``(1, T)``); outputs come in the layout of ``torch.empty_like(q)`` /
+``empty_like(k)`` — the cpu and triton kernels write them so, the reference's are copied
+into it. ``transpose=False`` applies
 ``R(p)`` (forward); ``transpose=True`` applies ``R(p)ᵀ`` (the backward: rotation by
 ``−Θ`` scaled by ``r``), so one kernel serves both directions.
 """
@@ -21,6 +25,7 @@ from .. import dispatch
 from . import distinct
 from ..reference.srpe import srpe as srpe_reference
 from ..reference.srpe import srpe_backward as srpe_reference_backward
+from ..outputs import in_layout_of, unit_last_stride
 from ..srpe_tables import kernel_frequencies
 from ..validation import (bthd_hint, check_position_ids, check_position_range, check_positive, check_query_key,
                           check_real, check_same_device, check_same_dtype, check_tensor)
@@ -75,35 +80,36 @@ _POSITION_LIMIT_REASON = "float32 SRPE outputs lose SPEC accuracy beyond it for 
 @torch.library.custom_op("wiola::srpe", mutates_args=())
 def srpe_op(q: Tensor, k: Tensor, positions: Tensor, theta: float, spiral_divisor: float,
             radial_amplitude: float, radial_frequency: float, backend: str = "auto") -> tuple[Tensor, Tensor]:
-    """``(R(p) q, R(p) k)`` for ``positions (B, T)`` int64, on ``backend``."""
+    """``(R(p) q, R(p) k)`` for ``positions (B, T)`` int64, on ``backend``; outputs in the
+    inputs' layouts (a transposed ``(B, T, H, d_h)`` view stays one: see outputs.py)."""
     # Inside the op (opaque to torch.compile), and on CPU only: on a GPU the check would cost
     # a device sync on every call, so CUDA callers get the documented limit without a check.
     check_position_range(positions, max_accurate_position(spiral_divisor),
                          _POSITION_LIMIT_REASON.format(spiral_divisor))
     impl = dispatch.resolve(OP, backend, q.device, q.dtype)
-    return impl.apply(q.contiguous(), k.contiguous(), positions.contiguous(), theta, spiral_divisor,
-                      radial_amplitude, radial_frequency, False)
+    q, k = unit_last_stride(q), unit_last_stride(k)
+    q_out, k_out = impl.apply(q, k, positions, theta, spiral_divisor, radial_amplitude, radial_frequency, False)
+    return in_layout_of(q_out, q), in_layout_of(k_out, k)
 
 
 @srpe_op.register_fake
 def _(q, k, positions, theta, spiral_divisor, radial_amplitude, radial_frequency, backend="auto"):
-    return (torch.empty_like(q, memory_format=torch.contiguous_format),
-            torch.empty_like(k, memory_format=torch.contiguous_format))
+    return torch.empty_like(unit_last_stride(q)), torch.empty_like(unit_last_stride(k))
 
 
 @torch.library.custom_op("wiola::srpe_grad", mutates_args=())
 def srpe_grad_op(grad_q: Tensor, grad_k: Tensor, positions: Tensor, theta: float, spiral_divisor: float,
                  radial_amplitude: float, radial_frequency: float, backend: str = "auto") -> tuple[Tensor, Tensor]:
-    """``(R(p)ᵀ grad_q, R(p)ᵀ grad_k)`` on ``backend``."""
+    """``(R(p)ᵀ grad_q, R(p)ᵀ grad_k)`` on ``backend``, in the gradients' layouts."""
     impl = dispatch.resolve(OP, backend, grad_q.device, grad_q.dtype)
-    return impl.apply(grad_q.contiguous(), grad_k.contiguous(), positions.contiguous(), theta, spiral_divisor,
-                      radial_amplitude, radial_frequency, True)
+    grad_q, grad_k = unit_last_stride(grad_q), unit_last_stride(grad_k)
+    dq, dk = impl.apply(grad_q, grad_k, positions, theta, spiral_divisor, radial_amplitude, radial_frequency, True)
+    return in_layout_of(dq, grad_q), in_layout_of(dk, grad_k)
 
 
 @srpe_grad_op.register_fake
 def _(grad_q, grad_k, positions, theta, spiral_divisor, radial_amplitude, radial_frequency, backend="auto"):
-    return (torch.empty_like(grad_q, memory_format=torch.contiguous_format),
-            torch.empty_like(grad_k, memory_format=torch.contiguous_format))
+    return torch.empty_like(unit_last_stride(grad_q)), torch.empty_like(unit_last_stride(grad_k))
 
 
 class SRPEFunction(torch.autograd.Function):
@@ -151,7 +157,9 @@ def srpe(q: Tensor, k: Tensor, position_ids: Tensor, theta: float = 10000.0, spi
     Layout: ``q (B, H, T, d_h)``, ``k (B, H_kv, T, d_h)`` — heads before time. Projections
     reshaped with ``.view(B, T, H, d_h)`` need ``.transpose(1, 2)`` first; when
     ``H = H_kv = T`` the shapes cannot tell the two layouts apart, so no error can catch
-    that mistake.
+    that mistake. Any strides are read in place (the cpu and triton kernels take them;
+    only a last dimension with stride ≠ 1 is copied first), so pass the transposed views
+    as they are: no copy is made.
 
     For pair ``(j, j + d_h/2)`` at position ``p``: rotation by
     ``Θ_j(p) = p ω_j (1 + 1/k_s)`` scaled by ``r_j(p) = 1 + a_s sin(p f_s ω_j)``, with
@@ -171,8 +179,11 @@ def srpe(q: Tensor, k: Tensor, position_ids: Tensor, theta: float = 10000.0, spi
         rotate-half layout, as in Llama), with the same float64 angle reduction.
 
     Returns:
-        ``(q_out, k_out)``: new contiguous tensors with the shapes and dtype of
-        ``q``/``k``; the inputs are never modified. Differentiable in ``q`` and ``k``
-        (through :class:`SRPEFunction`).
+        ``(q_out, k_out)``: new tensors with the shapes, dtype and layout (strides, as
+        ``torch.empty_like``) of ``q``/``k`` — transposed ``(B, T, H, d_h)`` views give
+        outputs in that memory order, which :func:`gcla_attention` reads without a copy;
+        contiguous inputs give contiguous outputs. The inputs are never modified.
+        Differentiable in ``q`` and ``k`` (through :class:`SRPEFunction`); the gradients
+        take the layout of the incoming gradients the same way.
     """
     return SRPEFunction.apply(*distinct(q, k, position_ids), theta, spiral_divisor, radial_amplitude, radial_frequency)

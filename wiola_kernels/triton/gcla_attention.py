@@ -66,7 +66,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..outputs import empty_output
+from ..outputs import empty_output, empty_output_as
 from ..dtypes import compute_dtype
 
 #: Largest supported head width (the register tiles are BLOCK_D wide).
@@ -84,16 +84,16 @@ MAX_HEAD_DIM = 256
 # ---------------------------------------------------------------------------------------------
 
 @triton.jit
-def _cross_stats(qq, kc_base, ctx_offs, ctx_ok, L, c, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr):
+def _cross_stats(qq, kc_base, ctx_offs, ctx_ok, L, kc_sl, c, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr):
     """Softmax statistics ``(m, l)`` over the Λ' ≥ 1 summary slots for a block of rows, with the
     un-rotated ``qq`` (natural exp; Λ' is a handful, so CUDA cores). Slot λ of the rows sits at
-    ``kc_base + ctx_offs + λ·d_h`` (a tile for S = T, one shared row for S = 1). The callers
+    ``kc_base + ctx_offs + λ·kc_sl`` (a tile for S = T, one shared row for S = 1). The callers
     re-read the slots for their second pass rather than keep an O^cross tile alive: fewer
     registers, and the re-reads hit L1/L2."""
     m = tl.full([BLOCK_M], float("-inf"), c.dtype)
     l = tl.full([BLOCK_M], 0.0, c.dtype)
     for lam in tl.range(0, L, num_stages=1):
-        kc = tl.load(kc_base + ctx_offs + lam * HEAD_DIM, mask=ctx_ok, other=0.0)
+        kc = tl.load(kc_base + ctx_offs + lam * kc_sl, mask=ctx_ok, other=0.0)
         z = tl.sum(qq.to(c.dtype) * kc.to(c.dtype), 1) * c
         m_new = tl.maximum(m, z)
         l = l * tl.exp(m - m_new) + tl.exp(z - m_new)
@@ -102,7 +102,7 @@ def _cross_stats(qq, kc_base, ctx_offs, ctx_ok, L, c, HEAD_DIM: tl.constexpr, BL
 
 
 @triton.jit
-def _fwd_inner(acc, m_i, l_i, q, k_base, v_base, rows, n0, length, c_exp,
+def _fwd_inner(acc, m_i, l_i, q, k_base, v_base, k_st, v_st, rows, n0, length, c_exp,
                HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                MASK: tl.constexpr, F64: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     """One key block [n0, n0 + BLOCK_N) of the online softmax (scores in exp units). MASK: the
@@ -110,13 +110,12 @@ def _fwd_inner(acc, m_i, l_i, q, k_base, v_base, rows, n0, length, c_exp,
     len_b are not read. Without MASK every key of the block is valid for every row."""
     keys = n0 + tl.arange(0, BLOCK_N)
     cols = tl.arange(0, BLOCK_D)
-    offs = keys[:, None] * HEAD_DIM + cols[None, :]
     key_ok = keys < length
     if MASK:
         ld_ok = key_ok[:, None] & (cols < HEAD_DIM)[None, :]
     else:
         ld_ok = (cols < HEAD_DIM)[None, :]
-    k = tl.load(k_base + offs, mask=ld_ok, other=0.0)
+    k = tl.load(k_base + keys[:, None] * k_st + cols[None, :], mask=ld_ok, other=0.0)
     if UPCAST:
         s = tl.dot(q.to(tl.float32), tl.trans(k).to(tl.float32), input_precision=PRECISION)
     else:
@@ -134,7 +133,7 @@ def _fwd_inner(acc, m_i, l_i, q, k_base, v_base, rows, n0, length, c_exp,
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    v = tl.load(v_base + offs, mask=ld_ok, other=0.0)
+    v = tl.load(v_base + keys[:, None] * v_st + cols[None, :], mask=ld_ok, other=0.0)
     acc = acc * alpha[:, None]
     if UPCAST:
         acc = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), acc, input_precision=PRECISION)
@@ -145,7 +144,7 @@ def _fwd_inner(acc, m_i, l_i, q, k_base, v_base, rows, n0, length, c_exp,
 
 @triton.jit
 def _gcla_fwd_kernel(
-    q_rot_ptr,    # (B, H, T, d_h) rotated queries, contiguous
+    q_rot_ptr,    # (B, H, T, d_h) rotated queries; every tensor: any strides, d_h contiguous
     k_rot_ptr,    # (B, H_kv, T, d_h) rotated keys
     v_ptr,        # (B, H_kv, T, d_h) values
     q_ptr,        # (B, H, T, d_h) un-rotated queries (cross part)
@@ -155,8 +154,16 @@ def _gcla_fwd_kernel(
     len_ptr,      # (B,) int64 lengths (read only when HAS_LEN)
     out_ptr,      # (B, H, T, d_h) out: O, input dtype
     lse_ptr,      # (B, H, T) out: log-sum-exp, accumulation dtype; 0 past the length
-    park_ptr,     # (B, H, T, d_h) scratch for σ·O^cross: float32 for 16-bit outputs, else out_ptr itself
+    park_ptr,     # (B, H, T, d_h) scratch for σ·O^cross, strided like out: float32 for 16-bit outputs,
+                  # else out_ptr itself
     B, H, H_KV, T, L,                # sizes; L = Λ'
+    sqr_b, sqr_h, sqr_t,             # element strides (b, head, t) of q_rot
+    sk_b, sk_h, sk_t,                # of k_rot
+    sv_b, sv_h, sv_t,                # of v
+    sq_b, sq_h, sq_t,                # of q
+    skc_b, skc_h, skc_s, skc_l,      # (b, head, s, λ) of kc
+    svc_b, svc_h, svc_s, svc_l,      # of vc
+    so_b, so_h, so_t,                # (b, head, t) of out and park
     HEAD_DIM: tl.constexpr,          # d_h
     BLOCK_M: tl.constexpr,           # query rows per program
     BLOCK_N: tl.constexpr,           # keys per step (BLOCK_M % BLOCK_N == 0)
@@ -183,9 +190,11 @@ def _gcla_fwd_kernel(
     cols = tl.arange(0, BLOCK_D)
     row_ok = rows < length
     tile_ok = row_ok[:, None] & (cols < HEAD_DIM)[None, :]
-    q_base = bh.to(tl.int64) * T * HEAD_DIM
-    kv_base = (b * H_KV + g).to(tl.int64) * T * HEAD_DIM
-    offs = rows[:, None] * HEAD_DIM + cols[None, :]
+    b64, h64, g64 = b.to(tl.int64), h.to(tl.int64), g.to(tl.int64)
+    qr_ptrs = q_rot_ptr + b64 * sqr_b + h64 * sqr_h + rows[:, None] * sqr_t + cols[None, :]
+    o_offs = b64 * so_b + h64 * so_h + rows[:, None] * so_t + cols[None, :]
+    k_base = k_rot_ptr + b64 * sk_b + g64 * sk_h
+    v_base = v_ptr + b64 * sv_b + g64 * sv_h
 
     sig = 1.0 / (1.0 + tl.exp(-tl.load(gate_ptr + h)))  # σ(g_h); its dtype is the accumulation dtype
     # c = 1/√d_h formed here: a Python float argument would be typed float32 (too coarse for float64).
@@ -196,39 +205,42 @@ def _gcla_fwd_kernel(
     # and picked up by the epilogue (done in the epilogue itself it would hold an O tile, q,
     # kc and vc at once and spill at d_h = 128).
     if HAS_CROSS:
-        qq = tl.load(q_ptr + q_base + offs, mask=tile_ok, other=0.0)
-        ctx_base = bh.to(tl.int64) * (T if PER_ROW else 1) * L * HEAD_DIM
+        qq = tl.load(q_ptr + b64 * sq_b + h64 * sq_h + rows[:, None] * sq_t + cols[None, :], mask=tile_ok, other=0.0)
+        kc_base = kc_ptr + b64 * skc_b + h64 * skc_h
+        vc_base = vc_ptr + b64 * svc_b + h64 * svc_h
         if PER_ROW:  # row i reads its own slot row i (rows past the length read 0)
-            ctx_offs = rows.to(tl.int64)[:, None] * (L * HEAD_DIM) + cols[None, :]
+            kc_offs = rows.to(tl.int64)[:, None] * skc_s + cols[None, :]
+            vc_offs = rows.to(tl.int64)[:, None] * svc_s + cols[None, :]
             ctx_ok = tile_ok
         else:  # one slot row shared by every position
-            ctx_offs = cols[None, :]
+            kc_offs = cols[None, :]
+            vc_offs = cols[None, :]
             ctx_ok = (cols < HEAD_DIM)[None, :]
-        m_c, l_c = _cross_stats(qq, kc_ptr + ctx_base, ctx_offs, ctx_ok, L, c, HEAD_DIM, BLOCK_M)
+        m_c, l_c = _cross_stats(qq, kc_base, kc_offs, ctx_ok, L, skc_l, c, HEAD_DIM, BLOCK_M)
         w = sig / l_c
         o_cross = tl.full([BLOCK_M, BLOCK_D], 0.0, sig.dtype)
         for lam in tl.range(0, L, num_stages=1):  # σ Σ_λ a_λ vc_λ
-            kc = tl.load(kc_ptr + ctx_base + ctx_offs + lam * HEAD_DIM, mask=ctx_ok, other=0.0)
-            vc = tl.load(vc_ptr + ctx_base + ctx_offs + lam * HEAD_DIM, mask=ctx_ok, other=0.0)
+            kc = tl.load(kc_base + kc_offs + lam * skc_l, mask=ctx_ok, other=0.0)
+            vc = tl.load(vc_base + vc_offs + lam * svc_l, mask=ctx_ok, other=0.0)
             z = tl.sum(qq.to(sig.dtype) * kc.to(sig.dtype), 1) * c
             o_cross += (w * tl.exp(z - m_c))[:, None] * vc.to(sig.dtype)
-        tl.store(park_ptr + q_base + offs, o_cross.to(park_ptr.dtype.element_ty), mask=st_ok)
+        tl.store(park_ptr + o_offs, o_cross.to(park_ptr.dtype.element_ty), mask=st_ok)
 
     if F64:
         c_exp = c
     else:
         c_exp = c * 1.4426950408889634  # scores in log2 units for exp2
-    q = tl.load(q_rot_ptr + q_base + offs, mask=tile_ok, other=0.0)
+    q = tl.load(qr_ptrs, mask=tile_ok, other=0.0)
     m_i = tl.full([BLOCK_M], float("-inf"), sig.dtype)
     l_i = tl.full([BLOCK_M], 0.0, sig.dtype)
     acc = tl.full([BLOCK_M, BLOCK_D], 0.0, sig.dtype)
     # Key blocks left of the diagonal: keys < m0 < len_b, no mask. None for rows past len_b.
     for n0 in range(0, tl.where(m0 < length, m0, 0), BLOCK_N):
-        acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_rot_ptr + kv_base, v_ptr + kv_base, rows, n0, length, c_exp,
+        acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_base, v_base, sk_t, sv_t, rows, n0, length, c_exp,
                                    HEAD_DIM, BLOCK_N, BLOCK_D, False, F64, PRECISION, UPCAST)
     # The diagonal blocks, up to the last valid key; blocks above the diagonal are never visited.
     for n0 in range(m0, tl.minimum(m0 + BLOCK_M, length), BLOCK_N):
-        acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_rot_ptr + kv_base, v_ptr + kv_base, rows, n0, length, c_exp,
+        acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_base, v_base, sk_t, sv_t, rows, n0, length, c_exp,
                                    HEAD_DIM, BLOCK_N, BLOCK_D, True, F64, PRECISION, UPCAST)
 
     # Epilogue: normalise, add the parked cross part, zero the rows past the length, write.
@@ -240,27 +252,26 @@ def _gcla_fwd_kernel(
         lse = (m_i + tl.log2(l_safe)) * 0.6931471805599453
     if HAS_CROSS:
         tl.debug_barrier()  # the parked values were stored by other threads of this program
-        o += tl.load(park_ptr + q_base + offs, mask=st_ok, other=0.0).to(sig.dtype)
+        o += tl.load(park_ptr + o_offs, mask=st_ok, other=0.0).to(sig.dtype)
     o = tl.where(row_ok[:, None], o, 0.0)
-    tl.store(out_ptr + q_base + offs, o.to(out_ptr.dtype.element_ty), mask=st_ok)
+    tl.store(out_ptr + o_offs, o.to(out_ptr.dtype.element_ty), mask=st_ok)
     tl.store(lse_ptr + bh.to(tl.int64) * T + rows, tl.where(row_ok, lse, 0.0), mask=rows < T)
 
 
 @triton.jit
-def _dq_inner(dq, qr, do, lse_e, delta, k_base, v_base, rows, n0, length, c_exp,
+def _dq_inner(dq, qr, do, lse_e, delta, k_base, v_base, k_st, v_st, rows, n0, length, c_exp,
               HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
               MASK: tl.constexpr, F64: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     """dq̃ += dS K̃ over one key block (c is applied once, by the caller)."""
     keys = n0 + tl.arange(0, BLOCK_N)
     cols = tl.arange(0, BLOCK_D)
-    offs = keys[:, None] * HEAD_DIM + cols[None, :]
     key_ok = keys < length
     if MASK:
         ld_ok = key_ok[:, None] & (cols < HEAD_DIM)[None, :]
     else:
         ld_ok = (cols < HEAD_DIM)[None, :]
-    k = tl.load(k_base + offs, mask=ld_ok, other=0.0)
-    v = tl.load(v_base + offs, mask=ld_ok, other=0.0)
+    k = tl.load(k_base + keys[:, None] * k_st + cols[None, :], mask=ld_ok, other=0.0)
+    v = tl.load(v_base + keys[:, None] * v_st + cols[None, :], mask=ld_ok, other=0.0)
     if UPCAST:
         s = tl.dot(qr.to(tl.float32), tl.trans(k).to(tl.float32), input_precision=PRECISION)
         dp = tl.dot(do.to(tl.float32), tl.trans(v).to(tl.float32), input_precision=PRECISION)
@@ -297,6 +308,14 @@ def _gcla_bwd_dq_kernel(
     delta_ptr,    # (B, H, T) out: D_i = dO_i·(O_i − σ O^cross_i), accumulation dtype
     dgate_ptr,    # (B, H, M_BLOCKS) out: σ(1−σ) Σ dO·O^cross per query block
     B, H, H_KV, T, L,
+    sqr_b, sqr_h, sqr_t, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, sq_b, sq_h, sq_t,  # element strides, as the forward's
+    skc_b, skc_h, skc_s, skc_l, svc_b, svc_h, svc_s, svc_l,
+    so_b, so_h, so_t,                # out
+    sdo_b, sdo_h, sdo_t,             # ∂L/∂O
+    sdqr_b, sdqr_h, sdqr_t,          # ∂L/∂q̃
+    sdq_b, sdq_h, sdq_t,             # ∂L/∂q
+    sdkc_b, sdkc_h, sdkc_s, sdkc_l,  # ∂L/∂kc (S = T; the S = 1 partials are contiguous)
+    sdvc_b, sdvc_h, sdvc_s, sdvc_l,  # ∂L/∂vc
     HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,           # query rows per program
     BLOCK_N: tl.constexpr,           # keys per step (BLOCK_M % BLOCK_N == 0)
@@ -323,62 +342,71 @@ def _gcla_bwd_dq_kernel(
     row_ok = rows < length
     tile_ok = row_ok[:, None] & col_ok[None, :]
     st_ok = (rows < T)[:, None] & col_ok[None, :]
-    q_base = bh.to(tl.int64) * T * HEAD_DIM
-    kv_base = (b * H_KV + g).to(tl.int64) * T * HEAD_DIM
-    offs = rows[:, None] * HEAD_DIM + cols[None, :]
+    b64, h64, g64 = b.to(tl.int64), h.to(tl.int64), g.to(tl.int64)
+    k_base = k_rot_ptr + b64 * sk_b + g64 * sk_h
+    v_base = v_ptr + b64 * sv_b + g64 * sv_h
+    r2 = rows[:, None]
+    c2 = cols[None, :]
 
     sig = 1.0 / (1.0 + tl.exp(-tl.load(gate_ptr + h)))
     c = 1.0 / tl.sqrt(tl.full((), HEAD_DIM, sig.dtype))
     # dO past the length reads as 0, so it reaches no gradient.
-    do = tl.load(do_ptr + q_base + offs, mask=tile_ok, other=0.0)
-    o = tl.load(out_ptr + q_base + offs, mask=tile_ok, other=0.0)
+    do = tl.load(do_ptr + b64 * sdo_b + h64 * sdo_h + r2 * sdo_t + c2, mask=tile_ok, other=0.0)
+    o = tl.load(out_ptr + b64 * so_b + h64 * so_h + r2 * so_t + c2, mask=tile_ok, other=0.0)
     delta = tl.sum(do.to(sig.dtype) * o.to(sig.dtype), 1)  # dO·O; minus σ dO·O^cross below
 
     # ---- the cross part: dq, dkc, dvc, the gate partial; with t = dO·O^cross = Σ_λ a_λ dO·vc_λ,
     # dz_λ = σ a_λ (dO·vc_λ − t), so three short passes over λ need no O^cross tile ----
     dq = tl.full([BLOCK_M, BLOCK_D], 0.0, sig.dtype)
     if HAS_CROSS:
-        qq = tl.load(q_ptr + q_base + offs, mask=tile_ok, other=0.0)
-        ctx_base = bh.to(tl.int64) * (T if PER_ROW else 1) * L * HEAD_DIM
+        qq = tl.load(q_ptr + b64 * sq_b + h64 * sq_h + r2 * sq_t + c2, mask=tile_ok, other=0.0)
+        kc_base = kc_ptr + b64 * skc_b + h64 * skc_h
+        vc_base = vc_ptr + b64 * svc_b + h64 * svc_h
         if PER_ROW:
-            ctx_offs = rows.to(tl.int64)[:, None] * (L * HEAD_DIM) + cols[None, :]
+            r64 = rows.to(tl.int64)[:, None]
+            kc_offs = r64 * skc_s + c2
+            vc_offs = r64 * svc_s + c2
+            dkc_ptrs = dkc_ptr + b64 * sdkc_b + h64 * sdkc_h + r64 * sdkc_s + c2
+            dvc_ptrs = dvc_ptr + b64 * sdvc_b + h64 * sdvc_h + r64 * sdvc_s + c2
             ctx_ok = tile_ok
         else:
-            ctx_offs = cols[None, :]
+            kc_offs = c2
+            vc_offs = c2
             ctx_ok = col_ok[None, :]
         part_base = (bh.to(tl.int64) * n_mb + mb) * L * HEAD_DIM  # S = 1: this block's partials
-        m_c, l_c = _cross_stats(qq, kc_ptr + ctx_base, ctx_offs, ctx_ok, L, c, HEAD_DIM, BLOCK_M)
+        m_c, l_c = _cross_stats(qq, kc_base, kc_offs, ctx_ok, L, skc_l, c, HEAD_DIM, BLOCK_M)
         t = tl.full([BLOCK_M], 0.0, sig.dtype)
         for lam in tl.range(0, L, num_stages=1):  # t, and dvc_λ = σ a_λ dO
-            kc = tl.load(kc_ptr + ctx_base + ctx_offs + lam * HEAD_DIM, mask=ctx_ok, other=0.0)
-            vc = tl.load(vc_ptr + ctx_base + ctx_offs + lam * HEAD_DIM, mask=ctx_ok, other=0.0)
+            kc = tl.load(kc_base + kc_offs + lam * skc_l, mask=ctx_ok, other=0.0)
+            vc = tl.load(vc_base + vc_offs + lam * svc_l, mask=ctx_ok, other=0.0)
             a = tl.exp(tl.sum(qq.to(sig.dtype) * kc.to(sig.dtype), 1) * c - m_c) / l_c
             t += a * tl.sum(do.to(sig.dtype) * vc.to(sig.dtype), 1)
             dvc = (sig * a)[:, None] * do.to(sig.dtype)
             if PER_ROW:  # rows past the length hold exact zeros (dO reads 0 there)
-                tl.store(dvc_ptr + ctx_base + ctx_offs + lam * HEAD_DIM, dvc.to(dvc_ptr.dtype.element_ty), mask=st_ok)
+                tl.store(dvc_ptrs + lam * sdvc_l, dvc.to(dvc_ptr.dtype.element_ty), mask=st_ok)
             else:
                 tl.store(dvc_ptr + part_base + lam * HEAD_DIM + cols, tl.sum(dvc, 0), mask=col_ok)
         for lam in tl.range(0, L, num_stages=1):  # dq += c dz_λ kc_λ, dkc_λ = c dz_λ q
-            kc = tl.load(kc_ptr + ctx_base + ctx_offs + lam * HEAD_DIM, mask=ctx_ok, other=0.0)
-            vc = tl.load(vc_ptr + ctx_base + ctx_offs + lam * HEAD_DIM, mask=ctx_ok, other=0.0)
+            kc = tl.load(kc_base + kc_offs + lam * skc_l, mask=ctx_ok, other=0.0)
+            vc = tl.load(vc_base + vc_offs + lam * svc_l, mask=ctx_ok, other=0.0)
             a = tl.exp(tl.sum(qq.to(sig.dtype) * kc.to(sig.dtype), 1) * c - m_c) / l_c
             dz = (sig * c) * a * (tl.sum(do.to(sig.dtype) * vc.to(sig.dtype), 1) - t)
             dq += dz[:, None] * kc.to(sig.dtype)
             dkc = dz[:, None] * qq.to(sig.dtype)
             if PER_ROW:
-                tl.store(dkc_ptr + ctx_base + ctx_offs + lam * HEAD_DIM, dkc.to(dkc_ptr.dtype.element_ty), mask=st_ok)
+                tl.store(dkc_ptrs + lam * sdkc_l, dkc.to(dkc_ptr.dtype.element_ty), mask=st_ok)
             else:
                 tl.store(dkc_ptr + part_base + lam * HEAD_DIM + cols, tl.sum(dkc, 0), mask=col_ok)
         tl.store(dgate_ptr + bh.to(tl.int64) * n_mb + mb, sig * (1.0 - sig) * tl.sum(t, 0))
         delta -= sig * t
     else:
         tl.store(dgate_ptr + bh.to(tl.int64) * n_mb + mb, sig * 0.0)
-    tl.store(dq_ptr + q_base + offs, tl.where(row_ok[:, None], dq, 0.0).to(dq_ptr.dtype.element_ty), mask=st_ok)
+    tl.store(dq_ptr + b64 * sdq_b + h64 * sdq_h + r2 * sdq_t + c2, tl.where(row_ok[:, None], dq, 0.0).to(dq_ptr.dtype.element_ty),
+             mask=st_ok)
     tl.store(delta_ptr + bh.to(tl.int64) * T + rows, delta, mask=rows < T)
 
     # ---- the self part: dq̃ over the key blocks at or left of the diagonal ----
-    qr = tl.load(q_rot_ptr + q_base + offs, mask=tile_ok, other=0.0)
+    qr = tl.load(q_rot_ptr + b64 * sqr_b + h64 * sqr_h + r2 * sqr_t + c2, mask=tile_ok, other=0.0)
     lse = tl.load(lse_ptr + bh.to(tl.int64) * T + rows, mask=row_ok, other=0.0)
     if F64:
         c_exp = c
@@ -388,29 +416,35 @@ def _gcla_bwd_dq_kernel(
         lse_e = lse * 1.4426950408889634
     dq_rot = tl.full([BLOCK_M, BLOCK_D], 0.0, sig.dtype)
     for n0 in range(0, tl.where(m0 < length, m0, 0), BLOCK_N):
-        dq_rot = _dq_inner(dq_rot, qr, do, lse_e, delta, k_rot_ptr + kv_base, v_ptr + kv_base, rows, n0, length,
+        dq_rot = _dq_inner(dq_rot, qr, do, lse_e, delta, k_base, v_base, sk_t, sv_t, rows, n0, length,
                            c_exp, HEAD_DIM, BLOCK_N, BLOCK_D, False, F64, PRECISION, UPCAST)
     for n0 in range(m0, tl.minimum(m0 + BLOCK_M, length), BLOCK_N):
-        dq_rot = _dq_inner(dq_rot, qr, do, lse_e, delta, k_rot_ptr + kv_base, v_ptr + kv_base, rows, n0, length,
+        dq_rot = _dq_inner(dq_rot, qr, do, lse_e, delta, k_base, v_base, sk_t, sv_t, rows, n0, length,
                            c_exp, HEAD_DIM, BLOCK_N, BLOCK_D, True, F64, PRECISION, UPCAST)
     dq_rot = tl.where(row_ok[:, None], dq_rot * c, 0.0)
-    tl.store(dq_rot_ptr + q_base + offs, dq_rot.to(dq_rot_ptr.dtype.element_ty), mask=st_ok)
+    tl.store(dq_rot_ptr + b64 * sdqr_b + h64 * sdqr_h + r2 * sdqr_t + c2, dq_rot.to(dq_rot_ptr.dtype.element_ty),
+             mask=st_ok)
 
 
 @triton.jit
-def _dkv_inner(dk, dv, k, v, q_base, stat_base, q_rot_ptr, do_ptr, lse_ptr, delta_ptr, keys, m0, length, c_exp,
+def _dkv_inner(dk, dv, k, v, qr_base, qr_st, do_base, do_st, stat_base, lse_ptr, delta_ptr, keys, m0, length, c_exp,
                HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
-               MASK: tl.constexpr, F64: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+               MASK: tl.constexpr, F64: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+               SAME_T_STRIDE: tl.constexpr):
     """dV += Pᵀ dO and dk̃ += dSᵀ Q̃ (c applied by the caller) over the query rows
     [m0, m0 + BLOCK_M) of one head. Rows past the length read as 0 (q̃, dO, lse, D) and add
     exactly 0; MASK adds the causal mask for row blocks that cross the diagonal."""
     rows = m0 + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_D)
     row_ok = rows < length
-    offs = rows[:, None] * HEAD_DIM + cols[None, :]
     tile_ok = row_ok[:, None] & (cols < HEAD_DIM)[None, :]
-    qr = tl.load(q_rot_ptr + q_base + offs, mask=tile_ok, other=0.0)
-    do = tl.load(do_ptr + q_base + offs, mask=tile_ok, other=0.0)
+    qr_offs = rows[:, None] * qr_st + cols[None, :]
+    if SAME_T_STRIDE:  # one offset tile for both loads (a second one spills at d_h 128 on sm_90)
+        do_offs = qr_offs
+    else:
+        do_offs = rows[:, None] * do_st + cols[None, :]
+    qr = tl.load(qr_base + qr_offs, mask=tile_ok, other=0.0)
+    do = tl.load(do_base + do_offs, mask=tile_ok, other=0.0)
     lse = tl.load(lse_ptr + stat_base + rows, mask=row_ok, other=0.0)
     delta = tl.load(delta_ptr + stat_base + rows, mask=row_ok, other=0.0)
     if UPCAST:
@@ -449,11 +483,14 @@ def _gcla_bwd_dkv_kernel(
     dk_ptr,       # (B, H_kv, T, d_h) out: ∂L/∂k̃
     dv_ptr,       # (B, H_kv, T, d_h) out: ∂L/∂v
     B, H, H_KV, T,
+    sqr_b, sqr_h, sqr_t, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t,  # element strides (b, head, t): q_rot, k_rot, v,
+    sdo_b, sdo_h, sdo_t, sdk_b, sdk_h, sdk_t, sdv_b, sdv_h, sdv_t,  # ∂L/∂O, ∂L/∂k̃, ∂L/∂v
     HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,           # query rows per step
     BLOCK_N: tl.constexpr,           # keys per program (BLOCK_N % BLOCK_M == 0)
     BLOCK_D: tl.constexpr,
     HAS_LEN: tl.constexpr, F64: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    SAME_T_STRIDE: tl.constexpr,     # q_rot and ∂L/∂O have one t stride (the model's views, contiguous inputs)
 ):
     pid = tl.program_id(0)
     n_bg = B * H_KV
@@ -468,11 +505,12 @@ def _gcla_bwd_dkv_kernel(
     keys = n0 + tl.arange(0, BLOCK_N)
     cols = tl.arange(0, BLOCK_D)
     key_ok = keys < length
-    kv_base = bg.to(tl.int64) * T * HEAD_DIM
-    offs = keys[:, None] * HEAD_DIM + cols[None, :]
+    b64, g64 = b.to(tl.int64), g.to(tl.int64)
+    k2 = keys[:, None]
+    c2 = cols[None, :]
     tile_ok = key_ok[:, None] & (cols < HEAD_DIM)[None, :]
-    k = tl.load(k_rot_ptr + kv_base + offs, mask=tile_ok, other=0.0)
-    v = tl.load(v_ptr + kv_base + offs, mask=tile_ok, other=0.0)
+    k = tl.load(k_rot_ptr + b64 * sk_b + g64 * sk_h + k2 * sk_t + c2, mask=tile_ok, other=0.0)
+    v = tl.load(v_ptr + b64 * sv_b + g64 * sv_h + k2 * sv_t + c2, mask=tile_ok, other=0.0)
     acc_like = tl.load(gate_ptr)
     c = 1.0 / tl.sqrt(tl.full((), HEAD_DIM, acc_like.dtype))
     if F64:
@@ -486,18 +524,23 @@ def _gcla_bwd_dkv_kernel(
     # in order: one program per key block, a fixed summation order, no atomics.
     diag_end = tl.maximum(tl.minimum(n0 + BLOCK_N, length), n0)
     for r in range(0, H // H_KV):
+        h64 = (g + r * H_KV).to(tl.int64)
         bh = b * H + g + r * H_KV
-        q_base = bh.to(tl.int64) * T * HEAD_DIM
+        qr_base = q_rot_ptr + b64 * sqr_b + h64 * sqr_h
+        do_base = do_ptr + b64 * sdo_b + h64 * sdo_h
         stat_base = bh.to(tl.int64) * T
         for m0 in range(n0, diag_end, BLOCK_M):
-            dk, dv = _dkv_inner(dk, dv, k, v, q_base, stat_base, q_rot_ptr, do_ptr, lse_ptr, delta_ptr, keys, m0,
-                                length, c_exp, HEAD_DIM, BLOCK_M, BLOCK_D, True, F64, PRECISION, UPCAST)
+            dk, dv = _dkv_inner(dk, dv, k, v, qr_base, sqr_t, do_base, sdo_t, stat_base, lse_ptr, delta_ptr, keys, m0,
+                                length, c_exp, HEAD_DIM, BLOCK_M, BLOCK_D, True, F64, PRECISION, UPCAST, SAME_T_STRIDE)
         for m0 in range(n0 + BLOCK_N, length, BLOCK_M):
-            dk, dv = _dkv_inner(dk, dv, k, v, q_base, stat_base, q_rot_ptr, do_ptr, lse_ptr, delta_ptr, keys, m0,
-                                length, c_exp, HEAD_DIM, BLOCK_M, BLOCK_D, False, F64, PRECISION, UPCAST)
+            dk, dv = _dkv_inner(dk, dv, k, v, qr_base, sqr_t, do_base, sdo_t, stat_base, lse_ptr, delta_ptr, keys, m0,
+                                length, c_exp, HEAD_DIM, BLOCK_M, BLOCK_D, False, F64, PRECISION, UPCAST,
+                                SAME_T_STRIDE)
     st_ok = (keys < T)[:, None] & (cols < HEAD_DIM)[None, :]
-    tl.store(dk_ptr + kv_base + offs, tl.where(key_ok[:, None], dk * c, 0.0).to(dk_ptr.dtype.element_ty), mask=st_ok)
-    tl.store(dv_ptr + kv_base + offs, tl.where(key_ok[:, None], dv, 0.0).to(dv_ptr.dtype.element_ty), mask=st_ok)
+    tl.store(dk_ptr + b64 * sdk_b + g64 * sdk_h + k2 * sdk_t + c2,
+             tl.where(key_ok[:, None], dk * c, 0.0).to(dk_ptr.dtype.element_ty), mask=st_ok)
+    tl.store(dv_ptr + b64 * sdv_b + g64 * sdv_h + k2 * sdv_t + c2,
+             tl.where(key_ok[:, None], dv, 0.0).to(dv_ptr.dtype.element_ty), mask=st_ok)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -603,14 +646,23 @@ class KernelLaunch:
         self.kernel[self.grid](*self.args, **self.constexprs, num_warps=self.num_warps, num_stages=self.num_stages)
 
 
+def _strides(*tensors) -> tuple:
+    """The kernels' stride arguments: every dimension but the last (d_h, contiguous) of each
+    tensor, in order; ``None`` (the S = 1 context gradients, written as contiguous partials)
+    gives zeros for a 5-D tensor. ``tensors`` may be meta tensors (ahead-of-time launches)."""
+    return tuple(x for t in tensors for x in ((0, 0, 0, 0) if t is None else t.stride()[:-1]))
+
+
 def _fwd_launch(q_rot, k_rot, v, q, kc, vc, gate_acc, lengths, out, lse, dims, cfg: LaunchConfig, dtype,
-                device_type, park=None):
+                device_type, park=None, layout=None):
+    """``layout``: tensors with the strides of (q_rot, k_rot, v, q, kc, vc, out) when the
+    launch arguments carry none (ahead-of-time mocks); default the arguments themselves."""
     B, H, H_kv, T, D, S, L = dims
     blk = cfg.fwd
     return KernelLaunch(
         "_gcla_fwd_kernel", _gcla_fwd_kernel, (triton.cdiv(T, blk.block_m) * B * H,),
         (q_rot, k_rot, v, q, kc, vc, gate_acc, gate_acc if lengths is None else lengths, out, lse,
-         out if park is None else park, B, H, H_kv, T, L),
+         out if park is None else park, B, H, H_kv, T, L, *_strides(*(layout or (q_rot, k_rot, v, q, kc, vc, out)))),
         dict(HEAD_DIM=D, BLOCK_M=blk.block_m, BLOCK_N=blk.block_n, BLOCK_D=block_d(D), PER_ROW=S != 1,
              HAS_CROSS=L > 0, HAS_LEN=lengths is not None, F64=dtype == torch.float64, PRECISION=_precision(dtype),
              UPCAST=_upcast(dtype, device_type)),
@@ -618,8 +670,14 @@ def _fwd_launch(q_rot, k_rot, v, q, kc, vc, gate_acc, lengths, out, lse, dims, c
 
 
 def _bwd_launches(grad_out, q_rot, k_rot, v, q, kc, vc, gate_acc, lengths, out, lse, dq_rot, dq, dkc, dvc, delta,
-                  dgate_part, dk, dv, dims, cfg: LaunchConfig, dtype, device_type):
+                  dgate_part, dk, dv, dims, cfg: LaunchConfig, dtype, device_type, layout=None):
+    """``layout``: tensors with the strides of (grad_out, q_rot, k_rot, v, q, kc, vc, out, dq_rot,
+    dq, dkc, dvc, dk, dv) for ahead-of-time mocks; default the arguments themselves."""
     B, H, H_kv, T, D, S, L = dims
+    (l_do, l_qr, l_k, l_v, l_q, l_kc, l_vc, l_o, l_dqr, l_dq, l_dkc, l_dvc, l_dk, l_dv) = layout or (
+        grad_out, q_rot, k_rot, v, q, kc, vc, out, dq_rot, dq, dkc, dvc, dk, dv)
+    if S == 1:  # the context gradients are contiguous per-block partials, addressed by the kernel
+        l_dkc = l_dvc = None
     lens = gate_acc if lengths is None else lengths
     common = dict(HEAD_DIM=D, BLOCK_D=block_d(D), HAS_LEN=lengths is not None, F64=dtype == torch.float64,
                   PRECISION=_precision(dtype), UPCAST=_upcast(dtype, device_type))
@@ -627,19 +685,20 @@ def _bwd_launches(grad_out, q_rot, k_rot, v, q, kc, vc, gate_acc, lengths, out, 
     dq_pass = KernelLaunch(
         "_gcla_bwd_dq_kernel", _gcla_bwd_dq_kernel, (triton.cdiv(T, dq_blk.block_m) * B * H,),
         (q_rot, k_rot, v, q, kc, vc, gate_acc, lens, out, lse, grad_out, dq_rot, dq, dkc, dvc, delta, dgate_part,
-         B, H, H_kv, T, L),
+         B, H, H_kv, T, L, *_strides(l_qr, l_k, l_v, l_q, l_kc, l_vc, l_o, l_do, l_dqr, l_dq, l_dkc, l_dvc)),
         dict(common, BLOCK_M=dq_blk.block_m, BLOCK_N=dq_blk.block_n, PER_ROW=S != 1, HAS_CROSS=L > 0),
         dq_blk.num_warps, dq_blk.num_stages)
     dkv_pass = KernelLaunch(
         "_gcla_bwd_dkv_kernel", _gcla_bwd_dkv_kernel, (triton.cdiv(T, kv_blk.block_n) * B * H_kv,),
-        (q_rot, k_rot, v, gate_acc, lens, lse, grad_out, delta, dk, dv, B, H, H_kv, T),
-        dict(common, BLOCK_M=kv_blk.block_m, BLOCK_N=kv_blk.block_n),
+        (q_rot, k_rot, v, gate_acc, lens, lse, grad_out, delta, dk, dv, B, H, H_kv, T,
+         *_strides(l_qr, l_k, l_v, l_do, l_dk, l_dv)),
+        dict(common, BLOCK_M=kv_blk.block_m, BLOCK_N=kv_blk.block_n, SAME_T_STRIDE=l_qr.stride(2) == l_do.stride(2)),
         kv_blk.num_warps, kv_blk.num_stages)
     return dq_pass, dkv_pass
 
 
 # ---------------------------------------------------------------------------------------------
-# Launchers (contiguous inputs, shapes validated by the op)
+# Launchers (strided inputs with d_h contiguous, shapes validated by the op)
 # ---------------------------------------------------------------------------------------------
 
 def _dims(q_rot: torch.Tensor, k_rot: torch.Tensor, kc: torch.Tensor) -> tuple:
@@ -648,21 +707,22 @@ def _dims(q_rot: torch.Tensor, k_rot: torch.Tensor, kc: torch.Tensor) -> tuple:
 
 
 def gcla_attention_fwd(q_rot, k_rot, v, q, kc, vc, gate, lengths, config: Optional[LaunchConfig] = None):
-    """``(out (B, H, T, d_h), lse (B, H, T))`` on contiguous inputs; ``lengths`` int64 or None.
+    """``(out (B, H, T, d_h), lse (B, H, T))`` on inputs with any strides but a contiguous
+    ``d_h``; ``out`` laid out like ``q_rot`` (``torch.empty_like``); ``lengths`` int64 or None.
 
     ``config`` overrides :func:`launch_config` (tests use it to force several blocks)."""
     dims = _dims(q_rot, k_rot, kc)
     B, H, H_kv, T, D, S, L = dims
     check_head_dim(D)
     acc = compute_dtype(q_rot.dtype)
-    out = empty_output(q_rot.shape, dtype=q_rot.dtype, device=q_rot.device)
+    out = empty_output_as(q_rot)
     lse = empty_output((B, H, T), dtype=acc, device=q_rot.device)
     if B * H * T == 0:
         return out, lse
     cfg = config or launch_config(D, q_rot.dtype, _device_arch(q_rot.device))
     # σ·O^cross is parked between the kernel's prologue and epilogue: in float32 scratch for
     # 16-bit outputs (a bf16 park adds a rounding that D = dO·(O − σ O^cross) then sees).
-    park = torch.empty(q_rot.shape, dtype=acc, device=q_rot.device) if _needs_park(dims, q_rot.dtype) else None
+    park = torch.empty_like(out, dtype=acc) if _needs_park(dims, q_rot.dtype) else None  # strided like out
     _fwd_launch(q_rot, k_rot, v, q, kc, vc, gate.to(acc).contiguous(), lengths, out, lse, dims, cfg,
                 q_rot.dtype, q_rot.device.type, park).launch()
     return out, lse
@@ -670,24 +730,22 @@ def gcla_attention_fwd(q_rot, k_rot, v, q, kc, vc, gate, lengths, config: Option
 
 def gcla_attention_bwd(grad_out, q_rot, k_rot, v, q, kc, vc, gate, lengths, out, lse,
                        config: Optional[LaunchConfig] = None):
-    """``(d q_rot, d k_rot, d v, d q, d kc, d vc, d gate)`` on contiguous inputs (the forward's
-    ``out`` and ``lse``); two launches, then the fixed-order sums of the S = 1 and gate partials."""
+    """``(d q_rot, d k_rot, d v, d q, d kc, d vc, d gate)`` on strided inputs (the forward's
+    ``out`` and ``lse``), each laid out like its input (``d kc``/``d vc`` contiguous for S = 1);
+    two launches, then the fixed-order sums of the S = 1 and gate partials."""
     dims = _dims(q_rot, k_rot, kc)
     B, H, H_kv, T, D, S, L = dims
     check_head_dim(D)
     dev, dt = q_rot.device, q_rot.dtype
     acc = compute_dtype(dt)
-    dq_rot = empty_output(q_rot.shape, dtype=dt, device=dev)
-    dq = empty_output(q.shape, dtype=dt, device=dev)
-    dk = empty_output(k_rot.shape, dtype=dt, device=dev)
-    dv = empty_output(v.shape, dtype=dt, device=dev)
+    dq_rot, dq, dk, dv = empty_output_as(q_rot), empty_output_as(q), empty_output_as(k_rot), empty_output_as(v)
     if B * H * T == 0:
-        zeros = torch.zeros(kc.shape, dtype=dt, device=dev)
-        return dq_rot, dk, dv, dq, zeros, zeros.clone(), torch.zeros_like(gate)
+        return (dq_rot, dk, dv, dq, torch.zeros(kc.shape, dtype=dt, device=dev),
+                torch.zeros(vc.shape, dtype=dt, device=dev), torch.zeros_like(gate))
     cfg = config or launch_config(D, dt, _device_arch(dev))
     n_mb = triton.cdiv(T, cfg.dq.block_m)
     if S != 1:
-        dkc, dvc = empty_output(kc.shape, dtype=dt, device=dev), empty_output(vc.shape, dtype=dt, device=dev)
+        dkc, dvc = empty_output_as(kc), empty_output_as(vc)
     else:  # per-(query block) partials, summed below in a fixed order
         dkc = empty_output((B, H, n_mb, L, D), dtype=acc, device=dev)
         dvc = empty_output((B, H, n_mb, L, D), dtype=acc, device=dev)
@@ -760,14 +818,37 @@ def _specialise(launch: KernelLaunch) -> CompileConfig:
                          launch.num_stages, launch.grid)
 
 
+def _meta_layouts(dims: tuple, model_layout: bool) -> tuple[tuple, tuple]:
+    """Meta tensors with the strides of the forward's and the backward's tensors (the
+    ``layout`` arguments of the launch builders): contiguous ``(B, ·, T, d_h)`` (the tests),
+    or the model's transposed ``(B, T, ·, d_h)`` views and ``(B, S, Λ', H, d_h)`` permuted
+    contexts (every output then takes its input's layout)."""
+    B, H, H_kv, T, D, S, L = dims
+
+    def heads(n):
+        if model_layout:
+            return torch.empty((B, T, n, D), device="meta").transpose(1, 2)
+        return torch.empty((B, n, T, D), device="meta")
+
+    def ctx():
+        if model_layout:
+            return torch.empty((B, S, L, H, D), device="meta").permute(0, 3, 1, 2, 4)
+        return torch.empty((B, H, S, L, D), device="meta")
+
+    q, kv, c = heads(H), heads(H_kv), ctx()
+    return (q, kv, kv, q, c, c, q), (q, q, kv, kv, q, c, c, q, q, q, c, c, kv, kv)
+
+
 def compile_configs(arch: int, batch: int, heads: int, kv_heads: int, seq_len: int, head_dim: int,
                     dtype: torch.dtype = torch.bfloat16, slots: int = 2, summary: str = "causal",
-                    lengths: bool = False) -> Iterator[CompileConfig]:
+                    lengths: bool = False, model_layout: bool = False) -> Iterator[CompileConfig]:
     """The forward, dq-pass and dk/dv-pass instantiations that a launch at this shape makes
     on ``sm_<arch>``: what :func:`launch_config` picks, with the JIT's specialisation.
 
     ``slots`` is Λ', ``summary`` ``"causal"`` (S = T) or ``"paper"`` (S = 1), ``lengths``
-    whether a lengths tensor is passed. For an AOT tool / GPU report::
+    whether a lengths tensor is passed, ``model_layout`` whether the tensors are the model's
+    transposed ``(B, T, H, d_h)`` views (else contiguous; strides change the specialisation
+    only through their divisibility by 16). For an AOT tool / GPU report::
 
         for cfg in compile_configs(90, 4, 16, 4, 4096, 128):
             kernel = cfg.compile(90)   # kernel.asm["cubin"], kernel.asm["sass"] ...
@@ -783,11 +864,12 @@ def compile_configs(arch: int, batch: int, heads: int, kv_heads: int, seq_len: i
     cfg = launch_config(head_dim, dtype, arch)
     x, a, i64 = MockTensor(dtype), MockTensor(acc), MockTensor(torch.int64)
     lens = i64 if lengths else None
+    fwd_layout, bwd_layout = _meta_layouts(dims, model_layout)
     yield _specialise(_fwd_launch(x, x, x, x, x, x, a, lens, x, a, dims, cfg, dtype, "cuda",
-                                  a if _needs_park(dims, dtype) else None))
+                                  a if _needs_park(dims, dtype) else None, fwd_layout))
     ctx = x if S != 1 else a  # dkc/dvc: the gradients themselves (S = T) or float partials (S = 1)
     for launch in _bwd_launches(x, x, x, x, x, x, x, a, lens, x, a, x, x, ctx, ctx, a, a, x, x, dims, cfg, dtype,
-                                "cuda"):
+                                "cuda", bwd_layout):
         yield _specialise(launch)
 
 
@@ -849,12 +931,15 @@ def aot_launches(sms: int):
     from .aot import GPUS, DevicePointer, Launch
 
     arch = next((g.capability for g in GPUS.values() if g.sms == sms), 90)
-    cases = [(f"test {c[:5]} {c[5]}{' lengths' if c[6] else ''} {dtype}", c, dtype) for c, dtype in GPU_TEST_CASES]
+    cases = [(f"test {c[:5]} {c[5]}{' lengths' if c[6] else ''} {dtype}", c, dtype, False)
+             for c, dtype in GPU_TEST_CASES]
     for s in BENCH_SHAPES:
         for summary, lengths in (("causal", False), ("paper", True)):
             c = (s["batch"], s["heads"], s["kv_heads"], s["seq_len"], s["head_dim"], summary, lengths)
-            cases.append((f"bench {c[:5]} {summary}{' lengths' if lengths else ''} {s['dtype']}", c, s["dtype"]))
-    for case, (b, h, h_kv, t, dh, summary, lengths), dtype in cases:
+            for model in (False, True):  # contiguous, and the model's (B, T, H, d_h) views
+                cases.append((f"bench {c[:5]} {summary}{' lengths' if lengths else ''} {s['dtype']}"
+                              f"{' (B, T, H, d_h) views' if model else ''}", c, s["dtype"], model))
+    for case, (b, h, h_kv, t, dh, summary, lengths), dtype, model in cases:
         acc = compute_dtype(dtype)
         S = t if summary == "causal" else 1
         dims = (b, h, h_kv, t, dh, S, 2)
@@ -862,10 +947,11 @@ def aot_launches(sms: int):
         lens = i64 if lengths else None
         lcfg = launch_config(dh, dtype, arch)
         ctx = x if S != 1 else a
+        fwd_layout, bwd_layout = _meta_layouts(dims, model)
         plans = [_fwd_launch(x, x, x, x, x, x, a, lens, x, a, dims, lcfg, dtype, "cuda",
-                             a if _needs_park(dims, dtype) else None),
+                             a if _needs_park(dims, dtype) else None, fwd_layout),
                  *_bwd_launches(x, x, x, x, x, x, x, a, lens, x, a, x, x, ctx, ctx, a, a, x, x, dims, lcfg, dtype,
-                                "cuda")]
+                                "cuda", bwd_layout)]
         for p in plans:
             yield Launch(p.kernel, p.args, p.constexprs, p.num_warps, p.num_stages, p.grid[0], case,
                          memory_bound=False)

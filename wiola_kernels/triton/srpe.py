@@ -19,10 +19,14 @@ in float32 (float64 throughout for float64 inputs).
 
 Work split: one program per block of ``BLOCK_T`` flattened positions ``(b, t)``. It
 computes the ``(BLOCK_T, d_h/2)`` tile of ``(c, s)`` once and applies it to every head
-of Q (``H``) and of K (``H_kv``): per head, the tile's rows are consecutive ``d_h``-wide
-rows of memory, so loads and stores are coalesced, and the trigonometry is amortised
-over ``H + H_kv`` heads, ``HEADS_PER_STEP`` heads at a time so that several loads per
-thread are in flight. Memory traffic is one read and one write of Q and K.
+of Q (``H``) and of K (``H_kv``), ``HEADS_PER_STEP`` heads at a time so that several
+loads per thread are in flight; the trigonometry is amortised over ``H + H_kv`` heads.
+Every tensor is addressed through its strides (``d_h`` contiguous): for contiguous
+``(B, H, T, d_h)`` a head's tile rows are consecutive in memory, for the model's
+transposed ``(B, T, H, d_h)`` views a step's heads are; either way each ``d_h``-wide row
+is one coalesced access. Outputs are allocated with their input's strides
+(``empty_output_as``), so the model's layout flows through without a copy. Memory traffic
+is one read and one write of Q and K.
 """
 
 from __future__ import annotations
@@ -35,43 +39,50 @@ import torch
 import triton
 import triton.language as tl
 
-from ..outputs import empty_output
+from ..outputs import empty_output_as
 from ..srpe_tables import kernel_frequencies
 
 _TWO_PI = 2.0 * math.pi
 
 
 @triton.jit
-def _rotate_heads(x_ptr, out_ptr, c, s, b, t, j, mask, T, HEADS, HALF, HEADS_PER_STEP: tl.constexpr):
-    """Rotate rows (b, head, t) of ``x (B, HEADS, T, 2·HALF)`` for every head by the
-    ``(BLOCK_T, BLOCK_HALF)`` tile ``(c, s)``, ``HEADS_PER_STEP`` heads per step (their
-    loads are all issued before the first use); offsets are int64 (``b``, ``t`` are)."""
+def _rotate_heads(x_ptr, out_ptr, c, s, b, t, j, mask, HEADS, HALF, sx_b, sx_h, sx_t, so_b, so_h, so_t,
+                  HEADS_PER_STEP: tl.constexpr):
+    """Rotate rows (b, head, t) of ``x (B, HEADS, T, 2·HALF)`` (row strides ``sx_*``, ``d_h``
+    contiguous) for every head by the ``(BLOCK_T, BLOCK_HALF)`` tile ``(c, s)`` into ``out``
+    (row strides ``so_*``), ``HEADS_PER_STEP`` heads per step (their loads are all issued
+    before the first use); offsets are int64 (``b``, ``t`` are)."""
     step_heads = tl.arange(0, HEADS_PER_STEP)
     for h0 in range(0, HEADS, HEADS_PER_STEP):
-        h = step_heads + h0
-        row_off = ((b[None, :] * HEADS + h[:, None]) * T + t[None, :]) * (2 * HALF)  # (heads, BLOCK_T)
-        x1_off = row_off[:, :, None] + j[None, None, :]
+        h = (step_heads + h0).to(tl.int64)
+        x_off = (b[None, :] * sx_b + h[:, None] * sx_h + t[None, :] * sx_t)[:, :, None] + j[None, None, :]
+        o_off = (b[None, :] * so_b + h[:, None] * so_h + t[None, :] * so_t)[:, :, None] + j[None, None, :]
         m = (h < HEADS)[:, None, None] & mask[None, :, :]
-        x1 = tl.load(x_ptr + x1_off, mask=m, other=0.0).to(c.dtype)
-        x2 = tl.load(x_ptr + x1_off + HALF, mask=m, other=0.0).to(c.dtype)
-        tl.store(out_ptr + x1_off, (x1 * c[None] - x2 * s[None]).to(out_ptr.dtype.element_ty), mask=m)
-        tl.store(out_ptr + x1_off + HALF, (x1 * s[None] + x2 * c[None]).to(out_ptr.dtype.element_ty), mask=m)
+        x1 = tl.load(x_ptr + x_off, mask=m, other=0.0).to(c.dtype)
+        x2 = tl.load(x_ptr + x_off + HALF, mask=m, other=0.0).to(c.dtype)
+        tl.store(out_ptr + o_off, (x1 * c[None] - x2 * s[None]).to(out_ptr.dtype.element_ty), mask=m)
+        tl.store(out_ptr + o_off + HALF, (x1 * s[None] + x2 * c[None]).to(out_ptr.dtype.element_ty), mask=m)
 
 
 @triton.jit
 def _srpe_kernel(
-    q_ptr,        # (B, H, T, d_h) queries (or ∂L/∂q_out for the backward), contiguous
-    k_ptr,        # (B, H_kv, T, d_h) keys (or ∂L/∂k_out), contiguous
-    pos_ptr,      # (B, T) int64 positions, contiguous
+    q_ptr,        # (B, H, T, d_h) queries (or ∂L/∂q_out for the backward), d_h contiguous
+    k_ptr,        # (B, H_kv, T, d_h) keys (or ∂L/∂k_out), d_h contiguous
+    pos_ptr,      # (B, T) int64 positions (strides pos_sb, pos_st: an expanded (1, T) has pos_sb 0)
     freq_ptr,     # (5, d_h/2) float64 rows: angle_freq, radial_freq, a_s, 2π, 1/(2π) (float64
                   # scalars cannot be arguments: Triton types a Python float as float32)
-    q_out_ptr,    # (B, H, T, d_h) output, dtype of q
-    k_out_ptr,    # (B, H_kv, T, d_h) output, dtype of k
+    q_out_ptr,    # (B, H, T, d_h) output, dtype of q, d_h contiguous
+    k_out_ptr,    # (B, H_kv, T, d_h) output, dtype of k, d_h contiguous
     BT,           # B·T: number of positions
-    T,            # sequence length (row stride of positions, head stride unit of q/k)
+    T,            # sequence length
     H,            # query heads
     H_KV,         # key heads
     HALF,         # d_h / 2
+    pos_sb, pos_st,              # element strides of positions (b, t)
+    q_sb, q_sh, q_st,            # element strides of q (b, head, t); likewise for k and the outputs
+    k_sb, k_sh, k_st,
+    qo_sb, qo_sh, qo_st,
+    ko_sb, ko_sh, ko_st,
     BLOCK_T: tl.constexpr,     # positions per program
     BLOCK_HALF: tl.constexpr,  # next power of two >= d_h/2
     TRANSPOSE: tl.constexpr,   # apply R(p)ᵀ (the backward) instead of R(p)
@@ -86,7 +97,9 @@ def _srpe_kernel(
     mask = row_mask[:, None] & col_mask[None, :]
 
     # (c, s) for the tile, once. Angles in float64, reduced to [−π, π).
-    p = tl.load(pos_ptr + rows, mask=row_mask, other=0).to(tl.float64)
+    b = rows // T
+    t = rows - b * T
+    p = tl.load(pos_ptr + b * pos_sb + t * pos_st, mask=row_mask, other=0).to(tl.float64)
     angle_freq = tl.load(freq_ptr + j, mask=col_mask, other=0.0)
     radial_freq = tl.load(freq_ptr + HALF + j, mask=col_mask, other=0.0)
     amplitude = tl.load(freq_ptr + 2 * HALF + j, mask=col_mask, other=0.0)
@@ -108,11 +121,11 @@ def _srpe_kernel(
     if TRANSPOSE:
         s = -s
 
-    b = rows // T
-    t = rows - b * T
     # Every head of Q, then of K, at these positions, with the same tile of (c, s).
-    _rotate_heads(q_ptr, q_out_ptr, c, s, b, t, j, mask, T, H, HALF, HEADS_PER_STEP)
-    _rotate_heads(k_ptr, k_out_ptr, c, s, b, t, j, mask, T, H_KV, HALF, HEADS_PER_STEP)
+    _rotate_heads(q_ptr, q_out_ptr, c, s, b, t, j, mask, H, HALF, q_sb, q_sh, q_st, qo_sb, qo_sh, qo_st,
+                  HEADS_PER_STEP)
+    _rotate_heads(k_ptr, k_out_ptr, c, s, b, t, j, mask, H_KV, HALF, k_sb, k_sh, k_st, ko_sb, ko_sh, ko_st,
+                  HEADS_PER_STEP)
 
 
 def _build_frequency_table(head_dim: int, theta: float, spiral_divisor: float, radial_amplitude: float,
@@ -176,19 +189,21 @@ def _sms(device: torch.device) -> int | None:
 def srpe_apply(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, theta: float, spiral_divisor: float,
                radial_amplitude: float, radial_frequency: float,
                transpose: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(R q, R k)`` (``Rᵀ`` when ``transpose``) on contiguous ``q (B, H, T, d_h)``,
-    ``k (B, H_kv, T, d_h)`` and int64 ``positions (B, T)``; new outputs."""
+    """``(R q, R k)`` (``Rᵀ`` when ``transpose``) on ``q (B, H, T, d_h)``, ``k (B, H_kv, T, d_h)``
+    (any strides, ``d_h`` contiguous) and int64 ``positions (B, T)`` (any strides); new
+    outputs laid out like ``q`` and ``k`` (``torch.empty_like``)."""
     b, h, t, dh = q.shape
     h_kv = k.shape[1]
     half = dh // 2
-    q_out = empty_output(q.shape, dtype=q.dtype, device=q.device)
-    k_out = empty_output(k.shape, dtype=k.dtype, device=k.device)
+    q_out = empty_output_as(q)
+    k_out = empty_output_as(k)
     if b * t == 0 or half == 0:
         return q_out, k_out
     freqs = _frequency_table(dh, theta, spiral_divisor, radial_amplitude, radial_frequency, q.device)
     cfg = _launch_config(b * t, half, q.element_size(), _sms(q.device))
     _srpe_kernel[(cfg.programs,)](
-        q, k, positions, freqs, q_out, k_out, b * t, t, h, h_kv, half,
+        q, k, positions, freqs, q_out, k_out, b * t, t, h, h_kv, half, *positions.stride(), *q.stride()[:3],
+        *k.stride()[:3], *q_out.stride()[:3], *k_out.stride()[:3],
         BLOCK_T=cfg.block_t, BLOCK_HALF=cfg.block_half, TRANSPOSE=bool(transpose), F64=q.dtype == torch.float64,
         HEADS_PER_STEP=cfg.heads_per_step, num_warps=cfg.num_warps)
     return q_out, k_out
@@ -209,14 +224,18 @@ def aot_launches(sms: int):
     from ..bench.cases import GPU_BENCH_DTYPE, SRPE_SHAPES
     from .aot import DEFAULT_NUM_STAGES, DevicePointer as P, Launch
 
-    cases = [(f"test q/k {shape} {dtype}", shape, dtype) for shape, dtype in GPU_TEST_SHAPES]
-    cases += [(f"bench {size} q/k {shape} {GPU_BENCH_DTYPE}", shape, GPU_BENCH_DTYPE)
-              for size, shape in SRPE_SHAPES.items()]
-    for case, (b, h, h_kv, t, dh), dtype in cases:
+    # (B, H, T, d_h)-contiguous q/k (the tests and the bench), and the bench shapes in the
+    # model's layout, transposed (B, T, H, d_h) views (outputs alike).
+    cases = [(f"test q/k {shape} {dtype}", shape, dtype, False) for shape, dtype in GPU_TEST_SHAPES]
+    cases += [(f"bench {size} q/k {shape} {GPU_BENCH_DTYPE}{' (B, T, H, d_h) views' if model else ''}", shape,
+               GPU_BENCH_DTYPE, model) for size, shape in SRPE_SHAPES.items() for model in (False, True)]
+    for case, (b, h, h_kv, t, dh), dtype, model in cases:
         cfg = _launch_config(b * t, dh // 2, torch.empty((), dtype=dtype).element_size(), sms)
+        q_st, k_st = ((t * h * dh, dh, h * dh), (t * h_kv * dh, dh, h_kv * dh)) if model else \
+            ((h * t * dh, t * dh, dh), (h_kv * t * dh, t * dh, dh))
         for transpose in (False, True):
             yield Launch(_srpe_kernel, (P(dtype), P(dtype), P(torch.int64), P(torch.float64), P(dtype), P(dtype),
-                                        b * t, t, h, h_kv, dh // 2),
+                                        b * t, t, h, h_kv, dh // 2, t, 1, *q_st, *k_st, *q_st, *k_st),
                          dict(BLOCK_T=cfg.block_t, BLOCK_HALF=cfg.block_half, TRANSPOSE=transpose,
                               F64=dtype == torch.float64, HEADS_PER_STEP=cfg.heads_per_step),
                          cfg.num_warps, DEFAULT_NUM_STAGES, cfg.programs, case)
