@@ -174,6 +174,9 @@ def _gcla_fwd_kernel(
     F64: tl.constexpr,               # float64 inputs: float64 statistics, natural exp
     PRECISION: tl.constexpr,         # tl.dot input_precision ("ieee": exact float32 products)
     UPCAST: tl.constexpr,            # widen dot operands to float32 (interpreter, bfloat16 only)
+    SAME_T_STRIDE: tl.constexpr,     # q_rot, q and out have equal strides, k_rot and v, kc and vc too
+                                     # (the model's views, contiguous inputs): shared offset tiles, fewer
+                                     # registers (separate ones spill in the float32 kernel on sm_80)
 ):
     pid = tl.program_id(0)
     n_bh = B * H
@@ -191,10 +194,17 @@ def _gcla_fwd_kernel(
     row_ok = rows < length
     tile_ok = row_ok[:, None] & (cols < HEAD_DIM)[None, :]
     b64, h64, g64 = b.to(tl.int64), h.to(tl.int64), g.to(tl.int64)
-    qr_ptrs = q_rot_ptr + b64 * sqr_b + h64 * sqr_h + rows[:, None] * sqr_t + cols[None, :]
-    o_offs = b64 * so_b + h64 * so_h + rows[:, None] * so_t + cols[None, :]
-    k_base = k_rot_ptr + b64 * sk_b + g64 * sk_h
-    v_base = v_ptr + b64 * sv_b + g64 * sv_h
+    qr_offs = b64 * sqr_b + h64 * sqr_h + rows[:, None] * sqr_t + cols[None, :]
+    kv_off = b64 * sk_b + g64 * sk_h
+    if SAME_T_STRIDE:
+        q_offs = qr_offs
+        o_offs = qr_offs
+        v_base = v_ptr + kv_off
+    else:
+        q_offs = b64 * sq_b + h64 * sq_h + rows[:, None] * sq_t + cols[None, :]
+        o_offs = b64 * so_b + h64 * so_h + rows[:, None] * so_t + cols[None, :]
+        v_base = v_ptr + b64 * sv_b + g64 * sv_h
+    k_base = k_rot_ptr + kv_off
 
     sig = 1.0 / (1.0 + tl.exp(-tl.load(gate_ptr + h)))  # σ(g_h); its dtype is the accumulation dtype
     # c = 1/√d_h formed here: a Python float argument would be typed float32 (too coarse for float64).
@@ -205,12 +215,16 @@ def _gcla_fwd_kernel(
     # and picked up by the epilogue (done in the epilogue itself it would hold an O tile, q,
     # kc and vc at once and spill at d_h = 128).
     if HAS_CROSS:
-        qq = tl.load(q_ptr + b64 * sq_b + h64 * sq_h + rows[:, None] * sq_t + cols[None, :], mask=tile_ok, other=0.0)
-        kc_base = kc_ptr + b64 * skc_b + h64 * skc_h
-        vc_base = vc_ptr + b64 * svc_b + h64 * svc_h
+        qq = tl.load(q_ptr + q_offs, mask=tile_ok, other=0.0)
+        ctx_off = b64 * skc_b + h64 * skc_h
+        kc_base = kc_ptr + ctx_off
+        vc_base = vc_ptr + (ctx_off if SAME_T_STRIDE else b64 * svc_b + h64 * svc_h)
         if PER_ROW:  # row i reads its own slot row i (rows past the length read 0)
             kc_offs = rows.to(tl.int64)[:, None] * skc_s + cols[None, :]
-            vc_offs = rows.to(tl.int64)[:, None] * svc_s + cols[None, :]
+            if SAME_T_STRIDE:
+                vc_offs = kc_offs
+            else:
+                vc_offs = rows.to(tl.int64)[:, None] * svc_s + cols[None, :]
             ctx_ok = tile_ok
         else:  # one slot row shared by every position
             kc_offs = cols[None, :]
@@ -219,9 +233,10 @@ def _gcla_fwd_kernel(
         m_c, l_c = _cross_stats(qq, kc_base, kc_offs, ctx_ok, L, skc_l, c, HEAD_DIM, BLOCK_M)
         w = sig / l_c
         o_cross = tl.full([BLOCK_M, BLOCK_D], 0.0, sig.dtype)
+        vc_sl = skc_l if SAME_T_STRIDE else svc_l
         for lam in tl.range(0, L, num_stages=1):  # σ Σ_λ a_λ vc_λ
             kc = tl.load(kc_base + kc_offs + lam * skc_l, mask=ctx_ok, other=0.0)
-            vc = tl.load(vc_base + vc_offs + lam * svc_l, mask=ctx_ok, other=0.0)
+            vc = tl.load(vc_base + vc_offs + lam * vc_sl, mask=ctx_ok, other=0.0)
             z = tl.sum(qq.to(sig.dtype) * kc.to(sig.dtype), 1) * c
             o_cross += (w * tl.exp(z - m_c))[:, None] * vc.to(sig.dtype)
         tl.store(park_ptr + o_offs, o_cross.to(park_ptr.dtype.element_ty), mask=st_ok)
@@ -230,17 +245,18 @@ def _gcla_fwd_kernel(
         c_exp = c
     else:
         c_exp = c * 1.4426950408889634  # scores in log2 units for exp2
-    q = tl.load(qr_ptrs, mask=tile_ok, other=0.0)
+    q = tl.load(q_rot_ptr + qr_offs, mask=tile_ok, other=0.0)
     m_i = tl.full([BLOCK_M], float("-inf"), sig.dtype)
     l_i = tl.full([BLOCK_M], 0.0, sig.dtype)
     acc = tl.full([BLOCK_M, BLOCK_D], 0.0, sig.dtype)
     # Key blocks left of the diagonal: keys < m0 < len_b, no mask. None for rows past len_b.
+    v_st = sk_t if SAME_T_STRIDE else sv_t  # one key offset tile for k and v
     for n0 in range(0, tl.where(m0 < length, m0, 0), BLOCK_N):
-        acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_base, v_base, sk_t, sv_t, rows, n0, length, c_exp,
+        acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_base, v_base, sk_t, v_st, rows, n0, length, c_exp,
                                    HEAD_DIM, BLOCK_N, BLOCK_D, False, F64, PRECISION, UPCAST)
     # The diagonal blocks, up to the last valid key; blocks above the diagonal are never visited.
     for n0 in range(m0, tl.minimum(m0 + BLOCK_M, length), BLOCK_N):
-        acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_base, v_base, sk_t, sv_t, rows, n0, length, c_exp,
+        acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_base, v_base, sk_t, v_st, rows, n0, length, c_exp,
                                    HEAD_DIM, BLOCK_N, BLOCK_D, True, F64, PRECISION, UPCAST)
 
     # Epilogue: normalise, add the parked cross part, zero the rows past the length, write.
@@ -597,8 +613,8 @@ def launch_config(head_dim: int, dtype: torch.dtype, arch: Optional[int]) -> Lau
     if dtype == torch.float64:
         return LaunchConfig(Blocks(32, 16, 4, 1), Blocks(32, 16, 4, 1), Blocks(16, 32, 4, 1))
     if dtype == torch.float32:  # exact float32 FMA products ("ieee"): no spills, no tensor cores
-        if bd <= 64:
-            return LaunchConfig(Blocks(64, 32, 8, 2), Blocks(64, 32, 8, 2), Blocks(16, 64, 4, 2))
+        if bd <= 64:  # sm_80's forward: 32 query rows (64 spilled 4 instructions once strides were arguments)
+            return LaunchConfig(Blocks(64 if arch >= 90 else 32, 32, 8, 2), Blocks(64, 32, 8, 2), Blocks(16, 64, 4, 2))
         return LaunchConfig(Blocks(32, 32, 8, 2), Blocks(32, 32, 8, 2), Blocks(16, 32, 8, 2))
     if bd <= 64:
         return LaunchConfig(Blocks(128, 64, 8, 3), Blocks(128, 32, 8, 3), Blocks(32, 128, 8, 3))
@@ -659,13 +675,16 @@ def _fwd_launch(q_rot, k_rot, v, q, kc, vc, gate_acc, lengths, out, lse, dims, c
     launch arguments carry none (ahead-of-time mocks); default the arguments themselves."""
     B, H, H_kv, T, D, S, L = dims
     blk = cfg.fwd
+    l_qr, l_k, l_v, l_q, l_kc, l_vc, l_o = layout or (q_rot, k_rot, v, q, kc, vc, out)
+    same = l_qr.stride() == l_q.stride() == l_o.stride() and l_k.stride() == l_v.stride() and \
+        l_kc.stride() == l_vc.stride()
     return KernelLaunch(
         "_gcla_fwd_kernel", _gcla_fwd_kernel, (triton.cdiv(T, blk.block_m) * B * H,),
         (q_rot, k_rot, v, q, kc, vc, gate_acc, gate_acc if lengths is None else lengths, out, lse,
          out if park is None else park, B, H, H_kv, T, L, *_strides(*(layout or (q_rot, k_rot, v, q, kc, vc, out)))),
         dict(HEAD_DIM=D, BLOCK_M=blk.block_m, BLOCK_N=blk.block_n, BLOCK_D=block_d(D), PER_ROW=S != 1,
              HAS_CROSS=L > 0, HAS_LEN=lengths is not None, F64=dtype == torch.float64, PRECISION=_precision(dtype),
-             UPCAST=_upcast(dtype, device_type)),
+             UPCAST=_upcast(dtype, device_type), SAME_T_STRIDE=same),
         blk.num_warps, blk.num_stages)
 
 
