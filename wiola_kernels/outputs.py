@@ -36,6 +36,8 @@ def empty_output(shape, *, dtype: torch.dtype, device: torch.device) -> torch.Te
 def unit_last_stride(x: torch.Tensor) -> torch.Tensor:
     """``x`` itself when its last dimension is contiguous (stride 1), else a contiguous copy:
     the one input layout the strided kernels cannot read."""
+    if x.numel() == 0:  # no data; .contiguous() would keep the odd strides (an empty tensor counts as contiguous)
+        return x if x.dim() == 0 or x.stride(-1) == 1 else torch.empty(x.shape, dtype=x.dtype, device=x.device)
     return x if x.dim() == 0 or x.shape[-1] <= 1 or x.stride(-1) == 1 else x.contiguous()
 
 
