@@ -20,24 +20,7 @@ namespace wiola::cpu {
 
 using wiola::advise_huge_pages;
 using wiola::empty_output;  // wiola/empty_output.h, shared with the CUDA bindings
-
-// empty_output with the strides of x (torch.empty_like's preserve_format: a dense x such as
-// a transposed (B, T, H, d_h) view keeps its memory order, anything else comes out
-// contiguous), so a kernel's output takes the layout of its input and the op that
-// consumes it needs no copy. The Python fakes use torch.empty_like too: same strides.
-inline at::Tensor empty_output_like(const at::Tensor& x) {
-  at::Tensor out = at::empty_like(x);
-  advise_huge_pages(out);  // dense: nbytes() is its whole extent
-  const char* flag = std::getenv("WIOLA_POISON_OUTPUTS");
-  if (flag != nullptr && flag[0] != '\0' && std::strcmp(flag, "0") != 0) {
-    if (at::isFloatingType(out.scalar_type())) {
-      out.fill_(std::numeric_limits<double>::quiet_NaN());
-    } else {
-      out.fill_(-1);
-    }
-  }
-  return out;
-}
+using wiola::empty_output_like;
 
 // Element strides of the (B, heads, T) dimensions of a (B, heads, T, d_h) tensor whose last
 // dimension is contiguous: row (b, h, t) starts at b·sb + h·sh + t·st.

@@ -33,12 +33,9 @@ inline void advise_huge_pages(const at::Tensor& t) {
 #endif
 }
 
-// torch.empty for kernel outputs (with the huge-page hint above); filled with NaN
-// (floats) or -1 (integers) when the environment sets WIOLA_POISON_OUTPUTS=1, so a test
-// sees any element a kernel skips.
-inline at::Tensor empty_output(at::IntArrayRef sizes, const at::TensorOptions& options) {
-  at::Tensor out = at::empty(sizes, options);
-  advise_huge_pages(out);
+// Fills a fresh output with NaN (floats) or -1 (integers) when the environment sets
+// WIOLA_POISON_OUTPUTS=1, so a test sees any element a kernel skips.
+inline void poison_if_requested(at::Tensor& out) {
   const char* flag = std::getenv("WIOLA_POISON_OUTPUTS");
   if (flag != nullptr && flag[0] != '\0' && std::strcmp(flag, "0") != 0) {
     if (at::isFloatingType(out.scalar_type())) {
@@ -47,6 +44,24 @@ inline at::Tensor empty_output(at::IntArrayRef sizes, const at::TensorOptions& o
       out.fill_(-1);
     }
   }
+}
+
+// torch.empty for kernel outputs (with the huge-page hint above), poisoned on request.
+inline at::Tensor empty_output(at::IntArrayRef sizes, const at::TensorOptions& options) {
+  at::Tensor out = at::empty(sizes, options);
+  advise_huge_pages(out);
+  poison_if_requested(out);
+  return out;
+}
+
+// empty_output with the strides of x (torch.empty_like's preserve_format: a dense x such as
+// a transposed (B, T, H, d_h) view keeps its memory order, anything else comes out
+// contiguous), so a kernel's output takes the layout of its input and the op that
+// consumes it needs no copy. The Python fakes use torch.empty_like too: same strides.
+inline at::Tensor empty_output_like(const at::Tensor& x) {
+  at::Tensor out = at::empty_like(x);
+  advise_huge_pages(out);  // dense: nbytes() is its whole extent
+  poison_if_requested(out);
   return out;
 }
 
