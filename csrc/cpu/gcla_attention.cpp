@@ -4,7 +4,7 @@
 //
 // Head h reads kv group h mod H_kv; keys j ≤ i and j < len_b; rows i ≥ len_b are 0.
 //
-// Forward: one task per (b, query block of kBlockQ rows, chunk of heads), at::parallel_for
+// Forward: one task per (b, chunk of heads, query block of kBlockQ rows), at::parallel_for
 // over them. A task gathers the q̃/q/kc/vc rows of its heads into a contiguous scratch in
 // address order and writes O the same way (on the model's transposed (B, T, H, d_h) views
 // a per-head walk jumps a whole time step per row). For each head it streams key blocks
@@ -15,7 +15,7 @@
 // lse = m + log l.
 //
 // Backward (recompute P = exp(S − lse)), two passes, no atomics, deterministic:
-//   A. per (b, query block, chunk of heads; rows gathered as in the forward): the cross
+//   A. per (b, chunk of heads, query block; rows gathered as in the forward): the cross
 //      part (dq, dkc, dvc, gate partial) and D_i = dO_i · (O_i − σ O^cross_i).
 //   B. per (b, kv group): the self part in one sweep over the group's heads (in head
 //      order), their query blocks and the key blocks at or left of the diagonal; each tile
@@ -327,9 +327,17 @@ inline void cross_row(const acc_t* q, const scalar_t* kc, int64_t ldk, const sca
   std::fill(o_cross, o_cross + dh, acc_t(0));
   if (L == 0) return;
   acc_t zmax = -std::numeric_limits<acc_t>::infinity();
+  // Rows already in the accumulation type are read in place.
+  auto as_acc = [&](const scalar_t* src) -> const acc_t* {
+    if constexpr (std::is_same_v<scalar_t, acc_t>) {
+      return src;
+    } else {
+      load_row(src, row, dh);
+      return row;
+    }
+  };
   for (int64_t l = 0; l < L; ++l) {
-    load_row(kc + l * ldk, row, dh);
-    a[l] = scale * dot(q, row, dh);
+    a[l] = scale * dot(q, as_acc(kc + l * ldk), dh);
     zmax = std::max(zmax, a[l]);
   }
   acc_t sum = 0;
@@ -339,8 +347,7 @@ inline void cross_row(const acc_t* q, const scalar_t* kc, int64_t ldk, const sca
   }
   for (int64_t l = 0; l < L; ++l) {
     a[l] /= sum;
-    load_row(vc + l * ldv, row, dh);
-    axpby(a[l], row, acc_t(1), o_cross, dh);
+    axpby(a[l], as_acc(vc + l * ldv), acc_t(1), o_cross, dh);
   }
 }
 
@@ -412,14 +419,28 @@ inline void move_ctx(std::conditional_t<kStore, scalar_t*, const scalar_t*> ctx,
   }
 }
 
-// Heads per task: all of them (whole strided rows gathered at once) unless that leaves
-// fewer than two tasks per thread. Only the partition depends on the thread count; every
-// (b, h, query block) is computed the same way whatever the task holding it.
-inline int64_t heads_per_task(int64_t H, int64_t outer) {
+// Heads per task: with interleaved rows (heads closer together than time steps, the
+// model's views) all of them, so that whole strided rows are gathered at once, unless that
+// leaves fewer than two tasks per thread; otherwise one (each head's rows are already
+// contiguous; tasks then run in (b, h, query block) order, keeping a kv group's K/V hot).
+// Only the partition depends on the thread count: every (b, h, query block) is computed
+// the same way whatever the task holding it.
+inline int64_t heads_per_task(int64_t H, int64_t outer, bool interleaved) {
+  if (!interleaved) return 1;
   const int64_t want = 2 * static_cast<int64_t>(at::get_num_threads());
   const int64_t chunks = std::clamp<int64_t>((want + std::max<int64_t>(outer, 1) - 1) / std::max<int64_t>(outer, 1), 1,
                                              std::max<int64_t>(H, 1));
   return (H + chunks - 1) / chunks;
+}
+inline bool interleaved(const RowStrides& rs) { return std::abs(rs.sh) < std::abs(rs.st); }
+inline bool interleaved(const CtxStrides& cs) { return std::abs(cs.sh) < std::abs(cs.ss); }
+
+// The heads [h0, h0 + nh) of a task grouped by kv group (each group's K/V stays in cache).
+inline void group_order(int64_t h0, int64_t nh, int64_t Hkv, std::vector<int64_t>& order) {
+  order.clear();
+  for (int64_t g = 0; g < Hkv; ++g)
+    for (int64_t hh = 0; hh < nh; ++hh)
+      if ((h0 + hh) % Hkv == g) order.push_back(hh);
 }
 
 // ---------------------------------------------------------------------------------
@@ -437,17 +458,21 @@ void forward_impl(const Dims& d, const Layout& lay, const scalar_t* q_rot, const
   const int64_t dp = padded(dh), ldt = transposed_ld(T);
   const std::vector<acc_t> kt_all = pack_transposed<scalar_t, acc_t>(k_rot, lay.k_rot, B, Hkv, T, dh);
   const std::vector<acc_t> v_all = pack_rows<scalar_t, acc_t>(v, lay.v, B, Hkv, T, dh);
-  // One task per (b, query block, chunk of heads): its strided rows are gathered and
+  // One task per (b, chunk of heads, query block): its strided rows are gathered and
   // written once for the whole chunk (see gather_rows).
-  const int64_t hpt = heads_per_task(H, B * nqb), nhc = (H + hpt - 1) / hpt;
-  const bool per_step_ctx = S != 1 && L > 0;
+  // Per-step summaries are gathered only when interleaved; otherwise read in place.
+  const bool gather_ctx = S != 1 && L > 0 && (interleaved(lay.kc) || interleaved(lay.vc));
+  const int64_t hpt = heads_per_task(H, B * nqb, interleaved(lay.q_rot) || interleaved(lay.q) || interleaved(lay.out) ||
+                                                     gather_ctx);
+  const int64_t nhc = (H + hpt - 1) / hpt;
   at::parallel_for(0, B * nqb * nhc, 1, [&](int64_t begin, int64_t end) {
+    std::vector<int64_t> order;
     std::vector<acc_t> qbuf(hpt * kBlockQ * dp), qplain(L > 0 ? hpt * kBlockQ * dh : 0),
-        kcbuf(per_step_ctx ? hpt * kBlockQ * L * dh : 0), vcbuf(per_step_ctx ? hpt * kBlockQ * L * dh : 0),
+        kcbuf(gather_ctx ? hpt * kBlockQ * L * dh : 0), vcbuf(gather_ctx ? hpt * kBlockQ * L * dh : 0),
         sbuf(kBlockQ * kBlockK), obuf(hpt * kBlockQ * dp), m(kBlockQ), l(kBlockQ), a(std::max<int64_t>(L, 1)), oc(dh),
         row(dh);
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t hc = task % nhc, qb = (task / nhc) % nqb, b = task / (nhc * nqb);
+      const int64_t qb = task % nqb, hc = (task / nqb) % nhc, b = task / (nqb * nhc);
       const int64_t h0 = hc * hpt, nh = std::min(hpt, H - h0);
       const int64_t len = row_length(lengths, b, T);
       const int64_t i0 = qb * kBlockQ, i1 = std::min(T, i0 + kBlockQ);
@@ -458,12 +483,13 @@ void forward_impl(const Dims& d, const Layout& lay, const scalar_t* q_rot, const
       if (nq > 0) {
         gather_rows(q_rot, lay.q_rot, b, h0, nh, i0, nq, dh, qbuf.data(), dp);
         if (L > 0) gather_rows(q, lay.q, b, h0, nh, i0, nq, dh, qplain.data(), dh);
-        if (per_step_ctx) {
+        if (gather_ctx) {
           move_ctx<acc_t, scalar_t, false>(kc, lay.kc, b, h0, nh, i0, nq, L, dh, kcbuf.data());
           move_ctx<acc_t, scalar_t, false>(vc, lay.vc, b, h0, nh, i0, nq, L, dh, vcbuf.data());
         }
       }
-      for (int64_t hh = 0; hh < nh && nq > 0; ++hh) {
+      group_order(h0, nq > 0 ? nh : 0, Hkv, order);
+      for (const int64_t hh : order) {
         const int64_t h = h0 + hh, g = h % Hkv;
         acc_t* lse_bh = lse + (b * H + h) * T;
         const acc_t* Q = qbuf.data() + hh * kBlockQ * dp;
@@ -510,13 +536,14 @@ void forward_impl(const Dims& d, const Layout& lay, const scalar_t* q_rot, const
           lse_bh[i] = m[r] + std::log(l[r]);
           if (L > 0) {
             const acc_t* qrow = qplain.data() + (hh * kBlockQ + r) * dh;
-            if (per_step_ctx) {
+            if (gather_ctx) {
               const int64_t off = (hh * kBlockQ + r) * L * dh;
               cross_row(qrow, kcbuf.data() + off, dh, vcbuf.data() + off, dh, L, dh, scale, a.data(), oc.data(),
                         row.data());
             } else {
-              cross_row(qrow, kc + lay.kc(b, h, 0), lay.kc.sl, vc + lay.vc(b, h, 0), lay.vc.sl, L, dh, scale, a.data(),
-                        oc.data(), row.data());
+              const int64_t s_idx = S == 1 ? 0 : i;
+              cross_row(qrow, kc + lay.kc(b, h, s_idx), lay.kc.sl, vc + lay.vc(b, h, s_idx), lay.vc.sl, L, dh, scale,
+                        a.data(), oc.data(), row.data());
             }
             for (int64_t e = 0; e < dh; ++e) o[e] = o[e] * inv_l + sig * oc[e];
           } else {
@@ -550,18 +577,22 @@ void backward_impl(const Dims& d, const Layout& lay, const scalar_t* grad_out, c
   const std::vector<acc_t> vt_all = pack_transposed<scalar_t, acc_t>(v, lay.v, B, Hkv, T, dh);
   const std::vector<acc_t> k_all = pack_rows<scalar_t, acc_t>(k_rot, lay.k_rot, B, Hkv, T, dh);
 
-  // ---- Pass A: per (b, query block, chunk of heads): cross part, D. Strided rows are
+  // ---- Pass A: per (b, chunk of heads, query block): cross part, D. Strided rows are
   // gathered and written once per chunk (gather_rows); partials stay indexed by
   // (b, h, query block). ----
-  const int64_t hpt = heads_per_task(H, B * nqb), nhc = (H + hpt - 1) / hpt;
-  const bool per_step_ctx = S != 1 && L > 0;
+  // Per-step summaries (and their gradients) go through the scratch only when interleaved.
+  const bool gather_ctx = S != 1 && L > 0 &&
+                            (interleaved(lay.kc) || interleaved(lay.vc) || interleaved(lay.dkc) || interleaved(lay.dvc));
+  const int64_t hpt = heads_per_task(H, B * nqb, interleaved(lay.grad_out) || interleaved(lay.out) ||
+                                                     interleaved(lay.q) || interleaved(lay.dq) || gather_ctx);
+  const int64_t nhc = (H + hpt - 1) / hpt;
   at::parallel_for(0, B * nqb * nhc, 1, [&](int64_t begin, int64_t end) {
     std::vector<acc_t> dobuf(hpt * kBlockQ * dp), obufs(hpt * kBlockQ * dh), qplain(L > 0 ? hpt * kBlockQ * dh : 0),
-        dqbuf(hpt * kBlockQ * dh), kcbuf(per_step_ctx ? hpt * kBlockQ * L * dh : 0),
-        vcbuf(per_step_ctx ? hpt * kBlockQ * L * dh : 0), dkcbuf(per_step_ctx ? hpt * kBlockQ * L * dh : 0),
-        dvcbuf(per_step_ctx ? hpt * kBlockQ * L * dh : 0), a(std::max<int64_t>(L, 1)), oc(dh), row(dh);
+        dqbuf(hpt * kBlockQ * dh), kcbuf(gather_ctx ? hpt * kBlockQ * L * dh : 0),
+        vcbuf(gather_ctx ? hpt * kBlockQ * L * dh : 0), dkcbuf(gather_ctx ? hpt * kBlockQ * L * dh : 0),
+        dvcbuf(gather_ctx ? hpt * kBlockQ * L * dh : 0), a(std::max<int64_t>(L, 1)), oc(dh), row(dh);
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t hc = task % nhc, qb = (task / nhc) % nqb, b = task / (nhc * nqb);
+      const int64_t qb = task % nqb, hc = (task / nqb) % nhc, b = task / (nqb * nhc);
       const int64_t h0 = hc * hpt, nh = std::min(hpt, H - h0);
       const int64_t len = row_length(lengths, b, T);
       const int64_t i0 = qb * kBlockQ, i1 = std::min(T, i0 + kBlockQ);
@@ -570,7 +601,7 @@ void backward_impl(const Dims& d, const Layout& lay, const scalar_t* grad_out, c
         gather_rows(grad_out, lay.grad_out, b, h0, nh, i0, nq, dh, dobuf.data(), dp);
         gather_rows(out, lay.out, b, h0, nh, i0, nq, dh, obufs.data(), dh);
         if (L > 0) gather_rows(q, lay.q, b, h0, nh, i0, nq, dh, qplain.data(), dh);
-        if (per_step_ctx) {
+        if (gather_ctx) {
           move_ctx<acc_t, scalar_t, false>(kc, lay.kc, b, h0, nh, i0, nq, L, dh, kcbuf.data());
           move_ctx<acc_t, scalar_t, false>(vc, lay.vc, b, h0, nh, i0, nq, L, dh, vcbuf.data());
         }
@@ -585,12 +616,19 @@ void backward_impl(const Dims& d, const Layout& lay, const scalar_t* grad_out, c
           std::fill(dkc_p, dkc_p + L * dh, acc_t(0));
           std::fill(dvc_p, dvc_p + L * dh, acc_t(0));
         }
-        // Rows past the length: zero gradients (dq, dkc, dvc through the scratch below).
+        // Rows past the length: zero gradients (dq, and dkc, dvc when gathered, through the
+        // scratch below).
         for (int64_t i = i0 + nq; i < i1; ++i) {
           std::fill_n(dq_rot + lay.dq_rot(b, h, i), dh, scalar_t(0));
+          if (S != 1 && !gather_ctx) {
+            for (int64_t l = 0; l < L; ++l) {
+              std::fill_n(dkc + lay.dkc(b, h, i) + l * lay.dkc.sl, dh, scalar_t(0));
+              std::fill_n(dvc + lay.dvc(b, h, i) + l * lay.dvc.sl, dh, scalar_t(0));
+            }
+          }
           dbuf[bh * T + i] = 0;
         }
-        if (per_step_ctx) {
+        if (gather_ctx) {
           std::fill(dkcbuf.begin() + (hh * kBlockQ + nq) * L * dh, dkcbuf.begin() + (hh + 1) * kBlockQ * L * dh, acc_t(0));
           std::fill(dvcbuf.begin() + (hh * kBlockQ + nq) * L * dh, dvcbuf.begin() + (hh + 1) * kBlockQ * L * dh, acc_t(0));
         }
@@ -605,37 +643,44 @@ void backward_impl(const Dims& d, const Layout& lay, const scalar_t* grad_out, c
           std::fill(dqc, dqc + dh, acc_t(0));
           if (L > 0) {
             const acc_t* qrow = qplain.data() + slot * dh;
-            const acc_t* kc_i = per_step_ctx ? kcbuf.data() + slot * L * dh : nullptr;
-            const acc_t* vc_i = per_step_ctx ? vcbuf.data() + slot * L * dh : nullptr;
-            if (per_step_ctx) {
+            const int64_t i = i0 + r, s_idx = S == 1 ? 0 : i;
+            const acc_t* kc_i = gather_ctx ? kcbuf.data() + slot * L * dh : nullptr;
+            const acc_t* vc_i = gather_ctx ? vcbuf.data() + slot * L * dh : nullptr;
+            const scalar_t* kc_s = kc + lay.kc(b, h, s_idx);
+            const scalar_t* vc_s = vc + lay.vc(b, h, s_idx);
+            if (gather_ctx) {
               cross_row(qrow, kc_i, dh, vc_i, dh, L, dh, scale, a.data(), oc.data(), row.data());
             } else {
-              cross_row(qrow, kc + lay.kc(b, h, 0), lay.kc.sl, vc + lay.vc(b, h, 0), lay.vc.sl, L, dh, scale, a.data(),
-                        oc.data(), row.data());
+              cross_row(qrow, kc_s, lay.kc.sl, vc_s, lay.vc.sl, L, dh, scale, a.data(), oc.data(), row.data());
             }
             const acc_t do_oc = dot(dO, oc.data(), dh);
             gate_acc += do_oc;
             for (int64_t l = 0; l < L; ++l) {
-              if (per_step_ctx) {
+              if (gather_ctx) {
                 std::copy_n(vc_i + l * dh, dh, row.data());
               } else {
-                load_row(vc + lay.vc(b, h, 0) + l * lay.vc.sl, row.data(), dh);
+                load_row(vc_s + l * lay.vc.sl, row.data(), dh);
               }
               const acc_t dz = a[l] * sig * (dot(dO, row.data(), dh) - do_oc);  // dOc = σ dO
-              if (per_step_ctx) {
+              if (gather_ctx) {
                 std::copy_n(kc_i + l * dh, dh, row.data());
               } else {
-                load_row(kc + lay.kc(b, h, 0) + l * lay.kc.sl, row.data(), dh);
+                load_row(kc_s + l * lay.kc.sl, row.data(), dh);
               }
               axpby(scale * dz, row.data(), acc_t(1), dqc, dh);
               if (S == 1) {
                 axpby(scale * dz, qrow, acc_t(1), dkc_p + l * dh, dh);
                 axpby(a[l] * sig, dO, acc_t(1), dvc_p + l * dh, dh);
-              } else {
+              } else if (gather_ctx) {
                 acc_t* dk_l = dkcbuf.data() + (slot * L + l) * dh;
                 acc_t* dv_l = dvcbuf.data() + (slot * L + l) * dh;
                 for (int64_t e = 0; e < dh; ++e) dk_l[e] = scale * dz * qrow[e];
                 for (int64_t e = 0; e < dh; ++e) dv_l[e] = a[l] * sig * dO[e];
+              } else {
+                for (int64_t e = 0; e < dh; ++e) row[e] = scale * dz * qrow[e];
+                store_row(row.data(), dkc + lay.dkc(b, h, i) + l * lay.dkc.sl, dh);
+                for (int64_t e = 0; e < dh; ++e) row[e] = a[l] * sig * dO[e];
+                store_row(row.data(), dvc + lay.dvc(b, h, i) + l * lay.dvc.sl, dh);
               }
             }
             // O^self = O − σ O^cross
@@ -646,7 +691,7 @@ void backward_impl(const Dims& d, const Layout& lay, const scalar_t* grad_out, c
         dgate_part[part] = sig * (acc_t(1) - sig) * gate_acc;
       }
       scatter_rows(dqbuf.data(), dh, nq, dq, lay.dq, b, h0, nh, i0, i1 - i0, dh);
-      if (per_step_ctx) {
+      if (gather_ctx) {
         move_ctx<acc_t, scalar_t, true>(dkc, lay.dkc, b, h0, nh, i0, i1 - i0, L, dh, dkcbuf.data());
         move_ctx<acc_t, scalar_t, true>(dvc, lay.dvc, b, h0, nh, i0, i1 - i0, L, dh, dvcbuf.data());
       }
