@@ -394,13 +394,18 @@ inline void scatter_rows(const acc_t* src, int64_t ld, int64_t nrow, scalar_t* d
   }
 }
 
-// Per-time-step summary slots (S = T) of rows [t0, t0 + n), heads [h0, h0 + nh), to or from
-// a head-major scratch: (hh, r, l) at buf + ((hh·kBlockQ + r)·L + l)·dh, in address order.
+// Per-time-step summary slots (S = T) of rows [t0, t0 + n), heads [h0, h0 + nh), of two
+// tensors (kc and vc, or their gradients) to or from head-major scratches: (hh, r, l) at
+// buf + ((hh·kBlockQ + r)·L + l)·dh, in address order. With interleaved heads the two
+// tensors alternate per (time step, slot): in the model both are halves of one projection
+// row, so the walk is sequential.
 template <typename acc_t, typename scalar_t, bool kStore>
-inline void move_ctx(std::conditional_t<kStore, scalar_t*, const scalar_t*> ctx, const CtxStrides& cs, int64_t b,
-                     int64_t h0, int64_t nh, int64_t t0, int64_t n, int64_t L, int64_t dh,
-                     std::conditional_t<kStore, const acc_t*, acc_t*> buf) {
-  auto one = [&](int64_t hh, int64_t r, int64_t l) {
+inline void move_ctx(std::conditional_t<kStore, scalar_t*, const scalar_t*> ctx0, const CtxStrides& cs0,
+                     std::conditional_t<kStore, const acc_t*, acc_t*> buf0,
+                     std::conditional_t<kStore, scalar_t*, const scalar_t*> ctx1, const CtxStrides& cs1,
+                     std::conditional_t<kStore, const acc_t*, acc_t*> buf1, int64_t b, int64_t h0, int64_t nh,
+                     int64_t t0, int64_t n, int64_t L, int64_t dh) {
+  auto one = [&](auto ctx, const CtxStrides& cs, auto buf, int64_t hh, int64_t r, int64_t l) {
     const int64_t off = cs(b, h0 + hh, t0 + r) + l * cs.sl, boff = ((hh * kBlockQ + r) * L + l) * dh;
     if constexpr (kStore) {
       store_row(buf + boff, ctx + off, dh);
@@ -408,14 +413,30 @@ inline void move_ctx(std::conditional_t<kStore, scalar_t*, const scalar_t*> ctx,
       load_row(ctx + off, buf + boff, dh);
     }
   };
-  if (std::abs(cs.sh) < std::abs(cs.ss)) {
-    for (int64_t r = 0; r < n; ++r)
-      for (int64_t l = 0; l < L; ++l)
-        for (int64_t hh = 0; hh < nh; ++hh) one(hh, r, l);
-  } else {
+  auto walk = [&](auto ctx, const CtxStrides& cs, auto buf) {
     for (int64_t hh = 0; hh < nh; ++hh)
       for (int64_t r = 0; r < n; ++r)
-        for (int64_t l = 0; l < L; ++l) one(hh, r, l);
+        for (int64_t l = 0; l < L; ++l) one(ctx, cs, buf, hh, r, l);
+  };
+  if (std::abs(cs0.sh) < std::abs(cs0.ss) && std::abs(cs1.sh) < std::abs(cs1.ss)) {
+    for (int64_t r = 0; r < n; ++r)
+      for (int64_t l = 0; l < L; ++l) {
+        for (int64_t hh = 0; hh < nh; ++hh) one(ctx0, cs0, buf0, hh, r, l);
+        for (int64_t hh = 0; hh < nh; ++hh) one(ctx1, cs1, buf1, hh, r, l);
+      }
+  } else if (std::abs(cs0.sh) < std::abs(cs0.ss)) {  // one interleaved: each in its own order
+    for (int64_t r = 0; r < n; ++r)
+      for (int64_t l = 0; l < L; ++l)
+        for (int64_t hh = 0; hh < nh; ++hh) one(ctx0, cs0, buf0, hh, r, l);
+    walk(ctx1, cs1, buf1);
+  } else if (std::abs(cs1.sh) < std::abs(cs1.ss)) {
+    walk(ctx0, cs0, buf0);
+    for (int64_t r = 0; r < n; ++r)
+      for (int64_t l = 0; l < L; ++l)
+        for (int64_t hh = 0; hh < nh; ++hh) one(ctx1, cs1, buf1, hh, r, l);
+  } else {
+    walk(ctx0, cs0, buf0);
+    walk(ctx1, cs1, buf1);
   }
 }
 
@@ -484,8 +505,7 @@ void forward_impl(const Dims& d, const Layout& lay, const scalar_t* q_rot, const
         gather_rows(q_rot, lay.q_rot, b, h0, nh, i0, nq, dh, qbuf.data(), dp);
         if (L > 0) gather_rows(q, lay.q, b, h0, nh, i0, nq, dh, qplain.data(), dh);
         if (gather_ctx) {
-          move_ctx<acc_t, scalar_t, false>(kc, lay.kc, b, h0, nh, i0, nq, L, dh, kcbuf.data());
-          move_ctx<acc_t, scalar_t, false>(vc, lay.vc, b, h0, nh, i0, nq, L, dh, vcbuf.data());
+          move_ctx<acc_t, scalar_t, false>(kc, lay.kc, kcbuf.data(), vc, lay.vc, vcbuf.data(), b, h0, nh, i0, nq, L, dh);
         }
       }
       group_order(h0, nq > 0 ? nh : 0, Hkv, order);
@@ -602,8 +622,7 @@ void backward_impl(const Dims& d, const Layout& lay, const scalar_t* grad_out, c
         gather_rows(out, lay.out, b, h0, nh, i0, nq, dh, obufs.data(), dh);
         if (L > 0) gather_rows(q, lay.q, b, h0, nh, i0, nq, dh, qplain.data(), dh);
         if (gather_ctx) {
-          move_ctx<acc_t, scalar_t, false>(kc, lay.kc, b, h0, nh, i0, nq, L, dh, kcbuf.data());
-          move_ctx<acc_t, scalar_t, false>(vc, lay.vc, b, h0, nh, i0, nq, L, dh, vcbuf.data());
+          move_ctx<acc_t, scalar_t, false>(kc, lay.kc, kcbuf.data(), vc, lay.vc, vcbuf.data(), b, h0, nh, i0, nq, L, dh);
         }
       }
       for (int64_t hh = 0; hh < nh; ++hh) {
@@ -692,8 +711,8 @@ void backward_impl(const Dims& d, const Layout& lay, const scalar_t* grad_out, c
       }
       scatter_rows(dqbuf.data(), dh, nq, dq, lay.dq, b, h0, nh, i0, i1 - i0, dh);
       if (gather_ctx) {
-        move_ctx<acc_t, scalar_t, true>(dkc, lay.dkc, b, h0, nh, i0, i1 - i0, L, dh, dkcbuf.data());
-        move_ctx<acc_t, scalar_t, true>(dvc, lay.dvc, b, h0, nh, i0, i1 - i0, L, dh, dvcbuf.data());
+        move_ctx<acc_t, scalar_t, true>(dkc, lay.dkc, dkcbuf.data(), dvc, lay.dvc, dvcbuf.data(), b, h0, nh, i0, i1 - i0,
+                                        L, dh);
       }
     }
   });
