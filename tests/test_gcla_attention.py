@@ -1766,6 +1766,41 @@ def test_strided_views_make_no_copies(backend, mode, lens, dtype):
         close(g_, r_, tol, f"{backend} grad {name}")
 
 
+@needs_cpu_extension
+@pytest.mark.parametrize("mode, lens", [("causal", [21, 17]), ("paper", [0, 12])])
+def test_cpu_strided_views_independent_of_thread_count(mode, lens):
+    """On the model's interleaved views the C++ kernel groups heads per task by the thread
+    count (1 thread: all 6 heads in a task, 2: 3, 3: 2); every partition gives bitwise the same
+    values and gradients, and those equal the float64 reference."""
+    from wiola_kernels.reference.gcla_attention import gcla_attention as gcla_attention_reference
+
+    B, H, H_kv, T, dh, L = 2, 6, 3, 21, 16, 2
+    S = T if mode == "causal" else 1
+    ins, grad = model_layout_inputs(B, H, H_kv, T, dh, S, L, torch.float32, seed=11 + S)
+    lengths = torch.tensor(lens, dtype=torch.int64)
+    ref = [x.detach().double().requires_grad_() for x in ins]
+    with torch.enable_grad():
+        out_ref = gcla_attention_reference(*ref, lengths=lengths)
+        grads_ref = torch.autograd.grad(out_ref, ref, grad.double())
+    threads = torch.get_num_threads()
+    results = []
+    try:
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            with wiola_kernels.use_backend("cpu"):
+                out = wiola_kernels.gcla_attention(*ins, lengths=lengths)
+                results.append((out, *torch.autograd.grad(out, ins, grad)))
+    finally:
+        torch.set_num_threads(threads)
+    tol = tolerance(torch.float32, "attention")
+    close(results[0][0], out_ref, tol, "out")
+    for name, g_, r_ in zip(NAMES, results[0][1:], grads_ref):
+        close(g_, r_, tol, f"grad {name}")
+    for n, res in zip((2, 3), results[1:]):
+        for name, a, b in zip(("out", *NAMES), res, results[0]):
+            assert torch.equal(a, b), f"{name} with {n} threads differs from 1 thread"
+
+
 @pytest.mark.parametrize("backend", BACKENDS + ["cuda_emu"])
 def test_every_backend_returns_the_fakes_layouts(backend):
     """Backends that copy (the reference oracle; the cuda composite, here emulated) still return

@@ -4,16 +4,19 @@
 //
 // Head h reads kv group h mod H_kv; keys j ≤ i and j < len_b; rows i ≥ len_b are 0.
 //
-// Forward: one task per (b, h, query block of kBlockQ rows), at::parallel_for over them.
-// Each task streams key blocks of kBlockK (only those at or left of the diagonal, and
-// only below len_b) with an online softmax: S = c Q Kᵀ and O += P V are BLAS gemms on
-// small float (double for double inputs) tiles; the exponentials are vectorised. The
-// epilogue normalises O, adds the tiny cross softmax over the Λ' summary slots with
-// the un-rotated q, applies the gate and writes O once; it stores lse = m + log l.
+// Forward: one task per (b, chunk of heads, query block of kBlockQ rows), at::parallel_for
+// over them. A task gathers the q̃/q/kc/vc rows of its heads into a contiguous scratch in
+// address order and writes O the same way (on the model's transposed (B, T, H, d_h) views
+// a per-head walk jumps a whole time step per row). For each head it streams key blocks
+// of kBlockK (only those at or left of the diagonal, and only below len_b) with an online
+// softmax: S = c Q Kᵀ and O += P V are gemms on small float (double for double inputs)
+// tiles; the exponentials are vectorised. The epilogue normalises O, adds the tiny cross
+// softmax over the Λ' summary slots with the un-rotated q, applies the gate; it stores
+// lse = m + log l.
 //
 // Backward (recompute P = exp(S − lse)), two passes, no atomics, deterministic:
-//   A. per (b, h, query block): the cross part (dq, dkc, dvc, gate partial) and
-//      D_i = dO_i · (O_i − σ O^cross_i).
+//   A. per (b, chunk of heads, query block; rows gathered as in the forward): the cross
+//      part (dq, dkc, dvc, gate partial) and D_i = dO_i · (O_i − σ O^cross_i).
 //   B. per (b, kv group): the self part in one sweep over the group's heads (in head
 //      order), their query blocks and the key blocks at or left of the diagonal; each tile
 //      pair recomputes S and dP once (5 tile gemms, 1 exp pass) and feeds dq̃ (a query
@@ -324,9 +327,17 @@ inline void cross_row(const acc_t* q, const scalar_t* kc, int64_t ldk, const sca
   std::fill(o_cross, o_cross + dh, acc_t(0));
   if (L == 0) return;
   acc_t zmax = -std::numeric_limits<acc_t>::infinity();
+  // Rows already in the accumulation type are read in place.
+  auto as_acc = [&](const scalar_t* src) -> const acc_t* {
+    if constexpr (std::is_same_v<scalar_t, acc_t>) {
+      return src;
+    } else {
+      load_row(src, row, dh);
+      return row;
+    }
+  };
   for (int64_t l = 0; l < L; ++l) {
-    load_row(kc + l * ldk, row, dh);
-    a[l] = scale * dot(q, row, dh);
+    a[l] = scale * dot(q, as_acc(kc + l * ldk), dh);
     zmax = std::max(zmax, a[l]);
   }
   acc_t sum = 0;
@@ -336,13 +347,121 @@ inline void cross_row(const acc_t* q, const scalar_t* kc, int64_t ldk, const sca
   }
   for (int64_t l = 0; l < L; ++l) {
     a[l] /= sum;
-    load_row(vc + l * ldv, row, dh);
-    axpby(a[l], row, acc_t(1), o_cross, dh);
+    axpby(a[l], as_acc(vc + l * ldv), acc_t(1), o_cross, dh);
   }
 }
 
 inline int64_t row_length(const int64_t* lengths, int64_t b, int64_t T) {
   return lengths == nullptr ? T : std::clamp<int64_t>(lengths[b], 0, T);
+}
+
+// Rows [t0, t0 + n) of heads [h0, h0 + nh) of a (B, heads, T, d_h) tensor to or from a
+// head-major scratch (head hh's row r at dst + (hh·kBlockQ + r)·ld), visiting the tensor
+// in address order: heads inner when they lie closer together than time steps (the
+// model's transposed (B, T, H, d_h) views), so every access continues a stream the
+// hardware prefetchers follow instead of jumping a whole time step (and page) per row.
+template <typename scalar_t, typename acc_t>
+inline void gather_rows(const scalar_t* src, const RowStrides& rs, int64_t b, int64_t h0, int64_t nh, int64_t t0,
+                        int64_t n, int64_t dh, acc_t* dst, int64_t ld) {
+  if (std::abs(rs.sh) < std::abs(rs.st)) {
+    for (int64_t r = 0; r < n; ++r)
+      for (int64_t hh = 0; hh < nh; ++hh) load_row(src + rs(b, h0 + hh, t0 + r), dst + (hh * kBlockQ + r) * ld, dh);
+  } else {
+    for (int64_t hh = 0; hh < nh; ++hh)
+      for (int64_t r = 0; r < n; ++r) load_row(src + rs(b, h0 + hh, t0 + r), dst + (hh * kBlockQ + r) * ld, dh);
+  }
+}
+
+// The reverse of gather_rows: rows [0, nrow) of each head's slab to the tensor, then rows
+// [nrow, n) written as zeros (rows past the sequence length).
+template <typename acc_t, typename scalar_t>
+inline void scatter_rows(const acc_t* src, int64_t ld, int64_t nrow, scalar_t* dst, const RowStrides& rs, int64_t b,
+                         int64_t h0, int64_t nh, int64_t t0, int64_t n, int64_t dh) {
+  auto put = [&](int64_t hh, int64_t r) {
+    scalar_t* d = dst + rs(b, h0 + hh, t0 + r);
+    if (r < nrow) {
+      store_row(src + (hh * kBlockQ + r) * ld, d, dh);
+    } else {
+      std::fill_n(d, dh, scalar_t(0));
+    }
+  };
+  if (std::abs(rs.sh) < std::abs(rs.st)) {
+    for (int64_t r = 0; r < n; ++r)
+      for (int64_t hh = 0; hh < nh; ++hh) put(hh, r);
+  } else {
+    for (int64_t hh = 0; hh < nh; ++hh)
+      for (int64_t r = 0; r < n; ++r) put(hh, r);
+  }
+}
+
+// Per-time-step summary slots (S = T) of rows [t0, t0 + n), heads [h0, h0 + nh), of two
+// tensors (kc and vc, or their gradients) to or from head-major scratches: (hh, r, l) at
+// buf + ((hh·kBlockQ + r)·L + l)·dh, in address order. With interleaved heads the two
+// tensors alternate per (time step, slot): in the model both are halves of one projection
+// row, so the walk is sequential.
+template <typename acc_t, typename scalar_t, bool kStore>
+inline void move_ctx(std::conditional_t<kStore, scalar_t*, const scalar_t*> ctx0, const CtxStrides& cs0,
+                     std::conditional_t<kStore, const acc_t*, acc_t*> buf0,
+                     std::conditional_t<kStore, scalar_t*, const scalar_t*> ctx1, const CtxStrides& cs1,
+                     std::conditional_t<kStore, const acc_t*, acc_t*> buf1, int64_t b, int64_t h0, int64_t nh,
+                     int64_t t0, int64_t n, int64_t L, int64_t dh) {
+  auto one = [&](auto ctx, const CtxStrides& cs, auto buf, int64_t hh, int64_t r, int64_t l) {
+    const int64_t off = cs(b, h0 + hh, t0 + r) + l * cs.sl, boff = ((hh * kBlockQ + r) * L + l) * dh;
+    if constexpr (kStore) {
+      store_row(buf + boff, ctx + off, dh);
+    } else {
+      load_row(ctx + off, buf + boff, dh);
+    }
+  };
+  auto walk = [&](auto ctx, const CtxStrides& cs, auto buf) {
+    for (int64_t hh = 0; hh < nh; ++hh)
+      for (int64_t r = 0; r < n; ++r)
+        for (int64_t l = 0; l < L; ++l) one(ctx, cs, buf, hh, r, l);
+  };
+  if (std::abs(cs0.sh) < std::abs(cs0.ss) && std::abs(cs1.sh) < std::abs(cs1.ss)) {
+    for (int64_t r = 0; r < n; ++r)
+      for (int64_t l = 0; l < L; ++l) {
+        for (int64_t hh = 0; hh < nh; ++hh) one(ctx0, cs0, buf0, hh, r, l);
+        for (int64_t hh = 0; hh < nh; ++hh) one(ctx1, cs1, buf1, hh, r, l);
+      }
+  } else if (std::abs(cs0.sh) < std::abs(cs0.ss)) {  // one interleaved: each in its own order
+    for (int64_t r = 0; r < n; ++r)
+      for (int64_t l = 0; l < L; ++l)
+        for (int64_t hh = 0; hh < nh; ++hh) one(ctx0, cs0, buf0, hh, r, l);
+    walk(ctx1, cs1, buf1);
+  } else if (std::abs(cs1.sh) < std::abs(cs1.ss)) {
+    walk(ctx0, cs0, buf0);
+    for (int64_t r = 0; r < n; ++r)
+      for (int64_t l = 0; l < L; ++l)
+        for (int64_t hh = 0; hh < nh; ++hh) one(ctx1, cs1, buf1, hh, r, l);
+  } else {
+    walk(ctx0, cs0, buf0);
+    walk(ctx1, cs1, buf1);
+  }
+}
+
+// Heads per task: with interleaved rows (heads closer together than time steps, the
+// model's views) all of them, so that whole strided rows are gathered at once, unless that
+// leaves fewer than two tasks per thread; otherwise one (each head's rows are already
+// contiguous; tasks then run in (b, h, query block) order, keeping a kv group's K/V hot).
+// Only the partition depends on the thread count: every (b, h, query block) is computed
+// the same way whatever the task holding it.
+inline int64_t heads_per_task(int64_t H, int64_t outer, bool interleaved) {
+  if (!interleaved) return 1;
+  const int64_t want = 2 * static_cast<int64_t>(at::get_num_threads());
+  const int64_t chunks = std::clamp<int64_t>((want + std::max<int64_t>(outer, 1) - 1) / std::max<int64_t>(outer, 1), 1,
+                                             std::max<int64_t>(H, 1));
+  return (H + chunks - 1) / chunks;
+}
+inline bool interleaved(const RowStrides& rs) { return std::abs(rs.sh) < std::abs(rs.st); }
+inline bool interleaved(const CtxStrides& cs) { return std::abs(cs.sh) < std::abs(cs.ss); }
+
+// The heads [h0, h0 + nh) of a task grouped by kv group (each group's K/V stays in cache).
+inline void group_order(int64_t h0, int64_t nh, int64_t Hkv, std::vector<int64_t>& order) {
+  order.clear();
+  for (int64_t g = 0; g < Hkv; ++g)
+    for (int64_t hh = 0; hh < nh; ++hh)
+      if ((h0 + hh) % Hkv == g) order.push_back(hh);
 }
 
 // ---------------------------------------------------------------------------------
@@ -360,75 +479,99 @@ void forward_impl(const Dims& d, const Layout& lay, const scalar_t* q_rot, const
   const int64_t dp = padded(dh), ldt = transposed_ld(T);
   const std::vector<acc_t> kt_all = pack_transposed<scalar_t, acc_t>(k_rot, lay.k_rot, B, Hkv, T, dh);
   const std::vector<acc_t> v_all = pack_rows<scalar_t, acc_t>(v, lay.v, B, Hkv, T, dh);
-  at::parallel_for(0, B * H * nqb, 1, [&](int64_t begin, int64_t end) {
-    std::vector<acc_t> qbuf(kBlockQ * dp), sbuf(kBlockQ * kBlockK), obuf(kBlockQ * dp), m(kBlockQ), l(kBlockQ),
-        a(std::max<int64_t>(L, 1)), oc(dh), row(dh), qrow(dh);
+  // One task per (b, chunk of heads, query block): its strided rows are gathered and
+  // written once for the whole chunk (see gather_rows).
+  // Per-step summaries are gathered only when interleaved; otherwise read in place.
+  const bool gather_ctx = S != 1 && L > 0 && (interleaved(lay.kc) || interleaved(lay.vc));
+  const int64_t hpt = heads_per_task(H, B * nqb, interleaved(lay.q_rot) || interleaved(lay.q) || interleaved(lay.out) ||
+                                                     gather_ctx);
+  const int64_t nhc = (H + hpt - 1) / hpt;
+  at::parallel_for(0, B * nqb * nhc, 1, [&](int64_t begin, int64_t end) {
+    std::vector<int64_t> order;
+    std::vector<acc_t> qbuf(hpt * kBlockQ * dp), qplain(L > 0 ? hpt * kBlockQ * dh : 0),
+        kcbuf(gather_ctx ? hpt * kBlockQ * L * dh : 0), vcbuf(gather_ctx ? hpt * kBlockQ * L * dh : 0),
+        sbuf(kBlockQ * kBlockK), obuf(hpt * kBlockQ * dp), m(kBlockQ), l(kBlockQ), a(std::max<int64_t>(L, 1)), oc(dh),
+        row(dh);
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t qb = task % nqb, h = (task / nqb) % H, b = task / (nqb * H);
-      const int64_t g = h % Hkv;
+      const int64_t qb = task % nqb, hc = (task / nqb) % nhc, b = task / (nqb * nhc);
+      const int64_t h0 = hc * hpt, nh = std::min(hpt, H - h0);
       const int64_t len = row_length(lengths, b, T);
       const int64_t i0 = qb * kBlockQ, i1 = std::min(T, i0 + kBlockQ);
-      const int64_t bh = b * H + h;
-      acc_t* lse_bh = lse + bh * T;
       const int64_t nq = std::max<int64_t>(0, std::min(i1, len) - i0);  // valid rows
-      // Rows past the length: exactly zero, lse 0.
-      for (int64_t i = i0 + nq; i < i1; ++i) {
-        std::fill_n(out + lay.out(b, h, i), dh, scalar_t(0));
-        lse_bh[i] = 0;
+      // Rows past the length: exactly zero (scatter_rows below), lse 0.
+      for (int64_t hh = 0; hh < nh; ++hh)
+        for (int64_t i = i0 + nq; i < i1; ++i) lse[(b * H + h0 + hh) * T + i] = 0;
+      if (nq > 0) {
+        gather_rows(q_rot, lay.q_rot, b, h0, nh, i0, nq, dh, qbuf.data(), dp);
+        if (L > 0) gather_rows(q, lay.q, b, h0, nh, i0, nq, dh, qplain.data(), dh);
+        if (gather_ctx) {
+          move_ctx<acc_t, scalar_t, false>(kc, lay.kc, kcbuf.data(), vc, lay.vc, vcbuf.data(), b, h0, nh, i0, nq, L, dh);
+        }
       }
-      if (nq == 0) continue;
-      load_tile(q_rot + lay.q_rot(b, h, i0), nq, lay.q_rot.st, dh, qbuf.data(), dp);
-      const acc_t* KT_g = kt_all.data() + (b * Hkv + g) * dh * ldt;
-      const acc_t* V_g = v_all.data() + (b * Hkv + g) * T * dp;
-      std::fill(m.begin(), m.begin() + nq, neg_inf);
-      std::fill(l.begin(), l.begin() + nq, acc_t(0));
-      std::fill(obuf.begin(), obuf.begin() + nq * dp, acc_t(0));
-      const int64_t kv_end = i0 + nq;  // keys j ≤ last valid row (< len)
-      for (int64_t j0 = 0; j0 < kv_end; j0 += kBlockK) {
-        const int64_t nk = std::min(kBlockK, kv_end - j0);
-        acc_t* Sb = sbuf.data();
-        gemm<acc_t>(nq, nk, dh, scale, qbuf.data(), dp, KT_g + j0, ldt, Sb, kBlockK, false);
-        const bool diagonal = j0 + nk - 1 > i0;  // some key lies right of some row
-        for (int64_t r = 0; r < nq; ++r) {
-          acc_t* s = Sb + r * kBlockK;
-          const int64_t i = i0 + r;
-          const int64_t ncol = diagonal ? std::clamp<int64_t>(i - j0 + 1, 0, nk) : nk;
-          for (int64_t c = ncol; c < nk; ++c) s[c] = neg_inf;
-          const acc_t mx = row_max(s, ncol, m[r]);
-          // ncol ≥ 1 always holds for the first key block (key 0 ≤ i), so mx is finite.
-          const acc_t corr = std::exp(m[r] - mx);
-          const acc_t sum = exp_sub(s, mx, s, nk);
-          l[r] = l[r] * corr + sum;
-          m[r] = mx;
-          if (corr != acc_t(1)) {
-            acc_t* o = obuf.data() + r * dp;
-            for (int64_t e = 0; e < dp; e += Vec<acc_t>::size()) (Vec<acc_t>::loadu(o + e) * Vec<acc_t>(corr)).store(o + e);
+      group_order(h0, nq > 0 ? nh : 0, Hkv, order);
+      for (const int64_t hh : order) {
+        const int64_t h = h0 + hh, g = h % Hkv;
+        acc_t* lse_bh = lse + (b * H + h) * T;
+        const acc_t* Q = qbuf.data() + hh * kBlockQ * dp;
+        acc_t* O = obuf.data() + hh * kBlockQ * dp;
+        const acc_t* KT_g = kt_all.data() + (b * Hkv + g) * dh * ldt;
+        const acc_t* V_g = v_all.data() + (b * Hkv + g) * T * dp;
+        std::fill(m.begin(), m.begin() + nq, neg_inf);
+        std::fill(l.begin(), l.begin() + nq, acc_t(0));
+        std::fill(O, O + nq * dp, acc_t(0));
+        const int64_t kv_end = i0 + nq;  // keys j ≤ last valid row (< len)
+        for (int64_t j0 = 0; j0 < kv_end; j0 += kBlockK) {
+          const int64_t nk = std::min(kBlockK, kv_end - j0);
+          acc_t* Sb = sbuf.data();
+          gemm<acc_t>(nq, nk, dh, scale, Q, dp, KT_g + j0, ldt, Sb, kBlockK, false);
+          const bool diagonal = j0 + nk - 1 > i0;  // some key lies right of some row
+          for (int64_t r = 0; r < nq; ++r) {
+            acc_t* s = Sb + r * kBlockK;
+            const int64_t i = i0 + r;
+            const int64_t ncol = diagonal ? std::clamp<int64_t>(i - j0 + 1, 0, nk) : nk;
+            for (int64_t c = ncol; c < nk; ++c) s[c] = neg_inf;
+            const acc_t mx = row_max(s, ncol, m[r]);
+            // ncol ≥ 1 always holds for the first key block (key 0 ≤ i), so mx is finite.
+            const acc_t corr = std::exp(m[r] - mx);
+            const acc_t sum = exp_sub(s, mx, s, nk);
+            l[r] = l[r] * corr + sum;
+            m[r] = mx;
+            if (corr != acc_t(1)) {
+              acc_t* o = O + r * dp;
+              for (int64_t e = 0; e < dp; e += Vec<acc_t>::size()) (Vec<acc_t>::loadu(o + e) * Vec<acc_t>(corr)).store(o + e);
+            }
+          }
+          if (diagonal) {
+            gemm_causal_rows<acc_t>(nq, dh, nk, i0, j0, acc_t(1), Sb, kBlockK, V_g + j0 * dp, dp, O, dp);
+          } else {
+            gemm<acc_t>(nq, dh, nk, acc_t(1), Sb, kBlockK, V_g + j0 * dp, dp, O, dp, true);
           }
         }
-        if (diagonal) {
-          gemm_causal_rows<acc_t>(nq, dh, nk, i0, j0, acc_t(1), Sb, kBlockK, V_g + j0 * dp, dp, obuf.data(), dp);
-        } else {
-          gemm<acc_t>(nq, dh, nk, acc_t(1), Sb, kBlockK, V_g + j0 * dp, dp, obuf.data(), dp, true);
+        // Epilogue: normalise, cross part, gate.
+        const acc_t sig = acc_t(1) / (acc_t(1) + std::exp(-gate[h]));
+        for (int64_t r = 0; r < nq; ++r) {
+          const int64_t i = i0 + r;
+          acc_t* o = O + r * dp;
+          const acc_t inv_l = acc_t(1) / l[r];
+          lse_bh[i] = m[r] + std::log(l[r]);
+          if (L > 0) {
+            const acc_t* qrow = qplain.data() + (hh * kBlockQ + r) * dh;
+            if (gather_ctx) {
+              const int64_t off = (hh * kBlockQ + r) * L * dh;
+              cross_row(qrow, kcbuf.data() + off, dh, vcbuf.data() + off, dh, L, dh, scale, a.data(), oc.data(),
+                        row.data());
+            } else {
+              const int64_t s_idx = S == 1 ? 0 : i;
+              cross_row(qrow, kc + lay.kc(b, h, s_idx), lay.kc.sl, vc + lay.vc(b, h, s_idx), lay.vc.sl, L, dh, scale,
+                        a.data(), oc.data(), row.data());
+            }
+            for (int64_t e = 0; e < dh; ++e) o[e] = o[e] * inv_l + sig * oc[e];
+          } else {
+            for (int64_t e = 0; e < dh; ++e) o[e] *= inv_l;
+          }
         }
       }
-      // Epilogue: normalise, cross part, gate, one write.
-      const acc_t sig = acc_t(1) / (acc_t(1) + std::exp(-gate[h]));
-      for (int64_t r = 0; r < nq; ++r) {
-        const int64_t i = i0 + r;
-        acc_t* o = obuf.data() + r * dp;
-        const acc_t inv_l = acc_t(1) / l[r];
-        lse_bh[i] = m[r] + std::log(l[r]);
-        if (L > 0) {
-          load_row(q + lay.q(b, h, i), qrow.data(), dh);
-          const int64_t s_idx = S == 1 ? 0 : i;
-          cross_row(qrow.data(), kc + lay.kc(b, h, s_idx), lay.kc.sl, vc + lay.vc(b, h, s_idx), lay.vc.sl, L, dh, scale,
-                    a.data(), oc.data(), row.data());
-          for (int64_t e = 0; e < dh; ++e) o[e] = o[e] * inv_l + sig * oc[e];
-        } else {
-          for (int64_t e = 0; e < dh; ++e) o[e] *= inv_l;
-        }
-        store_row(o, out + lay.out(b, h, i), dh);
-      }
+      scatter_rows(obuf.data(), dp, nq, out, lay.out, b, h0, nh, i0, i1 - i0, dh);  // the one write of O
     }
   });
 }
@@ -454,74 +597,123 @@ void backward_impl(const Dims& d, const Layout& lay, const scalar_t* grad_out, c
   const std::vector<acc_t> vt_all = pack_transposed<scalar_t, acc_t>(v, lay.v, B, Hkv, T, dh);
   const std::vector<acc_t> k_all = pack_rows<scalar_t, acc_t>(k_rot, lay.k_rot, B, Hkv, T, dh);
 
-  // ---- Pass A: per (b, h, query block): cross part, D ----
-  at::parallel_for(0, B * H * nqb, 1, [&](int64_t begin, int64_t end) {
-    std::vector<acc_t> dobuf(kBlockQ * dp), a(std::max<int64_t>(L, 1)), oc(dh), row(dh), qrow(dh), orow(dh), dqc(dh);
+  // ---- Pass A: per (b, chunk of heads, query block): cross part, D. Strided rows are
+  // gathered and written once per chunk (gather_rows); partials stay indexed by
+  // (b, h, query block). ----
+  // Per-step summaries (and their gradients) go through the scratch only when interleaved.
+  const bool gather_ctx = S != 1 && L > 0 &&
+                            (interleaved(lay.kc) || interleaved(lay.vc) || interleaved(lay.dkc) || interleaved(lay.dvc));
+  const int64_t hpt = heads_per_task(H, B * nqb, interleaved(lay.grad_out) || interleaved(lay.out) ||
+                                                     interleaved(lay.q) || interleaved(lay.dq) || gather_ctx);
+  const int64_t nhc = (H + hpt - 1) / hpt;
+  at::parallel_for(0, B * nqb * nhc, 1, [&](int64_t begin, int64_t end) {
+    std::vector<acc_t> dobuf(hpt * kBlockQ * dp), obufs(hpt * kBlockQ * dh), qplain(L > 0 ? hpt * kBlockQ * dh : 0),
+        dqbuf(hpt * kBlockQ * dh), kcbuf(gather_ctx ? hpt * kBlockQ * L * dh : 0),
+        vcbuf(gather_ctx ? hpt * kBlockQ * L * dh : 0), dkcbuf(gather_ctx ? hpt * kBlockQ * L * dh : 0),
+        dvcbuf(gather_ctx ? hpt * kBlockQ * L * dh : 0), a(std::max<int64_t>(L, 1)), oc(dh), row(dh);
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t qb = task % nqb, h = (task / nqb) % H, b = task / (nqb * H);
+      const int64_t qb = task % nqb, hc = (task / nqb) % nhc, b = task / (nqb * nhc);
+      const int64_t h0 = hc * hpt, nh = std::min(hpt, H - h0);
       const int64_t len = row_length(lengths, b, T);
       const int64_t i0 = qb * kBlockQ, i1 = std::min(T, i0 + kBlockQ);
-      const int64_t bh = b * H + h;
       const int64_t nq = std::max<int64_t>(0, std::min(i1, len) - i0);
-      acc_t* dkc_p = S == 1 ? dkc_part + task * L * dh : nullptr;
-      acc_t* dvc_p = S == 1 ? dvc_part + task * L * dh : nullptr;
-      if (S == 1) {
-        std::fill(dkc_p, dkc_p + L * dh, acc_t(0));
-        std::fill(dvc_p, dvc_p + L * dh, acc_t(0));
-      }
-      // Rows past the length: zero gradients.
-      for (int64_t i = i0 + nq; i < i1; ++i) {
-        std::fill_n(dq_rot + lay.dq_rot(b, h, i), dh, scalar_t(0));
-        std::fill_n(dq + lay.dq(b, h, i), dh, scalar_t(0));
-        if (S != 1) {
-          for (int64_t l = 0; l < L; ++l) {
-            std::fill_n(dkc + lay.dkc(b, h, i) + l * lay.dkc.sl, dh, scalar_t(0));
-            std::fill_n(dvc + lay.dvc(b, h, i) + l * lay.dvc.sl, dh, scalar_t(0));
-          }
+      if (nq > 0) {
+        gather_rows(grad_out, lay.grad_out, b, h0, nh, i0, nq, dh, dobuf.data(), dp);
+        gather_rows(out, lay.out, b, h0, nh, i0, nq, dh, obufs.data(), dh);
+        if (L > 0) gather_rows(q, lay.q, b, h0, nh, i0, nq, dh, qplain.data(), dh);
+        if (gather_ctx) {
+          move_ctx<acc_t, scalar_t, false>(kc, lay.kc, kcbuf.data(), vc, lay.vc, vcbuf.data(), b, h0, nh, i0, nq, L, dh);
         }
-        dbuf[bh * T + i] = 0;
       }
-      acc_t gate_acc = 0;
-      const acc_t sig = acc_t(1) / (acc_t(1) + std::exp(-gate[h]));
-      load_tile(grad_out + lay.grad_out(b, h, i0), nq, lay.grad_out.st, dh, dobuf.data(), dp);
-      // Cross part and D, row by row.
-      for (int64_t r = 0; r < nq; ++r) {
-        const int64_t i = i0 + r;
-        const acc_t* dO = dobuf.data() + r * dp;
-        load_row(out + lay.out(b, h, i), orow.data(), dh);
-        if (L > 0) {
-          load_row(q + lay.q(b, h, i), qrow.data(), dh);
-          const int64_t s_idx = S == 1 ? 0 : i;
-          const scalar_t* kc_i = kc + lay.kc(b, h, s_idx);
-          const scalar_t* vc_i = vc + lay.vc(b, h, s_idx);
-          cross_row(qrow.data(), kc_i, lay.kc.sl, vc_i, lay.vc.sl, L, dh, scale, a.data(), oc.data(), row.data());
-          const acc_t do_oc = dot(dO, oc.data(), dh);
-          gate_acc += do_oc;
-          std::fill(dqc.begin(), dqc.end(), acc_t(0));
-          for (int64_t l = 0; l < L; ++l) {
-            load_row(vc_i + l * lay.vc.sl, row.data(), dh);
-            const acc_t dz = a[l] * sig * (dot(dO, row.data(), dh) - do_oc);  // dOc = σ dO
-            load_row(kc_i + l * lay.kc.sl, row.data(), dh);
-            axpby(scale * dz, row.data(), acc_t(1), dqc.data(), dh);
-            if (S == 1) {
-              axpby(scale * dz, qrow.data(), acc_t(1), dkc_p + l * dh, dh);
-              axpby(a[l] * sig, dO, acc_t(1), dvc_p + l * dh, dh);
-            } else {
-              for (int64_t e = 0; e < dh; ++e) row[e] = scale * dz * qrow[e];
-              store_row(row.data(), dkc + lay.dkc(b, h, i) + l * lay.dkc.sl, dh);
-              for (int64_t e = 0; e < dh; ++e) row[e] = a[l] * sig * dO[e];
-              store_row(row.data(), dvc + lay.dvc(b, h, i) + l * lay.dvc.sl, dh);
+      for (int64_t hh = 0; hh < nh; ++hh) {
+        const int64_t h = h0 + hh;
+        const int64_t bh = b * H + h;
+        const int64_t part = bh * nqb + qb;  // (b, h, query block)
+        acc_t* dkc_p = S == 1 ? dkc_part + part * L * dh : nullptr;
+        acc_t* dvc_p = S == 1 ? dvc_part + part * L * dh : nullptr;
+        if (S == 1) {
+          std::fill(dkc_p, dkc_p + L * dh, acc_t(0));
+          std::fill(dvc_p, dvc_p + L * dh, acc_t(0));
+        }
+        // Rows past the length: zero gradients (dq, and dkc, dvc when gathered, through the
+        // scratch below).
+        for (int64_t i = i0 + nq; i < i1; ++i) {
+          std::fill_n(dq_rot + lay.dq_rot(b, h, i), dh, scalar_t(0));
+          if (S != 1 && !gather_ctx) {
+            for (int64_t l = 0; l < L; ++l) {
+              std::fill_n(dkc + lay.dkc(b, h, i) + l * lay.dkc.sl, dh, scalar_t(0));
+              std::fill_n(dvc + lay.dvc(b, h, i) + l * lay.dvc.sl, dh, scalar_t(0));
             }
           }
-          store_row(dqc.data(), dq + lay.dq(b, h, i), dh);
-          // O^self = O − σ O^cross
-          axpby(-sig, oc.data(), acc_t(1), orow.data(), dh);
-        } else {
-          std::fill_n(dq + lay.dq(b, h, i), dh, scalar_t(0));
+          dbuf[bh * T + i] = 0;
         }
-        dbuf[bh * T + i] = dot(dO, orow.data(), dh);
+        if (gather_ctx) {
+          std::fill(dkcbuf.begin() + (hh * kBlockQ + nq) * L * dh, dkcbuf.begin() + (hh + 1) * kBlockQ * L * dh, acc_t(0));
+          std::fill(dvcbuf.begin() + (hh * kBlockQ + nq) * L * dh, dvcbuf.begin() + (hh + 1) * kBlockQ * L * dh, acc_t(0));
+        }
+        acc_t gate_acc = 0;
+        const acc_t sig = acc_t(1) / (acc_t(1) + std::exp(-gate[h]));
+        // Cross part and D, row by row.
+        for (int64_t r = 0; r < nq; ++r) {
+          const int64_t slot = hh * kBlockQ + r;
+          const acc_t* dO = dobuf.data() + slot * dp;
+          acc_t* orow = obufs.data() + slot * dh;
+          acc_t* dqc = dqbuf.data() + slot * dh;
+          std::fill(dqc, dqc + dh, acc_t(0));
+          if (L > 0) {
+            const acc_t* qrow = qplain.data() + slot * dh;
+            const int64_t i = i0 + r, s_idx = S == 1 ? 0 : i;
+            const acc_t* kc_i = gather_ctx ? kcbuf.data() + slot * L * dh : nullptr;
+            const acc_t* vc_i = gather_ctx ? vcbuf.data() + slot * L * dh : nullptr;
+            const scalar_t* kc_s = kc + lay.kc(b, h, s_idx);
+            const scalar_t* vc_s = vc + lay.vc(b, h, s_idx);
+            if (gather_ctx) {
+              cross_row(qrow, kc_i, dh, vc_i, dh, L, dh, scale, a.data(), oc.data(), row.data());
+            } else {
+              cross_row(qrow, kc_s, lay.kc.sl, vc_s, lay.vc.sl, L, dh, scale, a.data(), oc.data(), row.data());
+            }
+            const acc_t do_oc = dot(dO, oc.data(), dh);
+            gate_acc += do_oc;
+            for (int64_t l = 0; l < L; ++l) {
+              if (gather_ctx) {
+                std::copy_n(vc_i + l * dh, dh, row.data());
+              } else {
+                load_row(vc_s + l * lay.vc.sl, row.data(), dh);
+              }
+              const acc_t dz = a[l] * sig * (dot(dO, row.data(), dh) - do_oc);  // dOc = σ dO
+              if (gather_ctx) {
+                std::copy_n(kc_i + l * dh, dh, row.data());
+              } else {
+                load_row(kc_s + l * lay.kc.sl, row.data(), dh);
+              }
+              axpby(scale * dz, row.data(), acc_t(1), dqc, dh);
+              if (S == 1) {
+                axpby(scale * dz, qrow, acc_t(1), dkc_p + l * dh, dh);
+                axpby(a[l] * sig, dO, acc_t(1), dvc_p + l * dh, dh);
+              } else if (gather_ctx) {
+                acc_t* dk_l = dkcbuf.data() + (slot * L + l) * dh;
+                acc_t* dv_l = dvcbuf.data() + (slot * L + l) * dh;
+                for (int64_t e = 0; e < dh; ++e) dk_l[e] = scale * dz * qrow[e];
+                for (int64_t e = 0; e < dh; ++e) dv_l[e] = a[l] * sig * dO[e];
+              } else {
+                for (int64_t e = 0; e < dh; ++e) row[e] = scale * dz * qrow[e];
+                store_row(row.data(), dkc + lay.dkc(b, h, i) + l * lay.dkc.sl, dh);
+                for (int64_t e = 0; e < dh; ++e) row[e] = a[l] * sig * dO[e];
+                store_row(row.data(), dvc + lay.dvc(b, h, i) + l * lay.dvc.sl, dh);
+              }
+            }
+            // O^self = O − σ O^cross
+            axpby(-sig, oc.data(), acc_t(1), orow, dh);
+          }
+          dbuf[bh * T + i0 + r] = dot(dO, orow, dh);
+        }
+        dgate_part[part] = sig * (acc_t(1) - sig) * gate_acc;
       }
-      dgate_part[task] = sig * (acc_t(1) - sig) * gate_acc;
+      scatter_rows(dqbuf.data(), dh, nq, dq, lay.dq, b, h0, nh, i0, i1 - i0, dh);
+      if (gather_ctx) {
+        move_ctx<acc_t, scalar_t, true>(dkc, lay.dkc, dkcbuf.data(), dvc, lay.dvc, dvcbuf.data(), b, h0, nh, i0, i1 - i0,
+                                        L, dh);
+      }
     }
   });
 
