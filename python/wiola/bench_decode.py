@@ -88,7 +88,7 @@ def decode_rate(model, prompt: torch.Tensor, new_tokens: int, clock: str = "wall
 
 def _weight_reads(model) -> None:
     """The GEMVs of one decoding step of ``model`` (a WiolaForCausalLM, batch 1) on its own
-    weight objects and layouts (decode.py), on constant activations (only the weight reads are timed) and nothing else."""
+    weight objects and layouts (decode.py), on constant activations: only the weight reads."""
     inner = model.model
     packed = inner._decode_weights
     d = model.config.hidden_size
