@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 import wiola_kernels as wk
 from wiola_kernels import reference
 from wiola_kernels.modules import WiolaRMSNorm
-from wiola_kernels.testing import assert_close_rel, available_backends, rel_err, tolerance
+from wiola_kernels.testing import (assert_close_rel, available_backends, available_cpu_isas, cpu_isa, rel_err,
+                                   tolerance)
 
 from helpers import (assert_bitwise, finite, forward_backward, gen, gpu_only, needs_cpu_extension,
                      run_on_thread_counts, strided_view)
@@ -25,6 +26,21 @@ BACKENDS = available_backends("rms_norm", "cpu")
 # d = 1 is left to test_single_feature_rows: there ∂L/∂x ≈ 0 is pure cancellation.
 SHAPES = {"default": [(1, 3), (1, 7), (37, 192), (5, 760), (2, 3, 50), (1151, 33)],
           "triton": [(1, 3), (3, 7), (9, 130), (2, 3, 50)]}
+
+
+# The C++ CPU backend once per instruction set its loops run here (csrc/cpu/isa.h): bf16 rows
+# have separate AVX2 and AVX-512 loops. `backend` below is then "cpu/avx2", "cpu/avx512".
+CPU_ISAS = available_cpu_isas()
+BACKEND_ISAS = [f"cpu/{isa}" for isa in CPU_ISAS if "cpu" in BACKENDS] + [b for b in BACKENDS if b != "cpu"]
+
+
+@pytest.fixture
+def backend(request):
+    """The backend name of a test parametrised (indirectly) over BACKEND_ISAS, with the CPU
+    kernels held to the named instruction set for the test."""
+    name, _, isa = request.param.partition("/")
+    with cpu_isa(isa or None):
+        yield name
 
 
 def shapes_for(backend):
@@ -118,7 +134,7 @@ def test_gradcheck_float64(backend):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", BACKEND_ISAS, indirect=True)
 def test_matches_float64_reference(backend, dtype):
     for shape in shapes_for(backend):
         x, w, s = make(shape, dtype, seed=len(shape) + shape[-1])
@@ -151,7 +167,7 @@ def test_triton_wide_rows():
         assert_close_rel(a, b, tolerance(torch.float32), name)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", BACKEND_ISAS, indirect=True)
 def test_single_feature_rows(backend):
     """d = 1: y = γ z / sqrt(z² + ε), i.e. ≈ γ·sign(z)."""
     x, w, s = make((6, 1), torch.float32)
@@ -159,7 +175,7 @@ def test_single_feature_rows(backend):
     assert_close_rel(y, reference.rms_norm(x.double(), w.double(), s.double(), 1e-6), tolerance(torch.float32))
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", BACKEND_ISAS, indirect=True)
 def test_mixed_precision_params(backend):
     """bf16 activations with float32 γ/δ (the usual mixed-precision setup): output in
     bf16, parameter gradients in float32."""
@@ -175,7 +191,7 @@ def test_mixed_precision_params(backend):
     assert_close_rel(ds, ds64, tolerance(torch.bfloat16))
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", BACKEND_ISAS, indirect=True)
 def test_non_contiguous_inputs(backend):
     base = torch.randn(40, 30, dtype=torch.float64)
     x = base.t()[:, ::2]  # (30, 20), strided both ways
@@ -189,7 +205,7 @@ def test_non_contiguous_inputs(backend):
         assert_close_rel(got, want, tolerance(torch.float32))
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", BACKEND_ISAS, indirect=True)
 def test_zero_rows_and_zero_input(backend):
     # All-zero rows with δ = 0: ε keeps r > 0, so the output is 0, not NaN.
     x = torch.zeros(3, 16)
@@ -201,7 +217,7 @@ def test_zero_rows_and_zero_input(backend):
     assert y.shape == (0, 16) and torch.equal(dw, torch.zeros(16)) and torch.equal(ds, torch.zeros(16))
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", BACKEND_ISAS, indirect=True)
 def test_nan_stays_in_its_row(backend):
     x, w, s = make((4, 24), torch.float32)
     x[1, 3] = float("nan")
@@ -212,7 +228,7 @@ def test_nan_stays_in_its_row(backend):
 
 @pytest.mark.parametrize("dtype,scale", [(torch.float32, 1e25), (torch.float32, 2e38), (torch.bfloat16, 1e37),
                                          (torch.float64, 1e300)])
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", BACKEND_ISAS, indirect=True)
 def test_huge_rows_match_rescaled_oracle(backend, dtype, scale):
     """Rows so large that Σz² overflows the statistic's dtype are rescaled by the kernel.
     Oracle: the float64 reference row by row on the inputs divided by c_r = 2^k ≈ scale
@@ -258,10 +274,11 @@ def test_inputs_not_modified(backend):
     assert all(torch.equal(a, b) for a, b in zip((x, w, s), copies))
 
 
-@pytest.mark.parametrize("backend", [b for b in BACKENDS if b != "triton"])
-def test_backward_is_bitwise_reproducible(backend):
-    x, w, s = make((300, 96), torch.float32)
-    g = torch.randn(300, 96)
+@pytest.mark.parametrize("backend", [b for b in BACKEND_ISAS if b != "triton"], indirect=True)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_backward_is_bitwise_reproducible(backend, dtype):
+    x, w, s = make((300, 96), dtype)
+    g = torch.randn(300, 96, generator=gen(3)).to(dtype)
     first = run(backend, x, w, s, grad=g)
     threads = torch.get_num_threads()
     try:
@@ -387,7 +404,7 @@ def _ulp_distance(a, b):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", BACKEND_ISAS, indirect=True)
 def test_no_shift_matches_reference_with_zero_shift(backend, dtype):
     for shape in shapes_for(backend):
         x, w, _ = make(shape, dtype, seed=5)
@@ -484,10 +501,16 @@ def test_plain_rms_norm_module_shares_weight_and_promotes_like_hf():
 
 
 @pytest.mark.skipif("cpu" not in BACKENDS, reason="needs the C++ extension")
+@pytest.mark.parametrize("isa", CPU_ISAS)
 @pytest.mark.parametrize("dtype, rows", [(torch.float32, 4096), (torch.bfloat16, 8192)])
-def test_cpu_outputs_large_enough_to_stream(dtype, rows):
+def test_cpu_outputs_large_enough_to_stream(dtype, rows, isa):
     """16 MiB outputs: y and ∂x take the non-temporal-store path (bf16 also converts on the
     fly); against the float64 reference, and bitwise the same on 1 thread as on all."""
+    with cpu_isa(isa):
+        _check_streamed_rows(dtype, rows)
+
+
+def _check_streamed_rows(dtype, rows):
     x, w, s = make((rows, 1024), dtype, seed=21)
     g = torch.randn(rows, 1024, generator=torch.Generator().manual_seed(22)).to(dtype)
     got = run("cpu", x, w, s, grad=g)
@@ -503,6 +526,88 @@ def test_cpu_outputs_large_enough_to_stream(dtype, rows):
     finally:
         torch.set_num_threads(threads)
     assert all(torch.equal(a, b) for a, b in zip(got, single)), "depends on the thread count"
+
+
+# --- the CPU kernels' instruction sets (csrc/cpu/isa.h) -------------------------------
+
+ISA_SHAPES = [(3, 1024), (37, 192), (5, 760), (1151, 33), (4, 32), (2, 31), (6, 48), (1, 7)]
+
+
+@pytest.mark.skipif(len(CPU_ISAS) < 2, reason="needs a CPU with AVX-512 (F/BW/VL/DQ/BF16)")
+@pytest.mark.parametrize("shift", [True, False])
+def test_cpu_isas_agree_to_rounding(shift):
+    """bf16 rows: the AVX-512 loops sum in another order than the AVX2 ones, so outputs may
+    differ where a value sits on a bf16 rounding tie (one ulp), the float statistics and the
+    ∂γ/∂δ sums in their last bits; never more."""
+    for shape in ISA_SHAPES:
+        x, w, s = make(shape, torch.bfloat16, seed=shape[-1])
+        g = torch.randn(shape, generator=gen(shape[0])).to(torch.bfloat16)
+        got = {}
+        for isa in CPU_ISAS:
+            with cpu_isa(isa), wk.use_backend("cpu"):
+                got[isa] = run("cpu", x, w, s, grad=g) if shift else _run_no_shift(x, w, g)
+        for name, a, b in zip(("y", "dx", "dweight", "dshift"), got["avx2"], got["avx512"]):
+            if a is None:
+                continue
+            if a.dtype == torch.bfloat16:  # one ulp: 2^-7 relative to the larger magnitude
+                ulp = torch.maximum(a.float().abs(), b.float().abs()) * 2.0**-7
+                assert ((a.float() - b.float()).abs() <= ulp).all(), f"{shape} {name}"
+            else:
+                assert_close_rel(a, b.double(), 1e-6, f"{shape} {name}")
+
+
+def _run_no_shift(x, w, g):
+    x, w = (t.detach().clone().requires_grad_() for t in (x, w))
+    y = wk.rms_norm(x, w, None, 1e-6)
+    y.backward(g)
+    return y, x.grad, w.grad, None
+
+
+@pytest.mark.skipif("cpu" not in BACKENDS, reason="needs the C++ extension")
+@pytest.mark.parametrize("isa", CPU_ISAS)
+def test_cpu_bf16_subnormal_and_nan_outputs_are_rounded_not_flushed(isa):
+    """AVX512-BF16's conversion flushes subnormals to zero; blocks holding one take the exact
+    rounding instead. Rows of small integers (Σz² exact in any order) with γ ≈ 1e-39 give
+    subnormal outputs; oracle: torch's float -> bf16 rounding of (γ·z)·rstd in float32."""
+    d = 64
+    x = torch.randint(-8, 9, (4, d), generator=gen(7)).to(torch.bfloat16)
+    x[:, 0] = 3  # no zero row
+    w = torch.full((d,), 1e-39)  # a float32 subnormal
+    w[::3] = 1.0
+    s = torch.zeros(d)
+    x[3, 5] = float("nan")
+    with cpu_isa(isa), wk.use_backend("cpu"):
+        y, rstd = torch.ops.wiola.rms_norm(x, w, s, 1e-6)
+    z = x.float()
+    want = ((w * z) * rstd[:, None]).to(torch.bfloat16)
+    sub = (want[:3].float() != 0) & (want[:3].float().abs() < 2.0**-126)
+    assert sub.sum() > 50, "the case must produce subnormal outputs"
+    assert torch.equal(y[:3].view(torch.int16), want[:3].view(torch.int16))
+    assert torch.isnan(y[3]).all()
+
+
+def test_set_cpu_isa_checks_its_argument():
+    with pytest.raises(ValueError, match="isa must be one of"):
+        wk.set_cpu_isa("sse2")
+    if "cpu" in BACKENDS:
+        before = wk.cpu_isa()
+        assert before in CPU_ISAS
+        assert wk.set_cpu_isa("avx2") == before and wk.cpu_isa() == "avx2"
+        assert wk.set_cpu_isa("auto") == "avx2" and wk.cpu_isa() == CPU_ISAS[-1]
+        wk.set_cpu_isa(before)
+        if "avx512" not in CPU_ISAS:
+            with pytest.raises(ValueError, match="no AVX-512"):
+                wk.set_cpu_isa("avx512")
+
+
+@pytest.mark.skipif(len(CPU_ISAS) < 2, reason="needs a CPU with AVX-512 (F/BW/VL/DQ/BF16)")
+def test_environment_variable_selects_avx2():
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", "import wiola_kernels as wk; print(wk.cpu_isa())"],
+                         env={**os.environ, "WIOLA_CPU_ISA": "avx2"}, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "avx2"
 
 
 # ========================================================================================

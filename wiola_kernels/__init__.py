@@ -12,9 +12,12 @@ kernels ``torch.ops.wiola.<name>`` (forward) and ``torch.ops.wiola.<name>_grad``
 
 Backends are chosen per device (see :mod:`wiola_kernels.dispatch`); force one with
 :func:`use_backend` or ``WIOLA_BACKEND``, and see what runs here with :func:`backends`.
+The C++ CPU kernels run AVX-512 loops where the CPU has them (:func:`cpu_isa`,
+:func:`set_cpu_isa`, ``WIOLA_CPU_ISA=avx2``).
 """
 
 from . import _extension
+from ._extension import cpu_isa, set_cpu_isa
 from .dispatch import backends, use_backend
 
 _extension.load_error()  # import the C++ extension (registers its kernels), warn once if missing
@@ -30,4 +33,5 @@ __version__ = "0.1.0"
 
 __all__ = ["ATMMergeFunction", "ATMUnmergeFunction", "GCLAAttentionFunction", "RMSNorm", "RMSNormFunction",
            "SRPEFunction", "SpiralRotaryEmbedding", "WiolaRMSNorm", "atm_merge", "atm_unmerge", "backends",
-           "gcla_attention", "patch_hf", "rms_norm", "srpe", "unpatch_hf", "use_backend"]
+           "cpu_isa", "gcla_attention", "patch_hf", "rms_norm", "set_cpu_isa", "srpe", "unpatch_hf",
+           "use_backend"]

@@ -53,3 +53,29 @@ def has_cuda_emu() -> bool:
     except (AttributeError, RuntimeError):
         return False
     return True
+
+
+CPU_ISAS = ("auto", "avx2", "avx512")
+
+
+def cpu_isa() -> str | None:
+    """The instruction set the C++ CPU kernels' hot loops use now (``"avx2"`` or
+    ``"avx512"``), or None without the extension. AVX-512 is used where the CPU has it,
+    unless ``WIOLA_CPU_ISA=avx2`` was set before the extension loaded. The two agree to
+    rounding (bf16 RMSNorm: sums in another order), each deterministic on its own."""
+    module = _load()[0]
+    return None if module is None else module.cpu_isa()
+
+
+def set_cpu_isa(isa: str) -> str:
+    """Choose the CPU kernels' instruction set: ``"auto"`` (the CPU's best), ``"avx2"`` or
+    ``"avx512"``. Returns the previous one. Raises ValueError for another name or for
+    ``"avx512"`` on a CPU without it, RuntimeError without the extension."""
+    if isa not in CPU_ISAS:
+        raise ValueError(f"isa must be one of {CPU_ISAS}, got {isa!r}")
+    module = _load()[0]
+    if module is None:
+        raise RuntimeError(f"set_cpu_isa needs the C++ extension: {load_error()}")
+    if isa == "avx512" and not module.cpu_has_avx512():
+        raise ValueError("isa: this CPU has no AVX-512 (F/BW/VL/DQ/BF16); use 'avx2' or 'auto'")
+    return module.set_cpu_isa(isa)

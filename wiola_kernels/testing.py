@@ -6,6 +6,9 @@ Used by this project's tests and offered to users who check their own builds
 
 from __future__ import annotations
 
+import contextlib
+from typing import Iterator
+
 import torch
 
 from . import dispatch
@@ -141,3 +144,30 @@ def _custom_op_def(func):
     from torch._library.custom_ops import OPDEFS
 
     return OPDEFS.get(f"{func.namespace}::{func._opname}") if hasattr(func, "_opname") else None
+
+
+def available_cpu_isas() -> list[str]:
+    """The instruction sets the C++ CPU kernels can run here (``"avx2"``, and ``"avx512"``
+    where the CPU has it); empty without the extension."""
+    from . import _extension
+
+    module = _extension._load()[0]
+    if module is None:
+        return []
+    return ["avx2", "avx512"] if module.cpu_has_avx512() else ["avx2"]
+
+
+@contextlib.contextmanager
+def cpu_isa(isa: str | None) -> Iterator[None]:
+    """Run the C++ CPU kernels on ``isa`` (``"avx2"``/``"avx512"``) inside the block; None
+    leaves the choice as it is. Not thread-safe: the choice is process-wide."""
+    if isa is None:
+        yield
+        return
+    from ._extension import set_cpu_isa
+
+    previous = set_cpu_isa(isa)
+    try:
+        yield
+    finally:
+        set_cpu_isa(previous)
