@@ -829,8 +829,8 @@ class WiolaForCausalLM(WiolaPreTrainedModel, GenerationMixin):
             hidden = out.last_hidden_state                                   # (B, T, d)
             if logits_to_keep:
                 hidden = hidden[:, -logits_to_keep:]
-            if packed_head:  # E as a (d, V) copy: the fast GEMV layout (decode.py)
-                logits = hidden @ self.model.decode_weights().lm_head(self.lm_head.weight).t
+            if packed_head:  # E from a packed copy (decode.py)
+                logits = self.model.decode_weights().logits(hidden, self.lm_head.weight)
             else:
                 logits = self.lm_head(hidden)                                # (B, T, V)
         loss = None
