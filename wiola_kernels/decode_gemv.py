@@ -53,18 +53,26 @@ class PackedWeight:
         return self.data.numel() * self.data.element_size()
 
 
+_op = None
+
+
 def _kernel():
-    op = getattr(torch.ops.wiola, "_decode_gemv", None) if hasattr(torch.ops, "wiola") else None
-    if op is None:
-        raise RuntimeError("wiola_kernels.decode_gemv needs the C++ extension (wiola_kernels._C), which is not loaded")
-    return op
+    # The op's overload, looked up once: a decoding step calls it ~100 times, and the
+    # torch.ops lookup costs more than the checks around it.
+    global _op
+    if _op is None:
+        if not available():
+            raise RuntimeError("wiola_kernels.decode_gemv needs the C++ extension (wiola_kernels._C), "
+                               "which is not loaded")
+        _op = torch.ops.wiola._decode_gemv.default
+    return _op
 
 
 def available() -> bool:
     """Whether the C++ kernel is loaded (the extension was built and imported)."""
     from . import _extension
 
-    return _extension.load_error() is None and hasattr(torch.ops.wiola, "_decode_gemv")
+    return _extension.load_error() is None and hasattr(torch.ops, "wiola") and hasattr(torch.ops.wiola, "_decode_gemv")
 
 
 def pack(weight: Tensor) -> PackedWeight:
@@ -133,23 +141,22 @@ def gemv(x: Tensor, packed: PackedWeight, isa: str | None = None) -> Tensor:
         raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
     if x.dtype != torch.float32:
         raise TypeError(f"x must be float32, got {x.dtype}")
-    if x.device.type != "cpu":
+    if not x.is_cpu:
         raise ValueError(f"x must be on the CPU, got {x.device}")
     if isa is None:
-        isa = os.environ.get("WIOLA_GEMV_ISA", "auto") or "auto"
+        isa = os.environ.get("WIOLA_GEMV_ISA") or "auto"
     if isa not in ISAS:
         raise ValueError(f"isa must be one of {ISAS}, got {isa!r}")
     if x.dim() == 0 or x.shape[-1] != packed.k:
         raise ValueError(f"x must have shape (..., k = {packed.k}), got {tuple(x.shape)}")
     if packed.groups == 1:
-        lead = x.shape[:-1]
-        rows = x[None].reshape(1, -1, packed.k) if x.dim() != 3 or x.shape[0] != 1 else x
+        rows = x.reshape(1, -1, packed.k)  # a view for the model's (B, T, k) activations
         if not 1 <= rows.shape[1] <= MAX_ROWS:
             raise ValueError(f"x must have 1..{MAX_ROWS} rows (product of its leading dimensions), "
                              f"got shape {tuple(x.shape)}")
         if rows.stride(2) != 1:
             rows = rows.contiguous()
-        return _kernel()(rows, packed.data, packed.n, isa).view(*lead, packed.n)
+        return _kernel()(rows, packed.data, packed.n, isa).view(x.shape[:-1] + (packed.n,))
     if x.dim() != 3 or x.shape[0] != packed.groups or not 1 <= x.shape[1] <= MAX_ROWS:
         raise ValueError(f"x must have shape (G = {packed.groups}, rows ≤ {MAX_ROWS}, k = {packed.k}) for a grouped "
                          f"weight, got {tuple(x.shape)}")

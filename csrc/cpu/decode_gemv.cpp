@@ -17,12 +17,17 @@
 // per row, up to 8 rows at once; AVX2: four ymm per row, up to 3 rows at once); x[r, kk] is
 // broadcast. With one row, two interleaved accumulator sets (even/odd kk) keep the FMA
 // latency off the critical path. More rows than a register block holds re-read the panel
-// (from L2: ≤ 512 KiB at k = 4096). Software prefetch runs kPrefetchBytes ahead of the
-// read, so the next lines are in flight while the current ones are used. Measured on the
-// 2-core CI VM (AMD EPYC, 1 thread, CPU time, one row, wiola-360m's five matrix shapes
-// streamed from DRAM, 1.2 GB per pass; best of 7): AVX-512 37.9 GB/s without prefetch,
-// 42.0–42.6 GB/s prefetching 1–16 KiB ahead (8 KiB kept; T0/T1/NTA hints alike); AVX2
-// 36–37 GB/s with or without; MKL on nn.Linear's layout 19–26 GB/s, on a (k, n) copy 24–29.
+// (from L2: ≤ 512 KiB at k = 4096).
+//
+// Software prefetch runs kPrefetchBytes ahead of the read, so the next lines are in flight
+// while the current ones are used. Measured on the 2-core CI VM (AMD EPYC, 1 thread, CPU
+// time, one row, wiola-360m's five matrix shapes streamed from DRAM, 1.2 GB per pass, best
+// of 7): AVX-512 37.9 GB/s without prefetch, 42.0–42.6 GB/s prefetching 1–16 KiB ahead
+// (8 KiB kept); AVX2 36–37 GB/s with or without; MKL on nn.Linear's layout 19–26 GB/s, on
+// a (k, n) copy 24–29. The hint is non-temporal: alone the GEMVs run as fast with T0, T1 or
+// NTA, but NTA displaces less of what the step's small ops read next (KV cache,
+// activations): decoding wiola-360m, the step outside its GEMVs took 3.2–5.6 ms with NTA
+// against 7.4–7.7 ms with T0 (alternating runs, medians of 10 rounds of 4 steps).
 //
 // The AVX-512 path is compiled with a target attribute and chosen at run time
 // (__builtin_cpu_supports), so the extension still runs on any x86-64-v3 CPU; `isa` forces
@@ -66,8 +71,8 @@ void panel_generic(const float* x, int64_t ldx, const float* w, int64_t k, float
 #if defined(WIOLA_GEMV_X86)
 
 inline void prefetch_ahead(const float* p) {
-  _mm_prefetch(reinterpret_cast<const char*>(p) + kPrefetchBytes, _MM_HINT_T0);
-  _mm_prefetch(reinterpret_cast<const char*>(p) + kPrefetchBytes + 64, _MM_HINT_T0);
+  _mm_prefetch(reinterpret_cast<const char*>(p) + kPrefetchBytes, _MM_HINT_NTA);
+  _mm_prefetch(reinterpret_cast<const char*>(p) + kPrefetchBytes + 64, _MM_HINT_NTA);
 }
 
 // AVX2 + FMA (the build's baseline, -march=x86-64-v3): 4 ymm per row, R ≤ 3.

@@ -109,6 +109,11 @@ def cached_attention(q_rot: Tensor, k_rot: Tensor, v: Tensor, key_valid: Tensor 
     acc = compute_dtype(q_rot.dtype)
     # h = r·H_kv + g  →  (B, H_kv, R·T_new, d_h), rows ordered (r, t)
     q = q_rot.to(acc).reshape(b, r, h_kv, t_new, dh).transpose(1, 2).reshape(b, h_kv, r * t_new, dh)
+    if t_new == 1 and key_valid is None:
+        # One query per row at the last position sees every key: no mask, and SDPA does the
+        # three steps in one call (measured, 16 heads × 130 keys, 1 thread: 30 → 16 µs).
+        out = F.scaled_dot_product_attention(q, k_rot.to(acc), v.to(acc))                  # (B, H_kv, R, d_h)
+        return out.view(b, h_kv, r, 1, dh).transpose(1, 2).reshape(b, h, 1, dh)
     scores = (q @ k_rot.to(acc).transpose(-1, -2)) * (1.0 / math.sqrt(dh))  # (B, H_kv, R·T_new, T_k)
     allowed = None
     if t_new > 1:
@@ -331,8 +336,8 @@ class DecodeStep:
                 mix = ctx[:, 0].expand(h, b * t, d)                             # (H, N, d)
             else:
                 q_hat = gemv(q.reshape(b * t, h, dh).transpose(0, 1), w.kc)    # (H, N, d) = W_Kc,hᵀ q_h / √d_h
-                a = torch.softmax(torch.einsum("hnd,nld->hnl", q_hat, ctx), -1)
-                mix = torch.einsum("hnl,nld->hnd", a, ctx)                      # Σ_λ a_λ s_λ
+                a = torch.softmax(q_hat.transpose(0, 1) @ ctx.transpose(1, 2), -1)  # (N, H, Λ')
+                mix = (a @ ctx).transpose(0, 1)                                 # (H, N, d): Σ_λ a_λ s_λ
             cross = gemv(mix, w.vc)                                             # (H, N, d_h), σ(g_h) folded
             out = out + cross.transpose(0, 1).view(b, t, h, dh)
         x = x + gemv(out.reshape(b, t, h * dh), w.o)                           # X'

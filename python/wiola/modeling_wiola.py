@@ -98,6 +98,11 @@ class WiolaCache(DynamicCache):
         b, t, _ = x.shape
         running = self.summary_sums.get(layer_idx)
         acc = compute_dtype(x.dtype)
+        if t == 1 and valid is None and self.summary_counts is None and running is not None:
+            # one decoding step, no padding: the sum and the count need no cumsum or arange
+            prefix = running + x[:, 0].to(acc)
+            self.summary_sums[layer_idx] = prefix
+            return (prefix[:, None] / (past + 1)).to(x.dtype)
         xs = x.to(acc)
         if valid is not None:
             xs = xs * valid[..., None]
