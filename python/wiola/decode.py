@@ -2,23 +2,23 @@
 batch-1 GEMVs on the CPU.
 
 At batch 1 a decoding step is a chain of matrix-vector products; its cost is reading every
-weight once. Measured on this machine (1 thread, weights streamed from DRAM, fp32; numbers
-in the issue 12 notes): MKL streams a ``(1, d) × (d, n)`` product at ~15 GB/s when the
-weight is ``nn.Linear``'s ``(n, d)`` and ``n ≥ d``, but at ~19–22 GB/s from a ``(d, n)``
-contiguous copy (``x @ W_t``), the more so the wider ``n``; for ``n < d`` (the down
-projections, ``W_O``) ``nn.Linear``'s layout is already the fast one. So a decoding step
-reads, per block:
+weight once. On the CPU in float32 (with the C++ extension) every product of a step runs on
+:mod:`wiola_kernels.decode_gemv`, a kernel that reads a weight packed into panels as one
+sequential stream (~38–42 GB/s on one core of the CI VM, against 19–29 GB/s for MKL on
+either layout; numbers in ``csrc/cpu/decode_gemv.cpp``). :class:`_GemvBlock` packs, per
+block, ``W_Q|W_K|W_V``, ``W_O``, ``W_n1|W_n3|W_w1|W_w3``, the two down projections as one
+(with the DSFF blend ``σ(β)`` folded in) and the context matrices per head (the folded
+context attention of :mod:`wiola.context_fold`, score scale and gate folded in);
+:class:`_GemvHead` packs the tied head. Together they are a copy of every matrix (for
+wiola-360m 1.44 GB, next to the 1.44 GB of parameters).
 
-* ``W_Q | W_K | W_V`` packed and transposed, ``(d, (H + 2 H_kv) d_h)``: one product;
-* ``W_n1 | W_n3 | W_w1 | W_w3`` packed and transposed, ``(d, 2n + 2w)``: one product for
-  both DSFF streams' gate and up projections (two thirds of the block's bytes);
-* ``W_O``, ``W_n2``, ``W_w2`` and the context matrices in place (the context part is the
-  folded form of :mod:`wiola.context_fold`, which reads ``W_Kc`` and ``W_Vc`` once each);
+Elsewhere (CUDA, other dtypes, no extension) :class:`_Packed` keeps the layouts MKL streams
+fastest: ``W_Q | W_K | W_V`` and ``W_n1 | W_n3 | W_w1 | W_w3`` as transposed ``(d, Σ n_i)``
+copies and the tied head as ``(d, V)`` (MKL reads a ``(1, d) × (d, n)`` product at
+~19–22 GB/s against ~15 GB/s from ``nn.Linear``'s ``(n, d)`` when ``n ≥ d``); ``W_O``,
+``W_n2``, ``W_w2`` and the context matrices are read in place.
 
-and the tied head reads a transposed copy of the embedding, ``(d, V)``.
-
-:class:`DecodeWeights` holds those copies. They cost memory — for wiola-360m about 0.9 GB
-next to the 1.44 GB of parameters — so they are built on the first cached decoding step
+:class:`DecodeWeights` holds those copies. They are built on the first cached decoding step
 without gradients, checked against the parameters' identity and version counters on every
 step (an optimizer step, ``load_state_dict`` or ``.to()`` rebuilds them), and dropped by
 ``model.train()`` or :meth:`WiolaForCausalLM.release_decode_weights`. Set

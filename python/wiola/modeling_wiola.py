@@ -11,9 +11,9 @@
         record the summary s⁽ˡ⁾ of Xˡ⁺¹
     logits = WRMSNorm_final(Xᴸ) · Eᵀ       (tied head)
 
-Cached decoding steps without gradients run the same maths on packed copies of the widest
-weights (``decode.py``: batch-1 GEMVs in the layout MKL streams fastest, the KV cache
-appended in place).
+Cached decoding steps without gradients run the same maths on packed copies of the weights
+(``decode.py``: batch-1 GEMVs on ``wiola_kernels.decode_gemv``'s streaming layout on the CPU
+in float32, else in the layout MKL streams fastest; the KV cache appended in place).
 
 The heavy lifting is done by ``wiola_kernels`` ops (``rms_norm``, ``srpe``,
 ``gcla_attention``, ``atm_merge``/``atm_unmerge``); which implementation runs is chosen
@@ -490,9 +490,10 @@ class WiolaModel(WiolaPreTrainedModel):
         self._decode_weights: decode.DecodeWeights | None = None
         self.post_init()
 
-    #: Cached decoding steps read packed, transposed copies of the widest weights (decode.py:
-    #: ~1.3x faster batch-1 decoding on the CPU, for ~0.6x the parameters' memory, built on the
-    #: first step and freed by ``train()``). False decodes from the parameters themselves.
+    #: Cached decoding steps read packed copies of the weights (decode.py: on the CPU in
+    #: float32 every matrix, ~1.6x faster batch-1 decoding for 1.0x the parameters' memory;
+    #: elsewhere the widest ones; built on the first step and freed by ``train()``). False
+    #: decodes from the parameters themselves.
     decode_packing = True
 
     def decode_weights(self) -> "decode.DecodeWeights | None":
