@@ -307,7 +307,6 @@ class DecodeStep:
         lam = torch.sigmoid(ffn.beta)
         return x + (lam * narrow + (1.0 - lam) * wide)                          # Xˡ⁺¹
 
-
     def _attention(self, attn, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         """SRPE, the cache update and the cached self-attention: ``(B, T, H, d_h)`` from the
         projections ``q (B, T, H, d_h)``, ``k, v (B, T, H_kv, d_h)``."""
