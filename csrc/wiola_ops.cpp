@@ -23,6 +23,10 @@ TORCH_LIBRARY_FRAGMENT(wiola, m) {
         " float radial_amplitude, bool transpose) -> (Tensor q_out, Tensor k_out)");
   // The benchmark's copy baseline: a copy allocated like every kernel's output.
   m.def("_copy(Tensor x) -> Tensor");
+  // Batch-1 decoding GEMV (csrc/cpu/decode_gemv.cpp; wiola_kernels/decode_gemv.py packs):
+  // x (G, rows ≤ 16, k) float32, packed (G, ceil(n/32), k, 32) float32 -> (G, rows, n);
+  // isa: "auto", "avx512", "avx2" or "generic".
+  m.def("_decode_gemv(Tensor x, Tensor packed, int n, str isa=\"auto\") -> Tensor");
   // --- GCLA summary-augmented attention (SPEC §5.5) ---
   // q_rot, q (B, H, T, dh); k_rot, v (B, H_kv, T, dh); kc, vc (B, H, S, L, dh), S in {1, T};
   // gate (H,); lengths (B,) int64 or None. lse (B, H, T) float32 (float64 for double inputs).

@@ -7,9 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from wiola import WiolaConfig, WiolaForCausalLM
+from wiola import WiolaConfig, WiolaForCausalLM, decode
 from wiola.decode import GrowingKV, cached_attention
 from wiola.modeling_wiola import WiolaCache, WiolaModel
+from wiola_kernels import decode_gemv
 from wiola_kernels.reference.gcla_attention import gcla_attention_forward
 from wiola_kernels.testing import assert_close_rel, tolerance
 
@@ -155,3 +156,65 @@ def test_padded_batch_decodes_each_row_as_alone():
         batch = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
         alone = model.generate(short, attention_mask=torch.ones_like(short), max_new_tokens=6, do_sample=False)
     assert torch.equal(batch[1, 9:], alone[0, 6:])
+
+
+# ---- the packed GEMV kernel (CPU float32; wiola_kernels.decode_gemv) -------------------------------
+
+needs_gemv = pytest.mark.skipif(not decode.gemv_applies(torch.float32, torch.device("cpu")),
+                                reason="needs the C++ extension")
+
+
+@needs_gemv
+@pytest.mark.parametrize("isa", ["auto", "avx2"])
+@pytest.mark.parametrize("step", [1, 3])
+def test_gemv_steps_equal_the_full_forward(isa, step, monkeypatch):
+    # Every projection of a step on the GEMV kernel (both ISA paths where the CPU has AVX-512),
+    # B·T_new = 2 and 6 rows; oracle: the full forward, which runs nn.Linear and the fused ops.
+    if isa not in decode_gemv.available_isas() and isa != "auto":
+        pytest.skip(f"no {isa} path here")
+    monkeypatch.setenv("WIOLA_GEMV_ISA", isa)
+    monkeypatch.setattr(WiolaModel, "decode_packing", True)
+    model = tiny(num_key_value_heads=2)
+    ids = torch.randint(3, model.config.vocab_size, (2, 14), generator=torch.Generator().manual_seed(15))
+    with torch.no_grad():
+        full = model(ids, use_cache=False).logits
+        out = model(ids[:, :5], use_cache=True)
+        pieces, cache = [out.logits], out.cache
+        for i in range(5, 14, step):
+            out = model(ids[:, i:i + step], cache=cache, use_cache=True)
+            pieces.append(out.logits)
+    assert_close_rel(torch.cat(pieces, 1), full, tolerance(torch.float32, "attention"), "decoded logits")
+    weights = model.model._decode_weights
+    assert all(isinstance(w, decode._GemvBlock) for w in weights.blocks.values()) and len(weights.blocks) == 4
+    assert isinstance(weights.head, decode._GemvHead)
+
+
+@needs_gemv
+def test_gemv_greedy_tokens_equal_the_unpacked_path(monkeypatch):
+    model = tiny()
+    prompt = torch.randint(3, model.config.vocab_size, (1, 7), generator=torch.Generator().manual_seed(16))
+    runs = {}
+    for packing in (True, False):
+        monkeypatch.setattr(WiolaModel, "decode_packing", packing)
+        with torch.no_grad():
+            runs[packing] = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=12,
+                                           do_sample=False, pad_token_id=0)
+    assert model.model._decode_weights is None  # packing off drops the copies
+    assert torch.equal(runs[True], runs[False])
+
+
+@needs_gemv
+def test_gemv_packs_follow_the_folded_parameters(monkeypatch):
+    # The packs fold σ(β) (DSFF blend), σ(g) (context gate) and 1/√d_h: changing β or g in
+    # place must reach the next step. Oracle: the full forward of the changed model.
+    monkeypatch.setattr(WiolaModel, "decode_packing", True)
+    model = tiny()
+    ids = torch.randint(3, model.config.vocab_size, (1, 10), generator=torch.Generator().manual_seed(17))
+    decode_logits(model, ids, 5)
+    g = torch.Generator().manual_seed(18)
+    with torch.no_grad():
+        for blk in model.model.layers:
+            for p in (blk.ffn.beta, blk.attn.gate, blk.attn.kc_proj.weight, blk.ffn.w_n2.weight):
+                p.add_(torch.randn(p.shape, generator=g))
+        full = model(ids, use_cache=False).logits
+    assert_close_rel(decode_logits(model, ids, 5), full, tolerance(torch.float32, "attention"), "after the change")

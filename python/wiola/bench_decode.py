@@ -89,14 +89,23 @@ def decode_rate(model, prompt: torch.Tensor, new_tokens: int, clock: str = "wall
 def _weight_reads(model) -> None:
     """The GEMVs of one decoding step of ``model`` (a WiolaForCausalLM, batch 1) on its own
     weight objects and layouts (decode.py), on constant activations: only the weight reads."""
+    from wiola_kernels.decode_gemv import gemv
+
+    from .decode import _GemvBlock, _GemvHead
+
     inner = model.model
     packed = inner._decode_weights
     d = model.config.hidden_size
     x = torch.ones(1, 1, d)
     for blk in inner.layers:
         a, f = blk.attn, blk.ffn
+        got = packed.blocks.get(blk.layer_idx) if packed is not None else None
+        if isinstance(got, _GemvBlock):  # every product of the block on the GEMV kernel
+            for w in got.packs():
+                gemv(torch.ones(w.groups, 1, w.k), w) if w.groups > 1 else gemv(torch.ones(1, w.k), w)
+            continue
         if packed is not None:
-            qkv, up = packed.blocks[blk.layer_idx]
+            qkv, up = got
             x @ qkv.t, x @ up.t
         else:
             a.q_proj(x), a.k_proj(x), a.v_proj(x), f.w_n1(x), f.w_n3(x), f.w_w1(x), f.w_w3(x)
@@ -105,7 +114,9 @@ def _weight_reads(model) -> None:
         q_hat = torch.einsum("nhe,hed->nhd", q, a.kc_proj.weight.view(h, dh, d))
         torch.einsum("nhd,hed->nhe", q_hat, a.vc_proj.weight.view(h, dh, d))
         a.o_proj(x), f.w_n2(torch.ones(1, 1, f.w_n2.in_features)), f.w_w2(torch.ones(1, 1, f.w_w2.in_features))
-    if packed is not None and packed.head is not None:
+    if packed is not None and isinstance(packed.head, _GemvHead):
+        gemv(x, packed.head.packed)
+    elif packed is not None and packed.head is not None:
         x @ packed.head.t
     else:
         model.lm_head(x)

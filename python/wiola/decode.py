@@ -2,23 +2,23 @@
 batch-1 GEMVs on the CPU.
 
 At batch 1 a decoding step is a chain of matrix-vector products; its cost is reading every
-weight once. Measured on this machine (1 thread, weights streamed from DRAM, fp32; numbers
-in the issue 12 notes): MKL streams a ``(1, d) × (d, n)`` product at ~15 GB/s when the
-weight is ``nn.Linear``'s ``(n, d)`` and ``n ≥ d``, but at ~19–22 GB/s from a ``(d, n)``
-contiguous copy (``x @ W_t``), the more so the wider ``n``; for ``n < d`` (the down
-projections, ``W_O``) ``nn.Linear``'s layout is already the fast one. So a decoding step
-reads, per block:
+weight once. On the CPU in float32 (with the C++ extension) every product of a step runs on
+:mod:`wiola_kernels.decode_gemv`, a kernel that reads a weight packed into panels as one
+sequential stream (~38–42 GB/s on one core of the CI VM, against 19–29 GB/s for MKL on
+either layout; numbers in ``csrc/cpu/decode_gemv.cpp``). :class:`_GemvBlock` packs, per
+block, ``W_Q|W_K|W_V``, ``W_O``, ``W_n1|W_n3|W_w1|W_w3``, the two down projections as one
+(with the DSFF blend ``σ(β)`` folded in) and the context matrices per head (the folded
+context attention of :mod:`wiola.context_fold`, score scale and gate folded in);
+:class:`_GemvHead` packs the tied head. Together they are a copy of every matrix (for
+wiola-360m 1.44 GB, next to the 1.44 GB of parameters).
 
-* ``W_Q | W_K | W_V`` packed and transposed, ``(d, (H + 2 H_kv) d_h)``: one product;
-* ``W_n1 | W_n3 | W_w1 | W_w3`` packed and transposed, ``(d, 2n + 2w)``: one product for
-  both DSFF streams' gate and up projections (two thirds of the block's bytes);
-* ``W_O``, ``W_n2``, ``W_w2`` and the context matrices in place (the context part is the
-  folded form of :mod:`wiola.context_fold`, which reads ``W_Kc`` and ``W_Vc`` once each);
+Elsewhere (CUDA, other dtypes, no extension) :class:`_Packed` keeps the layouts MKL streams
+fastest: ``W_Q | W_K | W_V`` and ``W_n1 | W_n3 | W_w1 | W_w3`` as transposed ``(d, Σ n_i)``
+copies and the tied head as ``(d, V)`` (MKL reads a ``(1, d) × (d, n)`` product at
+~19–22 GB/s against ~15 GB/s from ``nn.Linear``'s ``(n, d)`` when ``n ≥ d``); ``W_O``,
+``W_n2``, ``W_w2`` and the context matrices are read in place.
 
-and the tied head reads a transposed copy of the embedding, ``(d, V)``.
-
-:class:`DecodeWeights` holds those copies. They cost memory — for wiola-360m about 0.9 GB
-next to the 1.44 GB of parameters — so they are built on the first cached decoding step
+:class:`DecodeWeights` holds those copies. They are built on the first cached decoding step
 without gradients, checked against the parameters' identity and version counters on every
 step (an optimizer step, ``load_state_dict`` or ``.to()`` rebuilds them), and dropped by
 ``model.train()`` or :meth:`WiolaForCausalLM.release_decode_weights`. Set
@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from transformers.cache_utils import DynamicLayer
 
-from wiola_kernels import dispatch
+from wiola_kernels import decode_gemv, dispatch
 from wiola_kernels.dtypes import compute_dtype
 from wiola_kernels.ops.srpe import max_accurate_position
 
@@ -109,6 +109,11 @@ def cached_attention(q_rot: Tensor, k_rot: Tensor, v: Tensor, key_valid: Tensor 
     acc = compute_dtype(q_rot.dtype)
     # h = r·H_kv + g  →  (B, H_kv, R·T_new, d_h), rows ordered (r, t)
     q = q_rot.to(acc).reshape(b, r, h_kv, t_new, dh).transpose(1, 2).reshape(b, h_kv, r * t_new, dh)
+    if t_new == 1 and key_valid is None:
+        # One query per row at the last position sees every key: no mask, and SDPA does the
+        # three steps in one call (measured, 16 heads × 130 keys, 1 thread: 30 → 16 µs).
+        out = F.scaled_dot_product_attention(q, k_rot.to(acc), v.to(acc))                  # (B, H_kv, R, d_h)
+        return out.view(b, h_kv, r, 1, dh).transpose(1, 2).reshape(b, h, 1, dh)
     scores = (q @ k_rot.to(acc).transpose(-1, -2)) * (1.0 / math.sqrt(dh))  # (B, H_kv, R·T_new, T_k)
     allowed = None
     if t_new > 1:
@@ -145,27 +150,102 @@ class _Packed:
         return self.key == _source_key(self.sources)
 
 
+class _GemvBlock:
+    """One block's weights packed for :func:`wiola_kernels.decode_gemv.gemv` (CPU float32): every
+    matrix a cached step reads, each one sequential stream.
+
+    * ``qkv``: ``W_Q | W_K | W_V``; ``o``: ``W_O``; ``up``: ``W_n1 | W_n3 | W_w1 | W_w3``;
+    * ``down``: ``[λ ⊙ W_n2 | (1 − λ) ⊙ W_w2]`` along the input (``λ = σ(β)`` per output
+      channel), so both DSFF streams' down projections and their blend are one product of
+      the concatenated activations;
+    * ``kc``: per head ``W_Kc,hᵀ / √d_h`` ``(H, d, d_h)`` and ``vc``: per head
+      ``σ(g_h) · W_Vc,h`` ``(H, d_h, d)``: the folded context attention
+      (:mod:`wiola.context_fold`) as two grouped products, the score scale and the gate
+      folded in.
+    """
+
+    def __init__(self, block):
+        a, f = block.attn, block.ffn
+        self.sources = (a.q_proj.weight, a.k_proj.weight, a.v_proj.weight, a.o_proj.weight, a.kc_proj.weight,
+                        a.vc_proj.weight, a.gate, f.w_n1.weight, f.w_n3.weight, f.w_w1.weight, f.w_w3.weight,
+                        f.w_n2.weight, f.w_w2.weight, f.beta)
+        self.key = _source_key(self.sources)
+        pack = decode_gemv.pack
+        h, dh, d = a.n_head, a.head_dim, a.kc_proj.weight.shape[1]
+        with torch.no_grad():
+            self.qkv = pack(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight], 0))
+            self.qkv_splits = [a.q_proj.weight.shape[0], a.k_proj.weight.shape[0], a.v_proj.weight.shape[0]]
+            self.o = pack(a.o_proj.weight)
+            self.kc = pack(a.kc_proj.weight.view(h, dh, d).transpose(1, 2) * (1.0 / math.sqrt(dh)))
+            self.vc = pack(a.vc_proj.weight.view(h, dh, d) * torch.sigmoid(a.gate)[:, None, None])
+            ups = (f.w_n1.weight, f.w_n3.weight, f.w_w1.weight, f.w_w3.weight)
+            self.up = pack(torch.cat(ups, 0))
+            self.up_splits = [w.shape[0] for w in ups]
+            lam = torch.sigmoid(f.beta)[:, None]
+            self.down = pack(torch.cat([f.w_n2.weight * lam, f.w_w2.weight * (1.0 - lam)], 1))
+
+    def fresh(self) -> bool:
+        return self.key == _source_key(self.sources)
+
+    def packs(self) -> tuple[decode_gemv.PackedWeight, ...]:
+        return self.qkv, self.kc, self.vc, self.o, self.up, self.down
+
+
+class _GemvHead:
+    """The tied head ``E`` packed for :func:`~wiola_kernels.decode_gemv.gemv`."""
+
+    def __init__(self, weight: Tensor):
+        self.sources = (weight,)
+        self.key = _source_key(self.sources)
+        self.packed = decode_gemv.pack(weight)
+
+    def fresh(self) -> bool:
+        return self.key == _source_key(self.sources)
+
+
+def gemv_applies(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether decoding steps of a ``dtype`` model on ``device`` run on the packed GEMV kernel
+    (CPU float32 with the C++ extension); otherwise they use the MKL layouts of :class:`_Packed`."""
+    return device.type == "cpu" and dtype == torch.float32 and decode_gemv.available()
+
+
 class DecodeWeights:
-    """The packed copies one model decodes from (see the module docstring), built lazily."""
+    """The packed copies one model decodes from (see the module docstring), built lazily:
+    :class:`_GemvBlock` / :class:`_GemvHead` where :func:`gemv_applies`, else :class:`_Packed`."""
 
     def __init__(self):
-        self.blocks: dict[int, tuple[_Packed, _Packed]] = {}
-        self.head: _Packed | None = None
+        self.blocks: dict[int, tuple[_Packed, _Packed] | _GemvBlock] = {}
+        self.head: _Packed | _GemvHead | None = None
 
     def block(self, block) -> tuple[_Packed, _Packed]:
         """``(W_Q|W_K|W_V, W_n1|W_n3|W_w1|W_w3)`` of ``block``, rebuilt when a source changed."""
         got = self.blocks.get(block.layer_idx)
-        if got is None or not (got[0].fresh() and got[1].fresh()):
+        if not isinstance(got, tuple) or not (got[0].fresh() and got[1].fresh()):
             a, f = block.attn, block.ffn
             got = (_Packed(a.q_proj.weight, a.k_proj.weight, a.v_proj.weight),
                    _Packed(f.w_n1.weight, f.w_n3.weight, f.w_w1.weight, f.w_w3.weight))
             self.blocks[block.layer_idx] = got
         return got
 
+    def gemv_block(self, block) -> _GemvBlock:
+        """Every matrix of ``block`` packed for the GEMV kernel, rebuilt when a source changed."""
+        got = self.blocks.get(block.layer_idx)
+        if not isinstance(got, _GemvBlock) or not got.fresh():
+            got = self.blocks[block.layer_idx] = _GemvBlock(block)
+        return got
+
     def lm_head(self, weight: Tensor) -> _Packed:
-        if self.head is None or self.head.sources[0] is not weight or not self.head.fresh():
+        if not isinstance(self.head, _Packed) or self.head.sources[0] is not weight or not self.head.fresh():
             self.head = _Packed(weight)
         return self.head
+
+    def logits(self, hidden: Tensor, weight: Tensor) -> Tensor:
+        """``hidden (B, T, d) @ weightᵀ`` (the tied head ``weight (V, d)``) from the packed copy."""
+        if gemv_applies(hidden.dtype, hidden.device):
+            if not isinstance(self.head, _GemvHead) or self.head.sources[0] is not weight or not self.head.fresh():
+                self.head = _GemvHead(weight)
+            return decode_gemv.gemv(hidden, self.head.packed)
+        return hidden @ self.lm_head(weight).t
 
 
 class DecodeStep:
@@ -179,6 +259,7 @@ class DecodeStep:
         self.srpe_impl = dispatch.implementation("srpe", device)
         self.position_ids = position_ids.contiguous()
         self.cache, self.key_valid, self.weights = cache, key_valid, weights
+        self.gemv = weights is not None and gemv_applies(model.embed_tokens.weight.dtype, device)
 
     def rms_norm(self, module, x: Tensor) -> Tensor:
         """WiolaRMSNorm (SPEC §3) of ``x (..., d)`` by the dispatched implementation."""
@@ -191,6 +272,8 @@ class DecodeStep:
         attn, ffn = block.attn, block.ffn
         b, t, d = x.shape
         h, h_kv, dh = attn.n_head, attn.n_kv_head, attn.head_dim
+        if self.gemv:
+            return self._gemv_block(block, x, context)
         packed = self.weights.block(block) if self.weights is not None else None
 
         hx = self.rms_norm(block.attn_norm, x)                                   # X̃ (B, T, d)
@@ -224,6 +307,45 @@ class DecodeStep:
         lam = torch.sigmoid(ffn.beta)
         return x + (lam * narrow + (1.0 - lam) * wide)                          # Xˡ⁺¹
 
+    def _attention(self, attn, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        """SRPE, the cache update and the cached self-attention: ``(B, T, H, d_h)`` from the
+        projections ``q (B, T, H, d_h)``, ``k, v (B, T, H_kv, d_h)``."""
+        s = attn.srpe
+        q_rot, k_rot = self.srpe_impl.apply(q.transpose(1, 2), k.transpose(1, 2), self.position_ids,
+                                            s.theta, s.spiral_divisor, s.radial_amplitude, s.radial_frequency, False)
+        k_all, v_all = self.cache.update(k_rot, v.transpose(1, 2), attn.layer_idx)  # (B, H_kv, T_past + T, d_h)
+        return cached_attention(q_rot, k_all, v_all, self.key_valid).transpose(1, 2)
+
+    def _gemv_block(self, block, x: Tensor, context: Tensor) -> Tensor:
+        """:meth:`block` with every product on the packed GEMV kernel (:class:`_GemvBlock`)."""
+        attn = block.attn
+        gemv = decode_gemv.gemv
+        w = self.weights.gemv_block(block)
+        b, t, d = x.shape
+        h, h_kv, dh = attn.n_head, attn.n_kv_head, attn.head_dim
+
+        hx = self.rms_norm(block.attn_norm, x)                                   # X̃ (B, T, d)
+        q, k, v = gemv(hx, w.qkv).split(w.qkv_splits, -1)
+        q = q.view(b, t, h, dh)
+        out = self._attention(attn, q, k.view(b, t, h_kv, dh), v.view(b, t, h_kv, dh))  # (B, T, H, d_h)
+        n_ctx = context.shape[2]
+        if n_ctx:  # folded context attention (context_fold.py), scale and gate in the packs
+            ctx = context.expand(b, t, n_ctx, d).reshape(b * t, n_ctx, d)      # (N, Λ', d)
+            if n_ctx == 1:  # one slot: softmax weight 1, the key side drops out
+                mix = ctx[:, 0].expand(h, b * t, d)                             # (H, N, d)
+            else:
+                q_hat = gemv(q.reshape(b * t, h, dh).transpose(0, 1), w.kc)    # (H, N, d) = W_Kc,hᵀ q_h / √d_h
+                a = torch.softmax(q_hat.transpose(0, 1) @ ctx.transpose(1, 2), -1)  # (N, H, Λ')
+                mix = (a @ ctx).transpose(0, 1)                                 # (H, N, d): Σ_λ a_λ s_λ
+            cross = gemv(mix, w.vc)                                             # (H, N, d_h), σ(g_h) folded
+            out = out + cross.transpose(0, 1).view(b, t, h, dh)
+        x = x + gemv(out.reshape(b, t, h * dh), w.o)                           # X'
+
+        hf = self.rms_norm(block.ffn_norm, x)
+        gn, un, gw, uw = gemv(hf, w.up).split(w.up_splits, -1)
+        act = torch.cat([F.silu(gn) * un, F.gelu(gw, approximate="tanh") * uw], -1)
+        return x + gemv(act, w.down)                                            # Xˡ⁺¹ (λ folded into down)
+
 
 def applies(model, batch: int, t: int, past: int, cache, requires_grad: bool) -> bool:
     """Whether a forward of ``model`` (a :class:`WiolaModel`) over ``batch × t`` new positions
@@ -246,4 +368,4 @@ def positions_ok(position_ids: Tensor, spiral_divisor: float) -> bool:
 
 
 __all__ = ["DecodeStep", "DecodeWeights", "GrowingKV", "MAX_STEP_POSITIONS", "applies", "cached_attention",
-           "positions_ok"]
+           "gemv_applies", "positions_ok"]
