@@ -14,7 +14,8 @@ matrix per head that way.
 
 The instruction set is chosen at run time; ``isa=`` (or the environment variable
 ``WIOLA_GEMV_ISA``) forces ``"avx512"``, ``"avx2"`` or ``"generic"``, so that tests and
-benchmarks can run each path on one machine.
+benchmarks can run each path on one machine; ``"auto"`` follows the CPU kernels' choice
+(:func:`wiola_kernels.cpu_isa`: AVX-512 where the CPU has it, unless set to AVX2).
 
     w = torch.randn(1536, 1024)
     packed = pack(w)

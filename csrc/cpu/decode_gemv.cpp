@@ -40,6 +40,7 @@
 #include <string>
 
 #include "common.h"
+#include "isa.h"
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #define WIOLA_GEMV_X86 1
@@ -162,16 +163,16 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void panel_avx512(const flo
 
 #endif  // WIOLA_GEMV_X86
 
-enum class Isa : int { kGeneric = 0, kAvx2 = 1, kAvx512 = 2 };
+enum class GemvIsa : int { kGeneric = 0, kAvx2 = 1, kAvx512 = 2 };
 
-bool cpu_has(Isa isa) {
+bool cpu_has(GemvIsa isa) {
   switch (isa) {
-    case Isa::kGeneric:
+    case GemvIsa::kGeneric:
       return true;
 #if defined(WIOLA_GEMV_X86)
-    case Isa::kAvx2:
+    case GemvIsa::kAvx2:
       return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-    case Isa::kAvx512:
+    case GemvIsa::kAvx512:
       return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
              __builtin_cpu_supports("avx512vl");
 #endif
@@ -180,24 +181,25 @@ bool cpu_has(Isa isa) {
   }
 }
 
-const char* isa_name(Isa isa) {
-  return isa == Isa::kAvx512 ? "avx512" : isa == Isa::kAvx2 ? "avx2" : "generic";
+const char* isa_name(GemvIsa isa) {
+  return isa == GemvIsa::kAvx512 ? "avx512" : isa == GemvIsa::kAvx2 ? "avx2" : "generic";
 }
 
-Isa parse_isa(const std::string& name) {
-  if (name == "auto") {
-    for (Isa isa : {Isa::kAvx512, Isa::kAvx2})
+GemvIsa parse_isa(const std::string& name) {
+  if (name == "auto") {  // the CPU's best, unless the process chose AVX2 (isa.h: set_cpu_isa, WIOLA_CPU_ISA)
+    if (active_isa() == Isa::kAvx2 && cpu_has(GemvIsa::kAvx2)) return GemvIsa::kAvx2;
+    for (GemvIsa isa : {GemvIsa::kAvx512, GemvIsa::kAvx2})
       if (cpu_has(isa)) return isa;
-    return Isa::kGeneric;
+    return GemvIsa::kGeneric;
   }
-  for (Isa isa : {Isa::kGeneric, Isa::kAvx2, Isa::kAvx512}) {
+  for (GemvIsa isa : {GemvIsa::kGeneric, GemvIsa::kAvx2, GemvIsa::kAvx512}) {
     if (name == isa_name(isa)) {
       WIOLA_CHECK_ARG(cpu_has(isa), "isa='", name, "' is not supported by this CPU or build");
       return isa;
     }
   }
   WIOLA_CHECK_ARG(false, "isa must be one of 'auto', 'avx512', 'avx2', 'generic'; got '", name, "'");
-  return Isa::kGeneric;
+  return GemvIsa::kGeneric;
 }
 
 using PanelFn = void (*)(const float*, int64_t, const float*, int64_t, float*, int64_t, int64_t);
@@ -239,12 +241,12 @@ struct Avx512 {
 #endif
 
 // Rows per register block of each path.
-int64_t block_rows(Isa isa) { return isa == Isa::kAvx2 ? 3 : isa == Isa::kAvx512 ? 8 : 4; }
+int64_t block_rows(GemvIsa isa) { return isa == GemvIsa::kAvx2 ? 3 : isa == GemvIsa::kAvx512 ? 8 : 4; }
 
-PanelFn panel_fn(Isa isa, int64_t rows) {
+PanelFn panel_fn(GemvIsa isa, int64_t rows) {
 #if defined(WIOLA_GEMV_X86)
-  if (isa == Isa::kAvx512) return pick<Avx512>(rows);
-  if (isa == Isa::kAvx2) return pick<Avx2>(rows);
+  if (isa == GemvIsa::kAvx512) return pick<Avx512>(rows);
+  if (isa == GemvIsa::kAvx2) return pick<Avx2>(rows);
 #endif
   return pick<Generic>(rows);
 }
@@ -266,7 +268,7 @@ at::Tensor decode_gemv(const at::Tensor& x, const at::Tensor& packed, int64_t n,
                   ", got n = ", n);
   WIOLA_CHECK_ARG(k >= 1, "k must be at least 1");
   WIOLA_CHECK_ARG(x.stride(2) == 1 || k == 1, "x must have a contiguous last dimension");
-  const Isa isa = parse_isa(std::string(isa_arg));
+  const GemvIsa isa = parse_isa(std::string(isa_arg));
   const int64_t block = block_rows(isa);
 
   at::Tensor out = empty_output({groups, rows, n}, x.options());
