@@ -21,9 +21,10 @@ while the ops did not (issue 14 §4), and both are pinned here:
   copy alike: ``warm`` (freed memory is kept and reused: the steady state of a training
   loop; ``pct_of_copy``) and ``fresh`` (every large output is newly mapped:
   ``pct_of_copy_fresh``). Both are reported on the CPU because both matter there.
-* Load. The machine is shared; the op and the copy are timed in alternation, and on the
-  CPU ``pct_of_copy`` is the median over pairs of the ratio of their CPU times (a process
-  waiting for a core accrues none; see :func:`time_vs_copy`). ``ms``, ``gbps`` and
+* Load. The machine is shared; the op and the copy are timed in alternation, and on one
+  CPU thread ``pct_of_copy`` is the median over pairs of the ratio of their CPU times (a
+  process waiting for a core accrues none); with more threads, of their wall times (idle
+  OpenMP workers spin, which CPU time counts; see :func:`time_vs_copy`). ``ms``, ``gbps`` and
   ``copy_gbps`` stay wall-time medians, so on a loaded machine ``pct_of_copy`` need not
   equal ``gbps / copy_gbps``.
 """
@@ -141,14 +142,18 @@ def time_vs_copy(op: Callable[[], object], copy: Callable[[], object], device: t
                  warmup: int = 2, before: Callable[[], object] | None = None) -> tuple[float, float, float]:
     """``(op ms, copy ms, copy/op time ratio)``: the op and its copy baseline in alternation
     (``before()``, untimed, ahead of each run), wall-time medians, and the median over pairs
-    of the ratio of their times. On the CPU the ratio is of CPU time (the process's, all
-    threads, page faults included), which leaves out the time the process waited for a
-    core: on a shared machine that wait swamps everything else (measured: 8 ms of CPU time
-    in 48 ms of wall time at a load average of 12 on 2 cores). On a GPU it is of wall time."""
+    of the ratio of their times. On the CPU with one thread the ratio is of CPU time (page
+    faults included), which leaves out the time the process waited for a core: on a shared
+    machine that wait swamps everything else (measured: 8 ms of CPU time in 48 ms of wall
+    time at a load average of 12 on 2 cores). With more threads it is of wall time, as on a
+    GPU: idle OpenMP workers spin after each parallel region and that spinning counts as
+    CPU time, more for short ops (measured, 2 threads on a quiet machine: SRPE fwd 17–55 %
+    of copy by CPU time, 41–67 % by wall time, five runs)."""
     cpu: list[list[float]] = []
+    by_cpu_time = device.type == "cpu" and torch.get_num_threads() == 1
     op_ms, copy_ms = _interleaved_samples([op, copy], device, repeats, warmup, before,
-                                          cpu if device.type == "cpu" else None)
-    ratio_of = cpu if device.type == "cpu" else [op_ms, copy_ms]
+                                          cpu if by_cpu_time else None)
+    ratio_of = cpu if by_cpu_time else [op_ms, copy_ms]
     ratios = [c / o for o, c in zip(*ratio_of) if o > 0 and c > 0]
     return statistics.median(op_ms), statistics.median(copy_ms), statistics.median(ratios) if ratios else float("nan")
 
