@@ -1,46 +1,84 @@
-// Every wiola:: kernel schema, declared once (the Python module is csrc/python_module.cpp).
+// Every wiola:: op schema, declared once (the Python module is csrc/python_module.cpp).
 //
-// These `_`-prefixed ops are the raw kernels (one implementation per backend, in
-// csrc/cpu/<op>.cpp and csrc/cuda/<op>_binding.cpp). The public ops
-// (torch.ops.wiola.rms_norm, ...) are defined in Python (wiola_kernels/ops/) so the
-// package also works without this extension; they call these kernels when the
-// dispatcher (wiola_kernels/dispatch.py) picks the `cpu` or `cuda` backend.
+// Each public op is `wiola::<op>` (forward) and `wiola::<op>_backward`, with one kernel per
+// dispatch key, so PyTorch's dispatcher picks the kernel from the tensors' device as it does
+// for a native op:
+//   CPU  — the C++ kernels, csrc/cpu/<op>.cpp (each validates its inputs at entry, wiola/checks.h);
+//   CUDA — the CUDA C++ kernels (csrc/cuda/<op>_binding.cpp) or the Triton launchers,
+//          registered from Python (wiola_kernels/ops/<op>.py);
+//   Meta — the fakes, registered from Python (wiola_kernels/ops/<op>.py).
+// The torch.autograd.Function of each op (wiola_kernels/ops/<op>.py) drives the pair; the ops
+// have no autograd kernel of their own. One block per op: its set_python_module names the
+// module that registers the op's Python half (torch imports it when a fake is needed first,
+// and requires the fakes to come from there).
 #include <torch/library.h>
 
 #include "wiola/cuda_schemas.h"
 
-TORCH_LIBRARY_FRAGMENT(wiola, m) {
-  // WiolaRMSNorm (SPEC §3) on contiguous x (rows, d); rstd is float32 (float64 for double x).
-  // shift = None: δ = 0 (grad_shift is then an empty (0,) tensor); hf_order: Hugging Face's
-  // rounding order (z/r rounded to x's dtype, then times weight).
-  m.def("_rms_norm_fwd(Tensor x, Tensor weight, Tensor? shift, float eps, bool hf_order=False)"
-        " -> (Tensor y, Tensor rstd)");
-  m.def("_rms_norm_bwd(Tensor grad_y, Tensor x, Tensor weight, Tensor? shift, Tensor rstd)"
-        " -> (Tensor grad_x, Tensor grad_weight, Tensor grad_shift)");
-  // SRPE (SPEC §4): q (B, H, T, dh), k (B, Hkv, T, dh), positions (B, T) int64;
-  // angle_freq / radial_freq (dh/2,) float64. `transpose` applies R(p)^T (the backward).
-  m.def("_srpe(Tensor q, Tensor k, Tensor positions, Tensor angle_freq, Tensor radial_freq,"
-        " float radial_amplitude, bool transpose) -> (Tensor q_out, Tensor k_out)");
-  // The benchmark's copy baseline: a copy allocated like every kernel's output.
-  m.def("_copy(Tensor x) -> Tensor");
+TORCH_LIBRARY(wiola, m) {
+  // --- pieces of one backend, not public ops ---
   // Batch-1 decoding GEMV (csrc/cpu/decode_gemv.cpp; wiola_kernels/decode_gemv.py packs):
   // x (G, rows ≤ 16, k) float32, packed (G, ceil(n/32), k, 32) float32 -> (G, rows, n);
   // isa: "auto", "avx512", "avx2" or "generic".
   m.def("_decode_gemv(Tensor x, Tensor packed, int n, str isa=\"auto\") -> Tensor");
+  // The benchmark's copy baseline: a copy allocated like every kernel's output.
+  m.def("_copy(Tensor x) -> Tensor");
+}
+
+TORCH_LIBRARY_FRAGMENT(wiola, m) {
+  // --- WiolaRMSNorm (SPEC §3) ---
+  m.set_python_module("wiola_kernels.ops.rms_norm");
+  // x (..., d), any strides; weight, shift (d,) any float dtype, shift None: δ = 0 (no add,
+  // grad_shift None); hf_order: Hugging Face's rounding order (z/r rounded to x's dtype, then
+  // times weight). y like x (contiguous); rstd x.shape[:-1], float32 (float64 for double x).
+  m.def("rms_norm(Tensor x, Tensor weight, Tensor? shift, float eps=1e-06, bool hf_order=False)"
+        " -> (Tensor y, Tensor rstd)");
+  m.def("rms_norm_backward(Tensor grad_y, Tensor x, Tensor weight, Tensor? shift, Tensor rstd)"
+        " -> (Tensor grad_x, Tensor grad_weight, Tensor grad_shift)");
+
+}
+
+TORCH_LIBRARY_FRAGMENT(wiola, m) {
+  // --- SRPE (SPEC §4) ---
+  m.set_python_module("wiola_kernels.ops.srpe");
+  // q (B, H, T, d_h), k (B, H_kv, T, d_h), any strides; position_ids (B, T) / (1, T) / (T,) of
+  // an index dtype. Outputs laid out like torch.empty_like(q) / (k). The backward applies
+  // R(p)ᵀ to the incoming gradients (rotation by −Θ scaled by r).
+  m.def("srpe(Tensor q, Tensor k, Tensor position_ids, float theta=10000.0, float spiral_divisor=8.0,"
+        " float radial_amplitude=0.1, float radial_frequency=0.01) -> (Tensor q_out, Tensor k_out)");
+  m.def("srpe_backward(Tensor grad_q, Tensor grad_k, Tensor position_ids, float theta, float spiral_divisor,"
+        " float radial_amplitude, float radial_frequency) -> (Tensor grad_q_in, Tensor grad_k_in)");
+
+}
+
+TORCH_LIBRARY_FRAGMENT(wiola, m) {
   // --- GCLA summary-augmented attention (SPEC §5.5) ---
-  // q_rot, q (B, H, T, dh); k_rot, v (B, H_kv, T, dh); kc, vc (B, H, S, L, dh), S in {1, T};
-  // gate (H,); lengths (B,) int64 or None. lse (B, H, T) float32 (float64 for double inputs).
-  m.def("_gcla_attention_fwd(Tensor q_rot, Tensor k_rot, Tensor v, Tensor q, Tensor kc, Tensor vc,"
-        " Tensor gate, Tensor? lengths) -> (Tensor out, Tensor lse)");
-  m.def("_gcla_attention_bwd(Tensor grad_out, Tensor q_rot, Tensor k_rot, Tensor v, Tensor q, Tensor kc,"
+  m.set_python_module("wiola_kernels.ops.gcla_attention");
+  // q_rot, q (B, H, T, d_h); k_rot, v (B, H_kv, T, d_h); kc, vc (B, H, S, Λ', d_h), S in {1, T};
+  // gate (H,); lengths (B,) or None. out like q_rot; lse (B, H, T) float32 (float64 for double).
+  // Gradients in their inputs' layouts (d kc, d vc contiguous for S = 1).
+  m.def("gcla_attention(Tensor q_rot, Tensor k_rot, Tensor v, Tensor q, Tensor kc, Tensor vc, Tensor gate,"
+        " Tensor? lengths=None) -> (Tensor out, Tensor lse)");
+  m.def("gcla_attention_backward(Tensor grad_out, Tensor q_rot, Tensor k_rot, Tensor v, Tensor q, Tensor kc,"
         " Tensor vc, Tensor gate, Tensor? lengths, Tensor out, Tensor lse) -> (Tensor grad_q_rot,"
         " Tensor grad_k_rot, Tensor grad_v, Tensor grad_q, Tensor grad_kc, Tensor grad_vc, Tensor grad_gate)");
-  // GCLA's summary kernels and ATM: their schemas live in wiola/cuda_schemas.h (shared with
-  // the SIMT emulation's bindings, csrc/cuda/emu/bindings_emu.cpp).
+
+}
+
+TORCH_LIBRARY_FRAGMENT(wiola, m) {
+  // The cuda backend of GCLA: summary kernels around PyTorch's fused self-attention
+  // (CUDA, and emulated as wiola_cuda_emu); not a public op.
+  m.set_python_module("wiola_kernels.ops.gcla_attention_cuda");
   m.def(wiola::schema::kGclaSummaryFwd);
   m.def(wiola::schema::kGclaSummaryBwd);
+}
+
+// --- ATM greedy adjacent merge / unmerge (SPEC §6): wiola/cuda_schemas.h, shared with the
+// SIMT emulation's bindings (csrc/cuda/emu/bindings_emu.cpp) ---
+TORCH_LIBRARY_FRAGMENT(wiola, m) {
+  m.set_python_module("wiola_kernels.ops.atm");
   m.def(wiola::schema::kAtmMerge);
-  m.def(wiola::schema::kAtmMergeBwd);
+  m.def(wiola::schema::kAtmMergeBackward);
   m.def(wiola::schema::kAtmUnmerge);
-  m.def(wiola::schema::kAtmUnmergeBwd);
+  m.def(wiola::schema::kAtmUnmergeBackward);
 }

@@ -21,7 +21,7 @@ import wiola.__main__ as wiola_cli
 import wiola_kernels.__main__ as kernels_cli
 from wiola import bench as wiola_bench
 from wiola import train as wiola_train
-from wiola_kernels._cli import CommandError
+from wiola_kernels.cli import CommandError
 
 
 def _run(args: list[str], env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:

@@ -18,7 +18,8 @@ CPU = torch.device("cpu")
 _REASON = dispatch.BACKENDS["cuda_emu"].unavailable_reason(CPU)
 pytestmark = pytest.mark.skipif(_REASON is not None, reason=f"cuda_emu unavailable: {_REASON}")
 
-OPS = ["_gcla_summary_fwd", "_gcla_summary_bwd", "_atm_merge", "_atm_merge_bwd", "_atm_unmerge", "_atm_unmerge_bwd"]
+OPS = ["_gcla_summary_fwd", "_gcla_summary_bwd", "atm_merge", "atm_merge_backward", "atm_unmerge",
+       "atm_unmerge_backward"]
 
 
 @pytest.mark.parametrize("name", OPS)
@@ -59,16 +60,19 @@ def test_binding_argument_checks():
     x = torch.randn(2, 5, 8, generator=g)
     pos, lens = torch.arange(5).expand(2, 5).contiguous(), torch.tensor([5, 3])
     ops = torch.ops.wiola_cuda_emu
-    with pytest.raises(ValueError, match=r"x must be a contiguous CPU \(cuda_emu\) \(B, T, d\) tensor"):
-        ops._atm_merge(x[:, :, 0], pos, lens, 0.5)
-    with pytest.raises(ValueError, match="x must be a contiguous"):
-        ops._atm_merge(x.transpose(1, 2).contiguous().transpose(1, 2), pos, lens, 0.5)
-    with pytest.raises(ValueError, match="lengths must be a contiguous int64 tensor"):
-        ops._atm_merge(x, pos, lens.int(), 0.5)
-    with pytest.raises(ValueError, match="threshold must lie in"):
-        ops._atm_merge(x, pos, lens, 1.5)
-    with pytest.raises(TypeError, match="x must be float32, float16 or bfloat16"):
-        ops._atm_merge(x.double(), pos, lens, 0.5)
+    with pytest.raises(ValueError, match=r"^x must have shape \(B, T, d\) \(3-D\)"):
+        ops.atm_merge(x[:, :, 0], pos, 0.5, lens)
+    with pytest.raises(TypeError, match="^lengths must have dtype in"):
+        ops.atm_merge(x, pos, 0.5, lens.float())
+    with pytest.raises(ValueError, match="^threshold must lie in"):
+        ops.atm_merge(x, pos, 1.5, lens)
+    with pytest.raises(TypeError, match="x must be float32, float16 or bfloat16 for the CUDA kernels"):
+        ops.atm_merge(x.double(), pos, 0.5, lens)
+    strided = x.transpose(1, 2).contiguous().transpose(1, 2)  # any strides: the binding copies once
+    with wk.use_backend("reference"):
+        want = wk.atm_merge(x, pos, 0.5, lens)
+    for got, ref in zip(ops.atm_merge(strided, pos, 0.5, lens.int()), want):
+        assert torch.equal(got, ref) if not got.is_floating_point() else torch.allclose(got, ref)
     q = torch.randn(1, 2, 4, 64, generator=g)
     kc = torch.randn(1, 2, 1, 1, 64, generator=g)
     gate = torch.zeros(2)

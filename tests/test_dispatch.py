@@ -31,14 +31,29 @@ def test_use_backend_nests_and_restores():
         assert dispatch.select("rms_norm", CPU) == "reference"
 
 
-def test_environment_variable_and_auto_masking(monkeypatch):
-    monkeypatch.setenv("WIOLA_BACKEND", "reference")
+@pytest.fixture
+def environment(monkeypatch):
+    """Sets WIOLA_BACKEND and has the package read it again (it is read once, at import);
+    restores both afterwards."""
+    def set_backend(value: str) -> None:
+        monkeypatch.setenv("WIOLA_BACKEND", value)
+        dispatch.reload_environment()
+
+    yield set_backend
+    monkeypatch.undo()
+    dispatch.reload_environment()
+
+
+def test_environment_variable_and_auto_masking(environment):
+    environment("reference")
     assert dispatch.select("rms_norm", CPU) == "reference"
     with wk.use_backend("auto"):  # an explicit auto masks the environment
         assert dispatch.forced_backend() is None
-    monkeypatch.setenv("WIOLA_BACKEND", "nonsense")
+    environment("nonsense")
     with pytest.raises(ValueError, match="WIOLA_BACKEND"):
         dispatch.select("rms_norm", CPU)
+    with pytest.raises(ValueError, match="WIOLA_BACKEND"):  # the ops refuse it too, not only reports
+        wk.rms_norm(torch.ones(2, 4), torch.ones(4))
 
 
 def test_forced_backend_that_cannot_run_raises_with_reason():
@@ -153,7 +168,7 @@ def test_backward_runs_on_the_forwards_backend(monkeypatch):
 
 
 @pytest.mark.parametrize("op, attr, call", [
-    ("srpe", "apply", lambda: wk.srpe(torch.randn(1, 2, 3, 4, requires_grad=True), torch.randn(1, 1, 3, 4),
+    ("srpe", "backward", lambda: wk.srpe(torch.randn(1, 2, 3, 4, requires_grad=True), torch.randn(1, 1, 3, 4),
                                       torch.arange(3))[0]),
     ("gcla_attention", "backward", lambda: wk.gcla_attention(
         *[torch.randn(1, h, 5, 8, requires_grad=True) for h in (2, 1, 1, 2)],
@@ -180,7 +195,7 @@ def test_triton_probe_asks_torch_whether_cuda_exists(monkeypatch):
     assert dispatch.BACKENDS["triton"].unavailable_reason(torch.device("cuda")) is None
 
 
-def test_bad_wiola_backend_is_reported_where_the_environment_is_read(monkeypatch):
-    monkeypatch.setenv("WIOLA_BACKEND", "bogus")
+def test_bad_wiola_backend_is_reported_where_the_environment_is_read(environment):
+    environment("bogus")
     with pytest.raises(ValueError, match=r"'bogus' \(from the environment variable WIOLA_BACKEND\)"):
         wk.backends("cpu")

@@ -46,16 +46,16 @@ def run(model, ids, mask):
 
 
 def record_merges(monkeypatch) -> list:
-    """Patches ``wiola_kernels.ATMMergeFunction.apply`` (what the model calls) to record each
-    call's merged lengths."""
-    original, seen = wiola_kernels.ATMMergeFunction.apply, []
+    """Patches ``wiola_kernels.atm_merge`` (what the model calls) to record each call's merged
+    lengths."""
+    original, seen = wiola_kernels.atm_merge, []
 
     def recording(*args, **kwargs):
         out = original(*args, **kwargs)
         seen.append(out[2].clone())
         return out
 
-    monkeypatch.setattr(wiola_kernels.ATMMergeFunction, "apply", recording)
+    monkeypatch.setattr(wiola_kernels, "atm_merge", recording)
     return seen
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from wiola_kernels._cli import CommandError
+from wiola_kernels.cli import CommandError
 
 from wiola.evaluate import main as eval_main
 from wiola.evaluate import perplexity, windows

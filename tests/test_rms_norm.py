@@ -300,7 +300,7 @@ def test_opcheck(backend):
     with wk.use_backend(backend):  # autograd is RMSNormFunction's: the ops take no grad
         torch.library.opcheck(torch.ops.wiola.rms_norm.default, (x, w, s, 1e-6))
         _, rstd = torch.ops.wiola.rms_norm(x.detach(), w.detach(), s.detach(), 1e-6)
-        torch.library.opcheck(torch.ops.wiola.rms_norm_grad.default,
+        torch.library.opcheck(torch.ops.wiola.rms_norm_backward.default,
                               (torch.randn(5, 12), x.detach(), w.detach(), s.detach(), rstd))
 
 

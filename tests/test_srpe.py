@@ -196,7 +196,7 @@ def test_cpu_large_output_paths(shared_positions):
     pos = torch.randint(0, 2**20, (t,)).expand(b, t) if shared_positions else torch.randint(0, 2**20, (b, t))
     with use_backend("cpu"):
         q_out, k_out = wiola_kernels.srpe(q, k, pos)
-        gq, gk = torch.ops.wiola.srpe_grad(q, k, pos.contiguous(), 10000.0, 8.0, 0.1, 0.01)
+        gq, gk = torch.ops.wiola.srpe_backward(q, k, pos.contiguous(), 10000.0, 8.0, 0.1, 0.01)
     q_ref, k_ref = reference_srpe(q.double(), k.double(), pos)
     assert_close_rel(q_out, q_ref, tolerance(torch.float32), "q_out")
     assert_close_rel(k_out, k_ref, tolerance(torch.float32), "k_out")
@@ -313,20 +313,23 @@ def test_bad_parameters_raise():
 
 
 @pytest.mark.skipif("cpu" not in BACKENDS, reason="C++ extension not built")
-def test_cpp_kernel_rejects_bad_shapes():
-    """The raw kernel checks its own inputs (it is reachable as torch.ops.wiola._srpe)."""
-    af, rf = srpe_frequencies(8, 10000.0, 8.0, 0.01)
+def test_registered_op_checks_its_own_inputs():
+    """The C++ kernel behind torch.ops.wiola.srpe checks what the public function would (it is
+    the only check on the default path), and reads a non-unit last stride through a copy."""
     q, k, pos = torch.randn(2, 4, 3, 8), torch.randn(2, 2, 3, 8), torch.zeros(2, 3, dtype=torch.long)
-    with pytest.raises(ValueError, match="positions must have shape"):
-        torch.ops.wiola._srpe(q, k, pos[:1], af, rf, 0.1, False)
-    with pytest.raises(ValueError, match="k must have shape"):
-        torch.ops.wiola._srpe(q, k[:, :, :2], pos, af, rf, 0.1, False)
+    with pytest.raises(ValueError, match="^position_ids must have shape"):
+        torch.ops.wiola.srpe(q, k, pos[:, :2])
+    with pytest.raises(ValueError, match="^k must have shape"):
+        torch.ops.wiola.srpe(q, k[:, :, :2], pos)
     with pytest.raises(ValueError, match="multiple"):
-        torch.ops.wiola._srpe(q, torch.randn(2, 3, 3, 8), pos, af, rf, 0.1, False)
-    with pytest.raises(ValueError, match="contiguous last dimension"):  # other strides are read in place
-        torch.ops.wiola._srpe(torch.randn(2, 4, 8, 3).transpose(2, 3), k, pos, af, rf, 0.1, False)
-    with pytest.raises(TypeError, match="float64"):
-        torch.ops.wiola._srpe(q, k, pos, af.float(), rf, 0.1, False)
+        torch.ops.wiola.srpe(q, torch.randn(2, 3, 3, 8), pos)
+    with pytest.raises(TypeError, match="^position_ids must have dtype"):
+        torch.ops.wiola.srpe(q, k, pos.float())
+    with pytest.raises(ValueError, match="^grad_k must have shape"):
+        torch.ops.wiola.srpe_backward(q, k[:, :, :2], pos, 10000.0, 8.0, 0.1, 0.01)
+    odd = torch.randn(2, 4, 8, 3).transpose(2, 3)  # last stride 3
+    q_out, _ = torch.ops.wiola.srpe(odd, k, pos)
+    assert_close_rel(q_out, reference_srpe(odd.double(), k.double(), pos)[0], tolerance(torch.float32), "strided")
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -335,7 +338,7 @@ def test_opcheck(backend):
     args = (q, k, pos, 10000.0, 8.0, 0.1, 0.01)  # autograd is SRPEFunction's: the ops take no grad
     with use_backend(backend):
         torch.library.opcheck(torch.ops.wiola.srpe.default, args)
-        torch.library.opcheck(torch.ops.wiola.srpe_grad.default,
+        torch.library.opcheck(torch.ops.wiola.srpe_backward.default,
                               (torch.randn_like(q), torch.randn_like(k), pos, 10000.0, 8.0, 0.1, 0.01))
 
 
@@ -1006,7 +1009,8 @@ def test_strided_views_make_no_copies(backend, dtype, shape):
         q_out, k_out = wiola_kernels.srpe(q, k, pos)
     with use_backend(backend), CopyCounter() as bwd:
         dq, dk = torch.autograd.grad((q_out, k_out), (q, k), (gq, gk))
-    assert fwd.counts.get("wiola.srpe") == 1 and bwd.counts.get("wiola.srpe_grad") == 1
+    dispatched = 1 if backend == "cpu" else None  # a forced Python backend calls no registered op
+    assert fwd.counts.get("wiola.srpe") == dispatched and bwd.counts.get("wiola.srpe_backward") == dispatched
     assert fwd.copies == 0, fwd.counts
     assert bwd.copies == 0, bwd.counts
     for out, like in ((q_out, q), (k_out, k), (dq, q), (dk, k)):
@@ -1059,4 +1063,4 @@ def test_opcheck_on_the_models_views(backend):
     with use_backend(backend):
         torch.library.opcheck(torch.ops.wiola.srpe.default,
                               (q, k, pos, 10000.0, 8.0, 0.1, 0.01))  # the ops take no grad: SRPEFunction's
-        torch.library.opcheck(torch.ops.wiola.srpe_grad.default, (gq, gk, pos, 10000.0, 8.0, 0.1, 0.01))
+        torch.library.opcheck(torch.ops.wiola.srpe_backward.default, (gq, gk, pos, 10000.0, 8.0, 0.1, 0.01))

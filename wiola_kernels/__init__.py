@@ -1,7 +1,8 @@
 """wiola-kernels: fused kernels for the Wiola small-language-model architecture.
 
 Public ops, each a function over one ``torch.autograd.Function`` that drives the registered
-kernels ``torch.ops.wiola.<name>`` (forward) and ``torch.ops.wiola.<name>_grad`` (backward):
+ops ``torch.ops.wiola.<name>`` (forward) and ``torch.ops.wiola.<name>_backward`` (backward),
+declared once in C++ with a kernel per device that PyTorch's dispatcher picks:
 
 * :func:`rms_norm` / :class:`RMSNormFunction` — WiolaRMSNorm (SPEC §3)
 * :func:`srpe` / :class:`SRPEFunction` — spiral rotary position encoding of Q and K (SPEC §4)
@@ -10,17 +11,19 @@ kernels ``torch.ops.wiola.<name>`` (forward) and ``torch.ops.wiola.<name>_grad``
   ATM greedy adjacent token merging (SPEC §6)
 * :func:`patch_hf` / :func:`unpatch_hf` — these kernels in Hugging Face Llama / Mistral / Qwen2 models
 
-Backends are chosen per device (see :mod:`wiola_kernels.dispatch`); force one with
-:func:`use_backend` or ``WIOLA_BACKEND``, and see what runs here with :func:`backends`.
+Force a backend (tests, benchmarks) with :func:`use_backend` or ``WIOLA_BACKEND`` (see
+:mod:`wiola_kernels.dispatch`), and see what runs here with :func:`backends`.
 The C++ CPU kernels run AVX-512 loops where the CPU has them (:func:`cpu_isa`,
 :func:`set_cpu_isa`, ``WIOLA_CPU_ISA=avx2``).
 """
 
 from . import _extension
 from ._extension import cpu_isa, set_cpu_isa
+from . import dispatch
 from .dispatch import backends, use_backend
 
 _extension.load_error()  # import the C++ extension (registers its kernels), warn once if missing
+dispatch.reload_environment()  # WIOLA_BACKEND, and whether the ops were declared
 
 from .hf import patch_hf, unpatch_hf  # noqa: E402  (Hugging Face models; transformers not needed to import)
 from .modules import RMSNorm, SpiralRotaryEmbedding, WiolaRMSNorm  # noqa: E402

@@ -8,7 +8,7 @@ import sys
 
 import torch
 
-from ._cli import CommandError, HelpFormatter, positive_int, require_matplotlib, run
+from .cli import CommandError, HelpFormatter, positive_int, require_matplotlib, run
 
 DESCRIPTION = "Benchmark, self-check and list the backends of the fused Wiola ops."
 # Names the README and the public API use for an op, mapped to its benchmark case.
@@ -45,10 +45,10 @@ def _ops(text: str | None) -> list[str] | None:
 
 
 def _check_environment() -> None:
-    """A bad WIOLA_BACKEND is reported where it is read, before any work."""
+    """A bad WIOLA_BACKEND is reported before any work."""
     from . import dispatch
 
-    dispatch.forced_backend()
+    dispatch.check_environment()
 
 
 def cmd_bench_hf(args: argparse.Namespace) -> int:
@@ -80,9 +80,34 @@ def cmd_bench_hf(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_overhead(args: argparse.Namespace) -> int:
+    """``bench --overhead``: one call of each op on a tiny input vs F.rms_norm, and first calls."""
+    from tqdm import tqdm
+
+    from .bench.overhead import PASSES, cases, first_call_records, first_calls, format_overhead, measure
+
+    device = _device(args.device)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    with tqdm(total=len(PASSES) * len(cases()), desc="bench --overhead", unit="op", file=sys.stderr) as bar:
+        records = measure(device, calls=max(1000, 100 * args.repeats), progress=bar)
+    first = first_calls(device)
+    print(f"device: {device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}), "
+          f"threads: {torch.get_num_threads()}, torch {torch.__version__}; median of "
+          f"{max(1000, 100 * args.repeats)} calls per row")
+    print(format_overhead(records, first))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(records + first_call_records(first), f, indent=2)
+        print(f"wrote {args.json}")
+    return 0
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     if args.hf:
         return cmd_bench_hf(args)
+    if args.overhead:
+        return cmd_bench_overhead(args)
     from tqdm import tqdm
 
     from . import dispatch
@@ -177,6 +202,9 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--hf", choices=["llama", "rope"],
                        help="instead of the ops: llama = a training step of a Hugging Face Llama patched by "
                             "wiola_kernels.patch_hf vs unpatched; rope = RoPE error at large positions, ours vs HF's")
+    bench.add_argument("--overhead", action="store_true",
+                       help="instead of the ops' kernels: the cost of one call of each op on a tiny input "
+                            "(the op layer) vs F.rms_norm, and the first call after import in a fresh process")
     bench.add_argument("--small", action="store_true", help="small shapes (seconds; for smoke tests)")
     bench.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline")
     bench.add_argument("--json", metavar="FILE", help="also write the records as JSON")

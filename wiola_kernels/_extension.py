@@ -49,7 +49,7 @@ def has_cuda_emu() -> bool:
     import torch
 
     try:
-        torch.ops.wiola_cuda_emu._atm_merge  # noqa: B018 - resolving the op is the probe
+        torch.ops.wiola_cuda_emu.atm_merge  # noqa: B018 - resolving the op is the probe
     except (AttributeError, RuntimeError):
         return False
     return True

@@ -1,33 +1,42 @@
-"""Backend choice: which implementation of an op runs for a given device.
+"""Which kernel runs an op.
 
-Every op registers the backends it has (``reference`` always; ``cpu`` when the C++
-extension is built; ``triton`` and/or ``cuda`` for GPU kernels; ``cuda_emu``, a test
-backend, for the CUDA kernels run on CPU tensors by the SIMT emulator of
-csrc/cuda/emu/ — never chosen automatically). At call time
-:func:`select` picks one:
+**By default, PyTorch's dispatcher chooses.** Every op is declared once in C++
+(``csrc/wiola_ops.cpp``) as ``wiola::<op>`` and ``wiola::<op>_backward``, with one kernel per
+dispatch key: the C++ kernels for CPU tensors, the CUDA kernels or Triton launchers for CUDA
+tensors, a fake for tracing. An op's ``torch.autograd.Function`` calls
+``torch.ops.wiola.<op>``, so a call costs one dispatcher lookup, as a native op does, and
+nothing here runs on that path but :func:`forced_backend` (one ``ContextVar`` read).
 
-1. an override — :func:`use_backend` (innermost wins) or else the environment
-   variable ``WIOLA_BACKEND`` — if the op implements that backend; an op that does
-   not implement the forced backend keeps its default (``use_backend("cuda")``
-   still runs RMSNorm on its Triton kernel), so one override can steer a whole model;
-2. otherwise the first available backend in the device's priority order:
-   CUDA tensors ``cuda > triton > reference``, CPU tensors ``cpu > reference``.
+**Forcing a backend** — for tests, benchmarks and ``python -m wiola_kernels check`` —
+with :func:`use_backend` (per thread, innermost wins) or ``WIOLA_BACKEND`` (read when the
+package is imported). The Function then calls that backend's functions directly, the ones
+registered here with :func:`register`:
 
-A forced backend that the op implements but cannot run here (no GPU, extension not
-built, Triton without ``TRITON_INTERPRET=1`` on CPU tensors) raises ``RuntimeError``
-with the reason — never a silent fallback.
+* ``reference`` — the plain-PyTorch oracle (every op, every input);
+* ``cpu`` / ``cuda`` — the dispatcher's kernels of that device (``cuda`` on CPU tensors is
+  an error, and so on); GCLA's ``cuda`` is its composite of PyTorch's fused attention and
+  our summary kernels;
+* ``triton`` — the Triton launchers, also on CPU tensors in Triton's interpreter
+  (``TRITON_INTERPRET=1`` set before import);
+* ``cuda_emu`` — the CUDA C++ kernels run on CPU tensors by the SIMT emulator
+  (``csrc/cuda/emu``); a test backend, never chosen by default.
 
-A backend can also have limits on its inputs (:class:`wiola_kernels.validation.Limits`:
-the CUDA GCLA kernels take d_h ∈ {64, 128} and no float64, for example). A backend
-chosen — forced or by priority — for an input outside its limits is skipped: the next
-backend in the device's priority order that takes the input runs, and a one-time
-``RuntimeWarning`` names the skipped backend and the reason (the reference takes every
-input). An op called directly with an explicit ``backend`` name the input does not fit
-raises ``ValueError`` instead (:func:`resolve`). :func:`backends` lists every limit.
+An op that does not implement the forced backend keeps its default (``use_backend("cuda")``
+still runs RMSNorm on its Triton kernel), so one override can steer a whole model. A forced
+backend the op implements but that cannot run here (no GPU, no extension, Triton without
+the interpreter on CPU tensors) raises ``RuntimeError`` with the reason. A backend whose
+kernels do not take the input (:class:`~wiola_kernels.validation.Limits`: dtypes, head
+widths) is skipped for the next one in the device's priority order — CUDA tensors
+``cuda > triton > reference``, CPU tensors ``cpu > reference`` — with a one-time
+``RuntimeWarning`` naming the reason. The backward always runs on the forward's backend
+(the Function keeps the name), even outside the ``use_backend`` block.
 
-Under ``torch.compile`` the choice is made when Dynamo traces the call (it is a constant
-of the graph, so the backward runs where the forward ran); entering a different
-:func:`use_backend` block makes Dynamo retrace. ``WIOLA_BACKEND`` is read at trace time.
+Under ``torch.compile`` the forced backend is a constant of the graph: Dynamo reads
+:data:`_override_for_tracing` (the override last set by :func:`use_backend`) and guards on
+it, so entering another ``use_backend`` block retraces.
+
+Without the C++ extension there are no registered ops: every op runs its Python backends
+as if forced — Triton on CUDA tensors, the reference on CPU tensors.
 """
 
 from __future__ import annotations
@@ -45,11 +54,10 @@ from .validation import NO_LIMITS, Limits
 
 BACKEND_NAMES = ("cuda", "triton", "cpu", "reference", "cuda_emu")
 _PRIORITY = {"cuda": ("cuda", "triton", "reference"), "cpu": ("cpu", "reference")}
-
-_override: contextvars.ContextVar[str | None] = contextvars.ContextVar("wiola_backend", default=None)
-# The override as last set by use_backend, in a plain global: Dynamo cannot read a ContextVar,
-# but it guards on a global it reads, so a compiled graph is retraced under another override.
-_override_for_tracing: str | None = None
+#: Without the extension: the Python backends in priority order, per device type.
+_PYTHON_PRIORITY = {"cuda": ("triton", "reference"), "cpu": ("reference",)}
+#: What :func:`forced_backend` returns when the extension is missing (see the module docstring).
+PYTHON_DEFAULT = "auto"
 
 
 @dataclass(frozen=True)
@@ -125,17 +133,18 @@ BACKENDS = {
     "cuda_emu": Backend("cuda_emu", _probe_cuda_emu),
 }
 
-# op name -> backend name -> implementation object (a namespace of functions).
+# op name -> backend name -> its functions (a namespace, the same names for every backend).
 _registry: dict[str, dict[str, object]] = {}
 # op name -> backend name -> the inputs that backend takes.
 _limits: dict[str, dict[str, Limits]] = {}
 
 
-def register(op: str, backend: str, impl: object, limits: Limits = NO_LIMITS) -> None:
-    """Declare that ``op`` has an implementation on ``backend``, taking the inputs ``limits`` allows."""
+def register(op: str, backend: str, kernels: object, limits: Limits = NO_LIMITS) -> None:
+    """Declare that ``op`` runs on ``backend`` through ``kernels`` (a namespace of functions with
+    the op's signatures), taking the inputs ``limits`` allows."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKEND_NAMES}, got {backend!r}")
-    _registry.setdefault(op, {})[backend] = impl
+    _registry.setdefault(op, {})[backend] = kernels
     _limits.setdefault(op, {})[backend] = limits
 
 
@@ -154,20 +163,70 @@ def implemented(op: str) -> list[str]:
     return [b for b in BACKEND_NAMES if b in _registry[op]]
 
 
-def forced_backend() -> str | None:
-    """The backend forced by :func:`use_backend` or ``WIOLA_BACKEND``, if any."""
-    name = _override.get()
-    if name == "auto":
-        return None
-    source = "use_backend"
-    if name is None:
-        env = os.environ.get("WIOLA_BACKEND", "").strip()
-        if env and env != "auto":
-            name, source = env, "the environment variable WIOLA_BACKEND"
-    if name is not None and name not in BACKENDS:
+def kernels(op: str, backend: str) -> object:
+    """The functions of ``backend`` for ``op`` (a name :func:`resolve` returned)."""
+    return _registry[op][backend]
+
+
+# --- the override ----------------------------------------------------------------------------
+
+_override: contextvars.ContextVar[str | None] = contextvars.ContextVar("wiola_backend", default=None)
+# The override as last set by use_backend, in a plain global: Dynamo cannot read a ContextVar,
+# but it guards on a global it reads, so a compiled graph is retraced under another override.
+_override_for_tracing: str | None = None
+
+
+def _check_name(name: str, source: str) -> str:
+    if name != "auto" and name not in BACKENDS:
         raise ValueError(f"WIOLA_BACKEND / use_backend must name one of {BACKEND_NAMES} or 'auto', got {name!r} "
                          f"(from {source})")
     return name
+
+
+def _extension_missing() -> bool:
+    from . import _extension
+
+    return _extension.load_error() is not None
+
+
+# What an unforced call runs: None (the dispatcher) or, without the extension, PYTHON_DEFAULT.
+_unforced: str | None = None
+# WIOLA_BACKEND when the package was imported (a bad name raises then, and again from backends()).
+_environment: str | None = None
+_environment_error: ValueError | None = None
+
+
+def reload_environment() -> None:
+    """Read ``WIOLA_BACKEND`` again (it is read once, when the package is imported) and whether
+    the extension loaded. A bad name raises ``ValueError`` here and from :func:`backends`."""
+    global _unforced, _environment, _environment_error
+    _unforced = PYTHON_DEFAULT if _extension_missing() else None
+    env = os.environ.get("WIOLA_BACKEND", "").strip()
+    try:
+        _check_name(env or "auto", "the environment variable WIOLA_BACKEND")
+        _environment_error = None
+    except ValueError as exc:
+        _environment_error = exc
+    _environment = _unforced if env in ("", "auto") else env
+
+
+def check_environment() -> None:
+    """Raise the ``ValueError`` of a bad ``WIOLA_BACKEND`` (read when the package was imported)."""
+    if _environment_error is not None:
+        raise _environment_error
+
+
+def forced_backend() -> str | None:
+    """The backend forced by :func:`use_backend` or ``WIOLA_BACKEND``: None when the
+    dispatcher chooses (the default path, one ContextVar read); :data:`PYTHON_DEFAULT` when
+    the extension is missing. Pass the name to :func:`resolve`."""
+    if torch.compiler.is_compiling():
+        name = _override_for_tracing
+    else:
+        name = _override.get()
+    if name is None:
+        return _environment
+    return _unforced if name == "auto" else name
 
 
 _warned: set[str] = set()
@@ -176,7 +235,7 @@ _warned: set[str] = set()
 def _warn_once(message: str) -> None:
     if message not in _warned:
         _warned.add(message)
-        warnings.warn(message, RuntimeWarning, stacklevel=2)
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
 
 
 def reset_warnings() -> None:
@@ -184,11 +243,24 @@ def reset_warnings() -> None:
     _warned.clear()
 
 
-def _select(op: str, device: torch.device, dtype: torch.dtype | None, head_dim: int | None) -> str:
+def _constant_when_traced(fn):
+    # What torch.compiler.assume_constant_result(fn) does, without importing Dynamo (seconds)
+    # with the package: Dynamo calls fn for real while tracing and bakes its result in.
+    fn._dynamo_marked_constant = True
+    return fn
+
+
+@_constant_when_traced
+def resolve(op: str, forced: str, device: torch.device, dtype: torch.dtype | None = None,
+            head_dim: int | None = None) -> str:
+    """The backend that runs ``op`` when ``forced`` (from :func:`forced_backend`, not None) is
+    forced, for an input on ``device`` of ``dtype`` and head width ``head_dim`` (None: not
+    checked). See the module docstring for the rules; a constant under ``torch.compile``."""
+    if forced != PYTHON_DEFAULT and forced not in BACKENDS:  # a bad WIOLA_BACKEND
+        check_environment()
     impls = _registry[op]
-    forced = forced_backend()
     skipped: list[str] = []  # "backend: why" for each backend that cannot take this input
-    if forced is not None and forced in impls:
+    if forced != PYTHON_DEFAULT and forced in impls:
         reason = BACKENDS[forced].unavailable_reason(device)
         if reason is not None:
             raise RuntimeError(f"wiola: backend {forced!r} was requested for {op} but cannot run: {reason}")
@@ -196,8 +268,9 @@ def _select(op: str, device: torch.device, dtype: torch.dtype | None, head_dim: 
         if why is None:
             return forced
         skipped.append(f"{forced!r} cannot take {why}")
+    table = _PYTHON_PRIORITY if forced == PYTHON_DEFAULT else _PRIORITY
     chosen = "reference"  # takes every input
-    for name in _PRIORITY.get(device.type, ("reference",)):
+    for name in table.get(device.type, ("reference",)):
         if name == forced or name not in impls or BACKENDS[name].unavailable_reason(device) is not None:
             continue
         why = _limits[op][name].reason(dtype, head_dim)
@@ -210,56 +283,31 @@ def _select(op: str, device: torch.device, dtype: torch.dtype | None, head_dim: 
     return chosen
 
 
-def _constant_when_traced(fn):
-    # What torch.compiler.assume_constant_result(fn) does, without importing Dynamo (seconds)
-    # with the package: Dynamo calls fn for real while tracing and bakes its result in.
-    fn._dynamo_marked_constant = True
-    return fn
+# op name -> device type -> the backend its registered kernel for that device is.
+_defaults: dict[str, dict[str, str]] = {}
 
 
-@_constant_when_traced
-def _select_when_tracing(op: str, device: torch.device, dtype: torch.dtype | None, head_dim: int | None,
-                         override: str | None) -> str:
-    # Dynamo calls this for real and bakes the result into the graph; ``override`` is passed
-    # only so that Dynamo guards on it (it is what _override holds in this thread).
-    return _select(op, device, dtype, head_dim)
+def register_default(op: str, device_type: str, backend: str) -> None:
+    """Declare that the dispatcher's kernel of ``op`` for ``device_type`` tensors is ``backend``'s."""
+    _defaults.setdefault(op, {})[device_type] = backend
+
+
+def default_backend(op: str, device: torch.device) -> str:
+    """The backend whose kernel ``op`` runs on ``device`` when nothing is forced."""
+    return _defaults.get(op, {}).get(device.type, "reference")
 
 
 def select(op: str, device: torch.device, dtype: torch.dtype | None = None, head_dim: int | None = None) -> str:
-    """Name of the backend that runs ``op`` on ``device`` now, for an input of ``dtype`` and
-    head width ``head_dim`` (None: not checked). See the module docstring for the rules."""
-    if torch.compiler.is_compiling():
-        if head_dim is not None:
-            head_dim = len(range(head_dim))  # a symbolic size becomes a Python int (Dynamo guards on it)
-        return _select_when_tracing(op, device, dtype, head_dim, _override_for_tracing)
-    return _select(op, device, dtype, head_dim)
-
-
-def implementation(op: str, device: torch.device, dtype: torch.dtype | None = None,
-                   head_dim: int | None = None) -> object:
-    """The implementation namespace that :func:`select` picks."""
-    return _registry[op][select(op, device, dtype, head_dim)]
-
-
-def resolve(op: str, backend: str, device: torch.device, dtype: torch.dtype | None = None,
-            head_dim: int | None = None) -> object:
-    """The implementation a registered op runs: ``backend`` — the name its autograd.Function
-    chose with :func:`select` and kept on ``ctx``, so that the backward runs where the forward
-    ran — or :func:`implementation` for ``"auto"`` (an op called directly). A named backend
-    that does not take this input raises ``ValueError``."""
-    if backend == "auto":
-        return implementation(op, device, dtype, head_dim)
-    if backend not in _registry[op]:
-        raise ValueError(f"backend must be 'auto' or one of {implemented(op)} for {op}, got {backend!r}")
-    why = _limits[op][backend].reason(dtype, head_dim)
-    if why is not None:
-        raise ValueError(f"backend {backend!r} of {op} cannot take {why}")
-    return _registry[op][backend]
+    """Name of the backend that runs ``op`` on ``device`` now, for an input of ``dtype`` and head
+    width ``head_dim`` (for reports and tests: the ops themselves call :func:`forced_backend`
+    and, only when something is forced, :func:`resolve`)."""
+    forced = forced_backend()
+    return resolve(op, default_backend(op, device) if forced is None else forced, device, dtype, head_dim)
 
 
 @contextlib.contextmanager
 def use_backend(name: str) -> Iterator[None]:
-    """Force every op that implements backend ``name`` to use it inside the block.
+    """Force every op that implements backend ``name`` to use it inside the block (this thread).
 
     ``"auto"`` restores the automatic choice (also overriding ``WIOLA_BACKEND``).
 
@@ -300,10 +348,10 @@ def backends(device: str | torch.device | None = None) -> dict[str, dict[str, Ba
     entry's ``.limits`` says which inputs that backend takes (dtypes, head widths; printed by
     ``repr`` and by ``python -m wiola_kernels backends``).
 
-    ``device`` defaults to CUDA when a GPU is visible, else CPU. A bad ``WIOLA_BACKEND`` is
-    a ``ValueError`` here, where the environment is read, not later inside an op.
+    ``device`` defaults to CUDA when a GPU is visible, else CPU. A bad ``WIOLA_BACKEND`` is a
+    ``ValueError`` here (and when the package is imported).
     """
-    forced_backend()  # validates WIOLA_BACKEND / use_backend
+    check_environment()
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(device)

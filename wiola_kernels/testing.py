@@ -68,50 +68,22 @@ def available_backends(op: str, device: str | torch.device = "cpu") -> list[str]
 
 
 class CopyCounter:
-    """A ``TorchDispatchMode`` (use as a context manager) that counts the copies made inside
-    the ``wiola::`` ops: ``aten::copy_``, ``aten::clone`` (what ``.contiguous()`` of a
-    non-contiguous tensor runs), ``aten::_to_copy``, and ``contiguous``/``reshape``/``to``
-    when the mode sees them whole and they return new storage.
-
-    A mode does not see inside an op it intercepts, so the ops' own Python bodies (the
-    ``torch.library.custom_op`` implementations: validation, backend call, output layout)
-    are run with the mode pushed again, and every aten op they call is seen. The raw kernels
-    (``wiola::_srpe``, …) are counted as one op each; C++ kernels allocate their outputs
-    with ``empty_like`` and make no copy. ``counts`` holds every op seen, ``copies`` the sum
-    of the three copy ops.
+    """Counts, as a context manager, the ops dispatched inside the block — the ``wiola::`` ops
+    and every ATen op they call, also from inside a C++ kernel (PyTorch's profiler records
+    each dispatcher call). ``counts`` maps ``"namespace.op"`` (``"wiola.srpe"``,
+    ``"aten.copy_"``) to calls; ``copies`` sums the copy ops (``aten::copy_``, ``aten::clone``
+    — what ``.contiguous()`` of a non-contiguous tensor runs — and ``aten::_to_copy``).
 
     Triton's CPU interpreter copies every tensor argument of a launch to a host buffer and
-    back (``GridExecutor``); those copies belong to the interpreter, not to the op (a GPU
-    launch makes none), so launches run with the mode suspended.
+    back; those copies belong to the interpreter, not to the op (a GPU launch makes none), so
+    ops inside a launch are not counted.
     """
 
-    COPY_OPS = ("aten.copy_", "aten.clone", "aten._to_copy", "aten.contiguous (copied)", "aten.reshape (copied)",
-                "aten.to (copied)")
-    # Composite ops a mode may see before they decompose: a copy when the result has new storage.
-    MAYBE_COPY_OPS = ("aten.contiguous", "aten.reshape", "aten.to")
+    COPY_OPS = ("aten.copy_", "aten.clone", "aten._to_copy")
+    _LAUNCH = "wiola_testing::triton_launch"
 
     def __init__(self):
-        from torch.utils._python_dispatch import TorchDispatchMode
-
-        counter = self
-
-        class _Mode(TorchDispatchMode):
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                kwargs = kwargs or {}
-                name = str(func.overloadpacket)
-                counter.counts[name] = counter.counts.get(name, 0) + 1
-                opdef = _custom_op_def(func)
-                if opdef is not None:
-                    with self:  # see inside the op's Python body
-                        return opdef._init_fn(*args, **kwargs)
-                out = func(*args, **kwargs)
-                if name in counter.MAYBE_COPY_OPS and isinstance(out, torch.Tensor) and \
-                        out.untyped_storage().data_ptr() != args[0].untyped_storage().data_ptr():
-                    counter.counts[f"{name} (copied)"] = counter.counts.get(f"{name} (copied)", 0) + 1
-                return out
-
         self.counts: dict[str, int] = {}
-        self._mode = _Mode()
 
     @property
     def copies(self) -> int:
@@ -119,31 +91,39 @@ class CopyCounter:
         return sum(self.counts.get(name, 0) for name in self.COPY_OPS)
 
     def __enter__(self) -> "CopyCounter":
-        from torch.utils._python_dispatch import _disable_current_modes
+        from torch.profiler import ProfilerActivity, profile, record_function
         from triton.runtime import interpreter
 
         launch = self._launch = interpreter.GridExecutor.__call__
 
-        def unobserved_launch(executor, *args, **kwargs):
-            with _disable_current_modes():
+        def marked_launch(executor, *args, **kwargs):
+            with record_function(self._LAUNCH):
                 return launch(executor, *args, **kwargs)
 
-        interpreter.GridExecutor.__call__ = unobserved_launch
-        self._mode.__enter__()
+        interpreter.GridExecutor.__call__ = marked_launch
+        self._profile = profile(activities=[ProfilerActivity.CPU])
+        self._profile.__enter__()
         return self
 
     def __exit__(self, *exc) -> None:
         from triton.runtime import interpreter
 
-        self._mode.__exit__(*exc)
+        self._profile.__exit__(*exc)
         interpreter.GridExecutor.__call__ = self._launch
+        for event in self._profile.events():
+            if "::" not in event.name or event.name == self._LAUNCH or self._in_launch(event):
+                continue
+            name = event.name.replace("::", ".")
+            self.counts[name] = self.counts.get(name, 0) + 1
 
-
-def _custom_op_def(func):
-    """The ``torch.library.custom_op`` definition behind ``func`` (an OpOverload), or None."""
-    from torch._library.custom_ops import OPDEFS
-
-    return OPDEFS.get(f"{func.namespace}::{func._opname}") if hasattr(func, "_opname") else None
+    @classmethod
+    def _in_launch(cls, event) -> bool:
+        parent = event.cpu_parent
+        while parent is not None:
+            if parent.name == cls._LAUNCH:
+                return True
+            parent = parent.cpu_parent
+        return False
 
 
 def available_cpu_isas() -> list[str]:

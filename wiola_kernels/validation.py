@@ -128,7 +128,11 @@ def check_position_ids(position_ids: object, b: int, t: int, *, hint: str = "") 
 def _checks_values(t: torch.Tensor) -> bool:
     # Reading values needs the data: on a GPU that is a device sync per call, and under
     # torch.compile a graph break. There the kernels clamp instead (docs/ops.md, bad input).
-    return t.device.type == "cpu" and t.numel() > 0 and not torch.compiler.is_compiling()
+    if t.device.type != "cpu" or t.numel() == 0 or torch.compiler.is_compiling():
+        return False
+    from torch._subclasses.fake_tensor import is_fake
+
+    return not is_fake(t)  # a fake (tracing) has no data
 
 
 def check_lengths(lengths: object, b: int, t: int) -> torch.Tensor | None:
@@ -247,3 +251,131 @@ CUDA_KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 CUDA_GCLA_HEAD_DIMS = (64, 128)
 #: Widest head the Triton GCLA kernels tile (16 … 256 columns; triton/gcla_attention.py).
 TRITON_GCLA_MAX_HEAD_DIM = 256
+
+
+# --- one function per public op: what its kernels written in Python check at entry ---------
+#
+# The C++ kernels make the same checks with the same words (csrc/include/wiola/checks.h); the
+# ops' Functions call these only when a backend is forced (the dispatcher's kernels check
+# their own inputs), and the fakes call them while tracing.
+
+def check_rms_norm(x: object, weight: object, shift: object, eps: object, hf_order: object) -> float:
+    """Arguments of :func:`wiola_kernels.rms_norm`; returns ``eps`` as a float."""
+    check_tensor("x", x)
+    check_tensor("weight", weight)
+    if shift is not None:
+        check_tensor("shift", shift)
+    check_rank("x", x, range(1, 64), "(..., d)")
+    d = x.shape[-1]
+    check_shape("weight", weight, (d,), "(d,)")
+    if shift is not None:
+        check_shape("shift", shift, (d,), "(d,)")
+    check_same_device(x=x, weight=weight, shift=shift)
+    eps = check_positive("eps", eps)
+    if not isinstance(hf_order, bool):
+        raise TypeError(f"hf_order must be a bool, got {type(hf_order).__name__}")
+    if d == 0:
+        raise ValueError("x must have a non-empty last dimension d, got d = 0")
+    return eps
+
+
+def srpe_max_position(spiral_divisor: float) -> int:
+    """Largest ``|p|`` at which float32 SRPE outputs still meet SPEC §9's 1e-5.
+
+    Every backend forms ``p·ω_j·(1 + 1/k_s)`` in float64, whose rounding error is about
+    ``p·(1 + 1/k_s)·2^-52`` radians for the worst pair (``ω_0 = 1``); a pair rotated by a
+    wrong angle δ has relative error ≈ δ. So ``p ≤ 1e-5·2^52/|1 + 1/k_s|``: about 2^35
+    for the default ``k_s = 8``, 2^34 for any ``k_s ≥ 1`` (derivation and mpmath checks
+    in tests/test_srpe.py). Capped at 2^53, where int64 → float64 stops being exact.
+    """
+    factor = abs(1.0 + 1.0 / spiral_divisor)
+    return 2**53 if factor == 0.0 else min(2**53, int(1e-5 * 2.0**52 / factor))
+
+
+def check_srpe(q: object, k: object, position_ids: object, theta: object, spiral_divisor: object,
+               radial_amplitude: object, radial_frequency: object, names: tuple[str, str] = ("q", "k")
+               ) -> tuple[torch.Tensor, tuple[float, float, float, float]]:
+    """Arguments of :func:`wiola_kernels.srpe` (``names``: what to call q and k); returns the
+    int64 ``(B, T)`` positions and the four parameters as floats."""
+    q_name, k_name = names
+    check_tensor(q_name, q)
+    check_tensor(k_name, k)
+    check_same_dtype(**{q_name: q, k_name: k})
+    b, _h, _h_kv, t, _dh = check_query_key(q_name, q, k_name, k)
+    check_same_device(**{q_name: q, k_name: k}, position_ids=position_ids)
+    hint = bthd_hint(q, k, t=position_ids.shape[-1]) if position_ids.dim() in (1, 2) else ""
+    positions = check_position_ids(position_ids, b, t, hint=hint)
+    theta = check_positive("theta", theta)
+    if isinstance(spiral_divisor, float) and spiral_divisor in (float("inf"), float("-inf")):
+        spiral_divisor = float(spiral_divisor)  # 1/k_s = 0: the plain RoPE angle p·ω_j
+    else:
+        spiral_divisor = check_real("spiral_divisor", spiral_divisor)
+    if spiral_divisor == 0.0:
+        raise ValueError("spiral_divisor must be non-zero (the angle uses 1 + 1/k_s)")
+    check_position_range(positions, srpe_max_position(spiral_divisor),
+                         f"float32 SRPE outputs lose SPEC accuracy beyond it for spiral_divisor={spiral_divisor}")
+    return positions, (theta, spiral_divisor, check_real("radial_amplitude", radial_amplitude),
+                       check_real("radial_frequency", radial_frequency))
+
+
+def check_gcla_attention(q_rot: object, k_rot: object, v: object, q: object, kc: object, vc: object, gate: object,
+                         lengths: object) -> torch.Tensor | None:
+    """Arguments of :func:`wiola_kernels.gcla_attention`; returns ``lengths`` as int64 (or None)."""
+    for name, t in (("q_rot", q_rot), ("k_rot", k_rot), ("v", v), ("q", q), ("kc", kc), ("vc", vc),
+                    ("gate", gate)):
+        check_tensor(name, t)
+    B, H, H_kv, T, dh = check_query_key("q_rot", q_rot, "k_rot", k_rot)
+    # With H = H_kv the four tensors agree in either layout; kc/gate give a transposed call away.
+    transposed = bthd_hint(q_rot, k_rot, v, q)
+    check_shape("v", v, (B, H_kv, T, dh), "(B, H_kv, T, d_h)")
+    check_shape("q", q, (B, H, T, dh), "(B, H, T, d_h)")
+    check_rank("kc", kc, 5, "(B, H, S, Λ', d_h)")
+    if kc.shape[0] != B or kc.shape[1] != H or kc.shape[4] != dh or kc.shape[2] not in (1, T):
+        hint = transposed if kc.shape[1] == T and kc.shape[2] in (1, H) else ""
+        raise ValueError(f"kc must have shape (B, H, S, Λ', d_h) = ({B}, {H}, S, Λ', {dh}) with S in "
+                         f"{{1, T = {T}}}, got {tuple(kc.shape)}{hint}")
+    check_rank("vc", vc, 5, "(B, H, S, Λ', d_h)")
+    if tuple(vc.shape) != tuple(kc.shape):
+        raise ValueError(f"vc must have the shape of kc (B, H, S, Λ', d_h) = {tuple(kc.shape)} (same S and Λ'), "
+                         f"got {tuple(vc.shape)}")
+    if tuple(gate.shape) != (H,):
+        hint = transposed if tuple(gate.shape) == (T,) else ""
+        raise ValueError(f"gate must have shape (H,) = ({H},), got {tuple(gate.shape)}{hint}")
+    check_same_dtype(q_rot=q_rot, k_rot=k_rot, v=v, q=q, kc=kc, vc=vc)
+    if lengths is not None:
+        check_tensor("lengths", lengths, dtypes=INDEX_DTYPES)
+    check_same_device(q_rot=q_rot, k_rot=k_rot, v=v, q=q, kc=kc, vc=vc, gate=gate, lengths=lengths)
+    return check_lengths(lengths, B, T)
+
+
+def check_atm_tokens(name: str, x: object) -> tuple[int, int, int]:
+    """ATM's ``(B, T, d)`` tokens (``x``, ``y`` or a gradient: ``name``) with ``d > 0``."""
+    check_tensor(name, x)
+    check_rank(name, x, 3, "(B, T, d)")
+    b, t, d = x.shape
+    if d == 0:
+        raise ValueError(f"{name} must have a non-empty last dimension d, got shape {tuple(x.shape)}")
+    return b, t, d
+
+
+def check_atm_merge(x: object, position_ids: object, threshold: object, lengths: object
+                    ) -> tuple[torch.Tensor, float, torch.Tensor]:
+    """Arguments of :func:`wiola_kernels.atm_merge`; returns int64 ``(B, T)`` positions, the
+    threshold as a float and int64 ``(B,)`` lengths (``T`` for every row when None)."""
+    b, t, _ = check_atm_tokens("x", x)
+    check_same_device(x=x, position_ids=position_ids, lengths=lengths)
+    positions = check_position_ids(position_ids, b, t)
+    threshold = check_real("threshold", threshold)
+    if not -1.0 <= threshold <= 1.0:
+        raise ValueError(f"threshold must lie in [-1, 1] (a cosine similarity), got {threshold!r}")
+    lengths = check_lengths(lengths, b, t)
+    if lengths is None:
+        lengths = torch.full((b,), t, dtype=torch.int64, device=x.device)
+    return positions, threshold, lengths
+
+
+def check_atm_unmerge(y: object, index_map: object, name: str = "y") -> None:
+    """Arguments of :func:`wiola_kernels.atm_unmerge` (``name``: what to call ``y``)."""
+    b, t, _ = check_atm_tokens(name, y)
+    check_index_map(index_map, b, t, like=name)
+    check_same_device(**{name: y}, index_map=index_map)

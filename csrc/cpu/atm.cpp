@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "common.h"
+#include "wiola/checks.h"
 
 namespace wiola::cpu {
 namespace {
@@ -328,37 +329,13 @@ void scatter_halves(const scalar_t* g, const int64_t* map, const int64_t* mlen, 
   });
 }
 
-void check_index_map(const at::Tensor& index_map, int64_t B, int64_t T) {
-  WIOLA_CHECK_ARG(index_map.dim() == 2 && index_map.size(0) == B && index_map.size(1) == T &&
-                      index_map.scalar_type() == at::kLong && index_map.is_contiguous(),
-                  "index_map must be a contiguous int64 (B, T) = (", B, ", ", T, ") tensor, got ",
-                  index_map.sizes(), " ", index_map.scalar_type());
-  const int64_t* m = index_map.const_data_ptr<int64_t>();
-  for (int64_t i = 0; i < B * T; ++i) {
-    WIOLA_CHECK_ARG(m[i] >= 0 && m[i] < T, "index_map values must lie in [0, T) = [0, ", T, "), got ", m[i]);
-  }
-}
-
-void check_x(const char* name, const at::Tensor& x) {
-  WIOLA_CHECK_ARG(x.dim() == 3 && x.is_contiguous() && x.size(2) > 0, name,
-                  " must be a contiguous (B, T, d) tensor with d > 0, got ", x.sizes());
-}
-
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> atm_merge(const at::Tensor& x, const at::Tensor& positions,
-                                                                     const at::Tensor& lengths, double threshold) {
-  check_x("x", x);
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> atm_merge(const at::Tensor& x_in,
+                                                                     const at::Tensor& position_ids, double threshold,
+                                                                     const std::optional<at::Tensor>& lengths_in) {
+  const checks::AtmMergeArgs args = checks::atm_merge(x_in, position_ids, threshold, lengths_in);
+  const at::Tensor x = x_in.contiguous(), positions = args.positions.contiguous(), lengths = args.lengths;
   const int64_t B = x.size(0), T = x.size(1), d = x.size(2);
-  WIOLA_CHECK_ARG(positions.dim() == 2 && positions.size(0) == B && positions.size(1) == T &&
-                      positions.scalar_type() == at::kLong && positions.is_contiguous(),
-                  "positions must be a contiguous int64 (B, T) = (", B, ", ", T, ") tensor, got ", positions.sizes());
-  WIOLA_CHECK_ARG(lengths.dim() == 1 && lengths.size(0) == B && lengths.scalar_type() == at::kLong &&
-                      lengths.is_contiguous(),
-                  "lengths must be a contiguous int64 (B,) = (", B, ",) tensor, got ", lengths.sizes());
-  WIOLA_CHECK_ARG(threshold >= -1.0 && threshold <= 1.0, "threshold must lie in [-1, 1], got ", threshold);
   const int64_t* len = lengths.const_data_ptr<int64_t>();
-  for (int64_t b = 0; b < B; ++b) {
-    WIOLA_CHECK_ARG(len[b] >= 0 && len[b] <= T, "lengths must lie in [0, T] = [0, ", T, "], got ", len[b]);
-  }
   const auto acc = acc_scalar_type(x);
   at::Tensor merged = empty_output(x.sizes(), x.options());
   at::Tensor merged_pos = empty_output({B, T}, positions.options());
@@ -402,14 +379,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> atm_merge(const at::T
   return {merged, merged_pos, merged_len, index_map};
 }
 
-at::Tensor atm_merge_bwd(const at::Tensor& grad_merged, const at::Tensor& index_map,
-                         const at::Tensor& merged_lengths) {
-  check_x("grad_merged", grad_merged);
+at::Tensor atm_merge_bwd(const at::Tensor& grad_in, const at::Tensor& map_in, const at::Tensor& merged_lengths_in) {
+  checks::atm_unmerge("grad_merged", grad_in, map_in);
+  const at::Tensor grad_merged = grad_in.contiguous(), index_map = map_in.contiguous();
   const int64_t B = grad_merged.size(0), T = grad_merged.size(1), d = grad_merged.size(2);
-  check_index_map(index_map, B, T);
-  WIOLA_CHECK_ARG(merged_lengths.dim() == 1 && merged_lengths.size(0) == B &&
-                      merged_lengths.scalar_type() == at::kLong && merged_lengths.is_contiguous(),
-                  "merged_lengths must be a contiguous int64 (B,) tensor");
+  TORCH_CHECK_TYPE(merged_lengths_in.scalar_type() == at::kLong, "merged_lengths must have dtype in (int64), got ",
+                   checks::dtype_name(merged_lengths_in.scalar_type()));
+  checks::shape("merged_lengths", merged_lengths_in, {B}, "(B,)");
+  const at::Tensor merged_lengths = merged_lengths_in.contiguous();
   at::Tensor grad_x = empty_output(grad_merged.sizes(), grad_merged.options());
   const int64_t* map = index_map.const_data_ptr<int64_t>();
   const int64_t* mlen = merged_lengths.const_data_ptr<int64_t>();
@@ -420,10 +397,10 @@ at::Tensor atm_merge_bwd(const at::Tensor& grad_merged, const at::Tensor& index_
   return grad_x;
 }
 
-at::Tensor atm_unmerge(const at::Tensor& y, const at::Tensor& index_map) {
-  check_x("y", y);
+at::Tensor atm_unmerge(const at::Tensor& y_in, const at::Tensor& map_in) {
+  checks::atm_unmerge("y", y_in, map_in);
+  const at::Tensor y = y_in.contiguous(), index_map = map_in.contiguous();
   const int64_t B = y.size(0), T = y.size(1), d = y.size(2);
-  check_index_map(index_map, B, T);
   at::Tensor out = empty_output(y.sizes(), y.options());
   const int64_t* map = index_map.const_data_ptr<int64_t>();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, y.scalar_type(), "wiola_atm_unmerge", [&] {
@@ -477,10 +454,10 @@ void segment_sum_block(const scalar_t* g, const int64_t* map, scalar_t* out, int
   }
 }
 
-at::Tensor atm_unmerge_bwd(const at::Tensor& grad_restored, const at::Tensor& index_map) {
-  check_x("grad_restored", grad_restored);
+at::Tensor atm_unmerge_bwd(const at::Tensor& grad_in, const at::Tensor& map_in) {
+  checks::atm_unmerge("grad_restored", grad_in, map_in);
+  const at::Tensor grad_restored = grad_in.contiguous(), index_map = map_in.contiguous();
   const int64_t B = grad_restored.size(0), T = grad_restored.size(1), d = grad_restored.size(2);
-  check_index_map(index_map, B, T);
   at::Tensor grad_y = empty_output(grad_restored.sizes(), grad_restored.options());
   const int64_t blocks = (d + kColumnBlock - 1) / kColumnBlock;
   const int64_t* map = index_map.const_data_ptr<int64_t>();
@@ -506,10 +483,10 @@ at::Tensor atm_unmerge_bwd(const at::Tensor& grad_restored, const at::Tensor& in
 }  // namespace
 
 TORCH_LIBRARY_IMPL(wiola, CPU, m) {
-  m.impl("_atm_merge", &atm_merge);
-  m.impl("_atm_merge_bwd", &atm_merge_bwd);
-  m.impl("_atm_unmerge", &atm_unmerge);
-  m.impl("_atm_unmerge_bwd", &atm_unmerge_bwd);
+  m.impl("atm_merge", &atm_merge);
+  m.impl("atm_merge_backward", &atm_merge_bwd);
+  m.impl("atm_unmerge", &atm_unmerge);
+  m.impl("atm_unmerge_backward", &atm_unmerge_bwd);
 }
 
 }  // namespace wiola::cpu

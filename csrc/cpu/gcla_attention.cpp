@@ -33,6 +33,7 @@
 #include <vector>
 
 #include "common.h"
+#include "wiola/checks.h"
 
 namespace wiola::cpu {
 namespace {
@@ -798,41 +799,35 @@ void backward_impl(const Dims& d, const Layout& lay, const scalar_t* grad_out, c
 // ---------------------------------------------------------------------------------
 // Entry points
 // ---------------------------------------------------------------------------------
-Dims check_inputs(const at::Tensor& q_rot, const at::Tensor& k_rot, const at::Tensor& v, const at::Tensor& q,
-                  const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& gate,
-                  const std::optional<at::Tensor>& lengths) {
-  // Any strides, as long as d_h is contiguous (rows_contiguous); the kernels take the rest.
-  WIOLA_CHECK_ARG(rows_contiguous(q_rot), "q_rot must be a (B, H, T, d_h) tensor with contiguous d_h, got sizes ",
-                  q_rot.sizes(), " strides ", q_rot.strides());
-  const int64_t B = q_rot.size(0), H = q_rot.size(1), T = q_rot.size(2), dh = q_rot.size(3);
-  WIOLA_CHECK_ARG(rows_contiguous(k_rot) && k_rot.size(0) == B && k_rot.size(2) == T && k_rot.size(3) == dh,
-                  "k_rot must be a (B, H_kv, T, d_h) tensor with contiguous d_h, got ", k_rot.sizes());
-  const int64_t Hkv = k_rot.size(1);
-  WIOLA_CHECK_ARG(Hkv > 0 && H % Hkv == 0, "H = ", H, " must be a multiple of H_kv = ", Hkv);
-  WIOLA_CHECK_ARG(v.sizes() == k_rot.sizes() && rows_contiguous(v), "v must be a (B, H_kv, T, d_h) tensor with contiguous d_h");
-  WIOLA_CHECK_ARG(q.sizes() == q_rot.sizes() && rows_contiguous(q), "q must be a (B, H, T, d_h) tensor with contiguous d_h");
-  auto ctx_ok = [](const at::Tensor& c) { return c.dim() == 5 && (c.size(4) <= 1 || c.stride(4) == 1); };
-  WIOLA_CHECK_ARG(ctx_ok(kc) && kc.size(0) == B && kc.size(1) == H && (kc.size(2) == 1 || kc.size(2) == T) &&
-                      kc.size(4) == dh,
-                  "kc must be a (B, H, S, L, d_h) tensor with S in {1, T} and contiguous d_h, got ", kc.sizes());
-  WIOLA_CHECK_ARG(vc.sizes() == kc.sizes() && ctx_ok(vc), "vc must be a tensor shaped like kc with contiguous d_h");
-  WIOLA_CHECK_ARG(gate.dim() == 1 && gate.size(0) == H, "gate must have shape (H,)");
-  for (const at::Tensor* t : {&k_rot, &v, &q, &kc, &vc}) {
-    WIOLA_CHECK_ARG(t->scalar_type() == q_rot.scalar_type(), "q_rot, k_rot, v, q, kc, vc must share one dtype");
-  }
-  if (lengths.has_value()) {
-    WIOLA_CHECK_ARG(lengths->dim() == 1 && lengths->size(0) == B && lengths->scalar_type() == at::kLong &&
-                        lengths->is_contiguous(),
-                    "lengths must be a contiguous (B,) int64 tensor");
-  }
-  return Dims{B, H, Hkv, T, dh, kc.size(2), kc.size(3), 1.0 / std::sqrt(static_cast<double>(dh))};
+// The checks of wiola::gcla_attention (wiola/checks.h); inputs whose d_h is not contiguous
+// are copied (the kernels take every other stride). Returns the dims and int64 lengths.
+struct Inputs {
+  Dims d;
+  at::Tensor q_rot, k_rot, v, q, kc, vc;
+  std::optional<at::Tensor> lengths;
+};
+
+Inputs check_inputs(const at::Tensor& q_rot, const at::Tensor& k_rot, const at::Tensor& v, const at::Tensor& q,
+                    const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& gate,
+                    const std::optional<at::Tensor>& lengths) {
+  std::optional<at::Tensor> len = checks::gcla_attention(q_rot, k_rot, v, q, kc, vc, gate, lengths);
+  using checks::unit_last_stride;
+  const int64_t dh = q_rot.size(3);
+  const Dims d{q_rot.size(0), q_rot.size(1), k_rot.size(1), q_rot.size(2), dh, kc.size(2), kc.size(3),
+               1.0 / std::sqrt(static_cast<double>(dh))};
+  return {d, unit_last_stride(q_rot), unit_last_stride(k_rot), unit_last_stride(v), unit_last_stride(q),
+          unit_last_stride(kc), unit_last_stride(vc), std::move(len)};
 }
 
-std::tuple<at::Tensor, at::Tensor> gcla_attention_fwd(const at::Tensor& q_rot, const at::Tensor& k_rot,
-                                                      const at::Tensor& v, const at::Tensor& q, const at::Tensor& kc,
-                                                      const at::Tensor& vc, const at::Tensor& gate,
-                                                      const std::optional<at::Tensor>& lengths) {
-  const Dims d = check_inputs(q_rot, k_rot, v, q, kc, vc, gate, lengths);
+std::tuple<at::Tensor, at::Tensor> gcla_attention_fwd(const at::Tensor& q_rot_in, const at::Tensor& k_rot_in,
+                                                      const at::Tensor& v_in, const at::Tensor& q_in,
+                                                      const at::Tensor& kc_in, const at::Tensor& vc_in,
+                                                      const at::Tensor& gate,
+                                                      const std::optional<at::Tensor>& lengths_in) {
+  const Inputs in = check_inputs(q_rot_in, k_rot_in, v_in, q_in, kc_in, vc_in, gate, lengths_in);
+  const Dims& d = in.d;
+  const at::Tensor &q_rot = in.q_rot, &k_rot = in.k_rot, &v = in.v, &q = in.q, &kc = in.kc, &vc = in.vc;
+  const std::optional<at::Tensor>& lengths = in.lengths;
   const auto acc = acc_scalar_type(q_rot);
   const at::Tensor gate_acc = gate.to(acc).contiguous();
   at::Tensor out = empty_output_like(q_rot);  // q_rot's layout: (B, T, H, d_h) order for the model's views
@@ -852,19 +847,28 @@ std::tuple<at::Tensor, at::Tensor> gcla_attention_fwd(const at::Tensor& q_rot, c
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> gcla_attention_bwd(
-    const at::Tensor& grad_out, const at::Tensor& q_rot, const at::Tensor& k_rot, const at::Tensor& v,
-    const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& gate,
-    const std::optional<at::Tensor>& lengths, const at::Tensor& out, const at::Tensor& lse) {
-  const Dims d = check_inputs(q_rot, k_rot, v, q, kc, vc, gate, lengths);
+    const at::Tensor& grad_out_in, const at::Tensor& q_rot_in, const at::Tensor& k_rot_in, const at::Tensor& v_in,
+    const at::Tensor& q_in, const at::Tensor& kc_in, const at::Tensor& vc_in, const at::Tensor& gate,
+    const std::optional<at::Tensor>& lengths_in, const at::Tensor& out_in, const at::Tensor& lse_in) {
+  const Inputs in = check_inputs(q_rot_in, k_rot_in, v_in, q_in, kc_in, vc_in, gate, lengths_in);
+  const Dims& d = in.d;
+  const at::Tensor &q_rot = in.q_rot, &k_rot = in.k_rot, &v = in.v, &q = in.q, &kc = in.kc, &vc = in.vc;
+  const std::optional<at::Tensor>& lengths = in.lengths;
   const auto acc = acc_scalar_type(q_rot);
-  WIOLA_CHECK_ARG(grad_out.sizes() == q_rot.sizes() && rows_contiguous(grad_out) &&
-                      grad_out.scalar_type() == q_rot.scalar_type(),
-                  "grad_out must have the shape and dtype of q_rot and a contiguous d_h");
-  WIOLA_CHECK_ARG(out.sizes() == q_rot.sizes() && rows_contiguous(out) && out.scalar_type() == q_rot.scalar_type(),
-                  "out must have the shape and dtype of q_rot and a contiguous d_h");
-  WIOLA_CHECK_ARG(lse.dim() == 3 && lse.size(0) == d.B && lse.size(1) == d.H && lse.size(2) == d.T &&
-                      lse.is_contiguous() && lse.scalar_type() == acc,
-                  "lse must be a contiguous (B, H, T) tensor of the accumulation dtype");
+  for (const auto& [name, t] : {std::pair<const char*, const at::Tensor*>{"grad_out", &grad_out_in}, {"out", &out_in}}) {
+    TORCH_CHECK_VALUE(t->sizes() == q_rot.sizes() && t->scalar_type() == q_rot.scalar_type() &&
+                          t->device() == q_rot.device(),
+                      name, " must have the shape and dtype of q_rot ", checks::shape_str(q_rot.sizes()), " ",
+                      checks::dtype_name(q_rot.scalar_type()), ", got ", checks::shape_str(t->sizes()), " ",
+                      checks::dtype_name(t->scalar_type()));
+  }
+  TORCH_CHECK_VALUE(lse_in.dim() == 3 && lse_in.size(0) == d.B && lse_in.size(1) == d.H && lse_in.size(2) == d.T &&
+                        lse_in.scalar_type() == acc && lse_in.device() == q_rot.device(),
+                    "lse must be the forward's (B, H, T) = ", checks::shape_str({d.B, d.H, d.T}), " ",
+                    checks::dtype_name(acc), " tensor, got ", checks::shape_str(lse_in.sizes()), " ",
+                    checks::dtype_name(lse_in.scalar_type()));
+  const at::Tensor grad_out = checks::unit_last_stride(grad_out_in), out = checks::unit_last_stride(out_in);
+  const at::Tensor lse = lse_in.contiguous();
   const at::Tensor gate_acc = gate.to(acc).contiguous();
   // Each gradient in its input's layout: autograd hands it back through the input's view
   // chain (transpose, view of the projection) without a copy.
@@ -927,8 +931,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
 }  // namespace
 
 TORCH_LIBRARY_IMPL(wiola, CPU, m) {
-  m.impl("_gcla_attention_fwd", &gcla_attention_fwd);
-  m.impl("_gcla_attention_bwd", &gcla_attention_bwd);
+  m.impl("gcla_attention", &gcla_attention_fwd);
+  m.impl("gcla_attention_backward", &gcla_attention_bwd);
 }
 
 }  // namespace wiola::cpu

@@ -33,6 +33,7 @@
 
 #include "common.h"
 #include "isa.h"
+#include "wiola/checks.h"
 
 namespace wiola::cpu {
 namespace {
@@ -666,29 +667,23 @@ void backward_rows(const scalar_t* g_in, const scalar_t* x, const acc_type<scala
 #endif
 }
 
-void check_inputs(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& shift) {
-  WIOLA_CHECK_ARG(x.dim() == 2 && x.is_contiguous(), "x must be a contiguous (rows, d) tensor, got ", x.sizes());
-  WIOLA_CHECK_ARG(weight.dim() == 1 && weight.size(0) == x.size(1), "weight must have shape (d,) = (", x.size(1),
-                  ",), got ", weight.sizes());
-  WIOLA_CHECK_ARG(!shift.has_value() || (shift->dim() == 1 && shift->size(0) == x.size(1)),
-                  "shift must have shape (d,) = (", x.size(1), ",), got ", shift.has_value() ? shift->sizes() : at::IntArrayRef{});
-}
-
 // δ in the accumulation dtype; a zero row when absent.
 at::Tensor shift_or_zeros(const std::optional<at::Tensor>& shift, const at::Tensor& x, at::ScalarType acc) {
-  return shift.has_value() ? shift->to(acc).contiguous() : at::zeros({x.size(1)}, x.options().dtype(acc));
+  return shift.has_value() ? shift->to(acc).contiguous() : at::zeros({x.size(-1)}, x.options().dtype(acc));
 }
 
-std::tuple<at::Tensor, at::Tensor> rms_norm_fwd(const at::Tensor& x, const at::Tensor& weight,
+std::tuple<at::Tensor, at::Tensor> rms_norm_fwd(const at::Tensor& x_in, const at::Tensor& weight,
                                                 const std::optional<at::Tensor>& shift, double eps, bool hf_order) {
-  check_inputs(x, weight, shift);
-  const int64_t rows = x.size(0), d = x.size(1);
+  checks::rms_norm(x_in, weight, shift);
+  checks::positive("eps", eps);
+  const at::Tensor x = x_in.contiguous();
+  const int64_t d = x.size(-1), rows = x.numel() / d;
   const auto acc = acc_scalar_type(x);
   const at::Tensor w = weight.to(acc).contiguous(), s = shift_or_zeros(shift, x, acc);
   const bool reduced = x.scalar_type() != acc;
   const at::Tensor ones = hf_order && reduced ? at::ones({d}, x.options().dtype(acc)) : w;
   at::Tensor y = empty_output(x.sizes(), x.options());
-  at::Tensor rstd = empty_output({rows}, x.options().dtype(acc));
+  at::Tensor rstd = empty_output(x.sizes().slice(0, x.dim() - 1), x.options().dtype(acc));
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "wiola_rms_norm_fwd", [&] {
     using acc_t = acc_type<scalar_t>;
     forward_rows<scalar_t>(x.const_data_ptr<scalar_t>(), w.const_data_ptr<acc_t>(), s.const_data_ptr<acc_t>(),
@@ -698,17 +693,23 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_fwd(const at::Tensor& x, const at::T
   return {y, rstd};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> rms_norm_bwd(const at::Tensor& grad_y, const at::Tensor& x,
+std::tuple<at::Tensor, at::Tensor, at::Tensor> rms_norm_bwd(const at::Tensor& grad_y_in, const at::Tensor& x_in,
                                                             const at::Tensor& weight,
                                                             const std::optional<at::Tensor>& shift,
-                                                            const at::Tensor& rstd) {
-  check_inputs(x, weight, shift);
-  WIOLA_CHECK_ARG(grad_y.sizes() == x.sizes() && grad_y.is_contiguous() && grad_y.scalar_type() == x.scalar_type(),
-                  "grad_y must be contiguous with the shape and dtype of x");
-  const int64_t rows = x.size(0), d = x.size(1);
-  const auto acc = acc_scalar_type(x);
-  WIOLA_CHECK_ARG(rstd.dim() == 1 && rstd.size(0) == rows && rstd.scalar_type() == acc && rstd.is_contiguous(),
-                  "rstd must be a contiguous (rows,) tensor of the accumulation dtype");
+                                                            const at::Tensor& rstd_in) {
+  checks::rms_norm(x_in, weight, shift);
+  const auto acc = acc_scalar_type(x_in);
+  TORCH_CHECK_VALUE(grad_y_in.sizes() == x_in.sizes() && grad_y_in.scalar_type() == x_in.scalar_type() &&
+                        grad_y_in.device() == x_in.device(),
+                    "grad_y must have the shape and dtype of x ", checks::shape_str(x_in.sizes()), ", got ",
+                    checks::shape_str(grad_y_in.sizes()), " ", checks::dtype_name(grad_y_in.scalar_type()));
+  TORCH_CHECK_VALUE(rstd_in.sizes() == x_in.sizes().slice(0, x_in.dim() - 1) && rstd_in.scalar_type() == acc &&
+                        rstd_in.device() == x_in.device(),
+                    "rstd must have shape x.shape[:-1] = ", checks::shape_str(x_in.sizes().slice(0, x_in.dim() - 1)),
+                    " and dtype ", checks::dtype_name(acc), " (the forward's), got ", checks::shape_str(rstd_in.sizes()),
+                    " ", checks::dtype_name(rstd_in.scalar_type()));
+  const at::Tensor x = x_in.contiguous(), grad_y = grad_y_in.contiguous(), rstd = rstd_in.contiguous();
+  const int64_t d = x.size(-1), rows = x.numel() / d;
   const at::Tensor w = weight.to(acc).contiguous(), s = shift_or_zeros(shift, x, acc);
   at::Tensor grad_x = empty_output(x.sizes(), x.options());
   const int64_t chunks = std::max<int64_t>(1, std::min(rows, kBackwardChunks));
@@ -728,15 +729,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> rms_norm_bwd(const at::Tensor& gr
   }
   // Column sums of the partials: a fixed-shape reduction, so the result does not
   // depend on the thread count.
-  at::Tensor grad_shift = shift.has_value() ? ds_partial.sum(0).to(shift->scalar_type()) : weight.new_empty({0});
+  at::Tensor grad_shift = shift.has_value() ? ds_partial.sum(0).to(shift->scalar_type()) : at::Tensor();
   return {grad_x, dw_partial.sum(0).to(weight.scalar_type()), grad_shift};
 }
 
 }  // namespace
 
 TORCH_LIBRARY_IMPL(wiola, CPU, m) {
-  m.impl("_rms_norm_fwd", &rms_norm_fwd);
-  m.impl("_rms_norm_bwd", &rms_norm_bwd);
+  m.impl("rms_norm", &rms_norm_fwd);
+  m.impl("rms_norm_backward", &rms_norm_bwd);
 }
 
 }  // namespace wiola::cpu

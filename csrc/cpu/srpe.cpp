@@ -36,6 +36,7 @@
 
 
 #include "common.h"
+#include "wiola/checks.h"
 
 namespace wiola::cpu {
 namespace {
@@ -236,51 +237,56 @@ void srpe_kernel(const scalar_t* q, const scalar_t* k, const int64_t* positions,
   });
 }
 
-std::tuple<at::Tensor, at::Tensor> srpe(const at::Tensor& q, const at::Tensor& k, const at::Tensor& positions,
-                                        const at::Tensor& angle_freq, const at::Tensor& radial_freq,
-                                        double radial_amplitude, bool transpose) {
-  WIOLA_CHECK_ARG(q.dim() == 4, "q must have shape (B, H, T, d_h), got ", q.sizes());
-  WIOLA_CHECK_ARG(k.dim() == 4, "k must have shape (B, H_kv, T, d_h), got ", k.sizes());
-  const int64_t B = q.size(0), H = q.size(1), T = q.size(2), dh = q.size(3);
-  const int64_t H_kv = k.size(1);
-  WIOLA_CHECK_ARG(dh > 0 && dh % 2 == 0, "q must have an even, non-zero head dim d_h, got d_h = ", dh);
-  WIOLA_CHECK_ARG(k.size(0) == B && k.size(2) == T && k.size(3) == dh, "k must have shape (B, H_kv, T, d_h) = (",
-                  B, ", H_kv, ", T, ", ", dh, ") to match q, got ", k.sizes());
-  WIOLA_CHECK_ARG(rows_contiguous(q) && rows_contiguous(k), "q and k must have a contiguous last dimension "
-                  "(stride 1), got strides ", q.strides(), " and ", k.strides());
-  TORCH_CHECK_TYPE(q.scalar_type() == k.scalar_type(), "k must have the dtype of q (", q.scalar_type(), "), got ",
-                   k.scalar_type());
-  TORCH_CHECK_TYPE(at::isFloatingType(q.scalar_type()), "q must be float32, float64, bfloat16 or float16, got ",
-                   q.scalar_type());
-  WIOLA_CHECK_ARG(positions.dim() == 2 && positions.size(0) == B && positions.size(1) == T,
-                  "positions must have shape (B, T) = (", B, ", ", T, "), got ", positions.sizes());
-  TORCH_CHECK_TYPE(positions.scalar_type() == at::kLong, "positions must be int64, got ", positions.scalar_type());
-  for (const auto* f : {&angle_freq, &radial_freq}) {
-    WIOLA_CHECK_ARG(f->dim() == 1 && f->size(0) == dh / 2 && f->is_contiguous(),
-                    "angle_freq and radial_freq must be contiguous (d_h/2,) = (", dh / 2, ",) tensors, got ",
-                    f->sizes());
-    TORCH_CHECK_TYPE(f->scalar_type() == at::kDouble, "angle_freq and radial_freq must be float64, got ",
-                     f->scalar_type());
-  }
-  WIOLA_CHECK_ARG(H_kv > 0 && H % H_kv == 0, "q's heads H = ", H, " must be a multiple of k's heads H_kv = ", H_kv);
+// R(p) (or R(p)ᵀ when transpose) of q and k; the checks of wiola::srpe (wiola/checks.h)
+// with the inputs named q_name / k_name.
+std::tuple<at::Tensor, at::Tensor> srpe_apply(const char* q_name, const at::Tensor& q_in, const char* k_name,
+                                              const at::Tensor& k_in, const at::Tensor& position_ids, double theta,
+                                              double spiral_divisor, double radial_amplitude,
+                                              double radial_frequency, bool transpose) {
+  const at::Tensor positions = checks::srpe(q_name, q_in, k_name, k_in, position_ids, theta, spiral_divisor,
+                                            radial_amplitude, radial_frequency);
+  const at::Tensor q = checks::unit_last_stride(q_in), k = checks::unit_last_stride(k_in);
+  const int64_t B = q.size(0), H = q.size(1), T = q.size(2), dh = q.size(3), H_kv = k.size(1);
   at::Tensor q_out = empty_output_like(q);
   at::Tensor k_out = empty_output_like(k);
   if (B * T == 0) return {q_out, k_out};
+  // Per-pair frequencies in float64 (SPEC §4): angle ω_j (1 + 1/k_s), radial f_s ω_j.
+  std::vector<double> angle_freq(dh / 2), radial_freq(dh / 2);
+  const double stretch = 1.0 + 1.0 / spiral_divisor;  // 1/±inf = 0: the plain RoPE angle
+  for (int64_t j = 0; j < dh / 2; ++j) {
+    const double omega = std::pow(theta, static_cast<double>(j) * (-2.0 / static_cast<double>(dh)));
+    angle_freq[j] = omega * stretch;
+    radial_freq[j] = omega * radial_frequency;
+  }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "wiola_srpe", [&] {
     srpe_kernel<scalar_t>(q.const_data_ptr<scalar_t>(), k.const_data_ptr<scalar_t>(),
                           positions.const_data_ptr<int64_t>(), positions.stride(0), positions.stride(1),
-                          angle_freq.const_data_ptr<double>(), radial_freq.const_data_ptr<double>(), radial_amplitude,
-                          transpose, q_out.mutable_data_ptr<scalar_t>(), k_out.mutable_data_ptr<scalar_t>(),
+                          angle_freq.data(), radial_freq.data(), radial_amplitude, transpose,
+                          q_out.mutable_data_ptr<scalar_t>(), k_out.mutable_data_ptr<scalar_t>(),
                           IoStrides{RowStrides(q), RowStrides(q_out)}, IoStrides{RowStrides(k), RowStrides(k_out)}, B,
                           H, H_kv, T, dh);
   });
   return {q_out, k_out};
 }
 
+std::tuple<at::Tensor, at::Tensor> srpe_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& position_ids,
+                                            double theta, double spiral_divisor, double radial_amplitude,
+                                            double radial_frequency) {
+  return srpe_apply("q", q, "k", k, position_ids, theta, spiral_divisor, radial_amplitude, radial_frequency, false);
+}
+
+std::tuple<at::Tensor, at::Tensor> srpe_bwd(const at::Tensor& grad_q, const at::Tensor& grad_k,
+                                            const at::Tensor& position_ids, double theta, double spiral_divisor,
+                                            double radial_amplitude, double radial_frequency) {
+  return srpe_apply("grad_q", grad_q, "grad_k", grad_k, position_ids, theta, spiral_divisor, radial_amplitude,
+                    radial_frequency, true);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(wiola, CPU, m) {
-  m.impl("_srpe", &srpe);
+  m.impl("srpe", &srpe_fwd);
+  m.impl("srpe_backward", &srpe_bwd);
 }
 
 }  // namespace wiola::cpu

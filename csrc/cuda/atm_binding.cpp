@@ -1,10 +1,12 @@
 // Torch side of the ATM CUDA kernels (csrc/cuda/atm.cu): checks tensors, allocates
 // outputs and workspaces, fills the params structs of csrc/include/wiola/atm.h and
 // launches on the current stream. float32, float16 and bfloat16 (float64 CUDA inputs are
-// routed to the reference by wiola_kernels/ops/atm.py).
+// routed to the reference by wiola_kernels/ops/atm.py). The argument checks are the
+// op's (wiola/checks.h), the same as the CPU kernels'.
 #include <torch/library.h>
 
 #include "binding_device.h"
+#include "wiola/checks.h"
 #include "wiola/atm.h"
 
 namespace wiola::cuda_atm {
@@ -18,26 +20,21 @@ using wiola::WIOLA_CUDA_BINDING_NS::kDevice;
 using wiola::WIOLA_CUDA_BINDING_NS::kernel_dtype;
 using wiola::WIOLA_CUDA_BINDING_NS::on_kernel_device;
 
-void check_x(const char* name, const at::Tensor& x) {
-  TORCH_CHECK_VALUE(on_kernel_device(x) && x.dim() == 3 && x.is_contiguous() && x.size(2) > 0, name,
-                    " must be a contiguous ", kDevice, " (B, T, d) tensor with d > 0, got ", x.sizes());
+// What the kernels need beyond the op's checks (wiola/checks.h): the kernels' device and dtype
+// (kernel_dtype) and T < 2^30 (32-bit slot arithmetic in atm.cu).
+void check_kernel_input(const char* name, const at::Tensor& x) {
+  TORCH_CHECK_VALUE(on_kernel_device(x), name, " must be a ", kDevice, " tensor for these kernels, got ", x.device());
   TORCH_CHECK_VALUE(x.size(1) < (int64_t{1} << 30), name, ": T must be below 2^30, got ", x.size(1));
+  kernel_dtype(x, name);
 }
 
-void check_int(const char* name, const at::Tensor& t, const at::Tensor& like, at::IntArrayRef sizes) {
-  TORCH_CHECK_VALUE(t.device() == like.device() && t.scalar_type() == at::kLong && t.is_contiguous() &&
-                        t.sizes() == sizes,
-                    name, " must be a contiguous int64 tensor of shape ", sizes, " on ", like.device(), ", got ",
-                    t.sizes(), " ", t.scalar_type(), " on ", t.device());
-}
-
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> atm_merge(const at::Tensor& x, const at::Tensor& positions,
-                                                                     const at::Tensor& lengths, double threshold) {
-  check_x("x", x);
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> atm_merge(const at::Tensor& x_in,
+                                                                     const at::Tensor& position_ids, double threshold,
+                                                                     const std::optional<at::Tensor>& lengths_in) {
+  const checks::AtmMergeArgs args = checks::atm_merge(x_in, position_ids, threshold, lengths_in);
+  check_kernel_input("x", x_in);
+  const at::Tensor x = x_in.contiguous(), positions = args.positions.contiguous(), lengths = args.lengths;
   const int64_t B = x.size(0), T = x.size(1), d = x.size(2);
-  check_int("positions", positions, x, {B, T});
-  check_int("lengths", lengths, x, {B});
-  TORCH_CHECK_VALUE(threshold >= -1.0 && threshold <= 1.0, "threshold must lie in [-1, 1], got ", threshold);
   const DeviceGuard guard(x.device());
   at::Tensor merged = empty_output(x.sizes(), x.options());
   at::Tensor merged_positions = empty_output({B, T}, positions.options());
@@ -66,12 +63,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> atm_merge(const at::T
   return {merged, merged_positions, merged_lengths, index_map};
 }
 
-at::Tensor atm_merge_bwd(const at::Tensor& grad_merged, const at::Tensor& index_map,
-                         const at::Tensor& merged_lengths) {
-  check_x("grad_merged", grad_merged);
+at::Tensor atm_merge_bwd(const at::Tensor& grad_in, const at::Tensor& map_in, const at::Tensor& merged_lengths_in) {
+  checks::atm_unmerge("grad_merged", grad_in, map_in);
+  check_kernel_input("grad_merged", grad_in);
+  const at::Tensor grad_merged = grad_in.contiguous(), index_map = map_in.contiguous();
   const int64_t B = grad_merged.size(0), T = grad_merged.size(1), d = grad_merged.size(2);
-  check_int("index_map", index_map, grad_merged, {B, T});
-  check_int("merged_lengths", merged_lengths, grad_merged, {B});
+  TORCH_CHECK_TYPE(merged_lengths_in.scalar_type() == at::kLong, "merged_lengths must have dtype in (int64), got ",
+                   checks::dtype_name(merged_lengths_in.scalar_type()));
+  checks::shape("merged_lengths", merged_lengths_in, {B}, "(B,)");
+  checks::same_device("merged_lengths", merged_lengths_in, "grad_merged", grad_in);
+  const at::Tensor merged_lengths = merged_lengths_in.contiguous();
   const DeviceGuard guard(grad_merged.device());
   at::Tensor grad_x = empty_output(grad_merged.sizes(), grad_merged.options());
   atm::MergeBackwardParams p{grad_merged.const_data_ptr(), index_map.const_data_ptr<int64_t>(),
@@ -81,10 +82,12 @@ at::Tensor atm_merge_bwd(const at::Tensor& grad_merged, const at::Tensor& index_
   return grad_x;
 }
 
-at::Tensor unmerge_common(const at::Tensor& in, const at::Tensor& index_map, bool backward) {
-  check_x(backward ? "grad_restored" : "y", in);
+at::Tensor unmerge_common(const at::Tensor& in_arg, const at::Tensor& map_arg, bool backward) {
+  const char* name = backward ? "grad_restored" : "y";
+  checks::atm_unmerge(name, in_arg, map_arg);
+  check_kernel_input(name, in_arg);
+  const at::Tensor in = in_arg.contiguous(), index_map = map_arg.contiguous();
   const int64_t B = in.size(0), T = in.size(1), d = in.size(2);
-  check_int("index_map", index_map, in, {B, T});
   const DeviceGuard guard(in.device());
   at::Tensor out = empty_output(in.sizes(), in.options());
   // Backward: whether each row's map is sorted (its segments then run in parallel, atm.cu).
@@ -109,10 +112,10 @@ at::Tensor atm_unmerge_bwd(const at::Tensor& grad_restored, const at::Tensor& in
 }  // namespace
 
 WIOLA_CUDA_KERNELS_IMPL(m) {
-  m.impl("_atm_merge", &atm_merge);
-  m.impl("_atm_merge_bwd", &atm_merge_bwd);
-  m.impl("_atm_unmerge", &atm_unmerge);
-  m.impl("_atm_unmerge_bwd", &atm_unmerge_bwd);
+  m.impl("atm_merge", &atm_merge);
+  m.impl("atm_merge_backward", &atm_merge_bwd);
+  m.impl("atm_unmerge", &atm_unmerge);
+  m.impl("atm_unmerge_backward", &atm_unmerge_bwd);
 }
 
 }  // namespace wiola::cuda_atm

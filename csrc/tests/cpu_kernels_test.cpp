@@ -61,10 +61,10 @@ at::Tensor naive_rms_norm(const at::Tensor& x, const at::Tensor& w, const at::Te
 }
 
 void test_rms_norm() {
-  auto fwd = op("wiola::_rms_norm_fwd")
+  auto fwd = op("wiola::rms_norm")
                  .typed<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
                                                            const std::optional<at::Tensor>&, double, bool)>();
-  auto bwd = op("wiola::_rms_norm_bwd")
+  auto bwd = op("wiola::rms_norm_backward")
                  .typed<std::tuple<at::Tensor, at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
                                                                        const at::Tensor&,
                                                                        const std::optional<at::Tensor>&,
@@ -206,9 +206,10 @@ at::Tensor naive_srpe(const at::Tensor& x, const at::Tensor& pos, const std::vec
 }
 
 void test_srpe() {
-  using Fn = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                                const at::Tensor&, const at::Tensor&, double, bool);
-  auto srpe = op("wiola::_srpe").typed<Fn>();
+  using Fn = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&, double, double,
+                                                double, double);
+  auto srpe_fwd = op("wiola::srpe").typed<Fn>();
+  auto srpe_bwd = op("wiola::srpe_backward").typed<Fn>();  // applies R(p)ᵀ
   const double theta = 10000.0, k_s = 8.0, f_s = 0.01, amp = 0.1;
   for (int64_t dh : {2, 6, 16, 34}) {
     std::vector<double> af(dh / 2), rf(dh / 2);
@@ -217,13 +218,12 @@ void test_srpe() {
       af[j] = omega * (1.0 + 1.0 / k_s);
       rf[j] = omega * f_s;
     }
-    const at::Tensor af_t = at::tensor(af, at::kDouble), rf_t = at::tensor(rf, at::kDouble);
     for (auto dtype : {at::kFloat, at::kDouble, at::kBFloat16}) {
       for (bool transpose : {false, true}) {
         const int64_t B = 2, H = 4, Hkv = 2, T = 19;
         const at::Tensor q = at::randn({B, H, T, dh}).to(dtype), k = at::randn({B, Hkv, T, dh}).to(dtype);
         const at::Tensor pos = at::randint(0, 1 << 20, {B, T}, at::kLong);
-        auto [qo, ko] = srpe.call(q, k, pos, af_t, rf_t, amp, transpose);
+        auto [qo, ko] = (transpose ? srpe_bwd : srpe_fwd).call(q, k, pos, theta, k_s, amp, f_s);
         const double tol = dtype == at::kBFloat16 ? 1e-2 : (dtype == at::kFloat ? 1e-5 : 1e-12);
         const double eq = rel_err(qo, naive_srpe(q, pos, af, rf, amp, transpose));
         const double ek = rel_err(ko, naive_srpe(k, pos, af, rf, amp, transpose));
@@ -233,17 +233,21 @@ void test_srpe() {
       }
     }
   }
-  const at::Tensor f3 = at::ones({3}, at::kDouble);
   expect(throws_value_error([&] {
-           srpe.call(at::randn({1, 2, 3, 5}), at::randn({1, 2, 3, 5}), at::zeros({1, 3}, at::kLong), f3, f3, 0.1,
-                     false);
+           srpe_fwd.call(at::randn({1, 2, 3, 5}), at::randn({1, 2, 3, 5}), at::zeros({1, 3}, at::kLong), theta, k_s,
+                         amp, f_s);
          }),
          "srpe rejects an odd head dim with ValueError");
   expect(throws_value_error([&] {
-           srpe.call(at::randn({1, 3, 3, 6}), at::randn({1, 2, 3, 6}), at::zeros({1, 3}, at::kLong), f3, f3, 0.1,
-                     false);
+           srpe_fwd.call(at::randn({1, 3, 3, 6}), at::randn({1, 2, 3, 6}), at::zeros({1, 3}, at::kLong), theta, k_s,
+                         amp, f_s);
          }),
          "srpe rejects H not a multiple of H_kv with ValueError");
+  expect(throws_value_error([&] {
+           srpe_fwd.call(at::randn({1, 2, 3, 6}), at::randn({1, 2, 3, 6}), at::full({1, 3}, int64_t(1) << 40, at::kLong),
+                         theta, k_s, amp, f_s);
+         }),
+         "srpe rejects positions beyond the accurate range with ValueError");
 }
 
 // ---- GCLA attention (SPEC §5.5) -----------------------------------------------------------
@@ -314,8 +318,8 @@ void test_gcla_attention() {
       const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
       const at::Tensor&, const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, const at::Tensor&,
       const at::Tensor&);
-  auto fwd = op("wiola::_gcla_attention_fwd").typed<Fwd>();
-  auto bwd = op("wiola::_gcla_attention_bwd").typed<Bwd>();
+  auto fwd = op("wiola::gcla_attention").typed<Fwd>();
+  auto bwd = op("wiola::gcla_attention_backward").typed<Bwd>();
   struct Case {
     int64_t B, H, Hkv, T, dh, S, L;
     bool with_lengths;
@@ -438,8 +442,8 @@ NaiveMerge naive_merge(const at::Tensor& x, const at::Tensor& pos, const at::Ten
 // s_t > τ is homogeneous in each token, so scaling tokens by powers of two changes nothing.
 void test_atm_extreme_magnitudes() {
   using Merge = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
-                                                                           const at::Tensor&, double);
-  auto merge = op("wiola::_atm_merge").typed<Merge>();
+                                                                           double, const std::optional<at::Tensor>&);
+  auto merge = op("wiola::atm_merge").typed<Merge>();
   // Pattern (d = 3): t0 = t1 (merge), t2 ⟂ t1, t3 ∥ t2 (merge), t4 = −t3 (s = −1), t5 = t4 (merge).
   const std::vector<std::vector<double>> u = {{1.5, -1, 0.5}, {1.5, -1, 0.5}, {1, 1.5, 0},
                                               {2, 3, 0},      {-2, -3, 0},    {-2, -3, 0}};
@@ -464,13 +468,13 @@ void test_atm_extreme_magnitudes() {
       const at::Tensor pos = at::arange(6, at::kLong).expand({B, 6}).contiguous(), len = at::full({B}, 6, at::kLong);
       const std::string name = std::string("atm extreme magnitudes ") + c10::toString(sc.dtype) + " exps[0]=" +
                                std::to_string(sc.exps[0]) + " B=" + std::to_string(B);
-      auto [merged, mpos, mlen, map] = merge.call(x, pos, len, 0.5);
+      auto [merged, mpos, mlen, map] = merge.call(x, pos, 0.5, len);
       const at::Tensor want_map = at::tensor({0, 0, 1, 1, 2, 2}, at::kLong).expand({B, 6});
       const bool finite = at::isfinite(merged.to(at::kDouble)).all().item<bool>();
       expect(exact && at::equal(map, want_map) && finite, name + " tau=0.5 (pairs merge, s=-1 does not)");
-      auto [m1, p1, l1, map1] = merge.call(x, pos, len, 1.0);
+      auto [m1, p1, l1, map1] = merge.call(x, pos, 1.0, len);
       expect(at::equal(l1, at::full({B}, 6, at::kLong)), name + " tau=1 never merges");
-      auto [m2, p2, l2, map2] = merge.call(x, pos, len, -1.0);  // every edge but (t3, t4): s = −1
+      auto [m2, p2, l2, map2] = merge.call(x, pos, -1.0, len);  // every edge but (t3, t4): s = −1
       const at::Tensor want_map2 = at::tensor({0, 0, 1, 1, 2, 2}, at::kLong).expand({B, 6});
       expect(at::equal(map2, want_map2), name + " tau=-1");
     }
@@ -479,23 +483,23 @@ void test_atm_extreme_magnitudes() {
   at::Tensor x = at::ones({1, 4, 3});
   x[0][1][2] = std::numeric_limits<float>::infinity();
   const at::Tensor pos = at::arange(4, at::kLong).unsqueeze(0), len = at::full({1}, 4, at::kLong);
-  expect(at::equal(std::get<3>(merge.call(x, pos, len, -1.0)), at::tensor({0, 1, 2, 2}, at::kLong).unsqueeze(0)),
+  expect(at::equal(std::get<3>(merge.call(x, pos, -1.0, len)), at::tensor({0, 1, 2, 2}, at::kLong).unsqueeze(0)),
          "atm Inf token never merges at tau=-1");
   const at::Tensor orth = at::tensor({1.0, 0.0, 0.0, 1.0}, at::kDouble).reshape({1, 2, 2});
   const at::Tensor pos2 = at::arange(2, at::kLong).unsqueeze(0), len2 = at::full({1}, 2, at::kLong);
-  expect(std::get<2>(merge.call(orth, pos2, len2, -5e-324)).item<int64_t>() == 1 &&
-             std::get<2>(merge.call(orth, pos2, len2, 5e-324)).item<int64_t>() == 2,
+  expect(std::get<2>(merge.call(orth, pos2, -5e-324, len2)).item<int64_t>() == 1 &&
+             std::get<2>(merge.call(orth, pos2, 5e-324, len2)).item<int64_t>() == 2,
          "atm tiny tau: s = 0 > -5e-324, not > 5e-324");
 }
 
 void test_atm() {
   using Merge = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
-                                                                           const at::Tensor&, double);
-  auto merge = op("wiola::_atm_merge").typed<Merge>();
-  auto merge_bwd = op("wiola::_atm_merge_bwd")
+                                                                           double, const std::optional<at::Tensor>&);
+  auto merge = op("wiola::atm_merge").typed<Merge>();
+  auto merge_bwd = op("wiola::atm_merge_backward")
                        .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&)>();
-  auto unmerge = op("wiola::_atm_unmerge").typed<at::Tensor(const at::Tensor&, const at::Tensor&)>();
-  auto unmerge_bwd = op("wiola::_atm_unmerge_bwd").typed<at::Tensor(const at::Tensor&, const at::Tensor&)>();
+  auto unmerge = op("wiola::atm_unmerge").typed<at::Tensor(const at::Tensor&, const at::Tensor&)>();
+  auto unmerge_bwd = op("wiola::atm_unmerge_backward").typed<at::Tensor(const at::Tensor&, const at::Tensor&)>();
   struct Case {
     int64_t B, T, d;
   };
@@ -508,7 +512,7 @@ void test_atm() {
         const at::Tensor pos = at::randint(0, 1000, {cs.B, cs.T}, at::kLong);
         const at::Tensor len = at::randint(0, cs.T + 1, {cs.B}, at::kLong);
         len[0] = cs.T;
-        auto [merged, mpos, mlen, map] = merge.call(x, pos, len, tau);
+        auto [merged, mpos, mlen, map] = merge.call(x, pos, tau, len);
         const NaiveMerge want = naive_merge(x, pos, len, tau);
         const std::string name = "atm B=" + std::to_string(cs.B) + " T=" + std::to_string(cs.T) + " d=" +
                                  std::to_string(cs.d) + " tau=" + std::to_string(tau) + " " + c10::toString(dtype);
@@ -547,8 +551,8 @@ void test_atm() {
   }
   const at::Tensor x = at::randn({2, 5, 4});
   const at::Tensor pos = at::zeros({2, 5}, at::kLong), len = at::full({2}, 5, at::kLong);
-  expect(throws_value_error([&] { merge.call(x, pos, len, 1.5); }), "atm_merge rejects threshold 1.5 with ValueError");
-  expect(throws_value_error([&] { merge.call(x, pos, at::full({2}, 6, at::kLong), 0.5); }),
+  expect(throws_value_error([&] { merge.call(x, pos, 1.5, len); }), "atm_merge rejects threshold 1.5 with ValueError");
+  expect(throws_value_error([&] { merge.call(x, pos, 0.5, at::full({2}, 6, at::kLong)); }),
          "atm_merge rejects lengths > T with ValueError");
   expect(throws_value_error([&] { unmerge.call(x, at::full({2, 5}, 5, at::kLong)); }),
          "atm_unmerge rejects an index_map value >= T with ValueError");

@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print(f"python -m wiola: error: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
         return 2
-    from wiola_kernels._cli import run
+    from wiola_kernels.cli import run
 
     def go() -> int:
         run_command(rest)  # returns its results (losses, text, records) for Python callers

@@ -32,7 +32,7 @@ import sys
 import time
 import traceback
 
-from wiola_kernels._cli import CommandError, HelpFormatter, non_negative_int, positive_int
+from wiola_kernels.cli import CommandError, HelpFormatter, non_negative_int, positive_int
 
 CASES = (("fused", False), ("reference", False), ("fused", True), ("reference", True))
 

@@ -37,9 +37,9 @@ import torch.nn.functional as F
 from torch import Tensor
 from transformers.cache_utils import DynamicLayer
 
-from wiola_kernels import decode_gemv, dispatch
+from wiola_kernels import decode_gemv
 from wiola_kernels.dtypes import compute_dtype
-from wiola_kernels.ops.srpe import max_accurate_position
+from wiola_kernels.validation import srpe_max_position
 
 from .context_fold import folded_context_attention
 
@@ -249,23 +249,15 @@ class DecodeWeights:
 
 
 class DecodeStep:
-    """One cached decoding forward's shared state: the dispatched RMSNorm / SRPE
-    implementations (resolved once per step, not per call), the position ids, the cache and
-    the padding mask of the keys."""
+    """One cached decoding forward's shared state: the position ids, the cache, the padding
+    mask of the keys and the packed weights. RMSNorm and SRPE are the model's own modules
+    (the public ops, which run their registered kernels directly when no gradient is needed)."""
 
     def __init__(self, model, position_ids: Tensor, cache, key_valid: Tensor | None, weights: DecodeWeights | None):
         device = position_ids.device
-        self.rms = dispatch.implementation("rms_norm", device)
-        self.srpe_impl = dispatch.implementation("srpe", device)
         self.position_ids = position_ids.contiguous()
         self.cache, self.key_valid, self.weights = cache, key_valid, weights
         self.gemv = weights is not None and gemv_applies(model.embed_tokens.weight.dtype, device)
-
-    def rms_norm(self, module, x: Tensor) -> Tensor:
-        """WiolaRMSNorm (SPEC §3) of ``x (..., d)`` by the dispatched implementation."""
-        d = x.shape[-1]
-        y, _ = self.rms.forward(x.reshape(-1, d).contiguous(), module.weight, module.shift, module.eps)
-        return y.view(x.shape)
 
     def block(self, block, x: Tensor, context: Tensor) -> Tensor:
         """``Xˡ⁺¹`` of one block for ``x (B, T_new, d)``; ``context (B, S, Λ', d)``."""
@@ -276,7 +268,7 @@ class DecodeStep:
             return self._gemv_block(block, x, context)
         packed = self.weights.block(block) if self.weights is not None else None
 
-        hx = self.rms_norm(block.attn_norm, x)                                   # X̃ (B, T, d)
+        hx = block.attn_norm(x)                                   # X̃ (B, T, d)
         if packed is not None:
             q, k, v = (hx @ packed[0].t).split(packed[0].splits, -1)
         else:
@@ -284,9 +276,7 @@ class DecodeStep:
         q = q.view(b, t, h, dh)
         k = k.view(b, t, h_kv, dh).transpose(1, 2)                              # (B, H_kv, T, d_h)
         v = v.view(b, t, h_kv, dh).transpose(1, 2)
-        s = attn.srpe
-        q_rot, k_rot = self.srpe_impl.apply(q.transpose(1, 2).contiguous(), k.contiguous(), self.position_ids,
-                                            s.theta, s.spiral_divisor, s.radial_amplitude, s.radial_frequency, False)
+        q_rot, k_rot = attn.srpe(q.transpose(1, 2), k, self.position_ids)
         k_all, v_all = self.cache.update(k_rot, v, attn.layer_idx)               # (B, H_kv, T_past + T, d_h)
         out = cached_attention(q_rot, k_all, v_all, self.key_valid).transpose(1, 2)  # (B, T, H, d_h)
         n_ctx = context.shape[2]
@@ -297,7 +287,7 @@ class DecodeStep:
             out = out + cross.view(b, t, h, dh)
         x = x + attn.o_proj(out.to(x.dtype).reshape(b, t, h * dh))              # X'
 
-        hf = self.rms_norm(block.ffn_norm, x)
+        hf = block.ffn_norm(x)
         if packed is not None:
             gn, un, gw, uw = (hf @ packed[1].t).split(packed[1].splits, -1)
         else:
@@ -310,9 +300,7 @@ class DecodeStep:
     def _attention(self, attn, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         """SRPE, the cache update and the cached self-attention: ``(B, T, H, d_h)`` from the
         projections ``q (B, T, H, d_h)``, ``k, v (B, T, H_kv, d_h)``."""
-        s = attn.srpe
-        q_rot, k_rot = self.srpe_impl.apply(q.transpose(1, 2), k.transpose(1, 2), self.position_ids,
-                                            s.theta, s.spiral_divisor, s.radial_amplitude, s.radial_frequency, False)
+        q_rot, k_rot = attn.srpe(q.transpose(1, 2), k.transpose(1, 2), self.position_ids)
         k_all, v_all = self.cache.update(k_rot, v.transpose(1, 2), attn.layer_idx)  # (B, H_kv, T_past + T, d_h)
         return cached_attention(q_rot, k_all, v_all, self.key_valid).transpose(1, 2)
 
@@ -324,7 +312,7 @@ class DecodeStep:
         b, t, d = x.shape
         h, h_kv, dh = attn.n_head, attn.n_kv_head, attn.head_dim
 
-        hx = self.rms_norm(block.attn_norm, x)                                   # X̃ (B, T, d)
+        hx = block.attn_norm(x)                                   # X̃ (B, T, d)
         q, k, v = gemv(hx, w.qkv).split(w.qkv_splits, -1)
         q = q.view(b, t, h, dh)
         out = self._attention(attn, q, k.view(b, t, h_kv, dh), v.view(b, t, h_kv, dh))  # (B, T, H, d_h)
@@ -341,7 +329,7 @@ class DecodeStep:
             out = out + cross.transpose(0, 1).view(b, t, h, dh)
         x = x + gemv(out.reshape(b, t, h * dh), w.o)                           # X'
 
-        hf = self.rms_norm(block.ffn_norm, x)
+        hf = block.ffn_norm(x)
         gn, un, gw, uw = gemv(hf, w.up).split(w.up_splits, -1)
         act = torch.cat([F.silu(gn) * un, F.gelu(gw, approximate="tanh") * uw], -1)
         return x + gemv(act, w.down)                                            # Xˡ⁺¹ (λ folded into down)
@@ -364,7 +352,7 @@ def positions_ok(position_ids: Tensor, spiral_divisor: float) -> bool:
     runs and raises its own error)."""
     if position_ids.device.type != "cpu" or position_ids.dtype != torch.int64 or not position_ids.numel():
         return position_ids.dtype == torch.int64
-    return int(position_ids.abs().max()) <= max_accurate_position(spiral_divisor)
+    return int(position_ids.abs().max()) <= srpe_max_position(spiral_divisor)
 
 
 __all__ = ["DecodeStep", "DecodeWeights", "GrowingKV", "MAX_STEP_POSITIONS", "applies", "cached_attention",

@@ -51,12 +51,11 @@ from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutpu
 import wiola_kernels
 from wiola_kernels import SpiralRotaryEmbedding, WiolaRMSNorm
 from wiola_kernels.reference import dsff as dsff_reference
-from wiola_kernels.reference.gcla_attention import _cross as context_attention
-from wiola_kernels.reference.gcla_attention import gcla_context_kv, gcla_summary
+from wiola_kernels.reference.gcla_attention import gcla_context_kv, gcla_cross_attention, gcla_summary
 from wiola_kernels.dtypes import compute_dtype
 
 from .configuration_wiola import WiolaConfig
-from . import decode, fast_path
+from . import decode
 from .context_fold import folded_context_attention
 from .loading import (check_checkpoint_path, check_load_kwargs, portable_kernel_backend, quiet_load_report,
                       refuse_partial_load, refuse_pickle_only_directory)
@@ -172,7 +171,7 @@ def gcla_attention_cached(q_rot: Tensor, k_rot: Tensor, v: Tensor, q: Tensor, kc
     acc = compute_dtype(q.dtype)
     out = decode.cached_attention(q_rot, k_rot, v, key_valid)  # (B, H, T_new, d_h), accumulation dtype
     if kc.shape[3] > 0:  # SPEC §5.3: the reference's slot softmax and mixture; kc, vc broadcast S = 1 over T_new
-        _, cross = context_attention(q.to(acc), kc.to(acc), vc.to(acc), 1.0 / math.sqrt(dh))
+        _, cross = gcla_cross_attention(q.to(acc), kc.to(acc), vc.to(acc), 1.0 / math.sqrt(dh))
         out = out + torch.sigmoid(gate.to(acc))[None, :, None, None] * cross
     return out.to(q.dtype)
 
@@ -237,7 +236,7 @@ class WiolaAttention(nn.Module):
         q = q_bthd.transpose(1, 2)                                 # (B, H, T, d_h)
         k = self.k_proj(x).view(b, t, h_kv, dh).transpose(1, 2)    # (B, H_kv, T, d_h)
         v = self.v_proj(x).view(b, t, h_kv, dh).transpose(1, 2)    # (B, H_kv, T, d_h)
-        q_rot, k_rot = fast_path.srpe(self.srpe, q, k, position_ids)  # SRPE on Q and K, one launch
+        q_rot, k_rot = self.srpe(q, k, position_ids)  # SRPE on Q and K, one launch
         n_ctx = context.shape[2]
         fold = self.folds(context, t, x)
         if fold:
@@ -252,8 +251,7 @@ class WiolaAttention(nn.Module):
             if cache is not None:  # cached in the mask's layout (left-padded rows were shifted to compute)
                 cache.update(*((layout.to_mask_layout(k_rot, 2), layout.to_mask_layout(v, 2))
                                if layout is not None else (k_rot, v)), self.layer_idx)
-            out = wiola_kernels.GCLAAttentionFunction.apply(q_rot, k_rot, v, q, kc, vc, self.gate,
-                                                            lengths)  # (B, H, T, d_h)
+            out = wiola_kernels.gcla_attention(q_rot, k_rot, v, q, kc, vc, self.gate, lengths)  # (B, H, T, d_h)
         out = out.transpose(1, 2)  # (B, T, H, d_h)
         if fold:
             cross = folded_context_attention(q_bthd.reshape(b * t, h, dh), context.reshape(b * t, n_ctx, -1),
@@ -278,12 +276,12 @@ class WiolaAttention(nn.Module):
         q = self.q_proj(x).view(1, n, h, dh).transpose(1, 2)        # (1, H, N, d_h)
         k = self.k_proj(x).view(1, n, h_kv, dh).transpose(1, 2)     # (1, H_kv, N, d_h)
         v = self.v_proj(x).view(n, h_kv, dh)
-        q_rot, k_rot = fast_path.srpe(self.srpe, q, k, position_ids[None])  # SRPE is per position
+        q_rot, k_rot = self.srpe(q, k, position_ids[None])  # SRPE is per position
         if context.dim() == 3:  # per-position summaries, packed like x
             kc, vc = (rows.unpack(c[:, :, 0]).transpose(1, 2) for c in self.context_kv(context[:, None]))
         else:  # (B, 1, Λ', d): one context per row, nothing to pack
             kc, vc = self.context_kv(context)
-        out = wiola_kernels.GCLAAttentionFunction.apply(
+        out = wiola_kernels.gcla_attention(
             rows.unpack_heads(q_rot[0]), rows.unpack_heads(k_rot[0]), rows.unpack_heads(v.transpose(0, 1)),
             rows.unpack_heads(q[0]), kc, vc, self.gate, rows.lengths)  # (B, H, T, d_h), zero past T'_b
         return self.o_proj(rows.pack_heads(out).reshape(n, h * dh))  # (N, d)
@@ -338,10 +336,10 @@ class WiolaBlock(GradientCheckpointingLayer):
     def forward(self, x: Tensor, position_ids: Tensor, context: Tensor, lengths: Tensor | None = None,
                 cache: WiolaCache | None = None, layout: "PaddingLayout | None" = None) -> Tensor:
         """``x (B, T, d)`` → ``Xˡ⁺¹ (B, T, d)``; ``context (B, S, Λ', d)``."""
-        h = fast_path.rms_norm(self.attn_norm, x)  # X̃ (B, T, d)
+        h = self.attn_norm(x)  # X̃ (B, T, d)
         if self.merges and self.training and cache is None:
             # ATM (SPEC §6): merge similar neighbours, attend over the shorter rows, restore length T.
-            merged, merged_pos, merged_len, index_map = wiola_kernels.ATMMergeFunction.apply(
+            merged, merged_pos, merged_len, index_map = wiola_kernels.atm_merge(
                 h, position_ids, self.atm_threshold, lengths)
             if self.pack_merged:  # the attention block's projections skip the merged-away rows
                 rows = PackedRows(merged_len, h.shape[1])
@@ -353,11 +351,11 @@ class WiolaBlock(GradientCheckpointingLayer):
                 if context.shape[1] > 1:
                     context = context.gather(1, first_member(index_map)[:, :, None, None].expand_as(context))
                 a = self.attn(merged, merged_pos, context, merged_len)  # (B, T, d), zero past merged_len
-                a = wiola_kernels.ATMUnmergeFunction.apply(a, index_map)  # A_t = A'_{map(t)}
+                a = wiola_kernels.atm_unmerge(a, index_map)  # A_t = A'_{map(t)}
         else:
             a = self.attn(h, position_ids, context, lengths, cache, layout)
         x = x + a                                  # X'
-        return x + self.ffn(fast_path.rms_norm(self.ffn_norm, x))  # Xˡ⁺¹
+        return x + self.ffn(self.ffn_norm(x))  # Xˡ⁺¹
 
 
 class PackedRows:
@@ -597,7 +595,7 @@ class WiolaModel(WiolaPreTrainedModel):
                 summaries = summaries[-lookback:]
         if cache is not None:
             cache.advance(layout.new_valid if layout is not None else None, past)
-        x = step.rms_norm(self.norm, x) if step is not None else fast_path.rms_norm(self.norm, x)
+        x = self.norm(x)
         if hidden_states is not None:
             hidden_states.append(x)  # Hugging Face convention: the last entry is after the final norm
         if layout is not None and layout.shift is not None:

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from wiola_kernels._cli import (CommandError, HelpFormatter, non_negative_float, non_negative_int, positive_float,
+from wiola_kernels.cli import (CommandError, HelpFormatter, non_negative_float, non_negative_int, positive_float,
                                 positive_int)
 
 from .checkpoint import load_training_state, save_training_state

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from ..ops.rms_norm import RMSNormFunction
+from ..ops.rms_norm import rms_norm
 
 
 class WiolaRMSNorm(nn.Module):
@@ -29,7 +29,7 @@ class WiolaRMSNorm(nn.Module):
         self.shift = nn.Parameter(torch.zeros(hidden_size, device=device, dtype=dtype))
 
     def forward(self, x: Tensor) -> Tensor:
-        return RMSNormFunction.apply(x, self.weight, self.shift, self.eps, False)
+        return rms_norm(x, self.weight, self.shift, self.eps)
 
     def extra_repr(self) -> str:
         return f"{self.hidden_size}, eps={self.eps}"
@@ -70,8 +70,8 @@ class RMSNorm(nn.Module):
             # HF multiplies γ (its own dtype) by x/r rounded to x's dtype: the result is
             # promoted. The op computes round(x/r) (γ = 1 is exact), the product follows.
             ones = torch.ones(x.shape[-1], dtype=x.dtype, device=x.device)
-            return self.weight * RMSNormFunction.apply(x, ones, None, self.variance_epsilon, True)
-        return RMSNormFunction.apply(x, self.weight, None, self.variance_epsilon, self.hf_order)
+            return self.weight * rms_norm(x, ones, None, self.variance_epsilon, hf_order=True)
+        return rms_norm(x, self.weight, None, self.variance_epsilon, hf_order=self.hf_order)
 
     def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}, hf_order={self.hf_order}"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
-from ..ops.srpe import SRPEFunction
+from ..ops.srpe import srpe
 
 
 class SpiralRotaryEmbedding(nn.Module):
@@ -36,8 +36,8 @@ class SpiralRotaryEmbedding(nn.Module):
         """``q (B, H, T, d_h)``, ``k (B, H_kv, T, d_h)``, ``position_ids (B, T) | (1, T) | (T,)``."""
         if q.shape[-1] != self.head_dim:
             raise ValueError(f"q must have head dim {self.head_dim}, got {q.shape[-1]}")
-        return SRPEFunction.apply(q, k, position_ids, self.theta, self.spiral_divisor, self.radial_amplitude,
-                                  self.radial_frequency)
+        return srpe(q, k, position_ids, self.theta, self.spiral_divisor, self.radial_amplitude,
+                    self.radial_frequency)
 
     def extra_repr(self) -> str:
         return (f"head_dim={self.head_dim}, theta={self.theta}, spiral_divisor={self.spiral_divisor}, "

@@ -1,16 +1,72 @@
-"""The op layer: per op, the registered kernel ops (``torch.ops.wiola.<op>`` and
-``torch.ops.wiola.<op>_grad``), the ``torch.autograd.Function`` that drives them, and the
-public Python function (see CONTRIBUTING.md, "The op pattern")."""
+"""The op layer (CONTRIBUTING.md, "The op pattern"): per op, the Python half of its registered
+ops ``wiola::<op>`` / ``wiola::<op>_backward`` (declared in csrc/wiola_ops.cpp: the fakes and
+the CUDA kernels written in Python), the ``torch.autograd.Function`` that drives them, and the
+public function. Shared helpers for those files live here."""
 
 from __future__ import annotations
 
 import torch
 
+from .. import _extension
+
+
+def have_registered_ops() -> bool:
+    """True when the C++ extension loaded, declaring the ``wiola::`` ops."""
+    return _extension.load_error() is None
+
+
+_library: torch.library.Library | None = None
+
+
+def register_kernel(name: str, dispatch_key: str, kernel) -> None:
+    """``kernel`` (Python: a Triton launcher, a composite of PyTorch and our kernels, or for a
+    Triton-only op the reference on ``"CPU"``) as the ``dispatch_key`` kernel of
+    ``wiola::<name>``; nothing without the extension."""
+    global _library
+    if not have_registered_ops():
+        return
+    if _library is None:
+        _library = torch.library.Library("wiola", "IMPL")
+    _library.impl(name, kernel, dispatch_key)
+
+
+def _declared(qualname: str) -> bool:
+    namespace, name = qualname.split("::")
+    return have_registered_ops() and hasattr(getattr(torch.ops, namespace), name)
+
+
+def register_fake(qualname: str):
+    """``torch.library.register_fake(qualname)`` as a decorator, to be applied in the op module
+    that csrc/wiola_ops.cpp names in ``set_python_module`` (torch checks that the fake comes
+    from there); nothing when the op is not declared (no extension, no emulation)."""
+    def decorate(fn):
+        if _declared(qualname):
+            torch.library.register_fake(qualname, fn, _stacklevel=3)  # the frame that applies decorate
+        return fn
+
+    return decorate
+
+
+def registered(namespace: str, name: str, check):
+    """``torch.ops.<namespace>.<name>`` as a plain function, looked up when called (a forced
+    backend's kernel). A call the schema's argument parser refuses (a list for a tensor, a str
+    for a float) is re-checked by ``check`` (the op's validation.py function) so the error names
+    the argument as every other path does."""
+    def call(*args):
+        try:
+            return getattr(getattr(torch.ops, namespace), name)(*args)
+        except RuntimeError:
+            check(*args)
+            raise
+
+    return call
+
 
 def distinct(*args: object) -> tuple:
     """``args`` with every repeated tensor replaced by a view of it. Dynamo cannot trace an
     ``autograd.Function.apply`` that receives one tensor twice (``gcla_attention(..., kc, kc,
-    ...)``); a view is a distinct tensor to it, costs no copy, and passes gradients through."""
+    ...)``); a view is a distinct tensor to it, costs no copy, and passes gradients through.
+    Only needed while tracing: the public functions call it under ``torch.compile``."""
     seen: set[int] = set()
     out = []
     for a in args:
@@ -20,3 +76,14 @@ def distinct(*args: object) -> tuple:
             seen.add(id(a))
         out.append(a)
     return tuple(out)
+
+
+def needs_grad(*tensors: object) -> bool:
+    """Whether autograd must record a call on ``tensors`` (grad mode on and one of them
+    requires grad); the public functions skip the Function otherwise (no graph to record)."""
+    if not torch.is_grad_enabled():
+        return False
+    for t in tensors:
+        if isinstance(t, torch.Tensor) and t.requires_grad:
+            return True
+    return False

@@ -1,21 +1,24 @@
-"""ATM greedy adjacent merge / unmerge (SPEC §6): the registered ops ``wiola::atm_merge`` /
-``wiola::atm_merge_grad`` and ``wiola::atm_unmerge`` / ``wiola::atm_unmerge_grad``, the
-:class:`ATMMergeFunction` / :class:`ATMUnmergeFunction` that drive them, and the public
-:func:`atm_merge` / :func:`atm_unmerge`.
+"""ATM greedy adjacent merge / unmerge (SPEC §6): :func:`atm_merge` / :func:`atm_unmerge`, the
+:class:`ATMMergeFunction` / :class:`ATMUnmergeFunction` that drive their registered ops, and
+their kernels written in Python.
 
-Each backend provides, on contiguous tensors (``x, y (B, T, d)``, int64 ``positions
-(B, T)``, ``lengths (B,)``, ``index_map (B, T)``):
+Registered ops (declared in csrc/wiola_ops.cpp from wiola/cuda_schemas.h):
 
-* ``merge(x, positions, lengths, threshold) -> (merged, merged_positions, merged_lengths, index_map)``
-* ``merge_backward(grad_merged, index_map, merged_lengths) -> grad_x``
-* ``unmerge(y, index_map) -> restored``
-* ``unmerge_backward(grad_restored, index_map) -> grad_y``
+* ``wiola::atm_merge(x, position_ids, threshold, lengths) -> (merged, merged_position_ids,
+  merged_lengths, index_map)`` and ``wiola::atm_merge_backward(grad_merged, index_map,
+  merged_lengths) -> grad_x``
+* ``wiola::atm_unmerge(y, index_map) -> restored`` and
+  ``wiola::atm_unmerge_backward(grad_restored, index_map) -> grad_y``
 
 Merge decisions are constants for autograd (SPEC §6): gradients flow only through the
-averaging (merge) and the copy back (unmerge). Values that would need a device sync
-to check (lengths in ``[0, T]``, ``index_map`` entries in ``[0, T)``) are checked on CPU
-tensors (``ValueError``, :mod:`wiola_kernels.validation`); the CUDA kernels clamp lengths
-and write NaN for an out-of-range index instead of synchronising.
+averaging (merge) and the copy back (unmerge). Values that would need a device sync to check
+(lengths in ``[0, T]``, ``index_map`` entries in ``[0, T)``) are checked on CPU tensors
+(``ValueError``); the CUDA kernels clamp lengths and write NaN for an out-of-range index
+instead of synchronising.
+
+Kernels: CPU — csrc/cpu/atm.cpp; CUDA — csrc/cuda/atm.cu through csrc/cuda/atm_binding.cpp;
+Meta — the fakes below. Forced backends: ``reference``, ``cpu``, ``cuda``, ``cuda_emu`` (the
+CUDA kernels and their binding, emulated on CPU tensors: ``torch.ops.wiola_cuda_emu``).
 """
 
 from __future__ import annotations
@@ -26,140 +29,107 @@ import torch
 from torch import Tensor
 
 from .. import dispatch
-from . import distinct
 from ..reference import atm as ref
-from ..validation import (CUDA_KERNEL_DTYPES, Limits, check_index_map, check_index_map_values, check_lengths,
-                          check_lengths_values, check_position_ids, check_rank, check_real, check_same_device,
-                          check_tensor)
+from ..validation import CUDA_KERNEL_DTYPES, Limits, check_atm_merge, check_atm_tokens, check_atm_unmerge
+from . import distinct, needs_grad, register_fake, registered
 
 OP = "atm"
 
 
-def _reference_merge(x, positions, lengths, threshold):
-    check_lengths_values(lengths, x.shape[1])
+# --- kernels ---------------------------------------------------------------------------------------
+
+def _reference_merge(x, position_ids, threshold, lengths=None):
+    positions, threshold, lengths = check_atm_merge(x, position_ids, threshold, lengths)
     return ref.atm_merge(x, positions, threshold, lengths)
 
 
 def _reference_unmerge(y, index_map):
-    check_index_map_values(index_map, y.shape[1])
+    check_atm_unmerge(y, index_map)
     return ref.atm_unmerge(y, index_map).contiguous()
 
 
-def _reference_unmerge_backward(grad, index_map):
-    check_index_map_values(index_map, grad.shape[1])
-    return ref.atm_unmerge_backward(grad, index_map)
+def _reference_unmerge_backward(grad_restored, index_map):
+    check_atm_unmerge(grad_restored, index_map, "grad_restored")
+    return ref.atm_unmerge_backward(grad_restored, index_map)
 
 
-def _kernel_merge(x, positions, lengths, threshold):
-    return torch.ops.wiola._atm_merge(x, positions, lengths, threshold)
+def _kernels(namespace: str) -> SimpleNamespace:
+    """The four registered ops of ``namespace`` (``wiola``: the dispatcher's kernels;
+    ``wiola_cuda_emu``: the CUDA kernels emulated on CPU tensors), looked up when called."""
+    return SimpleNamespace(
+        merge=registered(namespace, "atm_merge", check_atm_merge),
+        merge_backward=registered(namespace, "atm_merge_backward", lambda g, m, n: check_atm_unmerge(g, m, "grad_merged")),
+        unmerge=registered(namespace, "atm_unmerge", check_atm_unmerge),
+        unmerge_backward=registered(namespace, "atm_unmerge_backward",
+                                    lambda g, m: check_atm_unmerge(g, m, "grad_restored")))
 
 
-def _kernel_merge_backward(grad_merged, index_map, merged_lengths):
-    return torch.ops.wiola._atm_merge_bwd(grad_merged, index_map, merged_lengths)
+_CUDA_LIMITS = Limits(dtypes=CUDA_KERNEL_DTYPES)  # the CUDA kernels: fp32, fp16, bf16
+dispatch.register_default(OP, "cpu", "cpu")
+dispatch.register_default(OP, "cuda", "cuda")
+dispatch.register(OP, "reference", SimpleNamespace(merge=_reference_merge, merge_backward=ref.atm_merge_backward,
+                                                   unmerge=_reference_unmerge,
+                                                   unmerge_backward=_reference_unmerge_backward))
+dispatch.register(OP, "cpu", _kernels("wiola"))  # csrc/cpu/atm.cpp (every float dtype)
+dispatch.register(OP, "cuda", _kernels("wiola"), _CUDA_LIMITS)
+dispatch.register(OP, "cuda_emu", _kernels("wiola_cuda_emu"), _CUDA_LIMITS)
 
 
-def _kernel_unmerge(y, index_map):
-    return torch.ops.wiola._atm_unmerge(y, index_map)
-
-
-def _kernel_unmerge_backward(grad, index_map):
-    return torch.ops.wiola._atm_unmerge_bwd(grad, index_map)
-
-
-def _emu_merge(x, positions, lengths, threshold):
-    return torch.ops.wiola_cuda_emu._atm_merge(x, positions, lengths, threshold)
-
-
-def _emu_merge_backward(grad_merged, index_map, merged_lengths):
-    return torch.ops.wiola_cuda_emu._atm_merge_bwd(grad_merged, index_map, merged_lengths)
-
-
-def _emu_unmerge(y, index_map):
-    return torch.ops.wiola_cuda_emu._atm_unmerge(y, index_map)
-
-
-def _emu_unmerge_backward(grad, index_map):
-    return torch.ops.wiola_cuda_emu._atm_unmerge_bwd(grad, index_map)
-
-
-_REFERENCE = SimpleNamespace(merge=_reference_merge, merge_backward=ref.atm_merge_backward, unmerge=_reference_unmerge,
-                             unmerge_backward=_reference_unmerge_backward)
-_KERNELS = SimpleNamespace(merge=_kernel_merge, merge_backward=_kernel_merge_backward, unmerge=_kernel_unmerge,
-                           unmerge_backward=_kernel_unmerge_backward)
-# The CUDA kernels (csrc/cuda/atm.cu via csrc/cuda/atm_binding.cpp) exist for fp32/fp16/bf16;
-# cuda_emu runs the same kernels and binding on CPU tensors, in the SIMT emulator.
-_CUDA_LIMITS = Limits(dtypes=CUDA_KERNEL_DTYPES)
-dispatch.register(OP, "reference", _REFERENCE)
-dispatch.register(OP, "cpu", _KERNELS)  # csrc/cpu/atm.cpp (every float dtype)
-dispatch.register(OP, "cuda", SimpleNamespace(**vars(_KERNELS)), _CUDA_LIMITS)
-dispatch.register(OP, "cuda_emu", SimpleNamespace(merge=_emu_merge, merge_backward=_emu_merge_backward,
-                                                  unmerge=_emu_unmerge, unmerge_backward=_emu_unmerge_backward),
-                  _CUDA_LIMITS)
-
-
-# --- merge ---------------------------------------------------------------------------
-
-@torch.library.custom_op("wiola::atm_merge", mutates_args=())
-def atm_merge_op(x: Tensor, positions: Tensor, lengths: Tensor, threshold: float,
-                 backend: str = "auto") -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """``x (B, T, d)``, int64 ``positions (B, T)`` and ``lengths (B,)`` →
-    ``(merged, merged_positions, merged_lengths, index_map)``, on ``backend``."""
-    impl = dispatch.resolve(OP, backend, x.device, x.dtype)
-    return impl.merge(x.contiguous(), positions.contiguous(), lengths.contiguous(), threshold)
-
-
-@atm_merge_op.register_fake
-def _(x, positions, lengths, threshold, backend="auto"):
+def _merge_fake(x, position_ids, threshold, lengths=None):
+    check_atm_merge(x, position_ids, threshold, lengths)
     b, t, _ = x.shape
-    return (torch.empty_like(x, memory_format=torch.contiguous_format),
-            x.new_empty((b, t), dtype=torch.int64), x.new_empty((b,), dtype=torch.int64),
-            x.new_empty((b, t), dtype=torch.int64))
+    return (torch.empty(x.shape, dtype=x.dtype, device=x.device), x.new_empty((b, t), dtype=torch.int64),
+            x.new_empty((b,), dtype=torch.int64), x.new_empty((b, t), dtype=torch.int64))
 
 
-@torch.library.custom_op("wiola::atm_merge_grad", mutates_args=())
-def atm_merge_grad_op(grad_merged: Tensor, index_map: Tensor, merged_lengths: Tensor,
-                      backend: str = "auto") -> Tensor:
-    """``grad_x[b, t] = w_t · grad_merged[b, index_map[b, t]]`` (w: ½ pair, 1 single, 0 padding)."""
-    impl = dispatch.resolve(OP, backend, grad_merged.device, grad_merged.dtype)
-    return impl.merge_backward(grad_merged.contiguous(), index_map.contiguous(), merged_lengths.contiguous())
+def _merge_backward_fake(grad_merged, index_map, merged_lengths):
+    return torch.empty(grad_merged.shape, dtype=grad_merged.dtype, device=grad_merged.device)
 
 
-@atm_merge_grad_op.register_fake
-def _(grad_merged, index_map, merged_lengths, backend="auto"):
-    return torch.empty_like(grad_merged, memory_format=torch.contiguous_format)
+def _unmerge_fake(y, index_map):
+    check_atm_unmerge(y, index_map)
+    return torch.empty(y.shape, dtype=y.dtype, device=y.device)
 
 
-def _check_x(name: str, x: object) -> tuple[int, int, int]:
-    check_tensor(name, x)
-    check_rank(name, x, 3, "(B, T, d)")
-    b, t, d = x.shape
-    if d == 0:
-        raise ValueError(f"{name} must have a non-empty last dimension d, got shape {tuple(x.shape)}")
-    return b, t, d
+def _unmerge_backward_fake(grad_restored, index_map):
+    return torch.empty(grad_restored.shape, dtype=grad_restored.dtype, device=grad_restored.device)
+
+
+for _ns in ("wiola", "wiola_cuda_emu"):
+    register_fake(f"{_ns}::atm_merge")(_merge_fake)
+    register_fake(f"{_ns}::atm_merge_backward")(_merge_backward_fake)
+    register_fake(f"{_ns}::atm_unmerge")(_unmerge_fake)
+    register_fake(f"{_ns}::atm_unmerge_backward")(_unmerge_backward_fake)
+
+
+# --- merge -----------------------------------------------------------------------------------------
+
+def _merge(x, position_ids, threshold, lengths):
+    """The four outputs and the backend (None: the dispatcher's kernel)."""
+    backend = dispatch.forced_backend()
+    if backend is None:
+        try:
+            return (*torch.ops.wiola.atm_merge(x, position_ids, threshold, lengths), None)
+        except RuntimeError:  # the schema's argument parser: name the argument instead
+            check_atm_merge(x, position_ids, threshold, lengths)
+            raise
+    if not isinstance(x, Tensor):
+        check_atm_tokens("x", x)
+    backend = dispatch.resolve(OP, backend, x.device, x.dtype)
+    return (*dispatch.kernels(OP, backend).merge(x, position_ids, threshold, lengths), backend)
 
 
 class ATMMergeFunction(torch.autograd.Function):
     """Autograd for :func:`atm_merge`: ``ATMMergeFunction.apply(x, position_ids, threshold,
     lengths)`` (every argument positional, ``lengths`` may be None; see :func:`atm_merge`).
-    Validates, picks the backend once (kept on ``ctx``: the backward runs where the forward
-    ran) and calls ``wiola::atm_merge`` / ``wiola::atm_merge_grad``. Only ``merged`` is
-    differentiable; the merge decisions are constants."""
+    Calls ``wiola::atm_merge`` and, in the backward, ``wiola::atm_merge_backward`` — or the
+    forced backend's kernels, kept on ``ctx``. Only ``merged`` is differentiable; the merge
+    decisions are constants."""
 
     @staticmethod
     def forward(ctx, x: Tensor, position_ids: Tensor, threshold: float, lengths: Tensor | None
                 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        b, t, _ = _check_x("x", x)
-        check_same_device(x=x, position_ids=position_ids, lengths=lengths)
-        positions = check_position_ids(position_ids, b, t)
-        threshold = check_real("threshold", threshold)
-        if not -1.0 <= threshold <= 1.0:
-            raise ValueError(f"threshold must lie in [-1, 1] (a cosine similarity), got {threshold!r}")
-        lengths = check_lengths(lengths, b, t)
-        if lengths is None:
-            lengths = torch.full((b,), t, dtype=torch.int64, device=x.device)
-        ctx.backend = dispatch.select(OP, x.device, x.dtype)
-        merged, merged_positions, merged_lengths, index_map = atm_merge_op(x, positions, lengths, threshold,
-                                                                           ctx.backend)
+        merged, merged_positions, merged_lengths, index_map, ctx.backend = _merge(x, position_ids, threshold, lengths)
         ctx.save_for_backward(index_map, merged_lengths)
         ctx.mark_non_differentiable(merged_positions, merged_lengths, index_map)
         return merged, merged_positions, merged_lengths, index_map
@@ -167,55 +137,52 @@ class ATMMergeFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_merged: Tensor, _grad_positions, _grad_lengths, _grad_index_map):
         index_map, merged_lengths = ctx.saved_tensors
-        return atm_merge_grad_op(grad_merged, index_map, merged_lengths, ctx.backend), None, None, None
+        if ctx.backend is None:
+            grad_x = torch.ops.wiola.atm_merge_backward(grad_merged, index_map, merged_lengths)
+        else:
+            grad_x = dispatch.kernels(OP, ctx.backend).merge_backward(grad_merged, index_map, merged_lengths)
+        return grad_x, None, None, None
 
 
-# --- unmerge -------------------------------------------------------------------------
+# --- unmerge ---------------------------------------------------------------------------------------
 
-@torch.library.custom_op("wiola::atm_unmerge", mutates_args=())
-def atm_unmerge_op(y: Tensor, index_map: Tensor, backend: str = "auto") -> Tensor:
-    """``restored[b, t] = y[b, index_map[b, t]]`` for ``y (B, T, d)``, on ``backend``."""
-    return dispatch.resolve(OP, backend, y.device, y.dtype).unmerge(y.contiguous(), index_map.contiguous())
-
-
-@atm_unmerge_op.register_fake
-def _(y, index_map, backend="auto"):
-    return torch.empty_like(y, memory_format=torch.contiguous_format)
-
-
-@torch.library.custom_op("wiola::atm_unmerge_grad", mutates_args=())
-def atm_unmerge_grad_op(grad_restored: Tensor, index_map: Tensor, backend: str = "auto") -> Tensor:
-    """``grad_y[b, s] = Σ_{t : index_map[b, t] = s} grad_restored[b, t]`` (deterministic)."""
-    impl = dispatch.resolve(OP, backend, grad_restored.device, grad_restored.dtype)
-    return impl.unmerge_backward(grad_restored.contiguous(), index_map.contiguous())
-
-
-@atm_unmerge_grad_op.register_fake
-def _(grad_restored, index_map, backend="auto"):
-    return torch.empty_like(grad_restored, memory_format=torch.contiguous_format)
+def _unmerge(y, index_map):
+    """The restored tensor and the backend (None: the dispatcher's kernel)."""
+    backend = dispatch.forced_backend()
+    if backend is None:
+        try:
+            return torch.ops.wiola.atm_unmerge(y, index_map), None
+        except RuntimeError:  # the schema's argument parser: name the argument instead
+            check_atm_unmerge(y, index_map)
+            raise
+    if not isinstance(y, Tensor):
+        check_atm_tokens("y", y)
+    backend = dispatch.resolve(OP, backend, y.device, y.dtype)
+    return dispatch.kernels(OP, backend).unmerge(y, index_map), backend
 
 
 class ATMUnmergeFunction(torch.autograd.Function):
-    """Autograd for :func:`atm_unmerge`: ``ATMUnmergeFunction.apply(y, index_map)``. Validates,
-    picks the backend once (kept on ``ctx``: the backward runs where the forward ran) and calls
-    ``wiola::atm_unmerge`` / ``wiola::atm_unmerge_grad``."""
+    """Autograd for :func:`atm_unmerge`: ``ATMUnmergeFunction.apply(y, index_map)``. Calls
+    ``wiola::atm_unmerge`` and, in the backward, ``wiola::atm_unmerge_backward`` — or the
+    forced backend's kernels, kept on ``ctx``."""
 
     @staticmethod
     def forward(ctx, y: Tensor, index_map: Tensor) -> Tensor:
-        b, t, _ = _check_x("y", y)
-        check_index_map(index_map, b, t, like="y")
-        check_same_device(y=y, index_map=index_map)
-        ctx.backend = dispatch.select(OP, y.device, y.dtype)
+        restored, ctx.backend = _unmerge(y, index_map)
         ctx.save_for_backward(index_map)
-        return atm_unmerge_op(y, index_map, ctx.backend)
+        return restored
 
     @staticmethod
     def backward(ctx, grad_restored: Tensor):
         (index_map,) = ctx.saved_tensors
-        return atm_unmerge_grad_op(grad_restored, index_map, ctx.backend), None
+        if ctx.backend is None:
+            grad_y = torch.ops.wiola.atm_unmerge_backward(grad_restored, index_map)
+        else:
+            grad_y = dispatch.kernels(OP, ctx.backend).unmerge_backward(grad_restored, index_map)
+        return grad_y, None
 
 
-# --- public functions ----------------------------------------------------------------
+# --- public functions ------------------------------------------------------------------------------
 
 def atm_merge(x: Tensor, position_ids: Tensor, threshold: float, lengths: Tensor | None = None
               ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -247,8 +214,15 @@ def atm_merge(x: Tensor, position_ids: Tensor, threshold: float, lengths: Tensor
 
         Differentiable in ``x`` (decisions are constants; through :class:`ATMMergeFunction`):
         each member of a pair gets half of its slot's gradient, a singleton its own, padding zero.
+
+    Raises:
+        TypeError / ValueError naming the argument for a wrong type, dtype, shape or value.
     """
-    return ATMMergeFunction.apply(*distinct(x, position_ids, threshold, lengths))
+    if torch.compiler.is_compiling():
+        return ATMMergeFunction.apply(*distinct(x, position_ids, threshold, lengths))
+    if needs_grad(x):
+        return ATMMergeFunction.apply(x, position_ids, threshold, lengths)
+    return _merge(x, position_ids, threshold, lengths)[:4]
 
 
 def atm_unmerge(y: Tensor, index_map: Tensor) -> Tensor:
@@ -265,5 +239,12 @@ def atm_unmerge(y: Tensor, index_map: Tensor) -> Tensor:
         ``restored (B, T, d)``, dtype of y. Differentiable in ``y`` (through
         :class:`ATMUnmergeFunction`): a slot receives the sum of the gradients of the tokens
         mapped to it (deterministic).
+
+    Raises:
+        TypeError / ValueError naming the argument for a wrong type, dtype, shape or value.
     """
-    return ATMUnmergeFunction.apply(y, index_map)
+    if torch.compiler.is_compiling():
+        return ATMUnmergeFunction.apply(*distinct(y, index_map))
+    if needs_grad(y):
+        return ATMUnmergeFunction.apply(y, index_map)
+    return _unmerge(y, index_map)[0]

@@ -1,32 +1,38 @@
-"""GCLA summary-augmented attention (SPEC §5.5): the registered ops ``wiola::gcla_attention``
-/ ``wiola::gcla_attention_grad``, the :class:`GCLAAttentionFunction` that drives them, and the
-public :func:`gcla_attention`.
+"""GCLA summary-augmented attention (SPEC §5.5): :func:`gcla_attention`, the
+:class:`GCLAAttentionFunction` that drives its registered ops, and their kernels written in Python.
 
 ``O = softmax_causal(q̃ k̃ᵀ/√d_h) v + σ(g) · softmax_λ(q kcᵀ/√d_h) vc`` per head, with kv
 group ``h mod H_kv``; see :mod:`wiola_kernels.reference.gcla_attention` for the maths.
 
-Each backend provides, on tensors with any strides but a contiguous last dimension
-(``lengths`` int64 or ``None``; the model's q/k/v are transposed ``(B, T, H, d_h)`` views):
+Registered ops (declared in csrc/wiola_ops.cpp):
 
-* ``forward(q_rot, k_rot, v, q, kc, vc, gate, lengths) -> (out, lse)``
-* ``backward(grad_out, q_rot, k_rot, v, q, kc, vc, gate, lengths, out, lse)
+* ``wiola::gcla_attention(q_rot, k_rot, v, q, kc, vc, gate, lengths) -> (out, lse)``
+* ``wiola::gcla_attention_backward(grad_out, q_rot, k_rot, v, q, kc, vc, gate, lengths, out, lse)
   -> (d q_rot, d k_rot, d v, d q, d kc, d vc, d gate)``
 
-``lse (B, H, T)`` is the self-attention log-sum-exp in float32 (float64 for float64
-inputs), 0 on rows past the length.
+``lse (B, H, T)`` is the self-attention log-sum-exp in float32 (float64 for float64 inputs),
+0 on rows past the length. Layouts (no hidden copies): inputs are read through their strides
+(only a last dimension with stride ≠ 1 is copied); ``out`` and each gradient take the layout
+of ``torch.empty_like`` of the matching input (``d kc``/``d vc`` contiguous for ``S = 1``,
+where they are sums over positions). The C++ and Triton kernels write these layouts directly;
+the reference's and the cuda composite's results are copied into them.
 
-Layouts (no hidden copies): ``out`` and each gradient take the layout of
-``torch.empty_like`` of the matching input (``out``, ``d q_rot`` like ``q_rot``; ``d k_rot``,
-``d v``, ``d q`` like theirs; ``d kc``/``d vc`` like ``kc``/``vc`` for ``S = T``, contiguous for
-``S = 1``, where they are sums over positions). The cpu and triton kernels read strided
-inputs and write these layouts directly; the reference and the cuda composite (its summary
-kernels take contiguous tensors) have their results copied into them.
+Kernels: CPU — csrc/cpu/gcla_attention.cpp; Meta — the fakes below; CUDA — one of two,
+chosen once, when the package is imported, by ``WIOLA_GCLA_CUDA_KERNEL``:
+
+* ``cuda`` (default): PyTorch's fused attention for the self part and our summary kernels
+  (:mod:`.gcla_attention_cuda`), for float32/float16/bfloat16 and ``d_h ∈ {64, 128}``; any
+  other input runs the Triton kernels, with a one-time warning;
+* ``triton``: the fused FlashAttention-2-style Triton kernels (triton/gcla_attention.py),
+  even ``d_h`` up to 256.
+
+Forced backends: ``reference``, ``cpu``, ``cuda``, ``triton``, ``cuda_emu``.
 """
 
 from __future__ import annotations
 
+import os
 from types import SimpleNamespace
-from typing import Optional
 
 import torch
 from torch import Tensor
@@ -34,54 +40,14 @@ from torch import Tensor
 from .. import dispatch
 from ..dtypes import compute_dtype
 from ..outputs import in_layout_of, unit_last_stride
-from ..reference.gcla_attention import gcla_attention_backward, gcla_attention_forward
-from ..validation import (CUDA_GCLA_HEAD_DIMS, CUDA_KERNEL_DTYPES, INDEX_DTYPES, TRITON_GCLA_MAX_HEAD_DIM, Limits,
-                          bthd_hint, check_lengths, check_query_key, check_rank, check_same_device, check_same_dtype,
-                          check_shape, check_tensor)
-from . import distinct, gcla_attention_cuda
+from ..reference.gcla_attention import gcla_attention_backward as _reference_backward
+from ..reference.gcla_attention import gcla_attention_forward as _reference_forward
+from ..validation import (CUDA_GCLA_HEAD_DIMS, CUDA_KERNEL_DTYPES, TRITON_GCLA_MAX_HEAD_DIM, Limits,
+                          check_gcla_attention)
+from . import distinct, gcla_attention_cuda, needs_grad, register_kernel, register_fake, registered
 
 OP = "gcla_attention"
-
-
-def _cpu_forward(q_rot, k_rot, v, q, kc, vc, gate, lengths):
-    return torch.ops.wiola._gcla_attention_fwd(q_rot, k_rot, v, q, kc, vc, gate, lengths)
-
-
-def _cpu_backward(grad_out, q_rot, k_rot, v, q, kc, vc, gate, lengths, out, lse):
-    return torch.ops.wiola._gcla_attention_bwd(grad_out, q_rot, k_rot, v, q, kc, vc, gate, lengths, out, lse)
-
-
-def _triton_forward(q_rot, k_rot, v, q, kc, vc, gate, lengths):
-    from ..triton import gcla_attention as tk
-
-    return tk.gcla_attention_fwd(q_rot, k_rot, v, q, kc, vc, gate, lengths)
-
-
-def _triton_backward(grad_out, q_rot, k_rot, v, q, kc, vc, gate, lengths, out, lse):
-    from ..triton import gcla_attention as tk
-
-    return tk.gcla_attention_bwd(grad_out, q_rot, k_rot, v, q, kc, vc, gate, lengths, out, lse)
-
-
-# The C++ CPU kernel is torch.ops.wiola._gcla_attention_fwd/_bwd; the cuda backend (and its
-# emulation, cuda_emu: the same orchestration with the summary kernels run by the SIMT emulator
-# on CPU tensors, csrc/cuda/emu/) is PyTorch's fused attention plus the summary kernels
-# (gcla_attention_cuda.py), which exist for fp32/fp16/bf16 and d_h ∈ {64, 128} only.
-# CUDA tensors run `cuda` by default; `triton` (fused FlashAttention-2 style kernels, even
-# d_h up to 256) is chosen with use_backend("triton"), on CPU tensors only under TRITON_INTERPRET=1.
-_CUDA_LIMITS = Limits(dtypes=CUDA_KERNEL_DTYPES, head_dims=CUDA_GCLA_HEAD_DIMS)
-dispatch.register(OP, "reference", SimpleNamespace(forward=gcla_attention_forward, backward=gcla_attention_backward))
-dispatch.register(OP, "cpu", SimpleNamespace(forward=_cpu_forward, backward=_cpu_backward))
-dispatch.register(OP, "cuda", SimpleNamespace(forward=gcla_attention_cuda.forward,
-                                              backward=gcla_attention_cuda.backward), _CUDA_LIMITS)
-dispatch.register(OP, "triton", SimpleNamespace(forward=_triton_forward, backward=_triton_backward),
-                  Limits(max_head_dim=TRITON_GCLA_MAX_HEAD_DIM))
-dispatch.register(OP, "cuda_emu", SimpleNamespace(forward=gcla_attention_cuda.forward,
-                                                  backward=gcla_attention_cuda.backward), _CUDA_LIMITS)
-
-
-def _contig(t: Optional[Tensor]) -> Optional[Tensor]:
-    return None if t is None else t.contiguous()
+CUDA_KERNELS = ("cuda", "triton")
 
 
 def _grad_layouts(q_rot, k_rot, v, q, kc, vc, gate) -> tuple[Tensor, ...]:
@@ -95,95 +61,151 @@ def _grad_layouts(q_rot, k_rot, v, q, kc, vc, gate) -> tuple[Tensor, ...]:
     return q_rot, k_rot, v, q, kc, vc, contiguous(gate)
 
 
-@torch.library.custom_op("wiola::gcla_attention", mutates_args=())
-def gcla_attention_op(q_rot: Tensor, k_rot: Tensor, v: Tensor, q: Tensor, kc: Tensor, vc: Tensor, gate: Tensor,
-                      lengths: Optional[Tensor], backend: str = "auto") -> tuple[Tensor, Tensor]:
-    """Forward on ``backend``: returns ``(out (B, H, T, d_h), lse (B, H, T))``; ``out`` laid out like ``q_rot``."""
-    impl = dispatch.resolve(OP, backend, q_rot.device, q_rot.dtype, q_rot.shape[-1])
-    q_rot, k_rot, v, q, kc, vc = map(unit_last_stride, (q_rot, k_rot, v, q, kc, vc))
-    out, lse = impl.forward(q_rot, k_rot, v, q, kc, vc, gate.contiguous(), _contig(lengths))
-    return in_layout_of(out, q_rot), lse
+# --- kernels written in Python ---------------------------------------------------------------------
+
+def _python_kernels(forward, backward) -> SimpleNamespace:
+    """The op's two signatures around ``forward(q_rot, k_rot, v, q, kc, vc, gate, lengths int64 |
+    None)`` and ``backward(...)`` of one backend: inputs checked (forward) and with a unit last
+    stride, results in the layouts the op promises."""
+    def fwd(q_rot, k_rot, v, q, kc, vc, gate, lengths=None):
+        lengths = check_gcla_attention(q_rot, k_rot, v, q, kc, vc, gate, lengths)
+        q_rot, k_rot, v, q, kc, vc = map(unit_last_stride, (q_rot, k_rot, v, q, kc, vc))
+        out, lse = forward(q_rot, k_rot, v, q, kc, vc, gate.contiguous(), lengths)
+        return in_layout_of(out, q_rot), lse
+
+    def bwd(grad_out, q_rot, k_rot, v, q, kc, vc, gate, lengths, out, lse):
+        lengths = None if lengths is None else lengths.to(torch.int64).contiguous()
+        grad_out, q_rot, k_rot, v, q, kc, vc, out = map(unit_last_stride, (grad_out, q_rot, k_rot, v, q, kc, vc, out))
+        grads = backward(grad_out, q_rot, k_rot, v, q, kc, vc, gate.contiguous(), lengths, out, lse.contiguous())
+        return tuple(in_layout_of(g, like) for g, like in zip(grads, _grad_layouts(q_rot, k_rot, v, q, kc, vc, gate)))
+
+    return SimpleNamespace(forward=fwd, backward=bwd)
 
 
-@gcla_attention_op.register_fake
-def _(q_rot, k_rot, v, q, kc, vc, gate, lengths, backend="auto"):
+def _triton_forward(*args):
+    from ..triton import gcla_attention as tk
+
+    return tk.gcla_attention_fwd(*args)
+
+
+def _triton_backward(*args):
+    from ..triton import gcla_attention as tk
+
+    return tk.gcla_attention_bwd(*args)
+
+
+def _emu_forward(*args):
+    return gcla_attention_cuda.forward(*args, kernels=torch.ops.wiola_cuda_emu)
+
+
+def _emu_backward(*args):
+    return gcla_attention_cuda.backward(*args, kernels=torch.ops.wiola_cuda_emu)
+
+
+# The CUDA C++ summary kernels exist for fp32/fp16/bf16 and d_h ∈ {64, 128} only; cuda_emu runs
+# the same kernels in the SIMT emulator, on CPU tensors.
+_CUDA_LIMITS = Limits(dtypes=CUDA_KERNEL_DTYPES, head_dims=CUDA_GCLA_HEAD_DIMS)
+dispatch.register(OP, "reference", _python_kernels(_reference_forward, _reference_backward))
+dispatch.register(OP, "cpu", SimpleNamespace(forward=registered("wiola", "gcla_attention", check_gcla_attention),
+                                             backward=registered("wiola", "gcla_attention_backward",
+                                                                 lambda grad_out, *a: check_gcla_attention(*a[:8]))))
+dispatch.register(OP, "cuda", _python_kernels(gcla_attention_cuda.forward, gcla_attention_cuda.backward), _CUDA_LIMITS)
+dispatch.register(OP, "triton", _python_kernels(_triton_forward, _triton_backward),
+                  Limits(max_head_dim=TRITON_GCLA_MAX_HEAD_DIM))
+dispatch.register(OP, "cuda_emu", _python_kernels(_emu_forward, _emu_backward), _CUDA_LIMITS)
+
+
+def cuda_kernel() -> str:
+    """Which kernel runs GCLA on CUDA tensors by default: ``WIOLA_GCLA_CUDA_KERNEL`` (``"cuda"``,
+    the default, or ``"triton"``), read once, when the package is imported."""
+    name = os.environ.get("WIOLA_GCLA_CUDA_KERNEL", "cuda").strip() or "cuda"
+    if name not in CUDA_KERNELS:
+        raise ValueError(f"WIOLA_GCLA_CUDA_KERNEL must be one of {CUDA_KERNELS}, got {name!r}")
+    return name
+
+
+_CUDA_KERNEL = cuda_kernel()
+dispatch.register_default(OP, "cpu", "cpu")
+dispatch.register_default(OP, "cuda", _CUDA_KERNEL)
+
+
+def _cuda_backend(q_rot: Tensor) -> str:
+    """The configured CUDA kernel, or the next one in line for an input outside its limits."""
+    head_dim = q_rot.shape[-1] if q_rot.dim() else None  # (a bad rank is the kernel's check to report)
+    if dispatch.limits(OP, _CUDA_KERNEL).reason(q_rot.dtype, head_dim) is None:
+        return _CUDA_KERNEL
+    return dispatch.resolve(OP, _CUDA_KERNEL, q_rot.device, q_rot.dtype, head_dim)
+
+
+def _forward_on_cuda(q_rot, *args):
+    return dispatch.kernels(OP, _cuda_backend(q_rot)).forward(q_rot, *args)
+
+
+def _backward_on_cuda(grad_out, q_rot, *args):
+    return dispatch.kernels(OP, _cuda_backend(q_rot)).backward(grad_out, q_rot, *args)
+
+
+register_kernel("gcla_attention", "CUDA", _forward_on_cuda)
+register_kernel("gcla_attention_backward", "CUDA", _backward_on_cuda)
+
+
+@register_fake("wiola::gcla_attention")
+def _gcla_attention_fake(q_rot, k_rot, v, q, kc, vc, gate, lengths=None):
+    check_gcla_attention(q_rot, k_rot, v, q, kc, vc, gate, lengths)
     B, H, T, _ = q_rot.shape
     return (torch.empty_like(unit_last_stride(q_rot)),
             q_rot.new_empty((B, H, T), dtype=compute_dtype(q_rot.dtype)))
 
 
-@torch.library.custom_op("wiola::gcla_attention_grad", mutates_args=())
-def gcla_attention_grad_op(grad_out: Tensor, q_rot: Tensor, k_rot: Tensor, v: Tensor, q: Tensor, kc: Tensor,
-                           vc: Tensor, gate: Tensor, lengths: Optional[Tensor], out: Tensor, lse: Tensor,
-                           backend: str = "auto") -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """Backward on ``backend``: ``(d q_rot, d k_rot, d v, d q, d kc, d vc, d gate)``, each in its input's layout."""
-    impl = dispatch.resolve(OP, backend, q_rot.device, q_rot.dtype, q_rot.shape[-1])
-    grad_out, q_rot, k_rot, v, q, kc, vc, out = map(unit_last_stride, (grad_out, q_rot, k_rot, v, q, kc, vc, out))
-    grads = impl.backward(grad_out, q_rot, k_rot, v, q, kc, vc, gate.contiguous(), _contig(lengths), out,
-                          lse.contiguous())
-    return tuple(in_layout_of(g, like) for g, like in zip(grads, _grad_layouts(q_rot, k_rot, v, q, kc, vc, gate)))
-
-
-@gcla_attention_grad_op.register_fake
-def _(grad_out, q_rot, k_rot, v, q, kc, vc, gate, lengths, out, lse, backend="auto"):
+@register_fake("wiola::gcla_attention_backward")
+def _gcla_attention_backward_fake(grad_out, q_rot, k_rot, v, q, kc, vc, gate, lengths, out, lse):
     likes = _grad_layouts(*map(unit_last_stride, (q_rot, k_rot, v, q, kc, vc)), gate)
     return tuple(torch.empty_like(t, device=q_rot.device) for t in likes)
 
 
-def _check_inputs(q_rot, k_rot, v, q, kc, vc, gate, lengths) -> Optional[Tensor]:
-    """Every check of :func:`gcla_attention`; returns ``lengths`` as int64 (or None)."""
-    for name, t in (("q_rot", q_rot), ("k_rot", k_rot), ("v", v), ("q", q), ("kc", kc), ("vc", vc),
-                    ("gate", gate)):
-        check_tensor(name, t)
-    B, H, H_kv, T, dh = check_query_key("q_rot", q_rot, "k_rot", k_rot)
-    # With H = H_kv the four tensors agree in either layout; kc/gate give a transposed call away.
-    transposed = bthd_hint(q_rot, k_rot, v, q)
-    check_shape("v", v, (B, H_kv, T, dh), "(B, H_kv, T, d_h)")
-    check_shape("q", q, (B, H, T, dh), "(B, H, T, d_h)")
-    check_rank("kc", kc, 5, "(B, H, S, Λ', d_h)")
-    if kc.shape[0] != B or kc.shape[1] != H or kc.shape[4] != dh or kc.shape[2] not in (1, T):
-        hint = transposed if kc.shape[1] == T and kc.shape[2] in (1, H) else ""
-        raise ValueError(f"kc must have shape (B, H, S, Λ', d_h) = ({B}, {H}, S, Λ', {dh}) with S in "
-                         f"{{1, T = {T}}}, got {tuple(kc.shape)}{hint}")
-    check_rank("vc", vc, 5, "(B, H, S, Λ', d_h)")
-    if tuple(vc.shape) != tuple(kc.shape):
-        raise ValueError(f"vc must have the shape of kc (B, H, S, Λ', d_h) = {tuple(kc.shape)} (same S and Λ'), "
-                         f"got {tuple(vc.shape)}")
-    if tuple(gate.shape) != (H,):
-        hint = transposed if tuple(gate.shape) == (T,) else ""
-        raise ValueError(f"gate must have shape (H,) = ({H},), got {tuple(gate.shape)}{hint}")
-    check_same_dtype(q_rot=q_rot, k_rot=k_rot, v=v, q=q, kc=kc, vc=vc)
-    if lengths is not None:
-        check_tensor("lengths", lengths, dtypes=INDEX_DTYPES)
-    check_same_device(q_rot=q_rot, k_rot=k_rot, v=v, q=q, kc=kc, vc=vc, gate=gate, lengths=lengths)
-    return check_lengths(lengths, B, T)
+# --- autograd --------------------------------------------------------------------------------------
+
+def _forward(q_rot, k_rot, v, q, kc, vc, gate, lengths):
+    """``(out, lse, backend)``: the dispatcher's kernel (backend None), or the forced one."""
+    backend = dispatch.forced_backend()
+    if backend is None:
+        try:
+            return (*torch.ops.wiola.gcla_attention(q_rot, k_rot, v, q, kc, vc, gate, lengths), None)
+        except RuntimeError:  # the schema's argument parser: name the argument instead
+            check_gcla_attention(q_rot, k_rot, v, q, kc, vc, gate, lengths)
+            raise
+    if not isinstance(q_rot, Tensor) or q_rot.dim() != 4:
+        check_gcla_attention(q_rot, k_rot, v, q, kc, vc, gate, lengths)
+    backend = dispatch.resolve(OP, backend, q_rot.device, q_rot.dtype, q_rot.shape[-1])
+    return (*dispatch.kernels(OP, backend).forward(q_rot, k_rot, v, q, kc, vc, gate, lengths), backend)
 
 
 class GCLAAttentionFunction(torch.autograd.Function):
     """Autograd for :func:`gcla_attention`: ``GCLAAttentionFunction.apply(q_rot, k_rot, v, q, kc,
     vc, gate, lengths)`` (every argument positional, ``lengths`` may be None; see
-    :func:`gcla_attention`). Validates, picks the backend once for the input's dtype and head
-    width (kept on ``ctx``: the backward runs where the forward ran) and calls
-    ``wiola::gcla_attention`` / ``wiola::gcla_attention_grad``."""
+    :func:`gcla_attention`). Calls ``wiola::gcla_attention`` and, in the backward,
+    ``wiola::gcla_attention_backward`` — or the forced backend's kernels (chosen for the
+    input's dtype and head width), kept on ``ctx`` so that the backward runs where the forward ran."""
 
     @staticmethod
     def forward(ctx, q_rot: Tensor, k_rot: Tensor, v: Tensor, q: Tensor, kc: Tensor, vc: Tensor, gate: Tensor,
-                lengths: Optional[Tensor]) -> Tensor:
-        lengths = _check_inputs(q_rot, k_rot, v, q, kc, vc, gate, lengths)
-        ctx.backend = dispatch.select(OP, q_rot.device, q_rot.dtype, q_rot.shape[-1])
-        out, lse = gcla_attention_op(q_rot, k_rot, v, q, kc, vc, gate, lengths, ctx.backend)
+                lengths: Tensor | None) -> Tensor:
+        out, lse, ctx.backend = _forward(q_rot, k_rot, v, q, kc, vc, gate, lengths)
         ctx.save_for_backward(q_rot, k_rot, v, q, kc, vc, gate, lengths, out, lse)
         return out
 
     @staticmethod
     def backward(ctx, grad_out: Tensor):
-        q_rot, k_rot, v, q, kc, vc, gate, lengths, out, lse = ctx.saved_tensors
-        grads = gcla_attention_grad_op(grad_out, q_rot, k_rot, v, q, kc, vc, gate, lengths, out, lse, ctx.backend)
+        saved = ctx.saved_tensors
+        if ctx.backend is None:
+            grads = torch.ops.wiola.gcla_attention_backward(grad_out, *saved)
+        else:
+            grads = dispatch.kernels(OP, ctx.backend).backward(grad_out, *saved)
         return (*grads, None)
 
 
 def gcla_attention(q_rot: Tensor, k_rot: Tensor, v: Tensor, q: Tensor, kc: Tensor, vc: Tensor, gate: Tensor,
-                   lengths: Optional[Tensor] = None) -> Tensor:
+                   lengths: Tensor | None = None) -> Tensor:
     """GCLA summary-augmented attention (SPEC §5.5): ``O = O^self + σ(gate) · O^cross``.
 
     Layout: every attention tensor is ``(B, heads, T, d_h)`` — heads before time.
@@ -211,7 +233,15 @@ def gcla_attention(q_rot: Tensor, k_rot: Tensor, v: Tensor, q: Tensor, kc: Tenso
         for the model's transposed views it is in ``(B, T, H, d_h)`` memory order, so
         ``O.transpose(1, 2).reshape(B, T, H·d_h)`` is a view. Softmax statistics in float32
         (float64 for float64 inputs). Causal, scale ``1/√d_h``. Differentiable in every
-        tensor argument except ``lengths`` (through :class:`GCLAAttentionFunction`); each
-        gradient takes its input's layout (``kc``/``vc``'s for ``S = T``, contiguous for ``S = 1``).
+        tensor argument except ``lengths`` (through :class:`GCLAAttentionFunction`; without
+        gradients the registered op is called directly); each gradient takes its input's
+        layout (``kc``/``vc``'s for ``S = T``, contiguous for ``S = 1``).
+
+    Raises:
+        TypeError / ValueError naming the argument for a wrong type, dtype or shape.
     """
-    return GCLAAttentionFunction.apply(*distinct(q_rot, k_rot, v, q, kc, vc, gate, lengths))
+    if torch.compiler.is_compiling():
+        return GCLAAttentionFunction.apply(*distinct(q_rot, k_rot, v, q, kc, vc, gate, lengths))
+    if needs_grad(q_rot, k_rot, v, q, kc, vc, gate):
+        return GCLAAttentionFunction.apply(q_rot, k_rot, v, q, kc, vc, gate, lengths)
+    return _forward(q_rot, k_rot, v, q, kc, vc, gate, lengths)[0]

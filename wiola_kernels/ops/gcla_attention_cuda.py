@@ -53,6 +53,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from . import register_fake
+
 OP_NAMESPACE = "wiola"
 
 
@@ -226,3 +228,28 @@ def backward(grad_out: Tensor, q_rot: Tensor, k_rot: Tensor, v: Tensor, q: Tenso
         dk = dk.reshape(B, G, H_kv, T, dh).sum(1)
         dv = dv.reshape(B, G, H_kv, T, dh).sum(1)
     return (dq_rot, dk, dv, dq, dkc, dvc, dgate.to(gate.dtype))
+
+
+# --- fakes of the summary kernels (torch.compile of a forced cuda / cuda_emu backend) ---------------
+
+def _summary_fwd_fake(o_self, lse_self, q, kc, vc, gate, lengths, perm_kv):
+    B, H, T, _ = q.shape
+    return torch.empty(q.shape, dtype=q.dtype, device=q.device), q.new_empty((B, H, T), dtype=torch.float32)
+
+
+def _summary_bwd_fake(grad_out, out, lse, q_rot, q, kc, vc, gate, lengths, perm_kv, lse_columns, write_q_self):
+    B, H, T, dh = q.shape
+
+    def self_order():  # (B, H, T, d_h) view of (B, T, H, d_h) memory, as the binding's empty_self
+        return q.new_empty((B, T, H, dh)).transpose(1, 2)
+
+    identity = perm_kv == 1 or perm_kv == H
+    q_self = q.new_empty((0,)) if not write_q_self else (q.new_empty(q.shape) if identity else self_order())
+    return (q.new_empty(q.shape), kc.new_empty(kc.shape), vc.new_empty(vc.shape),
+            q.new_empty((H,), dtype=torch.float32), self_order(), self_order(), q_self,
+            q.new_empty((B, H, lse_columns), dtype=torch.float32))
+
+
+for _ns in ("wiola", "wiola_cuda_emu"):
+    register_fake(f"{_ns}::_gcla_summary_fwd")(_summary_fwd_fake)
+    register_fake(f"{_ns}::_gcla_summary_bwd")(_summary_bwd_fake)

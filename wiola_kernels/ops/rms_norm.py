@@ -1,12 +1,18 @@
-"""WiolaRMSNorm (SPEC §3): the registered ops ``wiola::rms_norm`` / ``wiola::rms_norm_grad``,
-the :class:`RMSNormFunction` that drives them, and the public :func:`rms_norm`.
+"""WiolaRMSNorm (SPEC §3): :func:`rms_norm`, the :class:`RMSNormFunction` that drives its
+registered ops, and their kernels written in Python.
 
-The ops work on a 2-D view ``(rows, d)``. Each backend provides
-``forward(x, weight, shift, eps, hf_order) -> (y, rstd)`` and
-``backward(grad_y, x, weight, shift, rstd) -> (grad_x, grad_weight, grad_shift)`` on
-contiguous 2-D ``x``; ``rstd`` is float32 (float64 for float64 inputs). ``shift`` may be
-None (δ = 0: no add, and ``grad_shift`` is None); ``hf_order`` selects Hugging Face's
-rounding order (normalise, round to the input dtype, then multiply by γ).
+Registered ops (declared in csrc/wiola_ops.cpp):
+
+* ``wiola::rms_norm(x (..., d), weight (d,), shift (d,) | None, eps, hf_order) -> (y, rstd)``
+* ``wiola::rms_norm_backward(grad_y, x, weight, shift, rstd) -> (grad_x, grad_weight, grad_shift)``
+
+``rstd`` has shape ``x.shape[:-1]``, float32 (float64 for float64 ``x``); ``grad_shift`` is
+None without ``shift`` (δ = 0: no add). ``hf_order`` selects Hugging Face's rounding order
+(normalise, round to the input dtype, then multiply by γ).
+
+Kernels: CPU — csrc/cpu/rms_norm.cpp; CUDA — the Triton kernels (triton/rms_norm.py,
+registered below); Meta — the fakes below. Forced backends (:mod:`wiola_kernels.dispatch`):
+``reference``, ``cpu``, ``triton``.
 """
 
 from __future__ import annotations
@@ -17,114 +23,113 @@ import torch
 from torch import Tensor
 
 from .. import dispatch
-from . import distinct
 from ..dtypes import compute_dtype
-from ..reference.rms_norm import rms_norm_backward, rms_norm_forward
-from ..validation import check_positive, check_rank, check_same_device, check_shape, check_tensor
+from ..reference.rms_norm import rms_norm_backward as _reference_backward
+from ..reference.rms_norm import rms_norm_forward as _reference_forward
+from ..validation import check_rms_norm
+from . import distinct, needs_grad, register_kernel, register_fake, registered
 
 OP = "rms_norm"
 
 
-def _cpu_forward(x: Tensor, weight: Tensor, shift: Tensor | None, eps: float,
-                 hf_order: bool = False) -> tuple[Tensor, Tensor]:
-    return torch.ops.wiola._rms_norm_fwd(x, weight, shift, eps, hf_order)
+# --- kernels written in Python (the registry's backends; Triton is also the CUDA kernel) ---------
+
+def _no_check(*args):
+    """The backward's arguments come from the forward (the Function saves them)."""
+
+def _reference_forward_checked(x, weight, shift, eps=1e-6, hf_order=False):
+    eps = check_rms_norm(x, weight, shift, eps, hf_order)
+    return _reference_forward(x, weight, shift, eps, hf_order)
 
 
-def _cpu_backward(grad_y, x, weight, shift, rstd):
-    grad_x, grad_weight, grad_shift = torch.ops.wiola._rms_norm_bwd(grad_y, x, weight, shift, rstd)
-    return grad_x, grad_weight, None if shift is None else grad_shift
-
-
-def _triton_forward(x, weight, shift, eps, hf_order=False):
+def _triton_forward(x, weight, shift, eps=1e-6, hf_order=False):
     from ..triton import rms_norm as tk
 
-    return tk.rms_norm_fwd(x, weight, shift, eps, hf_order)
+    eps = check_rms_norm(x, weight, shift, eps, hf_order)
+    d = x.shape[-1]
+    y, rstd = tk.rms_norm_fwd(x.reshape(-1, d).contiguous(), weight.contiguous(),
+                              None if shift is None else shift.contiguous(), eps, hf_order)
+    return y.view(x.shape), rstd.view(x.shape[:-1])
 
 
 def _triton_backward(grad_y, x, weight, shift, rstd):
     from ..triton import rms_norm as tk
 
-    return tk.rms_norm_bwd(grad_y, x, weight, shift, rstd)
+    check_rms_norm(x, weight, shift, 1.0, False)
+    d = x.shape[-1]
+    if grad_y.shape != x.shape or rstd.shape != x.shape[:-1]:
+        raise ValueError(f"grad_y must have the shape of x {tuple(x.shape)} and rstd x.shape[:-1], got "
+                         f"{tuple(grad_y.shape)} and {tuple(rstd.shape)}")
+    grad_x, grad_weight, grad_shift = tk.rms_norm_bwd(
+        grad_y.reshape(-1, d).contiguous(), x.reshape(-1, d).contiguous(), weight.contiguous(),
+        None if shift is None else shift.contiguous(), rstd.reshape(-1).contiguous())
+    return grad_x.view(x.shape), grad_weight, grad_shift
 
 
-# Every backend takes every float dtype and any d (Triton walks wide rows in chunks).
-dispatch.register(OP, "reference", SimpleNamespace(forward=rms_norm_forward, backward=rms_norm_backward))
-dispatch.register(OP, "cpu", SimpleNamespace(forward=_cpu_forward, backward=_cpu_backward))
+dispatch.register_default(OP, "cpu", "cpu")
+dispatch.register_default(OP, "cuda", "triton")
+dispatch.register(OP, "reference", SimpleNamespace(forward=_reference_forward_checked, backward=_reference_backward))
+dispatch.register(OP, "cpu", SimpleNamespace(forward=registered("wiola", "rms_norm", check_rms_norm),
+                                             backward=registered("wiola", "rms_norm_backward", _no_check)))
 dispatch.register(OP, "triton", SimpleNamespace(forward=_triton_forward, backward=_triton_backward))
+register_kernel("rms_norm", "CUDA", _triton_forward)
+register_kernel("rms_norm_backward", "CUDA", _triton_backward)
 
 
-@torch.library.custom_op("wiola::rms_norm", mutates_args=())
-def rms_norm_op(x: Tensor, weight: Tensor, shift: Tensor | None, eps: float, hf_order: bool = False,
-                backend: str = "auto") -> tuple[Tensor, Tensor]:
-    """Forward on ``x (rows, d)`` on ``backend`` (see :func:`wiola_kernels.dispatch.resolve`):
-    returns ``(y, rstd)``."""
-    impl = dispatch.resolve(OP, backend, x.device, x.dtype)
-    return impl.forward(x.contiguous(), weight.contiguous(), None if shift is None else shift.contiguous(), eps,
-                        hf_order)
+@register_fake("wiola::rms_norm")
+def _rms_norm_fake(x, weight, shift, eps=1e-6, hf_order=False):
+    check_rms_norm(x, weight, shift, eps, hf_order)
+    return (torch.empty(x.shape, dtype=x.dtype, device=x.device),
+            x.new_empty(x.shape[:-1], dtype=compute_dtype(x.dtype)))
 
 
-@rms_norm_op.register_fake
-def _(x, weight, shift, eps, hf_order=False, backend="auto"):
-    return torch.empty_like(x, memory_format=torch.contiguous_format), x.new_empty(
-        x.shape[:-1], dtype=compute_dtype(x.dtype))
+@register_fake("wiola::rms_norm_backward")
+def _rms_norm_backward_fake(grad_y, x, weight, shift, rstd):
+    return (torch.empty(x.shape, dtype=x.dtype, device=x.device), torch.empty_like(weight),
+            None if shift is None else torch.empty_like(shift))
 
 
-@torch.library.custom_op("wiola::rms_norm_grad", mutates_args=())
-def rms_norm_grad_op(grad_y: Tensor, x: Tensor, weight: Tensor, shift: Tensor | None, rstd: Tensor,
-                     backend: str = "auto") -> tuple[Tensor, Tensor, Tensor]:
-    """Backward on 2-D tensors on ``backend``: returns ``(grad_x, grad_weight, grad_shift)``.
-    Without ``shift``, ``grad_shift`` is an empty ``(0,)`` tensor (a custom op cannot return None)."""
-    impl = dispatch.resolve(OP, backend, x.device, x.dtype)
-    grad_x, grad_weight, grad_shift = impl.backward(
-        grad_y.contiguous(), x.contiguous(), weight.contiguous(), None if shift is None else shift.contiguous(), rstd)
-    return grad_x, grad_weight, weight.new_empty(0) if grad_shift is None else grad_shift
+# --- autograd ------------------------------------------------------------------------------------
 
-
-@rms_norm_grad_op.register_fake
-def _(grad_y, x, weight, shift, rstd, backend="auto"):
-    return (torch.empty_like(x, memory_format=torch.contiguous_format), torch.empty_like(weight),
-            weight.new_empty(0) if shift is None else torch.empty_like(shift))
+def _forward(x, weight, shift, eps, hf_order):
+    """``(y, rstd, backend)``: the dispatcher's kernel (backend None), or the forced one."""
+    backend = dispatch.forced_backend()
+    if backend is None:
+        try:
+            return (*torch.ops.wiola.rms_norm(x, weight, shift, eps, hf_order), None)
+        except RuntimeError:  # the schema's argument parser: name the argument instead
+            check_rms_norm(x, weight, shift, eps, hf_order)
+            raise
+    if not isinstance(x, Tensor):
+        check_rms_norm(x, weight, shift, eps, hf_order)
+    backend = dispatch.resolve(OP, backend, x.device, x.dtype)
+    return (*dispatch.kernels(OP, backend).forward(x, weight, shift, eps, hf_order), backend)
 
 
 class RMSNormFunction(torch.autograd.Function):
     """Autograd for :func:`rms_norm`: ``RMSNormFunction.apply(x, weight, shift, eps, hf_order)``
-    (every argument positional; see :func:`rms_norm` for their meaning). Validates, picks the
-    backend once (kept on ``ctx``: the backward runs where the forward ran) and calls
-    ``wiola::rms_norm`` / ``wiola::rms_norm_grad``."""
+    (every argument positional; see :func:`rms_norm`). Calls ``wiola::rms_norm`` and, in the
+    backward, ``wiola::rms_norm_backward`` — or the forced backend's kernels, kept on ``ctx``
+    so that the backward runs where the forward ran."""
 
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, shift: Tensor | None, eps: float, hf_order: bool) -> Tensor:
-        check_tensor("x", x)
-        check_tensor("weight", weight)
-        if shift is not None:
-            check_tensor("shift", shift)
-        check_rank("x", x, range(1, 64), "(..., d)")
-        d = x.shape[-1]
-        check_shape("weight", weight, (d,), "(d,)")
-        if shift is not None:
-            check_shape("shift", shift, (d,), "(d,)")
-        check_same_device(x=x, weight=weight, shift=shift)
-        eps = check_positive("eps", eps)
-        if not isinstance(hf_order, bool):
-            raise TypeError(f"hf_order must be a bool, got {type(hf_order).__name__}")
-        if d == 0:
-            raise ValueError("x must have a non-empty last dimension d, got d = 0")
-        x2d = x.reshape(-1, d)
-        ctx.backend = dispatch.select(OP, x.device, x.dtype)
-        y, rstd = rms_norm_op(x2d, weight, shift, eps, hf_order, ctx.backend)
-        ctx.save_for_backward(x2d, weight, shift, rstd)
-        ctx.has_shift = shift is not None
-        return y.view(x.shape)
+        y, rstd, ctx.backend = _forward(x, weight, shift, eps, hf_order)
+        ctx.save_for_backward(x, weight, shift, rstd)
+        return y
 
     @staticmethod
     def backward(ctx, grad_y: Tensor):
-        x2d, weight, shift, rstd = ctx.saved_tensors
-        grad_x, grad_weight, grad_shift = rms_norm_grad_op(grad_y.reshape(x2d.shape), x2d, weight, shift, rstd,
-                                                           ctx.backend)
-        return grad_x.view(grad_y.shape), grad_weight, grad_shift if ctx.has_shift else None, None, None
+        x, weight, shift, rstd = ctx.saved_tensors
+        if ctx.backend is None:
+            grads = torch.ops.wiola.rms_norm_backward(grad_y, x, weight, shift, rstd)
+        else:
+            grads = dispatch.kernels(OP, ctx.backend).backward(grad_y, x, weight, shift, rstd)
+        return *grads, None, None
 
 
-def rms_norm(x: Tensor, weight: Tensor, shift: Tensor | None, eps: float = 1e-6, *, hf_order: bool = False) -> Tensor:
+def rms_norm(x: Tensor, weight: Tensor, shift: Tensor | None = None, eps: float = 1e-6, *,
+             hf_order: bool = False) -> Tensor:
     """WiolaRMSNorm over the last dimension (SPEC §3): ``γ ⊙ (x + δ) / sqrt(mean((x + δ)²) + ε)``.
 
     Args:
@@ -143,6 +148,14 @@ def rms_norm(x: Tensor, weight: Tensor, shift: Tensor | None, eps: float = 1e-6,
     Returns:
         ``y`` with the shape and dtype of ``x``. Statistics are computed in float32
         (float64 for float64 input). Differentiable in ``x``, ``weight`` and ``shift``
-        (through :class:`RMSNormFunction`).
+        (through :class:`RMSNormFunction`; without gradients the registered op is called
+        directly).
+
+    Raises:
+        TypeError / ValueError naming the argument for a wrong type, dtype or shape.
     """
-    return RMSNormFunction.apply(*distinct(x, weight, shift), eps, hf_order)
+    if torch.compiler.is_compiling():
+        return RMSNormFunction.apply(*distinct(x, weight, shift), eps, hf_order)
+    if needs_grad(x, weight, shift):
+        return RMSNormFunction.apply(x, weight, shift, eps, hf_order)
+    return _forward(x, weight, shift, eps, hf_order)[0]

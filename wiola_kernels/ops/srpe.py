@@ -1,152 +1,140 @@
-"""SRPE (SPEC §4): the registered ops ``wiola::srpe`` / ``wiola::srpe_grad``, the
-:class:`SRPEFunction` that drives them, and the public :func:`srpe`.
+"""SRPE (SPEC §4): :func:`srpe`, the :class:`SRPEFunction` that drives its registered ops, and
+their kernels written in Python.
 
-Each backend provides ``apply(q, k, positions, theta, spiral_divisor, radial_amplitude,
-radial_frequency, transpose) -> (q_out, k_out)`` on ``q (B, H, T, d_h)``,
-``k (B, H_kv, T, d_h)`` with any strides but a contiguous last dimension (the model's
-transposed ``(B, T, H, d_h)`` views) and int64 ``positions (B, T)`` with any strides (an
-expanded ``(1, T)``); outputs come in the layout of ``torch.empty_like(q)`` /
-``empty_like(k)`` — the cpu and triton kernels write them so, the reference's are copied
-into it. ``transpose=False`` applies
-``R(p)`` (forward); ``transpose=True`` applies ``R(p)ᵀ`` (the backward: rotation by
-``−Θ`` scaled by ``r``), so one kernel serves both directions.
+Registered ops (declared in csrc/wiola_ops.cpp):
+
+* ``wiola::srpe(q, k, position_ids, theta, spiral_divisor, radial_amplitude, radial_frequency)
+  -> (R(p) q, R(p) k)``
+* ``wiola::srpe_backward(grad_q, grad_k, position_ids, ...) -> (R(p)ᵀ grad_q, R(p)ᵀ grad_k)``
+
+``q (B, H, T, d_h)``, ``k (B, H_kv, T, d_h)`` with any strides (the model's transposed
+``(B, T, H, d_h)`` views are read in place; only a last dimension with stride ≠ 1 is copied);
+``position_ids`` ``(B, T)``, ``(1, T)`` or ``(T,)`` of any index dtype. Outputs come in the
+layout of ``torch.empty_like(q)`` / ``empty_like(k)`` — the C++ and Triton kernels write them
+so, the reference's are copied into it. One kernel serves both directions: ``R(p)ᵀ`` is the
+rotation by ``−Θ`` scaled by ``r``.
+
+Kernels: CPU — csrc/cpu/srpe.cpp; CUDA — the Triton kernel (triton/srpe.py, registered
+below); Meta — the fakes below. Forced backends: ``reference``, ``cpu``, ``triton``.
 """
 
 from __future__ import annotations
 
-import functools
-import math
 from types import SimpleNamespace
 
 import torch
 from torch import Tensor
 
 from .. import dispatch
-from . import distinct
-from ..reference.srpe import srpe as srpe_reference
-from ..reference.srpe import srpe_backward as srpe_reference_backward
 from ..outputs import in_layout_of, unit_last_stride
-from ..srpe_tables import kernel_frequencies
-from ..validation import (bthd_hint, check_position_ids, check_position_range, check_positive, check_query_key,
-                          check_real, check_same_device, check_same_dtype, check_tensor)
+from ..reference.srpe import srpe as _reference_srpe
+from ..reference.srpe import srpe_backward as _reference_srpe_backward
+from ..validation import check_srpe, srpe_max_position
+from . import distinct, needs_grad, register_kernel, register_fake, registered
 
 OP = "srpe"
 
-
-def _reference_apply(q, k, positions, theta, spiral_divisor, radial_amplitude, radial_frequency, transpose):
-    fn = srpe_reference_backward if transpose else srpe_reference
-    return fn(q, k, positions, theta, spiral_divisor, radial_amplitude, radial_frequency)
+#: The largest ``|p|`` float32 outputs are accurate at (see :func:`validation.srpe_max_position`).
+max_accurate_position = srpe_max_position
 
 
-@functools.lru_cache(maxsize=64)
-def _cpu_frequencies(head_dim: int, theta: float, spiral_divisor: float,
-                     radial_frequency: float) -> tuple[Tensor, Tensor]:
-    # Five small tensor ops per call add up for decoding (T = 1); never mutated.
-    return kernel_frequencies(head_dim, theta, spiral_divisor, radial_frequency)
+# --- kernels written in Python ---------------------------------------------------------------------
+
+def _python_kernel(apply, names):
+    """``(q, k, position_ids, *params) -> (q_out, k_out)`` from ``apply(q, k, positions int64
+    (B, T), *params)``, checked and with outputs in the inputs' layouts."""
+    def kernel(q, k, position_ids, theta=10000.0, spiral_divisor=8.0, radial_amplitude=0.1, radial_frequency=0.01):
+        positions, params = check_srpe(q, k, position_ids, theta, spiral_divisor, radial_amplitude, radial_frequency,
+                                       names)
+        q, k = unit_last_stride(q), unit_last_stride(k)
+        q_out, k_out = apply(q, k, positions, *params)
+        return in_layout_of(q_out, q), in_layout_of(k_out, k)
+
+    return kernel
 
 
-def _cpu_apply(q, k, positions, theta, spiral_divisor, radial_amplitude, radial_frequency, transpose):
-    angle_freq, radial_freq = _cpu_frequencies(q.shape[-1], theta, spiral_divisor, radial_frequency)
-    return torch.ops.wiola._srpe(q, k, positions, angle_freq, radial_freq, radial_amplitude, transpose)
+def _triton(transpose: bool):
+    def apply(q, k, positions, *params):
+        from ..triton import srpe as tk
+
+        return tk.srpe_apply(q, k, positions, *params, transpose)
+
+    return apply
 
 
-def _triton_apply(q, k, positions, theta, spiral_divisor, radial_amplitude, radial_frequency, transpose):
-    from ..triton import srpe as tk
-
-    return tk.srpe_apply(q, k, positions, theta, spiral_divisor, radial_amplitude, radial_frequency, transpose)
+_FORWARD_NAMES, _BACKWARD_NAMES = ("q", "k"), ("grad_q", "grad_k")
 
 
-dispatch.register(OP, "reference", SimpleNamespace(apply=_reference_apply))
-dispatch.register(OP, "cpu", SimpleNamespace(apply=_cpu_apply))
-dispatch.register(OP, "triton", SimpleNamespace(apply=_triton_apply))
+def _check_backward(*args):
+    check_srpe(*args, names=_BACKWARD_NAMES)
 
 
-def max_accurate_position(spiral_divisor: float) -> int:
-    """Largest ``|p|`` at which float32 outputs still meet SPEC §9's 1e-5.
-
-    Every backend forms ``p·ω_j·(1 + 1/k_s)`` in float64, whose rounding error is about
-    ``p·(1 + 1/k_s)·2^-52`` radians for the worst pair (``ω_0 = 1``); a pair rotated by a
-    wrong angle δ has relative error ≈ δ. So ``p ≤ 1e-5·2^52/|1 + 1/k_s|``: about 2^35
-    for the default ``k_s = 8``, 2^34 for any ``k_s ≥ 1`` (derivation and mpmath checks
-    in tests/test_srpe.py). Capped at 2^53, where int64 → float64 stops being exact.
-    """
-    factor = abs(1.0 + 1.0 / spiral_divisor)
-    return 2**53 if factor == 0.0 else min(2**53, int(1e-5 * 2.0**52 / factor))
-
-
-_POSITION_LIMIT_REASON = "float32 SRPE outputs lose SPEC accuracy beyond it for spiral_divisor={}"
+dispatch.register_default(OP, "cpu", "cpu")
+dispatch.register_default(OP, "cuda", "triton")
+dispatch.register(OP, "reference", SimpleNamespace(forward=_python_kernel(_reference_srpe, _FORWARD_NAMES),
+                                                   backward=_python_kernel(_reference_srpe_backward, _BACKWARD_NAMES)))
+dispatch.register(OP, "cpu", SimpleNamespace(forward=registered("wiola", "srpe", check_srpe),
+                                             backward=registered("wiola", "srpe_backward", _check_backward)))
+dispatch.register(OP, "triton", SimpleNamespace(forward=_python_kernel(_triton(False), _FORWARD_NAMES),
+                                                backward=_python_kernel(_triton(True), _BACKWARD_NAMES)))
+register_kernel("srpe", "CUDA", dispatch.kernels(OP, "triton").forward)
+register_kernel("srpe_backward", "CUDA", dispatch.kernels(OP, "triton").backward)
 
 
-@torch.library.custom_op("wiola::srpe", mutates_args=())
-def srpe_op(q: Tensor, k: Tensor, positions: Tensor, theta: float, spiral_divisor: float,
-            radial_amplitude: float, radial_frequency: float, backend: str = "auto") -> tuple[Tensor, Tensor]:
-    """``(R(p) q, R(p) k)`` for ``positions (B, T)`` int64, on ``backend``; outputs in the
-    inputs' layouts (a transposed ``(B, T, H, d_h)`` view stays one: see outputs.py)."""
-    # Inside the op (opaque to torch.compile), and on CPU only: on a GPU the check would cost
-    # a device sync on every call, so CUDA callers get the documented limit without a check.
-    check_position_range(positions, max_accurate_position(spiral_divisor),
-                         _POSITION_LIMIT_REASON.format(spiral_divisor))
-    impl = dispatch.resolve(OP, backend, q.device, q.dtype)
-    q, k = unit_last_stride(q), unit_last_stride(k)
-    q_out, k_out = impl.apply(q, k, positions, theta, spiral_divisor, radial_amplitude, radial_frequency, False)
-    return in_layout_of(q_out, q), in_layout_of(k_out, k)
+def _fake(names):
+    def fake(q, k, position_ids, theta=10000.0, spiral_divisor=8.0, radial_amplitude=0.1, radial_frequency=0.01):
+        check_srpe(q, k, position_ids, theta, spiral_divisor, radial_amplitude, radial_frequency, names)
+        return torch.empty_like(unit_last_stride(q)), torch.empty_like(unit_last_stride(k))
+
+    return fake
 
 
-@srpe_op.register_fake
-def _(q, k, positions, theta, spiral_divisor, radial_amplitude, radial_frequency, backend="auto"):
-    return torch.empty_like(unit_last_stride(q)), torch.empty_like(unit_last_stride(k))
+register_fake("wiola::srpe")(_fake(_FORWARD_NAMES))
+register_fake("wiola::srpe_backward")(_fake(_BACKWARD_NAMES))
 
 
-@torch.library.custom_op("wiola::srpe_grad", mutates_args=())
-def srpe_grad_op(grad_q: Tensor, grad_k: Tensor, positions: Tensor, theta: float, spiral_divisor: float,
-                 radial_amplitude: float, radial_frequency: float, backend: str = "auto") -> tuple[Tensor, Tensor]:
-    """``(R(p)ᵀ grad_q, R(p)ᵀ grad_k)`` on ``backend``, in the gradients' layouts."""
-    impl = dispatch.resolve(OP, backend, grad_q.device, grad_q.dtype)
-    grad_q, grad_k = unit_last_stride(grad_q), unit_last_stride(grad_k)
-    dq, dk = impl.apply(grad_q, grad_k, positions, theta, spiral_divisor, radial_amplitude, radial_frequency, True)
-    return in_layout_of(dq, grad_q), in_layout_of(dk, grad_k)
+# --- autograd --------------------------------------------------------------------------------------
 
-
-@srpe_grad_op.register_fake
-def _(grad_q, grad_k, positions, theta, spiral_divisor, radial_amplitude, radial_frequency, backend="auto"):
-    return torch.empty_like(unit_last_stride(grad_q)), torch.empty_like(unit_last_stride(grad_k))
+def _forward(q, k, position_ids, theta, spiral_divisor, radial_amplitude, radial_frequency):
+    """``(q_out, k_out, backend)``: the dispatcher's kernel (backend None), or the forced one."""
+    backend = dispatch.forced_backend()
+    if backend is None:
+        try:
+            return (*torch.ops.wiola.srpe(q, k, position_ids, theta, spiral_divisor, radial_amplitude,
+                                          radial_frequency), None)
+        except RuntimeError:  # the schema's argument parser: name the argument instead
+            check_srpe(q, k, position_ids, theta, spiral_divisor, radial_amplitude, radial_frequency)
+            raise
+    if not isinstance(q, Tensor):
+        check_srpe(q, k, position_ids, theta, spiral_divisor, radial_amplitude, radial_frequency)
+    backend = dispatch.resolve(OP, backend, q.device, q.dtype)
+    return (*dispatch.kernels(OP, backend).forward(q, k, position_ids, theta, spiral_divisor, radial_amplitude,
+                                                   radial_frequency), backend)
 
 
 class SRPEFunction(torch.autograd.Function):
     """Autograd for :func:`srpe`: ``SRPEFunction.apply(q, k, position_ids, theta, spiral_divisor,
-    radial_amplitude, radial_frequency)`` (every argument positional; see :func:`srpe`).
-    Validates, picks the backend once (kept on ``ctx``: the backward runs where the forward
-    ran) and calls ``wiola::srpe`` / ``wiola::srpe_grad``."""
+    radial_amplitude, radial_frequency)`` (every argument positional; see :func:`srpe`). Calls
+    ``wiola::srpe`` and, in the backward, ``wiola::srpe_backward`` — or the forced backend's
+    kernels, kept on ``ctx`` so that the backward runs where the forward ran."""
 
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, position_ids: Tensor, theta: float, spiral_divisor: float,
                 radial_amplitude: float, radial_frequency: float) -> tuple[Tensor, Tensor]:
-        check_tensor("q", q)
-        check_tensor("k", k)
-        check_same_dtype(q=q, k=k)
-        b, _h, _h_kv, t, _dh = check_query_key("q", q, "k", k)
-        check_same_device(q=q, k=k, position_ids=position_ids)
-        hint = bthd_hint(q, k, t=position_ids.shape[-1]) if position_ids.dim() in (1, 2) else ""
-        positions = check_position_ids(position_ids, b, t, hint=hint)
-        theta = check_positive("theta", theta)
-        if isinstance(spiral_divisor, float) and spiral_divisor in (math.inf, -math.inf):  # (traceable by dynamo)
-            spiral_divisor = float(spiral_divisor)  # 1/k_s = 0: the plain RoPE angle p·ω_j
-        else:
-            spiral_divisor = check_real("spiral_divisor", spiral_divisor)
-        if spiral_divisor == 0.0:
-            raise ValueError("spiral_divisor must be non-zero (the angle uses 1 + 1/k_s)")
-        params = (theta, spiral_divisor, check_real("radial_amplitude", radial_amplitude),
-                  check_real("radial_frequency", radial_frequency))
-        ctx.backend = dispatch.select(OP, q.device, q.dtype)
-        q_out, k_out = srpe_op(q, k, positions, *params, ctx.backend)
-        ctx.save_for_backward(positions)
-        ctx.params = params
+        q_out, k_out, ctx.backend = _forward(q, k, position_ids, theta, spiral_divisor, radial_amplitude,
+                                             radial_frequency)
+        ctx.save_for_backward(position_ids)
+        ctx.params = (theta, spiral_divisor, radial_amplitude, radial_frequency)
         return q_out, k_out
 
     @staticmethod
     def backward(ctx, grad_q: Tensor, grad_k: Tensor):
-        (positions,) = ctx.saved_tensors
-        grad_q_in, grad_k_in = srpe_grad_op(grad_q, grad_k, positions, *ctx.params, ctx.backend)
+        (position_ids,) = ctx.saved_tensors
+        if ctx.backend is None:
+            grad_q_in, grad_k_in = torch.ops.wiola.srpe_backward(grad_q, grad_k, position_ids, *ctx.params)
+        else:
+            grad_q_in, grad_k_in = dispatch.kernels(OP, ctx.backend).backward(grad_q, grad_k, position_ids,
+                                                                               *ctx.params)
         return grad_q_in, grad_k_in, None, None, None, None, None
 
 
@@ -183,7 +171,16 @@ def srpe(q: Tensor, k: Tensor, position_ids: Tensor, theta: float = 10000.0, spi
         ``torch.empty_like``) of ``q``/``k`` — transposed ``(B, T, H, d_h)`` views give
         outputs in that memory order, which :func:`gcla_attention` reads without a copy;
         contiguous inputs give contiguous outputs. The inputs are never modified.
-        Differentiable in ``q`` and ``k`` (through :class:`SRPEFunction`); the gradients
-        take the layout of the incoming gradients the same way.
+        Differentiable in ``q`` and ``k`` (through :class:`SRPEFunction`; without gradients
+        the registered op is called directly); the gradients take the layout of the
+        incoming gradients the same way.
+
+    Raises:
+        TypeError / ValueError naming the argument for a wrong type, dtype or shape.
     """
-    return SRPEFunction.apply(*distinct(q, k, position_ids), theta, spiral_divisor, radial_amplitude, radial_frequency)
+    if torch.compiler.is_compiling():
+        return SRPEFunction.apply(*distinct(q, k, position_ids), theta, spiral_divisor, radial_amplitude,
+                                  radial_frequency)
+    if needs_grad(q, k):
+        return SRPEFunction.apply(q, k, position_ids, theta, spiral_divisor, radial_amplitude, radial_frequency)
+    return _forward(q, k, position_ids, theta, spiral_divisor, radial_amplitude, radial_frequency)[:2]

@@ -4,11 +4,11 @@ them: the oracle that every kernel is tested against."""
 from .atm import atm_merge, atm_merge_backward, atm_unmerge, atm_unmerge_backward
 from .dsff import dsff
 from .gcla_attention import (gcla_attention, gcla_attention_backward, gcla_attention_forward, gcla_context_kv,
-                             gcla_summary)
+                             gcla_cross_attention, gcla_summary)
 from .rms_norm import rms_norm, rms_norm_backward, rms_norm_forward
 from .srpe import srpe, srpe_backward, srpe_cos_sin, srpe_frequencies
 
 __all__ = ["atm_merge", "atm_merge_backward", "atm_unmerge", "atm_unmerge_backward",
            "dsff", "gcla_attention", "gcla_attention_backward", "gcla_attention_forward",
-           "gcla_context_kv", "gcla_summary", "rms_norm", "rms_norm_backward", "rms_norm_forward", "srpe", "srpe_backward",
+           "gcla_context_kv", "gcla_cross_attention", "gcla_summary", "rms_norm", "rms_norm_backward", "rms_norm_forward", "srpe", "srpe_backward",
            "srpe_cos_sin", "srpe_frequencies"]

@@ -104,8 +104,13 @@ def _masked_matmul(a: Tensor, allowed: Tensor, b: Tensor) -> Tensor:
     return torch.cond(torch.isfinite(b).all(), lambda a, m, b: a @ b, _nonfinite_terms, (a, allowed, b))
 
 
-def _cross(q: Tensor, kc: Tensor, vc: Tensor, scale: float) -> tuple[Tensor, Tensor]:
-    """``(a (B, H, T, Λ'), O^cross (B, H, T, d_h))`` in the dtype of the arguments."""
+def gcla_cross_attention(q: Tensor, kc: Tensor, vc: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+    """GCLA's cross sub-attention (SPEC §5.3) before the gate: the slot softmax
+    ``a = softmax_λ(q · kc_λ · scale)`` and ``O^cross = Σ_λ a_λ vc_λ``.
+
+    ``q (B, H, T, d_h)``, ``kc, vc (B, H, S, Λ', d_h)`` with ``S ∈ {1, T}`` (``S = 1``
+    broadcasts over T). Returns ``(a (B, H, T, Λ'), O^cross (B, H, T, d_h))`` in the
+    arguments' dtype (zeros for ``Λ' = 0``)."""
     z = (q.unsqueeze(-2) * kc).sum(-1) * scale  # (B, H, T, Λ'); kc broadcasts S = 1 over T
     a = torch.softmax(z, dim=-1)
     o_cross = (a.unsqueeze(-1) * vc).sum(-2)
@@ -134,7 +139,7 @@ def gcla_attention_forward(q_rot: Tensor, k_rot: Tensor, v: Tensor, q: Tensor, k
     lse = torch.logsumexp(s_masked.masked_fill(~row_ok[..., None], 0.0), dim=-1)
     p = torch.exp(s_masked - lse[..., None])
     o_self = _masked_matmul(p, allowed, v.to(acc)[:, idx])
-    _, o_cross = _cross(q.to(acc), kc.to(acc), vc.to(acc), scale)
+    _, o_cross = gcla_cross_attention(q.to(acc), kc.to(acc), vc.to(acc), scale)
     sig = torch.sigmoid(gate.to(acc))[None, :, None, None]
     out = (o_self + sig * o_cross).masked_fill(~row_ok[..., None], 0.0)
     return out.to(q_rot.dtype), lse.masked_fill(~row_ok, 0.0)
@@ -182,7 +187,7 @@ def gcla_attention_backward(grad_out: Tensor, q_rot: Tensor, k_rot: Tensor, v: T
     dv = torch.zeros(B, H_kv, T, dh, dtype=acc, device=q_rot.device).index_add_(1, idx, dv_h)
 
     # Cross part.
-    a, o_cross = _cross(qq, kcc, vcc, scale)
+    a, o_cross = gcla_cross_attention(qq, kcc, vcc, scale)
     sig = torch.sigmoid(gate.to(acc))
     d_oc = sig[None, :, None, None] * d_o
     dvc = a.unsqueeze(-1) * d_oc.unsqueeze(-2)  # (B, H, T, Λ', dh)

@@ -7,12 +7,18 @@
 #include "../gcla_attention_binding.cpp"
 #include "wiola/cuda_schemas.h"
 
-// The same schemas as csrc/wiola_ops.cpp declares in wiola (one source: wiola/cuda_schemas.h).
+// The same schemas as csrc/wiola_ops.cpp declares in wiola (one source: wiola/cuda_schemas.h),
+// with their fakes in the same Python modules (torch.compile of a use_backend("cuda_emu") block).
 TORCH_LIBRARY(wiola_cuda_emu, m) {
+  m.set_python_module("wiola_kernels.ops.gcla_attention_cuda");
   m.def(wiola::schema::kGclaSummaryFwd);
   m.def(wiola::schema::kGclaSummaryBwd);
+}
+
+TORCH_LIBRARY_FRAGMENT(wiola_cuda_emu, m) {
+  m.set_python_module("wiola_kernels.ops.atm");
   m.def(wiola::schema::kAtmMerge);
-  m.def(wiola::schema::kAtmMergeBwd);
+  m.def(wiola::schema::kAtmMergeBackward);
   m.def(wiola::schema::kAtmUnmerge);
-  m.def(wiola::schema::kAtmUnmergeBwd);
+  m.def(wiola::schema::kAtmUnmergeBackward);
 }

@@ -1,4 +1,4 @@
-// The schemas of the kernels that have a CUDA implementation, written once: csrc/wiola_ops.cpp
+// The schemas of the ops that have CUDA C++ kernels, written once: csrc/wiola_ops.cpp
 // declares them in the wiola namespace, the SIMT emulation's bindings
 // (csrc/cuda/emu/bindings_emu.cpp) in wiola_cuda_emu, so the two cannot drift apart.
 #pragma once
@@ -19,18 +19,19 @@ inline constexpr const char* kGclaSummaryBwd =
     " Tensor gate, Tensor? lengths, int perm_kv, int lse_columns, bool write_q_self) -> (Tensor grad_q,"
     " Tensor grad_kc, Tensor grad_vc, Tensor grad_gate, Tensor do_self, Tensor o_self, Tensor q_self,"
     " Tensor lse_self)";
-// --- ATM greedy adjacent merge (SPEC §6) ---
-// x (B, T, d) contiguous; positions (B, T), lengths (B,) int64; threshold τ in [-1, 1].
-// merged (B, T, d): row b's T'_b tokens then zeros; merged_positions (B, T) int64 (0 after
-// T'_b); merged_lengths (B,) int64 = T'_b; index_map (B, T) int64 (token -> merged slot).
+// --- ATM greedy adjacent merge (SPEC §6): the public ops, kernels on CPU and CUDA ---
+// x (B, T, d); position_ids (B, T) / (1, T) / (T,) and lengths (B,) of an index dtype;
+// threshold τ in [-1, 1]. merged (B, T, d): row b's T'_b tokens then zeros; merged_positions
+// (B, T) int64 (0 after T'_b); merged_lengths (B,) int64 = T'_b; index_map (B, T) int64.
 inline constexpr const char* kAtmMerge =
-    "_atm_merge(Tensor x, Tensor positions, Tensor lengths, float threshold)"
-    " -> (Tensor merged, Tensor merged_positions, Tensor merged_lengths, Tensor index_map)";
+    "atm_merge(Tensor x, Tensor position_ids, float threshold, Tensor? lengths=None)"
+    " -> (Tensor merged, Tensor merged_position_ids, Tensor merged_lengths, Tensor index_map)";
 // grad_x[b, t] = w_t grad_merged[b, map[b, t]], w: 1/2 in a pair, 1 alone, 0 padding (map >= T'_b).
-inline constexpr const char* kAtmMergeBwd =
-    "_atm_merge_bwd(Tensor grad_merged, Tensor index_map, Tensor merged_lengths) -> Tensor grad_x";
+inline constexpr const char* kAtmMergeBackward =
+    "atm_merge_backward(Tensor grad_merged, Tensor index_map, Tensor merged_lengths) -> Tensor grad_x";
 // restored[b, t] = y[b, map[b, t]]; its backward sums the tokens of each slot, in token order.
-inline constexpr const char* kAtmUnmerge = "_atm_unmerge(Tensor y, Tensor index_map) -> Tensor restored";
-inline constexpr const char* kAtmUnmergeBwd = "_atm_unmerge_bwd(Tensor grad_restored, Tensor index_map) -> Tensor grad_y";
+inline constexpr const char* kAtmUnmerge = "atm_unmerge(Tensor y, Tensor index_map) -> Tensor restored";
+inline constexpr const char* kAtmUnmergeBackward =
+    "atm_unmerge_backward(Tensor grad_restored, Tensor index_map) -> Tensor grad_y";
 
 }  // namespace wiola::schema

@@ -1,0 +1,148 @@
+"""CONTRIBUTING.md's "Adding an op" is true: every registered op is in every place its table
+names, and the table names no place this test does not check. The ops come from the
+registry (``dispatch.ops()``) and their public functions from ``wiola_kernels.__all__``."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+import wiola_kernels as wk
+from wiola_kernels import dispatch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _read(path: str) -> str:
+    return (ROOT / path).read_text()
+
+
+def public_functions(op: str) -> list[str]:
+    """The public functions whose Function lives in ``wiola_kernels/ops/<op>.py``."""
+    module = f"wiola_kernels.ops.{op}"
+    return sorted(n for n in wk.__all__ if inspect.isfunction(getattr(wk, n)) and getattr(wk, n).__module__ == module)
+
+
+def _schemas(op, fns):
+    assert f'm.set_python_module("wiola_kernels.ops.{op}")' in _read("csrc/wiola_ops.cpp"), op
+    if wk.ops.have_registered_ops():
+        for fn in fns:
+            for name in (fn, f"{fn}_backward"):
+                assert hasattr(torch.ops.wiola, name), f"wiola::{name} is not declared"
+
+
+def _cpp_checks(op, fns):
+    text = _read("csrc/include/wiola/checks.h")
+    for fn in fns:
+        assert re.search(rf"\binline [\w:<>]+ {fn}\(", text), f"checks::{fn} missing from checks.h"
+
+
+def _python_checks(op, fns):
+    text = _read("wiola_kernels/validation.py")
+    for fn in fns:
+        assert f"def check_{fn}(" in text, f"validation.check_{fn} missing"
+
+
+def _cpu_kernel(op, fns):
+    if "cpu" not in dispatch.implemented(op):
+        return
+    text = _read(f"csrc/cpu/{op}.cpp")
+    assert "TORCH_LIBRARY_IMPL(wiola, CPU, m)" in text
+    for fn in fns:
+        assert f'm.impl("{fn}"' in text and f'm.impl("{fn}_backward"' in text, fn
+
+
+def _triton(op, fns):
+    if "triton" not in dispatch.implemented(op):
+        return
+    assert "def aot_launches(" in _read(f"wiola_kernels/triton/{op}.py"), op
+
+
+def _reference(op, fns):
+    assert (ROOT / f"wiola_kernels/reference/{op}.py").exists()
+    from wiola_kernels import reference
+
+    for fn in fns:
+        assert fn in reference.__all__, f"reference.{fn} not exported"
+
+
+def _op_module(op, fns):
+    module = importlib.import_module(f"wiola_kernels.ops.{op}")
+    assert getattr(module, "OP", None) == op
+    for fn in fns:
+        assert callable(getattr(module, fn)), fn
+
+
+def _exports(op, fns):
+    assert fns, f"no public function of {op} is exported"
+    functions = [n for n in wk.__all__ if n.endswith("Function") and getattr(wk, n).__module__ == f"wiola_kernels.ops.{op}"]
+    assert len(functions) == len(fns), (op, functions, fns)
+
+
+def _docs(op, fns):
+    headings = [line for line in _read("docs/ops.md").splitlines() if line.startswith("#")]
+    for fn in fns:
+        assert any(f"`{fn}`" in h or f"{fn}(" in h or re.search(rf"\b{fn}\b", h) for h in headings), fn
+
+
+def _tests(op, fns):
+    assert (ROOT / f"tests/test_{op}.py").exists(), op
+
+
+def _op_layer_case(op, fns):
+    text = _read("tests/test_op_layer.py")
+    for fn in fns:
+        assert f'Case("{fn}"' in text, fn
+
+
+def _bench_case(op, fns):
+    from wiola_kernels.bench import all_cases
+
+    assert op in {c.op for c in all_cases(torch.device("cpu"), small=True)}, op
+
+
+def _overhead_case(op, fns):
+    from wiola_kernels.bench.overhead import cases
+
+    names = {c.op for c in cases()}
+    for fn in fns:
+        assert fn in names, fn
+
+
+CHECKS = {
+    "csrc/wiola_ops.cpp": _schemas,
+    "csrc/include/wiola/checks.h": _cpp_checks,
+    "wiola_kernels/validation.py": _python_checks,
+    "csrc/cpu/<op>.cpp": _cpu_kernel,
+    "wiola_kernels/triton/<op>.py": _triton,
+    "wiola_kernels/reference/<op>.py": _reference,
+    "wiola_kernels/ops/<op>.py": _op_module,
+    "wiola_kernels/__init__.py": _exports,
+    "docs/ops.md": _docs,
+    "tests/test_<op>.py": _tests,
+    "tests/test_op_layer.py": _op_layer_case,
+    "wiola_kernels/bench/cases.py": _bench_case,
+    "wiola_kernels/bench/overhead.py": _overhead_case,
+}
+
+
+def recipe_rows() -> list[str]:
+    """The files of CONTRIBUTING.md's "Adding an op" table, in order."""
+    text = _read("CONTRIBUTING.md")
+    section = text.split("## Adding an op", 1)[1].split("\n## ", 1)[0]
+    return [m.group(1) for m in re.finditer(r"^\| \d+ \| `([^`]+)`", section, re.M)]
+
+
+def test_the_recipe_names_exactly_the_places_this_test_checks():
+    assert recipe_rows() == list(CHECKS), "CONTRIBUTING.md's table and tests/test_recipe.py disagree"
+
+
+@pytest.mark.parametrize("op", dispatch.ops())
+@pytest.mark.parametrize("place", list(CHECKS))
+def test_every_registered_op_is_where_the_recipe_says(op, place):
+    CHECKS[place](op, public_functions(op))
