@@ -105,8 +105,16 @@ void test_rms_norm() {
   }
   expect(throws_value_error([&] { fwd.call(at::randn({4, 8}), at::ones({7}), at::zeros({8}), 1e-6, false); }),
          "rms_norm rejects a weight of the wrong size with ValueError");
-  expect(throws_value_error([&] { fwd.call(at::randn({4, 8}).t(), at::ones({4}), at::zeros({4}), 1e-6, false); }),
-         "rms_norm rejects a non-contiguous x with ValueError");
+  {  // any strides: a non-contiguous x is read through one copy, same values
+    const at::Tensor x = at::randn({8, 4}), w = at::rand({4}).add(0.5), s = at::randn({4});
+    auto [y, rstd] = fwd.call(x.t().contiguous().t(), w, s, 1e-6, false);
+    expect(rel_err(y, naive_rms_norm(x, w, s, 1e-6)) <= 1e-5 && rstd.sizes() == at::IntArrayRef({8}),
+           "rms_norm takes a non-contiguous x");
+  }
+  expect(throws_value_error([&] { fwd.call(at::randn({4, 0}), at::ones({0}), at::zeros({0}), 1e-6, false); }),
+         "rms_norm rejects d = 0 with ValueError");
+  expect(throws_value_error([&] { fwd.call(at::randn({4, 8}), at::ones({8}), at::zeros({8}), -1.0, false); }),
+         "rms_norm rejects eps <= 0 with ValueError");
 
   // Huge rows: Σz² overflows float (float/bf16 inputs) or double (double inputs), so the
   // kernel rescales them. Oracle: the plain SPEC §3 formulas in long double, whose 15-bit
@@ -224,7 +232,10 @@ void test_srpe() {
         const at::Tensor q = at::randn({B, H, T, dh}).to(dtype), k = at::randn({B, Hkv, T, dh}).to(dtype);
         const at::Tensor pos = at::randint(0, 1 << 20, {B, T}, at::kLong);
         auto [qo, ko] = (transpose ? srpe_bwd : srpe_fwd).call(q, k, pos, theta, k_s, amp, f_s);
-        const double tol = dtype == at::kBFloat16 ? 1e-2 : (dtype == at::kFloat ? 1e-5 : 1e-12);
+        // SPEC §9: float64 is held to max(1e-12, 8·max|p·ω_0·(1 + 1/k_s)|·2^-52), the rounding
+        // of the angle itself in any float64 evaluation (ω_0 = 1, positions below 2^20).
+        const double tol64 = std::max(1e-12, 8.0 * std::ldexp(1.0, 20) * (1.0 + 1.0 / k_s) * std::ldexp(1.0, -52));
+        const double tol = dtype == at::kBFloat16 ? 1e-2 : (dtype == at::kFloat ? 1e-5 : tol64);
         const double eq = rel_err(qo, naive_srpe(q, pos, af, rf, amp, transpose));
         const double ek = rel_err(ko, naive_srpe(k, pos, af, rf, amp, transpose));
         expect(eq <= tol && ek <= tol && qo.scalar_type() == dtype && ko.sizes() == k.sizes(),
