@@ -80,7 +80,6 @@ _FAMILIES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2"}
 _HF_ORDER = {"llama": True, "mistral": True, "qwen2": True}
 _RECORD = "_wiola_hf_patch"
 _ROPE_ATTR = "_wiola_rope"  # attribute of the cos table the fused rotary embedding returns
-_SWITCHES = ("rms_norm", "rope")
 
 
 @dataclass
