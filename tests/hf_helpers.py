@@ -104,5 +104,24 @@ def loss_and_grads(m, **batch):
     return out.loss.detach(), out.logits.detach(), grads
 
 
+def model_tester_case(family: str, seed: int = 0):
+    """The model and inputs of Hugging Face's own ``<Family>ModelTester`` (its test suite's
+    tiny config: d 32, 4 heads of 8, no GQA, MLP width 37, vocabulary 99, batch 13 × 7
+    tokens, the lower-triangular ``attention_mask`` it draws, token labels), seeded."""
+    g = torch.Generator().manual_seed(seed)
+    cfg = CONFIGS[family](vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                          num_key_value_heads=4, intermediate_size=37, max_position_embeddings=512,
+                          initializer_range=0.02, pad_token_id=0, tie_word_embeddings=False)
+    cfg._attn_implementation = "eager"
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        m = CAUSAL_LM[family](cfg)
+    randomise_norms(m, seed + 1)
+    input_ids = torch.randint(0, 99, (13, 7), generator=g)
+    batch = dict(input_ids=input_ids, attention_mask=torch.tril(torch.ones(13, 7, dtype=torch.long)),
+                 labels=torch.randint(0, 99, (13, 7), generator=g))
+    return m.eval(), batch
+
+
 def module_ids(m):
     return [(name, id(sub)) for name, sub in m.named_modules()]

@@ -26,7 +26,8 @@ import wiola_kernels as wk
 from wiola_kernels.hf import FusedRotaryEmbedding, rope_accuracy
 from wiola_kernels.testing import available_backends, rel_err, tolerance
 
-from hf_helpers import ATTENTION, FAMILIES, TRAINING_CASES, ids, loss_and_grads, model, training_batch  # noqa: E402
+from hf_helpers import (ATTENTION, FAMILIES, TRAINING_CASES, ids, loss_and_grads, model,  # noqa: E402
+                        model_tester_case, training_batch)
 
 BACKENDS = [b for b in ("cpu", "triton") if b in available_backends("rms_norm") and b in available_backends("srpe")]
 TOL = tolerance(torch.float32, "attention")
@@ -75,6 +76,16 @@ def test_training_batches_match_hf_float64(family, case):
     want = loss_and_grads(model(family, seed=31, attn=ATTENTION[case]).double().train(), **batch)
     m = wk.patch_hf(model(family, seed=31, attn=ATTENTION[case])).train()
     _assert_matches(loss_and_grads(m, **batch), want, case)
+    wk.unpatch_hf(m)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_hf_model_tester_config_matches_hf_float64(family):
+    # The config and inputs Hugging Face's own tests use for these families (d_h 8, width 37).
+    reference, batch = model_tester_case(family, seed=50)
+    want = loss_and_grads(copy.deepcopy(reference).double().train(), **batch)
+    m = wk.patch_hf(reference).train()
+    _assert_matches(loss_and_grads(m, **batch), want, "model tester")
     wk.unpatch_hf(m)
 
 
