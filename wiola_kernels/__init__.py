@@ -25,7 +25,7 @@ from .dispatch import backends, use_backend
 _extension.load_error()  # import the C++ extension (registers its kernels), warn once if missing
 dispatch.reload_environment()  # WIOLA_BACKEND, and whether the ops were declared
 
-from .hf import patch_hf, unpatch_hf  # noqa: E402  (Hugging Face models; transformers not needed to import)
+from .hf import is_patched, patch_hf, unpatch_hf  # noqa: E402  (Hugging Face models; transformers not needed to import)
 from .modules import RMSNorm, SpiralRotaryEmbedding, WiolaRMSNorm  # noqa: E402
 from .ops.atm import ATMMergeFunction, ATMUnmergeFunction, atm_merge, atm_unmerge  # noqa: E402
 from .ops.gcla_attention import GCLAAttentionFunction, gcla_attention  # noqa: E402
@@ -36,5 +36,5 @@ __version__ = "0.1.0"
 
 __all__ = ["ATMMergeFunction", "ATMUnmergeFunction", "GCLAAttentionFunction", "RMSNorm", "RMSNormFunction",
            "SRPEFunction", "SpiralRotaryEmbedding", "WiolaRMSNorm", "atm_merge", "atm_unmerge", "backends",
-           "cpu_isa", "gcla_attention", "patch_hf", "rms_norm", "set_cpu_isa", "srpe", "unpatch_hf",
+           "cpu_isa", "gcla_attention", "is_patched", "patch_hf", "rms_norm", "set_cpu_isa", "srpe", "unpatch_hf",
            "use_backend"]

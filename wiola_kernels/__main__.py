@@ -52,10 +52,10 @@ def _check_environment() -> None:
 
 
 def cmd_bench_hf(args: argparse.Namespace) -> int:
-    """``bench --hf llama``: training step of a Hugging Face model, patched vs unpatched."""
+    """``bench --hf llama``: training step of a Hugging Face model, unpatched and patched, eager and compiled."""
     from tqdm import tqdm
 
-    from .bench.hf import format_hf_record, hf_case, run_hf_bench
+    from .bench.hf import VARIANTS, format_hf_records, hf_case, run_hf_bench
 
     if args.hf == "rope":
         from .hf import format_rope_accuracy, rope_accuracy
@@ -67,15 +67,17 @@ def cmd_bench_hf(args: argparse.Namespace) -> int:
                 json.dump([dict(op="hf_rope_accuracy", **r) for r in rows], f, indent=2)
         return 0
     device = _device(args.device)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     case = hf_case(args.hf, device, small=args.small)
-    with tqdm(total=2 * args.repeats, desc=f"bench --hf {args.hf}", unit="step", file=sys.stderr) as bar:
-        record = run_hf_bench(case, repeats=args.repeats, backend=args.backend, progress=bar)
+    with tqdm(total=len(VARIANTS) * args.repeats, desc=f"bench --hf {args.hf}", unit="step", file=sys.stderr) as bar:
+        records = run_hf_bench(case, repeats=args.repeats, backend=args.backend, progress=bar)
     print(f"device: {device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}), "
           f"threads: {torch.get_num_threads()}, torch {torch.__version__}")
-    print(format_hf_record(record))
+    print(format_hf_records(records))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump([record], f, indent=2)
+            json.dump(records, f, indent=2)
         print(f"wrote {args.json}")
     return 0
 
@@ -200,8 +202,8 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--repeats", type=positive_int, default=10, help="timed runs per measurement (median)")
     bench.add_argument("--threads", type=positive_int, help="CPU threads (torch.set_num_threads); default: torch's")
     bench.add_argument("--hf", choices=["llama", "rope"],
-                       help="instead of the ops: llama = a training step of a Hugging Face Llama patched by "
-                            "wiola_kernels.patch_hf vs unpatched; rope = RoPE error at large positions, ours vs HF's")
+                       help="instead of the ops: llama = a training step of a Hugging Face Llama, unpatched and "
+                            "patched by wiola_kernels.patch_hf, each eager and torch.compile'd; rope = RoPE error at large positions, ours vs HF's")
     bench.add_argument("--overhead", action="store_true",
                        help="instead of the ops' kernels: the cost of one call of each op on a tiny input "
                             "(the op layer) vs F.rms_norm, and the first call after import in a fresh process")

@@ -2,35 +2,66 @@
 
 ``patch_hf(model)`` swaps, on that model instance, every RMSNorm module and the
 rotary-embedding application of ``LlamaForCausalLM``, ``MistralForCausalLM`` and
-``Qwen2ForCausalLM`` (or their bare ``*Model``) for this package's fused ops, on
-whatever backend :mod:`wiola_kernels.dispatch` picks (C++ on CPU tensors, Triton/CUDA on
-GPUs), for training and inference:
+``Qwen2ForCausalLM`` (or any other model of those families: the bare ``*Model``, the
+classification and QA heads) for this package's fused ops, on whatever backend
+:mod:`wiola_kernels.dispatch` picks (C++ on CPU tensors, Triton/CUDA on GPUs), for
+training and inference:
 
 * RMSNorm: each ``<Family>RMSNorm`` becomes a :class:`wiola_kernels.modules.RMSNorm`
   sharing its ``weight`` Parameter (``state_dict`` keys and optimizer state unchanged),
   with δ = 0 (no shift) and Hugging Face's rounding order (normalise in float32, round
   to the input dtype, then multiply by γ), so bf16/fp16 outputs match HF's.
 * RoPE: WiolaRMSNorm's sibling SRPE with ``k_s = ∞`` and ``a_s = 0`` is rotate-half
-  RoPE. The model's ``rotary_emb`` (which computes float32 cos/sin tables) is replaced by
-  a module that hands the positions on to the attention layers, and the modeling
-  module's ``apply_rotary_pos_emb`` by a function that applies :func:`wiola_kernels.srpe`
-  to Q and K in one launch when it receives those positions (and calls the original
-  otherwise, so unpatched models of the same class are unaffected). Angles are
-  reduced in float64: the rotation stays float32-accurate at large positions, where
-  HF's float32 ``inv_freq · p`` does not (``python -m wiola_kernels bench --hf rope`` prints both errors).
+  RoPE. The model's ``rotary_emb`` becomes a :class:`FusedRotaryEmbedding`, which still
+  returns HF's ``(cos, sin)`` tensors (same shapes and dtype, from float64 angles), so
+  code that reads ``position_embeddings`` keeps working; the ``cos`` tensor also carries
+  the positions, and the modeling module's ``apply_rotary_pos_emb`` is replaced by a
+  function that, when it sees them, applies :func:`wiola_kernels.srpe` to Q and K in one
+  launch (and calls the original otherwise, so unpatched models of the same class are
+  unaffected, and foreign tables still work). Under ``torch.compile`` the unused tables
+  are dead code. Angles are reduced in float64: the rotation stays float32-accurate at
+  large positions, where HF's float32 ``inv_freq · p`` does not (``python -m
+  wiola_kernels bench --hf rope`` prints both errors).
+
+Each swap is switchable (``rms_norm=``, ``rope=``), on by default.
+
+**All or nothing.** ``patch_hf`` first checks everything and builds every replacement,
+then swaps; if anything fails (an exception anywhere, even midway through the swaps),
+what was swapped is put back and the exception propagates: the model is exactly as
+before and not patched.
+
+**Meta-device and ``to_empty`` models.** Whether RoPE can be swapped is decided from the
+config and the rotary module's metadata (rope type, scaling, head size), never from
+tensor values, so a model built on the meta device (``torch.device("meta")``,
+accelerate's ``init_empty_weights``, FSDP's meta init) patches like any other. The HF
+rotary module stays inside the fused one (``rotary_emb.hf_rotary``), so ``to_empty``,
+``.to()`` and HF's weight initialisation reach its ``inv_freq`` buffer; the first eager
+forward that finds that buffer materialised checks it against the default
+``θ₀^(−2j/d_h)`` (a hand-edited buffer is not what we compute: that module then keeps
+HF's RoPE, with a warning). ``unpatch_hf`` hands back the HF modules as they are then.
+
+**Class-level form.** ``patch_hf(LlamaForCausalLM)`` (any model class of a family) or
+``patch_hf("llama")`` patches the family: every model of it built afterwards —
+``from_pretrained``, ``from_config``, a plain constructor, on any device — is patched
+(with the given switches) as its outermost constructor returns, before
+``from_pretrained`` loads weights into it (keys are unchanged, so loading is unaffected).
+``unpatch_hf(LlamaForCausalLM)`` / ``unpatch_hf("llama")`` stops that; models already
+built stay patched until ``unpatch_hf(model)``. ``is_patched`` answers for either form.
 
 Only the default rope type is swapped; other types (``llama3``, ``yarn``, ``dynamic``,
 ...) keep HF's rotary embedding, with a warning that names the type (RMSNorm is still
 swapped). Models of other architectures are left untouched, with a warning naming them.
-``unpatch_hf(model)`` puts the original modules and function back.
 
 Transformers is imported lazily: ``wiola_kernels`` itself does not need it.
 """
 
 from __future__ import annotations
 
+import functools
+import importlib
 import math
 import sys
+import threading
 import warnings
 import weakref
 from dataclasses import dataclass, field
@@ -41,13 +72,14 @@ from torch import Tensor, nn
 from .modules.rms_norm import RMSNorm
 from .ops.srpe import srpe
 
-__all__ = ["patch_hf", "unpatch_hf", "is_patched"]
+__all__ = ["patch_hf", "unpatch_hf", "is_patched", "FusedRotaryEmbedding", "RotaryPositions"]
 
 # model_type -> class-name prefix in transformers.models.<type>.modeling_<type>. The three
 # families share LlamaRMSNorm's arithmetic, hence the HF rounding order for all of them.
 _FAMILIES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2"}
 _HF_ORDER = {"llama": True, "mistral": True, "qwen2": True}
 _RECORD = "_wiola_hf_patch"
+_ROPE_ATTR = "_wiola_rope"  # attribute of the cos table the fused rotary embedding returns
 
 
 @dataclass
@@ -55,13 +87,14 @@ class _Patch:
     """What patch_hf changed on one model, to undo it."""
 
     modeling: str                                     # name of the transformers modeling module
+    switches: dict = field(default_factory=dict)      # the patch_hf keyword arguments used
     norms: list = field(default_factory=list)         # (parent, attribute name, original module)
     rotary: list = field(default_factory=list)        # (parent, attribute name, original module)
 
 
 class RotaryPositions:
-    """What the patched rotary embedding returns in place of ``(cos, sin)``: the
-    positions and RoPE's θ₀, applied to Q and K by the patched ``apply_rotary_pos_emb``."""
+    """The positions and RoPE's θ₀ that the fused rotary embedding attaches to its ``cos``
+    table; :meth:`apply` rotates Q and K with :func:`wiola_kernels.srpe`."""
 
     __slots__ = ("position_ids", "theta")
 
@@ -92,27 +125,60 @@ class RotaryPositions:
         return srpe(q, k, self.position_ids, self.theta, spiral_divisor=math.inf, radial_amplitude=0.0,
                     radial_frequency=0.0)
 
-    def __iter__(self):  # unpacks like HF's (cos, sin)
-        return iter((self, self))
+
+def rope_tables(position_ids: Tensor, theta: float, head_dim: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """HF's ``(cos, sin)`` for default RoPE — ``(B, T, d_h)``, the halves repeated — with the
+    angles ``p·θ₀^(−2j/d_h)`` formed in float64 (accurate at large positions), in ``dtype``."""
+    j = torch.arange(head_dim // 2, dtype=torch.float64, device=position_ids.device)
+    angle = position_ids[..., None].to(torch.float64) * torch.pow(float(theta), -2.0 * j / head_dim)
+    emb = torch.cat((angle, angle), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
 class FusedRotaryEmbedding(nn.Module):
-    """Stands in for a model's ``<Family>RotaryEmbedding``: instead of float32 cos/sin
-    tables, returns :class:`RotaryPositions` for the patched ``apply_rotary_pos_emb``."""
+    """Stands in for a model's ``<Family>RotaryEmbedding`` (kept as ``hf_rotary``).
 
-    def __init__(self, theta: float, head_dim: int, modeling: str) -> None:
+    ``forward(x, position_ids)`` returns ``(cos, sin)`` like HF's (shapes ``(B, T, d_h)``,
+    dtype of ``x``); ``cos`` carries a :class:`RotaryPositions`, which the patched
+    ``apply_rotary_pos_emb`` uses to rotate Q and K with :func:`wiola_kernels.srpe`.
+    The first eager forward that finds ``hf_rotary.inv_freq`` materialised checks it is the
+    default RoPE's; if not, this module returns HF's own tables from then on (a warning
+    says so), which the patched function hands to HF's original code.
+    """
+
+    def __init__(self, hf_rotary: nn.Module, theta: float, head_dim: int, modeling: str) -> None:
         super().__init__()
+        self.hf_rotary = hf_rotary
         self.theta = float(theta)
         self.head_dim = int(head_dim)
         self.modeling = modeling  # name of the transformers modeling module whose RoPE we serve
+        self.buffer_check = "pending"  # -> "fused" (default RoPE, verified) or "hf" (differs: HF's RoPE)
 
-    def forward(self, x: Tensor, position_ids: Tensor) -> RotaryPositions:
+    def forward(self, x: Tensor, position_ids: Tensor) -> tuple[Tensor, Tensor]:
+        if not torch.compiler.is_compiling():
+            self._eager_checks()
+        if self.buffer_check == "hf":
+            return self.hf_rotary(x, position_ids)
+        cos, sin = rope_tables(position_ids, self.theta, self.head_dim, x.dtype)
+        setattr(cos, _ROPE_ATTR, RotaryPositions(position_ids, self.theta))
+        return cos, sin
+
+    def _eager_checks(self) -> None:
         # A deep copy of a patched model is not registered yet: register it on first use,
         # so the patched apply_rotary_pos_emb stays in place while it lives.
         entry = _installed.get(self.modeling)
         if entry is None or id(self) not in entry[1]:
             _install_apply(sys.modules[self.modeling], self)
-        return RotaryPositions(position_ids, self.theta)
+        if self.buffer_check == "pending":
+            inv_freq = getattr(self.hf_rotary, "inv_freq", None)
+            if not isinstance(inv_freq, Tensor) or inv_freq.is_meta:
+                return  # not materialised yet (a meta model): decide later
+            why = _inv_freq_mismatch(inv_freq, self.theta, self.head_dim)
+            if why is not None:
+                warnings.warn(f"wiola_kernels.patch_hf: {type(self.hf_rotary).__name__}.inv_freq holds {why}, "
+                              f"which the fused RoPE does not compute; this model keeps Hugging Face's RoPE",
+                              UserWarning, stacklevel=3)
+            self.buffer_check = "fused" if why is None else "hf"
 
     def extra_repr(self) -> str:
         return f"theta={self.theta}, head_dim={self.head_dim}"
@@ -126,8 +192,9 @@ _installed: dict[str, tuple[object, dict[int, weakref.finalize]]] = {}
 
 def _make_apply(original):
     def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
-        if isinstance(cos, RotaryPositions):
-            return cos.apply(q, k, unsqueeze_dim)
+        rope = getattr(cos, _ROPE_ATTR, None)
+        if rope is not None:
+            return rope.apply(q, k, unsqueeze_dim)
         return original(q, k, cos, sin, unsqueeze_dim)
 
     apply_rotary_pos_emb.__wrapped__ = original
@@ -140,8 +207,8 @@ def _install_apply(modeling, user: nn.Module) -> None:
     name = modeling.__name__
     if name not in _installed:
         original = modeling.apply_rotary_pos_emb
-        modeling.apply_rotary_pos_emb = _make_apply(original)
         _installed[name] = (original, {})
+        modeling.apply_rotary_pos_emb = _make_apply(original)
     _installed[name][1][id(user)] = weakref.finalize(user, _release_apply, modeling, id(user))
 
 
@@ -159,75 +226,126 @@ def _release_apply(modeling, key: int) -> None:
 
 def _uninstall_apply(modeling, user: nn.Module) -> None:
     entry = _installed.get(modeling.__name__)
-    if entry is not None and id(user) in entry[1]:
-        entry[1][id(user)].detach()
-        _release_apply(modeling, id(user))
+    if entry is not None:
+        finalizer = entry[1].get(id(user))
+        if finalizer is not None:
+            finalizer.detach()
+        _release_apply(modeling, id(user))  # also puts the original back if nobody uses the wrapper
+
+
+def _family_of_class(cls) -> tuple[str, object] | None:
+    """``(model_type, modeling module)`` of the first class in ``cls``'s MRO that is defined in
+    ``transformers.models.<type>.modeling_<type>`` for a supported type, else None."""
+    for base in getattr(cls, "__mro__", ()):
+        for model_type in _FAMILIES:
+            if base.__module__ == f"transformers.models.{model_type}.modeling_{model_type}":
+                modeling = sys.modules.get(base.__module__)
+                if modeling is not None:
+                    return model_type, modeling
+    return None
 
 
 def _family(model: nn.Module):
     """``(model_type, modeling module)`` for a supported model, else ``(None, reason)``."""
-    config = getattr(model, "config", None)
-    model_type = getattr(config, "model_type", None)
-    modeling = sys.modules.get(type(model).__module__)
-    if model_type not in _FAMILIES or modeling is None or not type(model).__module__.endswith(f"modeling_{model_type}"):
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    found = _family_of_class(type(model))
+    if found is None or found[0] != model_type:
         return None, f"{type(model).__name__} (model_type={model_type!r})"
-    return model_type, modeling
+    return found
 
 
 def _swap(parent: nn.Module, name: str, new: nn.Module) -> None:
     setattr(parent, name, new)
 
 
+def _head_dim(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def _rope_theta(config):
+    params = getattr(config, "rope_parameters", None) or {}
+    return params.get("rope_theta", getattr(config, "rope_theta", None))
+
+
 def _rope_supported(rotary: nn.Module, config, head_dim: int) -> str | None:
-    """None when ``rotary`` is default RoPE we can reproduce, else why not."""
+    """None when ``rotary`` is default RoPE we can reproduce, else why not. Reads only the
+    config and metadata (never tensor values), so meta-device modules are judged alike."""
     rope_type = getattr(rotary, "rope_type", None)
     if rope_type != "default":
         return f"rope type {rope_type!r}"
-    if getattr(rotary, "attention_scaling", 1.0) != 1.0:
-        return f"attention scaling {rotary.attention_scaling}"
-    params = getattr(config, "rope_parameters", None) or {}
-    theta = params.get("rope_theta", getattr(config, "rope_theta", None))
+    scaling = getattr(rotary, "attention_scaling", 1.0)
+    if scaling != 1.0:
+        return f"attention scaling {scaling}"
     inv_freq = getattr(rotary, "inv_freq", None)
-    if theta is None or inv_freq is None or inv_freq.numel() * 2 != head_dim:
+    theta = _rope_theta(config)
+    if not isinstance(theta, (int, float)) or not theta > 0 or not isinstance(inv_freq, Tensor) \
+            or inv_freq.dim() != 1 or inv_freq.shape[0] * 2 != head_dim:
         return "a partial or non-standard rotary embedding"
-    # The buffer must be the default θ₀^(−2j/d_h) rounded to its dtype (float32, or bf16
-    # after model.to(bf16)): anything else (a hand-edited buffer) is not what we compute.
-    # We use the float64 ω_j, not the rounded buffer.
+    return None
+
+
+def _inv_freq_mismatch(inv_freq: Tensor, theta: float, head_dim: int) -> str | None:
+    """None when the materialised buffer is the default θ₀^(−2j/d_h) rounded to its dtype
+    (float32, or bf16 after ``model.to(bf16)``), else what it holds. The fused RoPE uses the
+    float64 ω_j, not the rounded buffer."""
     j = torch.arange(head_dim // 2, dtype=torch.float64)
-    omega = (float(theta) ** (-2.0 * j / head_dim))
-    rtol = max(2e-7, torch.finfo(inv_freq.dtype).eps) if inv_freq.is_floating_point() else 0.0
-    if not torch.allclose(inv_freq.detach().double().cpu(), omega, rtol=rtol, atol=0.0):
+    omega = float(theta) ** (-2.0 * j / head_dim)
+    if not inv_freq.is_floating_point():
+        return f"a {inv_freq.dtype} tensor"
+    values = inv_freq.detach().to("cpu", torch.float64)
+    rtol = max(2e-7, torch.finfo(inv_freq.dtype).eps)
+    if not torch.allclose(values, omega, rtol=rtol, atol=0.0):
         return "inverse frequencies that differ from the default θ₀^(−2j/d_h)"
     return None
 
 
-def is_patched(model: nn.Module) -> bool:
-    """Whether :func:`patch_hf` has patched ``model`` (and :func:`unpatch_hf` has not undone it)."""
-    return getattr(model, _RECORD, None) is not None
+def is_patched(target) -> bool:
+    """Whether :func:`patch_hf` has patched ``target`` and :func:`unpatch_hf` has not undone it:
+    a model instance, or (the class-level form) a model class or family name."""
+    if isinstance(target, (str, type)):
+        found = _class_target(target, strict=False)
+        return found is not None and found[0] in _class_patches
+    return getattr(target, _RECORD, None) is not None
 
 
-def patch_hf(model: nn.Module, *, rms_norm: bool = True, rope: bool = True) -> nn.Module:
-    """Swap ``model``'s RMSNorm modules and RoPE for this package's fused ops, in place.
+def _check_switches(switches: dict) -> dict:
+    for name, value in switches.items():
+        if not isinstance(value, bool):
+            raise TypeError(f"{name} must be a bool (whether to swap that part), got {type(value).__name__}")
+    return switches
 
-    Supported: ``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM`` and
-    the other heads/bare models of those three families (``config.model_type`` in
-    ``llama``, ``mistral``, ``qwen2``), with the default rope type. Patching an already
-    patched model does nothing.
+
+def patch_hf(target, *, rms_norm: bool = True, rope: bool = True):
+    """Swap a Hugging Face model's RMSNorm modules and RoPE for this package's fused ops.
+
+    Supported: ``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM`` and the
+    other models of those three families (``config.model_type`` in ``llama``, ``mistral``,
+    ``qwen2``), with the default rope type. All or nothing: on any error the model is left
+    exactly as it was (see the module docstring). Patching an already patched model does
+    nothing.
 
     Args:
-        model: a ``transformers`` model instance.
+        target: a ``transformers`` model instance (patched in place); or a model class
+            of a supported family, or the family's name (``"llama"``, ``"mistral"``,
+            ``"qwen2"``): the class-level form, which patches every model of that family
+            built from then on (e.g. by ``from_pretrained``) until ``unpatch_hf(target)``.
         rms_norm: swap every ``<Family>RMSNorm`` for :class:`wiola_kernels.modules.RMSNorm`
             (shares the ``weight`` Parameter; HF's rounding order).
         rope: apply rotary embeddings with :func:`wiola_kernels.srpe`
             (``k_s = ∞``, ``a_s = 0``: plain rotate-half RoPE, angles reduced in float64).
 
     Returns:
-        ``model`` itself. Unknown architectures are returned untouched with a
+        ``target`` itself. Unknown architectures are returned untouched with a
         ``UserWarning`` naming them; unsupported rope types keep HF's RoPE, with a
         warning naming the type.
     """
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module (a transformers model), got {type(model).__name__}")
+    switches = _check_switches({"rms_norm": rms_norm, "rope": rope})
+    if isinstance(target, (str, type)):
+        return _patch_classes(target, switches)
+    if not isinstance(target, nn.Module):
+        raise TypeError(f"target must be a transformers model (a torch.nn.Module), a model class or a family name "
+                        f"({', '.join(map(repr, _FAMILIES))}), got {type(target).__name__}")
+    model = target
     if is_patched(model):
         return model
     model_type, modeling = _family(model)
@@ -235,21 +353,41 @@ def patch_hf(model: nn.Module, *, rms_norm: bool = True, rope: bool = True) -> n
         warnings.warn(f"wiola_kernels.patch_hf: unsupported architecture {modeling}; model left untouched "
                       f"(supported: {', '.join(_FAMILIES)})", UserWarning, stacklevel=2)
         return model
+    norms, rotary = _plan(model, model_type, modeling, switches)
+    record = _Patch(modeling.__name__, dict(switches))
+    try:
+        for parent, name, child, fused in norms:
+            _swap(parent, name, fused)
+            record.norms.append((parent, name, child))
+        for parent, name, child, fused in rotary:
+            record.rotary.append((parent, name, child))
+            _install_apply(modeling, fused)
+            _swap(parent, name, fused)
+        object.__setattr__(model, _RECORD, record)
+    except BaseException:
+        _rollback(record, {id(child): fused for *_, child, fused in norms + rotary}, modeling)
+        raise
+    return model
+
+
+def _plan(model: nn.Module, model_type: str, modeling, switches: dict) -> tuple[list, list]:
+    """Every swap to make, as ``(parent, name, original, replacement)``, built before any is
+    made (so a failure here changes nothing)."""
     prefix = _FAMILIES[model_type]
     norm_cls = getattr(modeling, f"{prefix}RMSNorm", None)
     rotary_cls = getattr(modeling, f"{prefix}RotaryEmbedding", None)
-    record = _Patch(modeling.__name__)
     # Collect first, then swap: swapping while iterating named_modules would revisit.
     targets = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()]
-    if rms_norm and norm_cls is not None:
+    norms, rotary = [], []
+    if switches["rms_norm"] and norm_cls is not None:
         for parent, name, child in targets:
             if type(child) is norm_cls:
                 fused = RMSNorm(eps=child.variance_epsilon, hf_order=_HF_ORDER[model_type], weight=child.weight)
-                _swap(parent, name, fused)
-                record.norms.append((parent, name, child))
-    if rope and rotary_cls is not None and hasattr(modeling, "apply_rotary_pos_emb"):
+                fused.train(child.training)
+                norms.append((parent, name, child, fused))
+    if switches["rope"] and rotary_cls is not None and callable(getattr(modeling, "apply_rotary_pos_emb", None)):
         config = model.config
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        head_dim = _head_dim(config)
         for parent, name, child in targets:
             if type(child) is not rotary_cls:
                 continue
@@ -257,41 +395,151 @@ def patch_hf(model: nn.Module, *, rms_norm: bool = True, rope: bool = True) -> n
             if why is not None:
                 warnings.warn(f"wiola_kernels.patch_hf: {type(model).__name__} uses {why}, which the fused RoPE "
                               f"does not implement; its rotary embedding is left untouched (RMSNorm is still "
-                              f"swapped)", UserWarning, stacklevel=2)
+                              f"swapped)", UserWarning, stacklevel=3)
                 continue
-            params = getattr(config, "rope_parameters", None) or {}
-            theta = float(params.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
-            fused = FusedRotaryEmbedding(theta, head_dim, modeling.__name__)
-            _swap(parent, name, fused)
-            _install_apply(modeling, fused)
-            record.rotary.append((parent, name, child))
-    object.__setattr__(model, _RECORD, record)
-    return model
+            fused = FusedRotaryEmbedding(child, float(_rope_theta(config)), head_dim, modeling.__name__)
+            fused.train(child.training)
+            rotary.append((parent, name, child, fused))
+    return norms, rotary
 
 
-def unpatch_hf(model: nn.Module) -> nn.Module:
-    """Undo :func:`patch_hf` on ``model``: the original RMSNorm and rotary-embedding
-    modules go back in place (holding the current ``weight`` Parameters), and the
-    modeling module's ``apply_rotary_pos_emb`` is restored once no patched model of
-    that family remains. A model that is not patched is returned as is."""
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module (a transformers model), got {type(model).__name__}")
+def _rollback(record: _Patch, replacement: dict, modeling) -> None:
+    """Undo a partly applied patch (the swaps recorded so far), newest first."""
+    for parent, name, child in reversed(record.rotary):
+        fused = replacement[id(child)]
+        nn.Module.__setattr__(parent, name, child)
+        _uninstall_apply(modeling, fused)
+    for parent, name, child in reversed(record.norms):
+        nn.Module.__setattr__(parent, name, child)
+
+
+def unpatch_hf(target):
+    """Undo :func:`patch_hf`.
+
+    On a model: the original RMSNorm and rotary-embedding modules go back in place
+    (holding the current ``weight`` Parameters and buffers, so weights loaded or moved after
+    patching are kept), and the modeling module's ``apply_rotary_pos_emb`` is restored
+    once no patched model of that family remains. On a model class or family name: models
+    of the family built from now on are no longer patched (those already built stay
+    patched until unpatched themselves). Anything not patched is returned as is."""
+    if isinstance(target, (str, type)):
+        return _unpatch_classes(target)
+    if not isinstance(target, nn.Module):
+        raise TypeError(f"target must be a transformers model (a torch.nn.Module), a model class or a family name "
+                        f"({', '.join(map(repr, _FAMILIES))}), got {type(target).__name__}")
+    model = target
     record = getattr(model, _RECORD, None)
     if record is None:
         return model
     for parent, name, original in record.norms:
         fused = getattr(parent, name)
-        # model.to()/load_state_dict may have replaced the Parameter: hand back the current one.
-        if isinstance(fused, RMSNorm) and fused.weight is not original.weight:
-            original.weight = fused.weight
+        if isinstance(fused, RMSNorm):
+            # model.to()/to_empty()/load_state_dict may have replaced the Parameter: hand back the current one.
+            if fused.weight is not original.weight:
+                original.weight = fused.weight
+            original.train(fused.training)
         _swap(parent, name, original)
     for parent, name, original in record.rotary:
         fused = getattr(parent, name)
         if isinstance(fused, FusedRotaryEmbedding):
             _uninstall_apply(sys.modules[record.modeling], fused)
+            original = fused.hf_rotary  # the same module, moved and initialised with the model
         _swap(parent, name, original)
     object.__delattr__(model, _RECORD)
     return model
+
+
+# ---- the class-level form ----------------------------------------------------------
+
+@dataclass
+class _ClassPatch:
+    switches: dict
+    inits: dict  # class -> its own __init__ before we wrapped it (None: it had none, inherited)
+
+
+_class_patches: dict[str, _ClassPatch] = {}  # model_type -> what patch_hf(<class>) changed
+_constructing = threading.local()  # depth of nested family-model constructors in this thread
+
+
+def _class_target(target, strict: bool = True) -> tuple[str, object] | None:
+    """``(model_type, modeling module)`` of a family name or model class."""
+    if isinstance(target, str):
+        if target not in _FAMILIES:
+            if not strict:
+                return None
+            raise ValueError(f"family must be one of {', '.join(map(repr, _FAMILIES))}, got {target!r}")
+        return target, importlib.import_module(f"transformers.models.{target}.modeling_{target}")
+    if not isinstance(target, type) or not issubclass(target, nn.Module):
+        if not strict:
+            return None
+        raise TypeError(f"target must be a transformers model class, got {target!r}")
+    return _family_of_class(target)
+
+
+def _family_classes(model_type: str, modeling) -> list[type]:
+    """The family's model classes (``<Family>PreTrainedModel`` subclasses of its modeling module)."""
+    base = getattr(modeling, f"{_FAMILIES[model_type]}PreTrainedModel")
+    return [c for c in vars(modeling).values()
+            if isinstance(c, type) and issubclass(c, base) and c is not base and c.__module__ == modeling.__name__]
+
+
+def _wrap_init(model_type: str, init):
+    @functools.wraps(init)
+    def __init__(self, *args, **kwargs):
+        depth = getattr(_constructing, "depth", 0)
+        _constructing.depth = depth + 1
+        try:
+            init(self, *args, **kwargs)
+        finally:
+            _constructing.depth = depth
+        patch = _class_patches.get(model_type)
+        if depth == 0 and patch is not None and not is_patched(self):
+            patch_hf(self, **patch.switches)  # the outermost model of the family, fully built
+
+    __init__._wiola_wrapped = init
+    return __init__
+
+
+def _patch_classes(target, switches: dict):
+    found = _class_target(target)
+    if found is None:
+        warnings.warn(f"wiola_kernels.patch_hf: unsupported architecture {target.__name__}; class left untouched "
+                      f"(supported: {', '.join(_FAMILIES)})", UserWarning, stacklevel=3)
+        return target
+    model_type, modeling = found
+    if model_type in _class_patches:  # patched already: the new switches apply from now on
+        _class_patches[model_type].switches = dict(switches)
+        return target
+    patch = _ClassPatch(dict(switches), {})
+    try:
+        for cls in _family_classes(model_type, modeling):
+            own = cls.__dict__.get("__init__")
+            patch.inits[cls] = own
+            cls.__init__ = _wrap_init(model_type, cls.__init__)
+        _class_patches[model_type] = patch
+    except BaseException:
+        _restore_inits(patch)
+        raise
+    return target
+
+
+def _restore_inits(patch: _ClassPatch) -> None:
+    for cls, own in reversed(list(patch.inits.items())):
+        if own is None:
+            if "__init__" in cls.__dict__:
+                del cls.__init__
+        else:
+            cls.__init__ = own
+
+
+def _unpatch_classes(target):
+    found = _class_target(target)
+    if found is None:
+        return target
+    patch = _class_patches.pop(found[0], None)
+    if patch is not None:
+        _restore_inits(patch)
+    return target
 
 
 def format_rope_accuracy(rows: list[dict]) -> str:

@@ -1,17 +1,24 @@
-"""Benchmark case ``hf_llama_step``: a training step of a Hugging Face Llama, patched by
-:func:`wiola_kernels.patch_hf` vs unpatched, in one process (``python -m wiola_kernels
-bench --hf llama``; the pytest-benchmark suite in ``benchmarks/`` times the same steps).
+"""Benchmark case ``hf_llama_step``: a training step of a Hugging Face Llama in four
+variants — unpatched eager, unpatched ``torch.compile``, patched by
+:func:`wiola_kernels.patch_hf` eager, and patched compiled — in one process (``python -m
+wiola_kernels bench --hf llama``; the pytest-benchmark suite in ``benchmarks/`` times the
+eager steps).
 
-The step is forward (with the language-modelling loss), backward and ``AdamW.step``.
-Two models with the same weights, each with its own optimizer, are timed in alternation
-(the order swapped every round), so both see the same machine load; the medians are
-reported. Peak memory: on CUDA, ``torch.cuda.max_memory_allocated`` over a step; on the
+The step is forward (with the language-modelling loss), backward and ``AdamW.step``; the
+compiled variants wrap the model in ``torch.compile`` (default inductor), the optimizer
+stays eager. Four models with the same weights, each with its own optimizer, are timed in
+rotation (the order shifted every round), so all see the same machine load; the medians
+are reported. Throughput ``tokens_per_s`` is by the process's CPU time on the CPU (on a
+shared, loaded machine it moves far less than wall time, which includes waiting for a
+core) and by wall time on a GPU (where the host thread mostly waits); both are in the
+record. Peak memory: on CUDA, ``torch.cuda.max_memory_allocated`` over a step; on the
 CPU, the growth of the process's peak resident set over a step (``VmHWM`` reset through
 ``/proc/self/clear_refs`` after ``malloc_trim``), i.e. the memory the step really touched.
 
 Model: Llama with d = 512, L = 4, 8 heads (d_h = 64, no GQA), SwiGLU width 1376 (≈ 8d/3),
 vocabulary 32000 (Llama's), SDPA attention; B = 2, T = 1024; float32 on the CPU,
-bfloat16 on a GPU. ``small=True``: d 64, L 2, T 64, vocabulary 256 (seconds; smoke tests).
+bfloat16 on a GPU. ``small=True``: d 64, L 2, T 64, vocabulary 256 (seconds per step; the
+compile warm-up dominates; smoke tests).
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ from dataclasses import dataclass
 import torch
 
 OP = "hf_llama_step"
+VARIANTS = ("unpatched_eager", "unpatched_compile", "patched_eager", "patched_compile")
 
 
 @dataclass
@@ -168,84 +176,104 @@ def peak_mb(step, device: torch.device) -> float:
     return (_status_kb("VmHWM") - base) / 1024
 
 
-def run_hf_bench(case: HFStepCase, repeats: int = 5, warmup: int = 1, backend: str = "auto",
-                 progress=None) -> dict:
-    """Time the patched and the unpatched training step in alternation; returns the record."""
+def run_hf_bench(case: HFStepCase, repeats: int = 5, warmup: int = 2, backend: str = "auto",
+                 progress=None, variants=VARIANTS) -> list[dict]:
+    """Time the training step of each of ``variants`` in rotation; one record per variant."""
     from .. import dispatch
     from ..hf import patch_hf
 
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown:
+        raise ValueError(f"variants: unknown {unknown}; known: {list(VARIANTS)}")
     ids = case.make_batch()
     base = case.make_model()
-    # Both are copies of one model, so neither keeps the allocation pattern of construction.
-    plain, patched = copy.deepcopy(base), patch_hf(copy.deepcopy(base))
+    # All are copies of one model, so none keeps the allocation pattern of construction.
+    models = {v: patch_hf(copy.deepcopy(base)) if v.startswith("patched") else copy.deepcopy(base)
+              for v in variants}
     del base
-    steps = {"patched": make_step(patched, ids), "unpatched": make_step(plain, ids)}
-    samples: dict[str, list[float]] = {k: [] for k in steps}
-    cpu_samples: dict[str, list[float]] = {k: [] for k in steps}  # process CPU time per step
-    ops = {"patched": make_swapped_ops_pass(patched, case), "unpatched": make_swapped_ops_pass(plain, case)}
-    op_samples: dict[str, list[float]] = {k: [] for k in ops}
+    steps = {v: make_step(torch.compile(m) if v.endswith("compile") else m, ids) for v, m in models.items()}
+    samples: dict[str, list[float]] = {v: [] for v in variants}  # wall time per step
+    cpu_samples: dict[str, list[float]] = {v: [] for v in variants}  # process CPU time per step
+    first_loss, warmup_s = {}, {}
+    eager = [v for v in variants if v.endswith("eager")]
+    ops = {v: make_swapped_ops_pass(models[v], case) for v in eager}
+    op_samples: dict[str, list[float]] = {v: [] for v in eager}
     with dispatch.use_backend(backend):
-        for name in steps:  # warm-up (and first-touch of the optimizer state)
-            for _ in range(warmup):
-                steps[name]()
-        peaks = {name: peak_mb(fn, case.device) for name, fn in steps.items()}
+        for v in variants:  # warm-up: compilation, and first touch of the optimizer state
+            t0 = time.perf_counter()
+            first_loss[v] = float(steps[v]())
+            for _ in range(warmup - 1):
+                steps[v]()
+            _sync(case.device)
+            warmup_s[v] = time.perf_counter() - t0
+        peaks = {v: peak_mb(steps[v], case.device) for v in variants}
         for i in range(repeats):
-            order = ("patched", "unpatched") if i % 2 == 0 else ("unpatched", "patched")
-            for name in order:
+            order = variants[i % len(variants):] + variants[:i % len(variants)]
+            for v in order:
                 _sync(case.device)
                 t0, c0 = time.perf_counter(), time.process_time()
-                steps[name]()
+                steps[v]()
                 _sync(case.device)
-                samples[name].append(time.perf_counter() - t0)
-                cpu_samples[name].append(time.process_time() - c0)
+                samples[v].append(time.perf_counter() - t0)
+                cpu_samples[v].append(time.process_time() - c0)
                 if progress is not None:
                     progress.update(1)
-        for name in ops:
-            ops[name]()  # warm-up
+        for v in ops:
+            ops[v]()  # warm-up
         for i in range(4 * repeats):  # short: more samples, same alternation
-            for name in (("patched", "unpatched") if i % 2 == 0 else ("unpatched", "patched")):
+            for v in (eager if i % 2 == 0 else eager[::-1]):
                 _sync(case.device)
                 t0 = time.perf_counter()
-                ops[name]()
+                ops[v]()
                 _sync(case.device)
-                op_samples[name].append(time.perf_counter() - t0)
+                op_samples[v].append(time.perf_counter() - t0)
     tokens = case.batch * case.length
-    ms = {k: statistics.median(v) * 1e3 for k, v in samples.items()}
-    ops_ms = {k: statistics.median(v) * 1e3 for k, v in op_samples.items()}
-    cpu_ms = {k: statistics.median(v) * 1e3 for k, v in cpu_samples.items()}
-    return {
-        "op": OP, "backend": dispatch.select("rms_norm", case.device) if backend == "auto" else backend,
-        "shape": case.shape, "dtype": str(case.dtype).replace("torch.", ""), "pass": "train_step",
-        "ms": ms["patched"], "ms_unpatched": ms["unpatched"],
-        "tokens_per_s": tokens / ms["patched"] * 1e3, "tokens_per_s_unpatched": tokens / ms["unpatched"] * 1e3,
-        "speedup_vs_eager": ms["unpatched"] / ms["patched"],
-        "peak_mb": peaks["patched"], "peak_mb_unpatched": peaks["unpatched"],
-        "repeats": repeats, "threads": torch.get_num_threads(), "device": str(case.device),
-        # CPU time of the process per step: on a shared, overloaded machine it moves far less
-        # than wall time (which includes waiting for a core), so it shows small differences.
-        "cpu_ms": cpu_ms["patched"], "cpu_ms_unpatched": cpu_ms["unpatched"],
-        "speedup_cpu_time": cpu_ms["unpatched"] / cpu_ms["patched"],
-        "ms_samples": [round(v * 1e3, 2) for v in samples["patched"]],
-        "ms_unpatched_samples": [round(v * 1e3, 2) for v in samples["unpatched"]],
-        # Only the swapped parts (norms + RoPE, forward + backward), and their share of the
-        # unpatched step: the step speedup cannot exceed 1 / (1 − share·(1 − 1/ops_speedup)).
-        "swapped_ops_ms": ops_ms["patched"], "swapped_ops_ms_unpatched": ops_ms["unpatched"],
-        "swapped_ops_speedup": ops_ms["unpatched"] / ops_ms["patched"],
-        "swapped_ops_share_unpatched": ops_ms["unpatched"] / ms["unpatched"],
-    }
+    timing = "wall" if case.device.type == "cuda" else "process_cpu"
+    records = []
+    for v in variants:
+        ms = statistics.median(samples[v]) * 1e3
+        cpu_ms = statistics.median(cpu_samples[v]) * 1e3
+        record = {
+            "op": OP, "variant": v,
+            "backend": dispatch.select("rms_norm", case.device) if backend == "auto" else backend,
+            "shape": case.shape, "dtype": str(case.dtype).replace("torch.", ""), "pass": "train_step",
+            "timing": timing,
+            "tokens_per_s": tokens / (ms if timing == "wall" else cpu_ms) * 1e3,
+            "tokens_per_s_wall": tokens / ms * 1e3, "tokens_per_s_cpu": tokens / cpu_ms * 1e3,
+            "ms": ms, "cpu_ms": cpu_ms, "peak_mb": peaks[v],
+            "loss": first_loss[v],  # of the first step: the same model and batch for every variant
+            "warmup_s": warmup_s[v],  # the warm-up steps, compilation included
+            "repeats": repeats, "threads": torch.get_num_threads(), "device": str(case.device),
+            "ms_samples": [round(t * 1e3, 2) for t in samples[v]],
+            "cpu_ms_samples": [round(t * 1e3, 2) for t in cpu_samples[v]],
+        }
+        if v in ops:
+            # Only what patch_hf swaps (norms + RoPE, forward + backward), run eagerly, and
+            # its share of this variant's step (wall time, both).
+            record["swapped_ops_ms"] = statistics.median(op_samples[v]) * 1e3
+            record["swapped_ops_share"] = record["swapped_ops_ms"] / ms
+        records.append(record)
+    base = next((r for r in records if r["variant"] == "unpatched_eager"), None)
+    for r in records:
+        r["speedup_vs_unpatched_eager"] = r["tokens_per_s"] / base["tokens_per_s"] if base else float("nan")
+        r["peak_vs_unpatched_eager"] = r["peak_mb"] / base["peak_mb"] if base and base["peak_mb"] > 0 else float("nan")
+    return records
 
 
-def format_hf_record(r: dict) -> str:
-    """A short human-readable summary of :func:`run_hf_bench`'s record."""
-    return (f"{r['op']} ({r['shape']}, {r['dtype']}, {r['device']}, backend {r['backend']}, "
-            f"median of {r['repeats']} alternating steps)\n"
-            f"  patched   {r['ms']:9.1f} ms  {r['tokens_per_s']:9.0f} tokens/s  peak {r['peak_mb']:8.1f} MiB\n"
-            f"  unpatched {r['ms_unpatched']:9.1f} ms  {r['tokens_per_s_unpatched']:9.0f} tokens/s  "
-            f"peak {r['peak_mb_unpatched']:8.1f} MiB\n"
-            f"  speedup {r['speedup_vs_eager']:.3f}x, peak memory ratio "
-            f"{r['peak_mb'] / r['peak_mb_unpatched'] if r['peak_mb_unpatched'] else float('nan'):.3f}\n"
-            f"  process CPU time per step: {r['cpu_ms']:.1f} ms vs {r['cpu_ms_unpatched']:.1f} ms unpatched = "
-            f"{r['speedup_cpu_time']:.3f}x\n"
-            f"  swapped ops only (2L+1 RMSNorms + L RoPEs, fwd+bwd): {r['swapped_ops_ms']:.1f} ms vs "
-            f"{r['swapped_ops_ms_unpatched']:.1f} ms unpatched = {r['swapped_ops_speedup']:.2f}x; "
-            f"{100 * r['swapped_ops_share_unpatched']:.1f}% of the unpatched step")
+def format_hf_records(records: list[dict]) -> str:
+    """:func:`run_hf_bench`'s records as a table, one row per variant."""
+    r0 = records[0]
+    by = "process CPU time" if r0["timing"] == "process_cpu" else "wall time"
+    lines = [f"{r0['op']} ({r0['shape']}, {r0['dtype']}, {r0['device']}, backend {r0['backend']}, "
+             f"median of {r0['repeats']} rotating steps; tokens/s by {by})",
+             f"  {'variant':<18} {'tokens/s':>9} {'vs eager':>8} {'wall ms':>9} {'cpu ms':>9} {'peak MiB':>9} "
+             f"{'vs eager':>8} {'first loss':>10} {'warm-up s':>9}"]
+    for r in records:
+        lines.append(f"  {r['variant']:<18} {r['tokens_per_s']:9.0f} {r['speedup_vs_unpatched_eager']:7.3f}x "
+                     f"{r['ms']:9.1f} {r['cpu_ms']:9.1f} {r['peak_mb']:9.1f} {r['peak_vs_unpatched_eager']:7.3f}x "
+                     f"{r['loss']:10.5f} {r['warmup_s']:9.1f}")
+    for r in records:
+        if "swapped_ops_ms" in r:
+            lines.append(f"  {r['variant']}: swapped ops only (2L+1 RMSNorms + L RoPEs, fwd+bwd, eager) "
+                         f"{r['swapped_ops_ms']:.1f} ms = {100 * r['swapped_ops_share']:.1f}% of its step")
+    return "\n".join(lines)
