@@ -5,6 +5,8 @@ public function. Shared helpers for those files live here."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import torch
 
 from .. import _extension
@@ -45,6 +47,14 @@ def register_fake(qualname: str):
         return fn
 
     return decorate
+
+
+def registered_ops(*names: str) -> SimpleNamespace:
+    """``torch.ops.wiola.<name>.default`` of each name, as attributes (empty without the
+    extension: the ops then run their Python backends, see :mod:`wiola_kernels.dispatch`)."""
+    if not have_registered_ops():
+        return SimpleNamespace()
+    return SimpleNamespace(**{name: getattr(torch.ops.wiola, name).default for name in names})
 
 
 def registered(namespace: str, name: str, check):

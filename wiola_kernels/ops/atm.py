@@ -31,9 +31,13 @@ from torch import Tensor
 from .. import dispatch
 from ..reference import atm as ref
 from ..validation import CUDA_KERNEL_DTYPES, Limits, check_atm_merge, check_atm_tokens, check_atm_unmerge
-from . import distinct, needs_grad, register_fake, registered
+from . import distinct, needs_grad, register_fake, registered, registered_ops
+
 
 OP = "atm"
+# The registered ops' overloads, looked up once: a call skips the overload resolution of
+# ``torch.ops.wiola.<name>(...)``.
+_ops = registered_ops("atm_merge", "atm_merge_backward", "atm_unmerge", "atm_unmerge_backward")
 
 
 # --- kernels ---------------------------------------------------------------------------------------
@@ -109,7 +113,7 @@ def _merge(x, position_ids, threshold, lengths):
     backend = dispatch.forced_backend()
     if backend is None:
         try:
-            return (*torch.ops.wiola.atm_merge(x, position_ids, threshold, lengths), None)
+            return (*_ops.atm_merge(x, position_ids, threshold, lengths), None)
         except RuntimeError:  # the schema's argument parser: name the argument instead
             check_atm_merge(x, position_ids, threshold, lengths)
             raise
@@ -138,7 +142,7 @@ class ATMMergeFunction(torch.autograd.Function):
     def backward(ctx, grad_merged: Tensor, _grad_positions, _grad_lengths, _grad_index_map):
         index_map, merged_lengths = ctx.saved_tensors
         if ctx.backend is None:
-            grad_x = torch.ops.wiola.atm_merge_backward(grad_merged, index_map, merged_lengths)
+            grad_x = _ops.atm_merge_backward(grad_merged, index_map, merged_lengths)
         else:
             grad_x = dispatch.kernels(OP, ctx.backend).merge_backward(grad_merged, index_map, merged_lengths)
         return grad_x, None, None, None
@@ -151,7 +155,7 @@ def _unmerge(y, index_map):
     backend = dispatch.forced_backend()
     if backend is None:
         try:
-            return torch.ops.wiola.atm_unmerge(y, index_map), None
+            return _ops.atm_unmerge(y, index_map), None
         except RuntimeError:  # the schema's argument parser: name the argument instead
             check_atm_unmerge(y, index_map)
             raise
@@ -176,7 +180,7 @@ class ATMUnmergeFunction(torch.autograd.Function):
     def backward(ctx, grad_restored: Tensor):
         (index_map,) = ctx.saved_tensors
         if ctx.backend is None:
-            grad_y = torch.ops.wiola.atm_unmerge_backward(grad_restored, index_map)
+            grad_y = _ops.atm_unmerge_backward(grad_restored, index_map)
         else:
             grad_y = dispatch.kernels(OP, ctx.backend).unmerge_backward(grad_restored, index_map)
         return grad_y, None

@@ -44,9 +44,13 @@ from ..reference.gcla_attention import gcla_attention_backward as _reference_bac
 from ..reference.gcla_attention import gcla_attention_forward as _reference_forward
 from ..validation import (CUDA_GCLA_HEAD_DIMS, CUDA_KERNEL_DTYPES, TRITON_GCLA_MAX_HEAD_DIM, Limits,
                           check_gcla_attention)
-from . import distinct, gcla_attention_cuda, needs_grad, register_kernel, register_fake, registered
+from . import distinct, gcla_attention_cuda, needs_grad, register_kernel, register_fake, registered, registered_ops
+
 
 OP = "gcla_attention"
+# The registered ops' overloads, looked up once: a call skips the overload resolution of
+# ``torch.ops.wiola.<name>(...)``.
+_ops = registered_ops("gcla_attention", "gcla_attention_backward")
 CUDA_KERNELS = ("cuda", "triton")
 
 
@@ -170,7 +174,7 @@ def _forward(q_rot, k_rot, v, q, kc, vc, gate, lengths):
     backend = dispatch.forced_backend()
     if backend is None:
         try:
-            return (*torch.ops.wiola.gcla_attention(q_rot, k_rot, v, q, kc, vc, gate, lengths), None)
+            return (*_ops.gcla_attention(q_rot, k_rot, v, q, kc, vc, gate, lengths), None)
         except RuntimeError:  # the schema's argument parser: name the argument instead
             check_gcla_attention(q_rot, k_rot, v, q, kc, vc, gate, lengths)
             raise
@@ -198,7 +202,7 @@ class GCLAAttentionFunction(torch.autograd.Function):
     def backward(ctx, grad_out: Tensor):
         saved = ctx.saved_tensors
         if ctx.backend is None:
-            grads = torch.ops.wiola.gcla_attention_backward(grad_out, *saved)
+            grads = _ops.gcla_attention_backward(grad_out, *saved)
         else:
             grads = dispatch.kernels(OP, ctx.backend).backward(grad_out, *saved)
         return (*grads, None)

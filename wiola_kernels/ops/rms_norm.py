@@ -27,9 +27,13 @@ from ..dtypes import compute_dtype
 from ..reference.rms_norm import rms_norm_backward as _reference_backward
 from ..reference.rms_norm import rms_norm_forward as _reference_forward
 from ..validation import check_rms_norm
-from . import distinct, needs_grad, register_kernel, register_fake, registered
+from . import distinct, needs_grad, register_kernel, register_fake, registered, registered_ops
+
 
 OP = "rms_norm"
+# The registered ops' overloads, looked up once: a call skips the overload resolution of
+# ``torch.ops.wiola.<name>(...)``.
+_ops = registered_ops("rms_norm", "rms_norm_backward")
 
 
 # --- kernels written in Python (the registry's backends; Triton is also the CUDA kernel) ---------
@@ -96,7 +100,7 @@ def _forward(x, weight, shift, eps, hf_order):
     backend = dispatch.forced_backend()
     if backend is None:
         try:
-            return (*torch.ops.wiola.rms_norm(x, weight, shift, eps, hf_order), None)
+            return (*_ops.rms_norm(x, weight, shift, eps, hf_order), None)
         except RuntimeError:  # the schema's argument parser: name the argument instead
             check_rms_norm(x, weight, shift, eps, hf_order)
             raise
@@ -122,7 +126,7 @@ class RMSNormFunction(torch.autograd.Function):
     def backward(ctx, grad_y: Tensor):
         x, weight, shift, rstd = ctx.saved_tensors
         if ctx.backend is None:
-            grads = torch.ops.wiola.rms_norm_backward(grad_y, x, weight, shift, rstd)
+            grads = _ops.rms_norm_backward(grad_y, x, weight, shift, rstd)
         else:
             grads = dispatch.kernels(OP, ctx.backend).backward(grad_y, x, weight, shift, rstd)
         return *grads, None, None

@@ -30,9 +30,13 @@ from ..outputs import in_layout_of, unit_last_stride
 from ..reference.srpe import srpe as _reference_srpe
 from ..reference.srpe import srpe_backward as _reference_srpe_backward
 from ..validation import check_srpe, srpe_max_position
-from . import distinct, needs_grad, register_kernel, register_fake, registered
+from . import distinct, needs_grad, register_kernel, register_fake, registered, registered_ops
+
 
 OP = "srpe"
+# The registered ops' overloads, looked up once: a call skips the overload resolution of
+# ``torch.ops.wiola.<name>(...)``.
+_ops = registered_ops("srpe", "srpe_backward")
 
 #: The largest ``|p|`` float32 outputs are accurate at (see :func:`validation.srpe_max_position`).
 max_accurate_position = srpe_max_position
@@ -100,7 +104,7 @@ def _forward(q, k, position_ids, theta, spiral_divisor, radial_amplitude, radial
     backend = dispatch.forced_backend()
     if backend is None:
         try:
-            return (*torch.ops.wiola.srpe(q, k, position_ids, theta, spiral_divisor, radial_amplitude,
+            return (*_ops.srpe(q, k, position_ids, theta, spiral_divisor, radial_amplitude,
                                           radial_frequency), None)
         except RuntimeError:  # the schema's argument parser: name the argument instead
             check_srpe(q, k, position_ids, theta, spiral_divisor, radial_amplitude, radial_frequency)
@@ -131,7 +135,7 @@ class SRPEFunction(torch.autograd.Function):
     def backward(ctx, grad_q: Tensor, grad_k: Tensor):
         (position_ids,) = ctx.saved_tensors
         if ctx.backend is None:
-            grad_q_in, grad_k_in = torch.ops.wiola.srpe_backward(grad_q, grad_k, position_ids, *ctx.params)
+            grad_q_in, grad_k_in = _ops.srpe_backward(grad_q, grad_k, position_ids, *ctx.params)
         else:
             grad_q_in, grad_k_in = dispatch.kernels(OP, ctx.backend).backward(grad_q, grad_k, position_ids,
                                                                                *ctx.params)
