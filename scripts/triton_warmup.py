@@ -47,15 +47,16 @@ def _gpu(arch: str, sms: int):
     return dataclasses.replace(base, sms=sms)
 
 
-def _init_worker(arch: str, sms: int) -> None:
+def _init_worker(arch: str, sms: int, launchers: bool) -> None:
     from wiola_kernels.triton import aot
 
     gpu = _gpu(arch, sms)
-    _LAUNCHES.update(gpu=gpu, launches=aot.launches(gpu))
+    _LAUNCHES.update(gpu=gpu, launches=aot.launches(gpu), launchers=launchers)
 
 
 def _compile(key: str) -> dict:
-    """Compile one variant (and its launcher); a failure is returned, not raised."""
+    """Compile one variant (and, on the GPU machine, its launcher); a failure is returned,
+    not raised."""
     from wiola_kernels.triton import aot
 
     start = time.perf_counter()
@@ -63,13 +64,15 @@ def _compile(key: str) -> dict:
         compiled = aot.compile_launch(_LAUNCHES["launches"][key], _LAUNCHES["gpu"])
     except Exception as exc:  # reported by the caller; the run goes on
         return {"kernel": key, "error": f"{type(exc).__name__}: {exc}"[-2000:], "seconds": time.perf_counter() - start}
-    launcher = "built"
-    try:
-        from triton.runtime.driver import driver
+    launcher = "not asked"
+    if _LAUNCHES["launchers"]:
+        try:
+            from triton.runtime.driver import driver
 
-        driver.active.launcher_cls(compiled.src, compiled.metadata)
-    except Exception as exc:  # the first launch builds it then; not worth failing for
-        launcher = f"not built ({type(exc).__name__})"
+            driver.active.launcher_cls(compiled.src, compiled.metadata)
+            launcher = "built"
+        except Exception as exc:  # the first launch builds it then; not worth failing for
+            launcher = f"not built ({type(exc).__name__})"
     return {"kernel": key, "seconds": time.perf_counter() - start, "launcher": launcher}
 
 
@@ -101,7 +104,8 @@ def main(argv: list[str] | None = None) -> int:
         sms = args.sms or (aot.GPUS[arch].sms if arch in aot.GPUS else 132)
     else:
         arch, sms = _device()
-    _init_worker(arch, sms)
+    launchers = not (args.arch or args.dry_run)  # they need the GPU machine's driver
+    _init_worker(arch, sms, launchers)
     keys = list(_LAUNCHES["launches"])
     per_kernel = Counter(k.split("[")[0] for k in keys)
     print(f"triton {triton.__version__}: {len(keys)} kernel variants for {arch} ({sms} SMs): "
@@ -115,15 +119,16 @@ def main(argv: list[str] | None = None) -> int:
 
     ctx = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(max_workers=max(1, args.jobs), mp_context=ctx, initializer=_init_worker,
-                             initargs=(arch, sms)) as pool:
+                             initargs=(arch, sms, launchers)) as pool:
         futures = [pool.submit(_compile, key) for key in keys]
         for future in as_completed(futures):
             records.append(future.result())
     wall = time.perf_counter() - start
     errors = [r for r in records if "error" in r]
     cpu = sum(r["seconds"] for r in records)
+    built = sum(r.get("launcher") == "built" for r in records)
     print(f"compiled {len(records) - len(errors)} of {len(records)} variants in {wall:.1f} s wall "
-          f"({cpu:.1f} s of compiles on {args.jobs} processes)")
+          f"({cpu:.1f} s of compiles on {args.jobs} processes)" + (f", {built} launchers" if launchers else ""))
     for r in errors:
         print(f"FAILED {r['kernel']}: {r['error'].splitlines()[-1] if r['error'] else ''}")
     if args.json:
