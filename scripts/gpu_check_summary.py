@@ -30,9 +30,9 @@ def _load(path: Path) -> list[dict] | None:
 
 
 def format_steps(rows: list[dict]) -> str:
-    lines = [f"{'step':<13}{'status':<9}{'s':>5}{'timeout':>9}"]
-    lines += [f"{r['name']:<13}{r['status']:<9}{r['seconds']:>5}{r['timeout']:>9}" for r in rows]
-    lines.append(f"{'total':<22}{sum(r['seconds'] for r in rows):>5}{sum(r['timeout'] for r in rows):>9}")
+    lines = [f"{'step':<13}{'status':<13}{'s':>5}{'timeout':>9}"]
+    lines += [f"{r['name']:<13}{r['status']:<13}{r['seconds']:>5}{r['timeout']:>9}" for r in rows]
+    lines.append(f"{'total':<26}{sum(r['seconds'] for r in rows):>5}{sum(r['timeout'] for r in rows):>9}")
     return "\n".join(lines)
 
 

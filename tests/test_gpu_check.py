@@ -54,6 +54,7 @@ def test_every_step_runs_under_its_timeout_and_the_budget():
     runner = TEXT[TEXT.index("------ runner\n"):]
     assert 'timeout -k 10 "$(' in runner and '"$limit")" bash -c "step_${name//-/_}"' in runner
     assert "left=$(( BUDGET - used - reserve ))" in runner and '[ "$limit" -gt "$left" ] && limit=$left' in runner
+    assert 'if [ "$left" -lt 5 ]; then' in runner  # no step starts past the budget
     assert 'echo "--- $name: $status in ${dt} s (timeout ${limit} s)"' in runner
 
 
@@ -120,3 +121,18 @@ def test_summary_tabulates_steps_and_benchmarks(summary_out):
     assert any(re.fullmatch(r"rms_norm\s+fwd\s+triton\s+0\.031\s+4\.50\s+0\.00\s+2100\s+71%", ln) for ln in lines)
     saved = json.loads((summary_out / "gpu_check.json").read_text())
     assert [s["status"] for s in saved["steps"]] == ["PASS", "FAIL", "SKIPPED"] and len(saved["bench"]) == 1
+
+
+def test_no_step_starts_past_the_budget_and_the_table_still_comes(tmp_path):
+    """A spent budget (GPU_CHECK_BUDGET=0): every step is OUT-OF-TIME, none runs, the summary
+    still prints its table, and the run fails."""
+    env = {"PATH": "/usr/bin:/bin", "OUT": str(tmp_path), "GPU_CHECK_BUDGET": "0", "PYTHON": sys.executable,
+           "HOME": str(tmp_path)}
+    out = subprocess.run(["bash", str(SCRIPT)], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0
+    rows = [ln.split("\t") for ln in (tmp_path / "gpu_check_steps.tsv").read_text().splitlines()]
+    assert [r[0] for r in rows] == [n for n, _, _ in plan()]
+    assert {r[1] for r in rows[:-1]} == {"OUT-OF-TIME"} and rows[-1][:2] == ["summary", "PASS"]
+    assert not (tmp_path / "build.log").exists()
+    assert re.search(r"^build\s+OUT-OF-TIME\s+0\s+150$", out.stdout, re.M), out.stdout[-2000:]
+    assert "gpu_check: FAILED (9 step(s))" in out.stdout
