@@ -37,7 +37,7 @@ part "Triton 3.6 AOT compiles" warm
 kernels=(tests/test_rms_norm.py tests/test_srpe.py tests/test_gcla_attention.py tests/test_atm.py
          tests/test_op_layer.py tests/test_all_ops.py tests/test_cuda_emu.py tests/test_triton_interpreter.py)
 part "interpreter + cuda_emu tests" "$PYTHON" -m pytest -q -p no:cacheprovider "${kernels[@]}" -k "triton or cuda_emu" "$@"
-part "patch_hf + model tests" "$PYTHON" -m pytest -q -p no:cacheprovider tests/test_hf.py tests/test_model*.py \
+part "patch_hf + model tests" "$PYTHON" -m pytest -q -p no:cacheprovider tests/test_hf*.py tests/test_model*.py \
   tests/test_spec_blackbox_model.py "$@"
 part "AOT spill check (Triton 3.6)" "$PYTHON" -m pytest -q -p no:cacheprovider tests/test_triton_aot.py "$@"
 dry() { OUT=$(mktemp -d) WIOLA_DEVICE_ENV=0 bash scripts/gpu_check.sh --dry-run; }
