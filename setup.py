@@ -8,7 +8,9 @@ environment, never from probing a GPU. Environment knobs:
 * ``WIOLA_NO_EXTENSION=1`` skip the extension (pure Python: reference + Triton).
 * ``WIOLA_CPU_ARCH``       ``-march`` for the CPU kernels (default ``x86-64-v3``,
   i.e. AVX2+FMA, on x86-64; ``native`` for the build machine; ``none`` for no flag).
-* ``WIOLA_CUDA_ARCH``      CUDA architectures (default ``90``).
+* ``WIOLA_CUDA_ARCH``      CUDA architectures, e.g. ``90`` or ``90,80`` (default ``90,80``: SASS
+  for sm_90 and sm_80, and the newest one's PTX embedded, which the driver JIT-compiles on
+  newer GPUs). Unset with ``TORCH_CUDA_ARCH_LIST`` set: torch's own arch selection.
 * ``WIOLA_NO_CUDA_EMU=1``  leave out the CUDA kernels' CPU emulation (backend ``cuda_emu``).
 """
 
@@ -17,10 +19,65 @@ from __future__ import annotations
 import glob
 import os
 import platform
+import re
+import subprocess
 
 from setuptools import find_packages, setup
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+DEFAULT_CUDA_ARCHS = "90,80"
+
+
+def cuda_arch_flags(spec: str) -> list[str]:
+    """nvcc ``-gencode`` flags for ``WIOLA_CUDA_ARCH=spec`` (``"90,80"``; ``"9.0;8.0"`` and
+    ``"sm_90"`` are read too): SASS for every architecture, plus the PTX of the newest
+    (``code=[sm_90,compute_90]``) so that a newer GPU can JIT-compile it."""
+    archs = []
+    for item in re.split(r"[,;\s]+", spec.strip()):
+        if not item:
+            continue
+        digits = item.lower().removeprefix("sm_").removeprefix("compute_").replace(".", "")
+        if not re.fullmatch(r"[1-9]\d{1,2}[af]?", digits):
+            raise ValueError(f"WIOLA_CUDA_ARCH: {item!r} is not a CUDA architecture; expected a comma-separated "
+                             f"list such as '90,80' (sm_90, sm_80), got {spec!r}")
+        if digits not in archs:
+            archs.append(digits)
+    if not archs:
+        raise ValueError(f"WIOLA_CUDA_ARCH names no architecture; expected e.g. '90,80', got {spec!r}")
+    newest = max(archs, key=lambda a: int(re.match(r"\d+", a).group()))
+    return [f"-gencode=arch=compute_{a},code=[sm_{a},compute_{a}]" if a == newest
+            else f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs]
+
+
+def nvcc_cuda_version(nvcc: str) -> str | None:
+    """The CUDA release ``nvcc --version`` names (``"13.0"``), or None when it cannot run."""
+    try:
+        out = subprocess.run([nvcc, "--version"], capture_output=True, text=True, timeout=60).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    found = re.search(r"release (\d+\.\d+)", out)
+    return found.group(1) if found else None
+
+
+def check_cuda_versions(nvcc_version: str | None, torch_cuda: str | None) -> None:
+    """Refuse, before compiling anything, an nvcc whose CUDA major differs from the one
+    torch was built with (the extension would not load); unknown versions pass."""
+    if not nvcc_version or not torch_cuda:
+        return
+    if nvcc_version.split(".")[0] != torch_cuda.split(".")[0]:
+        raise RuntimeError(
+            f"nvcc is CUDA {nvcc_version} but torch was built with CUDA {torch_cuda} (torch.version.cuda): "
+            f"their major versions must match. Point CUDA_HOME at a CUDA {torch_cuda.split('.')[0]}.x toolkit "
+            f"or install a torch built for CUDA {nvcc_version.split('.')[0]}.x.")
+
+
+def cuda_nvcc_arch_flags(environ) -> list[str]:
+    """The ``-gencode`` flags of the build: ``WIOLA_CUDA_ARCH`` (default ``90,80``), or none
+    (torch chooses, from ``TORCH_CUDA_ARCH_LIST``) when only that is set."""
+    spec = environ.get("WIOLA_CUDA_ARCH")
+    if spec is None and environ.get("TORCH_CUDA_ARCH_LIST"):
+        return []
+    return cuda_arch_flags(DEFAULT_CUDA_ARCHS if spec is None else spec)
 
 
 def _cpu_arch_flags() -> list[str]:
@@ -41,7 +98,8 @@ def _extensions() -> tuple[list, dict]:
     from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
 
     sources = [os.path.relpath(p, HERE) for p in ["csrc/python_module.cpp", "csrc/wiola_ops.cpp", *sorted(glob.glob(f"{HERE}/csrc/cpu/*.cpp"))]]
-    cxx = ["-O3", "-fopenmp", *_cpu_arch_flags()]  # torch picks the C++ standard
+    # C++20 named: torch < 2.13 would add -std=c++17 to a command line that has none.
+    cxx = ["-O3", "-std=c++20", "-fopenmp", *_cpu_arch_flags()]
     if os.environ.get("WIOLA_NO_CUDA_EMU", "0") != "1":
         # The CUDA kernels compiled as host C++ for the SIMT emulator (test backend cuda_emu),
         # in every build: on a GPU build too, so that scripts/gpu_check.sh compares the two.
@@ -51,9 +109,10 @@ def _extensions() -> tuple[list, dict]:
     if with_cuda:
         cuda_sources = sorted(glob.glob(f"{HERE}/csrc/cuda/*.cu")) + sorted(glob.glob(f"{HERE}/csrc/cuda/*.cpp"))
         sources += [os.path.relpath(p, HERE) for p in cuda_sources]
-        archs = os.environ.get("WIOLA_CUDA_ARCH", "90").split(",")
+        check_cuda_versions(nvcc_cuda_version(os.path.join(CUDA_HOME, "bin", "nvcc")) if CUDA_HOME else None,
+                            torch.version.cuda)
         nvcc = ["-O3", "--use_fast_math", "-lineinfo", "--expt-relaxed-constexpr"]
-        nvcc += [f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs]
+        nvcc += cuda_nvcc_arch_flags(os.environ)
         ext = CUDAExtension("wiola_kernels._C", sources, include_dirs=[f"{HERE}/csrc/include"],
                             define_macros=[("WIOLA_WITH_CUDA", None)],
                             extra_compile_args={"cxx": cxx, "nvcc": nvcc}, extra_link_args=["-fopenmp"])
@@ -63,32 +122,40 @@ def _extensions() -> tuple[list, dict]:
     return [ext], {"build_ext": BuildExtension.with_options(use_ninja=True)}
 
 
-ext_modules, cmdclass = _extensions()
+def main() -> None:
+    ext_modules, cmdclass = _extensions()
+    setup(**_metadata(), ext_modules=ext_modules, cmdclass=cmdclass)
 
-setup(
-    name="wiola-kernels",
-    version="0.1.0",
-    description="Fused Triton/CUDA/C++ kernels for the Wiola small-language-model architecture",
-    long_description=open(os.path.join(HERE, "README.md"), encoding="utf-8").read(),
-    long_description_content_type="text/markdown",
-    # The contact SECURITY.md names for private reports (the address the project's commits use).
-    author="The wiola-kernels developers",
-    author_email="dev@wiola.local",
-    maintainer="The wiola-kernels developers",
-    maintainer_email="dev@wiola.local",
-    packages=find_packages(include=["wiola_kernels", "wiola_kernels.*"])
-    + find_packages(where="python", include=["wiola", "wiola.*"]),
-    package_dir={"wiola": "python/wiola"},
-    package_data={"wiola": ["data/*.txt"]},
-    python_requires=">=3.10",
-    install_requires=["torch>=2.6", "numpy", "tqdm"],
-    extras_require={
-        "triton": ["triton"],
-        "model": ["transformers>=5.24", "tokenizers", "safetensors"],  # transformers 5 APIs; 5.24 tested
-        "plot": ["matplotlib"],  # python -m wiola_kernels bench --plot
-        "test": ["pytest", "pytest-benchmark", "hypothesis", "matplotlib", "triton"],
-    },
-    entry_points={"console_scripts": ["wiola-kernels=wiola_kernels.__main__:main"]},
-    ext_modules=ext_modules,
-    cmdclass=cmdclass,
-)
+
+def _metadata() -> dict:
+    return dict(
+        name="wiola-kernels",
+        version="0.1.0",
+        description="Fused Triton/CUDA/C++ kernels for the Wiola small-language-model architecture",
+        long_description=open(os.path.join(HERE, "README.md"), encoding="utf-8").read(),
+        long_description_content_type="text/markdown",
+        # The contact SECURITY.md names for private reports (the address the project's commits use).
+        author="The wiola-kernels developers",
+        author_email="dev@wiola.local",
+        maintainer="The wiola-kernels developers",
+        maintainer_email="dev@wiola.local",
+        packages=find_packages(include=["wiola_kernels", "wiola_kernels.*"])
+        + find_packages(where="python", include=["wiola", "wiola.*"]),
+        package_dir={"wiola": "python/wiola"},
+        package_data={"wiola": ["data/*.txt"]},
+        python_requires=">=3.10",
+        install_requires=["torch>=2.11", "numpy", "tqdm"],
+        extras_require={
+            "triton": ["triton>=3.6"],
+            "model": ["transformers>=5.17", "tokenizers", "safetensors"],  # transformers 5 APIs; 5.17 and newer tested
+            "plot": ["matplotlib"],  # python -m wiola_kernels bench --plot
+            "test": ["pytest", "pytest-benchmark", "hypothesis", "matplotlib", "triton>=3.6"],
+        },
+        entry_points={"console_scripts": ["wiola-kernels=wiola_kernels.__main__:main"]},
+    )
+
+
+# setuptools runs this file as __main__ (python setup.py ..., pip's build backend); importing
+# it (tests/test_setup_build.py) builds nothing.
+if __name__ == "__main__":
+    main()

@@ -1,124 +1,367 @@
 #!/usr/bin/env bash
-# One call on a lent GPU (an H200 here), under 8 minutes: build the extension with its
-# CUDA kernels, run the GPU tests, run the CUDA tests under compute-sanitizer, compare the
-# CUDA kernels with their CPU emulation (backend cuda_emu) on the same inputs, check GPU
-# determinism, benchmark every op, and print a short table last.
-#   bash scripts/gpu_check.sh            (results also land in $OUT when it is set)
+# One call on a lent GPU (an H200 with its own image: Python 3.12, torch 2.11 + CUDA 13.0,
+# triton 3.6, transformers 5.17, nvcc 13.0, compute-sanitizer), sized to the time a GPU is
+# lent: the extension built on all cores while the Triton kernels compile in parallel, the
+# GPU tests (all of them, failures summarised), the four compute-sanitizer tools, the CUDA
+# kernels against their CPU emulation, the self-check, the benchmarks, the op-layer
+# overhead and the Hugging Face training step; a short table last. Logs and JSON go to
+# $OUT (default /tmp/wiola-gpu-check).
+#
+#   bash scripts/gpu_check.sh            on the GPU machine (≤ 480 s wall, every step capped)
+#   bash scripts/gpu_check.sh --dry-run  here, no GPU: the plan and its timeouts, imports under
+#                                        the GPU image's package versions (scripts/device_env.sh),
+#                                        and every file, test selection and command it calls
+#
+# If the GPU image lacks pytest, pytest-benchmark, hypothesis or ninja, `bash
+# scripts/device_env.sh --pkgs` makes .device-pkgs/ (Python 3.12 wheels, ~25 MB): carry it
+# with the run (carry=[".device-pkgs"]); it is used only for what the image lacks.
+#
+# Sanitizers: each tool runs the small all-op GPU tests (`-k sanitizer`, tests/test_all_ops.py)
+# without PyTorch's caching allocator and must report nothing; scripts/planted_gpu.sh, where
+# the checkout has it, runs planted-bug copies of the CUDA kernels under the tool that must
+# catch each one.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-export PYTHONUNBUFFERED=1 MAX_JOBS=${MAX_JOBS:-16} WIOLA_CUDA_ARCH=${WIOLA_CUDA_ARCH:-90}
-export PYTHONPATH="$PWD:$PWD/python${PYTHONPATH:+:$PYTHONPATH}"
-PY=${PYTHON:-python3}
-OUT=${OUT:-/tmp/wiola-gpu-check}; mkdir -p "$OUT"
-status=0
-step() { echo; echo "=== $1 ($(date +%T))"; }
+ROOT=$PWD
 
-step "environment"
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
-$PY -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)"
+DRY=0
+case "${1:-}" in
+  "") ;;
+  --dry-run) DRY=1 ;;
+  *) echo "usage: bash scripts/gpu_check.sh [--dry-run]" >&2; exit 2 ;;
+esac
 
-step "build (CUDA kernels for sm_$WIOLA_CUDA_ARCH)"
-if ! timeout 240 $PY setup.py -q build_ext --inplace > "$OUT/build.log" 2>&1; then
-  tail -40 "$OUT/build.log"; echo "BUILD FAILED"; exit 1
+# The plan: name|timeout in seconds|what. tests/test_gpu_check.py reads this table: the
+# timeouts add up to at most 540 s and BUDGET is at most 480 s.
+BUDGET=480           # seconds of wall time for the whole run; no step starts past it
+BUDGET=${GPU_CHECK_BUDGET:-$BUDGET}  # smaller in tests/test_gpu_check.py
+SUMMARY_RESERVE=10   # kept back for the summary
+PLAN=(
+  "environment|15|GPU, driver, compilers and package versions"
+  "build|140|build the extension (sm_\${WIOLA_CUDA_ARCH}) on all cores; Triton kernels compiled in parallel"
+  "gpu-tests|85|GPU tests (pytest -m gpu, no -x)"
+  "sanitizers|80|compute-sanitizer memcheck, racecheck, synccheck, initcheck; planted bugs caught"
+  "cuda-vs-emu|30|CUDA kernels on the GPU vs the same kernels in the CPU emulator"
+  "check|25|self-check: every backend vs the float64 oracle"
+  "bench|50|benchmarks of every op (bf16)"
+  "overhead|30|op-layer overhead on CUDA tensors"
+  "hf-llama|75|Hugging Face Llama training step, bf16: patch_hf vs unpatched, eager and compiled"
+  "summary|10|summary table"
+)
+
+export PYTHONUNBUFFERED=1 ROOT DRY
+export NPROC=${NPROC:-$(nproc)}
+export WIOLA_CUDA_ARCH=${WIOLA_CUDA_ARCH:-90}  # the H200's; setup.py embeds its PTX too
+export PY=${PYTHON:-python3}
+export OUT=${OUT:-/tmp/wiola-gpu-check}
+mkdir -p "$OUT"
+export SAN_TOOLS="memcheck racecheck synccheck initcheck"
+
+# Python path: this tree first. Dry run: the GPU image's triton/transformers versions.
+PYPATH="$ROOT:$ROOT/python"
+if [ "$DRY" = 1 ] && [ "${WIOLA_DEVICE_ENV:-1}" != 0 ]; then
+  if dev=$(PYTHON=$PY bash scripts/device_env.sh 2>"$OUT/device_env.log" | tail -1) && [ -d "$dev" ]; then
+    PYPATH="$dev:$PYPATH"
+  else
+    echo "note: scripts/device_env.sh failed (see $OUT/device_env.log); the dry run uses the installed versions"
+  fi
 fi
-$PY -m wiola_kernels backends --device cuda
-
-step "GPU tests"
-# GPU tests live in each op's tests/test_<op>.py (and the all-ops runs in tests/test_all_ops.py),
-# marked gpu. Their cuda_emu variants run in CI; here the next steps compare the two.
-timeout 180 $PY -m pytest -q -x -p no:cacheprovider -m gpu -k "not cuda_emu" tests 2>&1 | tee "$OUT/pytest.log" | tail -25
-[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
-
-step "compute-sanitizer memcheck on the CUDA kernels (small shapes)"
-if command -v compute-sanitizer >/dev/null; then
-  WIOLA_SANITIZER_RUN=1 timeout 120 compute-sanitizer --tool memcheck --error-exitcode 9 \
-    $PY -m pytest -q -x -p no:cacheprovider -m gpu -k "sanitizer and not cuda_emu" tests/test_all_ops.py 2>&1 | tail -8
-  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+export PYTHONPATH="$PYPATH${PYTHONPATH:+:$PYTHONPATH}"
+# What the GPU image may lack, from .device-pkgs/ (appended: the image's own versions win).
+missing=$($PY -c "
+import importlib.util as u
+print(' '.join(m for m in ('pytest', 'pytest_benchmark', 'hypothesis') if u.find_spec(m) is None))" 2>/dev/null)
+if [ -n "$missing" ] && [ -d .device-pkgs ]; then
+  export PYTHONPATH="$PYTHONPATH:$ROOT/.device-pkgs"
+  echo "note: $missing from .device-pkgs/ (not in this image)"
+fi
+if ! command -v ninja >/dev/null && [ -x .device-pkgs/bin/ninja ]; then
+  export PATH="$PATH:$ROOT/.device-pkgs/bin"
+  echo "note: ninja from .device-pkgs/bin (not in this image)"
 fi
 
-step "cuda vs cuda_emu (the same kernels on the GPU and in the CPU emulator, same inputs)"
-timeout 150 $PY - <<'PY' || status=1
-import torch
-import wiola_kernels as wk
-from wiola_kernels.testing import rel_err, tolerance
+have() { command -v "$1" >/dev/null 2>&1; }
+pytest_count() {  # ARGS...: the number of tests pytest would run (collection only)
+  $PY -m pytest --collect-only -q -p no:cacheprovider "$@" 2>/dev/null \
+    | sed -n 's/^\([0-9][0-9]*\)\/*[0-9]* tests* collected.*/\1/p; s/^\([0-9][0-9]*\) tests* collected.*/\1/p' | tail -1
+}
+gpu_test_ids() {  # the node ids of every GPU test (pytest -m gpu tests), collected once into $OUT
+  [ -s "$OUT/gpu-tests.ids" ] || $PY -m pytest --collect-only -q -p no:cacheprovider -m gpu tests 2>/dev/null \
+    | grep "::" > "$OUT/gpu-tests.ids"
+  cat "$OUT/gpu-tests.ids"
+}
+export -f have pytest_count gpu_test_ids
 
-fails = 0
-def compare(what, got, emu, tol):
-    global fails
-    err = rel_err(got.detach().cpu().double(), emu.detach().double())
-    ok = err <= tol and torch.isfinite(got).all().item() == torch.isfinite(emu).all().item()
-    fails += not ok
-    print(f"{'PASS' if ok else 'FAIL'}  {what:<48} rel err {err:.2e} (tolerance {tol:.0e})")
+# ------------------------------------------------------------------------------ steps
+# Each step is a function run by `timeout` in its own bash; exit 0 = PASS, 77 = SKIPPED
+# (nothing to do here), anything else = FAIL. With DRY=1 it checks only what needs no GPU.
 
-def run(backend, device, fn, inputs, grad):
-    leaves = [t.detach().to(device).requires_grad_(t.is_floating_point()) for t in inputs]
-    with wk.use_backend(backend):
-        out = fn(*leaves)
-        grads = torch.autograd.grad(out, [t for t in leaves if t.requires_grad], grad.to(device))
-    return out, grads
+step_environment() {
+  if have nvidia-smi; then
+    nvidia-smi --query-gpu=name,driver_version,memory.total,compute_cap --format=csv,noheader
+  else
+    echo "nvidia-smi: not here (GPU machine only)"
+  fi
+  for tool in nvcc compute-sanitizer cuobjdump ninja; do
+    if have "$tool"; then
+      echo "$tool: $("$tool" --version 2>&1 | grep -m1 -E -i "release|version|^[0-9]")"
+    else
+      echo "$tool: not found$([ "$DRY" = 1 ] && echo ' here')"
+    fi
+  done
+  $PY - <<'EOF'
+import importlib, platform, sys
+print(f"python {platform.python_version()}")
+for name in ("torch", "triton", "transformers", "numpy", "pytest", "hypothesis", "matplotlib"):
+    try:
+        mod = importlib.import_module(name)
+        extra = f" (CUDA {mod.version.cuda})" if name == "torch" else ""
+        print(f"{name} {mod.__version__}{extra}  {mod.__file__.rsplit('/', 2)[0]}")
+    except Exception as exc:
+        print(f"{name}: not importable ({type(exc).__name__}: {exc})")
+import wiola_kernels, wiola  # the package and the model, under these versions
+print(f"import wiola_kernels, wiola: ok ({wiola_kernels.__file__.rsplit('/', 2)[0]})")
+EOF
+  [ $? -eq 0 ] || return 1
+  local py312="" candidate
+  for candidate in python3.12 "${PYENV_ROOT:-$(pyenv root 2>/dev/null || echo /nonexistent)}"/versions/3.12*/bin/python3.12; do
+    if "$candidate" -c "import sys; assert sys.version_info[:2] == (3, 12)" 2>/dev/null; then
+      py312=$candidate; break
+    fi
+  done
+  if [ "$DRY" = 1 ] && [ -n "$py312" ]; then
+    # The GPU image's Python: every file byte-compiles there, warnings (3.12 made invalid
+    # escapes a SyntaxWarning) as errors; no torch needed for that.
+    PYTHONPYCACHEPREFIX=$(mktemp -d) "$py312" -W error -c "
+import compileall, sys
+ok = all(compileall.compile_dir(d, quiet=1, force=True) for d in ('wiola_kernels', 'python/wiola', 'scripts', 'tests'))
+ok = compileall.compile_file('setup.py', quiet=1, force=True) and ok
+print(f'python {sys.version.split()[0]}: every file compiles' if ok else 'python 3.12: compile FAILED')
+sys.exit(0 if ok else 1)" || return 1
+  elif [ "$DRY" = 1 ]; then
+    echo "python 3.12: not here (the byte-compile check is skipped)"
+  fi
+}
 
-g = torch.Generator().manual_seed(0)
-for dtype in (torch.float32, torch.bfloat16):
-    for dh, S, L in ((64, 1, 2), (128, 100, 2)):  # L = 1 would make grad q, kc exactly 0
-        B, H, Hkv, T = 2, 4, 2, 100
-        r = lambda *s: torch.randn(*s, generator=g).to(dtype)
-        ins = [r(B, H, T, dh), r(B, Hkv, T, dh), r(B, Hkv, T, dh), r(B, H, T, dh), r(B, H, S, L, dh),
-               r(B, H, S, L, dh), torch.randn(H, generator=g)]
-        lengths = torch.tensor([T, 61])
-        grad = r(B, H, T, dh)
-        fn = lambda *a, dev: wk.gcla_attention(*a, lengths=lengths.to(dev))
-        o1, g1 = run("cuda", "cuda", lambda *a: fn(*a, dev="cuda"), ins, grad)
-        o2, g2 = run("cuda_emu", "cpu", lambda *a: fn(*a, dev="cpu"), ins, grad)
-        tol = tolerance(dtype, "attention")
-        compare(f"gcla {dtype} dh={dh} S={S} out", o1, o2, tol)
-        for name, a, b in zip(("q_rot", "k_rot", "v", "q", "kc", "vc", "gate"), g1, g2):
-            compare(f"gcla {dtype} dh={dh} S={S} grad {name}", a, b, tol)
-    x = torch.randn(3, 1100, 96, generator=g)
-    x[:, 1::3] = x[:, ::3][:, :x[:, 1::3].shape[1]] * 1.01 + 0.02 * torch.randn(3, 367, 96, generator=g)
-    x = x.to(dtype)
-    pos, lens = torch.arange(1100).expand(3, 1100), torch.tensor([1100, 700, 0])
-    res = {}
-    for backend, dev in (("cuda", "cuda"), ("cuda_emu", "cpu")):
-        xl = x.to(dev).requires_grad_()
-        with wk.use_backend(backend):
-            merged, mpos, mlen, imap = wk.atm_merge(xl, pos.to(dev), 0.9, lens.to(dev))
-            restored = wk.atm_unmerge(merged * 2, imap)
-            (gx,) = torch.autograd.grad(restored, xl, torch.ones_like(restored))
-        res[backend] = [t.detach().cpu() for t in (merged, mpos, mlen, imap, restored, gx)]
-    c, e = res["cuda"], res["cuda_emu"]
-    same = all(torch.equal(c[i], e[i]) for i in (1, 2, 3))
-    fails += not same
-    print(f"{'PASS' if same else 'FAIL'}  atm {dtype} decisions (index map, positions, lengths) identical")
-    for name, i in (("merged", 0), ("restored", 4), ("grad x", 5)):
-        compare(f"atm {dtype} {name}", c[i], e[i], tolerance(dtype))
-print("cuda and cuda_emu agree" if fails == 0 else f"{fails} comparison(s) failed")
-raise SystemExit(1 if fails else 0)
-PY
+step_build() {
+  if [ "$DRY" = 1 ]; then
+    $PY - <<'EOF' || return 1
+import importlib.util, os
+spec = importlib.util.spec_from_file_location("wiola_setup", "setup.py")
+setup = importlib.util.module_from_spec(spec); spec.loader.exec_module(setup)
+print("setup.py -gencode flags:", " ".join(setup.cuda_nvcc_arch_flags(os.environ)))
+EOF
+    WIOLA_DISABLE_EXTENSION=1 $PY scripts/triton_warmup.py --dry-run || return 1
+    return 0
+  fi
+  # The Triton kernels compile on every core while ninja builds; the build wins ties for
+  # cores only by being first. The warm-up process never loads the extension being written.
+  WIOLA_DISABLE_EXTENSION=1 $PY scripts/triton_warmup.py --jobs "$NPROC" --json "$OUT/triton_warmup.json" \
+    > "$OUT/triton_warmup.log" 2>&1 &
+  local warm=$!
+  MAX_JOBS=$NPROC $PY setup.py -q build_ext --inplace > "$OUT/build.log" 2>&1
+  local rc=$?
+  [ $rc -eq 0 ] || { tail -40 "$OUT/build.log"; echo "BUILD FAILED (log: $OUT/build.log)"; }
+  wait $warm || echo "warning: the Triton warm-up failed (kernels compile on first use instead)"
+  grep -E "kernel variants|compiled|FAILED" "$OUT/triton_warmup.log" | head -8
+  $PY -m wiola_kernels backends --device cuda 2>&1 | awk '$2 == "cuda" || $2 == "triton"' | cut -c1-160
+  return $rc
+}
 
-step "self-check (every backend vs reference)"
-timeout 60 $PY -m wiola_kernels check --device cuda || status=1
+step_gpu_tests() {
+  if [ "$DRY" = 1 ]; then
+    gpu_test_ids > /dev/null || return 1
+    local n
+    n=$(grep -v -c -i "cuda_emu" "$OUT/gpu-tests.ids")
+    echo "GPU tests selected: $n (pytest -m gpu -k 'not cuda_emu' tests)"
+    [ "$n" -gt 0 ]
+    return
+  fi
+  $PY -m pytest -q -p no:cacheprovider -m gpu -k "not cuda_emu" -rfE --tb=short --durations=10 \
+    --junitxml "$OUT/pytest-gpu.xml" tests > "$OUT/pytest-gpu.log" 2>&1
+  local rc=$?
+  grep -E "^(FAILED|ERROR) " "$OUT/pytest-gpu.log" | cut -c1-200 | head -40
+  tail -1 "$OUT/pytest-gpu.log"
+  # Every test skipped (no CUDA device visible, no extension) is not a pass.
+  tail -1 "$OUT/pytest-gpu.log" | grep -q -E "[0-9]+ passed" || { echo "no GPU test ran"; rc=1; }
+  return $rc
+}
 
-step "benchmarks"
-timeout 150 $PY -m wiola_kernels bench --device cuda --repeats 20 --json "$OUT/bench.json" \
-  --plot "$OUT/bench.png" 2>/dev/null | tee "$OUT/bench.txt" | tail -20
-[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+sanitize() {  # TOOL: the small all-op GPU tests under one compute-sanitizer tool, into $OUT/sanitizer-TOOL.{log,rc}
+  local tool=$1
+  PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool "$tool" --error-exitcode 9 --print-limit 20 \
+    $PY -m pytest -q -p no:cacheprovider -m gpu -k "sanitizer and not cuda_emu" tests/test_all_ops.py \
+    > "$OUT/sanitizer-$tool.log" 2>&1
+  echo $? > "$OUT/sanitizer-$tool.rc"
+}
+export -f sanitize
 
-step "Hugging Face Llama training step, bf16: patch_hf vs unpatched"
-timeout 90 $PY -m wiola_kernels bench --hf llama --device cuda --json "$OUT/bench_hf.json" 2>/dev/null | tail -5; [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+step_sanitizers() {
+  local planted=scripts/planted_gpu.sh  # planted-bug kernel copies, each run under the tool that must catch it
+  if [ "$DRY" = 1 ]; then
+    local n
+    n=$(pytest_count -m gpu -k "sanitizer and not cuda_emu" tests/test_all_ops.py)
+    echo "sanitizer runs: ${n:-no} small all-op GPU tests under each of: $SAN_TOOLS"
+    if [ -f "$planted" ]; then
+      echo "planted bugs: $planted run ($($PY csrc/tests/planted_bugs.py --list 2>/dev/null | wc -l) plants)"
+    else
+      echo "planted bugs: $planted not available in this checkout"
+    fi
+    have compute-sanitizer || echo "compute-sanitizer: not here (GPU machine only)"
+    [ -n "$n" ] && [ "$n" -gt 0 ]
+    return
+  fi
+  have compute-sanitizer || { echo "compute-sanitizer not found"; return 1; }
+  # Every tool at once, one process each (the GPU has room), and the planted bugs beside
+  # them (nvcc builds on the CPU first): the step takes as long as the slowest.
+  local pid_planted=""
+  if [ -f "$planted" ]; then
+    bash "$planted" run "$OUT/planted_gpu" > "$OUT/planted_gpu.log" 2>&1 &
+    pid_planted=$!
+  fi
+  local pids=() bad=0 rc errors
+  for tool in $SAN_TOOLS; do
+    sanitize "$tool" &
+    pids+=($!)
+  done
+  wait "${pids[@]}"
+  for tool in $SAN_TOOLS; do
+    rc=$(cat "$OUT/sanitizer-$tool.rc" 2>/dev/null || echo missing)
+    errors=$(grep -o "ERROR SUMMARY: [0-9]* error" "$OUT/sanitizer-$tool.log" | tail -1 | grep -o "[0-9]*")
+    if [ "$rc" = 0 ]; then
+      echo "$tool: clean ($(tail -1 "$OUT/sanitizer-$tool.log"))"
+    else
+      bad=1
+      echo "$tool: FAILED (exit $rc, ${errors:-?} sanitizer errors; $OUT/sanitizer-$tool.log)"
+      grep -m3 -E "^========= (Invalid|Race|Barrier|Uninitialized|Error|Program hit)" "$OUT/sanitizer-$tool.log"
+    fi
+  done
+  if [ -n "$pid_planted" ]; then
+    wait "$pid_planted"
+    rc=$?
+    grep -v -E "^(built|nvcc)" "$OUT/planted_gpu.log" | tail -25
+    [ "$rc" = 0 ] || { bad=1; echo "planted bugs: FAILED (exit $rc; $OUT/planted_gpu.log)"; }
+  else
+    echo "planted bugs: $planted not available in this checkout"
+  fi
+  return $bad
+}
 
-step "summary"
-sed -n '/^GCLA attention vs SDPA-flash/,$p' "$OUT/bench.txt"
-$PY - "$OUT/bench.json" <<'PY'
-import json, sys
-try:
-    rows = json.load(open(sys.argv[1]))
-except Exception as exc:
-    print("no benchmark records:", exc); sys.exit(0)
-print(f"{'op':<16}{'pass':<9}{'backend':<9}{'ms':>9}{'x eager':>9}{'x compile':>10}{'GB/s':>8}{'%copy':>7}")
-for r in rows:
-    sc = r['speedup_vs_compile']
-    print(f"{r['op']:<16}{r['pass']:<9}{r['backend']:<9}{r['ms']:>9.3f}{r['speedup_vs_eager']:>9.2f}"
-          f"{(sc if sc else 0):>10.2f}{r['gbps']:>8.0f}{r['pct_of_copy']:>6.0f}%")
-PY
-echo "gpu_check: $([ $status -eq 0 ] && echo PASSED || echo FAILED)"
-exit $status
+step_cuda_vs_emu() {
+  if [ "$DRY" = 1 ]; then
+    $PY scripts/gpu_compare_emu.py --dry-run
+    return
+  fi
+  $PY scripts/gpu_compare_emu.py 2>&1 | tee "$OUT/cuda_vs_emu.txt" | grep -v "^PASS"
+  return "${PIPESTATUS[0]}"
+}
+
+step_check() {
+  if [ "$DRY" = 1 ]; then
+    $PY -m wiola_kernels check --help > /dev/null && echo "python -m wiola_kernels check --device cuda: ready"
+    return
+  fi
+  $PY -m wiola_kernels check --device cuda 2>&1 | tee "$OUT/check.txt" | grep -v "^PASS"
+  return "${PIPESTATUS[0]}"
+}
+
+step_bench() {
+  # The torch.compile baselines (inductor compiles on a cold cache) only with
+  # GPU_CHECK_COMPILE=1: they may not fit the step's time. The HF step compiles anyway.
+  local plot=() compile=(--no-compile)
+  $PY -c "import matplotlib" 2>/dev/null && plot=(--plot "$OUT/bench.png")
+  [ "${GPU_CHECK_COMPILE:-0}" = 1 ] && compile=()
+  if [ "$DRY" = 1 ]; then
+    $PY -m wiola_kernels bench --help > /dev/null || return 1
+    echo "python -m wiola_kernels bench --device cuda --repeats 10 ${compile[*]} --json \$OUT/bench.json ${plot[*]:+--plot \$OUT/bench.png}: ready"
+    return
+  fi
+  $PY -m wiola_kernels bench --device cuda --repeats 10 "${compile[@]}" --json "$OUT/bench.json" "${plot[@]}" \
+    > "$OUT/bench.txt" 2> "$OUT/bench.log"
+  local rc=$?
+  [ $rc -eq 0 ] || tail -5 "$OUT/bench.log"
+  sed -n '/^GCLA attention vs SDPA-flash/,$p' "$OUT/bench.txt"
+  return $rc
+}
+
+step_overhead() {
+  if ! $PY -m wiola_kernels bench --help 2>/dev/null | grep -q -- "--overhead"; then
+    echo "bench --overhead: not available in this checkout (skipped)"
+    return 77
+  fi
+  if [ "$DRY" = 1 ]; then
+    echo "python -m wiola_kernels bench --overhead --device cuda --json \$OUT/overhead.json: ready"
+    return
+  fi
+  $PY -m wiola_kernels bench --overhead --device cuda --json "$OUT/overhead.json" 2> "$OUT/overhead.log" \
+    | tee "$OUT/overhead.txt"
+  local rc=${PIPESTATUS[0]}
+  [ "$rc" = 0 ] || tail -5 "$OUT/overhead.log"
+  return "$rc"
+}
+
+step_hf_llama() {
+  if [ "$DRY" = 1 ]; then
+    $PY -m wiola_kernels bench --help > /dev/null || return 1
+    $PY -c "from transformers.models.llama import modeling_llama; import wiola_kernels as wk; wk.patch_hf" \
+      && echo "python -m wiola_kernels bench --hf llama --device cuda --json \$OUT/bench_hf.json: ready"
+    return
+  fi
+  $PY -m wiola_kernels bench --hf llama --device cuda --json "$OUT/bench_hf.json" 2> "$OUT/bench_hf.log" \
+    | tee "$OUT/bench_hf.txt" | tail -6
+  local rc=${PIPESTATUS[0]}
+  [ "$rc" = 0 ] || tail -5 "$OUT/bench_hf.log"
+  return "$rc"
+}
+
+step_summary() {
+  $PY scripts/gpu_check_summary.py "$OUT" $([ "$DRY" = 1 ] && echo --dry-run)
+}
+export -f step_environment step_build step_gpu_tests step_sanitizers step_cuda_vs_emu step_check \
+  step_bench step_overhead step_hf_llama step_summary
+
+# ------------------------------------------------------------------------------ runner
+
+START=$(date +%s)
+: > "$OUT/gpu_check_steps.tsv"
+rm -f "$OUT/gpu-tests.ids"
+total=0
+for entry in "${PLAN[@]}"; do total=$((total + $(cut -d'|' -f2 <<< "$entry"))); done
+echo "gpu_check$([ "$DRY" = 1 ] && echo ' --dry-run'): ${#PLAN[@]} steps, timeouts add up to ${total} s," \
+     "wall budget ${BUDGET} s; logs in $OUT"
+i=0
+for entry in "${PLAN[@]}"; do
+  IFS='|' read -r name limit title <<< "$entry"
+  title=${title//\$\{WIOLA_CUDA_ARCH\}/$WIOLA_CUDA_ARCH}
+  i=$((i + 1))
+  used=$(( $(date +%s) - START ))
+  reserve=$([ "$name" = summary ] && echo 0 || echo "$SUMMARY_RESERVE")
+  left=$(( BUDGET - used - reserve ))
+  if [ "$DRY" = 0 ] && [ "$name" != summary ]; then  # the summary always runs, in its own time
+    if [ "$left" -lt 5 ]; then
+      echo; echo "=== [$i/${#PLAN[@]}] $title: OUT-OF-TIME (${used} s of the ${BUDGET} s budget used)"
+      printf '%s\t%s\t%s\t%s\t%s\n' "$name" OUT-OF-TIME 0 "$limit" "$title" >> "$OUT/gpu_check_steps.tsv"
+      continue
+    fi
+    [ "$limit" -gt "$left" ] && limit=$left
+  fi
+  echo; echo "=== [$i/${#PLAN[@]}] $title (timeout ${limit} s, $(date +%T))"
+  t0=$(date +%s)
+  # Dry runs are not timed against the GPU budget (this machine is slower); 5 minutes each at most.
+  timeout -k 10 "$([ "$DRY" = 1 ] && echo 300 || echo "$limit")" bash -c "step_${name//-/_}" 2>&1 \
+    | tee "$OUT/step-$name.log"
+  rc=${PIPESTATUS[0]}
+  dt=$(( $(date +%s) - t0 ))
+  case $rc in
+    0) status=PASS ;;
+    77) status=SKIPPED ;;
+    124|137) status=TIMEOUT ;;
+    *) status=FAIL ;;
+  esac
+  echo "--- $name: $status in ${dt} s (timeout ${limit} s)"
+  printf '%s\t%s\t%s\t%s\t%s\n' "$name" "$status" "$dt" "$limit" "$title" >> "$OUT/gpu_check_steps.tsv"
+done
+bad=$(cut -f2 "$OUT/gpu_check_steps.tsv" | grep -c -E "FAIL|TIMEOUT|OUT-OF-TIME")
+echo "gpu_check$([ "$DRY" = 1 ] && echo ' --dry-run'): $([ "$bad" = 0 ] && echo PASSED || echo "FAILED ($bad step(s))")" \
+     "in $(( $(date +%s) - START )) s"
+[ "$bad" = 0 ]

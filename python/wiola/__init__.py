@@ -17,9 +17,11 @@ training-step benchmark.
 import transformers
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
-#: The oldest transformers tested; the model uses transformers-5 APIs (config dataclasses,
-#: ``transformers.initialization``, the ``cache`` argument) that 4.x lacks.
-MIN_TRANSFORMERS = (5, 24)
+#: The oldest transformers tested (CI runs the model tests on it and on the pinned one); the
+#: model uses transformers-5 APIs (config dataclasses, ``transformers.initialization``,
+#: cache layers) that 4.x lacks. Releases before 5.2x call the cache ``past_key_values``:
+#: ``modeling_wiola.CACHE_KWARG`` bridges the two names.
+MIN_TRANSFORMERS = (5, 17)
 
 
 def _version_tuple(version: str) -> tuple[int, ...]:
@@ -32,7 +34,8 @@ def _version_tuple(version: str) -> tuple[int, ...]:
 
 if _version_tuple(transformers.__version__) < MIN_TRANSFORMERS:
     raise ImportError(f"wiola needs transformers >= {'.'.join(map(str, MIN_TRANSFORMERS))} (it uses transformers-5 "
-                      f"APIs), found {transformers.__version__}; pip install -U 'transformers>=5.24'")
+                      f"APIs), found {transformers.__version__}; pip install -U "
+                      f"'transformers>={'.'.join(map(str, MIN_TRANSFORMERS))}'")
 
 from .configuration_wiola import PRESETS, WiolaConfig  # noqa: E402
 from .modeling_wiola import WiolaCache, WiolaForCausalLM, WiolaModel  # noqa: E402

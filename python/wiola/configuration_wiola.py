@@ -80,7 +80,7 @@ class WiolaConfig(PretrainedConfig):
     """Configuration of a Wiola decoder. Defaults are wiola-360m (SPEC §1)."""
 
     model_type = "wiola"
-    keys_to_ignore_at_inference: ClassVar[list[str]] = ["cache"]
+    keys_to_ignore_at_inference: ClassVar[list[str]] = ["cache", "past_key_values"]  # the name before transformers 5.2x
 
     vocab_size: int = 32000                       # V
     hidden_size: int = 1024                       # d (= H·d_h)

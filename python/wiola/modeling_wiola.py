@@ -38,6 +38,7 @@ merged pair lets position t see token t+1, a training-time leak the tests show.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import torch
 import torch.nn.functional as F
@@ -59,6 +60,38 @@ from . import decode
 from .context_fold import folded_context_attention
 from .loading import (check_checkpoint_path, check_load_kwargs, portable_kernel_backend, quiet_load_report,
                       refuse_partial_load, refuse_pickle_only_directory)
+
+# The cache's name in transformers' model outputs and generation kwargs: ``cache`` from
+# 5.2x on (``past_key_values`` a deprecated alias), ``past_key_values`` before. The model's
+# own API says ``cache`` on every version; on older releases its outputs carry the cache
+# under both names, because generate() reads the old one there.
+CACHE_KWARG = "cache" if "cache" in BaseModelOutputWithPast.__dataclass_fields__ else "past_key_values"
+
+if CACHE_KWARG == "cache":
+    WiolaModelOutput, WiolaCausalLMOutput = BaseModelOutputWithPast, CausalLMOutputWithPast
+else:
+    @dataclasses.dataclass
+    class WiolaModelOutput(BaseModelOutputWithPast):
+        """``BaseModelOutputWithPast`` with the cache as ``cache`` too (older transformers)."""
+
+        cache: Cache | None = None
+
+        def __post_init__(self):
+            if self.past_key_values is None:
+                self.past_key_values = self.cache
+            super().__post_init__()
+
+    @dataclasses.dataclass
+    class WiolaCausalLMOutput(CausalLMOutputWithPast):
+        """``CausalLMOutputWithPast`` with the cache as ``cache`` too (older transformers)."""
+
+        cache: Cache | None = None
+
+        def __post_init__(self):
+            if self.past_key_values is None:
+                self.past_key_values = self.cache
+            super().__post_init__()
+
 
 # WiolaRMSNorm (SPEC §3) and SpiralRotaryEmbedding (SPEC §4) are the wiola_kernels
 # modules: RMSNorm with a learned shift δ before the RMS, and the spiral rotary map.
@@ -520,7 +553,7 @@ class WiolaModel(WiolaPreTrainedModel):
     def forward(self, input_ids: Tensor | None = None, attention_mask: Tensor | None = None,
                 position_ids: Tensor | None = None, cache: Cache | None = None, inputs_embeds: Tensor | None = None,
                 use_cache: bool | None = None, output_hidden_states: bool | None = None,
-                output_attentions: bool | None = None, **kwargs) -> BaseModelOutputWithPast:
+                output_attentions: bool | None = None, **kwargs) -> WiolaModelOutput:
         """Hidden states ``(B, T, d)`` after the final norm.
 
         ``attention_mask (B, past + T)``: 1 for real tokens, 0 for padding; rows may be
@@ -601,8 +634,8 @@ class WiolaModel(WiolaPreTrainedModel):
         if layout is not None and layout.shift is not None:
             x = layout.to_mask_layout(x, 1)
             hidden_states = None if hidden_states is None else [layout.to_mask_layout(h, 1) for h in hidden_states]
-        return BaseModelOutputWithPast(last_hidden_state=x, cache=cache,
-                                       hidden_states=None if hidden_states is None else tuple(hidden_states))
+        return WiolaModelOutput(last_hidden_state=x, cache=cache,
+                                hidden_states=None if hidden_states is None else tuple(hidden_states))
 
 
 def check_input_ids(input_ids: object, vocab_size: int) -> None:
@@ -816,7 +849,7 @@ class WiolaForCausalLM(WiolaPreTrainedModel, GenerationMixin):
                 position_ids: Tensor | None = None, cache: Cache | None = None,
                 inputs_embeds: Tensor | None = None, labels: Tensor | None = None, use_cache: bool | None = None,
                 logits_to_keep: int = 0, output_hidden_states: bool | None = None,
-                output_attentions: bool | None = None, **kwargs) -> CausalLMOutputWithPast:
+                output_attentions: bool | None = None, **kwargs) -> WiolaCausalLMOutput:
         """``input_ids (B, T)`` → ``logits (B, T, V)``; ``labels (B, T)`` (−100 ignored) are
         shifted inside, like Hugging Face causal LMs."""
         if cache is None:
@@ -842,15 +875,15 @@ class WiolaForCausalLM(WiolaPreTrainedModel, GenerationMixin):
             check_labels(labels, (input_ids if input_ids is not None else inputs_embeds).shape[:2])
             loss = F.cross_entropy(logits[:, :-1].to(compute_dtype(logits.dtype)).reshape(-1, logits.shape[-1]),
                                    labels[:, 1:].reshape(-1).to(logits.device), ignore_index=-100)
-        return CausalLMOutputWithPast(loss=loss, logits=logits, cache=out.cache, hidden_states=out.hidden_states)
+        return WiolaCausalLMOutput(loss=loss, logits=logits, cache=out.cache, hidden_states=out.hidden_states)
 
     # -- generation --------------------------------------------------------------------
 
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
         super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
-        cache = model_kwargs.get("cache")
+        cache = model_kwargs.get(CACHE_KWARG)
         if cache is not None and not isinstance(cache, WiolaCache) and cache.get_seq_length() == 0:
-            model_kwargs["cache"] = WiolaCache()  # carries the summary sums as well as K and V
+            model_kwargs[CACHE_KWARG] = WiolaCache()  # carries the summary sums as well as K and V
 
     def generate(self, inputs: Tensor | None = None, *args, **kwargs):
         """Hugging Face ``generate``. With ``gcla_summary="paper"`` the cache is turned off

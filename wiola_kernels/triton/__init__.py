@@ -1,1 +1,57 @@
 """Triton kernels (GPU, or the CPU interpreter under ``TRITON_INTERPRET=1``)."""
+
+import os
+
+
+def _fix_interpreter_loop_bounds() -> None:
+    """Let Triton's interpreter take runtime loop bounds on every Triton we support.
+
+    The interpreter keeps a scalar (a kernel argument, ``tl.program_id``) as a 1-element
+    array, and ``range(start, n, step)`` converts it with ``int(array)``. Triton 3.6 does
+    exactly that, which NumPy >= 2.4 refuses for arrays of one dimension ("only
+    0-dimensional arrays can be converted to Python scalars"); later Tritons squeeze the
+    array first. This applies the same squeeze when, and only when, the installed
+    interpreter needs it (probed, not guessed from version numbers). Compiled kernels are
+    untouched: the interpreter is a CPU test tool."""
+    if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+        return
+    try:
+        import numpy as np
+        from triton.runtime import interpreter
+    except ImportError:
+        return
+    original = getattr(interpreter, "_patch_lang_tensor", None)
+    if original is None or getattr(original, "_wiola_squeezes_index", False):
+        return
+
+    class _Probe:
+        pass
+
+    class _Scope:
+        def set_attr(self, obj, name, value):
+            setattr(obj, name, value)
+
+    class _Handle:
+        data = np.array([3], dtype=np.int32)
+
+    try:
+        original(_Probe, _Scope())
+        probe = _Probe()
+        probe.handle = _Handle()
+        if _Probe.__index__(probe) == 3:
+            return  # this interpreter already converts 1-element arrays
+    except TypeError:
+        pass
+    except Exception:  # an interpreter whose internals differ: leave it alone
+        return
+
+    def patch_lang_tensor(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0])
+                       if self.handle.data.size == 1 else int(self.handle.data))
+
+    patch_lang_tensor._wiola_squeezes_index = True
+    interpreter._patch_lang_tensor = patch_lang_tensor
+
+
+_fix_interpreter_loop_bounds()

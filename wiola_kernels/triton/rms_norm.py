@@ -71,6 +71,16 @@ def _load_shift(s_ptr, idx, mask, HAS_SHIFT: tl.constexpr):
 
 
 @triton.jit
+def _load_z_chunk(x_ptr, s_ptr, row, row_mask, cols, c0, d, HAS_SHIFT: tl.constexpr):
+    """``z = x + δ`` of the rows ``row`` at columns ``c0 + cols`` (0 where masked), in the
+    accumulation dtype (δ's: ``s_ptr`` is γ when there is no shift, same dtype)."""
+    mask = row_mask[:, None] & (c0 + cols < d)[None, :]
+    offs = row[:, None] * d + (c0 + cols)[None, :]
+    sc = _load_shift(s_ptr, c0 + cols, c0 + cols < d, HAS_SHIFT)[None, :]
+    return tl.where(mask, tl.load(x_ptr + offs, mask=mask, other=0.0).to(s_ptr.dtype.element_ty) + sc, 0.0)
+
+
+@triton.jit
 def _rms_norm_fwd_kernel(
     x_ptr,        # (rows, d) input, contiguous
     w_ptr,        # (d,) γ in the accumulation dtype
@@ -97,27 +107,28 @@ def _rms_norm_fwd_kernel(
         row = tl.arange(0, ROWS_PER_STEP).to(tl.int64) + first  # int64: rows * d can pass 2^31
         row_mask = row < rows
         if WIDE:
-            ss = tl.zeros((ROWS_PER_STEP,), acc_ty)
-            m = tl.zeros((ROWS_PER_STEP,), acc_ty)
-            for c0 in range(0, d, BLOCK_D):  # pass 1: Σz² and max|z|
-                mask = row_mask[:, None] & (c0 + cols < d)[None, :]
-                offs = row[:, None] * d + (c0 + cols)[None, :]
-                sc = _load_shift(s_ptr, c0 + cols, c0 + cols < d, HAS_SHIFT)[None, :]
-                z = tl.where(mask, tl.load(x_ptr + offs, mask=mask, other=0.0).to(acc_ty) + sc, 0.0)
-                ss += tl.sum(z * z, axis=1)
-                m = tl.maximum(m, tl.max(tl.abs(z), axis=1))
-            scale = _overflow_scale(ss, m, IS_FP64)
-            if tl.max(ss, axis=0) == float("inf"):  # rare: Σ(s·z)² for the rescaled rows
-                ss_scaled = tl.zeros((ROWS_PER_STEP,), acc_ty)
+            # Pass 1: Σz², kept per column (per thread) and reduced across the block once
+            # after the loop rather than per chunk (one barrier, not one per chunk).
+            ss_cols = tl.zeros((ROWS_PER_STEP, BLOCK_D), acc_ty)
+            for c0 in range(0, d, BLOCK_D):
+                z = _load_z_chunk(x_ptr, s_ptr, row, row_mask, cols, c0, d, HAS_SHIFT)
+                ss_cols += z * z
+            ss = tl.sum(ss_cols, axis=1)
+            scale = tl.full((ROWS_PER_STEP,), 1.0, acc_ty)
+            if tl.max(ss, axis=0) == float("inf"):  # rare: max|z|, then Σ(s·z)² for the rescaled rows
+                m_cols = tl.zeros((ROWS_PER_STEP, BLOCK_D), acc_ty)
                 for c0 in range(0, d, BLOCK_D):
-                    mask = row_mask[:, None] & (c0 + cols < d)[None, :]
-                    offs = row[:, None] * d + (c0 + cols)[None, :]
-                    sc = _load_shift(s_ptr, c0 + cols, c0 + cols < d, HAS_SHIFT)[None, :]
-                    z = tl.where(mask, tl.load(x_ptr + offs, mask=mask, other=0.0).to(acc_ty) + sc, 0.0)
+                    z = _load_z_chunk(x_ptr, s_ptr, row, row_mask, cols, c0, d, HAS_SHIFT)
+                    m_cols = tl.maximum(m_cols, tl.abs(z))
+                scale = _overflow_scale(ss, tl.max(m_cols, axis=1), IS_FP64)
+                ss_cols = tl.zeros((ROWS_PER_STEP, BLOCK_D), acc_ty)
+                for c0 in range(0, d, BLOCK_D):
+                    z = _load_z_chunk(x_ptr, s_ptr, row, row_mask, cols, c0, d, HAS_SHIFT)
                     z = z * scale[:, None]
-                    ss_scaled += tl.sum(z * z, axis=1)
-                ss = tl.where(scale != 1.0, ss_scaled, ss)
+                    ss_cols += z * z
+                ss = tl.where(scale != 1.0, tl.sum(ss_cols, axis=1), ss)
             rstd_s = 1.0 / tl.sqrt(ss / d + eps * scale * scale)
+            tl.store(rstd_ptr + row, rstd_s * scale, mask=row_mask)
             for c0 in range(0, d, BLOCK_D):  # pass 2 (the row is in L1/L2 now): y
                 mask = row_mask[:, None] & (c0 + cols < d)[None, :]
                 offs = row[:, None] * d + (c0 + cols)[None, :]
@@ -145,7 +156,7 @@ def _rms_norm_fwd_kernel(
             else:
                 y = w * z * rstd_s[:, None]
             tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
-        tl.store(rstd_ptr + row, rstd_s * scale, mask=row_mask)  # subnormal once r > 2^126 (fp32): ≥ 21 bits
+            tl.store(rstd_ptr + row, rstd_s * scale, mask=row_mask)  # subnormal once r > 2^126 (fp32): ≥ 21 bits
 
 
 @triton.jit

@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# CI leg: what the lent GPU machine will run, checked here with its package versions.
+# triton==3.6.0 and transformers==5.17.0 go first on PYTHONPATH (scripts/device_env.sh;
+# torch stays the pinned CPU build), then:
+#   1. the Triton kernels in the interpreter and the CUDA kernels in the emulator (cuda_emu),
+#      the Hugging Face patching, the model package, and the AOT compile of every Triton
+#      kernel for sm_90/sm_80 with Triton 3.6's compiler (no spills: tests/test_triton_aot.py);
+#   2. bash scripts/gpu_check.sh --dry-run (the plan, imports, files and test selections);
+#   3. the C++ sources against the GPU image's torch 2.11 headers (scripts/check_device_headers.sh).
+# Each part prints how long it took.
+#   bash scripts/test_device_versions.sh [PYTEST ARGS...]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-$( [ -x .venv/bin/python ] && echo "$PWD/.venv/bin/python" || echo python3 )}
+export PYTHON
+dev=$(bash scripts/device_env.sh | tail -1)
+export PYTHONPATH="$dev:$PWD:$PWD/python${PYTHONPATH:+:$PYTHONPATH}"
+"$PYTHON" -c "
+import triton, transformers
+assert triton.__version__ == '3.6.0' and transformers.__version__ == '5.17.0', (triton.__version__, transformers.__version__)
+print(f'device versions: triton {triton.__version__}, transformers {transformers.__version__} (torch stays the pinned one)')"
+
+start=$SECONDS
+failed=()
+part() {  # NAME COMMAND...: run one part, say how long it took; the leg goes on after a failure
+  local name=$1 t0=$SECONDS rc=0
+  shift
+  "$@" || rc=$?
+  echo "device-versions: $name: $([ $rc -eq 0 ] && echo ok || echo "FAILED (exit $rc)") in $((SECONDS - t0)) s"
+  [ $rc -eq 0 ] || failed+=("$name")
+}
+
+# The Triton kernels compile for both GPUs in parallel first (all cores); the AOT test
+# (gpu-report, one compile at a time) then reads Triton's cache.
+warm() { for arch in sm_90 sm_80; do "$PYTHON" scripts/triton_warmup.py --arch "$arch" --jobs "$(nproc)" | tail -1; done; }
+part "Triton 3.6 AOT compiles" warm
+kernels=(tests/test_rms_norm.py tests/test_srpe.py tests/test_gcla_attention.py tests/test_atm.py
+         tests/test_op_layer.py tests/test_all_ops.py tests/test_cuda_emu.py tests/test_triton_interpreter.py)
+part "interpreter + cuda_emu tests" "$PYTHON" -m pytest -q -p no:cacheprovider "${kernels[@]}" -k "triton or cuda_emu" "$@"
+part "patch_hf + model tests" "$PYTHON" -m pytest -q -p no:cacheprovider tests/test_hf*.py tests/test_model*.py \
+  tests/test_spec_blackbox_model.py "$@"
+part "AOT spill check (Triton 3.6)" "$PYTHON" -m pytest -q -p no:cacheprovider tests/test_triton_aot.py "$@"
+dry() { OUT=$(mktemp -d) WIOLA_DEVICE_ENV=0 bash scripts/gpu_check.sh --dry-run; }
+part "gpu_check.sh --dry-run" dry
+if [ "${WIOLA_DEVICE_HEADERS:-1}" != 0 ]; then
+  part "torch 2.11 headers" bash scripts/check_device_headers.sh
+fi
+echo "device-versions leg: $((SECONDS - start)) s; $([ ${#failed[@]} -eq 0 ] && echo "all parts passed" || \
+  echo "FAILED: ${failed[*]}")"
+[ ${#failed[@]} -eq 0 ]

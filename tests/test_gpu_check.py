@@ -1,0 +1,139 @@
+"""scripts/gpu_check.sh fits the time a GPU is lent (15 minutes in all, 10 per command, a
+minute or more to start): its own step table is read here. The dry run itself (what needs
+no GPU) runs in CI (.ci/run)."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "scripts" / "gpu_check.sh"
+TEXT = SCRIPT.read_text()
+MAX_WALL_S = 480        # the whole run, wall time
+MAX_TIMEOUTS_S = 540    # the steps' timeouts added up
+
+
+def plan() -> list[tuple[str, int, str]]:
+    block = re.search(r"^PLAN=\(\n(.*?)^\)", TEXT, re.S | re.M)
+    assert block, "gpu_check.sh has no PLAN=( ... ) table"
+    rows = re.findall(r'^\s*"([a-z0-9-]+)\|(\d+)\|([^"|]+)"\s*$', block.group(1), re.M)
+    assert len(rows) == len([ln for ln in block.group(1).splitlines() if ln.strip()]), "a PLAN row does not parse"
+    return [(name, int(timeout), title) for name, timeout, title in rows]
+
+
+def test_step_timeouts_add_up_to_what_a_lent_gpu_allows():
+    steps = plan()
+    budget = int(re.search(r"^BUDGET=(\d+)", TEXT, re.M).group(1))
+    reserve = int(re.search(r"^SUMMARY_RESERVE=(\d+)", TEXT, re.M).group(1))
+    assert budget <= MAX_WALL_S
+    assert sum(t for _, t, _ in steps) <= MAX_TIMEOUTS_S, [(n, t) for n, t, _ in steps]
+    assert all(0 < t <= budget for _, t, _ in steps)
+    assert 0 < reserve <= dict((n, t) for n, t, _ in steps)["summary"]
+    assert len({n for n, _, _ in steps}) == len(steps)
+
+
+def test_every_planned_step_is_defined_and_every_step_is_planned():
+    defined = set(re.findall(r"^step_([a-z0-9_]+)\(\) \{", TEXT, re.M))
+    assert defined == {name.replace("-", "_") for name, _, _ in plan()}
+
+
+def test_the_plan_runs_what_the_first_gpu_run_needs_in_order():
+    names = [n for n, _, _ in plan()]
+    want = ["environment", "build", "gpu-tests", "sanitizers", "cuda-vs-emu", "check", "bench", "overhead",
+            "hf-llama", "summary"]
+    assert names == want
+
+
+def test_every_step_runs_under_its_timeout_and_the_budget():
+    runner = TEXT[TEXT.index("------ runner\n"):]
+    assert 'timeout -k 10 "$(' in runner and '"$limit")" bash -c "step_${name//-/_}"' in runner
+    assert "left=$(( BUDGET - used - reserve ))" in runner and '[ "$limit" -gt "$left" ] && limit=$left' in runner
+    assert 'if [ "$left" -lt 5 ]; then' in runner  # no step starts past the budget
+    assert 'echo "--- $name: $status in ${dt} s (timeout ${limit} s)"' in runner
+
+
+def _function(name: str) -> str:
+    start = TEXT.index(f"\n{name}() {{")
+    return TEXT[start:TEXT.index("\n}\n", start)]
+
+
+def test_gpu_tests_run_to_the_end_with_a_failure_summary():
+    body = _function("step_gpu_tests")
+    command = [ln for ln in body.splitlines() if "-m pytest" in ln and "-m gpu" in ln]
+    assert command and not re.search(r"(^|\s)-x(\s|$)", " ".join(command))
+    assert "^(FAILED|ERROR) " in body  # the failures listed
+
+
+def test_sanitizers_cover_the_four_tools_without_the_caching_allocator():
+    assert re.search(r'^export SAN_TOOLS="memcheck racecheck synccheck initcheck"$', TEXT, re.M)
+    body = _function("sanitize")
+    assert "PYTORCH_NO_CUDA_MEMORY_CACHING=1" in body and 'compute-sanitizer --tool "$tool"' in body
+    assert "--error-exitcode 9" in body and '-k "sanitizer and not cuda_emu" tests/test_all_ops.py' in body
+    steps = _function("step_sanitizers")
+    assert 'for tool in $SAN_TOOLS; do\n    sanitize "$tool" &' in steps
+    # The planted-bug copies, each under the tool that must catch it, where the checkout has them.
+    assert 'bash "$planted" run "$OUT/planted_gpu"' in steps and "not available in this checkout" in steps
+    assert "WIOLA_SANITIZER_RUN" not in TEXT  # set by the old script and read by nothing
+
+
+# Called only where the checkout has them (`[ -f ... ]` first): the planted-bug copies.
+OPTIONAL = {"scripts/planted_gpu.sh", "csrc/tests/planted_bugs.py"}
+
+
+def test_files_the_script_calls_exist():
+    paths = set(re.findall(r"(?<![\w/.])((?:scripts|tests|csrc)/[\w./-]+\.(?:py|sh))\b", TEXT)) | {"setup.py"}
+    assert {"scripts/triton_warmup.py", "scripts/gpu_compare_emu.py", "scripts/gpu_check_summary.py"} <= paths
+    assert OPTIONAL <= paths
+    for path in paths - OPTIONAL:
+        assert (ROOT / path).is_file(), path
+    assert 'local planted=scripts/planted_gpu.sh' in TEXT and '[ -f "$planted" ]' in TEXT
+
+
+def test_a_flag_the_checkout_lacks_is_skipped_not_failed():
+    body = _function("step_overhead")
+    assert 'grep -q -- "--overhead"' in body and "not available in this checkout" in body and "return 77" in body
+
+
+@pytest.fixture()
+def summary_out(tmp_path):
+    rows = [("environment", "PASS", 4, 10), ("build", "FAIL", 151, 150), ("overhead", "SKIPPED", 1, 15)]
+    (tmp_path / "gpu_check_steps.tsv").write_text(
+        "".join(f"{n}\t{s}\t{sec}\t{t}\tthe {n} step\n" for n, s, sec, t in rows))
+    bench = [dict(op="rms_norm", backend="triton", shape="x", dtype="bfloat16", ms=0.0312, speedup_vs_eager=4.5,
+                  speedup_vs_compile=None, gbps=2100.0, pct_of_copy=71.0, **{"pass": "fwd"})]
+    (tmp_path / "bench.json").write_text(json.dumps(bench))
+    return tmp_path
+
+
+def test_summary_tabulates_steps_and_benchmarks(summary_out):
+    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_check_summary.py"), str(summary_out)],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert re.fullmatch(r"build\s+FAIL\s+151\s+150", lines[2])
+    assert re.fullmatch(r"total\s+156\s+175", lines[4])
+    assert any(re.fullmatch(r"rms_norm\s+fwd\s+triton\s+0\.031\s+4\.50\s+0\.00\s+2100\s+71%", ln) for ln in lines)
+    saved = json.loads((summary_out / "gpu_check.json").read_text())
+    assert [s["status"] for s in saved["steps"]] == ["PASS", "FAIL", "SKIPPED"] and len(saved["bench"]) == 1
+
+
+def test_no_step_starts_past_the_budget_and_the_table_still_comes(tmp_path):
+    """A spent budget (GPU_CHECK_BUDGET=0): every step is OUT-OF-TIME, none runs, the summary
+    still prints its table, and the run fails."""
+    env = {"PATH": "/usr/bin:/bin", "OUT": str(tmp_path), "GPU_CHECK_BUDGET": "0", "PYTHON": sys.executable,
+           "HOME": str(tmp_path)}
+    out = subprocess.run(["bash", str(SCRIPT)], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0
+    rows = [ln.split("\t") for ln in (tmp_path / "gpu_check_steps.tsv").read_text().splitlines()]
+    assert [r[0] for r in rows] == [n for n, _, _ in plan()]
+    assert {r[1] for r in rows[:-1]} == {"OUT-OF-TIME"} and rows[-1][:2] == ["summary", "PASS"]
+    assert not (tmp_path / "build.log").exists()
+    build = dict((n, t) for n, t, _ in plan())["build"]
+    assert re.search(rf"^build\s+OUT-OF-TIME\s+0\s+{build}$", out.stdout, re.M), out.stdout[-2000:]
+    assert "gpu_check: FAILED (9 step(s))" in out.stdout
