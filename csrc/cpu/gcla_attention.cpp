@@ -924,7 +924,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
       dvc = at::zeros(vc.sizes(), vc.options());
     }
   }
-  at::Tensor dgate = dgate_part.sum({0, 2}).to(gate.scalar_type());
+  at::Tensor dgate = dgate_part.sum(at::IntArrayRef{0, 2}).to(gate.scalar_type());  // (IntArrayRef: torch 2.11 finds {0, 2} ambiguous)
   return {dq_rot, dk_rot, dv, dq, dkc, dvc, dgate};
 }
 
