@@ -613,11 +613,16 @@ def launch_config(head_dim: int, dtype: torch.dtype, arch: Optional[int]) -> Lau
     if dtype == torch.float64:
         return LaunchConfig(Blocks(32, 16, 4, 1), Blocks(32, 16, 4, 1), Blocks(16, 32, 4, 1))
     if dtype == torch.float32:  # exact float32 FMA products ("ieee"): no spills, no tensor cores
-        if bd <= 64:  # sm_80's forward: 32 query rows (64 spilled 4 instructions once strides were arguments)
-            return LaunchConfig(Blocks(64 if arch >= 90 else 32, 32, 8, 2), Blocks(64, 32, 8, 2), Blocks(16, 64, 4, 2))
+        if bd <= 64:
+            if arch >= 90:
+                return LaunchConfig(Blocks(64, 32, 8, 2), Blocks(64, 32, 8, 2), Blocks(16, 64, 4, 2))
+            # sm_80: 4 warps and a single-stage dk/dv pass; Triton 3.6's register allocation
+            # spills the sm_90 choices there.
+            return LaunchConfig(Blocks(32, 32, 4, 2), Blocks(64, 32, 8, 2), Blocks(16, 64, 4, 1))
         return LaunchConfig(Blocks(32, 32, 8, 2), Blocks(32, 32, 8, 2), Blocks(16, 32, 8, 2))
     if bd <= 64:
-        return LaunchConfig(Blocks(128, 64, 8, 3), Blocks(128, 32, 8, 3), Blocks(32, 128, 8, 3))
+        # sm_80's dk/dv pass takes 16 query rows per step (32 spill under Triton 3.6).
+        return LaunchConfig(Blocks(128, 64, 8, 3), Blocks(128, 32, 8, 3), Blocks(32 if arch >= 90 else 16, 128, 8, 3))
     if bd == 128:
         if arch >= 90:
             return LaunchConfig(Blocks(128, 64, 8, 3), Blocks(64, 64, 8, 2), Blocks(32, 64, 8, 2))
