@@ -518,7 +518,7 @@ def test_triton_float64():
 @needs_triton
 def test_triton_gpu_block_sizes_in_the_interpreter():
     """The blocks launch_config picks for an H200 (bf16, d_h 64: forward 128 × 64, dq pass
-    128 × 32, dk/dv pass 32 × 128) on a sequence spanning several of them, against the oracle."""
+    128 × 32, dk/dv pass 32 × 64) on a sequence spanning several of them, against the oracle."""
     from wiola_kernels.triton import gcla_attention as tk
 
     cfg = tk.launch_config(64, torch.bfloat16, 90)

@@ -569,9 +569,8 @@ def _gcla_bwd_dkv_kernel(
     # up to the length, see every key of the block. This program's heads h ≡ g (mod H_kv) of
     # the group in order: a fixed summation order, no atomics.
     diag_end = tl.maximum(tl.minimum(n0 + BLOCK_N, length), n0)
-    split64 = split.to(tl.int64)
-    for r in range(0, (H // H_KV - split + SPLIT - 1) // SPLIT):  # this program's r-th head of the group
-        h64 = g64 + (split64 + tl.cast(r, tl.int64) * SPLIT) * H_KV
+    for h in range(g + split * H_KV, H, SPLIT * H_KV):
+        h64 = tl.cast(h, tl.int64)
         qr_base = q_rot_ptr + b64 * sqr_b + h64 * sqr_h
         do_base = do_ptr + b64 * sdo_b + h64 * sdo_h
         stat_base = (b64 * H + h64) * T
@@ -582,7 +581,7 @@ def _gcla_bwd_dkv_kernel(
             dk, dv = _dkv_inner(dk, dv, k, v, qr_base, sqr_t, do_base, sdo_t, stat_base, lse_ptr, delta_ptr, keys, m0,
                                 length, c_exp, HEAD_DIM, BLOCK_M, BLOCK_D, False, F64, UPCAST, SAME_T_STRIDE)
     st_ok = (keys < T)[:, None] & (cols < HEAD_DIM)[None, :]
-    out_b = b64 + split64 * B
+    out_b = b64 + split.to(tl.int64) * B
     tl.store(dk_ptr + (out_b * sdk_b + g64 * sdk_h + n64 * sdk_t) + (k2 * sdk_t + c2),
              tl.where(key_ok[:, None], dk * c, 0.0).to(dk_ptr.dtype.element_ty), mask=st_ok)
     tl.store(dv_ptr + (out_b * sdv_b + g64 * sdv_h + n64 * sdv_t) + (k2 * sdv_t + c2),
@@ -652,13 +651,13 @@ def launch_config(head_dim: int, dtype: torch.dtype, arch: Optional[int]) -> Lau
                              f"d_h-long operand rows in registers, which spill beyond; use bfloat16/float16, or "
                              f"the cuda backend (wiola_kernels.use_backend('cuda'))")
         if arch >= 90:
-            return LaunchConfig(Blocks(64, 32, 8, 2), Blocks(32, 32, 8, 2), Blocks(16, 64, 4, 2))
-        # sm_80: 4 warps and a single-stage dk/dv pass; Triton 3.6's register allocation
-        # spills the sm_90 choices there.
-        return LaunchConfig(Blocks(32, 32, 4, 2), Blocks(64, 32, 8, 2), Blocks(16, 64, 4, 1))
+            return LaunchConfig(Blocks(64, 32, 8, 2), Blocks(32, 16, 8, 2), Blocks(16, 64, 4, 2))
+        # sm_80: a 4-warp forward (8 warps spill under Triton 3.6)
+        return LaunchConfig(Blocks(32, 32, 4, 2), Blocks(64, 32, 8, 2), Blocks(16, 64, 4, 2))
     if bd <= 64:
-        # sm_80's dk/dv pass takes 16 query rows per step (32 spill under Triton 3.6).
-        return LaunchConfig(Blocks(128, 64, 8, 3), Blocks(128, 32, 8, 3), Blocks(32 if arch >= 90 else 16, 128, 8, 3))
+        # The dk/dv pass: 64 keys per program (128 spill on sm_90 under Triton 3.6), and on sm_80
+        # 16 query rows per step (32 spill under Triton 3.6).
+        return LaunchConfig(Blocks(128, 64, 8, 3), Blocks(128, 32, 8, 3), Blocks(32 if arch >= 90 else 16, 64, 8, 3))
     if bd == 128:
         if arch >= 90:
             return LaunchConfig(Blocks(128, 64, 8, 3), Blocks(64, 64, 8, 2), Blocks(16, 64, 8, 2))
