@@ -193,6 +193,9 @@ def test_blocks_per_sm_follows_the_occupancy_rules():
     assert gpu_report.blocks_per_sm(h200, registers=33, threads=256, shared_bytes=0) == 6   # 40 per thread
     assert gpu_report.blocks_per_sm(h200, registers=32, threads=128, shared_bytes=100 * 1024) == 2  # smem
     assert gpu_report.blocks_per_sm(h200, registers=32, threads=128, shared_bytes=228 * 1024) == 0
+    assert gpu_report.occupancy(h200, registers=128, threads=256, shared_bytes=0) == (2, "registers")
+    assert gpu_report.occupancy(h200, registers=32, threads=128, shared_bytes=100 * 1024) == (2, "shared memory")
+    assert gpu_report.occupancy(h200, registers=32, threads=128, shared_bytes=0) == (16, "threads")
 
 
 def test_sass_analysis_finds_the_main_loop():

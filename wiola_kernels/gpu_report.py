@@ -203,7 +203,7 @@ def occupancy(gpu: GPU, registers: int, threads: int, shared_bytes: int) -> tupl
         "registers": (gpu.regs_per_sm // regs_per_warp) // warps,
         "shared memory": gpu.smem_per_sm // (shared_bytes + gpu.reserved_smem_per_block),
     }
-    limit = min(limits, key=lambda k: (limits[k], k != "registers"))
+    limit = min(limits, key=lambda k: (limits[k], list(limits).index(k)))  # ties: the per-SM block/thread caps
     return max(0, limits[limit]), limit
 
 
@@ -349,12 +349,16 @@ def problems(records: list[dict]) -> list[str]:
 
 
 def format_table(records: list[dict]) -> str:
-    """The records as an aligned text table (kernel ids shortened: pointer arguments and
-    plain integer arguments left out)."""
+    """The records as an aligned text table (Triton kernel ids shortened: the first pointer's
+    element type stands for the pointer arguments; plain integer arguments are left out)."""
     head = ("kernel", "src", "arch", "regs", "spill", "smem", "blk/SM (limit)", "TC", "bits", "in flight/SM", "lint")
     rows = [head]
     for r in records:
-        name = re.sub(r"\*\w+(?:/16)?,|\bi32(?:/16)?,|\bfp32,", "", r["kernel"])
+        name = r["kernel"]
+        first = re.search(r"\[\*(\w+?)(?:/16)?,", name)
+        name = re.sub(r"\*\w+(?:/16)?,|\bi32(?:/16)?,|\bfp32,", "", name)
+        if first:
+            name = name.replace("[", f"[{first.group(1)},", 1)
         if "error" in r:
             rows.append((name, r["source"], r["arch"], "ERROR", "", "", "", "", "", "", ""))
             continue
