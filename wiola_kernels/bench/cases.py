@@ -19,6 +19,9 @@ import torch
 
 from .. import reference
 from ..ops.atm import atm_merge, atm_unmerge
+from ..shapes import ATM_BENCH, GCLA_BENCH, GCLA_BENCH_CPU, GCLA_BENCH_HEAD_DIMS, GCLA_BENCH_SMALL, GPU_BENCH_DTYPE
+from ..shapes import RMS_NORM_BENCH as RMS_NORM_SHAPES
+from ..shapes import SRPE_BENCH as SRPE_SHAPES
 from ..ops.rms_norm import rms_norm
 from ..ops.srpe import srpe
 
@@ -68,10 +71,8 @@ def all_cases(device: torch.device | str, small: bool = False, ops: Sequence[str
     return cases
 
 
-# Shapes per op, small (smoke tests) and full; also what wiola_kernels/triton/aot.py compiles.
-RMS_NORM_SHAPES = {"small": (256, 1024), "full": (16384, 1024)}                 # (rows, d)
-SRPE_SHAPES = {"small": (2, 4, 1, 128, 64), "full": (4, 16, 4, 2048, 64)}       # (B, H, H_kv, T, d_h)
-GPU_BENCH_DTYPE = torch.bfloat16
+# Shapes per op, small (smoke tests) and full: wiola_kernels/shapes.py, which the AOT compiles
+# and gpu-report read too.
 
 
 def _default_dtype(device: torch.device) -> torch.dtype:
@@ -158,7 +159,7 @@ def _atm_merge_eager(x, positions, tau):
 def atm_cases(device: torch.device, small: bool) -> list[BenchCase]:
     # ATM merge + unmerge at τ = 0.92 on random tokens with ~10% of adjacent pairs planted as
     # near-duplicates (cos ≈ 0.998; unplanted pairs have |cos| ≈ 0.03 at d = 1024).
-    b, t, d = (2, 256, 256) if small else (8, 2048, 1024)
+    b, t, d = ATM_BENCH["small" if small else "full"]
     dtype = torch.float32 if device.type == "cpu" else _default_dtype(device)
     tau, planted = 0.92, 0.10
     notes: dict = {"tau": tau, "planted_pair_rate": planted}
@@ -221,11 +222,9 @@ def gcla_attention_cases(device: torch.device, small: bool) -> list[BenchCase]:
     # wiola-360m attention (H 16, H_kv 4, d_h 64) with Λ' = 2 causal (prefix-mean) summaries.
     from ..ops.gcla_attention import gcla_attention
 
-    h, h_kv, dh, lam = 16, 4, 64, 2
-    if device.type == "cuda":
-        b, t = (1, 256) if small else (4, 4096)
-    else:
-        b, t = (1, 256) if small else (1, 2048)
+    shape = GCLA_BENCH_SMALL if small else (GCLA_BENCH if device.type == "cuda" else GCLA_BENCH_CPU)
+    b, h, h_kv, t, lam = (shape[k] for k in ("B", "H", "H_kv", "T", "L"))
+    dh = GCLA_BENCH_HEAD_DIMS[0]
     dtype = _default_dtype(device)
 
     def make_inputs():

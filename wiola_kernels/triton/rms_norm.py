@@ -180,11 +180,12 @@ def _rms_norm_bwd_kernel(
     programs = tl.num_programs(0)
     cols = tl.arange(0, BLOCK_D)
     acc_ty = w_ptr.dtype.element_ty
+    part = pid.to(tl.int64) * d  # this program's row of the (programs, d) partials
     if WIDE:
         for c0 in range(0, d, BLOCK_D):
-            tl.store(dw_partial_ptr + pid * d + c0 + cols, tl.zeros((BLOCK_D,), acc_ty), mask=c0 + cols < d)
+            tl.store(dw_partial_ptr + part + c0 + cols, tl.zeros((BLOCK_D,), acc_ty), mask=c0 + cols < d)
             if HAS_SHIFT:
-                tl.store(ds_partial_ptr + pid * d + c0 + cols, tl.zeros((BLOCK_D,), acc_ty), mask=c0 + cols < d)
+                tl.store(ds_partial_ptr + part + c0 + cols, tl.zeros((BLOCK_D,), acc_ty), mask=c0 + cols < d)
     else:
         col_mask = cols < d
         w = tl.load(w_ptr + cols, mask=col_mask, other=0.0)[None, :]
@@ -218,11 +219,11 @@ def _rms_norm_bwd_kernel(
                 z_hat = tl.where(mask, x + sc, 0.0) * rstd
                 dz = (g * wc - c * z_hat) * rstd
                 tl.store(dx_ptr + offs, dz.to(dx_ptr.dtype.element_ty), mask=mask)
-                dw_row = dw_partial_ptr + pid * d + c0 + cols
+                dw_row = dw_partial_ptr + part + c0 + cols
                 # Each thread re-reads only what it wrote itself.
                 tl.store(dw_row, tl.load(dw_row, mask=cm) + tl.sum(g * z_hat, axis=0), mask=cm)
                 if HAS_SHIFT:
-                    ds_row = ds_partial_ptr + pid * d + c0 + cols
+                    ds_row = ds_partial_ptr + part + c0 + cols
                     tl.store(ds_row, tl.load(ds_row, mask=cm) + tl.sum(dz, axis=0), mask=cm)
         else:
             mask = row_mask[:, None] & col_mask[None, :]
@@ -237,9 +238,9 @@ def _rms_norm_bwd_kernel(
             dw_acc += tl.sum(g * z_hat, axis=0)
             ds_acc += tl.sum(dz, axis=0)
     if not WIDE:
-        tl.store(dw_partial_ptr + pid * d + cols, dw_acc, mask=col_mask)
+        tl.store(dw_partial_ptr + part + cols, dw_acc, mask=col_mask)
         if HAS_SHIFT:
-            tl.store(ds_partial_ptr + pid * d + cols, ds_acc, mask=col_mask)
+            tl.store(ds_partial_ptr + part + cols, ds_acc, mask=col_mask)
 
 
 # Bytes a thread loads from each row per step: one 128-bit access.
@@ -335,25 +336,15 @@ def rms_norm_bwd(grad_y, x, weight, shift, rstd):
     return grad_x, dw_partial.sum(0).to(weight.dtype), grad_shift
 
 
-# GPU test shapes (the GPU section and the float64 gradcheck of tests/test_rms_norm.py,
-# which runs on the GPU's Triton backend there): (x shape, dtype). The bench shapes come
-# from wiola_kernels/bench/cases.py. tests/test_triton_aot.py checks this list covers
-# those tests' parameters.
-GPU_TEST_SHAPES = tuple(
-    [(shape, dtype) for dtype in (torch.float32, torch.bfloat16, torch.float16)
-     for shape in ((1, 3), (37, 192), (4, 33, 760), (1151, 4096), (2, 8193))]
-    + [((4097, 1024), torch.float32), ((5, 33), torch.float32), ((2, 5), torch.float64)])
-
-
 def aot_launches(sms: int):
-    """Every launch of the forward and backward kernels at the GPU test and bench shapes,
-    on a GPU with ``sms`` SMs (see ``wiola_kernels/triton/aot.py``)."""
-    from ..bench.cases import GPU_BENCH_DTYPE, RMS_NORM_SHAPES
+    """Every launch of the forward and backward kernels at the GPU test and bench shapes
+    (:mod:`wiola_kernels.shapes`), on a GPU with ``sms`` SMs (see ``wiola_kernels/triton/aot.py``)."""
+    from .. import shapes
     from .aot import DEFAULT_NUM_STAGES, DevicePointer as P, Launch
 
-    cases = [(f"test x {shape} {dtype}", shape, dtype) for shape, dtype in GPU_TEST_SHAPES]
-    cases += [(f"bench {size} x {shape} {GPU_BENCH_DTYPE}", shape, GPU_BENCH_DTYPE)
-              for size, shape in RMS_NORM_SHAPES.items()]
+    cases = [(f"test x {shape} {dtype}", shape, dtype) for shape, dtype in shapes.RMS_NORM_GPU_TESTS]
+    cases += [(f"bench {size} x {shape} {shapes.GPU_BENCH_DTYPE}", shape, shapes.GPU_BENCH_DTYPE)
+              for size, shape in shapes.RMS_NORM_BENCH.items()]
     for case, shape, dtype in cases:
         rows, d = math.prod(shape[:-1]), shape[-1]
         acc = compute_dtype(dtype)
