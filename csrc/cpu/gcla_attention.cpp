@@ -414,13 +414,17 @@ struct SlotGrads {
     }
   }
 
-  // Rows [r0, r1), past the length: zero gradients (kShared rows add nothing).
-  void zero_rows(int64_t r0, int64_t r1) const {
-    if (mode == SlotMode::kGathered) {
-      std::fill(dk_buf + r0 * L * dh, dk_buf + r1 * L * dh, acc_t(0));
-      std::fill(dv_buf + r0 * L * dh, dv_buf + r1 * L * dh, acc_t(0));
-    } else if (mode == SlotMode::kInPlace) {
-      for (int64_t r = r0; r < r1; ++r)
+  // Before the head's rows: kShared partials start at zero, and rows [nq, n) past the
+  // length get zero gradients (kShared rows add nothing there).
+  void begin(int64_t nq, int64_t n) const {
+    if (mode == SlotMode::kShared) {
+      std::fill(dk_part, dk_part + L * dh, acc_t(0));
+      std::fill(dv_part, dv_part + L * dh, acc_t(0));
+    } else if (mode == SlotMode::kGathered) {
+      std::fill(dk_buf + nq * L * dh, dk_buf + n * L * dh, acc_t(0));
+      std::fill(dv_buf + nq * L * dh, dv_buf + n * L * dh, acc_t(0));
+    } else {
+      for (int64_t r = nq; r < n; ++r)
         for (int64_t l = 0; l < L; ++l) {
           std::fill_n(dkc.row(b, h, i0 + r, l), dh, scalar_t(0));
           std::fill_n(dvc.row(b, h, i0 + r, l), dh, scalar_t(0));
@@ -714,15 +718,11 @@ void cross_head(const BackwardParams<scalar_t>& p, SlotMode mode, const TaskGrid
                 CrossPassScratch<acc_t>& w) {
   const int64_t h = blk.h0 + hh, bh = blk.b * p.d.H + h, dh = p.d.dh, dp = tile::padded(dh);
   const SlotGrads<scalar_t> grads = slot_grads(p, mode, g, blk, hh, w.slots);
-  if (mode == SlotMode::kShared) {
-    std::fill(grads.dk_part, grads.dk_part + p.d.L * dh, acc_t(0));
-    std::fill(grads.dv_part, grads.dv_part + p.d.L * dh, acc_t(0));
-  }
+  grads.begin(blk.nq, blk.i1 - blk.i0);
   for (int64_t i = blk.i0 + blk.nq; i < blk.i1; ++i) {
     std::fill_n(p.dq_rot.row(blk.b, h, i), dh, scalar_t(0));
     p.D[bh * p.d.T + i] = 0;
   }
-  grads.zero_rows(blk.nq, blk.i1 - blk.i0);
   acc_t gate_acc = 0;
   const acc_t sig = p.sigma(h);
   for (int64_t r = 0; r < blk.nq; ++r) {
