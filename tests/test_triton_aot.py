@@ -153,9 +153,10 @@ def test_specialisation_matches_the_jit():
     gpu = aot.GPUS["sm_90"]
     for rows, d in ((1, 1024), (37, 192), (4096, 33)):
         launch = next(iter(rms_norm.aot_launches(gpu.sms)))
-        launch.args = launch.args[:5] + (rows, d, 1e-6)
+        first = len(launch.args) - 3  # (..., rows, d, eps): the first integer argument
+        launch.args = launch.args[:first] + (rows, d, 1e-6)
         signature, constexprs, attrs, _ = aot.specialise(launch, gpu)
-        for index, value in ((5, rows), (6, d)):
+        for index, value in ((first, rows), (first + 1, d)):
             kind, attr = native_specialize_impl(BaseBackend, value, False, True, True)[:2]
             if kind == "constexpr":
                 assert signature[list(signature)[index]] == "constexpr" and constexprs[(index,)] == value

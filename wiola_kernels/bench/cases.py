@@ -18,7 +18,9 @@ from typing import Callable, Sequence
 import torch
 
 from .. import reference
+from ..ops.add_rms_norm import add_rms_norm
 from ..ops.atm import atm_merge, atm_unmerge
+from ..ops.glu import glu
 from ..ops.rms_norm import rms_norm
 from ..ops.srpe import srpe
 
@@ -71,6 +73,10 @@ def all_cases(device: torch.device | str, small: bool = False, ops: Sequence[str
 # Shapes per op, small (smoke tests) and full; also what wiola_kernels/triton/aot.py compiles.
 RMS_NORM_SHAPES = {"small": (256, 1024), "full": (16384, 1024)}                 # (rows, d)
 SRPE_SHAPES = {"small": (2, 4, 1, 128, 64), "full": (4, 16, 4, 2048, 64)}       # (B, H, H_kv, T, d_h)
+# DSFF's two streams at wiola-360m width on 4,096 tokens (B·T): (tokens, n, activation).
+GLU_SHAPES = {"small": ((256, 1024, "silu"), (256, 4096, "gelu_tanh")),
+              "full": ((4096, 1024, "silu"), (4096, 4096, "gelu_tanh"))}
+ADD_RMS_NORM_SHAPES = {"small": (256, 1024), "full": (16384, 1024)}             # (rows, d)
 GPU_BENCH_DTYPE = torch.bfloat16
 
 
@@ -108,6 +114,72 @@ def _rms_norm_eager(x, weight, shift, eps):
     none of the oracle's overflow care, which would slow the baseline down)."""
     z = x.float() + shift.float()
     return (weight.float() * z * torch.rsqrt(z.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+@case_factory
+def add_rms_norm_cases(device: torch.device, small: bool) -> list[BenchCase]:
+    # The residual add before each norm of a layer (x: the attention or DSFF output), as rms_norm's case.
+    rows, d = ADD_RMS_NORM_SHAPES["small" if small else "full"]
+    dtypes = [_default_dtype(device)] + ([torch.bfloat16] if device.type == "cpu" else [])
+
+    def min_bytes(pass_, inputs, outputs, diff):
+        # Read x, residual, γ, δ; write y, s. The backward reads ∂L/∂y, ∂L/∂s and s again and
+        # writes one tensor, ∂L/∂x = ∂L/∂residual, plus ∂γ, ∂δ.
+        x, residual, weight, shift = inputs
+        row_tensor, params = x.numel() * x.element_size(), 2 * weight.numel() * weight.element_size()
+        fwd = 4 * row_tensor + params
+        return fwd if pass_ == "fwd" else fwd + 4 * row_tensor + params
+
+    def case(dtype: torch.dtype) -> BenchCase:
+        def make_inputs():
+            g = torch.Generator(device="cpu").manual_seed(0)
+            x = torch.randn(rows, d, generator=g).to(device=device, dtype=dtype)
+            residual = torch.randn(rows, d, generator=g).to(device=device, dtype=dtype)
+            weight = (torch.rand(d, generator=g) + 0.5).to(device=device, dtype=dtype)
+            shift = (0.1 * torch.randn(d, generator=g)).to(device=device, dtype=dtype)
+            return x, residual, weight, shift
+
+        def eager(x, residual, weight, shift):
+            s = x + residual
+            return _rms_norm_eager(s, weight, shift, 1e-6), s
+
+        return BenchCase(
+            op="add_rms_norm", shape=f"x, residual ({rows}, {d})", dtype=dtype, make_inputs=make_inputs,
+            fused=lambda x, r, w, s: add_rms_norm(x, r, w, s, 1e-6), eager=eager,
+            oracle=lambda x, r, w, s: reference.add_rms_norm(x, r, w, s, 1e-6), min_bytes=min_bytes,
+        )
+
+    return [case(dtype) for dtype in dtypes]
+
+
+def _glu_eager(u: torch.Tensor, activation: str) -> torch.Tensor:
+    """A gated activation on one projection's output as eager PyTorch, the way a model author
+    writes it (``chunk``: its backward is one ``cat`` of the halves' gradients)."""
+    import torch.nn.functional as F
+
+    a, b = u.chunk(2, dim=-1)
+    return (F.silu(a) if activation == "silu" else F.gelu(a, approximate="tanh")) * b
+
+
+@case_factory
+def glu_cases(device: torch.device, small: bool) -> list[BenchCase]:
+    # DSFF's narrow (SiLU, n) and wide (GELU_tanh, w) streams: u = x·[W1; W3]ᵀ of width 2n, one
+    # projection's output, given to glu whole (the packed form: its gradient is one tensor).
+    dtype = _default_dtype(device)
+
+    def case(tokens: int, n: int, activation: str) -> BenchCase:
+        def make_inputs():
+            g = torch.Generator(device="cpu").manual_seed(0)
+            return (torch.randn(tokens, 2 * n, generator=g).to(device=device, dtype=dtype),)
+
+        return BenchCase(
+            op="glu", shape=f"u ({tokens}, 2·{n}), {activation}", dtype=dtype, make_inputs=make_inputs,
+            fused=lambda u: glu(u, None, activation), eager=lambda u: _glu_eager(u, activation),
+            oracle=lambda u: reference.glu(u, None, activation),
+            backward_rereads=(0,),  # ∂a, ∂b recompute act(a) from u
+        )
+
+    return [case(*stream) for stream in GLU_SHAPES["small" if small else "full"]]
 
 
 @case_factory
