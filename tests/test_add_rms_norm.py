@@ -135,6 +135,24 @@ def test_y_is_the_norm_of_the_rounded_sum(backend, dtype):
     assert_close_rel(y, want, tolerance(dtype))
 
 
+def test_triton_wide_rows():
+    """d = 8193 (fp32): rows too wide for registers; the sum is written first, then the norm's
+    chunked passes read it back. Row 1 overflows Σz², so the chunked rescaling runs on s too."""
+    if "triton" not in BACKENDS:
+        pytest.skip("triton backend unavailable")
+    from wiola_kernels.triton.rms_norm import _launch_config
+
+    assert _launch_config(3, 8193, 4, 2, None).wide and _launch_config(3, 8193, 4, 3, None).wide
+    x, r, w, s = make((3, 8193), torch.float32, seed=21)
+    x[1] *= 1e30
+    grads = tuple(torch.randn(3, 8193, generator=gen(i)) for i in (22, 23))
+    (y, total), got = run("triton", x, r, w, s, grads)
+    (y64, total64), want = oracle(x, r, w, s, grads)
+    assert torch.equal(total, x + r)
+    for a, b, name in ((y, y64, "y"), *zip(got, want, ("dx", "dresidual", "dw", "dshift"))):
+        assert_close_rel(a, b, tolerance(torch.float32), name)
+
+
 @pytest.mark.parametrize("used", ["y", "s"])
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_one_output_unused(backend, used):

@@ -76,7 +76,7 @@ def test_memory_bound_triton_kernels_meet_the_h200_targets(report):
     bench = [r for r in report.values() if r["source"] == "triton" and r["arch"] == "sm_90"
              and r["bytes_in_flight_per_sm"] is not None]
     assert {r["kernel"].split("[")[0] for r in bench} == {"_rms_norm_fwd_kernel", "_rms_norm_bwd_kernel",
-                                                            "_srpe_kernel"}
+                                                            "_srpe_kernel", "_glu_fwd_kernel", "_glu_bwd_kernel"}
     for r in bench:
         assert r["global_access_bits"] == 128, r["kernel"]
         assert r["bytes_in_flight_per_sm"] >= gpu_report.LITTLE_LAW_TARGET_BYTES, r["kernel"]
@@ -122,8 +122,9 @@ def _parametrized(test_fn, argnames):
 
 
 def test_gpu_test_shapes_are_compiled():
-    """The AOT shape lists cover what the GPU tests of tests/test_rms_norm.py and
-    tests/test_srpe.py run the Triton kernels at."""
+    """The AOT shape lists cover what the GPU tests of tests/test_rms_norm.py,
+    tests/test_srpe.py, tests/test_add_rms_norm.py and tests/test_glu.py run the Triton
+    kernels at."""
     def load(name):
         spec = importlib.util.spec_from_file_location(f"_{name}_gpu_shapes", ROOT / "tests" / f"{name}.py")
         mod = importlib.util.module_from_spec(spec)
@@ -140,6 +141,17 @@ def test_gpu_test_shapes_are_compiled():
     for shape in p["b, h, h_kv, t, dh"]:
         for dtype in p["dtype"]:
             assert (tuple(shape), dtype) in srpe.GPU_TEST_SHAPES, (shape, dtype)
+    from wiola_kernels.triton import add_rms_norm, glu
+
+    p = _parametrized(load("test_add_rms_norm").test_add_rms_norm_triton_vs_float64, ("shape", "dtype"))
+    for shape in p["shape"]:
+        for dtype in p["dtype"]:
+            assert (tuple(shape), dtype) in add_rms_norm.GPU_TEST_SHAPES, (shape, dtype)
+    p = _parametrized(load("test_glu").test_glu_triton_vs_float64, ("rows, n", "dtype", "packed"))
+    for rows, n in p["rows, n"]:
+        for dtype in p["dtype"]:
+            for packed in p["packed"]:
+                assert (rows, n, packed, dtype) in glu.GPU_TEST_SHAPES, (rows, n, packed, dtype)
 
 
 def test_specialisation_matches_the_jit():

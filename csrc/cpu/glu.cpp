@@ -8,11 +8,12 @@
 //   ∂a = g·b·act'(a),  ∂b = g·act(a)         (the backward recomputes s from a)
 // Edges: a is clamped to ±T for h and h' (T per activation and dtype: beyond it s is
 // exactly 0 or 1 in the accumulation dtype), so nothing overflows and ±inf, huge a give the
-// exact limits act = a (a > 0) or 0 (a < 0), act' = 1 or 0; NaN stays NaN (the clamps are
-// compare-and-blend, which keep NaN).
+// exact limits act = a (a > 0) or 0 (a < 0), act' = 1 or 0; NaN stays NaN (see clamp).
 //
-// σ uses a vectorised exp (float, AVX2: Cody-Waite reduction and Cephes' degree-5
-// polynomial, ~1 ulp; elsewhere at::vec's exp) and one division. Rows are read through
+// σ uses a vectorised exp (float, AVX2: Cody-Waite reduction and a degree-5 polynomial,
+// ~2 ulp; elsewhere at::vec's exp) and one division; the float kernels are
+// compute-bound when their rows are in cache, so the exp is written
+// to keep the instruction count low (one_plus_exp_neg). Rows are read through
 // their row stride (the halves of one projection's output are read in place); work is
 // split into (row, column chunk) tiles so that few wide rows still use every thread.
 // Large outputs are written with non-temporal stores.
@@ -36,39 +37,12 @@ using Vec = at::vec::Vectorized<acc_t>;
 constexpr double kGeluK = 0.7978845608028654;  // √(2/π)
 constexpr double kGeluC = 0.044715;
 
-// e^x, vectorised. float on AVX2: x = n·ln2 + r, |r| ≤ ln2/2, e^r by Cephes' expf polynomial,
-// 2^n through the exponent bits; x is first clamped to [−87, 89], so 2^n stays a normal
-// number or becomes +inf (n = 128) — e^x = +inf from x ≈ 88.4 on, where σ(−x) is 0 to
-// float precision anyway.
-template <typename acc_t>
-inline Vec<acc_t> exp_vec(const Vec<acc_t>& x) {
-#if defined(CPU_CAPABILITY_AVX2)
-  if constexpr (std::is_same_v<acc_t, float>) {
-    const __m256 xc = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(89.0f));
-    const __m256 n = _mm256_round_ps(_mm256_mul_ps(xc, _mm256_set1_ps(1.44269504088896341f)),
-                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), xc);  // ln2 in two parts
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-    p = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.0f));
-    const __m256i bits =
-        _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
-  }
-#endif
-  return x.exp();
-}
-
 // h(a), h'(a) and the clamp T of one activation in the accumulation dtype acc_t.
 template <GluActivation kAct, typename acc_t>
 struct Gate {
   using V = Vec<acc_t>;
-  // T with σ(h(T)) = 1 and σ(h(−T)) = 0 exactly in acc_t (exp(−h(−T)) overflows to inf).
+  // T with σ(h(T)) = 1 and σ(h(−T)) = 0 exactly in acc_t: 1 + e^{−h(T)} rounds to 1, and
+  // e^{−h(−T)} overflows to inf (float: with the clamp of one_plus_exp_neg, at its 2^128).
   static constexpr acc_t kClamp = kAct == GluActivation::kSilu ? (std::is_same_v<acc_t, float> ? 89 : 710)
                                                                : (std::is_same_v<acc_t, float> ? 10.125 : 21.5);
   static V h(const V& a) {
@@ -87,8 +61,34 @@ struct Gate {
   }
 };
 
-// a with values below −T (−inf included) replaced by −T, and ac: that clamped above at T
-// too. Compare-and-blend: NaN stays NaN (a min/max instruction would drop it).
+// 1 + e^{−h}, the denominator of σ(h). float on AVX2: e^x with x = −h clamped to [−87, 89],
+// x = n·ln2 + r (n by the 1.5·2^23 shifter, ln2 in two parts), e^r ≈ 1 + r + r²·P(r) with a
+// cubic P fitted for the least maximum relative error on |r| ≤ ln2/2 (1.8e-7 evaluated in
+// float), 2^n from n's bits; 2^n is a normal number or, at n = 128 (x ≳ 88.4, where σ is 0 to
+// float precision anyway), +inf. Elsewhere at::vec's exp.
+template <typename acc_t>
+inline Vec<acc_t> one_plus_exp_neg(const Vec<acc_t>& h) {
+#if defined(CPU_CAPABILITY_AVX2)
+  if constexpr (std::is_same_v<acc_t, float>) {
+    const __m256 hc = _mm256_max_ps(_mm256_min_ps(h, _mm256_set1_ps(87.0f)), _mm256_set1_ps(-89.0f));
+    const __m256 shifter = _mm256_set1_ps(12582912.0f + 127.0f);  // 1.5·2^23, plus the exponent bias
+    const __m256 t = _mm256_fnmadd_ps(hc, _mm256_set1_ps(1.44269504088896341f), shifter);  // n + bias in the low bits
+    const __m256 n = _mm256_sub_ps(t, shifter);
+    __m256 r = _mm256_fnmsub_ps(n, _mm256_set1_ps(0.693359375f), hc);  // −h − n·ln2, ln2 in two parts
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_fmadd_ps(_mm256_set1_ps(8.3125262e-3f), r, _mm256_set1_ps(4.1890115e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6667114e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.9999231e-1f));
+    p = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.0f));  // e^r
+    const __m256 scale = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_castps_si256(t), 23));  // 2^n
+    return _mm256_fmadd_ps(p, scale, _mm256_set1_ps(1.0f));
+  }
+#endif
+  return Vec<acc_t>(acc_t(1)) + (Vec<acc_t>(acc_t(0)) - h).exp();
+}
+
+// a with values below −T (−inf included) replaced by −T, and `both`: that clamped above at
+// T too. NaN stays NaN: x86's max/min return their second operand when one is NaN.
 template <typename acc_t>
 struct Clamped {
   Vec<acc_t> low, both;
@@ -97,20 +97,25 @@ struct Clamped {
 template <typename acc_t>
 inline Clamped<acc_t> clamp(const Vec<acc_t>& a, acc_t t) {
   using V = Vec<acc_t>;
+#if defined(CPU_CAPABILITY_AVX2)
+  if constexpr (std::is_same_v<acc_t, float>) {
+    const __m256 lo = _mm256_max_ps(_mm256_set1_ps(-t), a);
+    return {lo, _mm256_min_ps(_mm256_set1_ps(t), lo)};
+  } else {
+    const __m256d lo = _mm256_max_pd(_mm256_set1_pd(-t), a);
+    return {lo, _mm256_min_pd(_mm256_set1_pd(t), lo)};
+  }
+#endif
   const V lo = V::blendv(a, V(-t), a < V(-t));
   return {lo, V::blendv(lo, V(t), lo > V(t))};
 }
 
-template <GluActivation kAct, typename acc_t>
-inline Vec<acc_t> sigmoid_of_gate(const Vec<acc_t>& ac) {
-  using V = Vec<acc_t>;
-  return V(acc_t(1)) / (V(acc_t(1)) + exp_vec<acc_t>(V(acc_t(0)) - Gate<kAct, acc_t>::h(ac)));
-}
-
+// y = a·b/(1 + e^{−h(a)}): the division last, off the critical path of a·b (and one multiply
+// fewer than a·b·σ).
 template <GluActivation kAct, typename acc_t>
 inline Vec<acc_t> glu_vec(const Vec<acc_t>& a, const Vec<acc_t>& b) {
   const Clamped<acc_t> c = clamp(a, Gate<kAct, acc_t>::kClamp);
-  return sigmoid_of_gate<kAct, acc_t>(c.both) * c.low * b;
+  return c.low * b / one_plus_exp_neg<acc_t>(Gate<kAct, acc_t>::h(c.both));
 }
 
 // (∂a, ∂b) of one vector.
@@ -119,7 +124,7 @@ inline std::pair<Vec<acc_t>, Vec<acc_t>> glu_grad_vec(const Vec<acc_t>& g, const
                                                       const Vec<acc_t>& b) {
   using V = Vec<acc_t>;
   const Clamped<acc_t> c = clamp(a, Gate<kAct, acc_t>::kClamp);
-  const V s = sigmoid_of_gate<kAct, acc_t>(c.both);
+  const V s = V(acc_t(1)) / one_plus_exp_neg<acc_t>(Gate<kAct, acc_t>::h(c.both));
   const V dact = at::vec::fmadd(c.both * s * (V(acc_t(1)) - s), Gate<kAct, acc_t>::dh(c.both), s);
   return {g * b * dact, g * (s * c.low)};
 }

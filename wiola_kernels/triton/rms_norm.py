@@ -85,16 +85,13 @@ def _load_input(x_ptr, r_ptr, sum_ptr, offs, mask, acc_ptr, HAS_RESIDUAL: tl.con
 
 
 @triton.jit
-def _load_z_chunk(x_ptr, r_ptr, sum_ptr, s_ptr, row, row_mask, cols, c0, d, HAS_SHIFT: tl.constexpr,
-                  HAS_RESIDUAL: tl.constexpr, STORE_SUM: tl.constexpr):
+def _load_z_chunk(x_ptr, s_ptr, row, row_mask, cols, c0, d, HAS_SHIFT: tl.constexpr):
     """``z = x + δ`` of the rows ``row`` at columns ``c0 + cols`` (0 where masked), in the
-    accumulation dtype (δ's: ``s_ptr`` is γ when there is no shift, same dtype); x is
-    :func:`_load_input`'s."""
+    accumulation dtype (δ's: ``s_ptr`` is γ when there is no shift, same dtype)."""
     mask = row_mask[:, None] & (c0 + cols < d)[None, :]
     offs = row[:, None] * d + (c0 + cols)[None, :]
     sc = _load_shift(s_ptr, c0 + cols, c0 + cols < d, HAS_SHIFT)[None, :]
-    x = _load_input(x_ptr, r_ptr, sum_ptr, offs, mask, s_ptr, HAS_RESIDUAL, STORE_SUM)
-    return tl.where(mask, x + sc, 0.0)
+    return tl.where(mask, tl.load(x_ptr + offs, mask=mask, other=0.0).to(s_ptr.dtype.element_ty) + sc, 0.0)
 
 
 @triton.jit
@@ -127,26 +124,32 @@ def _rms_norm_fwd_kernel(
         row = tl.arange(0, ROWS_PER_STEP).to(tl.int64) + first  # int64: rows * d can pass 2^31
         row_mask = row < rows
         if WIDE:
+            if HAS_RESIDUAL:  # the sum first; the passes below read it back (from L2) as they read x
+                for c0 in range(0, d, BLOCK_D):
+                    mask = row_mask[:, None] & (c0 + cols < d)[None, :]
+                    _load_input(x_ptr, r_ptr, sum_ptr, row[:, None] * d + (c0 + cols)[None, :], mask, w_ptr, True,
+                                True)
+                tl.debug_barrier()  # another thread may read an element this one wrote
+                in_ptr = sum_ptr
+            else:
+                in_ptr = x_ptr
             # Pass 1: Σz², kept per column (per thread) and reduced across the block once
             # after the loop rather than per chunk (one barrier, not one per chunk).
             ss_cols = tl.zeros((ROWS_PER_STEP, BLOCK_D), acc_ty)
             for c0 in range(0, d, BLOCK_D):
-                z = _load_z_chunk(x_ptr, r_ptr, sum_ptr, s_ptr, row, row_mask, cols, c0, d, HAS_SHIFT,
-                                  HAS_RESIDUAL, True)
+                z = _load_z_chunk(in_ptr, s_ptr, row, row_mask, cols, c0, d, HAS_SHIFT)
                 ss_cols += z * z
             ss = tl.sum(ss_cols, axis=1)
             scale = tl.full((ROWS_PER_STEP,), 1.0, acc_ty)
             if tl.max(ss, axis=0) == float("inf"):  # rare: max|z|, then Σ(s·z)² for the rescaled rows
                 m_cols = tl.zeros((ROWS_PER_STEP, BLOCK_D), acc_ty)
                 for c0 in range(0, d, BLOCK_D):
-                    z = _load_z_chunk(x_ptr, r_ptr, sum_ptr, s_ptr, row, row_mask, cols, c0, d, HAS_SHIFT,
-                                      HAS_RESIDUAL, False)
+                    z = _load_z_chunk(in_ptr, s_ptr, row, row_mask, cols, c0, d, HAS_SHIFT)
                     m_cols = tl.maximum(m_cols, tl.abs(z))
                 scale = _overflow_scale(ss, tl.max(m_cols, axis=1), IS_FP64)
                 ss_cols = tl.zeros((ROWS_PER_STEP, BLOCK_D), acc_ty)
                 for c0 in range(0, d, BLOCK_D):
-                    z = _load_z_chunk(x_ptr, r_ptr, sum_ptr, s_ptr, row, row_mask, cols, c0, d, HAS_SHIFT,
-                                      HAS_RESIDUAL, False)
+                    z = _load_z_chunk(in_ptr, s_ptr, row, row_mask, cols, c0, d, HAS_SHIFT)
                     z = z * scale[:, None]
                     ss_cols += z * z
                 ss = tl.where(scale != 1.0, tl.sum(ss_cols, axis=1), ss)
@@ -157,7 +160,7 @@ def _rms_norm_fwd_kernel(
                 offs = row[:, None] * d + (c0 + cols)[None, :]
                 wc = tl.load(w_ptr + c0 + cols, mask=c0 + cols < d, other=0.0)[None, :]
                 sc = _load_shift(s_ptr, c0 + cols, c0 + cols < d, HAS_SHIFT)[None, :]
-                z = _load_input(x_ptr, r_ptr, sum_ptr, offs, mask, w_ptr, HAS_RESIDUAL, False) + sc
+                z = tl.load(in_ptr + offs, mask=mask, other=0.0).to(acc_ty) + sc
                 n = (z * scale[:, None]) * rstd_s[:, None]
                 if HF_ORDER:
                     n = n.to(y_ptr.dtype.element_ty).to(acc_ty)
@@ -306,7 +309,8 @@ class LaunchConfig:
 
 def _launch_config(rows: int, d: int, element_size: int, loads_per_row: int, sms: int | None) -> LaunchConfig:
     """The launch of either kernel for ``rows`` rows of width ``d`` (``element_size``
-    bytes each; ``loads_per_row`` row tensors read per row: 1 forward, 2 backward).
+    bytes each; ``loads_per_row`` row tensors read per row: 1 forward, 2 backward; with
+    add_rms_norm's residual 2 and 3).
 
     Threads own 16 contiguous bytes of a row; rows per step so that each thread has
     ``_BYTES_PER_THREAD_STEP`` bytes loading. ``sms``: the GPU's SM count (the grid is
@@ -320,7 +324,8 @@ def _launch_config(rows: int, d: int, element_size: int, loads_per_row: int, sms
     if wide:  # chunks of 16 B per thread per row
         block_d = 32 * num_warps * per_thread
         row_bytes_per_thread = _BYTES_PER_THREAD_ROW
-    rows_per_step = max(1, min(16, _BYTES_PER_THREAD_STEP // (row_bytes_per_thread * loads_per_row)))
+    # At least _BYTES_PER_THREAD_STEP: add_rms_norm's backward loads three row tensors, two rows (96 B).
+    rows_per_step = max(1, min(16, triton.cdiv(_BYTES_PER_THREAD_STEP, row_bytes_per_thread * loads_per_row)))
     if wide:
         rows_per_step = 1
     steps = triton.cdiv(rows, rows_per_step)
