@@ -140,6 +140,21 @@ def test_matches_float64_reference(backend, dtype, activation, layout):
             assert_close_rel(got, ref, tol, f"{backend} {dtype} {activation} {layout} {shape} {name}")
 
 
+@pytest.mark.skipif(len(CPU_ISAS) < 2, reason="one CPU instruction set here")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_cpu_isas_give_the_same_bits(dtype):
+    """The AVX-512 loops compute the AVX2 lanes' float steps in the same order."""
+    args, _, _ = inputs((5, 77), dtype, "packed", seed=11, scale=4.0)
+    g = torch.randn(5, 77, generator=gen(12)).to(dtype)
+    results = []
+    for isa in CPU_ISAS:
+        with cpu_isa(isa):
+            y, grads = run("cpu", args, "gelu_tanh", grad=g)
+        results.append((y, *grads))
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("backend", [b for b in BACKENDS if b != "reference"])
 def test_halves_of_one_projection_are_read_in_place(backend):
     """``a, b = u[..., :n], u[..., n:]`` (row stride 2n) and the packed ``u``: the kernels copy

@@ -24,6 +24,10 @@
 // returns an empty grad_shift), and hf_order rounds like LlamaRMSNorm: n = z/r is
 // rounded to the input dtype, then y = γ·n (exact in float for bf16/fp16 γ and n, then
 // rounded once), so bf16/fp16 outputs match HF's.
+//
+// add_rms_norm (csrc/cpu/add_rms_norm.cpp, through rms_norm.h) runs the same row loops: its
+// forward forms each row of s = x + residual (add_row: rounded once, written out, kept in L1
+// as the row the norm reads; ResidualAdd), its backward adds ∂L/∂s to ∂x (kGradS).
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
@@ -31,6 +35,7 @@
 #include <limits>
 #include <vector>
 
+#include "avx512_bf16.h"
 #include "common.h"
 #include "isa.h"
 #include "rms_norm.h"
@@ -225,21 +230,10 @@ struct SplitWeights {
 // deterministic and thread-count independent on its own.
 namespace avx512 {
 
-using BF16 = at::BFloat16;
+using namespace ::wiola::cpu::avx512;  // the bf16 blocks of avx512_bf16.h
 
-// Nearest even, NaN -> 0xffff: at::vec::cvtfp32_bf16's rounding, for the 16 floats of v.
-WIOLA_TARGET_AVX512 inline __m256i round_bf16(__m512 v) {
-  const __m512i bits = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
-  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0xffff));
-  return _mm512_cvtepi32_epi16(r);
-}
-
-// Rows in blocks of 32 bf16, read as 16 dwords: dword j holds elements 2j (low half) and
-// 2j + 1 (high half), so a shift and a mask make the floats of the even and of the odd
-// elements (no widening shuffle), and one conversion plus one word permutation writes them
-// back interleaved. γ and δ are read in the same split order: `wp`/`sp` hold, per block,
+// Rows in blocks of 32 bf16, split into the floats of their even and odd elements
+// (avx512_bf16.h). γ and δ are read in the same split order: `wp`/`sp` hold, per block,
 // the 16 even entries then the 16 odd ones (deinterleave_blocks). The tail (d mod 32)
 // takes 16-wide and scalar steps on γ, δ.
 inline std::vector<float> deinterleave_blocks(const float* v, int64_t d) {
@@ -253,40 +247,18 @@ inline std::vector<float> deinterleave_blocks(const float* v, int64_t d) {
   return out;
 }
 
-struct Split {
-  __m512 even, odd;
-};
-
-WIOLA_TARGET_AVX512 inline Split load_bf16x32(const BF16* p) {
-  const __m512i v = _mm512_loadu_si512(p);
-  return {_mm512_castsi512_ps(_mm512_slli_epi32(v, 16)),
-          _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32(int32_t(0xffff0000u))))};
-}
-
-// Rounds the even and odd floats of a block to bf16 and stores the 32 interleaved at p.
-// AVX512-BF16's conversion rounds to nearest even too, but flushes subnormals to zero and
-// keeps NaN payloads: blocks holding those (fpclass: QNaN 0x01, subnormal 0x20, SNaN 0x80)
-// take round_bf16, so every output is the one the AVX2 rows write for the same float.
+// add_rms_norm's s = x + residual of one bf16 row (see the AVX2 add_row): 32 elements a step,
+// the sum rounded once, stored to `row` (read next by the norm) and to `s_row`.
 template <bool kStream>
-WIOLA_TARGET_AVX512 inline void store_bf16x32(__m512 even, __m512 odd, BF16* p) {
-  __m512i v;
-  if (C10_UNLIKELY((_mm512_fpclass_ps_mask(even, 0xA1) | _mm512_fpclass_ps_mask(odd, 0xA1)) != 0)) {
-    v = _mm512_or_si512(_mm512_cvtepu16_epi32(round_bf16(even)),
-                        _mm512_slli_epi32(_mm512_cvtepu16_epi32(round_bf16(odd)), 16));
-  } else {
-    // cvtne2ps puts `even` in words 0..15 and `odd` in 16..31; word 2j takes j, 2j+1 takes 16+j.
-    const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
-                                                23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-    v = _mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(odd, even));
+WIOLA_TARGET_AVX512 void add_row(const BF16* x, const BF16* r, BF16* row, BF16* s_row, int64_t d) {
+  int64_t i = 0;
+  for (; i + 32 <= d; i += 32) {
+    const Split xv = load_bf16x32(x + i), rv = load_bf16x32(r + i);
+    const __m512i v = pack_bf16x32(_mm512_add_ps(xv.even, rv.even), _mm512_add_ps(xv.odd, rv.odd));
+    _mm512_storeu_si512(row + i, v);
+    store_packed<kStream>(v, s_row + i);
   }
-  if (kStream && reinterpret_cast<uintptr_t>(p) % 64 == 0) {
-    _mm512_stream_si512(reinterpret_cast<__m512i*>(p), v);
-  } else if constexpr (kStream) {  // rows 32-byte aligned (stream_rows)
-    _mm256_stream_si256(reinterpret_cast<__m256i*>(p), _mm512_castsi512_si256(v));
-    _mm256_stream_si256(reinterpret_cast<__m256i*>(p) + 1, _mm512_extracti64x4_epi64(v, 1));
-  } else {
-    _mm512_storeu_si512(p, v);
-  }
+  for (; i < d; ++i) row[i] = s_row[i] = BF16(float(x[i]) + float(r[i]));
 }
 
 template <bool kStream>
@@ -346,7 +318,8 @@ WIOLA_TARGET_AVX512 void backward_row(const BF16* x, const BF16* g, const float*
   const __m512 vcoef = _mm512_set1_ps(coef);
   const char* px = static_cast<const char*>(next_x);
   const char* pg = static_cast<const char*>(next_g);
-  int64_t pf = 0;  // bytes of the next rows prefetched: one line of x and one of g per block
+  const char* pgs = kGradS ? reinterpret_cast<const char*>(gs + d) : nullptr;  // gs's next row (rows contiguous)
+  int64_t pf = 0;  // bytes of the next rows prefetched: one line of x and one of g (and gs) per block
   // ∂x of 16 elements (split z, g at offset i of wp/sp); adds to the partials.
   auto dz_of = [&](__m512 xs, __m512 gs, int64_t i) WIOLA_TARGET_AVX512 {
     const __m512 zh = _mm512_mul_ps(_mm512_add_ps(xs, _mm512_loadu_ps(sp + i)), vinv);
@@ -359,6 +332,7 @@ WIOLA_TARGET_AVX512 void backward_row(const BF16* x, const BF16* g, const float*
     if (pf < next_bytes) {
       __builtin_prefetch(px + pf, 0, 3);
       __builtin_prefetch(pg + pf, 0, 3);
+      if constexpr (kGradS) __builtin_prefetch(pgs + pf, 0, 3);
       pf += 64;
     }
     const Split xv = load_bf16x32(x + i), gv = load_bf16x32(g + i);
@@ -505,6 +479,7 @@ void forward_rows(const scalar_t* x, const acc_type<scalar_t>* w, const acc_type
   const int64_t row_bytes = d * int64_t(sizeof(scalar_t));
   const bool stream = stream_rows(y, rows * row_bytes, d);
   const bool stream_s = add.s != nullptr && stream_rows(add.s, rows * row_bytes, d);
+  [[maybe_unused]] const bool avx512_rows = active_isa() == Isa::kAvx512;  // bf16 sums on AVX-512 (isa.h)
   const SplitWeights split = split_weights(w, s, d, std::is_same_v<scalar_t, at::BFloat16> && !hf_order);
   with_flags([&](auto kAdd, auto kStreamS) {
     constexpr bool add_ = decltype(kAdd)::value;
@@ -513,8 +488,17 @@ void forward_rows(const scalar_t* x, const acc_type<scalar_t>* w, const acc_type
       // The row the norm reads: x's, or s = x + residual (also written out), in `sum`.
       auto row = [&](int64_t r) -> const scalar_t* {
         if constexpr (add_) {
-          add_row<decltype(kStreamS)::value>(add.x + r * add.x_stride, add.residual + r * add.residual_stride,
-                                             sum.data(), add.s + r * d, d);
+          constexpr bool stream_s_ = decltype(kStreamS)::value;
+          const scalar_t *xr = add.x + r * add.x_stride, *rr = add.residual + r * add.residual_stride;
+#if defined(WIOLA_HAVE_AVX512_TARGET)
+          if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
+            if (avx512_rows) {
+              avx512::add_row<stream_s_>(xr, rr, sum.data(), add.s + r * d, d);
+              return sum.data();
+            }
+          }
+#endif
+          add_row<stream_s_>(xr, rr, sum.data(), add.s + r * d, d);
         }
         return add_ ? sum.data() : x + r * d;
       };
@@ -593,12 +577,16 @@ inline void backward_row(const acc_t* x, const acc_t* g, const acc_t* w, const a
   const V vcoef(coef);
   const char* px = static_cast<const char*>(next_x);
   const char* pg = static_cast<const char*>(next_g);
+  const char* pgs = kGradS ? reinterpret_cast<const char*>(gs + d) : nullptr;  // gs's next row (rows contiguous)
   int64_t pf = 0;  // bytes of the next rows prefetched so far
   bool pf_g = false;
   i = 0;
   for (; i + L <= d; i += L) {  // x and g are still in L1
-    if (pf < next_bytes) {  // one line per step, alternately of x and of g
+    if (pf < next_bytes) {  // one line per step, alternately of x and of g (then gs)
       __builtin_prefetch((pf_g ? pg : px) + pf, 0, 3);
+      if constexpr (kGradS) {
+        if (pf_g) __builtin_prefetch(pgs + pf, 0, 3);
+      }
       pf += pf_g ? 64 : 0;
       pf_g = !pf_g;
     }
@@ -640,12 +628,14 @@ inline void backward_row_reduced(const scalar_t* x, const scalar_t* g, const flo
   const V vcoef(coef);
   const char* px = static_cast<const char*>(next_x);
   const char* pg = static_cast<const char*>(next_g);
-  int64_t pf = 0;  // bytes of the next rows prefetched so far: one line of x and one of g per step
+  const char* pgs = kGradS ? reinterpret_cast<const char*>(gs + d) : nullptr;  // gs's next row (rows contiguous)
+  int64_t pf = 0;  // bytes of the next rows prefetched so far: one line of x and one of g (and gs) per step
   i = 0;
   for (; i + L <= d; i += L) {  // x and g are still in L1
     if (pf < next_bytes) {
       __builtin_prefetch(px + pf, 0, 3);
       __builtin_prefetch(pg + pf, 0, 3);
+      if constexpr (kGradS) __builtin_prefetch(pgs + pf, 0, 3);
       pf += 64;
     }
     auto [x0, x1] = load_float2(x + i);
