@@ -121,11 +121,14 @@ class AddRMSNormFunction(torch.autograd.Function):
                 hf_order: bool) -> tuple[Tensor, Tensor]:
         y, s, rstd, ctx.backend = _forward(x, residual, weight, shift, eps, hf_order)
         ctx.save_for_backward(s, weight, shift, rstd)
+        ctx.set_materialize_grads(False)  # an unused s (the last layer's) costs no zero tensor
         return y, s
 
     @staticmethod
-    def backward(ctx, grad_y: Tensor, grad_s: Tensor):
+    def backward(ctx, grad_y: Tensor | None, grad_s: Tensor | None):
         s, weight, shift, rstd = ctx.saved_tensors
+        if grad_y is None:  # only s reached the loss
+            grad_y = torch.zeros_like(s)
         if ctx.backend is None:
             grad_x, grad_w, grad_shift = _ops.add_rms_norm_backward(grad_y, grad_s, s, weight, shift, rstd)
         else:
