@@ -98,7 +98,7 @@ def test_memory_bound_triton_kernels_meet_the_h200_targets(report):
     bench = [r for r in report.values() if r["source"] == "triton" and r["arch"] == "sm_90"
              and r["bytes_in_flight_per_sm"] is not None]
     assert {r["kernel"].split("[")[0] for r in bench} == {"_rms_norm_fwd_kernel", "_rms_norm_bwd_kernel",
-                                                            "_srpe_kernel"}
+                                                            "_srpe_kernel", "_glu_fwd_kernel", "_glu_bwd_kernel"}
     for r in bench:
         assert r["global_access_bits"] == 128, r["kernel"]
         assert r["bytes_in_flight_per_sm"] >= gpu_report.LITTLE_LAW_TARGET_BYTES, r["kernel"]
@@ -144,8 +144,9 @@ def _parametrized(test_fn, argnames):
 
 
 def test_gpu_tests_run_at_the_compiled_shapes():
-    """The GPU tests of tests/test_rms_norm.py, tests/test_srpe.py and tests/test_gcla_attention.py
-    take their shapes from wiola_kernels/shapes.py, which the AOT launch lists compile."""
+    """The GPU tests of tests/test_rms_norm.py, tests/test_srpe.py, tests/test_gcla_attention.py,
+    tests/test_glu.py and tests/test_add_rms_norm.py take their shapes from
+    wiola_kernels/shapes.py, which the AOT launch lists compile."""
     def load(name):
         spec = importlib.util.spec_from_file_location(f"_{name}_gpu_shapes", ROOT / "tests" / f"{name}.py")
         mod = importlib.util.module_from_spec(spec)
@@ -161,6 +162,14 @@ def test_gpu_tests_run_at_the_compiled_shapes():
     p = _parametrized(load("test_gcla_attention").test_triton_gpu_vs_float64, ("dtype, B, H, H_kv, T, dh, mode, lens",))
     compiled = {(case[:6] + (case[6] is not None,), d) for case, dtypes in shapes.GCLA_GPU_TESTS for d in dtypes}
     assert {(tuple(c[1:7]) + (c[7] is not None,), c[0]) for c in p["dtype, B, H, H_kv, T, dh, mode, lens"]} == compiled
+    p = _parametrized(load("test_add_rms_norm").test_add_rms_norm_triton_vs_float64, ("shape", "dtype"))
+    assert tuple(p["shape"]) == shapes.ADD_RMS_NORM_GPU_TEST_SHAPES
+    assert tuple(p["dtype"]) == shapes.ADD_RMS_NORM_GPU_TEST_DTYPES
+    assert {(s, d) for s in p["shape"] for d in p["dtype"]} <= set(shapes.ADD_RMS_NORM_GPU_TESTS)
+    p = _parametrized(load("test_glu").test_glu_triton_vs_float64, ("rows, n", "dtype", "packed"))
+    assert tuple(p["rows, n"]) == shapes.GLU_GPU_TEST_SHAPES and tuple(p["dtype"]) == shapes.GLU_GPU_TEST_DTYPES
+    assert {(r, n, pk, d) for r, n in p["rows, n"] for d in p["dtype"] for pk in p["packed"]} \
+        <= set(shapes.GLU_GPU_TESTS)
 
 
 def test_specialisation_matches_the_jit():
@@ -174,9 +183,10 @@ def test_specialisation_matches_the_jit():
     gpu = aot.GPUS["sm_90"]
     for rows, d in ((1, 1024), (37, 192), (4096, 33)):
         launch = next(iter(rms_norm.aot_launches(gpu.sms)))
-        launch.args = launch.args[:5] + (rows, d, 1e-6)
+        first = len(launch.args) - 3  # (..., rows, d, eps): the first integer argument
+        launch.args = launch.args[:first] + (rows, d, 1e-6)
         signature, constexprs, attrs, _ = aot.specialise(launch, gpu)
-        for index, value in ((5, rows), (6, d)):
+        for index, value in ((first, rows), (first + 1, d)):
             kind, attr = native_specialize_impl(BaseBackend, value, False, True, True)[:2]
             if kind == "constexpr":
                 assert signature[list(signature)[index]] == "constexpr" and constexprs[(index,)] == value

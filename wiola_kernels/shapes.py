@@ -55,3 +55,25 @@ GCLA_GPU_TESTS = (
     ((1, 16, 4, 1000, 128, "paper", None), (torch.bfloat16, torch.float16)),
     ((3, 6, 3, 1, 64, "causal", (1, 0, 1)), (torch.bfloat16, torch.float16, torch.float32)),
 )
+
+# ---- glu: a, b (rows, n); "packed": the two halves of one (rows, 2n) projection ---------------
+#: DSFF's two streams at wiola-360m width on 4,096 tokens (B·T): (tokens, n, activation).
+GLU_BENCH = {"small": ((256, 1024, "silu"), (256, 4096, "gelu_tanh")),
+             "full": ((4096, 1024, "silu"), (4096, 4096, "gelu_tanh"))}
+#: tests/test_glu.py::test_glu_triton_vs_float64: every (rows, n) × dtype × packed.
+GLU_GPU_TEST_SHAPES = ((1, 3), (37, 192), (129, 1000))
+GLU_GPU_TEST_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+#: (rows, n, packed, dtype) of every launch the GPU tests make (with the cross-op tests' float64).
+GLU_GPU_TESTS = tuple(
+    [(rows, n, packed, dtype) for dtype in GLU_GPU_TEST_DTYPES for rows, n in GLU_GPU_TEST_SHAPES
+     for packed in (False, True)]
+    + [(2, 5, False, torch.float64)])
+
+# ---- add_rms_norm: x, residual (rows, d) ------------------------------------------------------
+ADD_RMS_NORM_BENCH = {"small": (256, 1024), "full": (16384, 1024)}
+#: tests/test_add_rms_norm.py::test_add_rms_norm_triton_vs_float64: every shape × every dtype.
+ADD_RMS_NORM_GPU_TEST_SHAPES = ((1, 3), (37, 192), (4, 33, 760), (2, 8193))
+ADD_RMS_NORM_GPU_TEST_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+ADD_RMS_NORM_GPU_TESTS = tuple(
+    [(shape, dtype) for dtype in ADD_RMS_NORM_GPU_TEST_DTYPES for shape in ADD_RMS_NORM_GPU_TEST_SHAPES]
+    + [((2, 5), torch.float64)])

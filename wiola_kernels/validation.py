@@ -388,3 +388,41 @@ def check_atm_unmerge(y: object, index_map: object, name: str = "y") -> None:
     b, t, _ = check_atm_tokens(name, y)
     check_index_map(index_map, b, t, like=name)
     check_same_device(**{name: y}, index_map=index_map)
+
+
+def check_add_rms_norm(x: object, residual: object, weight: object, shift: object, eps: object,
+                       hf_order: object) -> float:
+    """Arguments of :func:`wiola_kernels.add_rms_norm`; returns ``eps`` as a float."""
+    check_tensor("x", x)
+    check_tensor("residual", residual)
+    check_rank("x", x, range(1, 64), "(..., d)")
+    if tuple(residual.shape) != tuple(x.shape):
+        raise ValueError(f"residual must have the shape of x (..., d) = {tuple(x.shape)}, got {tuple(residual.shape)}")
+    check_same_dtype(x=x, residual=residual)
+    check_same_device(x=x, residual=residual)
+    return check_rms_norm(x, weight, shift, eps, hf_order)
+
+
+#: The activations of :func:`wiola_kernels.glu`.
+GLU_ACTIVATIONS = ("silu", "gelu_tanh")
+
+
+def check_glu(a: object, b: object, activation: object) -> str:
+    """Arguments of :func:`wiola_kernels.glu` (``b`` None: ``a`` holds ``[a | b]``); returns
+    the activation."""
+    check_tensor("a", a)
+    if b is not None:
+        check_tensor("b", b)
+    check_rank("a", a, range(1, 64), "(..., n)" if b is not None else "(..., 2n)")
+    if b is not None:
+        if tuple(b.shape) != tuple(a.shape):
+            raise ValueError(f"b must have the shape of a (..., n) = {tuple(a.shape)}, got {tuple(b.shape)}")
+        check_same_dtype(a=a, b=b)
+        check_same_device(a=a, b=b)
+    elif a.shape[-1] % 2:
+        raise ValueError(f"a must have an even last dimension 2n when b is None (a holds [a | b]), got {a.shape[-1]}")
+    if not isinstance(activation, str):
+        raise TypeError(f"activation must be a str, got {type(activation).__name__}")
+    if activation not in GLU_ACTIVATIONS:
+        raise ValueError(f"activation must be 'silu' or 'gelu_tanh', got {activation!r}")
+    return activation
