@@ -266,6 +266,7 @@ def test_forward_and_backward_match_the_oracle(op, backend, dtype):
             assert got.dtype == args[name].dtype, f"{shape} grad {name}: {got.dtype}"
             assert_close_rel(got, ref, tol, f"{shape} grad {name}")
         assert all(torch.equal(args[n], v) for n, v in before.items()), "an input was modified"
+        assert not {o.data_ptr() for o in outs + dargs} & {v.data_ptr() for v in before.values()}, "output aliases input"
 
 
 @pytest.mark.parametrize("op, backend", _params(lambda op, b: CASES[op].views is not None))
