@@ -379,7 +379,7 @@ def test_ops_are_thread_safe(backend):
             _agree(outs, want, case.kind, f"{op} seed {seed}")
 
     with ThreadPoolExecutor(max_workers=4) as pool:
-        list(pool.map(job, range(16)))
+        list(pool.map(job, range(8)))
 
 
 def _on_device_against_reference(op, backend, device):
