@@ -29,6 +29,7 @@
 #include "wiola/cuda_convert.cuh"
 #include "wiola/gcla_attention.h"
 #include "wiola/cuda_launch.cuh"
+#include "wiola/cuda_vector.cuh"
 #include "wiola/warp_reduce.cuh"
 
 namespace wiola::gcla {
@@ -41,6 +42,8 @@ constexpr size_t kMaxSmem = 227 * 1024;  // opt-in shared memory per block on sm
 using wiola::cuda::dispatch_dtype;
 using wiola::cuda::from_float;
 using wiola::cuda::launch_kernel;
+using wiola::cuda::load_elements;
+using wiola::cuda::store_elements;
 using wiola::cuda::to_float;
 using wiola::cuda::warp_sum;
 
@@ -57,26 +60,24 @@ __device__ __forceinline__ int64_t self_head(int64_t h, int64_t H, int64_t perm_
 
 __device__ __forceinline__ float sigmoid(float g) { return 1.f / (1.f + __expf(-g)); }
 
-// N contiguous elements as one access (the callers' offsets are multiples of N elements).
-template <typename T, int N>
-struct alignas(sizeof(T) * N) Pack {
-  T v[N];
-};
-
+// N contiguous elements as one 4- to 16-byte access (wiola/cuda_vector.cuh): the callers'
+// offsets are multiples of N elements and the binding checks the base addresses.
 template <typename T, int N>
 __device__ __forceinline__ void load(const T* src, float (&x)[N]) {
-  const Pack<T, N> pk = *reinterpret_cast<const Pack<T, N>*>(src);
+  T v[N];
+  load_elements(src, v);
 #pragma unroll
-  for (int i = 0; i < N; ++i) x[i] = to_float(pk.v[i]);
+  for (int i = 0; i < N; ++i) x[i] = to_float(v[i]);
 }
 
 template <typename T, int N>
 __device__ __forceinline__ void store(T* dst, const float (&x)[N]) {
-  Pack<T, N> pk;
+  T v[N];
 #pragma unroll
-  for (int i = 0; i < N; ++i) pk.v[i] = from_float<T>(x[i]);
-  *reinterpret_cast<Pack<T, N>*>(dst) = pk;
+  for (int i = 0; i < N; ++i) v[i] = from_float<T>(x[i]);
+  store_elements(dst, v);
 }
+
 
 template <int N>
 __device__ __forceinline__ void fill(float (&x)[N], float v) {
