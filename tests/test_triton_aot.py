@@ -82,6 +82,32 @@ def test_memory_bound_triton_kernels_meet_the_h200_targets(report):
         assert r["bytes_in_flight_per_sm"] >= gpu_report.LITTLE_LAW_TARGET_BYTES, r["kernel"]
 
 
+@pytest.mark.skipif(not HAVE_NVCC, reason="nvcc not found")
+def test_gcla_summary_kernels_store_whole_vectors():
+    """Each lane of the GCLA summary kernels writes its d_h/32 elements of a row as one
+    vector store (wiola/cuda_vector.cuh: store_elements): no 16-bit stores, and for a
+    lane's 8 or 16 bytes an STG.E.64 / STG.E.128. (A plain store of the lane's element
+    struct compiled to 4 x 16-bit bf16 or 4 x 32-bit fp32 stores.)"""
+    for arch in aot.GPUS:
+        cubin = gpu_report.compile_cubins((arch,))[("gcla_attention", arch)]
+        functions = gpu_report.sass_functions(cubin)
+        names = dict(zip(functions, gpu_report._demangle(list(functions))))
+        checked = 0
+        for raw, instrs in functions.items():
+            name = gpu_report._short_name(names[raw])[1]
+            if not name.startswith(("summary_forward_kernel", "summary_backward_kernel")):
+                continue
+            stores = [op for _, op, _ in instrs if op.startswith("STG")]
+            dtype, dh = name.split("<")[1].rstrip(">").split(", ")
+            lane_bytes = int(dh) // 32 * (4 if dtype == "float" else 2)
+            assert not any(".U16" in op or ".U8" in op for op in stores), (arch, name, stores)
+            if lane_bytes > 4:
+                wide = [op for op in stores if f".{lane_bytes * 8}" in op]
+                assert len(wide) >= 2, (arch, name, stores)  # the output (or dq, dO, O^self, ...) and the padding rows
+            checked += 1
+        assert checked == 12, (arch, checked)
+
+
 #: ATM's CUDA kernels that meet the memory-bound targets (the rest are below them, listed
 #: by gpu-report; move a kernel here when it is redesigned).
 ATM_KERNELS_AT_TARGET = ("gather_average_kernel", "merge_backward_kernel", "unmerge_kernel",
