@@ -13,6 +13,10 @@ os.environ["WIOLA_POISON_OUTPUTS"] = "1"
 # shuffled order between barriers, not thread 0 first: a kernel with a race shows it
 # (csrc/cuda/emu/runtime.h; tests that set another order say so).
 os.environ.setdefault("WIOLA_EMU_SCHEDULE", "shuffle:20261202")
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # pytest -n N: N worker processes share the cores; one torch thread each, or idle OpenMP
+    # workers spin against the other process (tests that need 2 threads set them).
+    torch.set_num_threads(1)
 
 import pytest  # noqa: E402
 
