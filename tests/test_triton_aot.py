@@ -223,6 +223,17 @@ def test_sass_analysis_finds_the_main_loop():
     assert no_loop["global_access_bits"] == 32 and no_loop["load_bytes"] == 2 and not no_loop["tensor_core"]
 
 
+@pytest.mark.skipif(not HAVE_NVCC, reason="nvcc not found")
+def test_gcla_s1_backward_shared_memory_leaves_eight_blocks_resident(report):
+    """The S = 1 summary backward at the bench Λ': the context-slot sums live in registers and
+    the block keeps only each row's coefficients in shared memory, so its shared memory does
+    not grow with d_h (per-warp [Λ'][d_h] sums took 9.3 KB at d_h 128 and left 6 blocks per SM
+    on sm_90) and ≥ 8 blocks are resident on sm_90 and sm_80."""
+    rows = [r for r in report.values() if r["kernel"].startswith("gcla_attention::summary_backward_kernel<")]
+    assert len(rows) == 12
+    for r in rows:
+        assert r["shared_bytes"] <= 5 * 1024 and r["blocks_per_sm"] >= 8, r
+
 def test_sass_lint_finds_split_stores():
     """A thread's 8 or 16 contiguous bytes written as 16/32-bit pieces from one address
     (what NVVM made of the GCLA kernels' struct stores: 4 x STG.E.U16 for a lane's 4 bf16,
