@@ -143,3 +143,20 @@ def test_flush_to_zero_like_the_device(monkeypatch):
         results[ftz] = merged[0, 0]
     assert torch.equal(results["0"], exact_mean)
     assert torch.equal(results["1"], torch.zeros(16))
+
+
+def test_plant_sites_are_in_the_kernels(tmp_path):
+    """Each planted bug's site occurs once in the shipped kernel it is planted in (the copies
+    the emulator's ctest wiola_cuda_emu_detects_<plant> and scripts/planted_gpu.sh run), so a
+    kernel edit cannot silently un-plant one."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    script = root / "csrc" / "tests" / "planted_bugs.py"
+    subprocess.run([sys.executable, str(script), "--write", str(tmp_path)], check=True, timeout=60)
+    names = subprocess.run([sys.executable, str(script), "--list"], capture_output=True, text=True, check=True,
+                           timeout=60).stdout.splitlines()
+    text = "".join(p.read_text() for p in sorted(tmp_path.glob("*_planted.cu")))
+    for line in names:
+        flag = line.split("\t")[2]
+        assert text.count(f"WIOLA_PLANT({flag})") >= 1, line

@@ -7,11 +7,11 @@
 // (forward, reverse, seeded shuffles: a result that depends on the order is a race).
 //
 //   wiola_cuda_emu_tests [all|quick]
-//   wiola_cuda_emu_planted <missing-sync|select-race|overrun|misaligned>
+//   wiola_cuda_emu_planted <plant>   (csrc/tests/planted_bugs.py --names)
 // `quick` (for the ThreadSanitizer build) skips the conversion sweep, runs the kernels under
 // one shuffled order and checks the GCLA gradients along one direction over all inputs.
-// wiola_cuda_emu_planted links copies of the kernels with bugs planted by CMakeLists.txt,
-// each switched on by a flag of csrc/tests/planted.h; each mode switches one on and passes
+// wiola_cuda_emu_planted links copies of the kernels with the bugs of csrc/tests/planted_bugs.py
+// planted, each switched on by a flag of csrc/tests/planted.h; each mode switches one on and passes
 // only if the emulator catches it (see planted_main).
 #include <algorithm>
 #include <cmath>
@@ -843,8 +843,10 @@ void test_emulator_checks() {
         "flush-to-zero: x/2 of subnormal and smallest-normal x is subnormal in IEEE mode, 0 under FTZ");
 }
 
-// Kernels with a bug planted by CMakeLists.txt (csrc/tests/planted.h): each mode switches
-// one on and returns 0 only if the emulator catches it, printing how.
+void plant(wiola_plant::Flag flag) { wiola_plant::host_flags[flag] = true; }
+
+// Kernels with a bug of csrc/tests/planted_bugs.py planted (csrc/tests/planted.h): each mode
+// switches one on and returns 0 only if the emulator catches it, printing how.
 int planted_main(const std::string& mode) {
 #if defined(__SANITIZE_THREAD__)  // TSan reports a race whatever the order
   const std::vector<std::string> orders{"shuffle:1"};
@@ -860,7 +862,7 @@ int planted_main(const std::string& mode) {
     const GclaOracle want = gcla_oracle(c, in, &go);
     const GclaRun good = gcla_kernels(c, in, go);
     if (!(std::max(rel_err(good.dgate, want.dgate), rel_err(good.dkc, want.dkc)) < 2e-5)) return 2;
-    wiola_plant::missing_sync = true;
+    plant(wiola_plant::kMissingSync);
     std::string wrong;
     for (const std::string& order : orders) {
       wiola_emu::set_schedule(wiola_emu::parse_schedule(order));
@@ -876,12 +878,47 @@ int planted_main(const std::string& mode) {
     std::printf("missing barrier detected: wrong result under%s\n", wrong.c_str());
     return 0;
   }
+  if (mode == "divergent-barrier") {
+    // The S = 1 backward with the barrier between the halves' sums inside the writing half:
+    // the reading half waits at the next __syncthreads (undefined on the device; synccheck).
+    GclaCase c;  // S = 1
+    const GclaInputs in = random_gcla(c, 1);
+    std::vector<double> go(gcla_size(c, 0), 1.0);
+    if (!(rel_err(gcla_kernels(c, in, go).dkc, gcla_oracle(c, in, &go).dkc) < 2e-5)) return 2;
+    plant(wiola_plant::kDivergentBarrier);
+    const std::string f = fault_of([&] { gcla_kernels(c, in, go); });
+    std::printf("S = 1 backward with a barrier in divergent code: %s\n", f.empty() ? "no fault" : f.c_str());
+    if (f.find("__syncthreads in divergent code") == std::string::npos) return 1;
+    std::printf("divergent barrier detected\n");
+    return 0;
+  }
+  if (mode == "unwritten-partial") {
+    // The backward without a gate partial from blocks whose rows are all padding (rows 64..69
+    // of the second batch row, length 23): dgate_kernel reads never-written memory, which the
+    // emulator's device memory holds as 0xFF bytes (NaN); initcheck on the device.
+    GclaCase c;
+    c.T = 70;
+    c.lengths = {70, 23};
+    const GclaInputs in = random_gcla(c, 1);
+    std::vector<double> go(gcla_size(c, 0), 1.0);
+    const GclaOracle want = gcla_oracle(c, in, &go);
+    if (!(rel_err(gcla_kernels(c, in, go).dgate, want.dgate) < 2e-5)) return 2;
+    plant(wiola_plant::kUnwrittenPartial);
+    const GclaRun r = gcla_kernels(c, in, go);
+    bool finite = true;
+    for (float g : r.dgate) finite = finite && std::isfinite(g);
+    std::printf("dgate with unwritten partials: %s (relative error %.3g)\n", finite ? "finite" : "NaN",
+                rel_err(r.dgate, want.dgate));
+    if (finite) return 1;
+    std::printf("read of a never-written partial detected (NaN from poisoned device memory)\n");
+    return 0;
+  }
   const AtmCase c = atm_case();
   if (!atm_merge_right(c, atm_merge(c))) return 2;  // the copy without its plant
   if (mode == "select-race") {
     // atm.cu's select_kernel reading the taken flags of the thread before without the
     // barrier after they are written: right in forward order (that thread ran first).
-    wiola_plant::select_race = true;
+    plant(wiola_plant::kSelectRace);
     std::string wrong;
     for (const std::string& order : orders) {
       wiola_emu::set_schedule(wiola_emu::parse_schedule(order));
@@ -899,7 +936,7 @@ int planted_main(const std::string& mode) {
   if (mode == "overrun") {
     // norms_and_dots reading a look-ahead token after the last one of a row: the row after
     // it, never used (right results), or — for the last row — past the end of x.
-    wiola_plant::look_ahead_off_by_one = true;
+    plant(wiola_plant::kLookAhead);
     const bool right = atm_merge_right(c, atm_merge(c, 0, 1));
     std::printf("overrun with a spare token after x: results %s\n", right ? "right (the bug hides)" : "WRONG");
     const std::string f = fault_of([&] { atm_merge(c); });
@@ -911,7 +948,7 @@ int planted_main(const std::string& mode) {
   if (mode == "misaligned") {
     // rows_vectorizable without its base-address test: 16-byte chunks of an x that starts
     // 4 bytes past a 16-byte boundary (x86 would load them quietly).
-    wiola_plant::ignore_alignment = true;
+    plant(wiola_plant::kIgnoreAlignment);
     const bool right = atm_merge_right(c, atm_merge(c));
     std::printf("16-byte chunks with an aligned x: %s\n", right ? "right" : "WRONG");
     const std::string f = fault_of([&] { atm_merge(c, 4); });

@@ -5,7 +5,8 @@
 //
 // Semantics, and where the device may differ:
 // * __syncthreads is a real block barrier. Every thread of the block must reach it: a
-//   thread that exited while others wait is reported (undefined on the device).
+//   thread that exited while others wait is reported (undefined on the device), and so
+//   are threads that wait at different __syncthreads calls (a barrier in divergent code).
 // * Warp collectives (__shfl*_sync, __ballot_sync, __any_sync, __all_sync, __syncwarp)
 //   pair up the k-th call of each lane named in the mask; a named lane that exited,
 //   waits at a barrier, or calls another collective/mask is reported, as is a lane that
@@ -66,7 +67,8 @@ extern __thread ThreadInfo* tls_thread;  // the fiber running on this OS thread
 
 enum class Collective : int { kShfl, kShflXor, kShflUp, kShflDown, kBallot, kAny, kAll, kSyncWarp };
 
-void syncthreads();
+// `site`: the __syncthreads call (file:line); every thread of a block must wait at the same one.
+void syncthreads(const char* site);
 // A device fault of the running thread's block (the launch throws with `what`); outside a
 // kernel, std::runtime_error.
 [[noreturn]] void device_fault(const std::string& what);
@@ -225,7 +227,12 @@ inline long long min(long long a, long long b) { return a < b ? a : b; }
 inline unsigned long long min(unsigned long long a, unsigned long long b) { return a < b ? a : b; }
 
 // --- barriers and warp collectives --------------------------------------------------
-inline void __syncthreads() { syncthreads(); }
+// A macro, so that each call names its own site: threads of a block that wait at different
+// __syncthreads calls (a barrier in divergent code: undefined on the device, reported by
+// compute-sanitizer synccheck) are a device fault.
+#define WIOLA_EMU_STR2(x) #x
+#define WIOLA_EMU_STR(x) WIOLA_EMU_STR2(x)
+#define __syncthreads() ::wiola_emu::syncthreads(__FILE__ ":" WIOLA_EMU_STR(__LINE__))
 inline void __syncwarp(unsigned mask = 0xffffffffu) { warp_collective(Collective::kSyncWarp, mask, 0, 0, 32); }
 template <typename T>
 inline T __shfl_sync(unsigned mask, T var, int src_lane, int width = 32) {

@@ -188,6 +188,7 @@ struct Block {
   const std::function<void()>* body = nullptr;
   int n = 0, at_barrier = 0, exited = 0;
   uint64_t barrier_gen = 0;
+  const char* barrier_site = nullptr;  // where the threads of the open barrier wait
   std::string fault;
   Context scheduler;
   Thread* running = nullptr;
@@ -572,9 +573,15 @@ int worker_count(size_t blocks) {
 // ---------------------------------------------------------------------------------
 int tls_init_anchor() { return 0; }
 
-void syncthreads() {
+void syncthreads(const char* site) {
   Block& b = *tls_block;
   Thread& t = *b.running;
+  if (b.at_barrier == 0) {
+    b.barrier_site = site;
+  } else if (std::strcmp(site, b.barrier_site) != 0) {
+    device_fault(std::string("__syncthreads in divergent code: this thread waits at ") + site + ", " +
+                 std::to_string(b.at_barrier) + " other(s) at " + b.barrier_site);
+  }
 #if defined(WIOLA_EMU_TSAN)
   const uint64_t gen = b.barrier_gen;
   __tsan_release(&b.barrier_sync[gen & 1]);
