@@ -23,7 +23,7 @@ fi
 if [ "${WIOLA_TSAN:-1}" != "0" ]; then
   cmake -S . -B build-tsan -G Ninja -DCMAKE_PREFIX_PATH="$prefix" -DWIOLA_SANITIZE=thread \
     -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
-  cmake --build build-tsan -j2 --target wiola_cuda_emu_tests wiola_cuda_emu_nosync
+  cmake --build build-tsan -j2 --target wiola_cuda_emu_tests wiola_cuda_emu_planted
   ctest --test-dir build-tsan -L emu --output-on-failure
 fi
 # Two test processes (pytest-xdist), one test file each at a time: the suite is mostly

@@ -35,7 +35,7 @@ import torch
 
 import wiola_kernels as wk
 from cuda_targets import DEVICE, targets
-from helpers import assert_bitwise, backend_variants, gen, gpu_only, on_backend, threads
+from helpers import assert_bitwise, backend_variants, forward_backward, gen, gpu_only, on_backend, threads
 from oracles import rms_oracle, srpe_oracle
 from wiola_kernels import dispatch
 from wiola_kernels.outputs import empty_output
@@ -403,11 +403,47 @@ def test_sanitizer_triton_kernels(op):
     _on_device_against_reference(op, "triton", "cuda")
 
 
-@pytest.mark.parametrize("op", [op for op in dispatch.ops() if "cuda" in dispatch.implemented(op)])
 @pytest.mark.parametrize("backend", targets())
-def test_sanitizer_cuda_kernels(backend, op):
-    """Small shapes of the CUDA kernels, forward and backward, against the reference: on the
-    GPU under compute-sanitizer (scripts/gpu_check.sh), and emulated."""
-    if backend not in dispatch.implemented(op):
-        pytest.skip(f"{op} has no {backend} backend")
-    _on_device_against_reference(op, backend, DEVICE[backend])
+def test_sanitizer_cuda_kernels(backend):
+    """Small shapes of every CUDA kernel (GCLA: the summary forward and backward with S = T and
+    with S = 1, whose backward adds context_sum_kernel, dgate_kernel; float32 d_h 64 and bf16
+    d_h 128. ATM: the merge's norms_and_dots, select and gather_average kernels, its backward,
+    unmerge and its backward), forward and backward, against the reference: on the GPU under
+    compute-sanitizer (scripts/gpu_check.sh), and emulated."""
+    DEV = DEVICE[backend]  # noqa: N806 - the same body serves both targets
+    if hasattr(wk, "gcla_attention"):
+        b, h, h_kv, t = 2, 4, 2, 19
+        lengths = torch.tensor([t, t - 5], device=DEV)
+        for dh, s, lam, dtype in ((64, t, 2, torch.float32), (128, 1, 2, torch.bfloat16)):
+            qr, q0 = torch.randn(b, h, t, dh, device=DEV), torch.randn(b, h, t, dh, device=DEV)
+            kr, v = torch.randn(b, h_kv, t, dh, device=DEV), torch.randn(b, h_kv, t, dh, device=DEV)
+            kc, vc = torch.randn(b, h, s, lam, dh, device=DEV), torch.randn(b, h, s, lam, dh, device=DEV)
+            gate = torch.randn(h, device=DEV)
+            args = [qr, kr, v, q0, kc, vc, gate]
+            with wk.use_backend(backend):
+                outs, grads = forward_backward(lambda *a: wk.gcla_attention(*a, lengths=lengths),
+                                               [a.to(dtype) if a is not gate else a for a in args],
+                                               [torch.randn_like(qr).to(dtype)])
+            assert all(torch.isfinite(g).all() for g in grads)
+            with wk.use_backend("reference"):
+                want = wk.gcla_attention(*[a.to(dtype).double() for a in args], lengths=lengths)
+            assert_close_rel(outs[0].cpu(), want.cpu(), tolerance(dtype, "attention"))
+    if hasattr(wk, "atm_merge"):
+        xa = torch.randn(3, 21, 48, device=DEV)
+        xa[:, 5] = xa[:, 4] + 1e-3  # a planted near-duplicate pair
+        pos = torch.arange(21, device=DEV).expand(3, 21)
+        with wk.use_backend(backend):
+            (merged, mpos, mlen, imap), (gx,) = forward_backward(lambda x: wk.atm_merge(x, pos, 0.9), [xa],
+                                                                 [torch.ones_like(xa), None, None, None])
+        with wk.use_backend("reference"):
+            ref = wk.atm_merge(xa.cpu().double(), torch.arange(21).expand(3, 21), 0.9)
+        assert torch.equal(imap.cpu(), ref[3]) and torch.equal(mlen.cpu(), ref[2])
+        assert_close_rel(merged.cpu(), ref[0], tolerance(torch.float32))
+        # Tokens per slot (1 or 2; 0 past T'_b): a ones gradient reaches a token as 1 / its slot's count,
+        # and the unmerge's backward of a ones gradient is that count.
+        counts = torch.zeros(3, 21, dtype=torch.float64).scatter_add_(1, ref[3], torch.ones(3, 21, dtype=torch.float64))
+        assert torch.equal(gx.cpu().double(), (1 / counts.gather(1, ref[3])).unsqueeze(-1).expand(3, 21, 48))
+        with wk.use_backend(backend):
+            (restored,), (gy,) = forward_backward(lambda y: wk.atm_unmerge(y, imap), [merged], [torch.ones_like(xa)])
+        assert restored.shape == xa.shape
+        assert torch.equal(gy.cpu().double(), counts.unsqueeze(-1).expand(3, 21, 48))
