@@ -197,8 +197,12 @@ _VECTOR_BYTES = 16
 def _for_kernel(x: Tensor) -> Tensor:
     """``x`` contiguous and 16-byte aligned, as the summary kernels read it (8/16-byte vector
     loads; their binding refuses a misaligned tensor): a contiguous view at an element
-    offset (``t[1:]``) is copied."""
+    offset (``t[1:]``) is copied. While ``torch.compile`` traces, an address cannot be read
+    (no int may leave an autograd.Function's graph): the binding's check then refuses a
+    misaligned view with a ValueError that names it, and never reads it misaligned."""
     x = x.contiguous()
+    if torch.compiler.is_compiling():
+        return x
     return x if x.data_ptr() % _VECTOR_BYTES == 0 else x.clone()
 
 
