@@ -328,33 +328,53 @@ class WiolaAttention(nn.Module):
 
 class StackedLinear(torch.autograd.Function):
     """``x · [W_1; …; W_k]ᵀ`` as one GEMM while the weights stay separate Parameters (their
-    own ``state_dict`` keys, optimizer state and decoding packs).
+    own ``state_dict`` keys, optimizer state and decoding packs), returned in column groups.
 
-    ``F.linear(x, torch.cat(weights))`` would do the same, but autograd would keep the
-    stacked copy alive from the forward to the backward (a weight-sized tensor per layer
-    for the whole step); here it exists only while each GEMM runs. The backward forms the
-    stacked weight's gradient in one GEMM and hands each weight its row block.
+    ``StackedLinear.apply(x, groups, *weights)``: ``groups`` says how many consecutive
+    weights each output covers (DSFF: ``(2, 2)``, the narrow ``[W_n1; W_n3]`` and the wide
+    ``[W_w1; W_w3]``); the outputs are column blocks of the one GEMM's result (views, no
+    copy). Why a Function: ``F.linear(x, torch.cat(weights))`` would keep the stacked
+    weight copy alive from the forward to the backward, and slicing its output would make
+    autograd build a full-width zero-filled gradient per slice; here the stacked copy
+    exists only while a GEMM runs and each group's gradient goes straight into its GEMMs.
 
     Under autocast the forward's GEMM runs in the autocast dtype; the backward's GEMMs run
-    in the incoming gradient's dtype (what autocast's own ``linear`` backward does), and
+    in the incoming gradients' dtype (what autocast's own ``linear`` backward does), and
     autograd casts each gradient to its input's dtype."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, *weights: Tensor) -> Tensor:
+    def forward(ctx, x: Tensor, groups: tuple[int, ...], *weights: Tensor):
+        ctx.groups = groups
         ctx.save_for_backward(x, *weights)
-        return F.linear(x, torch.cat(weights))
+        out = F.linear(x, torch.cat(weights))
+        bounds, start = [], 0
+        for size in groups:
+            bounds.append(sum(w.shape[0] for w in weights[start:start + size]))
+            start += size
+        return tuple(out.split(bounds, dim=-1))
 
     @staticmethod
-    def backward(ctx, grad: Tensor):
+    def backward(ctx, *grads: Tensor):
         x, *weights = ctx.saved_tensors
-        grad_x, grad_w = None, [None] * len(weights)
-        if ctx.needs_input_grad[0]:
-            grad_x = grad.matmul(torch.cat(weights).to(grad.dtype))
-        if any(ctx.needs_input_grad[1:]):
+        x2 = x.reshape(-1, x.shape[-1])
+        grad_x, grad_w, start = None, [], 0
+        for size, grad in zip(ctx.groups, grads):
+            group = weights[start:start + size]
+            start += size
+            if grad is None:
+                grad_w += [None] * size
+                continue
             g2 = grad.reshape(-1, grad.shape[-1])
-            stacked = g2.t().matmul(x.reshape(-1, x.shape[-1]).to(grad.dtype))  # (Σ rows, d)
-            grad_w = list(stacked.split([w.shape[0] for w in weights]))
-        return grad_x, *grad_w
+            if ctx.needs_input_grad[0]:
+                w = torch.cat(group).to(g2.dtype)
+                grad_x = g2.matmul(w) if grad_x is None else grad_x.addmm_(g2, w)
+            if any(ctx.needs_input_grad[2:]):
+                grad_w += list(g2.t().matmul(x2.to(g2.dtype)).split([w.shape[0] for w in group]))
+            else:
+                grad_w += [None] * size
+        if grad_x is not None:
+            grad_x = grad_x.view(x.shape)
+        return grad_x, None, *grad_w
 
 
 class WiolaDSFF(nn.Module):
@@ -393,9 +413,10 @@ class WiolaDSFF(nn.Module):
             return dsff_reference(x, self.w_n1.weight, self.w_n3.weight, self.w_n2.weight, self.w_w1.weight,
                                   self.w_w3.weight, self.w_w2.weight, self.beta)
         n = self.w_n1.out_features
-        u = StackedLinear.apply(x, self.w_n1.weight, self.w_n3.weight, self.w_w1.weight, self.w_w3.weight)
-        h_n = wiola_kernels.glu(u[..., :2 * n], activation="silu")       # (…, n)  packed [W_n1 x | W_n3 x]
-        h_w = wiola_kernels.glu(u[..., 2 * n:], activation="gelu_tanh")  # (…, w)  packed [W_w1 x | W_w3 x]
+        u_n, u_w = StackedLinear.apply(x, (2, 2), self.w_n1.weight, self.w_n3.weight, self.w_w1.weight,
+                                       self.w_w3.weight)             # column blocks of one GEMM
+        h_n = wiola_kernels.glu(u_n, activation="silu")              # (…, n)  packed [W_n1 x | W_n3 x]
+        h_w = wiola_kernels.glu(u_w, activation="gelu_tanh")         # (…, w)  packed [W_w1 x | W_w3 x]
         lam = torch.sigmoid(self.beta)[:, None]                          # (d, 1)
         down_n = lam * self.w_n2.weight                                  # diag(λ) W_n2      (d, n)
         down_w = (1.0 - lam) * self.w_w2.weight                          # diag(1 − λ) W_w2  (d, w)
@@ -472,8 +493,13 @@ class WiolaBlock(GradientCheckpointingLayer):
 
 
 def add_norm(update: Tensor, residual: Tensor, norm: WiolaRMSNorm) -> tuple[Tensor, Tensor]:
-    """``(norm(residual + update), residual + update)`` in one pass (:func:`wiola_kernels.add_rms_norm`)."""
-    return wiola_kernels.add_rms_norm(update, residual, norm.weight, norm.shift, norm.eps)
+    """``(norm(residual + update), residual + update)`` in one pass (:func:`wiola_kernels.add_rms_norm`).
+
+    Under autocast the update (a GEMM's output) is in the autocast dtype while the residual
+    stream stays float32: both go in at the dtype ``residual + update`` would promote to, as
+    in the unfused sum."""
+    dtype = torch.promote_types(update.dtype, residual.dtype)
+    return wiola_kernels.add_rms_norm(update.to(dtype), residual.to(dtype), norm.weight, norm.shift, norm.eps)
 
 
 class PackedRows:
