@@ -417,9 +417,9 @@ class WiolaDSFF(nn.Module):
                                        self.w_w3.weight)             # column blocks of one GEMM
         h_n = wiola_kernels.glu(u_n, activation="silu")              # (…, n)  packed [W_n1 x | W_n3 x]
         h_w = wiola_kernels.glu(u_w, activation="gelu_tanh")         # (…, w)  packed [W_w1 x | W_w3 x]
-        lam = torch.sigmoid(self.beta)[:, None]                          # (d, 1)
-        down_n = lam * self.w_n2.weight                                  # diag(λ) W_n2      (d, n)
-        down_w = (1.0 - lam) * self.w_w2.weight                          # diag(1 − λ) W_w2  (d, w)
+        lam = torch.sigmoid(self.beta)[:, None]                      # (d, 1)
+        down_n = lam * self.w_n2.weight                              # diag(λ) W_n2      (d, n)
+        down_w = (1.0 - lam) * self.w_w2.weight                      # diag(1 − λ) W_w2  (d, w)
         lead = h_n.shape[:-1]
         y = torch.addmm(F.linear(h_n.reshape(-1, n), down_n), h_w.reshape(-1, h_w.shape[-1]), down_w.t())
         return y.view(*lead, y.shape[-1])
