@@ -16,10 +16,13 @@
 # scripts/device_env.sh --pkgs` makes .device-pkgs/ (Python 3.12 wheels, ~25 MB): carry it
 # with the run (carry=[".device-pkgs"]); it is used only for what the image lacks.
 #
-# Sanitizers: each tool runs the small all-op GPU tests (`-k sanitizer`, tests/test_all_ops.py)
-# without PyTorch's caching allocator and must report nothing; scripts/planted_gpu.sh, where
-# the checkout has it, runs planted-bug copies of the CUDA kernels under the tool that must
-# catch each one.
+# Sanitizers: each tool runs the small all-op GPU tests (`-k sanitizer`, tests/test_all_ops.py:
+# every CUDA kernel, forward and backward) without PyTorch's caching allocator and must report
+# nothing; scripts/planted_gpu.sh runs the planted-bug copies of the CUDA kernels
+# (csrc/tests/planted_bugs.py: an overrun and a misaligned vector access for memcheck, two
+# missing barriers for racecheck, a barrier in divergent code for synccheck, a read of a
+# never-written partial for initcheck) under the tool that must catch each one, and the
+# unplanted copies under every tool.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -203,7 +206,8 @@ step_sanitizers() {
     n=$(pytest_count -m gpu -k "sanitizer and not cuda_emu" tests/test_all_ops.py)
     echo "sanitizer runs: ${n:-no} small all-op GPU tests under each of: $SAN_TOOLS"
     if [ -f "$planted" ]; then
-      echo "planted bugs: $planted run ($($PY csrc/tests/planted_bugs.py --list 2>/dev/null | wc -l) plants)"
+      echo "planted bugs: $planted run: $($PY csrc/tests/planted_bugs.py --list 2>/dev/null \
+        | awk -F'\t' '{printf "%s%s (%s)", (NR > 1 ? ", " : ""), $1, $2}'), and the unplanted copies under every tool"
     else
       echo "planted bugs: $planted not available in this checkout"
     fi

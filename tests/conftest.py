@@ -1,5 +1,6 @@
-"""Test session setup: Triton runs in its CPU interpreter when no GPU is present, and
-every kernel output starts poisoned (NaN / -1) so an element a kernel skips fails."""
+"""Test session setup: Triton runs in its CPU interpreter when no GPU is present,
+every kernel output starts poisoned (NaN / -1) so an element a kernel skips fails, and the
+emulated CUDA kernels run their threads in a shuffled order."""
 
 import os
 
@@ -8,6 +9,10 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
 os.environ["WIOLA_POISON_OUTPUTS"] = "1"
+# The CUDA kernels' emulator (backend cuda_emu) runs the threads of a block in a seeded
+# shuffled order between barriers, not thread 0 first: a kernel with a race shows it
+# (csrc/cuda/emu/runtime.h; tests that set another order say so).
+os.environ.setdefault("WIOLA_EMU_SCHEDULE", "shuffle:20261202")
 if os.environ.get("PYTEST_XDIST_WORKER"):
     # pytest -n N: N worker processes share the cores; one torch thread each, or idle OpenMP
     # workers spin against the other process (tests that need 2 threads set them).

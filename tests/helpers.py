@@ -12,7 +12,27 @@ import pytest
 import torch
 
 import wiola_kernels as wk
-from wiola_kernels.testing import available_backends
+from wiola_kernels.testing import available_backends, available_cpu_isas, cpu_isa
+
+
+# --- backends ----------------------------------------------------------------------------
+
+def backend_variants(op: str) -> list[str]:
+    """Every backend of ``op`` that runs here, the C++ CPU backend once per instruction set
+    its loops run on this CPU (``"cpu/avx2"``, ``"cpu/avx512"``; csrc/cpu/isa.h)."""
+    out = []
+    for backend in available_backends(op, "cpu"):
+        out += [f"cpu/{isa}" for isa in available_cpu_isas()] if backend == "cpu" else [backend]
+    return out
+
+
+@contextlib.contextmanager
+def on_backend(variant: str):
+    """``wk.use_backend`` of a :func:`backend_variants` entry, the CPU kernels held to its
+    instruction set inside the block."""
+    name, _, isa = variant.partition("/")
+    with cpu_isa(isa or None), wk.use_backend(name):
+        yield
 
 
 def gen(seed: int = 0) -> torch.Generator:
@@ -79,7 +99,7 @@ def close_floored(out, ref, tol, what, floor=0.25):
     assert err <= tol, f"{what}: relative error {err:.3e} > {tol:.1e}"
 
 
-# --- bitwise determinism of the C++ CPU kernels (issue 6) ---------------------------------
+# --- bitwise determinism of the C++ CPU kernels ---------------------------------
 # Every forward and backward is bitwise reproducible run to run and independent of the
 # thread count (torch.set_num_threads 1 vs 2): reductions over rows split the work into a
 # fixed number of chunks, summed in a fixed order.

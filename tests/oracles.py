@@ -38,23 +38,31 @@ def raises_naming(exc_types, names, fn):
     assert any(n in msg for n in names), f"message {msg!r} names none of {names}"
 
 
-def rms_oracle(x, w, s, eps):
-    x, w, s = x.double(), w.double(), s.double()
-    z = x + s
+def rms_oracle(x, w, s, eps, hf_order=False):
+    """SPEC §3 in float64: ``γ z / sqrt(mean z² + ε)``, ``z = x + δ`` (``s`` None: δ = 0).
+
+    ``hf_order``: Hugging Face's LlamaRMSNorm instead, in x's dtype, not float64 (its
+    roundings are the point): normalise in float32, round to x's dtype, then multiply by γ
+    in PyTorch's type promotion."""
+    if hf_order:
+        xf = x.to(torch.float32)
+        return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    x, w = x.double(), w.double()
+    z = x if s is None else x + s.double()
     r = torch.sqrt((z * z).mean(-1, keepdim=True) + eps)
     return w * z / r
 
 
 def srpe_oracle(x, pos, theta=10000.0, ks=8.0, a_s=0.1, f_s=0.01):
-    """x (B, Hx, T, d_h) float64; pos (B, T) python-int positions. Pair loop, rotate-half."""
+    """SPEC §4 in float64, one pair at a time (rotate-half): x (B, Hx, T, d_h); pos (B, T),
+    (1, T) or (T,) integer positions. ``ks = ±inf`` and ``a_s = 0`` is plain RoPE."""
     x = x.double()
     B, Hx, T, dh = x.shape
     half = dh // 2
-    pos = pos.to(torch.int64)
+    p = pos.to(torch.int64).expand(B, T).double()
     cols_lo, cols_hi = [], []
     for j in range(half):
         w_j = theta ** (-2.0 * j / dh)
-        p = pos.double()                                      # (B, T)
         ang = p * w_j * (1.0 + 1.0 / ks)
         r = 1.0 + a_s * torch.sin(p * f_s * w_j)
         c = (r * torch.cos(ang))[:, None, :]

@@ -1706,6 +1706,87 @@ def test_cuda_emu_backend_through_the_public_op():
     check_against_oracle(out, lse, grads, ins, lengths, grad, torch.bfloat16)
 
 
+@cpu_only
+@pytest.mark.parametrize("order, case", [
+    ("reverse", (1, 4, 2, 70, 64, 1, 2, torch.float32)),       # S = 1: two chunks of 64 rows
+    ("shuffle:3", (1, 6, 3, 33, 128, 33, 1, torch.bfloat16)),  # S = T, d_h 128
+])
+def test_cuda_emu_under_other_thread_orders(order, case, monkeypatch):
+    """The emulated kernels with the threads of a block run in reverse, or in a seeded shuffle
+    at every barrier (the session runs another shuffle, tests/conftest.py): a kernel whose
+    result depends on the order has a race."""
+    if dispatch.BACKENDS["cuda_emu"].unavailable_reason(torch.device("cpu")) is not None:
+        pytest.skip("the extension was built without the emulated CUDA kernels")
+    monkeypatch.setenv("WIOLA_EMU_SCHEDULE", order)
+    B, H, H_kv, T, dh, S, L, dtype = case
+    ins = [x.requires_grad_() for x in cuda_inputs(B, H, H_kv, T, dh, S, L, dtype, seed=31)]
+    lengths = torch.tensor([T - 5])
+    grad = torch.randn(B, H, T, dh, generator=torch.Generator().manual_seed(32), dtype=torch.float64)
+    with wiola_kernels.use_backend("cuda_emu"):
+        out, lse = gcla_attention_op(*ins, lengths)
+        grads = torch.autograd.grad(GCLAAttentionFunction.apply(*ins, lengths), ins, grad.to(dtype))
+    check_against_oracle(out, lse, grads, ins, lengths, grad, dtype)
+
+
+def _misaligned_view(x: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy of x that starts one element past a 16-byte boundary."""
+    buf = torch.empty(x.numel() + 16, dtype=x.dtype)
+    k = next(k for k in range(1, 17) if (buf.data_ptr() + k * x.element_size()) % 16 != 0)
+    out = buf[k:k + x.numel()].view(x.shape)
+    return out.copy_(x)
+
+
+@cpu_only
+def test_cuda_binding_refuses_misaligned_inputs():
+    """The summary kernels read q, kc, vc, O, dO and q_rot with d_h/32-element vectors: a
+    contiguous view at an element offset is a misaligned address on the device (the CUDA
+    context dies). The binding names it in a ValueError (through cuda_emu, whose vector
+    accesses fault when misaligned, as the device's do)."""
+    ops = emulated_kernels()
+    if ops is None:
+        pytest.skip("the extension was built without the emulated CUDA kernels")
+    g = torch.Generator().manual_seed(33)
+    q, kc = torch.randn(1, 2, 4, 64, generator=g), torch.randn(1, 2, 1, 2, 64, generator=g)
+    gate, o_self, lse_self = torch.zeros(2), torch.zeros(1, 2, 4, 64), torch.zeros(1, 2, 4)
+    fwd = dict(o_self=o_self, lse_self=lse_self, q=q, kc=kc, vc=kc, gate=gate, lengths=None, perm_kv=1)
+    out, lse = ops._gcla_summary_fwd(*fwd.values())
+    for name in ("q", "kc", "vc"):
+        args = dict(fwd, **{name: _misaligned_view(fwd[name])})
+        with pytest.raises(ValueError, match=rf"^{name} must start at an address aligned to 8 bytes"):
+            ops._gcla_summary_fwd(*args.values())
+    bwd = dict(grad_out=torch.randn(q.shape, generator=g), out=out, lse=lse, q_rot=q, q=q, kc=kc, vc=kc, gate=gate,
+               lengths=None, perm_kv=1, lse_columns=4, write_q_self=True)
+    ops._gcla_summary_bwd(*bwd.values())
+    for name in ("grad_out", "out", "q_rot", "q", "kc"):
+        args = dict(bwd, **{name: _misaligned_view(bwd[name])})
+        with pytest.raises(ValueError, match=rf"^{name} must start at an address aligned to 8 bytes"):
+            ops._gcla_summary_bwd(*args.values())
+
+
+@cpu_only
+def test_cuda_emu_misaligned_views_through_the_public_op():
+    """Misaligned contiguous views reach the kernels as aligned copies (the orchestration's
+    safe path): same results as aligned inputs."""
+    if dispatch.BACKENDS["cuda_emu"].unavailable_reason(torch.device("cpu")) is not None:
+        pytest.skip("the extension was built without the emulated CUDA kernels")
+    ins = cuda_inputs(1, 2, 1, 9, 64, 1, 2, torch.bfloat16, seed=34)
+    views = [_misaligned_view(x).requires_grad_() for x in ins]
+    grad = torch.randn(1, 2, 9, 64, generator=torch.Generator().manual_seed(35), dtype=torch.float64)
+    with wiola_kernels.use_backend("cuda_emu"):
+        out, lse = gcla_attention_op(*views, None)
+        grads = torch.autograd.grad(GCLAAttentionFunction.apply(*views, None), views, grad.to(torch.bfloat16))
+    check_against_oracle(out, lse, grads, ins, None, grad, torch.bfloat16)
+
+
+def test_efficient_backward_checks_the_output_layout():
+    """The memory-efficient attention's backward reads O^self as (B, T, H, d) memory whatever
+    its strides say: any other layout is refused before it is read wrong."""
+    attn = gc._SelfAttention("efficient", 0.125)
+    x = torch.zeros(1, 2, 3, 64)
+    with pytest.raises(RuntimeError, match=r"O\^self laid out as \(B, T, H, d\)"):
+        attn.backward(x, x, x, x, x.contiguous(), torch.zeros(1, 2, 32))
+
+
 # --- strided inputs, no hidden copies (issue 14 §3) ----------------------------------------
 
 STRIDED_BACKENDS = [b for b in BACKENDS_ALL if b in ("cpu", "triton")]  # the kernels that take strides

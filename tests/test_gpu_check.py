@@ -82,17 +82,31 @@ def test_sanitizers_cover_the_four_tools_without_the_caching_allocator():
     assert "WIOLA_SANITIZER_RUN" not in TEXT  # set by the old script and read by nothing
 
 
-# Called only where the checkout has them (`[ -f ... ]` first): the planted-bug copies.
-OPTIONAL = {"scripts/planted_gpu.sh", "csrc/tests/planted_bugs.py"}
-
-
 def test_files_the_script_calls_exist():
     paths = set(re.findall(r"(?<![\w/.])((?:scripts|tests|csrc)/[\w./-]+\.(?:py|sh))\b", TEXT)) | {"setup.py"}
-    assert {"scripts/triton_warmup.py", "scripts/gpu_compare_emu.py", "scripts/gpu_check_summary.py"} <= paths
-    assert OPTIONAL <= paths
-    for path in paths - OPTIONAL:
+    assert {"scripts/triton_warmup.py", "scripts/gpu_compare_emu.py", "scripts/gpu_check_summary.py",
+            "scripts/planted_gpu.sh", "csrc/tests/planted_bugs.py"} <= paths
+    for path in paths:
         assert (ROOT / path).is_file(), path
-    assert 'local planted=scripts/planted_gpu.sh' in TEXT and '[ -f "$planted" ]' in TEXT
+    assert 'local planted=scripts/planted_gpu.sh' in TEXT
+
+
+def test_planted_bugs_cover_every_sanitizer_tool():
+    """scripts/planted_gpu.sh runs each plant of csrc/tests/planted_bugs.py under its tool: every
+    tool of the sanitizer step has a plant to catch, and csrc/tests/planted_gpu.cu (the GPU driver)
+    and csrc/tests/planted.h know every plant."""
+    out = subprocess.run([sys.executable, str(ROOT / "csrc" / "tests" / "planted_bugs.py"), "--list"],
+                         capture_output=True, text=True, check=True, timeout=60).stdout
+    plants = [line.split("\t") for line in out.splitlines()]
+    tools = set(re.search(r'^export SAN_TOOLS="([^"]+)"$', TEXT, re.M).group(1).split())
+    assert {tool for _, tool, _, _ in plants} == tools
+    driver = (ROOT / "csrc" / "tests" / "planted_gpu.cu").read_text()
+    header = (ROOT / "csrc" / "tests" / "planted.h").read_text()
+    for name, _, flag, _ in plants:
+        assert f'{{"{name}", wiola_plant::{flag},' in driver, name
+        assert re.search(rf"^\s*{flag},", header, re.M), flag
+    runner = (ROOT / "scripts" / "planted_gpu.sh").read_text()
+    assert 'tools="memcheck racecheck synccheck initcheck"' in runner and "--error-exitcode 9" in runner
 
 
 def test_a_flag_the_checkout_lacks_is_skipped_not_failed():

@@ -411,6 +411,24 @@ def test_compile_fullgraph_no_graph_breaks_and_follows_use_backend(case, resolve
     assert sum(counters["graph_break"].values()) == 0
 
 
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_compiled_call_on_new_tensors_does_not_recompile(case):
+    """A training loop hands a compiled step new tensors every time: the op layer must not
+    make Dynamo guard on their identities (it once did, through ``id()`` in ``distinct``)."""
+    names = list(case.make(torch.float32))
+
+    def f(*values):
+        return _loss(case.public(**dict(zip(names, values))))
+
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    for _ in range(3):
+        args = _with_grad(case.make(torch.float32))
+        torch.autograd.grad(compiled(*args.values()), _leaves(args))
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+
+
 # --- one validation for every op, the same words from every backend ---------------------------
 
 def _taking(parameter: str) -> list[Case]:

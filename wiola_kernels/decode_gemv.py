@@ -1,4 +1,4 @@
-"""Batch-1 decoding GEMV on the CPU (issue 12 §3; private: the Wiola model's decoding steps use it).
+"""Batch-1 decoding GEMV on the CPU (private: the Wiola model's decoding steps use it).
 
 At batch 1 a decoding step's projections are matrix-vector products whose cost is reading
 each weight once. :func:`pack` lays a weight out for one sequential read — panels of

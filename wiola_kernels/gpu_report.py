@@ -29,7 +29,8 @@ source checkout with nvcc, every CUDA kernel instantiation (``csrc/cuda/*.cu``,
   TTIR), and stores narrower than 32 bits where the layout gives each thread 16
   contiguous bytes (Triton kernels at the memory-bound bench shapes, from the TTGIR and
   PTX; CUDA kernels from the SASS: a main loop that loads 128 bits per access but stores 32
-  or fewer).
+  or fewer, and runs of 16/32-bit stores to consecutive bytes of one address that one
+  64/128-bit store would write).
 
 CI (``tests/test_triton_aot.py``) fails on a compile error, a spill, shared memory over the
 device limit, a kernel that cannot be resident, and a lint finding. Compiled cubins are
@@ -54,7 +55,7 @@ from .compiled_lint import Finding, i32_address_products, narrow_stores
 from .triton.aot import GPU, GPUS
 
 LITTLE_LAW_TARGET_BYTES = 32 * 1024  # per SM, for HBM bandwidth on an H200
-_ANALYSIS_VERSION = 2  # bump when analyse_sass's record changes (its results are cached)
+_ANALYSIS_VERSION = 3  # bump when analyse_sass's record changes (its results are cached)
 
 
 # --------------------------------------------------------------------------- tools
@@ -178,18 +179,59 @@ def analyse_sass(instrs: list[tuple[int, str, str]]) -> dict:
         "in_loop": bool(loaded),
         "load_bits": max(loads) if loads else 0,
         "store_bits": sorted({_access_bits(op) for _, op, _ in body if op.startswith("STG")}),
+        "split_stores": split_stores(instrs),
     }
+
+
+_STG_ADDRESS = re.compile(r"\[(U?R\d+)(?:\.64)?(?:\+(-?0x[0-9a-f]+))?\]\s*,")
+
+
+def split_stores(instrs: list[tuple[int, str, str]]) -> list[list[int]]:
+    """Runs of global stores, anywhere in the kernel, that write consecutive bytes from one
+    address register with stores of 32 bits or fewer, 4 bytes or more in all: ``[[address
+    of the first, stores, bits each], …]``. That is what a plain store of a thread's aligned
+    struct of elements became in the GCLA kernels (4 x 16-bit for bf16, 4 x 32-bit for fp32:
+    NVVM split it) where one STG.E.64 / STG.E.128 would do."""
+    runs, run = [], None  # run: [first address, stores, bits, base register, next offset]
+    for addr, op, operands in instrs:
+        if not op.startswith("STG"):
+            continue
+        m = _STG_ADDRESS.search(operands)
+        bits = _access_bits(op)
+        if m is None:
+            run = None
+            continue
+        base, offset = m.group(1), int(m.group(2) or "0", 16)
+        if run is not None and run[3] == base and run[2] == bits and run[4] == offset:
+            run[1] += 1
+            run[4] += bits // 8
+        else:
+            run = [addr, 1, bits, base, offset + bits // 8]
+            runs.append(run)
+    return [r[:3] for r in runs if r[1] >= 2 and r[2] <= 32 and r[1] * r[2] >= 32]
+
+
+def _store_name(bits: int) -> str:
+    return "STG.E" if bits == 32 else f"STG.E.{bits}"
 
 
 def narrow_store_findings(sass: dict) -> list[Finding]:
     """The SASS form of the narrow-store check (CUDA kernels, whose layout is not visible):
     a main loop whose loads are 128 bits wide (a thread owns 16 contiguous bytes) but whose
-    stores are all 32 bits or narrower."""
+    stores are all 32 bits or narrower; and, anywhere in the kernel, runs of 16/32-bit
+    stores to consecutive bytes of one address (:func:`split_stores`: one thread's 8 or 16
+    contiguous bytes written piecewise)."""
+    found = []
     if sass.get("load_bits", 0) >= 128 and sass.get("store_bits") and max(sass["store_bits"]) <= 32:
-        return [Finding("narrow-store", "main loop",
-                        f"stores of {max(sass['store_bits'])} bits where the loads are 128-bit: each thread's "
-                        "16 contiguous bytes could be one STG.E.128")]
-    return []
+        found.append(Finding("narrow-store", "main loop",
+                             f"stores of {max(sass['store_bits'])} bits where the loads are 128-bit: each thread's "
+                             "16 contiguous bytes could be one STG.E.128"))
+    for addr, count, bits in sass.get("split_stores", []):
+        found.append(Finding("split-store", f"SASS {addr:#06x}",
+                             f"{count} stores of {bits} bits to consecutive bytes of one address: one "
+                             f"{_store_name(min(count * bits, 128))} when aligned "
+                             "(a thread's elements stored as one vector, wiola/cuda_vector.cuh)"))
+    return found
 
 
 def occupancy(gpu: GPU, registers: int, threads: int, shared_bytes: int) -> tuple[int, str]:

@@ -18,6 +18,16 @@
 //      (candidate ? −1 : t) gives, for every candidate edge, the last non-candidate edge
 //      before it, hence the start a of its run, and the edge is taken when t − a is even.
 //      An exclusive sum-scan of the taken edges gives slot(t) = t − #taken before t.
+//      One block per row walks the row's tiles in order, carrying (last break, taken
+//      count, last edge taken) from tile to tile. At the bench shape (B = 8, T = 2048)
+//      that is 8 blocks of two tiles each, moving ≈ 80 KB per row (0.1% of the merge's
+//      bytes): latency-bound, two tile latencies in series. Splitting a row over blocks
+//      needs the carry across blocks: a second launch (per-tile aggregates, then the
+//      tiles: the same two latencies in series at T = 2048, plus a launch) or a
+//      single-pass look-back (saves about one tile latency there, but blocks spin on
+//      their predecessors' flags, which the SIMT emulator cannot run: its blocks run to
+//      completion in turn). Long rows (T ≥ 8192: ≥ 8 tiles in series) would gain from the
+//      two-launch form; not done (no GPU measurement yet to weigh it).
 //   3. gather_average: one block per merged slot copies x_t or writes the pair mean
 //      (x_t + x_{t+1})·½, or x_t·½ + x_{t+1}·½ where the sum overflows; zeros after T'_b.
 //      (--use_fast_math flushes float32 subnormals here: a merged pair of subnormal
@@ -41,6 +51,7 @@
 #include "wiola/atm_launch.h"
 #include "wiola/cuda_convert.cuh"
 #include "wiola/cuda_launch.cuh"
+#include "wiola/cuda_vector.cuh"
 #include "wiola/warp_reduce.cuh"
 
 namespace wiola::atm {
@@ -62,6 +73,7 @@ using wiola::cuda::dispatch_dtype;
 using wiola::cuda::from_float;
 using wiola::cuda::launch_kernel;
 using wiola::cuda::to_float;
+using wiola::cuda::vector_cast;
 using wiola::cuda::warp_max;
 using wiola::cuda::warp_sum;
 
@@ -108,7 +120,8 @@ __device__ __forceinline__ double exact_double(float v) {
 }
 
 // A 16-byte global access (ld/st.global.v4.u32; uint4 without the CUDA vector types, so
-// the same body runs in the emulator).
+// the same body runs in the emulator). Pointers become Chunk pointers by vector_cast
+// (wiola/cuda_vector.cuh), which the emulator checks for alignment.
 struct alignas(16) Chunk {
   unsigned w[4];
 };
@@ -147,8 +160,8 @@ template <typename scalar_t>
 __device__ __forceinline__ void copy_row(const scalar_t* __restrict__ src, scalar_t* __restrict__ out, int64_t d,
                                          bool vec) {
   if (vec) {
-    const Chunk* s = reinterpret_cast<const Chunk*>(src);
-    Chunk* o = reinterpret_cast<Chunk*>(out);
+    const Chunk* s = vector_cast<const Chunk>(src);
+    Chunk* o = vector_cast<Chunk>(out);
     const int64_t n = d / kPerChunk<scalar_t>;
 #pragma unroll 1  // kRowChunks chunks in flight per step is the design (gpu-report counts the body)
     for (int64_t c = threadIdx.x; c < n; c += kRowThreads * kRowChunks) {
@@ -174,7 +187,7 @@ __device__ __forceinline__ void fill_row(scalar_t* __restrict__ out, float value
 #pragma unroll
     for (int k = 0; k < kPerChunk<scalar_t>; ++k) e.v[k] = v;
     const Chunk c = pack(e);
-    Chunk* o = reinterpret_cast<Chunk*>(out);
+    Chunk* o = vector_cast<Chunk>(out);
     const int64_t n = d / kPerChunk<scalar_t>;
     for (int64_t i = threadIdx.x; i < n; i += blockDim.x) o[i] = c;
     return;
@@ -187,9 +200,9 @@ template <int kInputs, typename scalar_t, typename Fn>
 __device__ __forceinline__ void map_row(const scalar_t* __restrict__ a, const scalar_t* __restrict__ b,
                                         scalar_t* __restrict__ out, int64_t d, bool vec, Fn f) {
   if (vec) {
-    const Chunk* sa = reinterpret_cast<const Chunk*>(a);
-    const Chunk* sb = reinterpret_cast<const Chunk*>(b);
-    Chunk* o = reinterpret_cast<Chunk*>(out);
+    const Chunk* sa = vector_cast<const Chunk>(a);
+    const Chunk* sb = vector_cast<const Chunk>(b);
+    Chunk* o = vector_cast<Chunk>(out);
     const int64_t n = d / kPerChunk<scalar_t>;
 #pragma unroll 1  // kRowChunks chunks in flight per step is the design (gpu-report counts the body)
     for (int64_t c = threadIdx.x; c < n; c += kRowThreads * kRowChunks) {
@@ -278,7 +291,7 @@ __global__ void __launch_bounds__(kSimThreads, kSimBlocks)
 #pragma unroll
       for (int k = 0; k <= kSimTokens; ++k) {
         if (k < reads) {
-          v[k] = reinterpret_cast<const Chunk*>(row + k * d)[c];
+          v[k] = vector_cast<const Chunk>(row + k * d)[c];
         } else {
           v[k] = Chunk{};
         }
@@ -550,7 +563,7 @@ struct ColumnLane {
   static constexpr int E = static_cast<int>(kPerChunk<scalar_t>);
 
   static __device__ __forceinline__ Chunk load(const scalar_t* p) {
-    if (kVec) return *reinterpret_cast<const Chunk*>(p);
+    if (kVec) return *vector_cast<const Chunk>(p);
     Chunk c{};
     const scalar_t v = *p;
     memcpy(&c, &v, sizeof(scalar_t));
@@ -561,7 +574,7 @@ struct ColumnLane {
       Elems<scalar_t> e;
 #pragma unroll
       for (int i = 0; i < E; ++i) e.v[i] = from_float<scalar_t>(acc[i]);
-      *reinterpret_cast<Chunk*>(p) = pack(e);
+      *vector_cast<Chunk>(p) = pack(e);
     } else {
       *p = from_float<scalar_t>(acc[0]);
     }

@@ -16,8 +16,10 @@ using wiola::WIOLA_CUDA_BINDING_NS::check_launch;
 using wiola::WIOLA_CUDA_BINDING_NS::current_stream;
 using wiola::WIOLA_CUDA_BINDING_NS::DeviceGuard;
 using wiola::WIOLA_CUDA_BINDING_NS::empty_output;
+using wiola::WIOLA_CUDA_BINDING_NS::empty_workspace;
 using wiola::WIOLA_CUDA_BINDING_NS::kDevice;
 using wiola::WIOLA_CUDA_BINDING_NS::kernel_dtype;
+using wiola::WIOLA_CUDA_BINDING_NS::kernel_input;
 using wiola::WIOLA_CUDA_BINDING_NS::on_kernel_device;
 
 // What the kernels need beyond the op's checks (wiola/checks.h): the kernels' device and dtype
@@ -33,7 +35,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> atm_merge(const at::T
                                                                      const std::optional<at::Tensor>& lengths_in) {
   const checks::AtmMergeArgs args = checks::atm_merge(x_in, position_ids, threshold, lengths_in);
   check_kernel_input("x", x_in);
-  const at::Tensor x = x_in.contiguous(), positions = args.positions.contiguous(), lengths = args.lengths;
+  // The kernels' view of the inputs (in the emulator, copies in its device memory).
+  const at::Tensor x = kernel_input(x_in.contiguous()), positions = kernel_input(args.positions.contiguous()),
+                   lengths = kernel_input(args.lengths);
   const int64_t B = x.size(0), T = x.size(1), d = x.size(2);
   const DeviceGuard guard(x.device());
   at::Tensor merged = empty_output(x.sizes(), x.options());
@@ -41,8 +45,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> atm_merge(const at::T
   at::Tensor merged_lengths = empty_output({B}, lengths.options());
   at::Tensor index_map = empty_output({B, T}, positions.options());
   if (B * T == 0) return {merged, merged_positions, merged_lengths.copy_(lengths.clamp(0, T)), index_map};
-  at::Tensor work = at::empty({2 * B * T}, x.options().dtype(at::kFloat));
-  at::Tensor slot_source = at::empty({B * T}, positions.options());
+  at::Tensor work = empty_workspace({2 * B * T}, x.options().dtype(at::kFloat));
+  at::Tensor slot_source = empty_workspace({B * T}, positions.options());
   atm::MergeParams p{};
   p.x = x.const_data_ptr();
   p.positions = positions.const_data_ptr<int64_t>();
@@ -66,13 +70,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> atm_merge(const at::T
 at::Tensor atm_merge_bwd(const at::Tensor& grad_in, const at::Tensor& map_in, const at::Tensor& merged_lengths_in) {
   checks::atm_unmerge("grad_merged", grad_in, map_in);
   check_kernel_input("grad_merged", grad_in);
-  const at::Tensor grad_merged = grad_in.contiguous(), index_map = map_in.contiguous();
+  const at::Tensor grad_merged = kernel_input(grad_in.contiguous()), index_map = kernel_input(map_in.contiguous());
   const int64_t B = grad_merged.size(0), T = grad_merged.size(1), d = grad_merged.size(2);
   TORCH_CHECK_TYPE(merged_lengths_in.scalar_type() == at::kLong, "merged_lengths must have dtype in (int64), got ",
                    checks::dtype_name(merged_lengths_in.scalar_type()));
   checks::shape("merged_lengths", merged_lengths_in, {B}, "(B,)");
   checks::same_device("merged_lengths", merged_lengths_in, "grad_merged", grad_in);
-  const at::Tensor merged_lengths = merged_lengths_in.contiguous();
+  const at::Tensor merged_lengths = kernel_input(merged_lengths_in.contiguous());
   const DeviceGuard guard(grad_merged.device());
   at::Tensor grad_x = empty_output(grad_merged.sizes(), grad_merged.options());
   atm::MergeBackwardParams p{grad_merged.const_data_ptr(), index_map.const_data_ptr<int64_t>(),
@@ -86,12 +90,12 @@ at::Tensor unmerge_common(const at::Tensor& in_arg, const at::Tensor& map_arg, b
   const char* name = backward ? "grad_restored" : "y";
   checks::atm_unmerge(name, in_arg, map_arg);
   check_kernel_input(name, in_arg);
-  const at::Tensor in = in_arg.contiguous(), index_map = map_arg.contiguous();
+  const at::Tensor in = kernel_input(in_arg.contiguous()), index_map = kernel_input(map_arg.contiguous());
   const int64_t B = in.size(0), T = in.size(1), d = in.size(2);
   const DeviceGuard guard(in.device());
   at::Tensor out = empty_output(in.sizes(), in.options());
   // Backward: whether each row's map is sorted (its segments then run in parallel, atm.cu).
-  at::Tensor row_sorted = at::empty({backward ? B : 0}, in.options().dtype(at::kInt));
+  at::Tensor row_sorted = empty_workspace({backward ? B : 0}, in.options().dtype(at::kInt));
   atm::UnmergeParams p{in.const_data_ptr(), index_map.const_data_ptr<int64_t>(), out.mutable_data_ptr(), B, T, d,
                        kernel_dtype(in, backward ? "grad_restored" : "y"),
                        backward ? row_sorted.mutable_data_ptr<int>() : nullptr};

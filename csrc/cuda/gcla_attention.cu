@@ -14,8 +14,9 @@
 //   dq = c Σ_λ dz_λ kc_λ,  dkc_λ = c dz_λ q,  dvc_λ = σ a_λ dO,  dgate_h += σ(1−σ) r
 // and the fused attention backward's inputs: dO (zeroed past the length), O^self = O − σ
 // O^cross, q_rot and lse, all in the permuted layout. S = T writes dkc/dvc per row; S = 1
-// sums them per block in shared memory (fixed order) into a partial, and a second kernel
-// adds the partials in chunk order — deterministic, no atomics. dgate likewise.
+// keeps the rows' coefficients c dz_λ, σ a_λ in shared memory and sums them against q and
+// dO per block after the row loop (fixed order) into a partial, and a second kernel adds
+// the partials in chunk order — deterministic, no atomics. dgate likewise.
 #ifdef WIOLA_CUDA_EMU
 #include "emu/cuda_emu.h"
 #else
@@ -30,16 +31,20 @@
 #include "wiola/gcla_attention.h"
 #include "wiola/gcla_launch.h"
 #include "wiola/cuda_launch.cuh"
+#include "wiola/cuda_vector.cuh"
 #include "wiola/warp_reduce.cuh"
 
 namespace wiola::gcla {
 namespace {
 
 // kWarps, kThreads, the grids and shared memory of the launches: wiola/gcla_launch.h.
+static_assert(kChunkRows == kBackwardChunk, "the partials' layout (wiola/gcla_attention.h)");
 
 using wiola::cuda::dispatch_dtype;
 using wiola::cuda::from_float;
 using wiola::cuda::launch_kernel;
+using wiola::cuda::load_elements;
+using wiola::cuda::store_elements;
 using wiola::cuda::to_float;
 using wiola::cuda::warp_sum;
 
@@ -56,25 +61,22 @@ __device__ __forceinline__ int64_t self_head(int64_t h, int64_t H, int64_t perm_
 
 __device__ __forceinline__ float sigmoid(float g) { return 1.f / (1.f + __expf(-g)); }
 
-// N contiguous elements as one access (the callers' offsets are multiples of N elements).
-template <typename T, int N>
-struct alignas(sizeof(T) * N) Pack {
-  T v[N];
-};
-
+// N contiguous elements as one 4- to 16-byte access (wiola/cuda_vector.cuh): the callers'
+// offsets are multiples of N elements and the binding checks the base addresses.
 template <typename T, int N>
 __device__ __forceinline__ void load(const T* src, float (&x)[N]) {
-  const Pack<T, N> pk = *reinterpret_cast<const Pack<T, N>*>(src);
+  T v[N];
+  load_elements(src, v);
 #pragma unroll
-  for (int i = 0; i < N; ++i) x[i] = to_float(pk.v[i]);
+  for (int i = 0; i < N; ++i) x[i] = to_float(v[i]);
 }
 
 template <typename T, int N>
 __device__ __forceinline__ void store(T* dst, const float (&x)[N]) {
-  Pack<T, N> pk;
+  T v[N];
 #pragma unroll
-  for (int i = 0; i < N; ++i) pk.v[i] = from_float<T>(x[i]);
-  *reinterpret_cast<Pack<T, N>*>(dst) = pk;
+  for (int i = 0; i < N; ++i) v[i] = from_float<T>(x[i]);
+  store_elements(dst, v);
 }
 
 template <int N>
@@ -143,10 +145,18 @@ __global__ void __launch_bounds__(kThreads) summary_forward_kernel(SummaryForwar
 }
 
 // ---------------------------------------------------------------------------------
-// Backward 1: per row, one block per (b, h, kBackwardChunk rows); warp w takes rows
+// Backward 1: per row, one block per (b, h, kChunkRows rows); warp w takes rows
 // t0 + w, t0 + w + 4, ... Dynamic shared memory (floats):
-//   [kWarps][2][L]      a_λ and e_λ of the warp's current row
-//   [kWarps][2][L][DH]  the warp's running dkc / dvc sums (S = 1 only)
+//   [kWarps][2][L]                a_λ and e_λ of the warp's current row
+//   S = 1: [kChunkRows][L][2]     c·dz_λ and σ a_λ of each row of the block
+//   S = 1: [2][kSlotTile][DH]     the second half's dkc / dvc sums of a slot tile
+//   [kWarps]                      each warp's Σ r
+// S = 1 sums dkc_λ = Σ_t c dz_tλ q_t and dvc_λ = Σ_t σ a_tλ dO_t over the block's rows after
+// the row loop, in registers: warp w takes kc (w even) or vc over half of the rows, the
+// halves meet once per kSlotTile slots in shared memory. (Accumulating each row into
+// per-warp [L][DH] shared sums instead took 4 KB × Λ' per block, capping the resident
+// blocks, and its lane-strided updates were V-way bank conflicts.) That pass reads q and dO
+// of the block's rows again, from L2: ⌈Λ'/kSlotTile⌉ more reads of two row tensors.
 // ---------------------------------------------------------------------------------
 template <typename scalar_t, int DH>
 __global__ void __launch_bounds__(kThreads) summary_backward_kernel(SummaryBackwardParams p) {
@@ -160,16 +170,13 @@ __global__ void __launch_bounds__(kThreads) summary_backward_kernel(SummaryBackw
   const bool shared_ctx = p.S == 1;
   float* a_s = smem + warp * 2 * L;  // a_λ
   float* e_s = a_s + L;              // e_λ = dO·vc_λ
-  float* acc_kc = smem + kWarps * 2 * L + warp * 2 * L * DH;
-  float* acc_vc = acc_kc + L * DH;
-  if (shared_ctx) {
-    for (int64_t i = lane; i < 2 * L * DH; i += 32) acc_kc[i] = 0.f;
-  }
-  __syncwarp();
+  float* coef = smem + kWarps * 2 * L;       // S = 1: [row][λ][c·dz, σ a]
+  float* half_sum = coef + kChunkRows * 2 * L;  // S = 1: [kc / vc][slot of the tile][DH]
   const float sig = sigmoid(p.gate[h]);
   float gate_acc = 0.f;  // Σ_t r over the warp's rows (warp-uniform)
-  const int64_t t_end = (chunk + 1) * kBackwardChunk < p.T ? (chunk + 1) * kBackwardChunk : p.T;
-  for (int64_t t = chunk * kBackwardChunk + warp; t < t_end; t += kWarps) {
+  const int64_t t0 = chunk * kChunkRows;
+  const int64_t t_end = t0 + kChunkRows < p.T ? t0 + kChunkRows : p.T;
+  for (int64_t t = t0 + warp; t < t_end; t += kWarps) {
     const int64_t row = bh * p.T + t;
     const int64_t self_off_do = b * p.do_self.sb + ps * p.do_self.sh + t * p.do_self.st + col;
     const int64_t self_off_o = b * p.o_self.sb + ps * p.o_self.sh + t * p.o_self.st + col;
@@ -232,7 +239,7 @@ __global__ void __launch_bounds__(kThreads) summary_backward_kernel(SummaryBackw
       r += a * e;
     }
     __syncwarp();
-    // Pass 3: dz_λ, dq, dkc, dvc.
+    // Pass 3: dz_λ, dq, and dkc / dvc (S = T) or their coefficients (S = 1).
     fill(dq, 0.f);
     #pragma unroll 1
     for (int64_t s = 0; s < L; ++s) {
@@ -243,10 +250,9 @@ __global__ void __launch_bounds__(kThreads) summary_backward_kernel(SummaryBackw
 #pragma unroll
       for (int i = 0; i < V; ++i) dq[i] += dz * k[i];
       if (shared_ctx) {
-#pragma unroll
-        for (int i = 0; i < V; ++i) {
-          acc_kc[s * DH + col + i] += cdz * qv[i];
-          acc_vc[s * DH + col + i] += sa * dO[i];
+        if (lane == 0) {
+          coef[((t - t0) * L + s) * 2] = cdz;
+          coef[((t - t0) * L + s) * 2 + 1] = sa;
         }
       } else {
 #pragma unroll
@@ -276,8 +282,8 @@ __global__ void __launch_bounds__(kThreads) summary_backward_kernel(SummaryBackw
     }
     if (lane == 0) *lse_self = p.lse[row];
   }
-  // Block partials, warps added in order 0..3.
-  float* gate_s = smem + kWarps * 2 * L + (shared_ctx ? kWarps * 2 * L * DH : 0);
+  // Block partials, warps added in order 0..3 (the barrier also publishes coef).
+  float* gate_s = smem + kWarps * 2 * L + (shared_ctx ? kChunkRows * 2 * L + 2 * kSlotTile * DH : 0);
   if (lane == 0) gate_s[warp] = gate_acc;
   __syncthreads();
   if (threadIdx.x == 0) {
@@ -285,15 +291,59 @@ __global__ void __launch_bounds__(kThreads) summary_backward_kernel(SummaryBackw
     for (int w = 0; w < kWarps; ++w) g += gate_s[w];
     p.gate_part[blockIdx.x] = g;
   }
-  if (shared_ctx) {
-    const int64_t n = 2 * L * DH;
-    float* part = p.ckv_part + int64_t(blockIdx.x) * n;
-    const float* acc0 = smem + kWarps * 2 * L;
-    for (int64_t i = threadIdx.x; i < n; i += kThreads) {
-      float s = 0.f;
-      for (int w = 0; w < kWarps; ++w) s += acc0[w * n + i];
-      part[i] = s;
+  if (!shared_ctx) return;
+  // S = 1: warp w sums tensor w & 1 (0: c dz_λ q → dkc, 1: σ a_λ dO → dvc) over the valid
+  // rows of half w >> 1 of the block, in row order; the second half's sums go through
+  // half_sum (element i of lane l at i·32 + l: no bank conflicts) to the first, which
+  // writes the block's partial [kc / vc][λ][DH].
+  const int tensor = warp & 1, half = warp >> 1;
+  const scalar_t* src = static_cast<const scalar_t*>(tensor == 0 ? p.q : p.grad_out) + bh * p.T * DH + col;
+  const int64_t valid_end = t_end < len ? t_end : len;
+  const int64_t r0 = t0 + half * (kChunkRows / 2);
+  const int64_t r1 = r0 + kChunkRows / 2 < valid_end ? r0 + kChunkRows / 2 : valid_end;
+  float* part = p.ckv_part + (int64_t(blockIdx.x) * 2 + tensor) * L * DH + col;
+  #pragma unroll 1
+  for (int64_t s0 = 0; s0 < L; s0 += kSlotTile) {  // block-uniform
+    float acc[kSlotTile][V];
+#pragma unroll
+    for (int j = 0; j < kSlotTile; ++j) fill(acc[j], 0.f);
+    #pragma unroll 1
+    for (int64_t tb = r0; tb < r1; tb += kSumBatch) {
+      float x[kSumBatch][V];
+#pragma unroll
+      for (int u = 0; u < kSumBatch; ++u)
+        if (tb + u < r1) load<scalar_t, V>(src + (tb + u) * DH, x[u]);
+#pragma unroll
+      for (int u = 0; u < kSumBatch; ++u) {
+        if (tb + u >= r1) break;
+        const float* c = coef + ((tb + u - t0) * L + s0) * 2 + tensor;
+#pragma unroll
+        for (int j = 0; j < kSlotTile; ++j) {
+          if (s0 + j >= L) break;
+          const float w = c[2 * j];
+#pragma unroll
+          for (int i = 0; i < V; ++i) acc[j][i] += w * x[u][i];
+        }
+      }
     }
+    float* hs = half_sum + tensor * kSlotTile * DH + lane;
+    if (half == 1) {
+#pragma unroll
+      for (int j = 0; j < kSlotTile; ++j)
+#pragma unroll
+        for (int i = 0; i < V; ++i) hs[j * DH + i * 32] = acc[j][i];
+    }
+    __syncthreads();
+    if (half == 0) {
+#pragma unroll
+      for (int j = 0; j < kSlotTile; ++j) {
+        if (s0 + j >= L) break;
+#pragma unroll
+        for (int i = 0; i < V; ++i) acc[j][i] += hs[j * DH + i * 32];
+        store_elements(part + (s0 + j) * DH, acc[j]);
+      }
+    }
+    __syncthreads();  // half_sum is rewritten by the next tile
   }
 }
 

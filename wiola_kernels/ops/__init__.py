@@ -77,13 +77,12 @@ def distinct(*args: object) -> tuple:
     ``autograd.Function.apply`` that receives one tensor twice (``gcla_attention(..., kc, kc,
     ...)``); a view is a distinct tensor to it, costs no copy, and passes gradients through.
     Only needed while tracing: the public functions call it under ``torch.compile``."""
-    seen: set[int] = set()
+    # ``is``, not ``id()``: Dynamo would guard on every argument's id and recompile for each
+    # new tensor, where ``is`` between two inputs is the aliasing it already guards on.
     out = []
-    for a in args:
-        if isinstance(a, torch.Tensor):
-            if id(a) in seen:
-                a = a.view_as(a)
-            seen.add(id(a))
+    for i, a in enumerate(args):
+        if isinstance(a, torch.Tensor) and any(a is b for b in args[:i]):
+            a = a.view_as(a)
         out.append(a)
     return tuple(out)
 

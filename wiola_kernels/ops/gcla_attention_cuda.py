@@ -33,8 +33,9 @@ rows, those rows add exactly 0 to dK/dV.
 
 **Layouts.** The fused kernels take any strides with a contiguous ``d_h``, so ``q_rot``,
 ``k_rot`` and ``v`` (the model's transposed ``(B, T, H, d_h)`` views) reach them uncopied.
-The summary kernels read ``q``, ``kc``, ``vc``, ``O`` and ``dO`` contiguous: those are
-``.contiguous()``-ed here (a copy each for the model's views), and the op layer copies
+The summary kernels read ``q``, ``kc``, ``vc``, ``O`` and ``dO`` contiguous and 16-byte
+aligned (vector loads): those are ``.contiguous()``-ed here (a copy each for the model's
+views; one more for a view that starts at an element offset), and the op layer copies
 the results into the layouts its fakes promise (like the inputs). Passing strides to the
 summary kernels (csrc/cuda/gcla_attention.cu) would remove these copies; not done yet.
 
@@ -154,6 +155,12 @@ class _SelfAttention:
                 None, None, T, T, 0.0, True, rng, unused, scale=self.scale)
             return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
         if self.kind == "efficient":
+            # The efficient backward takes out's strides to be those of a (B, T, H, d) tensor
+            # (it ignores out.stride(1)): the summary backward makes o_self so (empty_self in
+            # csrc/cuda/gcla_attention_binding.cpp); anything else would be read wrong silently.
+            if not o.transpose(1, 2).is_contiguous():
+                raise RuntimeError(f"gcla_attention: the memory-efficient backward needs O^self laid out as "
+                                   f"(B, T, H, d), got strides {tuple(o.stride())} for shape {tuple(o.shape)}")
             seed = torch.empty((), dtype=torch.int64, device=q.device)
             dq, dk, dv, _ = torch.ops.aten._efficient_attention_backward(
                 do.transpose(1, 2), q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None, o.transpose(1, 2),
@@ -183,6 +190,18 @@ def _self_kv(attn: _SelfAttention, k_rot: Tensor, v: Tensor, lengths: Optional[T
     return k_rot, v
 
 
+#: The widest vector access of the summary kernels (16 bytes): their inputs start at a multiple of it.
+_VECTOR_BYTES = 16
+
+
+def _for_kernel(x: Tensor) -> Tensor:
+    """``x`` contiguous and 16-byte aligned, as the summary kernels read it (8/16-byte vector
+    loads; their binding refuses a misaligned tensor): a contiguous view at an element
+    offset (``t[1:]``) is copied."""
+    x = x.contiguous()
+    return x if x.data_ptr() % _VECTOR_BYTES == 0 else x.clone()
+
+
 def _kernels(device: torch.device):
     return getattr(torch.ops, OP_NAMESPACE if device.type == "cuda" else "wiola_cuda_emu")
 
@@ -203,7 +222,7 @@ def forward(q_rot: Tensor, k_rot: Tensor, v: Tensor, q: Tensor, kc: Tensor, vc: 
             q_self.masked_fill_(_pad_mask(lengths, T), 0.0)
     k_self, v_self = _self_kv(attn, k_rot, v, lengths, G)
     o_self, lse_self = attn.forward(q_self, k_self, v_self)
-    return kernels._gcla_summary_fwd(o_self, lse_self, q.contiguous(), kc.contiguous(), vc.contiguous(), gate,
+    return kernels._gcla_summary_fwd(o_self, lse_self, _for_kernel(q), _for_kernel(kc), _for_kernel(vc), gate,
                                      lengths, perm_kv)
 
 
@@ -216,8 +235,8 @@ def backward(grad_out: Tensor, q_rot: Tensor, k_rot: Tensor, v: Tensor, q: Tenso
     B, H, T, dh = q_rot.shape
     write_q_self = perm_kv != 1 or lengths is not None
     dq, dkc, dvc, dgate, do_self, o_self, q_self, lse_self = kernels._gcla_summary_bwd(
-        grad_out.contiguous(), out.contiguous(), lse, q_rot.contiguous(), q.contiguous(), kc.contiguous(),
-        vc.contiguous(), gate, lengths, perm_kv, attn.lse_columns(T), write_q_self)
+        _for_kernel(grad_out), _for_kernel(out), lse, _for_kernel(q_rot), _for_kernel(q), _for_kernel(kc),
+        _for_kernel(vc), gate, lengths, perm_kv, attn.lse_columns(T), write_q_self)
     if not write_q_self:
         q_self = q_rot
     k_self, v_self = _self_kv(attn, k_rot, v, lengths, G)

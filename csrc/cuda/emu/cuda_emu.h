@@ -5,22 +5,30 @@
 //
 // Semantics, and where the device may differ:
 // * __syncthreads is a real block barrier. Every thread of the block must reach it: a
-//   thread that exited while others wait is reported (undefined on the device).
+//   thread that exited while others wait is reported (undefined on the device), and so
+//   are threads that wait at different __syncthreads calls (a barrier in divergent code).
 // * Warp collectives (__shfl*_sync, __ballot_sync, __any_sync, __all_sync, __syncwarp)
 //   pair up the k-th call of each lane named in the mask; a named lane that exited,
 //   waits at a barrier, or calls another collective/mask is reported, as is a lane that
 //   reads a lane outside the mask. Only __syncwarp / __syncthreads order memory.
 // * __nv_bfloat16 / __half convert with round-to-nearest-even, NaN -> canonical NaN
 //   (0x7fff), exactly as cuda_bf16.hpp / cuda_fp16.hpp.
-// * Fast-math: the host build is IEEE (no --use_fast_math): __expf/expf/logf are libm
-//   (the device's ex2.approx/lg2.approx path is ~2 ulp plus ~2^-21·|x| for __expf),
-//   '/' is IEEE division (fast-math: ≤ 2 ulp), and float32 subnormals are kept (the
-//   device flushes them to zero under -ftz). Tests therefore use the SPEC §9 tolerances,
-//   which are orders of magnitude above these ulp-level differences, and skip exact
-//   checks of subnormal float32 results (as the GPU tests already do for -ftz).
+// * Fast-math: __expf/expf/logf are libm (the device's ex2.approx/lg2.approx path is
+//   ~2 ulp plus ~2^-21·|x| for __expf) and '/' is IEEE division (fast-math: ≤ 2 ulp).
+//   Tests therefore use the SPEC §9 tolerances, orders of magnitude above these ulp-level
+//   differences. Subnormal float32 results are flushed as under the device's -ftz=true:
+//   the fibers run with MXCSR FTZ (runtime.h: flush_to_zero, WIOLA_EMU_FTZ=0 keeps them).
+//   bf16/fp16 conversions are bit manipulations, exact for subnormals either way.
+// * Thread order: the threads of a block run one at a time between meeting points, in the
+//   order of the launch's schedule (runtime.h: forward, reverse or a seeded shuffle per
+//   meeting point; WIOLA_EMU_SCHEDULE). A kernel whose result depends on it has a race.
 // * Memory is the host's: there is no global/shared address-space check (TSan and the
 //   poisoned outputs of the tests catch stale or missing writes); dynamic shared memory
-//   is poisoned with 0xFF (NaN) at the start of every block.
+//   is poisoned with 0xFF (NaN) at the start of every block. Buffers from device_alloc
+//   (runtime.h: what the cuda_emu bindings and the C++ tests hand to kernels) end at a
+//   guard page; a memory fault in a kernel is a device fault of the launch, as
+//   cudaErrorIllegalAddress. A vector access (wiola/cuda_vector.cuh: vector_cast) must
+//   be aligned to its size, as on the device (cudaErrorMisalignedAddress).
 #pragma once
 
 #include <math.h>
@@ -29,6 +37,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <string>
 #include <tuple>
 #include <type_traits>
 #include <utility>
@@ -58,7 +67,12 @@ extern __thread ThreadInfo* tls_thread;  // the fiber running on this OS thread
 
 enum class Collective : int { kShfl, kShflXor, kShflUp, kShflDown, kBallot, kAny, kAll, kSyncWarp };
 
-void syncthreads();
+// `site`: the __syncthreads call (file:line); every thread of a block must wait at the same one.
+void syncthreads(const char* site);
+// A device fault of the running thread's block (the launch throws with `what`); outside a
+// kernel, std::runtime_error.
+[[noreturn]] void device_fault(const std::string& what);
+[[noreturn]] void misaligned_access(const void* p, size_t bytes);
 int tls_init_anchor();  // returns 0, opaque to the compiler (WIOLA_EMU_EXTERN_SHARED)
 uint64_t warp_collective(Collective kind, unsigned mask, uint64_t value, int arg, int width);
 
@@ -110,6 +124,19 @@ inline __nv_bfloat16 __float2bfloat16_rn(float f) {
   return {uint16_t(u >> 16)};
 }
 
+inline unsigned short __bfloat16_as_ushort(__nv_bfloat16 h) { return h.bits; }
+inline unsigned short __half_as_ushort(__half h) { return h.bits; }
+
+// CUDA's vector types that the kernels use (wiola/cuda_vector.cuh), with their alignment.
+struct alignas(8) uint2 {
+  unsigned x, y;
+};
+struct alignas(16) uint4 {
+  unsigned x, y, z, w;
+};
+inline uint2 make_uint2(unsigned x, unsigned y) { return {x, y}; }
+inline uint4 make_uint4(unsigned x, unsigned y, unsigned z, unsigned w) { return {x, y, z, w}; }
+
 inline float __half2float(__half h) {
   const uint32_t sign = uint32_t(h.bits & 0x8000u) << 16;
   const uint32_t exp = (h.bits >> 10) & 0x1fu, man = h.bits & 0x3ffu;
@@ -148,6 +175,12 @@ inline __half __float2half_rn(float f) {
   const uint32_t q = m >> shift, rem = m & ((1u << shift) - 1u), half_ulp = 1u << (shift - 1u);
   const uint32_t h = q + ((rem > half_ulp || (rem == half_ulp && (q & 1u))) ? 1u : 0u);
   return {uint16_t(sign | h)};
+}
+
+// A vector access of `bytes` (a power of two) at p: the device faults unless p is a
+// multiple of it (csrc/include/wiola/cuda_vector.cuh calls this for every vector cast).
+__forceinline__ void check_vector_alignment(const void* p, size_t bytes) {
+  if ((reinterpret_cast<uintptr_t>(p) & (bytes - 1)) != 0) misaligned_access(p, bytes);
 }
 
 // --- bit casts and fast-math intrinsics (IEEE on the host, see the header comment) ---
@@ -194,7 +227,12 @@ inline long long min(long long a, long long b) { return a < b ? a : b; }
 inline unsigned long long min(unsigned long long a, unsigned long long b) { return a < b ? a : b; }
 
 // --- barriers and warp collectives --------------------------------------------------
-inline void __syncthreads() { syncthreads(); }
+// A macro, so that each call names its own site: threads of a block that wait at different
+// __syncthreads calls (a barrier in divergent code: undefined on the device, reported by
+// compute-sanitizer synccheck) are a device fault.
+#define WIOLA_EMU_STR2(x) #x
+#define WIOLA_EMU_STR(x) WIOLA_EMU_STR2(x)
+#define __syncthreads() ::wiola_emu::syncthreads(__FILE__ ":" WIOLA_EMU_STR(__LINE__))
 inline void __syncwarp(unsigned mask = 0xffffffffu) { warp_collective(Collective::kSyncWarp, mask, 0, 0, 32); }
 template <typename T>
 inline T __shfl_sync(unsigned mask, T var, int src_lane, int width = 32) {

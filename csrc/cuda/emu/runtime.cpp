@@ -5,8 +5,10 @@
 // every barrier and every warp collective (the GCLA kernels shuffle once per key). With OS
 // threads each meeting is a futex wake-up of every thread, on a 2-core machine; with
 // fibers a meeting is a user-space stack switch per thread (a few ns with the switch
-// below), runs are deterministic (threads run in a fixed order between meetings), and a
-// missing barrier shows up reproducibly as a wrong result. Blocks are independent, so
+// below), and runs are deterministic: between meetings the threads run one at a time, in
+// the order of the launch's schedule (forward, reverse or a seeded shuffle, fresh at every
+// meeting: runtime.h), so a missing barrier shows up reproducibly as a wrong result under
+// some order. Blocks are independent, so
 // blocks run in parallel on a few OS threads (WIOLA_EMU_THREADS, default 2) — which also
 // lets ThreadSanitizer see races between blocks.
 //
@@ -17,6 +19,7 @@
 // the scheduler's own bookkeeping is invisible to TSan.
 #include "runtime.h"
 
+#include <signal.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
@@ -25,6 +28,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <map>
 #include <mutex>
 #include <stdexcept>
 #include <string>
@@ -178,12 +182,17 @@ struct Warp {
 struct Block {
   std::vector<Thread> threads;
   std::vector<Warp> warps;
+  std::vector<int> order;  // the threads of one round, in the order they run
+  Schedule schedule;
+  bool ftz = false;
   const std::function<void()>* body = nullptr;
   int n = 0, at_barrier = 0, exited = 0;
   uint64_t barrier_gen = 0;
+  const char* barrier_site = nullptr;  // where the threads of the open barrier wait
   std::string fault;
   Context scheduler;
   Thread* running = nullptr;
+  volatile bool in_fiber = false;  // a fiber runs (not the scheduler): read by the fault handler
 #if defined(WIOLA_EMU_TSAN)
   void* tsan_scheduler = nullptr;
   char barrier_sync[2] = {0, 0};  // TSan sync objects, one per barrier generation parity
@@ -265,6 +274,10 @@ void init_fiber(Thread& t, const Stacks& s, size_t i) {
   uint16_t fpucw;
   asm volatile("stmxcsr %0" : "=m"(mxcsr));
   asm volatile("fnstcw %0" : "=m"(fpucw));
+  // Flush-to-zero of results only: DAZ (read subnormal inputs as zero) would flush doubles
+  // as well, which the device never does (atm.cu compares a double τ of -5e-324 with 0).
+  constexpr uint32_t kFtz = 1u << 15, kDaz = 1u << 6;
+  mxcsr = (mxcsr & ~(kFtz | kDaz)) | (t.block->ftz ? kFtz : 0u);
   *--sp = 0;                                          // fiber_main's return address slot (alignment)
   *--sp = reinterpret_cast<uint64_t>(&fiber_main);    // where the first switch "returns"
   for (int r = 0; r < 6; ++r) *--sp = 0;              // rbp rbx r12 r13 r14 r15
@@ -325,6 +338,28 @@ std::string diagnose(Block& b) {
   return "scheduler stuck";
 }
 
+uint64_t splitmix64(uint64_t& state) {
+  uint64_t z = (state += 0x9e3779b97f4a7c15ull);
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+
+// b.order for one round of the scheduler: every ready thread runs once, in this order,
+// until it reaches its next meeting point (or exits).
+void order_threads(Block& b, uint64_t block_linear, uint64_t round) {
+  const int n = b.n;
+  for (int i = 0; i < n; ++i) b.order[i] = b.schedule.kind == Schedule::kReverse ? n - 1 - i : i;
+  if (b.schedule.kind != Schedule::kShuffle) return;
+  uint64_t state = b.schedule.seed;
+  state = splitmix64(state) ^ block_linear;
+  state = splitmix64(state) ^ round;
+  for (int i = n - 1; i > 0; --i) {  // Fisher-Yates
+    const int j = static_cast<int>(splitmix64(state) % static_cast<uint64_t>(i + 1));
+    std::swap(b.order[i], b.order[j]);
+  }
+}
+
 void run_block(Block& b, const Stacks& stacks, dim3 grid, dim3 block, uint3 bidx) {
   for (int i = 0; i < b.n; ++i) {
     Thread& t = b.threads[i];
@@ -349,10 +384,12 @@ void run_block(Block& b, const Stacks& stacks, dim3 grid, dim3 block, uint3 bidx
 #if defined(WIOLA_EMU_TSAN)
   b.tsan_scheduler = __tsan_get_current_fiber();
 #endif
-  while (b.exited < b.n && b.fault.empty()) {
+  const uint64_t block_linear = bidx.x + uint64_t(grid.x) * (bidx.y + uint64_t(grid.y) * bidx.z);
+  for (uint64_t round = 0; b.exited < b.n && b.fault.empty(); ++round) {
     bool progress = false;
-    for (int i = 0; i < b.n && b.fault.empty(); ++i) {
-      Thread& t = b.threads[i];
+    order_threads(b, block_linear, round);
+    for (int k = 0; k < b.n && b.fault.empty(); ++k) {
+      Thread& t = b.threads[b.order[k]];
       if (t.state != State::kReady) continue;
       progress = true;
       b.running = &t;
@@ -363,7 +400,9 @@ void run_block(Block& b, const Stacks& stacks, dim3 grid, dim3 block, uint3 bidx
       __tsan_switch_to_fiber(t.tsan_fiber, t.entered ? __tsan_switch_to_fiber_no_sync : 0);
       t.entered = true;
 #endif
+      b.in_fiber = true;
       switch_to(b.scheduler, t.ctx);
+      b.in_fiber = false;
     }
     if (!progress && b.exited < b.n && b.fault.empty()) b.fault = diagnose(b);
   }
@@ -399,6 +438,127 @@ cudaError_t fail(cudaError_t err) {
   return err;
 }
 
+// ---------------------------------------------------------------------------------
+// Schedules and flush-to-zero
+// ---------------------------------------------------------------------------------
+std::mutex mode_mutex;
+bool schedule_set = false, ftz_set = false, ftz_value = true;
+Schedule schedule_value;
+
+// ---------------------------------------------------------------------------------
+// Guarded device memory
+// ---------------------------------------------------------------------------------
+struct Allocation {
+  char* map = nullptr;  // [guard page | pad | data | slack | guard page]
+  size_t map_bytes = 0, bytes = 0, slack = 0, pad = 0;
+};
+std::mutex alloc_mutex;
+std::map<uintptr_t, Allocation>& allocations() {  // by data address
+  static std::map<uintptr_t, Allocation> m;
+  return m;
+}
+size_t page_bytes() { return static_cast<size_t>(sysconf(_SC_PAGESIZE)); }
+constexpr size_t kPadChecked = 256;  // bytes before a buffer checked for stray writes
+
+// Where `addr` lies relative to the device buffers ("" when in none of their mappings).
+// From the fault handler: never blocks on the registry.
+void describe_address(uintptr_t addr, char* buf, size_t n) {
+  buf[0] = '\0';
+  if (!alloc_mutex.try_lock()) return;
+  for (const auto& [data, a] : allocations()) {
+    const uintptr_t lo = reinterpret_cast<uintptr_t>(a.map), hi = lo + a.map_bytes;
+    if (addr < lo || addr >= hi) continue;
+    if (addr >= data + a.bytes) {
+      std::snprintf(buf, n, "%zu bytes past the end of a %zu-byte device buffer at %p", size_t(addr - data - a.bytes),
+                    a.bytes, reinterpret_cast<void*>(data));
+    } else if (addr < data) {
+      std::snprintf(buf, n, "%zu bytes before the start of a %zu-byte device buffer at %p", size_t(data - addr),
+                    a.bytes, reinterpret_cast<void*>(data));
+    } else {
+      std::snprintf(buf, n, "at offset %zu of a %zu-byte device buffer at %p", size_t(addr - data), a.bytes,
+                    reinterpret_cast<void*>(data));
+    }
+    break;
+  }
+  alloc_mutex.unlock();
+}
+
+// Stray writes into the bytes around the buffers (no guard page there): a description of
+// the first, the bytes restored; "" when none.
+std::string check_canaries() {
+  const std::lock_guard<std::mutex> lock(alloc_mutex);
+  std::string found;
+  for (auto& [data, a] : allocations()) {
+    auto* tail = reinterpret_cast<unsigned char*>(data + a.bytes);
+    auto* head = reinterpret_cast<unsigned char*>(data) - std::min(a.pad, kPadChecked);
+    const size_t head_n = std::min(a.pad, kPadChecked);
+    for (size_t i = 0; i < a.slack + head_n; ++i) {
+      unsigned char& c = i < a.slack ? tail[i] : head[i - a.slack];
+      if (c == 0xff) continue;
+      if (found.empty()) {
+        char buf[200];
+        if (i < a.slack) {
+          std::snprintf(buf, sizeof buf, "a kernel wrote past the end of a %zu-byte device buffer at %p (byte %zu after it)",
+                        a.bytes, reinterpret_cast<void*>(data), i);
+        } else {
+          std::snprintf(buf, sizeof buf,
+                        "a kernel wrote before the start of a %zu-byte device buffer at %p (byte %zu before it)", a.bytes,
+                        reinterpret_cast<void*>(data), head_n - (i - a.slack));
+        }
+        found = buf;
+      }
+      c = 0xff;
+    }
+  }
+  return found;
+}
+
+// ---------------------------------------------------------------------------------
+// Memory faults in a fiber (a guard page, or any bad address): a device fault of the
+// block, as cudaErrorIllegalAddress on the device, instead of the end of the process.
+// Faults elsewhere go to the handler that was installed before.
+// ---------------------------------------------------------------------------------
+struct sigaction previous_segv, previous_bus;
+
+void on_memory_fault(int sig, siginfo_t* info, void* uctx) {
+  Block* b = tls_block;
+  if (b != nullptr && b->in_fiber && b->running != nullptr) {
+    b->in_fiber = false;
+    const uintptr_t addr = reinterpret_cast<uintptr_t>(info->si_addr);
+    char where[200], what[320];
+    describe_address(addr, where, sizeof where);
+    std::snprintf(what, sizeof what, "illegal memory access (%s) at %p%s%s", sig == SIGBUS ? "SIGBUS" : "SIGSEGV",
+                  info->si_addr, where[0] ? ": " : "", where);
+    fault(*b->running, what);  // never returns: the fiber is abandoned
+  }
+  struct sigaction& prev = sig == SIGBUS ? previous_bus : previous_segv;
+  if ((prev.sa_flags & SA_SIGINFO) != 0 && prev.sa_sigaction != nullptr) {
+    prev.sa_sigaction(sig, info, uctx);
+  } else if (prev.sa_handler != SIG_DFL && prev.sa_handler != SIG_IGN) {
+    prev.sa_handler(sig);
+  } else {
+    signal(sig, SIG_DFL);  // the faulting instruction runs again and ends the process
+  }
+}
+
+// (Re)installs on_memory_fault when another handler took its place since the last launch.
+void install_fault_handler() {
+#if !defined(WIOLA_EMU_TSAN)  // TSan's signal interception does not survive a handler that never returns
+  static std::mutex m;
+  const std::lock_guard<std::mutex> lock(m);
+  for (int sig : {SIGSEGV, SIGBUS}) {
+    struct sigaction cur {};
+    sigaction(sig, nullptr, &cur);
+    if ((cur.sa_flags & SA_SIGINFO) != 0 && cur.sa_sigaction == &on_memory_fault) continue;
+    struct sigaction act {};
+    act.sa_sigaction = &on_memory_fault;
+    act.sa_flags = SA_SIGINFO | SA_NODEFER;  // NODEFER: left by a context switch, the signal stays unblocked
+    sigemptyset(&act.sa_mask);
+    sigaction(sig, &act, sig == SIGBUS ? &previous_bus : &previous_segv);
+  }
+#endif
+}
+
 int worker_count(size_t blocks) {
   int n = 2;
   if (const char* env = std::getenv("WIOLA_EMU_THREADS")) n = std::atoi(env);
@@ -413,22 +573,29 @@ int worker_count(size_t blocks) {
 // ---------------------------------------------------------------------------------
 int tls_init_anchor() { return 0; }
 
-void syncthreads() {
+void syncthreads(const char* site) {
   Block& b = *tls_block;
   Thread& t = *b.running;
+  if (b.at_barrier == 0) {
+    b.barrier_site = site;
+  } else if (std::strcmp(site, b.barrier_site) != 0) {
+    device_fault(std::string("__syncthreads in divergent code: this thread waits at ") + site + ", " +
+                 std::to_string(b.at_barrier) + " other(s) at " + b.barrier_site);
+  }
 #if defined(WIOLA_EMU_TSAN)
   const uint64_t gen = b.barrier_gen;
   __tsan_release(&b.barrier_sync[gen & 1]);
 #endif
-  if (++b.at_barrier == b.n) {  // last to arrive: release everyone and go on
+  if (++b.at_barrier == b.n) {  // last to arrive: release everyone
     b.at_barrier = 0;
     ++b.barrier_gen;
     for (Thread& o : b.threads)
       if (o.state == State::kBarrier) o.state = State::kReady;
+    t.state = State::kReady;  // and wait for its turn: the schedule orders who goes on first
   } else {
     t.state = State::kBarrier;
-    yield_to_scheduler(t);
   }
+  yield_to_scheduler(t);
 #if defined(WIOLA_EMU_TSAN)
   __tsan_acquire(&b.barrier_sync[gen & 1]);
 #endif
@@ -521,10 +688,11 @@ uint64_t warp_collective(Collective kind, unsigned mask, uint64_t value, int arg
           }
           l.result = lanes[src].value;
       }
-      if (&l != &t) l.state = State::kReady;
+      l.state = State::kReady;
     }
     *g = w.open[--w.n_open];  // remove: the last group takes its place
     ++w.completed;
+    yield_to_scheduler(t);  // the schedule orders who goes on first
   }
 #if defined(WIOLA_EMU_TSAN)
   if (kind == Collective::kSyncWarp) __tsan_acquire(sync);
@@ -565,6 +733,136 @@ void register_dynamic_shared(void* (*address)()) {
   dynamic_shared().push_back(address);
 }
 
+Schedule parse_schedule(const std::string& text) {
+  Schedule s;
+  if (text == "forward") return s;
+  if (text == "reverse") {
+    s.kind = Schedule::kReverse;
+    return s;
+  }
+  const std::string prefix = "shuffle:";
+  if (text.rfind(prefix, 0) == 0 && text.size() > prefix.size() &&
+      text.find_first_not_of("0123456789", prefix.size()) == std::string::npos && text.size() - prefix.size() <= 19) {
+    s.kind = Schedule::kShuffle;
+    s.seed = std::stoull(text.substr(prefix.size()));
+    return s;
+  }
+  throw std::invalid_argument("wiola cuda_emu: schedule must be forward, reverse or shuffle:<decimal seed>, got '" +
+                              text + "'");
+}
+
+std::string schedule_name(Schedule s) {
+  switch (s.kind) {
+    case Schedule::kForward: return "forward";
+    case Schedule::kReverse: return "reverse";
+    case Schedule::kShuffle: return "shuffle:" + std::to_string(s.seed);
+  }
+  return "?";
+}
+
+Schedule current_schedule() {
+  {
+    const std::lock_guard<std::mutex> lock(mode_mutex);
+    if (schedule_set) return schedule_value;
+  }
+  const char* env = std::getenv("WIOLA_EMU_SCHEDULE");
+  return env != nullptr && env[0] != '\0' ? parse_schedule(env) : Schedule{};
+}
+
+void set_schedule(const Schedule& s) {
+  const std::lock_guard<std::mutex> lock(mode_mutex);
+  schedule_set = true;
+  schedule_value = s;
+}
+
+void clear_schedule() {
+  const std::lock_guard<std::mutex> lock(mode_mutex);
+  schedule_set = false;
+}
+
+bool flush_to_zero() {
+#if defined(__x86_64__)
+  {
+    const std::lock_guard<std::mutex> lock(mode_mutex);
+    if (ftz_set) return ftz_value;
+  }
+  const char* env = std::getenv("WIOLA_EMU_FTZ");
+  if (env == nullptr || env[0] == '\0') return true;
+  if (std::strcmp(env, "0") == 0) return false;
+  if (std::strcmp(env, "1") == 0) return true;
+  throw std::invalid_argument(std::string("wiola cuda_emu: WIOLA_EMU_FTZ must be 0 or 1, got '") + env + "'");
+#else
+  return false;
+#endif
+}
+
+void set_flush_to_zero(bool on) {
+  const std::lock_guard<std::mutex> lock(mode_mutex);
+  ftz_set = true;
+  ftz_value = on;
+}
+
+void clear_flush_to_zero() {
+  const std::lock_guard<std::mutex> lock(mode_mutex);
+  ftz_set = false;
+}
+
+void* device_alloc(size_t bytes, size_t phase) {
+  const size_t page = page_bytes();
+  phase %= kGuardAlign;
+  const size_t slack = (kGuardAlign - (bytes + phase) % kGuardAlign) % kGuardAlign;
+  const size_t body = (bytes + slack + page - 1) / page * page;
+  const size_t map_bytes = body + 2 * page;
+  void* m = mmap(nullptr, map_bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  if (m == MAP_FAILED) throw std::bad_alloc();
+  char* map = static_cast<char*>(m);
+  if (mprotect(map, page, PROT_NONE) != 0 || mprotect(map + page + body, page, PROT_NONE) != 0) {
+    munmap(map, map_bytes);
+    throw std::runtime_error("wiola cuda_emu: cannot protect the guard pages of a device buffer");
+  }
+  char* data = map + page + body - slack - bytes;
+  std::memset(map + page, 0xff, body);  // never-written memory reads as NaN / -1
+  Allocation a;
+  a.map = map;
+  a.map_bytes = map_bytes;
+  a.bytes = bytes;
+  a.slack = slack;
+  a.pad = body - slack - bytes;
+  const std::lock_guard<std::mutex> lock(alloc_mutex);
+  allocations()[reinterpret_cast<uintptr_t>(data)] = a;
+  return data;
+}
+
+void device_free(void* p) noexcept {
+  if (p == nullptr) return;
+  Allocation a;
+  {
+    const std::lock_guard<std::mutex> lock(alloc_mutex);
+    const auto it = allocations().find(reinterpret_cast<uintptr_t>(p));
+    if (it == allocations().end()) {  // (called from tensors' deleters: no exception can leave here)
+      std::fprintf(stderr, "wiola cuda_emu: device_free(%p): not from device_alloc\n", p);
+      std::abort();
+    }
+    a = it->second;
+    allocations().erase(it);
+  }
+  munmap(a.map, a.map_bytes);
+}
+
+void device_fault(const std::string& what) {
+  Block* b = tls_block;
+  if (b == nullptr || !b->in_fiber || b->running == nullptr) throw std::runtime_error("wiola cuda_emu: device fault: " + what);
+  fault(*b->running, what);
+}
+
+void misaligned_access(const void* p, size_t bytes) {
+  char buf[200];
+  std::snprintf(buf, sizeof buf,
+                "misaligned %zu-byte vector access at %p (address %% %zu = %zu; cudaErrorMisalignedAddress on the device)",
+                bytes, p, bytes, size_t(reinterpret_cast<uintptr_t>(p) % bytes));
+  device_fault(buf);
+}
+
 cudaError_t launch(const void* func, dim3 grid, dim3 block, size_t smem, cudaStream_t,
                    const std::function<void()>& body) {
   const uint64_t threads = uint64_t(block.x) * block.y * block.z;
@@ -578,6 +876,9 @@ cudaError_t launch(const void* func, dim3 grid, dim3 block, size_t smem, cudaStr
     if (it != max_dynamic_smem().end()) limit = std::max(limit, static_cast<size_t>(it->second));
     if (smem > limit) return fail(cudaErrorInvalidValue);  // the device refuses the launch too
   }
+  const Schedule schedule = current_schedule();
+  const bool ftz = flush_to_zero();
+  install_fault_handler();
   const uint64_t total = uint64_t(grid.x) * grid.y * grid.z;
   const int workers = worker_count(total);
   std::atomic<uint64_t> next{0};
@@ -589,6 +890,9 @@ cudaError_t launch(const void* func, dim3 grid, dim3 block, size_t smem, cudaStr
     b.n = static_cast<int>(threads);
     b.threads.resize(threads);
     b.warps.resize((threads + 31) / 32);
+    b.order.resize(threads);
+    b.schedule = schedule;
+    b.ftz = ftz;
     b.body = &body;
     tls_block = &b;
     const Stacks stacks = map_stacks(threads);
@@ -614,7 +918,9 @@ cudaError_t launch(const void* func, dim3 grid, dim3 block, size_t smem, cudaStr
   for (int i = 1; i < workers; ++i) pool.emplace_back(work);
   work();
   for (std::thread& th : pool) th.join();
+  const std::string stray = check_canaries();  // (restores the bytes either way)
   if (!first_fault.empty()) throw std::runtime_error("wiola cuda_emu: device fault: " + first_fault);
+  if (!stray.empty()) throw std::runtime_error("wiola cuda_emu: device fault: " + stray);
   return cudaSuccess;
 }
 

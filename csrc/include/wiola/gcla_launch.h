@@ -18,11 +18,21 @@ constexpr size_t kMaxSmem = 227 * 1024;   // opt-in shared memory per block on s
 // Blocks of the forward: kWarps rows per block.
 constexpr int64_t summary_forward_blocks(int64_t rows) { return (rows + kWarps - 1) / kWarps; }
 
+constexpr int kChunkRows = 64;            // backward rows per block (kBackwardChunk, wiola/gcla_attention.h)
+// S = 1 backward: context slots summed per pass over the block's rows (Λ' ≤ 2 by default:
+// one pass), and rows whose loads are issued together in that pass (6: as many as fit in
+// 64 registers, i.e. 8 resident blocks, without spills on sm_90 and sm_80 with nvcc 13;
+// 8 took 80 registers, and 4 spilled on sm_80 — ptxas's choice, see gpu-report).
+constexpr int kSlotTile = 2;
+constexpr int kSumBatch = 6;
+
 // Dynamic shared memory of summary_backward_kernel<_, DH> (floats): a_λ and e_λ of each warp's
-// current row ([kWarps][2][L]), the warps' running dkc / dvc sums for S = 1 ([kWarps][2][L][DH]),
-// and one gate partial per warp.
+// current row ([kWarps][2][L]); for S = 1, c·dz_λ and σ a_λ of each row of the block
+// ([kChunkRows][L][2]) and the second half's dkc / dvc sums of a slot tile ([2][kSlotTile][DH]);
+// one gate partial per warp.
 constexpr size_t summary_backward_smem(int64_t L, int DH, bool shared_ctx) {
-  return sizeof(float) * static_cast<size_t>(kWarps * 2 * L * (1 + (shared_ctx ? DH : 0)) + kWarps);
+  return sizeof(float) *
+         static_cast<size_t>(kWarps * 2 * L + (shared_ctx ? kChunkRows * 2 * L + 2 * kSlotTile * DH : 0) + kWarps);
 }
 
 constexpr int64_t context_sum_blocks(int64_t n) { return (n + kContextSumThreads - 1) / kContextSumThreads; }
