@@ -23,7 +23,7 @@ import torch
 import wiola_kernels
 import wiola_kernels as wk
 from wiola_kernels import hf
-from wiola_kernels.hf import FusedRotaryEmbedding
+from wiola_kernels.hf import FusedGatedMLP, FusedRotaryEmbedding
 from wiola_kernels.testing import rel_err, tolerance
 
 from hf_helpers import (CAUSAL_LM, FAMILIES, config, ids, loss_and_grads, model, module_ids,  # noqa: E402
@@ -68,7 +68,8 @@ def _assert_matches_float64(m, reference, batch, what=""):
 
 # ---- switches ------------------------------------------------------------------------
 
-@pytest.mark.parametrize("switches", [dict(rms_norm=False), dict(rope=False), dict(rms_norm=False, rope=False)])
+@pytest.mark.parametrize("switches", [dict(rms_norm=False), dict(rope=False), dict(mlp=False),
+                                      dict(rms_norm=False, rope=False, mlp=False)])
 def test_each_swap_is_switchable(switches):
     m = model("mistral", seed=1)
     wk.patch_hf(m, **switches)
@@ -77,6 +78,9 @@ def test_each_swap_is_switchable(switches):
     assert all(isinstance(n, wk.RMSNorm) for n in norms) == switches.get("rms_norm", True)
     assert all(type(n).__name__ == "MistralRMSNorm" for n in norms) == (not switches.get("rms_norm", True))
     assert isinstance(m.model.rotary_emb, FusedRotaryEmbedding) == switches.get("rope", True)
+    mlps = [layer.mlp for layer in m.model.layers]
+    assert all(isinstance(x, FusedGatedMLP) for x in mlps) == switches.get("mlp", True)
+    assert all(type(x).__name__ == "MistralMLP" for x in mlps) == (not switches.get("mlp", True))
     _assert_matches_float64(m, model("mistral", seed=1), dict(input_ids=ids(), labels=ids()), str(switches))
     wk.unpatch_hf(m)
     with pytest.raises(TypeError, match="rope"):
@@ -96,7 +100,7 @@ def test_a_failure_anywhere_leaves_the_model_as_it_was(family, where, monkeypatc
     m = model(family, seed=2)
     x = ids(seed=3)
     before, outputs = _snapshot(m), _logits(m, x)
-    n_swaps = sum(1 for sub in m.modules() if type(sub).__name__.endswith(("RMSNorm", "RotaryEmbedding")))
+    n_swaps = sum(1 for sub in m.modules() if type(sub).__name__.endswith(("RMSNorm", "RotaryEmbedding", "MLP")))
     fail_at = {"first swap": 1, "third swap": 3, "last swap": n_swaps}.get(where)
     calls = []
 
@@ -189,6 +193,48 @@ def test_weights_loaded_after_patching_are_used_and_kept_on_unpatch():
     assert rel_err(_logits(m, x), want) <= TOL
     wk.unpatch_hf(m)
     assert torch.equal(_logits(m.double(), x), want)
+
+
+# ---- the MLP ---------------------------------------------------------------------------
+
+def test_mlp_swap_shares_the_projections_and_runs_glu(monkeypatch):
+    """Each SiLU-gated MLP becomes a FusedGatedMLP holding HF's own projection modules (same
+    keys, same Parameters), whose gate product is one wiola_kernels.glu call; projections
+    replaced after patching (as an adapter would) are used, and handed back on unpatch."""
+    m = model("qwen2", seed=41)
+    originals = [layer.mlp for layer in m.model.layers]
+    keys = list(m.state_dict())
+    wk.patch_hf(m)
+    assert list(m.state_dict()) == keys
+    for layer, original in zip(m.model.layers, originals):
+        assert isinstance(layer.mlp, FusedGatedMLP)
+        assert all(getattr(layer.mlp, p) is getattr(original, p) for p in ("gate_proj", "up_proj", "down_proj"))
+    calls = []
+    glu = hf.glu
+    monkeypatch.setattr(hf, "glu", lambda *a: calls.append(a[2]) or glu(*a))
+    x = ids(seed=42)
+    _logits(m, x)
+    assert calls == ["silu"] * len(originals)
+    replacement = copy.deepcopy(originals[0].up_proj)
+    with torch.no_grad():
+        replacement.weight.mul_(2.0)
+    m.model.layers[0].mlp.up_proj = replacement
+    patched = _logits(m, x)
+    wk.unpatch_hf(m)
+    assert m.model.layers[0].mlp is originals[0] and originals[0].up_proj is replacement
+    assert rel_err(_logits(m, x), patched) <= tolerance(torch.float32, "attention")
+
+
+def test_mlp_with_another_activation_keeps_hf_mlp_with_a_warning():
+    m = model("llama", seed=43, hidden_act="gelu_pytorch_tanh")
+    mlps = [layer.mlp for layer in m.model.layers]
+    x = ids(seed=44)
+    want = _logits(copy.deepcopy(m).double(), x)
+    with pytest.warns(UserWarning, match="gelu_pytorch_tanh"):
+        wk.patch_hf(m)
+    assert [layer.mlp for layer in m.model.layers] == mlps and isinstance(m.model.norm, wk.RMSNorm)
+    assert rel_err(_logits(m, x), want) <= TOL
+    wk.unpatch_hf(m)
 
 
 # ---- the rotary embedding's outputs ---------------------------------------------------
@@ -362,7 +408,7 @@ def test_patched_model_compiles_without_graph_breaks():
 
     compiled = torch.compile(m, fullgraph=True, backend=backend)
     loss, logits, grads = loss_and_grads(compiled, **batch)
-    assert len(graphs) == 1 and {"wiola.srpe.default", "wiola.rms_norm.default"} <= graphs[0]  # fused, one graph
+    assert len(graphs) == 1 and {"wiola.srpe.default", "wiola.rms_norm.default", "wiola.glu.default"} <= graphs[0]
     assert rel_err(loss, want[0]) <= 1e-6 and rel_err(logits, want[1]) <= 1e-6
     grads = {name.removeprefix("_orig_mod."): g for name, g in grads.items()}
     assert grads.keys() == want[2].keys()

@@ -23,7 +23,16 @@ training and inference:
   large positions, where HF's float32 ``inv_freq · p`` does not (``python -m
   wiola_kernels bench --hf rope`` prints both errors).
 
-Each swap is switchable (``rms_norm=``, ``rope=``), on by default.
+* MLP: each ``<Family>MLP`` (``down(SiLU(gate(x)) ⊙ up(x))``) becomes a
+  :class:`FusedGatedMLP` holding the same ``gate_proj``, ``up_proj`` and ``down_proj``
+  modules (``state_dict`` keys unchanged) that forms ``SiLU(gate(x)) ⊙ up(x)`` with
+  :func:`wiola_kernels.glu` (one pass; the backward recomputes SiLU and saves only the
+  two projections, where eager PyTorch also keeps ``SiLU(gate(x))``). Only where
+  ``config.hidden_act`` is SiLU; another activation keeps HF's MLP, with a warning.
+
+Each swap is switchable (``rms_norm=``, ``rope=``, ``mlp=``), on by default. The residual
+adds of HF's decoder layer stay HF's: fusing them with the norm (``add_rms_norm``) would
+need a copy of HF's layer code, which SPEC §10.4 leaves out.
 
 **All or nothing.** ``patch_hf`` first checks everything and builds every replacement,
 then swaps; if anything fails (an exception anywhere, even midway through the swaps),
@@ -70,9 +79,10 @@ import torch
 from torch import Tensor, nn
 
 from .modules.rms_norm import RMSNorm
+from .ops.glu import glu
 from .ops.srpe import srpe
 
-__all__ = ["patch_hf", "unpatch_hf", "is_patched", "FusedRotaryEmbedding", "RotaryPositions"]
+__all__ = ["patch_hf", "unpatch_hf", "is_patched", "FusedGatedMLP", "FusedRotaryEmbedding", "RotaryPositions"]
 
 # model_type -> class-name prefix in transformers.models.<type>.modeling_<type>. The three
 # families share LlamaRMSNorm's arithmetic, hence the HF rounding order for all of them.
@@ -90,6 +100,28 @@ class _Patch:
     switches: dict = field(default_factory=dict)      # the patch_hf keyword arguments used
     norms: list = field(default_factory=list)         # (parent, attribute name, original module)
     rotary: list = field(default_factory=list)        # (parent, attribute name, original module)
+    mlps: list = field(default_factory=list)          # (parent, attribute name, original module)
+
+
+_MLP_PARTS = ("gate_proj", "up_proj", "down_proj")
+_SILU = ("silu", "swish")  # transformers' ACT2FN names of SiLU
+
+
+class FusedGatedMLP(nn.Module):
+    """Stands in for a model's ``<Family>MLP``: ``down_proj(glu(gate_proj(x), up_proj(x), "silu"))``.
+
+    ``gate_proj``, ``up_proj`` and ``down_proj`` are the HF module's own ``nn.Linear``
+    modules (shared, not copied: same ``state_dict`` keys, parameters and optimizer state,
+    and whatever later wraps them, e.g. a LoRA adapter, is used here too)."""
+
+    def __init__(self, hf_mlp: nn.Module) -> None:
+        super().__init__()
+        self.gate_proj, self.up_proj, self.down_proj = (getattr(hf_mlp, name) for name in _MLP_PARTS)
+        self.hidden_size = getattr(hf_mlp, "hidden_size", None)
+        self.intermediate_size = getattr(hf_mlp, "intermediate_size", None)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(glu(self.gate_proj(x), self.up_proj(x), "silu"))
 
 
 class RotaryPositions:
@@ -315,8 +347,8 @@ def _check_switches(switches: dict) -> dict:
     return switches
 
 
-def patch_hf(target, *, rms_norm: bool = True, rope: bool = True):
-    """Swap a Hugging Face model's RMSNorm modules and RoPE for this package's fused ops.
+def patch_hf(target, *, rms_norm: bool = True, rope: bool = True, mlp: bool = True):
+    """Swap a Hugging Face model's RMSNorm modules, RoPE and MLP activations for this package's fused ops.
 
     Supported: ``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM`` and the
     other models of those three families (``config.model_type`` in ``llama``, ``mistral``,
@@ -333,13 +365,15 @@ def patch_hf(target, *, rms_norm: bool = True, rope: bool = True):
             (shares the ``weight`` Parameter; HF's rounding order).
         rope: apply rotary embeddings with :func:`wiola_kernels.srpe`
             (``k_s = ∞``, ``a_s = 0``: plain rotate-half RoPE, angles reduced in float64).
+        mlp: form each SiLU-gated MLP's ``SiLU(gate(x)) ⊙ up(x)`` with
+            :func:`wiola_kernels.glu` (:class:`FusedGatedMLP`, sharing the projections).
 
     Returns:
         ``target`` itself. Unknown architectures are returned untouched with a
-        ``UserWarning`` naming them; unsupported rope types keep HF's RoPE, with a
-        warning naming the type.
+        ``UserWarning`` naming them; unsupported rope types keep HF's RoPE, and MLPs with
+        another activation than SiLU keep HF's MLP, each with a warning naming why.
     """
-    switches = _check_switches({"rms_norm": rms_norm, "rope": rope})
+    switches = _check_switches({"rms_norm": rms_norm, "rope": rope, "mlp": mlp})
     if isinstance(target, (str, type)):
         return _patch_classes(target, switches)
     if not isinstance(target, nn.Module):
@@ -353,24 +387,27 @@ def patch_hf(target, *, rms_norm: bool = True, rope: bool = True):
         warnings.warn(f"wiola_kernels.patch_hf: unsupported architecture {modeling}; model left untouched "
                       f"(supported: {', '.join(_FAMILIES)})", UserWarning, stacklevel=2)
         return model
-    norms, rotary = _plan(model, model_type, modeling, switches)
+    norms, rotary, mlps = _plan(model, model_type, modeling, switches)
     record = _Patch(modeling.__name__, dict(switches))
     try:
         for parent, name, child, fused in norms:
             _swap(parent, name, fused)
             record.norms.append((parent, name, child))
+        for parent, name, child, fused in mlps:
+            _swap(parent, name, fused)
+            record.mlps.append((parent, name, child))
         for parent, name, child, fused in rotary:
             record.rotary.append((parent, name, child))
             _install_apply(modeling, fused)
             _swap(parent, name, fused)
         object.__setattr__(model, _RECORD, record)
     except BaseException:
-        _rollback(record, {id(child): fused for *_, child, fused in norms + rotary}, modeling)
+        _rollback(record, {id(child): fused for *_, child, fused in norms + rotary + mlps}, modeling)
         raise
     return model
 
 
-def _plan(model: nn.Module, model_type: str, modeling, switches: dict) -> tuple[list, list]:
+def _plan(model: nn.Module, model_type: str, modeling, switches: dict) -> tuple[list, list, list]:
     """Every swap to make, as ``(parent, name, original, replacement)``, built before any is
     made (so a failure here changes nothing)."""
     prefix = _FAMILIES[model_type]
@@ -400,7 +437,24 @@ def _plan(model: nn.Module, model_type: str, modeling, switches: dict) -> tuple[
             fused = FusedRotaryEmbedding(child, float(_rope_theta(config)), head_dim, modeling.__name__)
             fused.train(child.training)
             rotary.append((parent, name, child, fused))
-    return norms, rotary
+    mlps = []
+    mlp_cls = getattr(modeling, f"{prefix}MLP", None)
+    if switches["mlp"] and mlp_cls is not None:
+        found = [(parent, name, child) for parent, name, child in targets if type(child) is mlp_cls]
+        act = getattr(model.config, "hidden_act", None)
+        if found and act not in _SILU:
+            warnings.warn(f"wiola_kernels.patch_hf: {type(model).__name__} uses hidden_act={act!r}, not SiLU; its "
+                          f"MLPs are left untouched", UserWarning, stacklevel=3)
+            found = []
+        for parent, name, child in found:
+            if not all(isinstance(getattr(child, part, None), nn.Module) for part in _MLP_PARTS):
+                raise TypeError(f"wiola_kernels.patch_hf: {type(child).__name__} at {name!r} lacks one of "
+                                f"{', '.join(_MLP_PARTS)}; nothing was patched (call patch_hf(model, mlp=False) "
+                                f"to patch the rest)")
+            fused = FusedGatedMLP(child)
+            fused.train(child.training)
+            mlps.append((parent, name, child, fused))
+    return norms, rotary, mlps
 
 
 def _rollback(record: _Patch, replacement: dict, modeling) -> None:
@@ -409,6 +463,8 @@ def _rollback(record: _Patch, replacement: dict, modeling) -> None:
         fused = replacement[id(child)]
         nn.Module.__setattr__(parent, name, child)
         _uninstall_apply(modeling, fused)
+    for parent, name, child in reversed(record.mlps):
+        nn.Module.__setattr__(parent, name, child)
     for parent, name, child in reversed(record.norms):
         nn.Module.__setattr__(parent, name, child)
 
@@ -416,9 +472,9 @@ def _rollback(record: _Patch, replacement: dict, modeling) -> None:
 def unpatch_hf(target):
     """Undo :func:`patch_hf`.
 
-    On a model: the original RMSNorm and rotary-embedding modules go back in place
-    (holding the current ``weight`` Parameters and buffers, so weights loaded or moved after
-    patching are kept), and the modeling module's ``apply_rotary_pos_emb`` is restored
+    On a model: the original RMSNorm, rotary-embedding and MLP modules go back in place
+    (holding the current ``weight`` Parameters, buffers and projection modules, so weights
+    loaded or moved after patching are kept), and the modeling module's ``apply_rotary_pos_emb`` is restored
     once no patched model of that family remains. On a model class or family name: models
     of the family built from now on are no longer patched (those already built stay
     patched until unpatched themselves). Anything not patched is returned as is."""
@@ -437,6 +493,15 @@ def unpatch_hf(target):
             # model.to()/to_empty()/load_state_dict may have replaced the Parameter: hand back the current one.
             if fused.weight is not original.weight:
                 original.weight = fused.weight
+            original.train(fused.training)
+        _swap(parent, name, original)
+    for parent, name, original in record.mlps:
+        fused = getattr(parent, name)
+        if isinstance(fused, FusedGatedMLP):
+            # hand back the projections as they are now (an adapter may have wrapped them)
+            for part in _MLP_PARTS:
+                if getattr(fused, part) is not getattr(original, part):
+                    setattr(original, part, getattr(fused, part))
             original.train(fused.training)
         _swap(parent, name, original)
     for parent, name, original in record.rotary:

@@ -16,7 +16,9 @@ Cached decoding steps without gradients run the same maths on packed copies of t
 in float32, else in the layout MKL streams fastest; the KV cache appended in place).
 
 The heavy lifting is done by ``wiola_kernels`` ops (``rms_norm``, ``srpe``,
-``gcla_attention``, ``atm_merge``/``atm_unmerge``); which implementation runs is chosen
+``gcla_attention``, ``atm_merge``/``atm_unmerge``, ``glu`` in DSFF, and ``add_rms_norm`` for
+every norm after the first: each residual add and the norm that reads its sum in one pass,
+SPEC §10.3); which implementation runs is chosen
 by ``config.kernel_backend`` through :func:`wiola_kernels.use_backend` around the
 forward (``"auto"``: no override, each op picks the best backend for the device).
 Each op's backward runs on the backend its forward used (``wiola_kernels`` pins it),
@@ -324,8 +326,76 @@ class WiolaAttention(nn.Module):
 # DSFF: dual-stream feed-forward (SPEC §7)
 # ----------------------------------------------------------------------------------------
 
+class StackedLinear(torch.autograd.Function):
+    """``x · [W_1; …; W_k]ᵀ`` as one GEMM while the weights stay separate Parameters (their
+    own ``state_dict`` keys, optimizer state and decoding packs), returned in column groups.
+
+    ``StackedLinear.apply(x, groups, *weights)``: ``groups`` says how many consecutive
+    weights each output covers (DSFF: ``(2, 2)``, the narrow ``[W_n1; W_n3]`` and the wide
+    ``[W_w1; W_w3]``); the outputs are column blocks of the one GEMM's result (views, no
+    copy). Why a Function: ``F.linear(x, torch.cat(weights))`` would keep the stacked
+    weight copy alive from the forward to the backward, and slicing its output would make
+    autograd build a full-width zero-filled gradient per slice; here the stacked copy
+    exists only while a GEMM runs and each group's gradient goes straight into its GEMMs.
+
+    Under autocast the forward's GEMM runs in the autocast dtype; the backward's GEMMs run
+    in the incoming gradients' dtype (what autocast's own ``linear`` backward does), and
+    autograd casts each gradient to its input's dtype."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, groups: tuple[int, ...], *weights: Tensor):
+        ctx.groups = groups
+        ctx.save_for_backward(x, *weights)
+        out = F.linear(x, torch.cat(weights))
+        bounds, start = [], 0
+        for size in groups:
+            bounds.append(sum(w.shape[0] for w in weights[start:start + size]))
+            start += size
+        return tuple(out.split(bounds, dim=-1))
+
+    @staticmethod
+    def backward(ctx, *grads: Tensor):
+        x, *weights = ctx.saved_tensors
+        x2 = x.reshape(-1, x.shape[-1])
+        grad_x, grad_w, start = None, [], 0
+        for size, grad in zip(ctx.groups, grads):
+            group = weights[start:start + size]
+            start += size
+            if grad is None:
+                grad_w += [None] * size
+                continue
+            g2 = grad.reshape(-1, grad.shape[-1])
+            if ctx.needs_input_grad[0]:
+                w = torch.cat(group).to(g2.dtype)
+                grad_x = g2.matmul(w) if grad_x is None else grad_x.addmm_(g2, w)
+            if any(ctx.needs_input_grad[2:]):
+                grad_w += list(g2.t().matmul(x2.to(g2.dtype)).split([w.shape[0] for w in group]))
+            else:
+                grad_w += [None] * size
+        if grad_x is not None:
+            grad_x = grad_x.view(x.shape)
+        return grad_x, None, *grad_w
+
+
 class WiolaDSFF(nn.Module):
-    """``σ(β) ⊙ W_n2(SiLU(W_n1 x) ⊙ W_n3 x) + (1 − σ(β)) ⊙ W_w2(GELU_tanh(W_w1 x) ⊙ W_w3 x)``."""
+    """``σ(β) ⊙ W_n2(SiLU(W_n1 x) ⊙ W_n3 x) + (1 − σ(β)) ⊙ W_w2(GELU_tanh(W_w1 x) ⊙ W_w3 x)``.
+
+    Computed as SPEC §10.2 folds it: one up projection ``u = x·[W_n1; W_n3; W_w1; W_w3]ᵀ``
+    (:class:`StackedLinear`), :func:`wiola_kernels.glu` on each stream's half of ``u``
+    read in place (``h_n = SiLU(u_n1) ⊙ u_n3``, ``h_w = GELU_tanh(u_w1) ⊙ u_w3``; the op
+    saves only ``u`` and recomputes the activation in the backward), and the down
+    projection with the blend folded into its weight,
+    ``[diag(λ)W_n2 | diag(1−λ)W_w2]·[h_n; h_w]``, ``λ = σ(β)``. The down GEMM is split
+    along its inner dimension (``h_w``'s product accumulated onto ``h_n``'s by ``addmm``)
+    so that ``[h_n; h_w]`` is never concatenated. Equal to §7 in exact arithmetic; β's
+    gradient flows through the fold (``∂β_i = λ_i(1−λ_i)·Σ_t g_ti (N_ti − W_ti)``, exact).
+    The six weights and β stay separate Parameters under §7's names, so checkpoints,
+    optimizer state and the decoding packs (decode.py) are unchanged.
+    """
+
+    #: False runs §7 term by term (reference DSFF: four up projections, two down and
+    #: the blend, eager elementwise ops): the path the tests compare the fused one with.
+    fused = True
 
     def __init__(self, config: WiolaConfig):
         super().__init__()
@@ -339,9 +409,20 @@ class WiolaDSFF(nn.Module):
         self.beta = nn.Parameter(torch.zeros(d))  # β: per-channel blend σ(β), starts at 1/2
 
     def forward(self, x: Tensor) -> Tensor:  # (B, T, d) -> (B, T, d)
-        fn = getattr(wiola_kernels, "dsff", dsff_reference)  # a fused DSFF op when the package has one
-        return fn(x, self.w_n1.weight, self.w_n3.weight, self.w_n2.weight, self.w_w1.weight, self.w_w3.weight,
-                  self.w_w2.weight, self.beta)
+        if not self.fused:
+            return dsff_reference(x, self.w_n1.weight, self.w_n3.weight, self.w_n2.weight, self.w_w1.weight,
+                                  self.w_w3.weight, self.w_w2.weight, self.beta)
+        n = self.w_n1.out_features
+        u_n, u_w = StackedLinear.apply(x, (2, 2), self.w_n1.weight, self.w_n3.weight, self.w_w1.weight,
+                                       self.w_w3.weight)             # column blocks of one GEMM
+        h_n = wiola_kernels.glu(u_n, activation="silu")              # (…, n)  packed [W_n1 x | W_n3 x]
+        h_w = wiola_kernels.glu(u_w, activation="gelu_tanh")         # (…, w)  packed [W_w1 x | W_w3 x]
+        lam = torch.sigmoid(self.beta)[:, None]                      # (d, 1)
+        down_n = lam * self.w_n2.weight                              # diag(λ) W_n2      (d, n)
+        down_w = (1.0 - lam) * self.w_w2.weight                      # diag(1 − λ) W_w2  (d, w)
+        lead = h_n.shape[:-1]
+        y = torch.addmm(F.linear(h_n.reshape(-1, n), down_n), h_w.reshape(-1, h_w.shape[-1]), down_w.t())
+        return y.view(*lead, y.shape[-1])
 
 
 # ----------------------------------------------------------------------------------------
@@ -366,10 +447,22 @@ class WiolaBlock(GradientCheckpointingLayer):
         self.ffn_norm = WiolaRMSNorm(config.hidden_size, config.rms_norm_eps)   # WRMSNorm'_ℓ
         self.ffn = WiolaDSFF(config)                                            # DSFF_ℓ
 
-    def forward(self, x: Tensor, position_ids: Tensor, context: Tensor, lengths: Tensor | None = None,
-                cache: WiolaCache | None = None, layout: "PaddingLayout | None" = None) -> Tensor:
-        """``x (B, T, d)`` → ``Xˡ⁺¹ (B, T, d)``; ``context (B, S, Λ', d)``."""
-        h = self.attn_norm(x)  # X̃ (B, T, d)
+    #: Every norm after a residual add runs with it as one :func:`wiola_kernels.add_rms_norm`
+    #: (SPEC §10.3): ``WRMSNorm'_ℓ`` with ``X' = Xˡ + A``, and, when the caller passes
+    #: ``next_norm``, the next layer's ``WRMSNorm_ℓ₊₁`` (or the final norm) with
+    #: ``Xˡ⁺¹ = X' + F``. False adds and normalises separately (the path the tests compare with).
+    fuse_add_norm = True
+
+    def forward(self, x: Tensor, position_ids: Tensor, context: Tensor, normed: Tensor | None = None,
+                lengths: Tensor | None = None, cache: WiolaCache | None = None, layout: "PaddingLayout | None" = None,
+                next_norm: WiolaRMSNorm | None = None) -> Tensor | tuple[Tensor, Tensor]:
+        """``x (B, T, d)`` → ``Xˡ⁺¹ (B, T, d)``; ``context (B, S, Λ', d)``.
+
+        ``normed``: ``WRMSNorm_ℓ(x)`` when the caller has it already (the previous block's
+        ``next_norm`` output); computed here when None. ``next_norm``: the norm that reads
+        ``Xˡ⁺¹`` next (the next layer's ``attn_norm`` or the final norm); the block then
+        returns ``(Xˡ⁺¹, next_norm(Xˡ⁺¹))``, the residual add and that norm in one pass."""
+        h = self.attn_norm(x) if normed is None else normed  # X̃ (B, T, d)
         if self.merges and self.training and cache is None:
             # ATM (SPEC §6): merge similar neighbours, attend over the shorter rows, restore length T.
             merged, merged_pos, merged_len, index_map = wiola_kernels.atm_merge(
@@ -387,8 +480,26 @@ class WiolaBlock(GradientCheckpointingLayer):
                 a = wiola_kernels.atm_unmerge(a, index_map)  # A_t = A'_{map(t)}
         else:
             a = self.attn(h, position_ids, context, lengths, cache, layout)
-        x = x + a                                  # X'
-        return x + self.ffn(self.ffn_norm(x))  # Xˡ⁺¹
+        if not self.fuse_add_norm:
+            x = x + a                                  # X'
+            x = x + self.ffn(self.ffn_norm(x))         # Xˡ⁺¹
+            return x if next_norm is None else (x, next_norm(x))
+        hf, x = add_norm(a, x, self.ffn_norm)          # WRMSNorm'_ℓ(X'), X'
+        f = self.ffn(hf)                               # F
+        if next_norm is None:
+            return x + f                               # Xˡ⁺¹
+        y, x = add_norm(f, x, next_norm)               # next_norm(Xˡ⁺¹), Xˡ⁺¹
+        return x, y
+
+
+def add_norm(update: Tensor, residual: Tensor, norm: WiolaRMSNorm) -> tuple[Tensor, Tensor]:
+    """``(norm(residual + update), residual + update)`` in one pass (:func:`wiola_kernels.add_rms_norm`).
+
+    Under autocast the update (a GEMM's output) is in the autocast dtype while the residual
+    stream stays float32: both go in at the dtype ``residual + update`` would promote to, as
+    in the unfused sum."""
+    dtype = torch.promote_types(update.dtype, residual.dtype)
+    return wiola_kernels.add_rms_norm(update.to(dtype), residual.to(dtype), norm.weight, norm.shift, norm.eps)
 
 
 class PackedRows:
@@ -608,15 +719,18 @@ class WiolaModel(WiolaPreTrainedModel):
 
         lookback = cfg.gcla_lookback
         summaries: list[Tensor] = []  # s⁽ˡ⁾, (B, S, d) each, oldest first
+        normed = None  # WRMSNorm_ℓ(Xˡ) when the block before computed it with its residual add
         for i, layer in enumerate(self.layers):
             if summaries and lookback > 0:
                 context = torch.stack(summaries[-lookback:], dim=2)  # Cˡ (B, S, Λ', d)
             else:
                 context = x.new_zeros(b, 1, 0, x.shape[-1])           # no earlier layers: plain attention
             if step is not None:
-                x = step.block(layer, x, context)
-            else:
-                x = layer(x, position_ids, context, lengths=lengths, cache=cache, layout=layout)
+                x, normed = step.block(layer, x, context), None
+            else:  # the block also returns the next norm of its output (the add and norm fused)
+                next_norm = self.layers[i + 1].attn_norm if i + 1 < len(self.layers) else self.norm
+                x, normed = layer(x, position_ids, context, normed, lengths=lengths, cache=cache, layout=layout,
+                                  next_norm=next_norm)
             if hidden_states is not None and i < len(self.layers) - 1:
                 hidden_states.append(x)
             if lookback > 0 and i < len(self.layers) - 1:  # the last layer's summary is never read
@@ -628,7 +742,7 @@ class WiolaModel(WiolaPreTrainedModel):
                 summaries = summaries[-lookback:]
         if cache is not None:
             cache.advance(layout.new_valid if layout is not None else None, past)
-        x = self.norm(x)
+        x = self.norm(x) if normed is None else normed  # WRMSNorm_final(Xᴸ)
         if hidden_states is not None:
             hidden_states.append(x)  # Hugging Face convention: the last entry is after the final norm
         if layout is not None and layout.shift is not None:

@@ -106,9 +106,14 @@ def make_swapped_ops_pass(model, case: HFStepCase, seed: int = 2):
     """``run()``: forward + backward of only what :func:`~wiola_kernels.patch_hf` swaps, at the
     step's shapes and call counts, using ``model``'s own modules (patched or not): 2L + 1
     RMSNorms of ``(B, T, d)``, one rotary-table call and L RoPE applications to q/k
-    laid out as HF's projections are (``(B, T, H, d_h)`` viewed as ``(B, H, T, d_h)``).
+    laid out as HF's projections are (``(B, T, H, d_h)`` viewed as ``(B, H, T, d_h)``),
+    and L MLP gate products ``SiLU(gate) ⊙ up`` of ``(B, T, intermediate)`` (HF's
+    ``act_fn(g) * u``, or :func:`wiola_kernels.glu` where the MLP is swapped).
     Its time is the part of the step the patch can change."""
     import sys
+
+    from ..hf import FusedGatedMLP
+    from ..ops.glu import glu
 
     cfg = model.config
     b, t, d = case.batch, case.length, cfg.hidden_size
@@ -123,6 +128,11 @@ def make_swapped_ops_pass(model, case: HFStepCase, seed: int = 2):
     k_proj = torch.randn(b, t, h_kv * dh, generator=g).to(case.device, case.dtype).requires_grad_()
     pos = torch.arange(t, device=case.device).unsqueeze(0)
     layers = cfg.num_hidden_layers
+    width = cfg.intermediate_size
+    gate = torch.randn(b, t, width, generator=g).to(case.device, case.dtype).requires_grad_()
+    up = torch.randn(b, t, width, generator=g).to(case.device, case.dtype).requires_grad_()
+    products = [(lambda a, u: glu(a, u, "silu")) if isinstance(layer.mlp, FusedGatedMLP)
+                else (lambda a, u, act=layer.mlp.act_fn: act(a) * u) for layer in model.model.layers]
 
     def run():
         total = x.new_zeros(())
@@ -134,8 +144,10 @@ def make_swapped_ops_pass(model, case: HFStepCase, seed: int = 2):
                 k = k_proj.view(b, t, h_kv, dh).transpose(1, 2)
                 q_rot, k_rot = modeling.apply_rotary_pos_emb(q, k, *rope)
                 total = total + q_rot.float().square().mean() + k_rot.float().square().mean()
+        for product in products:
+            total = total + product(gate, up).float().square().mean()
         total.backward()
-        x.grad = q_proj.grad = k_proj.grad = None
+        x.grad = q_proj.grad = k_proj.grad = gate.grad = up.grad = None
         model.zero_grad(set_to_none=True)
         return total.detach()
 
@@ -248,7 +260,7 @@ def run_hf_bench(case: HFStepCase, repeats: int = 5, warmup: int = 2, backend: s
             "cpu_ms_samples": [round(t * 1e3, 2) for t in cpu_samples[v]],
         }
         if v in ops:
-            # Only what patch_hf swaps (norms + RoPE, forward + backward), run eagerly, and
+            # Only what patch_hf swaps (norms, RoPE, MLP gate products; forward + backward), run eagerly, and
             # its share of this variant's step (wall time, both).
             record["swapped_ops_ms"] = statistics.median(op_samples[v]) * 1e3
             record["swapped_ops_share"] = record["swapped_ops_ms"] / ms
@@ -274,6 +286,7 @@ def format_hf_records(records: list[dict]) -> str:
                      f"{r['loss']:10.5f} {r['warmup_s']:9.1f}")
     for r in records:
         if "swapped_ops_ms" in r:
-            lines.append(f"  {r['variant']}: swapped ops only (2L+1 RMSNorms + L RoPEs, fwd+bwd, eager) "
+            lines.append(f"  {r['variant']}: swapped ops only (2L+1 RMSNorms + L RoPEs + L gate products, "
+                         f"fwd+bwd, eager) "
                          f"{r['swapped_ops_ms']:.1f} ms = {100 * r['swapped_ops_share']:.1f}% of its step")
     return "\n".join(lines)
