@@ -17,7 +17,8 @@ REQUIRED_KEYS = {"op", "backend", "shape", "dtype", "pass", "ms", "ms_eager", "m
 
 
 def test_every_op_has_a_case():
-    assert {c.op for c in all_cases("cpu", small=True)} == {"rms_norm", "srpe", "gcla_attention", "atm"}
+    assert {c.op for c in all_cases("cpu", small=True)} == {"rms_norm", "srpe", "gcla_attention", "atm",
+                                                         "linear_cross_entropy"}
 
 
 def test_default_shapes_are_the_issues():
