@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from torch._dynamo.utils import counters
 
 import wiola_kernels as wk
-from wiola_kernels import reference
+from wiola_kernels import reference, shapes
 from wiola_kernels.testing import assert_close_rel, available_backends, tolerance
 
 from helpers import gen, gpu_only, needs_cpu_extension, threads
@@ -421,12 +421,13 @@ def test_any_arguments_match_the_oracle(reduction, eps, cap, zl, ignored, n, V, 
 # --- GPU ---------------------------------------------------------------------------------------
 
 @gpu_only
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_triton_on_gpu(dtype):
-    """The Triton kernels on a GPU at GPU_TEST_SHAPES (compiled ahead of time by
-    tests/test_triton_aot.py)."""
-    h, W, y = make(37, 64, 1000, dtype, seed=20)
+@pytest.mark.parametrize("n, d, V", shapes.LCE_GPU_TEST_SHAPES)  # what gpu-report compiles ahead of time
+@pytest.mark.parametrize("dtype", shapes.LCE_GPU_TEST_DTYPES)
+def test_triton_on_gpu(n, d, V, dtype):
+    """The Triton kernels on a GPU at the shapes of wiola_kernels/shapes.py (compiled ahead of
+    time by tests/test_triton_aot.py)."""
+    h, W, y = make(n, d, V, dtype, seed=20)
     for kw in (OPTIONS["all"], OPTIONS["all_none"]):
-        got = run("triton", h.cuda(), W.cuda(), y.cuda(), grad=loss_grad(37, kw.get("reduction", "mean")).cuda(), **kw)
-        want = oracle(h, W, y, loss_grad(37, kw.get("reduction", "mean")), **kw)
+        got = run("triton", h.cuda(), W.cuda(), y.cuda(), grad=loss_grad(n, kw.get("reduction", "mean")).cuda(), **kw)
+        want = oracle(h, W, y, loss_grad(n, kw.get("reduction", "mean")), **kw)
         assert_matches(tuple(t.cpu() for t in got), want, TOL[dtype], f"gpu {dtype}")

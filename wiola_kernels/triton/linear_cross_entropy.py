@@ -414,21 +414,15 @@ def lce_forward(h2: torch.Tensor, W: torch.Tensor, y: torch.Tensor, ignore_index
     return loss, lse, grad_h, grad_W
 
 
-# GPU test shapes (tests/test_linear_cross_entropy.py's GPU section): (n, d, V, dtype). The
-# bench shapes come from wiola_kernels/bench/cases.py.
-GPU_TEST_SHAPES = ((37, 64, 1000, torch.float32), (37, 64, 1000, torch.bfloat16), (37, 64, 1000, torch.float16),
-                   (5, 16, 50, torch.float64))
-
-
 def aot_launches(sms: int):
     """Every launch of the four kernels at the GPU test and bench shapes on a GPU with ``sms``
     SMs, loss-only and with gradients (see ``wiola_kernels/triton/aot.py``)."""
-    from ..bench.cases import LCE_SHAPES
+    from ..shapes import LCE_BENCH, LCE_GPU_TESTS
     from .aot import DevicePointer as P, Launch
 
-    cases = [(f"test (n, d, V) ({n}, {d}, {V}) {dtype}", n, d, V, dtype) for n, d, V, dtype in GPU_TEST_SHAPES]
+    cases = [(f"test (n, d, V) ({n}, {d}, {V}) {dtype}", n, d, V, dtype) for n, d, V, dtype in LCE_GPU_TESTS]
     cases += [(f"bench {size} (n, d, V) {shape} {dtype}", *shape, dtype)
-              for size, shape in LCE_SHAPES.items() for dtype in (torch.bfloat16, torch.float32)]
+              for size, shape in LCE_BENCH.items() for dtype in (torch.bfloat16, torch.float32)]
     for case, n, d, V, dtype in cases:
         cfg = _launch_config(n, V, d, dtype, sms)
         acc = compute_dtype(dtype)
