@@ -272,6 +272,16 @@ def linear_cross_entropy(h: Tensor, W: Tensor, labels: Tensor, ignore_index: int
     ``ℓ_i = (1−ε)(lse_i − s_{i,y_i}) + ε(lse_i − mean_v s_iv) + ζ·lse_i²`` with
     ``s_i = c·tanh(h_i Wᵀ / c)`` under a softcap (else ``h_i Wᵀ``), rows processed in chunks.
 
+    How the gradients are produced: for ``"mean"`` and ``"sum"`` the forward, while a chunk's
+    softmax is at hand, turns it into ``∂ℓ/∂s`` in place and folds it into ``∂h`` and ``∂W``
+    (Liger-Kernel's choice); the backward only scales them by the incoming gradient. That
+    is three GEMMs per training step, as eager PyTorch does — recomputing the logits in the
+    backward (Cut Cross-Entropy's choice) would be a fourth, and on a CPU, where the GEMMs
+    are the whole cost, that is a third more time; its saving, skipping negligible softmax
+    entries, pays on GPUs with huge vocabularies, not here. The price is memory for ``∂h``
+    and ``∂W`` during the forward, which the backward would allocate anyway. ``"none"``
+    (row weights known only in the backward) and a second backward recompute.
+
     Args:
         h: hidden states ``(..., d)`` (leading dimensions flattened to N rows); float32,
             float64, bfloat16 or float16. Any strides.
