@@ -110,9 +110,8 @@ def _lce_logits_kernel(
         if HAS_CAP:
             acc = _softcap(acc, cap)
         if STORE_LOGITS:
-            # int32 offsets: a chunk buffer holds < 2^31 elements (lce_forward).
-            tl.store(logits_ptr + rm[:, None] * stride_l + rn[None, :], acc.to(logits_ptr.dtype.element_ty),
-                     mask=row_ok[:, None] & col_ok[None, :])
+            tl.store(logits_ptr + rm.to(tl.int64)[:, None] * stride_l + rn[None, :],
+                     acc.to(logits_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
         z = tl.where(col_ok[None, :], acc, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(z, 1))
         s_i = s_i * tl.exp(m_i - m_new) + tl.sum(tl.exp(z - m_new[:, None]), 1)
@@ -121,7 +120,7 @@ def _lce_logits_kernel(
             sum_i += tl.sum(tl.where(col_ok[None, :], acc, 0.0), 1)
         t_i += tl.sum(tl.where(rn[None, :] == y[:, None], acc, 0.0), 1)
     plane = splits * rows
-    at = stats_ptr + split * rows + rm
+    at = stats_ptr + split.to(tl.int64) * rows + rm
     tl.store(at, m_i, mask=row_ok)
     tl.store(at + plane, s_i, mask=row_ok)
     tl.store(at + 2 * plane, sum_i, mask=row_ok)
@@ -144,16 +143,19 @@ def _lce_rows_kernel(
     ok = r < rows
     plane = splits * rows
     m = tl.full((BLOCK_R,), float("-inf"), acc_ty)
+    at = stats_ptr + r  # split j's row block: a pointer stepped by rows (no j·rows product)
     for j in range(0, splits):
-        m = tl.maximum(m, tl.load(stats_ptr + j * rows + r, mask=ok, other=0.0))
+        m = tl.maximum(m, tl.load(at, mask=ok, other=0.0))
+        at += rows
     total = tl.zeros((BLOCK_R,), acc_ty)
     sum_s = tl.zeros((BLOCK_R,), acc_ty)
     target = tl.zeros((BLOCK_R,), acc_ty)
+    at = stats_ptr + r
     for j in range(0, splits):
-        at = stats_ptr + j * rows + r
         total += tl.load(at + plane, mask=ok, other=0.0) * tl.exp(tl.load(at, mask=ok, other=0.0) - m)
         sum_s += tl.load(at + 2 * plane, mask=ok, other=0.0)
         target += tl.load(at + 3 * plane, mask=ok, other=0.0)
+        at += rows
     lse = m + tl.log(tl.where(ok, total, 1.0))  # rows past the end: no log(0)
     grow = (row0 + r).to(tl.int64)
     y = tl.load(y_ptr + grow, mask=ok, other=0)
@@ -189,7 +191,7 @@ def _lce_dlogits_kernel(
     else:
         g = tl.full((BLOCK_M,), 1.0, lse.dtype)
     g = tl.where(y == ignore_index, 0.0, g)
-    offs = rm[:, None] * stride_l + rn[None, :]  # a chunk buffer: < 2^31 elements
+    offs = rm.to(tl.int64)[:, None] * stride_l + rn[None, :]
     s = tl.load(logits_ptr + offs, mask=mask, other=0.0).to(lse.dtype)
     a = g * (1.0 + 2.0 * z_loss * lse)
     t = a[:, None] * tl.exp(s - lse[:, None]) - (g * eps / V)[:, None]
@@ -221,8 +223,8 @@ def _lce_dw_kernel(
     for k0 in range(0, rows, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         k_ok = k < rows
-        a = tl.load(dz_ptr + k[None, :] * stride_l + rv[:, None], mask=v_ok[:, None] & k_ok[None, :],
-                    other=0.0)   # (BLOCK_M, BLOCK_K) = dzᵀ (a chunk buffer: < 2^31 elements)
+        a = tl.load(dz_ptr + k.to(tl.int64)[None, :] * stride_l + rv[:, None], mask=v_ok[:, None] & k_ok[None, :],
+                    other=0.0)   # (BLOCK_M, BLOCK_K) = dzᵀ
         b = tl.load(h_ptr + (row0 + k).to(tl.int64)[:, None] * stride_hn + rd.to(tl.int64)[None, :] * stride_hd,
                     mask=k_ok[:, None] & d_ok[None, :], other=0.0)
         if UPCAST:
@@ -396,7 +398,6 @@ def lce_forward(h2: torch.Tensor, W: torch.Tensor, y: torch.Tensor, ignore_index
         _rows_launch(stats, y, lse, loss, 0, n, splits, V, cfg, ignore_index, eps, z_loss)
         return loss, lse, grad_h, grad_W
     rows_max = min(n, cfg.chunk)
-    assert rows_max * V < 2**31, "chunk buffers are addressed with int32 offsets"
     buf = torch.empty((rows_max, V), dtype=torch.float32 if acc == torch.float32 else acc, device=device)
     dz = buf if buf.dtype == h2.dtype else torch.empty((rows_max, V), dtype=h2.dtype, device=device)
     dW_acc = torch.empty((V, d), dtype=torch.float32, device=device) if want_W and W.dtype != acc else None
