@@ -41,7 +41,8 @@ def format_bench(rows: list[dict]) -> str:
     for r in rows:
         compiled = r.get("speedup_vs_compile") or 0.0
         lines.append(f"{r['op']:<16}{r['pass']:<9}{r['backend']:<9}{r['ms']:>9.3f}{r['speedup_vs_eager']:>9.2f}"
-                     f"{compiled:>10.2f}{r['gbps']:>8.0f}{r['pct_of_copy']:>6.0f}%")
+                     f"{compiled:>10.2f}{r['gbps']:>8.0f}"
+                     + (f"{r['pct_of_copy']:>6.0f}%" if r.get("pct_of_copy") is not None else f"{'-':>7}"))
     return "\n".join(lines)
 
 

@@ -96,12 +96,13 @@ ATTENTION = {case: "sdpa" if case == "left_padding" else "eager" for case in TRA
 
 
 def loss_and_grads(m, **batch):
-    """``(loss, logits, {name: grad})`` of one forward + backward."""
+    """``(loss, logits, {name: grad})`` of one forward + backward (logits None: a patched model
+    in training mode computed the loss without them)."""
     m.zero_grad(set_to_none=True)
     out = m(**batch)
     out.loss.backward()
     grads = {n: p.grad.detach().clone() for n, p in m.named_parameters() if p.grad is not None}
-    return out.loss.detach(), out.logits.detach(), grads
+    return out.loss.detach(), None if out.logits is None else out.logits.detach(), grads
 
 
 def model_tester_case(family: str, seed: int = 0):

@@ -53,6 +53,30 @@ def rms_oracle(x, w, s, eps, hf_order=False):
     return w * z / r
 
 
+def lce_oracle(h, W, labels, ignore_index=-100, reduction="mean", label_smoothing=0.0, softcap=None, z_loss=0.0,
+               num_items=None):
+    """SPEC §10.1 row by row in float64, differentiable by autograd: h (..., d), W (V, d)."""
+    h2, W = h.double().reshape(-1, h.shape[-1]), W.double()
+    y = labels.reshape(-1).tolist()
+    eps = label_smoothing
+    rows = []
+    for i, yi in enumerate(y):
+        if yi == ignore_index:
+            rows.append(torch.zeros((), dtype=F64))
+            continue
+        z = W @ h2[i]
+        s = softcap * torch.tanh(z / softcap) if softcap is not None else z
+        lse = torch.logsumexp(s, 0)
+        rows.append((1 - eps) * (lse - s[yi]) + eps * (lse - s.mean()) + z_loss * lse * lse)
+    loss = torch.stack(rows) if rows else torch.zeros(0, dtype=F64)
+    if reduction == "none":
+        return loss
+    if reduction == "sum":
+        return loss.sum()
+    n = float(num_items) if num_items is not None else max(1, sum(v != ignore_index for v in y))
+    return loss.sum() / n
+
+
 def srpe_oracle(x, pos, theta=10000.0, ks=8.0, a_s=0.1, f_s=0.01):
     """SPEC §4 in float64, one pair at a time (rotate-half): x (B, Hx, T, d_h); pos (B, T),
     (1, T) or (T,) integer positions. ``ks = ±inf`` and ``a_s = 0`` is plain RoPE."""

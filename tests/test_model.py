@@ -109,12 +109,16 @@ def test_structure_init_and_tying():
 # ---- backends ------------------------------------------------------------------------------
 
 def _logits_and_grads(model, ids, backend):
+    """Logits and every parameter's gradient of the loss (the fused loss: the logits come from
+    a second, gradient-free forward)."""
     model.config.kernel_backend = backend
     model.zero_grad(set_to_none=True)
     with model.kernel_backend():
         out = model(ids, labels=ids, use_cache=False)
         out.loss.backward()
-    return out.logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+        with torch.no_grad():
+            logits = model(ids, use_cache=False).logits
+    return logits, {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
 @pytest.mark.parametrize("mode", ["causal", "paper"])

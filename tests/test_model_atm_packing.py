@@ -40,7 +40,7 @@ def set_packing(model: WiolaForCausalLM, pack: bool) -> None:
 def run(model, ids, mask):
     """Logits and every parameter's gradient of one training forward/backward."""
     model.zero_grad(set_to_none=True)
-    out = model(ids, attention_mask=mask, labels=ids)
+    out = model(ids, attention_mask=mask, labels=ids, return_logits=True)
     (out.loss + out.logits.square().mean()).backward()  # the logits' own gradient reaches every row
     return out.logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 

@@ -158,6 +158,23 @@ def _unmerge_calls(a, ns="wiola"):
             (ops.atm_unmerge_backward.default, (torch.randn_like(a["y"]), a["index_map"]))]
 
 
+def _lce_make(dtype):
+    # 7 rows (one ignored) over a 13-word head; label smoothing, softcap and z-loss all on.
+    labels = torch.tensor([3, 0, 12, -100, 7, 7, 1])
+    return dict(h=_rand(7, 6, dtype=dtype, seed=50), W=_rand(13, 6, dtype=dtype, seed=51), labels=labels,
+                ignore_index=-100, reduction="mean", label_smoothing=0.1, softcap=4.0, z_loss=1e-2, num_items=None)
+
+
+def _lce_calls(a):
+    opts = (a["ignore_index"], a["reduction"], a["label_smoothing"], a["softcap"], a["z_loss"], a["num_items"])
+    fwd = (a["h"], a["W"], a["labels"], *opts, [True, True])
+    loss, lse, grad_h, grad_W = torch.ops.wiola.linear_cross_entropy(*fwd)
+    bwd = (torch.randn_like(loss), a["h"], a["W"], a["labels"], lse, a["num_items"], grad_h, grad_W,
+           *opts[:5], True)
+    return [(torch.ops.wiola.linear_cross_entropy.default, fwd),
+            (torch.ops.wiola.linear_cross_entropy_backward.default, bwd)]
+
+
 CASES = [
     Case("rms_norm", wk.RMSNormFunction, "rms_norm", _rms_make, _rms_calls, reference.rms_norm),
     Case("add_rms_norm", wk.AddRMSNormFunction, "add_rms_norm", _add_make, _add_calls, reference.add_rms_norm),
@@ -167,12 +184,14 @@ CASES = [
          reference.gcla_attention),
     Case("atm_merge", wk.ATMMergeFunction, "atm", _merge_make, _merge_calls, reference.atm_merge),
     Case("atm_unmerge", wk.ATMUnmergeFunction, "atm", _unmerge_make, _unmerge_calls, reference.atm_unmerge),
+    Case("linear_cross_entropy", wk.LinearCrossEntropyFunction, "linear_cross_entropy", _lce_make, _lce_calls,
+         reference.linear_cross_entropy),
 ]
 BY_NAME = {c.name: c for c in CASES}
 
 
 def _kind(case: Case) -> str:
-    return "attention" if case.name == "gcla_attention" else "elementwise"
+    return "attention" if case.name in ("gcla_attention", "linear_cross_entropy") else "elementwise"
 
 
 def _with_grad(args: dict) -> dict:
@@ -489,8 +508,9 @@ def test_lengths_checks_agree_across_ops(case):
 
 def _bad_inputs() -> list[tuple[str, dict, type, str]]:
     """(public function, changed arguments, error, message) — one of each kind of check."""
-    rms, add, glu, srpe_args, gcla, merge, unmerge = (BY_NAME[n].make(torch.float32) for n in (
-        "rms_norm", "add_rms_norm", "glu", "srpe", "gcla_attention", "atm_merge", "atm_unmerge"))
+    rms, add, glu, srpe_args, gcla, merge, unmerge, lce = (BY_NAME[n].make(torch.float32) for n in (
+        "rms_norm", "add_rms_norm", "glu", "srpe", "gcla_attention", "atm_merge", "atm_unmerge",
+        "linear_cross_entropy"))
     return [
         ("rms_norm", dict(x=rms["x"].long()), TypeError, r"^x must have dtype in \(float32, float64, bfloat16, float16\), got int64"),
         ("rms_norm", dict(weight=rms["weight"][:4]), ValueError, r"^weight must have shape \(d,\) = \(8,\), got \(4,\)"),
@@ -530,6 +550,17 @@ def _bad_inputs() -> list[tuple[str, dict, type, str]]:
         ("atm_unmerge", dict(index_map=unmerge["index_map"].int()), TypeError, r"^index_map must have dtype in \(int64\), got int32"),
         ("atm_unmerge", dict(index_map=unmerge["index_map"][:, :4]), ValueError, r"^index_map must have shape \(B, T\) = \(2, 6\) to match y, got \(2, 4\)"),
         ("atm_unmerge", dict(index_map=unmerge["index_map"] + 6), ValueError, r"^index_map values must lie in \[0, T\) = \[0, 6\), got values in"),
+        ("linear_cross_entropy", dict(W=lce["W"][:, :5]), ValueError, r"^W must have shape \(V, d\) = \(V, 6\) to match h, got \(13, 5\)"),
+        ("linear_cross_entropy", dict(h=lce["h"][0]), ValueError, r"^h must have shape \(\.\.\., d\) \(at least 2 dimensions\), got \(6,\)"),
+        ("linear_cross_entropy", dict(W=lce["W"].double()), TypeError, r"^W must have dtype torch.float32 like h, got torch.float64"),
+        ("linear_cross_entropy", dict(labels=lce["labels"].float()), TypeError, r"^labels must have dtype in \(int64, int32, int16, uint8\), got float32"),
+        ("linear_cross_entropy", dict(labels=lce["labels"][:5]), ValueError, r"^labels must have shape h.shape\[:-1\] = \(7,\) or \(N,\) = \(7,\), got \(5,\)"),
+        ("linear_cross_entropy", dict(reduction="avg"), ValueError, r"^reduction must be one of 'mean', 'sum', 'none', got 'avg'"),
+        ("linear_cross_entropy", dict(label_smoothing=1.5), ValueError, r"^label_smoothing must lie in \[0, 1\], got 1.5"),
+        ("linear_cross_entropy", dict(softcap=0.0), ValueError, r"^softcap must be a finite number > 0, got 0.0"),
+        ("linear_cross_entropy", dict(z_loss=-0.5), ValueError, r"^z_loss must be a finite number >= 0, got -0.5"),
+        ("linear_cross_entropy", dict(num_items=torch.ones(3)), ValueError, r"^num_items must be a number > 0 or a real tensor of one element"),
+        ("linear_cross_entropy", dict(labels=torch.full((7,), 13)), ValueError, r"^labels must lie in \[0, V\) = \[0, 13\) or equal ignore_index = -100, got 13"),
     ]
 
 
@@ -546,7 +577,7 @@ def test_every_backend_refuses_bad_input_with_the_same_words(name, changes, erro
             case.public(**args)
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    if "lie within" in message or "values must lie" in message:
+    if "lie within" in message or "values must lie" in message or "labels must lie" in message:
         return  # a check of values: not made while tracing (no data), the kernels make it at run time
     with FakeTensorMode(allow_non_fake_inputs=True) as mode, pytest.raises(error, match=message):
         case.public(**{n: mode.from_tensor(v) if isinstance(v, torch.Tensor) else v for n, v in args.items()})

@@ -141,7 +141,7 @@ def _parametrized(test_fn, argnames):
 
 def test_gpu_tests_run_at_the_compiled_shapes():
     """The GPU tests of tests/test_rms_norm.py, tests/test_srpe.py, tests/test_gcla_attention.py,
-    tests/test_glu.py and tests/test_add_rms_norm.py take their shapes from
+    tests/test_glu.py, tests/test_add_rms_norm.py and tests/test_linear_cross_entropy.py take their shapes from
     wiola_kernels/shapes.py, which the AOT launch lists compile."""
     def load(name):
         spec = importlib.util.spec_from_file_location(f"_{name}_gpu_shapes", ROOT / "tests" / f"{name}.py")
@@ -166,6 +166,9 @@ def test_gpu_tests_run_at_the_compiled_shapes():
     assert tuple(p["rows, n"]) == shapes.GLU_GPU_TEST_SHAPES and tuple(p["dtype"]) == shapes.GLU_GPU_TEST_DTYPES
     assert {(r, n, pk, d) for r, n in p["rows, n"] for d in p["dtype"] for pk in p["packed"]} \
         <= set(shapes.GLU_GPU_TESTS)
+    p = _parametrized(load("test_linear_cross_entropy").test_triton_on_gpu, ("n, d, V", "dtype"))
+    assert tuple(p["n, d, V"]) == shapes.LCE_GPU_TEST_SHAPES and tuple(p["dtype"]) == shapes.LCE_GPU_TEST_DTYPES
+    assert {(*s, d) for s in p["n, d, V"] for d in p["dtype"]} <= set(shapes.LCE_GPU_TESTS)
 
 
 def test_specialisation_matches_the_jit():

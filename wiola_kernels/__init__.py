@@ -11,6 +11,8 @@ declared once in C++ with a kernel per device that PyTorch's dispatcher picks:
 * :func:`gcla_attention` / :class:`GCLAAttentionFunction` — GCLA summary-augmented causal attention (SPEC §5.5)
 * :func:`atm_merge` / :class:`ATMMergeFunction`, :func:`atm_unmerge` / :class:`ATMUnmergeFunction` —
   ATM greedy adjacent token merging (SPEC §6)
+* :func:`linear_cross_entropy` / :class:`LinearCrossEntropyFunction` — the head's cross-entropy without
+  the logits tensor (SPEC §10.1)
 * :func:`patch_hf` / :func:`unpatch_hf` — these kernels in Hugging Face Llama / Mistral / Qwen2 models
 
 Force a backend (tests, benchmarks) with :func:`use_backend` or ``WIOLA_BACKEND`` (see
@@ -32,6 +34,7 @@ from .modules import RMSNorm, SpiralRotaryEmbedding, WiolaRMSNorm  # noqa: E402
 from .ops.add_rms_norm import AddRMSNormFunction, add_rms_norm  # noqa: E402
 from .ops.atm import ATMMergeFunction, ATMUnmergeFunction, atm_merge, atm_unmerge  # noqa: E402
 from .ops.gcla_attention import GCLAAttentionFunction, gcla_attention  # noqa: E402
+from .ops.linear_cross_entropy import LinearCrossEntropyFunction, linear_cross_entropy  # noqa: E402
 from .ops.glu import GLUFunction, glu  # noqa: E402
 from .ops.rms_norm import RMSNormFunction, rms_norm  # noqa: E402
 from .ops.srpe import SRPEFunction, srpe  # noqa: E402
@@ -39,6 +42,7 @@ from .ops.srpe import SRPEFunction, srpe  # noqa: E402
 __version__ = "0.1.0"
 
 __all__ = ["ATMMergeFunction", "ATMUnmergeFunction", "AddRMSNormFunction", "GCLAAttentionFunction", "GLUFunction",
-           "RMSNorm", "RMSNormFunction", "SRPEFunction", "SpiralRotaryEmbedding", "WiolaRMSNorm", "add_rms_norm",
-           "atm_merge", "atm_unmerge", "backends", "cpu_isa", "gcla_attention", "glu", "is_patched", "patch_hf",
-           "rms_norm", "set_cpu_isa", "srpe", "unpatch_hf", "use_backend"]
+           "LinearCrossEntropyFunction", "RMSNorm", "RMSNormFunction", "SRPEFunction", "SpiralRotaryEmbedding",
+           "WiolaRMSNorm", "add_rms_norm", "atm_merge", "atm_unmerge", "backends", "cpu_isa", "gcla_attention", "glu",
+           "is_patched", "linear_cross_entropy", "patch_hf", "rms_norm", "set_cpu_isa", "srpe", "unpatch_hf",
+           "use_backend"]

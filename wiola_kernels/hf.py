@@ -30,7 +30,17 @@ training and inference:
   two projections, where eager PyTorch also keeps ``SiLU(gate(x))``). Only where
   ``config.hidden_act`` is SiLU; another activation keeps HF's MLP, with a warning.
 
-Each swap is switchable (``rms_norm=``, ``rope=``, ``mlp=``), on by default. The residual
+* Loss: ``<Family>ForCausalLM.forward`` becomes, on that instance, a forward that runs the
+  backbone and, when ``labels`` are given in training mode, computes Hugging Face's
+  causal-LM loss (labels shifted by one, ``ignore_index``, ``num_items_in_batch``,
+  ``shift_labels``) with :func:`wiola_kernels.linear_cross_entropy` on the last hidden
+  states and ``lm_head.weight``: the ``(B·T, V)`` logits (and HF's float32 copy of them)
+  are never materialised, and ``logits`` is None, as in Liger-Kernel. ``return_logits=True``
+  in the call keeps them (HF's own forward runs); in eval mode, without labels, with
+  ``logits_to_keep``, or with a custom ``loss_function`` HF's forward runs too, so
+  evaluation, ``generate`` and custom losses are unchanged.
+
+Each swap is switchable (``rms_norm=``, ``rope=``, ``mlp=``, ``loss=``), on by default. The residual
 adds of HF's decoder layer stay HF's: fusing them with the norm (``add_rms_norm``) would
 need a copy of HF's layer code, which SPEC §10.4 leaves out.
 
@@ -70,7 +80,9 @@ import functools
 import importlib
 import math
 import sys
+import inspect
 import threading
+import types
 import warnings
 import weakref
 from dataclasses import dataclass, field
@@ -80,6 +92,7 @@ from torch import Tensor, nn
 
 from .modules.rms_norm import RMSNorm
 from .ops.glu import glu
+from .ops.linear_cross_entropy import linear_cross_entropy
 from .ops.srpe import srpe
 
 __all__ = ["patch_hf", "unpatch_hf", "is_patched", "FusedGatedMLP", "FusedRotaryEmbedding", "RotaryPositions"]
@@ -101,6 +114,8 @@ class _Patch:
     norms: list = field(default_factory=list)         # (parent, attribute name, original module)
     rotary: list = field(default_factory=list)        # (parent, attribute name, original module)
     mlps: list = field(default_factory=list)          # (parent, attribute name, original module)
+    loss_args: tuple | None = None    # the forward's positional parameter names, when the loss is swapped
+    cache_field: str = "cache"        # the output's cache field ("past_key_values" before transformers 5.2x)
 
 
 _MLP_PARTS = ("gate_proj", "up_proj", "down_proj")
@@ -347,8 +362,8 @@ def _check_switches(switches: dict) -> dict:
     return switches
 
 
-def patch_hf(target, *, rms_norm: bool = True, rope: bool = True, mlp: bool = True):
-    """Swap a Hugging Face model's RMSNorm modules, RoPE and MLP activations for this package's fused ops.
+def patch_hf(target, *, rms_norm: bool = True, rope: bool = True, mlp: bool = True, loss: bool = True):
+    """Swap a Hugging Face model's RMSNorm modules, RoPE, MLP activations and causal-LM loss for this package's fused ops.
 
     Supported: ``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM`` and the
     other models of those three families (``config.model_type`` in ``llama``, ``mistral``,
@@ -367,13 +382,16 @@ def patch_hf(target, *, rms_norm: bool = True, rope: bool = True, mlp: bool = Tr
             (``k_s = ∞``, ``a_s = 0``: plain rotate-half RoPE, angles reduced in float64).
         mlp: form each SiLU-gated MLP's ``SiLU(gate(x)) ⊙ up(x)`` with
             :func:`wiola_kernels.glu` (:class:`FusedGatedMLP`, sharing the projections).
+        loss: compute a ``<Family>ForCausalLM``'s training loss with
+            :func:`wiola_kernels.linear_cross_entropy`, without the logits (see the module
+            docstring; a call's ``return_logits=True`` keeps them).
 
     Returns:
         ``target`` itself. Unknown architectures are returned untouched with a
         ``UserWarning`` naming them; unsupported rope types keep HF's RoPE, and MLPs with
         another activation than SiLU keep HF's MLP, each with a warning naming why.
     """
-    switches = _check_switches({"rms_norm": rms_norm, "rope": rope, "mlp": mlp})
+    switches = _check_switches({"rms_norm": rms_norm, "rope": rope, "mlp": mlp, "loss": loss})
     if isinstance(target, (str, type)):
         return _patch_classes(target, switches)
     if not isinstance(target, nn.Module):
@@ -388,6 +406,7 @@ def patch_hf(target, *, rms_norm: bool = True, rope: bool = True, mlp: bool = Tr
                       f"(supported: {', '.join(_FAMILIES)})", UserWarning, stacklevel=2)
         return model
     norms, rotary, mlps = _plan(model, model_type, modeling, switches)
+    loss_args = _loss_plan(model, model_type, modeling) if switches.get("loss", True) else None
     record = _Patch(modeling.__name__, dict(switches))
     try:
         for parent, name, child, fused in norms:
@@ -400,11 +419,85 @@ def patch_hf(target, *, rms_norm: bool = True, rope: bool = True, mlp: bool = Tr
             record.rotary.append((parent, name, child))
             _install_apply(modeling, fused)
             _swap(parent, name, fused)
+        if loss_args is not None:
+            record.loss_args, record.cache_field = loss_args
+            object.__setattr__(model, "forward", types.MethodType(_fused_loss_forward, model))
         object.__setattr__(model, _RECORD, record)
     except BaseException:
         _rollback(record, {id(child): fused for *_, child, fused in norms + rotary + mlps}, modeling)
+        _unset_loss_forward(model)
         raise
     return model
+
+
+# ---- the causal-LM loss ----------------------------------------------------------------
+
+def _loss_plan(model: nn.Module, model_type: str, modeling) -> tuple[tuple, str] | None:
+    """``(positional parameter names of the forward, the output's cache field)`` when
+    ``model`` is the family's ``ForCausalLM`` with a bias-free linear head, else None."""
+    cls = getattr(modeling, f"{_FAMILIES[model_type]}ForCausalLM", None)
+    head = getattr(model, "lm_head", None)
+    if cls is None or not isinstance(model, cls) or type(model).forward is not cls.forward \
+            or not isinstance(head, nn.Linear) or head.bias is not None:
+        return None
+    params = list(inspect.signature(cls.forward).parameters.values())[1:]
+    names = tuple(p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD))
+    if "labels" not in names:
+        return None
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    fields = getattr(CausalLMOutputWithPast, "__dataclass_fields__", {})
+    return names, "cache" if "cache" in fields else "past_key_values"
+
+
+def _fused_loss_forward(self, *args, return_logits: bool | None = None, **kwargs):
+    """The patched ``<Family>ForCausalLM.forward`` (bound to the instance): HF's forward,
+    except that a training-mode call with ``labels`` computes HF's causal-LM loss with
+    :func:`wiola_kernels.linear_cross_entropy` and returns ``logits=None``.
+
+    ``return_logits``: True keeps the logits (HF's forward and loss); None (default): keep
+    them only in eval mode, as Liger-Kernel does (evaluation loops read them)."""
+    record = getattr(self, _RECORD)
+    names = record.loss_args
+    if len(args) > len(names):
+        raise TypeError(f"forward takes at most {len(names)} positional arguments, got {len(args)}")
+    kwargs.update(zip(names, args))
+    labels = kwargs.pop("labels", None)
+    keep = not self.training if return_logits is None else bool(return_logits)
+    logits_to_keep = kwargs.get("logits_to_keep", 0)
+    if labels is None or keep or not (isinstance(logits_to_keep, int) and logits_to_keep == 0) \
+            or getattr(self, "_loss_function", None) is not None:
+        return type(self).forward(self, labels=labels, **kwargs)
+    return_dict = kwargs.pop("return_dict", None)
+    kwargs.pop("logits_to_keep", None)
+    ignore_index = kwargs.pop("ignore_index", -100)
+    num_items = kwargs.pop("num_items_in_batch", None)
+    shift_labels = kwargs.pop("shift_labels", None)
+    outputs = self.model(**kwargs)
+    hidden = outputs.last_hidden_state
+    if shift_labels is None:
+        # HF's shift: position t predicts token t + 1; the last position has no target.
+        shift_labels = nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    shift_labels = shift_labels.to(hidden.device)
+    weight = self.lm_head.weight
+    if torch.is_autocast_enabled(hidden.device.type):  # as autocast runs lm_head's F.linear
+        dtype = torch.get_autocast_dtype(hidden.device.type)
+        hidden, weight = hidden.to(dtype), weight.to(dtype)
+    # HF's fixed_cross_entropy: a sum ÷ num_items_in_batch when given, else a mean.
+    loss = linear_cross_entropy(hidden, weight.to(hidden.dtype), shift_labels, ignore_index=ignore_index,
+                                num_items=num_items)
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    out = CausalLMOutputWithPast(loss=loss, logits=None, hidden_states=outputs.hidden_states,
+                                 attentions=outputs.attentions,
+                                 **{record.cache_field: getattr(outputs, record.cache_field, None)})
+    return out.to_tuple() if return_dict is False else out
+
+
+def _unset_loss_forward(model: nn.Module) -> None:
+    bound = model.__dict__.get("forward")
+    if getattr(bound, "__func__", None) is _fused_loss_forward:
+        object.__delattr__(model, "forward")
 
 
 def _plan(model: nn.Module, model_type: str, modeling, switches: dict) -> tuple[list, list, list]:
@@ -474,7 +567,8 @@ def unpatch_hf(target):
 
     On a model: the original RMSNorm, rotary-embedding and MLP modules go back in place
     (holding the current ``weight`` Parameters, buffers and projection modules, so weights
-    loaded or moved after patching are kept), and the modeling module's ``apply_rotary_pos_emb`` is restored
+    loaded or moved after patching are kept), the instance's fused-loss ``forward`` is removed,
+    and the modeling module's ``apply_rotary_pos_emb`` is restored
     once no patched model of that family remains. On a model class or family name: models
     of the family built from now on are no longer patched (those already built stay
     patched until unpatched themselves). Anything not patched is returned as is."""
@@ -510,6 +604,7 @@ def unpatch_hf(target):
             _uninstall_apply(sys.modules[record.modeling], fused)
             original = fused.hf_rotary  # the same module, moved and initialised with the model
         _swap(parent, name, original)
+    _unset_loss_forward(model)
     object.__delattr__(model, _RECORD)
     return model
 

@@ -77,3 +77,14 @@ ADD_RMS_NORM_GPU_TEST_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 ADD_RMS_NORM_GPU_TESTS = tuple(
     [(shape, dtype) for dtype in ADD_RMS_NORM_GPU_TEST_DTYPES for shape in ADD_RMS_NORM_GPU_TEST_SHAPES]
     + [((2, 5), torch.float64)])
+
+# ---- linear_cross_entropy: h (N, d), W (V, d) -------------------------------------------------
+#: The wiola-360m head (tied embedding, V = 32000, d = 1024) on N = 4096 tokens: (N, d, V).
+LCE_BENCH = {"small": (48, 32, 300), "full": (4096, 1024, 32000)}
+#: tests/test_linear_cross_entropy.py::test_triton_on_gpu: every (N, d, V) × every dtype.
+LCE_GPU_TEST_SHAPES = ((37, 64, 1000),)
+LCE_GPU_TEST_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+#: (N, d, V, dtype) of every launch the GPU tests make (with the cross-op tests' float64).
+LCE_GPU_TESTS = tuple(
+    [(*shape, dtype) for dtype in LCE_GPU_TEST_DTYPES for shape in LCE_GPU_TEST_SHAPES]
+    + [(5, 16, 50, torch.float64)])

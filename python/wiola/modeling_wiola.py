@@ -963,9 +963,18 @@ class WiolaForCausalLM(WiolaPreTrainedModel, GenerationMixin):
                 position_ids: Tensor | None = None, cache: Cache | None = None,
                 inputs_embeds: Tensor | None = None, labels: Tensor | None = None, use_cache: bool | None = None,
                 logits_to_keep: int = 0, output_hidden_states: bool | None = None,
-                output_attentions: bool | None = None, **kwargs) -> WiolaCausalLMOutput:
+                output_attentions: bool | None = None, return_logits: bool = False,
+                **kwargs) -> WiolaCausalLMOutput:
         """``input_ids (B, T)`` → ``logits (B, T, V)``; ``labels (B, T)`` (−100 ignored) are
-        shifted inside, like Hugging Face causal LMs."""
+        shifted inside, like Hugging Face causal LMs.
+
+        With ``labels``, the loss goes through :func:`wiola_kernels.linear_cross_entropy` on
+        the last hidden states and the tied head: the ``(B, T, V)`` logits are never
+        materialised (at a 32k vocabulary they, their log-softmax and their gradient are most
+        of a training step's memory), and ``logits`` is None. ``return_logits=True`` keeps
+        them: the head runs as without labels and the loss is ``F.cross_entropy`` of those
+        logits (the unfused path, equal within SPEC §9 tolerances). Without ``labels`` the
+        flag changes nothing."""
         if cache is None:
             cache = kwargs.pop("past_key_values", None)
         ids = input_ids if input_ids is not None else inputs_embeds
@@ -980,15 +989,24 @@ class WiolaForCausalLM(WiolaPreTrainedModel, GenerationMixin):
             hidden = out.last_hidden_state                                   # (B, T, d)
             if logits_to_keep:
                 hidden = hidden[:, -logits_to_keep:]
-            if packed_head:  # E from a packed copy (decode.py)
+            logits = loss = None
+            if labels is not None:
+                check_labels(labels, (input_ids if input_ids is not None else inputs_embeds).shape[:2])
+                targets = labels[:, 1:].to(hidden.device)
+            if labels is not None and not return_logits:
+                # Position t predicts token t + 1: the last position has no target.
+                h, E = hidden[:, :-1], self.lm_head.weight
+                if torch.is_autocast_enabled(h.device.type):  # as autocast runs the head's F.linear
+                    dt = torch.get_autocast_dtype(h.device.type)
+                    h, E = h.to(dt), E.to(dt)
+                loss = wiola_kernels.linear_cross_entropy(h, E.to(h.dtype), targets, ignore_index=-100)
+            elif packed_head:  # E from a packed copy (decode.py)
                 logits = self.model.decode_weights().logits(hidden, self.lm_head.weight)
             else:
                 logits = self.lm_head(hidden)                                # (B, T, V)
-        loss = None
-        if labels is not None:
-            check_labels(labels, (input_ids if input_ids is not None else inputs_embeds).shape[:2])
+        if logits is not None and labels is not None:
             loss = F.cross_entropy(logits[:, :-1].to(compute_dtype(logits.dtype)).reshape(-1, logits.shape[-1]),
-                                   labels[:, 1:].reshape(-1).to(logits.device), ignore_index=-100)
+                                   targets.reshape(-1), ignore_index=-100)
         return WiolaCausalLMOutput(loss=loss, logits=logits, cache=out.cache, hidden_states=out.hidden_states)
 
     # -- generation --------------------------------------------------------------------

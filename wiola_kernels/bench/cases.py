@@ -26,6 +26,7 @@ from ..ops.srpe import srpe
 from ..shapes import ADD_RMS_NORM_BENCH as ADD_RMS_NORM_SHAPES
 from ..shapes import ATM_BENCH, GCLA_BENCH, GCLA_BENCH_CPU, GCLA_BENCH_HEAD_DIMS, GCLA_BENCH_SMALL, GPU_BENCH_DTYPE
 from ..shapes import GLU_BENCH as GLU_SHAPES
+from ..shapes import LCE_BENCH
 from ..shapes import RMS_NORM_BENCH as RMS_NORM_SHAPES
 from ..shapes import SRPE_BENCH as SRPE_SHAPES
 
@@ -47,6 +48,8 @@ class BenchCase:
     backward_rereads: Sequence[int] = ()             # inputs the backward must read again (bench byte count)
     notes: dict = field(default_factory=dict)       # extra numbers a case wants reported
     tolerance_kind: str = "elementwise"             # SPEC §9 class for `check`: elementwise|attention
+    peak_memory: bool = False                       # also measure each variant's peak memory (runner.peak_mb)
+    compute_bound: bool = False                     # bound by arithmetic (GEMMs), not memory: no copy baseline
 
     def baseline_to_compile(self) -> Callable[..., object]:
         """The callable the ``torch.compile`` baseline compiles (``compiled_baseline``, else ``eager``)."""
@@ -313,3 +316,42 @@ def gcla_attention_cases(device: torch.device, small: bool) -> list[BenchCase]:
         oracle=reference.gcla_attention, compiled_baseline=reference.gcla_attention, tolerance_kind="attention",
         backward_rereads=tuple(range(7)),  # attention's backward recomputes from every input
     )]
+
+
+def _linear_cross_entropy_eager(h, W, labels):
+    """The loss as a model author writes it (Hugging Face's causal-LM loss): the logits in the
+    input dtype, widened to float32, then ``F.cross_entropy``."""
+    import torch.nn.functional as F
+
+    return F.cross_entropy((h @ W.T).float(), labels, ignore_index=-100)
+
+
+@case_factory
+def linear_cross_entropy_cases(device: torch.device, small: bool) -> list[BenchCase]:
+    # The wiola-360m head (tied embedding, V = 32000, d = 1024) on N = 4096 tokens, 5% of
+    # them padding (ignore_index); float32 and bfloat16 on the CPU.
+    from ..ops.linear_cross_entropy import linear_cross_entropy
+
+    n, d, V = LCE_BENCH["small" if small else "full"]
+    dtypes = [_default_dtype(device)] + ([torch.bfloat16] if device.type == "cpu" else [])
+
+    def case(dtype: torch.dtype) -> BenchCase:
+        def make_inputs():
+            g = torch.Generator(device="cpu").manual_seed(0)
+            h = torch.randn(n, d, generator=g).to(device=device, dtype=dtype)
+            W = (torch.randn(V, d, generator=g) * d ** -0.5).to(device=device, dtype=dtype)
+            labels = torch.randint(0, V, (n,), generator=g)
+            labels[torch.rand(n, generator=g) < 0.05] = -100
+            return h, W, labels.to(device)
+
+        return BenchCase(
+            op="linear_cross_entropy", shape=f"h ({n}, {d}), W ({V}, {d})", dtype=dtype, make_inputs=make_inputs,
+            fused=lambda h, W, y: linear_cross_entropy(h, W, y),
+            eager=_linear_cross_entropy_eager,
+            oracle=lambda h, W, y: reference.linear_cross_entropy(h, W, y),
+            compiled_baseline=lambda h, W, y: reference.linear_cross_entropy(h, W, y),
+            differentiable=(0, 1), backward_rereads=(0, 1, 2), tolerance_kind="attention",
+            peak_memory=True, compute_bound=True,
+        )
+
+    return [case(dtype) for dtype in dtypes]

@@ -76,6 +76,11 @@ def cases() -> list[OverheadCase]:
         g = _gen()
         return [_randn(1, 8, 64, g=g).to(device), torch.tensor([[0, 0, 1, 2, 3, 3, 4, 5]], device=device)]
 
+    def lce_inputs(device):  # one decoding step's loss: 4 tokens, a 128-word head
+        g = _gen()
+        return [_randn(4, 64, g=g).to(device), _randn(128, 64, g=g).to(device),
+                torch.tensor([3, 17, -100, 90], device=device)]
+
     return [
         OverheadCase("F.rms_norm", lambda x, w, s: (F.rms_norm(x, (64,), w, 1e-6),), rms_inputs),
         OverheadCase("rms_norm", lambda x, w, s: (wk.rms_norm(x, w, s, 1e-6),), rms_inputs),
@@ -85,6 +90,7 @@ def cases() -> list[OverheadCase]:
         OverheadCase("gcla_attention", lambda *a: (wk.gcla_attention(*a),), gcla_inputs),
         OverheadCase("atm_merge", lambda x, p: wk.atm_merge(x, p, 0.9)[:1], merge_inputs),
         OverheadCase("atm_unmerge", lambda y, m: (wk.atm_unmerge(y, m),), unmerge_inputs),
+        OverheadCase("linear_cross_entropy", lambda h, w, y: (wk.linear_cross_entropy(h, w, y),), lce_inputs),
     ]
 
 
@@ -180,9 +186,9 @@ def first_call_records(first: dict) -> list[dict]:
 
 def format_overhead(records: list[dict], first: dict | None) -> str:
     """The two tables: per-call cost vs F.rms_norm, then the first calls."""
-    lines = [f"{'op':<16}{'pass':<9}{'µs/call':>9}{'F.rms_norm µs':>15}{'ratio':>7}"]
+    lines = [f"{'op':<22}{'pass':<9}{'µs/call':>9}{'F.rms_norm µs':>15}{'ratio':>7}"]
     for r in records:
-        lines.append(f"{r['op']:<16}{r['pass']:<9}{r['us']:>9.1f}{r['native_us']:>15.1f}{r['ratio']:>7.2f}")
+        lines.append(f"{r['op']:<22}{r['pass']:<9}{r['us']:>9.1f}{r['native_us']:>15.1f}{r['ratio']:>7.2f}")
     if first is not None:
         lines.append("")
         lines.append(f"fresh process: import torch {first['import_torch_s']:.2f} s, import wiola_kernels "

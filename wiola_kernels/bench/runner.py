@@ -27,6 +27,16 @@ while the ops did not, and both are pinned here:
   OpenMP workers spin, which CPU time counts; see :func:`time_vs_copy`). ``ms``, ``gbps`` and
   ``copy_gbps`` stay wall-time medians, so on a loaded machine ``pct_of_copy`` need not
   equal ``gbps / copy_gbps``.
+
+A case marked ``compute_bound`` (its time is GEMMs, not memory traffic) has no copy
+baseline: its fused pass is timed like the baselines, and the copy fields are None.
+
+Peak memory (cases marked ``peak_memory``): after the timings, each variant's pass runs once
+more under :func:`peak_mb` — on CUDA ``torch.cuda.max_memory_allocated`` above what was
+allocated before the pass; on the CPU the growth of the process's peak resident set over the
+pass (``VmHWM`` reset through ``/proc/self/clear_refs`` after ``malloc_trim``), i.e. every
+page the pass touched above what was resident before it, the GEMM libraries' own buffers
+included. The inputs are excluded, the outputs and gradients included (for every variant).
 """
 
 from __future__ import annotations
@@ -43,6 +53,7 @@ import torch
 
 from .. import dispatch
 from .cases import BenchCase
+from .hf import peak_mb
 
 PASSES = ("fwd", "fwd+bwd")
 PAGE_POLICIES = ("warm", "fresh")
@@ -64,8 +75,8 @@ class Record:
     speedup_vs_eager: float
     speedup_vs_compile: float | None
     gbps: float
-    copy_gbps: float
-    pct_of_copy: float
+    copy_gbps: float | None   # None: a compute-bound case (no copy baseline)
+    pct_of_copy: float | None
     bytes: int
     extra: dict
     # The same as ms/gbps/copy_gbps/pct_of_copy with every large output on fresh pages
@@ -74,6 +85,10 @@ class Record:
     gbps_fresh: float | None = None
     copy_gbps_fresh: float | None = None
     pct_of_copy_fresh: float | None = None
+    # Peak memory of the pass in MiB (cases marked peak_memory; see the module docstring).
+    peak_mb: float | None = None
+    peak_mb_eager: float | None = None
+    peak_mb_compile: float | None = None
 
     def to_json(self) -> dict:
         out = asdict(self)
@@ -278,7 +293,7 @@ def run_case(case: BenchCase, device: torch.device, *, repeats: int = 10, compil
     Everything runs under ``page_policy("warm")``; on the CPU the fused op and its copy
     are timed once more under ``page_policy("fresh")``.
     """
-    policies = PAGE_POLICIES if device.type == "cpu" else ("warm",)
+    policies = PAGE_POLICIES if device.type == "cpu" and not case.compute_bound else ("warm",)
     inputs = case.make_inputs()
     compiled = torch.compile(case.baseline_to_compile(), dynamic=False) if compile else None
     backend = dispatch.select(case.op, device)
@@ -286,27 +301,35 @@ def run_case(case: BenchCase, device: torch.device, *, repeats: int = 10, compil
     for pass_ in passes:
         timings: dict = {}
         nbytes = min_bytes(case, pass_, inputs)
-        copy_fn, copy_bytes = copy_baseline(nbytes, device)
+        copy_fn, copy_bytes = (None, 0) if case.compute_bound else copy_baseline(nbytes, device)
         vs_copy = {}
+        peaks: dict = {}
         for label, fn in (("fused", case.fused), ("eager", case.eager), ("compile", compiled)):
             if progress is not None:
                 progress.set_postfix_str(f"{case.op} {pass_} {label}")
             if fn is None:
                 timings[label] = None
-            elif label == "fused":  # timed in alternation with its copy baseline, under each page policy
+            elif label == "fused" and not case.compute_bound:  # in alternation with its copy, per page policy
                 run = make_pass(case, fn, pass_, inputs)
                 for policy in policies:
                     with page_policy(policy, device) as before:
                         vs_copy[policy] = time_vs_copy(run, copy_fn, device, repeats=max(repeats, MIN_COPY_PAIRS),
                                                        before=before)
                 timings["fused"] = vs_copy["warm"][0]
+                if case.peak_memory:
+                    peaks[label] = peak_mb(run, device)
             else:
+                run = make_pass(case, fn, pass_, inputs)
                 with page_policy("warm", device):
-                    timings[label] = time_ms(make_pass(case, fn, pass_, inputs), device, repeats=repeats)
+                    timings[label] = time_ms(run, device, repeats=repeats)
+                if case.peak_memory:
+                    peaks[label] = peak_mb(run, device)
             if progress is not None:
                 progress.update(1)
         gb = {p: (nbytes / (op_ms * 1e-3) / 1e9, copy_bytes / (copy_ms * 1e-3) / 1e9,
                   100.0 * nbytes / copy_bytes * ratio) for p, (op_ms, copy_ms, ratio) in vs_copy.items()}
+        if case.compute_bound:
+            gb["warm"] = (nbytes / (timings["fused"] * 1e-3) / 1e9, None, None)
         fresh = gb.get("fresh")
         records.append(Record(
             op=case.op, backend=backend, shape=case.shape, dtype=str(case.dtype).replace("torch.", ""),
@@ -316,7 +339,8 @@ def run_case(case: BenchCase, device: torch.device, *, repeats: int = 10, compil
             gbps=gb["warm"][0], copy_gbps=gb["warm"][1], pct_of_copy=gb["warm"][2], bytes=nbytes,
             extra=dict(case.notes), ms_fresh=vs_copy["fresh"][0] if fresh else None,
             gbps_fresh=fresh[0] if fresh else None, copy_gbps_fresh=fresh[1] if fresh else None,
-            pct_of_copy_fresh=fresh[2] if fresh else None))
+            pct_of_copy_fresh=fresh[2] if fresh else None, peak_mb=peaks.get("fused"),
+            peak_mb_eager=peaks.get("eager"), peak_mb_compile=peaks.get("compile")))
     return records
 
 
@@ -324,15 +348,23 @@ def format_table(records: list[Record]) -> str:
     """A plain-text table of the records."""
     header = ("op", "backend", "shape", "dtype", "pass", "ms", "eager ms", "compile ms", "x eager", "x compile",
               "GB/s", "% copy", "fresh ms", "fresh GB/s", "fresh % copy")
+    peaks = any(r.peak_mb is not None for r in records)
+    if peaks:
+        header += ("peak MiB", "eager MiB", "compile MiB")
+
+    def opt(v, fmt):
+        return "-" if v is None else format(v, fmt)
+
     rows = [header]
     for r in records:
-        rows.append((r.op, r.backend, r.shape, r.dtype, r.pass_, f"{r.ms:.3f}", f"{r.ms_eager:.3f}",
-                     "-" if r.ms_compile is None else f"{r.ms_compile:.3f}", f"{r.speedup_vs_eager:.2f}",
-                     "-" if r.speedup_vs_compile is None else f"{r.speedup_vs_compile:.2f}",
-                     f"{r.gbps:.1f}", f"{r.pct_of_copy:.0f}%",
-                     "-" if r.ms_fresh is None else f"{r.ms_fresh:.3f}",
-                     "-" if r.gbps_fresh is None else f"{r.gbps_fresh:.1f}",
-                     "-" if r.pct_of_copy_fresh is None else f"{r.pct_of_copy_fresh:.0f}%"))
+        row = (r.op, r.backend, r.shape, r.dtype, r.pass_, f"{r.ms:.3f}", f"{r.ms_eager:.3f}",
+               opt(r.ms_compile, ".3f"), f"{r.speedup_vs_eager:.2f}", opt(r.speedup_vs_compile, ".2f"),
+               f"{r.gbps:.1f}", opt(r.pct_of_copy, ".0f") + ("%" if r.pct_of_copy is not None else ""),
+               opt(r.ms_fresh, ".3f"), opt(r.gbps_fresh, ".1f"),
+               opt(r.pct_of_copy_fresh, ".0f") + ("%" if r.pct_of_copy_fresh is not None else ""))
+        if peaks:
+            row += (opt(r.peak_mb, ".1f"), opt(r.peak_mb_eager, ".1f"), opt(r.peak_mb_compile, ".1f"))
+        rows.append(row)
     widths = [max(len(str(row[i])) for row in rows) for i in range(len(header))]
     lines = ["  ".join(str(c).rjust(w) if i >= 5 else str(c).ljust(w) for i, (c, w) in enumerate(zip(row, widths)))
              for row in rows]

@@ -399,4 +399,76 @@ inline void atm_unmerge(const char* name, const at::Tensor& y, const at::Tensor&
   same_device("index_map", map, name, y);
 }
 
+
+// A loss's num_items (wiola::linear_cross_entropy): None, or a real tensor of one element on
+// `like`'s device or the CPU, > 0 (value read when it is on the CPU). Returns its value, or
+// nullopt (not given, or not on the CPU).
+inline std::optional<double> num_items(const std::optional<at::Tensor>& num_items, const at::Tensor& like) {
+  if (!num_items.has_value()) return std::nullopt;
+  const at::Tensor& t = *num_items;
+  TORCH_CHECK_VALUE(t.numel() == 1 && t.scalar_type() != at::kBool && !t.is_complex(),
+                    "num_items must be a number > 0 or a real tensor of one element, got a tensor of shape ",
+                    shape_str(t.sizes()), " and dtype ", dtype_name(t.scalar_type()));
+  TORCH_CHECK_VALUE(t.device() == like.device() || t.is_cpu(), "num_items must be on ", like.device(),
+                    " like h (or on the CPU), got ", t.device());
+  if (!t.is_cpu()) return std::nullopt;
+  const double v = t.item<double>();
+  TORCH_CHECK_VALUE(v > 0.0 && std::isfinite(v), "num_items must be a finite number > 0, got ", float_repr(v));
+  return v;
+}
+
+struct LinearCrossEntropyArgs {
+  int64_t n;                         // rows N
+  at::Tensor labels;                 // int64 (N,), contiguous
+  std::optional<double> num_items;   // its value, when given on the CPU
+};
+
+// wiola::linear_cross_entropy: h (..., d) with d > 0, W (V, d) of h's dtype and V > 0, labels
+// h.shape[:-1] or (N,) of an index dtype with values in [0, V) or equal to ignore_index (read
+// on CPU tensors), reduction "mean" / "sum" / "none", label_smoothing in [0, 1], softcap None
+// or > 0, z_loss >= 0, num_items (above).
+inline LinearCrossEntropyArgs linear_cross_entropy(const at::Tensor& h, const at::Tensor& W, const at::Tensor& labels,
+                                                   int64_t ignore_index, c10::string_view reduction,
+                                                   double label_smoothing, std::optional<double> softcap,
+                                                   double z_loss, const std::optional<at::Tensor>& num_items) {
+  float_tensor("h", h);
+  float_tensor("W", W);
+  min_rank("h", h, 2, "(..., d)");
+  const int64_t d = h.size(-1);
+  rank("W", W, 2, "(V, d)");
+  TORCH_CHECK_VALUE(W.size(1) == d, "W must have shape (V, d) = (V, ", d, ") to match h, got ", shape_str(W.sizes()));
+  TORCH_CHECK_VALUE(d != 0, "h must have a non-empty last dimension d, got d = 0");
+  TORCH_CHECK_VALUE(W.size(0) != 0, "W must have at least one row (V >= 1), got shape ", shape_str(W.sizes()));
+  same_dtype("W", W, "h", h);
+  index_tensor("labels", labels);
+  const int64_t n = h.numel() / d;
+  const auto lead = h.sizes().slice(0, h.dim() - 1);
+  TORCH_CHECK_VALUE(labels.sizes() == lead || (labels.dim() == 1 && labels.size(0) == n),
+                    "labels must have shape h.shape[:-1] = ", shape_str(lead), " or (N,) = (", n, ",), got ",
+                    shape_str(labels.sizes()));
+  same_device("W", W, "h", h);
+  same_device("labels", labels, "h", h);
+  TORCH_CHECK_VALUE(reduction == "mean" || reduction == "sum" || reduction == "none",
+                    "reduction must be one of 'mean', 'sum', 'none', got '", std::string(reduction), "'");
+  finite("label_smoothing", label_smoothing);
+  TORCH_CHECK_VALUE(label_smoothing >= 0.0 && label_smoothing <= 1.0, "label_smoothing must lie in [0, 1], got ",
+                    float_repr(label_smoothing));
+  if (softcap.has_value()) positive("softcap", *softcap);
+  TORCH_CHECK_VALUE(z_loss >= 0.0 && std::isfinite(z_loss), "z_loss must be a finite number >= 0, got ",
+                    float_repr(z_loss));
+  const std::optional<double> items = checks::num_items(num_items, h);
+  at::Tensor y = labels.reshape({n}).to(at::kLong).contiguous();  // (N,) int64: nothing to speak of
+  if (reads_values(y)) {
+    const int64_t V = W.size(0);
+    const int64_t* p = y.const_data_ptr<int64_t>();
+    int64_t lo = 0, hi = 0;  // over the counted labels
+    for (int64_t i = 0; i < n; ++i) {
+      if (p[i] != ignore_index) lo = std::min(lo, p[i]), hi = std::max(hi, p[i]);
+    }
+    TORCH_CHECK_VALUE(lo >= 0 && hi < V, "labels must lie in [0, V) = [0, ", V, ") or equal ignore_index = ",
+                      ignore_index, ", got ", lo < 0 ? lo : hi);
+  }
+  return {n, y, items};
+}
+
 }  // namespace wiola::checks

@@ -1,0 +1,498 @@
+// Linear cross-entropy on the CPU (SPEC §10.1): ℓ_i from h_i Wᵀ without an (N, V) tensor.
+//
+// Rows are processed in chunks of R rows (chunk_rows); a chunk's logits L (R, V) live in one
+// buffer of the input dtype, the only large thing the op allocates. Per chunk, each phase a
+// parallel loop over a fixed partition (so the results do not depend on the thread count:
+// every GEMM below runs on one thread, on a block the partition fixes):
+//   1. per vocabulary block of C columns: L[:, block] = h_c W_blockᵀ (ATen GEMM: MKL for
+//      float, oneDNN for bf16), then, while the (R, C) block is in L2, softcap in place and
+//      each row's block max, Σexp, Σs and target logit;
+//   2. per row: lse and ℓ from the block statistics, combined in block order;
+//   3. per block (gradients wanted): dz in place in L (input dtype), then the block's share
+//      of ∂W, dz_blockᵀ h_c, while the block is in L2;
+//   4. per column block of ∂h: ∂h_c = dz W (one GEMM over all of V).
+// Everything after the logits GEMM is ours (vectorised, float accumulation; double for
+// double). bf16/fp16: the GEMMs run in the input dtype (fp32 accumulation inside) and round
+// their outputs, as a model's lm_head does: logits, dz and ∂h are rounded once; ∂W sums the
+// chunks' rounded partials in a float32 accumulator (V, d) that is rounded once at the end.
+//
+// Where the gradients come from (Liger-Kernel's choice, not Cut Cross-Entropy's): with
+// reduction "mean" or "sum" every row's gradient is grad_loss (÷ n) times a row gradient the
+// forward already has in L, so the forward computes the unscaled ∂h and ∂W in passing (3
+// GEMMs per step), and the backward only scales them in place. Recomputing the logits in the
+// backward (Cut Cross-Entropy) costs a 4th GEMM of the same size: measured at the bench shape
+// (N 4096, d 1024, V 32000) the GEMMs are ~97% of the time, so that is ~30% slower, and the
+// torch.compile'd reference (3 GEMMs + elementwise passes over (N, V)) would win. "none"
+// weights rows by grad_loss[i], which only the backward knows: there the backward recomputes
+// (phases 1, 3, 4 with the saved lse). The backward recomputes too when the forward's
+// gradients were already used (autograd called twice on the graph, e.g. gradcheck): the same
+// code on the same chunks, so both give the same bits.
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstdlib>
+#include <limits>
+#include <vector>
+
+#include "common.h"
+#include "wiola/checks.h"
+
+namespace wiola::cpu {
+namespace {
+
+// Bytes of one (R, C) logits block: it stays in L2 (1-2 MB per core) from its GEMM to its
+// epilogue, and from its dz to its ∂W GEMM.
+constexpr int64_t kBlockBytes = int64_t(256) << 10;
+// Bytes of the chunk's logits (R, V), the op's working memory: R = this / (V · element size),
+// at least kMinChunkRows (GEMMs with fewer rows lose efficiency), at most kMaxChunkRows.
+// Measured at the bench shape (docs/ops.md, "linear_cross_entropy"): see chunk_rows.
+constexpr int64_t kChunkBytes = int64_t(16) << 20;
+constexpr int64_t kMinChunkRows = 32;
+constexpr int64_t kMaxChunkRows = 512;
+// Columns of ∂h per phase-4 task: ≥ 4 tasks at d = 1024, so 2 threads stay busy.
+constexpr int64_t kGradHCols = 256;
+
+template <typename acc_t>
+using Vec = at::vec::Vectorized<acc_t>;
+
+struct Options {
+  int64_t ignore_index;
+  double eps;        // label smoothing ε
+  double z_loss;     // ζ
+  bool has_cap;
+  double cap;        // softcap c
+};
+
+// Rows per chunk: kChunkBytes of logits, within [kMinChunkRows, kMaxChunkRows] and ≤ n.
+// WIOLA_LCE_CHUNK_ROWS overrides it (for measuring other sizes; docs/ops.md).
+int64_t chunk_rows(int64_t n, int64_t V, int64_t element_size) {
+  int64_t rows = kChunkBytes / std::max<int64_t>(1, V * element_size);
+  if (const char* env = std::getenv("WIOLA_LCE_CHUNK_ROWS")) {
+    rows = std::atoll(env);
+  }
+  rows = std::clamp<int64_t>(rows, kMinChunkRows, kMaxChunkRows);
+  return std::max<int64_t>(1, std::min(rows, n));
+}
+
+// Vocabulary columns per block: kBlockBytes of an (R, C) block, a multiple of 64.
+int64_t block_cols(int64_t rows, int64_t V, int64_t element_size) {
+  int64_t cols = kBlockBytes / std::max<int64_t>(1, rows * element_size);
+  cols = std::max<int64_t>(64, cols / 64 * 64);
+  return std::min(cols, V);
+}
+
+template <typename acc_t>
+inline Vec<acc_t> fast_exp(const Vec<acc_t>& x) {
+  return x.exp_u20();  // ≤ 20 ulp in float; the loss needs 1e-4
+}
+
+// x ← c·tanh(x / c).
+template <typename acc_t>
+void softcap_row(acc_t* x, int64_t n, acc_t cap) {
+  using V = Vec<acc_t>;
+  const V vc(cap), vinv(acc_t(1) / cap);
+  int64_t i = 0;
+  for (; i + V::size() <= n; i += V::size()) (vc * (V::loadu(x + i) * vinv).tanh()).store(x + i);
+  for (; i < n; ++i) x[i] = cap * std::tanh(x[i] / cap);
+}
+
+template <typename acc_t>
+acc_t max_row(const acc_t* x, int64_t n) {
+  using V = Vec<acc_t>;
+  acc_t m = -std::numeric_limits<acc_t>::infinity();
+  int64_t i = 0;
+  if (n >= V::size()) {
+    V vm = V::loadu(x);
+    for (i = V::size(); i + V::size() <= n; i += V::size()) vm = at::vec::maximum(vm, V::loadu(x + i));
+    m = at::vec::vec_reduce_all<acc_t>([](V a, V b) { return at::vec::maximum(a, b); }, vm);
+  }
+  for (; i < n; ++i) m = std::max(m, x[i]);  // NaN in a row: the comparisons above keep it (maximum)
+  return m;
+}
+
+// (Σ exp(x − m), Σ x).
+template <typename acc_t>
+std::pair<acc_t, acc_t> exp_sum_row(const acc_t* x, int64_t n, acc_t m, bool want_sum) {
+  using V = Vec<acc_t>;
+  const V vm(m);
+  V se(0), sx(0);
+  int64_t i = 0;
+  for (; i + V::size() <= n; i += V::size()) {
+    const V v = V::loadu(x + i);
+    se = se + fast_exp(v - vm);
+    if (want_sum) sx = sx + v;
+  }
+  acc_t e = at::vec::vec_reduce_all<acc_t>([](V a, V b) { return a + b; }, se);
+  acc_t s = want_sum ? at::vec::vec_reduce_all<acc_t>([](V a, V b) { return a + b; }, sx) : acc_t(0);
+  for (; i < n; ++i) {
+    e += std::exp(x[i] - m);
+    if (want_sum) s += x[i];
+  }
+  return {e, s};
+}
+
+// dz over one block row: t_v = a·exp(s_v − lse) − b, minus k at the label column `yc`
+// (−1: not in this block), times 1 − (s_v/c)² under a softcap.
+template <typename acc_t>
+void dz_row(acc_t* x, int64_t n, acc_t lse, acc_t a, acc_t b, acc_t k, int64_t yc, const Options& o) {
+  using V = Vec<acc_t>;
+  const V vlse(lse), va(a), vb(b), one(acc_t(1)), vinv(acc_t(o.has_cap ? 1.0 / o.cap : 1.0));
+  acc_t xy = yc >= 0 ? x[yc] : acc_t(0);
+  int64_t i = 0;
+  for (; i + V::size() <= n; i += V::size()) {
+    const V s = V::loadu(x + i);
+    V t = at::vec::fmsub(va, fast_exp(s - vlse), vb);
+    if (o.has_cap) {
+      const V r = s * vinv;
+      t = t * at::vec::fnmadd(r, r, one);
+    }
+    t.store(x + i);
+  }
+  const acc_t inv = acc_t(o.has_cap ? 1.0 / o.cap : 1.0);
+  for (; i < n; ++i) {
+    acc_t t = a * std::exp(x[i] - lse) - b;
+    if (o.has_cap) t *= acc_t(1) - (x[i] * inv) * (x[i] * inv);
+    x[i] = t;
+  }
+  if (yc >= 0) {
+    acc_t t = a * std::exp(xy - lse) - b - k;
+    if (o.has_cap) t *= acc_t(1) - (xy * inv) * (xy * inv);
+    x[yc] = t;
+  }
+}
+
+// The chunk's block statistics, (rows, blocks) each: max, Σexp(s − max), Σs; and s_y per row.
+template <typename acc_t>
+struct Stats {
+  std::vector<acc_t> max, expsum, sum, target;
+  int64_t blocks;
+  Stats(int64_t rows, int64_t blocks_)
+      : max(rows * blocks_), expsum(rows * blocks_), sum(rows * blocks_), target(rows), blocks(blocks_) {}
+};
+
+// acc[i] = (first ? 0 : acc[i]) + p[i], reduced-precision p widened to float.
+template <typename scalar_t>
+void add_partial(const scalar_t* p, float* acc, int64_t count, bool first) {
+  using FV = Vec<float>;
+  constexpr int64_t S = 2 * FV::size();
+  int64_t i = 0;
+  for (; i + S <= count; i += S) {
+    auto [lo, hi] = at::vec::convert_to_float<scalar_t>(at::vec::Vectorized<scalar_t>::loadu(p + i));
+    if (!first) {
+      lo = lo + FV::loadu(acc + i);
+      hi = hi + FV::loadu(acc + i + FV::size());
+    }
+    lo.store(acc + i);
+    hi.store(acc + i + FV::size());
+  }
+  for (; i < count; ++i) acc[i] = (first ? 0.0f : acc[i]) + float(p[i]);
+}
+
+// One call's tensors and sizes.
+template <typename scalar_t>
+struct Problem {
+  using acc_t = acc_type<scalar_t>;
+  at::Tensor h, W;          // (n, d), (V, d): any strides the GEMMs take
+  const int64_t* y;         // (n,) labels
+  int64_t n, V, d;
+  Options o;
+};
+
+// A worker's row of acc_t for reduced-precision rows (empty for float/double storage).
+template <typename scalar_t>
+std::vector<acc_type<scalar_t>> scratch_row(int64_t cols) {
+  return std::vector<acc_type<scalar_t>>(std::is_same_v<scalar_t, acc_type<scalar_t>> ? 0 : cols);
+}
+
+// acc_t view of a block row: the row itself (float/double storage) or its copy in `scratch`.
+template <typename scalar_t, typename acc_t = acc_type<scalar_t>>
+inline acc_t* as_acc(scalar_t* p, int64_t n, std::vector<acc_t>& scratch) {
+  if constexpr (std::is_same_v<scalar_t, acc_t>) {
+    (void)n, (void)scratch;
+    return p;
+  } else {
+    load_row(p, scratch.data(), n);
+    return scratch.data();
+  }
+}
+
+template <typename scalar_t, typename acc_t>
+inline void write_back(const acc_t* x, scalar_t* p, int64_t n) {
+  if constexpr (!std::is_same_v<scalar_t, acc_t>) store_row(x, p, n);
+  else (void)x, (void)p, (void)n;
+}
+
+// Phase 1: logits of rows [r0, r0 + rows) into L, softcapped in place; block statistics.
+template <typename scalar_t>
+void logits_and_stats(const Problem<scalar_t>& P, at::Tensor& L, int64_t r0, int64_t rows, int64_t cols,
+                      Stats<acc_type<scalar_t>>* stats) {
+  using acc_t = acc_type<scalar_t>;
+  const at::Tensor hc = P.h.narrow(0, r0, rows);
+  const int64_t blocks = (P.V + cols - 1) / cols;
+  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+    const at::AutoDispatchBelowADInplaceOrView no_autograd;  // worker threads: grad mode is per thread
+    auto scratch = scratch_row<scalar_t>(cols);
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t v0 = b * cols, nv = std::min(cols, P.V - v0);
+      at::Tensor Lb = L.narrow(0, 0, rows).narrow(1, v0, nv);
+      at::mm_out(Lb, hc, P.W.narrow(0, v0, nv).t());
+      if (!P.o.has_cap && stats == nullptr) continue;
+      scalar_t* base = L.mutable_data_ptr<scalar_t>() + v0;
+      for (int64_t r = 0; r < rows; ++r) {
+        scalar_t* row = base + r * P.V;
+        acc_t* x = as_acc(row, nv, scratch);
+        if (P.o.has_cap) {
+          softcap_row(x, nv, acc_t(P.o.cap));
+          write_back(x, row, nv);
+          if constexpr (!std::is_same_v<scalar_t, acc_t>) load_row(row, x, nv);  // the stored (rounded) s
+        }
+        if (stats == nullptr) continue;
+        const acc_t m = max_row(x, nv);
+        const auto [e, s] = exp_sum_row(x, nv, m, P.o.eps != 0.0);
+        stats->max[r * blocks + b] = m;
+        stats->expsum[r * blocks + b] = e;
+        stats->sum[r * blocks + b] = s;
+        const int64_t yv = P.y[r0 + r] - v0;
+        if (P.y[r0 + r] != P.o.ignore_index && yv >= 0 && yv < nv) stats->target[r] = x[yv];
+      }
+    }
+  });
+}
+
+// Phase 2: lse and ℓ per row from the block statistics (block order: deterministic).
+template <typename acc_t>
+void row_losses(const Stats<acc_t>& st, const int64_t* y, int64_t rows, int64_t V, const Options& o, acc_t* lse,
+                acc_t* loss) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const acc_t* m = &st.max[r * st.blocks];
+    const acc_t* e = &st.expsum[r * st.blocks];
+    const acc_t* s = &st.sum[r * st.blocks];
+    acc_t mx = m[0];
+    for (int64_t b = 1; b < st.blocks; ++b) mx = std::max(mx, m[b]);
+    acc_t total = 0, sum = 0;
+    for (int64_t b = 0; b < st.blocks; ++b) {
+      total += std::isinf(mx) ? e[b] : e[b] * std::exp(m[b] - mx);
+      sum += s[b];
+    }
+    const acc_t l = mx + std::log(total);
+    lse[r] = l;
+    if (y[r] == o.ignore_index) {
+      loss[r] = 0;
+      continue;
+    }
+    acc_t v = acc_t(1.0 - o.eps) * (l - st.target[r]);
+    if (o.eps != 0.0) v += acc_t(o.eps) * (l - sum / acc_t(V));
+    if (o.z_loss != 0.0) v += acc_t(o.z_loss) * l * l;
+    loss[r] = v;
+  }
+}
+
+// Phases 3 and 4 for one chunk whose logits are in L: dz in place (row r weighted by g[r];
+// 0: an ignored row), then ∂W (into grad_W, or the float accumulator dW_acc for reduced
+// precision; `first`: the chunk overwrites instead of adding) and ∂h rows [r0, r0 + rows).
+template <typename scalar_t>
+void chunk_gradients(const Problem<scalar_t>& P, at::Tensor& L, int64_t r0, int64_t rows, int64_t cols,
+                     const acc_type<scalar_t>* lse, const acc_type<scalar_t>* g, at::Tensor* grad_h,
+                     at::Tensor* grad_W, at::Tensor* dW_acc, bool first) {
+  using acc_t = acc_type<scalar_t>;
+  const Options& o = P.o;
+  const at::Tensor hc = P.h.narrow(0, r0, rows);
+  const int64_t blocks = (P.V + cols - 1) / cols;
+  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+    const at::AutoDispatchBelowADInplaceOrView no_autograd;  // worker threads: grad mode is per thread
+    auto scratch = scratch_row<scalar_t>(cols);
+    // The worker's (cols, d) GEMM output, summed into dW_acc (reduced precision).
+    at::Tensor partial = dW_acc != nullptr ? at::empty({std::min(cols, P.V), P.d}, P.h.options()) : at::Tensor();
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t v0 = b * cols, nv = std::min(cols, P.V - v0);
+      scalar_t* base = L.mutable_data_ptr<scalar_t>() + v0;
+      for (int64_t r = 0; r < rows; ++r) {
+        scalar_t* row = base + r * P.V;
+        if (g[r] == acc_t(0)) {
+          std::fill(row, row + nv, scalar_t(0));
+          continue;
+        }
+        acc_t* x = as_acc(row, nv, scratch);
+        const int64_t yv = P.y[r0 + r] - v0;
+        dz_row(x, nv, lse[r], acc_t(g[r] * (1.0 + 2.0 * o.z_loss * lse[r])), acc_t(g[r] * o.eps / double(P.V)),
+               acc_t(g[r] * (1.0 - o.eps)), yv >= 0 && yv < nv ? yv : -1, o);
+        write_back(x, row, nv);
+      }
+      if (grad_W == nullptr) continue;
+      const at::Tensor dzb = L.narrow(0, 0, rows).narrow(1, v0, nv).t();  // (nv, rows)
+      if constexpr (std::is_same_v<scalar_t, acc_t>) {  // float / double: accumulate in the output
+        at::Tensor out = grad_W->narrow(0, v0, nv);
+        if (first) at::mm_out(out, dzb, hc);
+        else out.addmm_(dzb, hc);
+      } else {  // reduced precision: the GEMM's rounded partial, summed in float
+        at::Tensor part = partial.narrow(0, 0, nv);
+        at::mm_out(part, dzb, hc);
+        add_partial(part.const_data_ptr<scalar_t>(), dW_acc->mutable_data_ptr<float>() + v0 * P.d, nv * P.d, first);
+      }
+    }
+  });
+  if (grad_h == nullptr) return;
+  const at::Tensor dz = L.narrow(0, 0, rows);
+  const int64_t tasks = (P.d + kGradHCols - 1) / kGradHCols;
+  at::parallel_for(0, tasks, 1, [&](int64_t t0, int64_t t1) {
+    const at::AutoDispatchBelowADInplaceOrView no_autograd;
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t c0 = t * kGradHCols, nc = std::min(kGradHCols, P.d - c0);
+      at::Tensor out = grad_h->narrow(0, r0, rows).narrow(1, c0, nc);
+      at::mm_out(out, dz, P.W.narrow(1, c0, nc));
+    }
+  });
+}
+
+
+// Every chunk: logits (phase 1), then with `lse_in` (backward) the given lse, else phase 2's
+// into lse/loss; with gradients wanted, phases 3-4 with row weights g(r) (0 on ignored rows).
+template <typename scalar_t, typename RowWeight>
+void run_chunks(const Problem<scalar_t>& P, acc_type<scalar_t>* lse, acc_type<scalar_t>* loss,
+                const acc_type<scalar_t>* lse_in, at::Tensor* grad_h, at::Tensor* grad_W, RowWeight weight) {
+  using acc_t = acc_type<scalar_t>;
+  const int64_t esize = int64_t(sizeof(scalar_t));
+  const int64_t R = chunk_rows(P.n, P.V, esize);
+  const int64_t cols = block_cols(R, P.V, esize);
+  const int64_t blocks = (P.V + cols - 1) / cols;
+  const bool grads = grad_h != nullptr || grad_W != nullptr;
+  at::Tensor L = at::empty({R, P.V}, P.h.options());
+  // ∂W of reduced precision is summed in float (V, d), rounded once at the end.
+  at::Tensor dW_acc = grad_W != nullptr && !std::is_same_v<scalar_t, acc_t>
+                          ? at::empty({P.V, P.d}, P.h.options().dtype(at::kFloat))
+                          : at::Tensor();
+  std::vector<acc_t> g(R), lse_chunk(R);
+  for (int64_t r0 = 0; r0 < P.n; r0 += R) {
+    const int64_t rows = std::min(R, P.n - r0);
+    if (lse_in == nullptr) {
+      Stats<acc_t> stats(rows, blocks);
+      logits_and_stats(P, L, r0, rows, cols, &stats);
+      row_losses(stats, P.y + r0, rows, P.V, P.o, lse + r0, loss + r0);
+    } else {
+      logits_and_stats<scalar_t>(P, L, r0, rows, cols, nullptr);
+    }
+    if (!grads) continue;
+    const acc_t* l = lse_in != nullptr ? lse_in + r0 : lse + r0;
+    for (int64_t r = 0; r < rows; ++r) g[r] = P.y[r0 + r] == P.o.ignore_index ? acc_t(0) : weight(r0 + r);
+    chunk_gradients(P, L, r0, rows, cols, l, g.data(), grad_h, grad_W, dW_acc.defined() ? &dW_acc : nullptr,
+                    r0 == 0);
+  }
+  if (grad_W != nullptr) {
+    if (P.n == 0) grad_W->zero_();
+    else if (dW_acc.defined()) grad_W->copy_(dW_acc);
+  }
+}
+
+// A 2-D GEMM operand as BLAS reads it, one dimension of stride 1 (a transposed view, a
+// slice of an embedding: no copy); anything else is copied once here rather than by every
+// GEMM of every chunk.
+at::Tensor gemm_operand(const at::Tensor& t) {
+  if (t.numel() == 0 || t.stride(1) == 1 || t.stride(0) == 1) return t;
+  return t.contiguous();
+}
+
+Options options(int64_t ignore_index, double eps, std::optional<double> softcap, double z_loss) {
+  return {ignore_index, eps, z_loss, softcap.has_value(), softcap.value_or(1.0)};
+}
+
+// n of a mean: num_items, else the counted rows (at least 1).
+double denominator(const checks::LinearCrossEntropyArgs& a, int64_t ignore_index) {
+  if (a.num_items.has_value()) return *a.num_items;
+  const int64_t* y = a.labels.const_data_ptr<int64_t>();
+  int64_t count = 0;
+  for (int64_t i = 0; i < a.n; ++i) count += y[i] != ignore_index;
+  return double(std::max<int64_t>(count, 1));
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> lce_fwd(
+    const at::Tensor& h, const at::Tensor& W, const at::Tensor& labels, int64_t ignore_index,
+    c10::string_view reduction, double label_smoothing, std::optional<double> softcap, double z_loss,
+    const std::optional<at::Tensor>& num_items, std::array<bool, 2> grad_mask) {
+  const checks::LinearCrossEntropyArgs a =
+      checks::linear_cross_entropy(h, W, labels, ignore_index, reduction, label_smoothing, softcap, z_loss, num_items);
+  TORCH_CHECK_VALUE(!(grad_mask[0] || grad_mask[1]) || reduction != "none",
+                    "grad_mask: the forward computes gradients for reduction 'mean' or 'sum' only, got 'none'");
+  const int64_t d = h.size(-1), V = W.size(0), n = a.n;
+  const auto acc = acc_scalar_type(h);
+  const auto opts = h.options();
+  at::Tensor lse = empty_output({n}, opts.dtype(acc));
+  at::Tensor rows_loss = reduction == "none" ? empty_output({n}, opts.dtype(acc)) : at::empty({n}, opts.dtype(acc));
+  at::Tensor grad_h = grad_mask[0] ? empty_output({n, d}, opts) : at::empty({0}, opts);
+  at::Tensor grad_W = grad_mask[1] ? empty_output({V, d}, W.options()) : at::empty({0}, W.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, h.scalar_type(), "wiola_linear_cross_entropy_fwd", [&] {
+    using acc_t = acc_type<scalar_t>;
+    Problem<scalar_t> P{gemm_operand(h.reshape({n, d})).detach(), gemm_operand(W).detach(), a.labels.const_data_ptr<int64_t>(), n, V, d,
+                        options(ignore_index, label_smoothing, softcap, z_loss)};
+    run_chunks<scalar_t>(P, lse.mutable_data_ptr<acc_t>(), rows_loss.mutable_data_ptr<acc_t>(), nullptr,
+                         grad_mask[0] ? &grad_h : nullptr, grad_mask[1] ? &grad_W : nullptr,
+                         [](int64_t) { return acc_t(1); });
+  });
+  if (reduction == "none") return {rows_loss, lse, grad_h, grad_W};
+  // The sum in double, in row order: the same bits for any thread count.
+  double total = 0;
+  AT_DISPATCH_FLOATING_TYPES(acc, "wiola_linear_cross_entropy_sum", [&] {
+    const scalar_t* p = rows_loss.const_data_ptr<scalar_t>();
+    for (int64_t i = 0; i < n; ++i) total += double(p[i]);
+  });
+  if (reduction == "mean") total /= denominator(a, ignore_index);
+  at::Tensor loss = empty_output({}, opts.dtype(acc));
+  loss.fill_(total);
+  return {loss, lse, grad_h, grad_W};
+}
+
+void lce_bwd(const at::Tensor& grad_loss, const at::Tensor& h, const at::Tensor& W, const at::Tensor& labels,
+             const at::Tensor& lse_in, const std::optional<at::Tensor>& num_items,
+             const std::optional<at::Tensor>& grad_h_opt, const std::optional<at::Tensor>& grad_W_opt,
+             int64_t ignore_index, c10::string_view reduction, double label_smoothing, std::optional<double> softcap,
+             double z_loss, bool precomputed) {
+  const checks::LinearCrossEntropyArgs a =
+      checks::linear_cross_entropy(h, W, labels, ignore_index, reduction, label_smoothing, softcap, z_loss, num_items);
+  const int64_t d = h.size(-1), V = W.size(0), n = a.n;
+  const auto acc = acc_scalar_type(h);
+  const bool none = reduction == "none";
+  TORCH_CHECK_VALUE(none ? grad_loss.numel() == n : grad_loss.numel() == 1, "grad_loss must have ",
+                    none ? "n" : "1", " element(s) (the loss's shape), got shape ", checks::shape_str(grad_loss.sizes()));
+  TORCH_CHECK_VALUE(lse_in.sizes() == at::IntArrayRef{n} && lse_in.scalar_type() == acc,
+                    "lse must have shape (N,) = (", n, ",) and dtype ", checks::dtype_name(acc), " (the forward's), got ",
+                    checks::shape_str(lse_in.sizes()), " ", checks::dtype_name(lse_in.scalar_type()));
+  const bool want_h = grad_h_opt.has_value() && grad_h_opt->defined();
+  const bool want_W = grad_W_opt.has_value() && grad_W_opt->defined();
+  if (want_h) checks::shape("grad_h", *grad_h_opt, {n, d}, "(N, d)");
+  if (want_W) checks::shape("grad_W", *grad_W_opt, {V, d}, "(V, d)");
+  TORCH_CHECK_VALUE(!precomputed || !none, "precomputed gradients exist for reduction 'mean' or 'sum' only");
+  // The scale of the whole loss ("mean" / "sum"): grad_loss, ÷ n for a mean.
+  const double scale = none ? 1.0 : grad_loss.item<double>() / (reduction == "mean" ? denominator(a, ignore_index) : 1.0);
+  at::Tensor grad_h = want_h ? *grad_h_opt : at::Tensor();
+  at::Tensor grad_W = want_W ? *grad_W_opt : at::Tensor();
+  if (!precomputed && (want_h || want_W)) {
+    TORCH_CHECK_VALUE(!want_h || grad_h.is_contiguous(), "grad_h must be contiguous");
+    TORCH_CHECK_VALUE(!want_W || grad_W.is_contiguous(), "grad_W must be contiguous");
+    const at::Tensor g = none ? grad_loss.reshape({n}).to(acc).contiguous() : at::Tensor();
+    const at::Tensor lse = lse_in.contiguous();
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, h.scalar_type(), "wiola_linear_cross_entropy_bwd", [&] {
+      using acc_t = acc_type<scalar_t>;
+      Problem<scalar_t> P{gemm_operand(h.reshape({n, d})).detach(), gemm_operand(W).detach(), a.labels.const_data_ptr<int64_t>(), n, V, d,
+                          options(ignore_index, label_smoothing, softcap, z_loss)};
+      const acc_t* gp = none ? g.const_data_ptr<acc_t>() : nullptr;
+      run_chunks<scalar_t>(P, nullptr, nullptr, lse.const_data_ptr<acc_t>(), want_h ? &grad_h : nullptr,
+                           want_W ? &grad_W : nullptr, [gp](int64_t i) { return gp != nullptr ? gp[i] : acc_t(1); });
+    });
+  }
+  // "mean"/"sum": the unscaled gradients (computed now or by the forward) times the scale.
+  if (!none) {
+    if (want_h) grad_h.mul_(scale);
+    if (want_W) grad_W.mul_(scale);
+  }
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(wiola, CPU, m) {
+  m.impl("linear_cross_entropy", &lce_fwd);
+  m.impl("linear_cross_entropy_backward", &lce_bwd);
+}
+
+}  // namespace wiola::cpu
