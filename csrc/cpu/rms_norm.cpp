@@ -227,7 +227,7 @@ namespace avx512 {
 using BF16 = at::BFloat16;
 
 // Nearest even, NaN -> 0xffff: at::vec::cvtfp32_bf16's rounding, for the 16 floats of v.
-WIOLA_TARGET_AVX512 inline __m256i round_bf16(__m512 v) {
+WIOLA_TARGET_AVX512_BF16 inline __m256i round_bf16(__m512 v) {
   const __m512i bits = _mm512_castps_si512(v);
   const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
   __m512i r = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
@@ -256,7 +256,7 @@ struct Split {
   __m512 even, odd;
 };
 
-WIOLA_TARGET_AVX512 inline Split load_bf16x32(const BF16* p) {
+WIOLA_TARGET_AVX512_BF16 inline Split load_bf16x32(const BF16* p) {
   const __m512i v = _mm512_loadu_si512(p);
   return {_mm512_castsi512_ps(_mm512_slli_epi32(v, 16)),
           _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32(int32_t(0xffff0000u))))};
@@ -267,7 +267,7 @@ WIOLA_TARGET_AVX512 inline Split load_bf16x32(const BF16* p) {
 // keeps NaN payloads: blocks holding those (fpclass: QNaN 0x01, subnormal 0x20, SNaN 0x80)
 // take round_bf16, so every output is the one the AVX2 rows write for the same float.
 template <bool kStream>
-WIOLA_TARGET_AVX512 inline void store_bf16x32(__m512 even, __m512 odd, BF16* p) {
+WIOLA_TARGET_AVX512_BF16 inline void store_bf16x32(__m512 even, __m512 odd, BF16* p) {
   __m512i v;
   if (C10_UNLIKELY((_mm512_fpclass_ps_mask(even, 0xA1) | _mm512_fpclass_ps_mask(odd, 0xA1)) != 0)) {
     v = _mm512_or_si512(_mm512_cvtepu16_epi32(round_bf16(even)),
@@ -289,7 +289,7 @@ WIOLA_TARGET_AVX512 inline void store_bf16x32(__m512 even, __m512 odd, BF16* p) 
 }
 
 template <bool kStream>
-WIOLA_TARGET_AVX512 bool forward_row(const BF16* x, const float* w, const float* s, const float* wp,
+WIOLA_TARGET_AVX512_BF16 bool forward_row(const BF16* x, const float* w, const float* s, const float* wp,
                                      const float* sp, BF16* y, int64_t d, double eps, const void* next,
                                      int64_t next_bytes, float* rstd) {
   __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
@@ -323,7 +323,7 @@ WIOLA_TARGET_AVX512 bool forward_row(const BF16* x, const float* w, const float*
 // The backward of one row in the block order of forward_row; the ∂γ/∂δ partials `dw`, `ds`
 // are kept in that order too for the blocks (interleave_partials restores it).
 template <bool kStream, bool kShift>
-WIOLA_TARGET_AVX512 void backward_row(const BF16* x, const BF16* g, const float* w, const float* s,
+WIOLA_TARGET_AVX512_BF16 void backward_row(const BF16* x, const BF16* g, const float* w, const float* s,
                                       const float* wp, const float* sp, float inv, BF16* dx, float* dw, float* ds,
                                       int64_t d, const void* next_x, const void* next_g, int64_t next_bytes) {
   const __m512 vinv = _mm512_set1_ps(inv);
@@ -345,7 +345,7 @@ WIOLA_TARGET_AVX512 void backward_row(const BF16* x, const BF16* g, const float*
   const char* pg = static_cast<const char*>(next_g);
   int64_t pf = 0;  // bytes of the next rows prefetched: one line of x and one of g per block
   // ∂x of 16 elements (split z, g at offset i of wp/sp); adds to the partials.
-  auto dz_of = [&](__m512 xs, __m512 gs, int64_t i) WIOLA_TARGET_AVX512 {
+  auto dz_of = [&](__m512 xs, __m512 gs, int64_t i) WIOLA_TARGET_AVX512_BF16 {
     const __m512 zh = _mm512_mul_ps(_mm512_add_ps(xs, _mm512_loadu_ps(sp + i)), vinv);
     const __m512 dz = _mm512_mul_ps(_mm512_fnmadd_ps(vcoef, zh, _mm512_mul_ps(_mm512_loadu_ps(wp + i), gs)), vinv);
     if constexpr (kShift) _mm512_storeu_ps(ds + i, _mm512_add_ps(_mm512_loadu_ps(ds + i), dz));
@@ -396,7 +396,7 @@ SplitWeights split_weights(const acc_t* w, const acc_t* s, int64_t d, bool eligi
   SplitWeights split;
 #if defined(WIOLA_HAVE_AVX512_TARGET)
   if constexpr (std::is_same_v<acc_t, float>) {
-    if (eligible && active_isa() == Isa::kAvx512) {
+    if (eligible && kernel_isa(kRmsNormIsas) == Isa::kAvx512Bf16) {
       split.active = true;
       split.w = avx512::deinterleave_blocks(w, d);
       split.s = avx512::deinterleave_blocks(s, d);
