@@ -17,10 +17,10 @@
 
 TORCH_LIBRARY(wiola, m) {
   // --- pieces of one backend, not public ops ---
-  // Batch-1 decoding GEMV (csrc/cpu/decode_gemv.cpp; wiola_kernels/decode_gemv.py): x (rows <= 16, K)
-  // float32/bfloat16/float16, weights (n_i, k_i) of one of those dtypes read in place, every
-  // k_i = K or sum k_i = K -> (rows, sum n_i) in x's dtype.
-  m.def("_decode_gemv(Tensor x, Tensor[] weights) -> Tensor");
+  // Batch-1 decoding GEMV (csrc/cpu/decode_gemv.cpp; wiola_kernels/decode_gemv.py): x (..., K) with
+  // <= 16 rows, float32/bfloat16/float16; weights (n_i, k_i) of one of those dtypes, read in place;
+  // every k_i = K, or sum k_i = K with split_input -> (..., sum n_i) in x's dtype.
+  m.def("_decode_gemv(Tensor x, Tensor[] weights, bool split_input=False) -> Tensor");
   // The benchmark's copy baseline: a copy allocated like every kernel's output.
   m.def("_copy(Tensor x) -> Tensor");
 }

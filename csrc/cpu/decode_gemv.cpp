@@ -31,14 +31,19 @@
 // both stream at the same GB/s on one Zen 4 core, within the run-to-run spread).
 //
 // Software prefetch is not used: on a forward stream the hardware prefetchers keep up, and
-// prefetching 1–8 KiB ahead (T0 or NTA) measured slower on one core for every dtype and ISA.
+// prefetching 2–8 KiB ahead, every line (T0 or NTA) or once per row, measured no faster and
+// mostly slower on one Zen 4 core (fp32 decoding step of wiola-360m: 15–17 GB/s with
+// prefetch, 17–19 without, alternating runs on a loaded machine).
 //
 // The ISA paths (generic, AVX2, AVX-512) are chosen at run time by the shared level (isa.h:
 // WIOLA_CPU_ISA, wiola_kernels.set_cpu_isa): the AVX-512 path needs only AVX-512 F/BW/VL/DQ.
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <c10/util/SmallVector.h>
+
 #include <algorithm>
+#include <string>
 #include <vector>
 
 #include "common.h"
@@ -71,8 +76,12 @@ constexpr int64_t chunk_elems(Isa isa, WType t) {
 // Float vectors one chunk of weights widens to: bf16 even/odd lanes, fp16 low/high halves.
 constexpr int parts(WType t) { return t == WType::kF32 ? 1 : 2; }
 
-// Accumulator sets for B rows of x: enough independent FMA chains per weight chunk.
-constexpr int sets_for(int b) { return b == 1 ? 4 : b == 2 ? 2 : 1; }
+// Accumulator sets for B rows of x: the chunks of a row go round-robin to S sets, so that
+// 8 accumulators (B·S·parts) take the FMAs. One row measured on one Zen 4 core, weights
+// streamed from DRAM, in-process alternation: fp32 AVX-512 rows at 17 GB/s with 4
+// accumulators, 23 GB/s with 8 (the packed-panel kernel this replaced: 24-25 GB/s); bf16
+// 21-22 GB/s with 4, 23-24 with 8.
+constexpr int sets_for(int b, int parts) { return std::max(1, 8 / (b * parts)); }
 
 template <typename O>
 inline void store(O* y, float v) {
@@ -135,10 +144,11 @@ __attribute__((target("avx2,fma,f16c"), always_inline)) inline void step_avx2(__
 
 // One weight row against B rows of x (prepared, ldx apart): y[b·ldy] = Σ_k x[b, k] w[k].
 template <WType T, int B, typename O>
-__attribute__((target("avx2,fma,f16c"))) void row_avx2(const Elem<T>* w, int64_t k, const float* x, int64_t ldx,
-                                                         O* y, int64_t ldy) {
+__attribute__((target("avx2,fma,f16c"), always_inline)) inline void row_avx2(const Elem<T>* w, int64_t k,
+                                                                            const float* x, int64_t ldx, O* y,
+                                                                            int64_t ldy) {
   constexpr int64_t C = chunk_elems(Isa::kAvx2, T);
-  constexpr int P = parts(T), S = sets_for(B);
+  constexpr int P = parts(T), S = sets_for(B, P);
   __m256 acc[B][S][P];
   for (int b = 0; b < B; ++b)
     for (int s = 0; s < S; ++s)
@@ -162,9 +172,12 @@ __attribute__((target("avx2,fma,f16c"))) void row_avx2(const Elem<T>* w, int64_t
   }
 }
 
+// The rows of one thread's range, all inlined into one function: no call (and no
+// vzeroupper) between rows of the stream.
 template <WType T, typename O>
-void rows_avx2(const Elem<T>* w, int64_t ldw, int64_t k, int64_t nrows, const float* x, int64_t ldx, int64_t xrows,
-               O* y, int64_t ldy) {
+__attribute__((target("avx2,fma,f16c"))) void rows_avx2(const Elem<T>* w, int64_t ldw, int64_t k, int64_t nrows,
+                                                          const float* x, int64_t ldx, int64_t xrows, O* y,
+                                                          int64_t ldy) {
   for (int64_t j = 0; j < nrows; ++j) {
     const Elem<T>* wj = w + j * ldw;  // re-read from L1 by the later blocks of x rows
     for (int64_t b0 = 0; b0 < xrows; b0 += kRowBlock) {
@@ -210,9 +223,11 @@ WIOLA_TARGET_AVX512 __attribute__((always_inline)) inline void step_avx512(__m51
 }
 
 template <WType T, int B, typename O>
-WIOLA_TARGET_AVX512 void row_avx512(const Elem<T>* w, int64_t k, const float* x, int64_t ldx, O* y, int64_t ldy) {
+WIOLA_TARGET_AVX512 __attribute__((always_inline)) inline void row_avx512(const Elem<T>* w, int64_t k,
+                                                                         const float* x, int64_t ldx, O* y,
+                                                                         int64_t ldy) {
   constexpr int64_t C = chunk_elems(Isa::kAvx512, T);
-  constexpr int P = parts(T), S = sets_for(B);
+  constexpr int P = parts(T), S = sets_for(B, P);
   __m512 acc[B][S][P];
   for (int b = 0; b < B; ++b)
     for (int s = 0; s < S; ++s)
@@ -237,8 +252,8 @@ WIOLA_TARGET_AVX512 void row_avx512(const Elem<T>* w, int64_t k, const float* x,
 }
 
 template <WType T, typename O>
-void rows_avx512(const Elem<T>* w, int64_t ldw, int64_t k, int64_t nrows, const float* x, int64_t ldx,
-                 int64_t xrows, O* y, int64_t ldy) {
+WIOLA_TARGET_AVX512 void rows_avx512(const Elem<T>* w, int64_t ldw, int64_t k, int64_t nrows, const float* x,
+                                     int64_t ldx, int64_t xrows, O* y, int64_t ldy) {
   for (int64_t j = 0; j < nrows; ++j) {
     const Elem<T>* wj = w + j * ldw;
     for (int64_t b0 = 0; b0 < xrows; b0 += kRowBlock) {
@@ -298,73 +313,89 @@ WType wtype_of(at::ScalarType t) {
 
 bool gemv_dtype(at::ScalarType t) { return t == at::kFloat || t == at::kBFloat16 || t == at::kHalf; }
 
-// x (rows ≤ 16, K) with a contiguous last dimension; weights (n_i, k_i) with contiguous rows,
-// all of one dtype. Either every k_i = K (all read x) or Σ k_i = K (weight i reads its own
-// consecutive k_i columns of x). Returns (rows, Σ n_i) in x's dtype: [x W_0ᵀ | x W_1ᵀ | …].
-at::Tensor decode_gemv(const at::Tensor& x, at::TensorList weights) {
-  WIOLA_CHECK_ARG(x.device().is_cpu(), "x must be a CPU tensor, got ", x.device());
-  TORCH_CHECK_TYPE(gemv_dtype(x.scalar_type()), "x must be float32, bfloat16 or float16, got ", x.scalar_type());
-  WIOLA_CHECK_ARG(x.dim() == 2, "x must have shape (rows, k), got ", x.sizes());
-  const int64_t rows = x.size(0), kx = x.size(1);
-  WIOLA_CHECK_ARG(rows >= 1 && rows <= kMaxRows, "x must have 1..", kMaxRows, " rows, got ", rows);
-  WIOLA_CHECK_ARG(kx >= 1, "x must have at least one column");
-  WIOLA_CHECK_ARG(x.stride(1) == 1 || kx == 1, "x must have a contiguous last dimension");
-  WIOLA_CHECK_ARG(!weights.empty(), "weights must hold at least one tensor");
+// x (..., K): at most 16 rows in its leading dimensions; weights (n_i, k_i) with contiguous
+// rows, all of one dtype. Without split_input every k_i = K (all read x); with it Σ k_i = K and
+// weight i reads its own consecutive k_i columns of x. Returns (..., Σ n_i) in x's dtype:
+// [x W_0ᵀ | x W_1ᵀ | …]. A decoding step calls this ~80 times per token, so the checks and
+// the bookkeeping stay allocation-light (the output is the only tensor made).
+at::Tensor decode_gemv(const at::Tensor& x_in, at::TensorList weights, bool split_input) {
+  WIOLA_CHECK_ARG(x_in.device().is_cpu(), "x must be a CPU tensor, got ", x_in.device());
+  TORCH_CHECK_TYPE(gemv_dtype(x_in.scalar_type()), "x must be float32, bfloat16 or float16, got ", x_in.scalar_type());
+  WIOLA_CHECK_ARG(x_in.dim() >= 1 && x_in.size(-1) >= 1, "x must have shape (..., k) with k >= 1, got ", x_in.sizes());
+  const int64_t kx = x_in.size(-1), rows = kx ? x_in.numel() / kx : 0;
+  WIOLA_CHECK_ARG(rows >= 1 && rows <= kMaxRows, "x must have 1..", kMaxRows,
+                  " rows (the product of its leading dimensions), got shape ", x_in.sizes());
+  const size_t count = weights.size();
+  WIOLA_CHECK_ARG(count >= 1, "weights must hold at least one tensor");
+  const char* name = count == 1 ? "weight" : "weights[";
+  const char* close = count == 1 ? "" : "]";
   const at::ScalarType wt = weights[0].scalar_type();
   int64_t n_total = 0, k_sum = 0;
   bool shared = true;
-  for (size_t i = 0; i < weights.size(); ++i) {
+  for (size_t i = 0; i < count; ++i) {
     const at::Tensor& w = weights[i];
-    WIOLA_CHECK_ARG(w.device().is_cpu(), "weights[", i, "] must be a CPU tensor, got ", w.device());
-    TORCH_CHECK_TYPE(gemv_dtype(w.scalar_type()) && w.scalar_type() == wt,
-                     "weights must all be float32, all bfloat16 or all float16; weights[", i, "] is ",
-                     w.scalar_type(), " and weights[0] ", wt);
-    WIOLA_CHECK_ARG(w.dim() == 2 && w.size(0) >= 1 && w.size(1) >= 1,
-                    "weights[", i, "] must have shape (n, k) with n, k >= 1, got ", w.sizes());
-    WIOLA_CHECK_ARG(w.stride(1) == 1 || w.size(1) == 1, "weights[", i, "] must have contiguous rows, got strides ",
+    const auto idx = count == 1 ? std::string() : std::to_string(i);
+    WIOLA_CHECK_ARG(w.device().is_cpu(), name, idx, close, " must be a CPU tensor, got ", w.device());
+    TORCH_CHECK_TYPE(gemv_dtype(w.scalar_type()), name, idx, close, " must be float32, bfloat16 or float16, got ",
+                     w.scalar_type());
+    TORCH_CHECK_TYPE(w.scalar_type() == wt, "weights must share one dtype (float32, bfloat16 or float16): weights[",
+                     i, "] is ", w.scalar_type(), ", weights[0] ", wt);
+    WIOLA_CHECK_ARG(w.dim() == 2 && w.size(0) >= 1 && w.size(1) >= 1, name, idx, close,
+                    " must have shape (n, k) with no empty dimension, got ", w.sizes());
+    WIOLA_CHECK_ARG(w.stride(1) == 1 || w.size(1) == 1, name, idx, close, " must have contiguous rows, got strides ",
                     w.strides());
     n_total += w.size(0);
     k_sum += w.size(1);
     shared = shared && w.size(1) == kx;
   }
-  WIOLA_CHECK_ARG(shared || k_sum == kx, "x has ", kx, " columns: every weight must have k = ", kx,
-                  " or their k must add up to ", kx, " (got k_sum = ", k_sum, ")");
+  if (split_input) {
+    WIOLA_CHECK_ARG(k_sum == kx, "x must have shape (..., k = Σ k_i = ", k_sum, ") with split_input, got ",
+                    x_in.sizes());
+  } else {
+    WIOLA_CHECK_ARG(shared, "x must have shape (..., k = ", weights[0].size(1), ") to match every weight's k, got ",
+                    x_in.sizes());
+  }
+  // (rows, K) with unit column stride: a view of x when its rows have one stride.
+  const at::Tensor x = x_in.stride(-1) == 1 || kx == 1 ? x_in.reshape({rows, kx}) : x_in.contiguous().view({rows, kx});
 
   const Isa isa = kernel_isa(kDecodeGemvIsas);
   const WType type = wtype_of(wt);
   const bool even_odd = type == WType::kBF16 && isa != Isa::kGeneric;
   const int64_t chunk = chunk_elems(isa, type);
 
-  // x as float32 in the path's layout, one block per distinct slice of x.
-  const size_t count = weights.size();
-  const size_t segments = shared ? 1 : count;
-  std::vector<int64_t> seg_off(segments), seg_len(segments), seg_ld(segments), seg_at(segments);
+  // x as float32 in the path's layout, one block per distinct slice of x (a reused buffer).
+  const size_t segments = split_input ? count : 1;
+  c10::SmallVector<int64_t, 8> seg_off(segments), seg_ld(segments), seg_at(segments);
   int64_t floats = 0;
   for (size_t s = 0, off = 0; s < segments; ++s) {
-    seg_len[s] = shared ? kx : weights[s].size(1);
+    const int64_t len = split_input ? weights[s].size(1) : kx;
     seg_off[s] = off;
-    off += seg_len[s];
-    seg_ld[s] = (seg_len[s] + kXPad - 1) / kXPad * kXPad;
+    off += len;
+    seg_ld[s] = (len + kXPad - 1) / kXPad * kXPad;
     seg_at[s] = floats;
     floats += rows * seg_ld[s];
   }
-  std::vector<float> xbuf(floats);
+  thread_local std::vector<float> xbuf;
+  if (static_cast<int64_t>(xbuf.size()) < floats) xbuf.resize(floats);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "decode_gemv_x", [&] {
     for (size_t s = 0; s < segments; ++s)
-      prepare_x(x.const_data_ptr<scalar_t>(), x.stride(0), rows, seg_off[s], seg_len[s], even_odd, chunk,
-                xbuf.data() + seg_at[s], seg_ld[s]);
+      prepare_x(x.const_data_ptr<scalar_t>(), x.stride(0), rows, seg_off[s],
+                split_input ? weights[s].size(1) : kx, even_odd, chunk, xbuf.data() + seg_at[s], seg_ld[s]);
   });
 
-  at::Tensor out = empty_output({rows, n_total}, x.options());
+  std::vector<int64_t> out_sizes(x_in.sizes().begin(), x_in.sizes().end());
+  out_sizes.back() = n_total;
+  at::Tensor out = empty_output(out_sizes, x_in.options().memory_format(at::MemoryFormat::Contiguous));
   // Weight i's rows start at byte start[i] of the call's stream; threads take equal stretches.
   const int64_t esize = weights[0].element_size();
-  std::vector<int64_t> start(count + 1, 0), col(count + 1, 0);
+  c10::SmallVector<int64_t, 8> start(count + 1, 0), col(count + 1, 0);
   for (size_t i = 0; i < count; ++i) {
     start[i + 1] = start[i] + weights[i].size(0) * weights[i].size(1) * esize;
     col[i + 1] = col[i] + weights[i].size(0);
   }
   const int64_t total = start[count];
   const int64_t chunks = std::clamp<int64_t>(total / kMinThreadBytes, 1, at::get_num_threads());
+  const float* xb = xbuf.data();
 
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "decode_gemv_out", [&] {
     using O = scalar_t;
@@ -374,7 +405,7 @@ at::Tensor decode_gemv(const at::Tensor& x, at::TensorList weights) {
       O* yp = out.mutable_data_ptr<O>();
       auto run = [&](auto tag) {
         constexpr WType T = decltype(tag)::value;
-        at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
+        auto work = [&](int64_t c0, int64_t c1) {
           for (int64_t c = c0; c < c1; ++c) {
             const int64_t lo = total * c / chunks, hi = total * (c + 1) / chunks;
             for (size_t i = 0; i < count; ++i) {
@@ -385,13 +416,18 @@ at::Tensor decode_gemv(const at::Tensor& x, at::TensorList weights) {
               const int64_t r0 = std::clamp<int64_t>((lo - start[i] + row_bytes - 1) / row_bytes, 0, n);
               const int64_t r1 = std::clamp<int64_t>((hi - start[i] + row_bytes - 1) / row_bytes, 0, n);
               if (r0 >= r1) continue;
-              const size_t s = shared ? 0 : i;
+              const size_t s = split_input ? i : 0;
               const Elem<T>* wp = reinterpret_cast<const Elem<T>*>(w.const_data_ptr()) + r0 * w.stride(0);
-              run_rows<T, O>(isa, wp, w.stride(0), k, r1 - r0, xbuf.data() + seg_at[s], seg_ld[s], rows,
-                             yp + col[i] + r0, n_total);
+              run_rows<T, O>(isa, wp, w.stride(0), k, r1 - r0, xb + seg_at[s], seg_ld[s], rows, yp + col[i] + r0,
+                             n_total);
             }
           }
-        });
+        };
+        if (chunks == 1) {
+          work(0, 1);
+        } else {
+          at::parallel_for(0, chunks, 1, work);
+        }
       };
       if (type == WType::kF32) run(std::integral_constant<WType, WType::kF32>{});
       else if (type == WType::kBF16) run(std::integral_constant<WType, WType::kBF16>{});

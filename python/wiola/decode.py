@@ -257,6 +257,13 @@ class DecodeStep:
         projections ``q (B, T, H, d_h)``, ``k, v (B, T, H_kv, d_h)``."""
         q_rot, k_rot = attn.srpe(q.transpose(1, 2), k.transpose(1, 2), self.position_ids)
         k_all, v_all = self.cache.update(k_rot, v.transpose(1, 2), attn.layer_idx)  # (B, H_kv, T_past + T, d_h)
+        b, h, t, dh = q_rot.shape
+        if t == 1 and self.key_valid is None and q_rot.dtype in (torch.bfloat16, torch.float16):
+            # One query per row, no mask: SDPA reads a 16-bit cache as it is (accumulating in
+            # float32) rather than cached_attention widening the whole cache every step.
+            h_kv = k_all.shape[1]
+            out = F.scaled_dot_product_attention(q_rot.reshape(b, h // h_kv, h_kv, dh).transpose(1, 2), k_all, v_all)
+            return out.view(b, h_kv, h // h_kv, 1, dh).transpose(1, 2).reshape(b, 1, h, dh)
         return cached_attention(q_rot, k_all, v_all, self.key_valid).transpose(1, 2)
 
     def _gemv_block(self, block, x: Tensor, context: Tensor) -> Tensor:
@@ -281,10 +288,11 @@ class DecodeStep:
                 v_ctx = _gemv_rows(ctx, [attn.vc_proj.weight]).view(n, h, dh)
                 cross = v_ctx.to(acc) * sig
             else:
-                kv = _gemv_rows(ctx, [attn.kc_proj.weight, attn.vc_proj.weight]).view(n, n_ctx, 2, h, dh)
-                k_ctx, v_ctx = kv[:, :, 0].to(acc), kv[:, :, 1].to(acc)           # (N, Λ', H, d_h)
-                z = torch.einsum("nhe,nlhe->nhl", q.reshape(n, h, dh).to(acc), k_ctx) * (1.0 / math.sqrt(dh))
-                cross = torch.einsum("nhl,nlhe->nhe", torch.softmax(z, -1), v_ctx) * sig
+                kv = _gemv_rows(ctx, [attn.kc_proj.weight, attn.vc_proj.weight]).to(acc).view(n, n_ctx, 2, h, dh)
+                kv = kv.permute(0, 2, 3, 1, 4)                                  # (N, 2, H, Λ', d_h)
+                z = kv[:, 0] @ q.reshape(n, h, dh, 1).to(acc)                   # (N, H, Λ', 1): q_h · W_Kc,h s_λ
+                a = torch.softmax(z.transpose(-1, -2) * (1.0 / math.sqrt(dh)), -1)  # (N, H, 1, Λ')
+                cross = (a @ kv[:, 1]).view(n, h, dh) * sig                     # Σ_λ a_λ W_Vc,h s_λ
             out = out + cross.view(b, t, h, dh)
         x = x + gemv(out.to(x.dtype).reshape(b, t, h * dh), attn.o_proj.weight)  # X'
 
