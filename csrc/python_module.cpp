@@ -26,8 +26,10 @@ PYBIND11_MODULE(_C, m) {
   // The level each CPU kernel with several paths runs now, by kernel name.
   m.def("kernel_isa", [](const std::string& kernel) {
     if (kernel == "decode_gemv") return wiola::cpu::isa_name(wiola::cpu::kernel_isa(wiola::cpu::kDecodeGemvIsas));
-    if (kernel == "rms_norm") return wiola::cpu::isa_name(wiola::cpu::kernel_isa(wiola::cpu::kRmsNormIsas));
-    TORCH_CHECK_VALUE(false, "kernel must be 'decode_gemv' or 'rms_norm', got '", kernel, "'");
+    if (kernel == "rms_norm" || kernel == "add_rms_norm")
+      return wiola::cpu::isa_name(wiola::cpu::kernel_isa(wiola::cpu::kRmsNormIsas));
+    if (kernel == "glu") return wiola::cpu::isa_name(wiola::cpu::kernel_isa(wiola::cpu::kGluIsas));
+    TORCH_CHECK_VALUE(false, "kernel must be 'decode_gemv', 'rms_norm', 'add_rms_norm' or 'glu', got '", kernel, "'");
     return std::string();
   });
   // The pure decision (isa.h choose_isa) on level names, for tests.

@@ -39,6 +39,30 @@ TORCH_LIBRARY_FRAGMENT(wiola, m) {
 }
 
 TORCH_LIBRARY_FRAGMENT(wiola, m) {
+  // --- Residual add + WiolaRMSNorm (SPEC §10.3) ---
+  m.set_python_module("wiola_kernels.ops.add_rms_norm");
+  // x, residual (..., d) of one dtype, any strides; weight, shift, eps, hf_order as for rms_norm.
+  // s = x + residual rounded to x's dtype, y = rms_norm(s): y, s contiguous like x; rstd as for
+  // rms_norm. The backward takes grad_s None when no gradient reached s; grad_x is the gradient
+  // of x and of residual alike.
+  m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, Tensor? shift, float eps=1e-06,"
+        " bool hf_order=False) -> (Tensor y, Tensor s, Tensor rstd)");
+  m.def("add_rms_norm_backward(Tensor grad_y, Tensor? grad_s, Tensor s, Tensor weight, Tensor? shift,"
+        " Tensor rstd) -> (Tensor grad_x, Tensor grad_weight, Tensor grad_shift)");
+}
+
+TORCH_LIBRARY_FRAGMENT(wiola, m) {
+  // --- Gated activations (SPEC §10.2) ---
+  m.set_python_module("wiola_kernels.ops.glu");
+  // y = act(a) ⊙ b, activation "silu" or "gelu_tanh". a, b (..., n), one dtype, any strides with
+  // a unit last stride (the halves of one projection's output are read in place); or b None and
+  // a (..., 2n) holding [a | b]. y (..., n) contiguous. Gradients contiguous: grad_a, grad_b of
+  // a's shape, or for b None grad_a (..., 2n) = [∂a | ∂b] and grad_b None.
+  m.def("glu(Tensor a, Tensor? b, str activation=\"silu\") -> Tensor");
+  m.def("glu_backward(Tensor grad_y, Tensor a, Tensor? b, str activation) -> (Tensor grad_a, Tensor grad_b)");
+}
+
+TORCH_LIBRARY_FRAGMENT(wiola, m) {
   // --- SRPE (SPEC §4) ---
   m.set_python_module("wiola_kernels.ops.srpe");
   // q (B, H, T, d_h), k (B, H_kv, T, d_h), any strides; position_ids (B, T) / (1, T) / (T,) of

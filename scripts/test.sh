@@ -4,7 +4,7 @@
 #      for sm_90 with warnings as errors when nvcc is present;
 #   2. the same C++ unit tests built with AddressSanitizer (skip: WIOLA_ASAN=0), and the
 #      CUDA kernels run by the SIMT emulator under ThreadSanitizer (skip: WIOLA_TSAN=0);
-#   3. pytest: every op and backend available here against the float64 reference,
+#   3. pytest (two workers): every op and backend available here against the float64 reference,
 #      Triton in the CPU interpreter, the model package; the benchmark suite runs
 #      once with tiny shapes (timings are never asserted).
 set -euo pipefail
@@ -27,4 +27,9 @@ if [ "${WIOLA_TSAN:-1}" != "0" ]; then
   cmake --build build-tsan -j2 --target wiola_cuda_emu_tests wiola_cuda_emu_nosync
   ctest --test-dir build-tsan -L emu --output-on-failure
 fi
-python -m pytest "$@"
+# Two test processes (pytest-xdist), one test file each at a time: the suite is mostly
+# single-threaded Python (Triton's interpreter, small tensors). WIOLA_TEST_WORKERS=0: one process.
+workers=${WIOLA_TEST_WORKERS:-2}
+xdist=()
+[ "$workers" != 0 ] && python -c "import xdist" 2>/dev/null && xdist=(-n "$workers" --dist loadfile)
+python -m pytest "${xdist[@]}" "$@"

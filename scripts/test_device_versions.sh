@@ -2,9 +2,10 @@
 # CI leg: what the lent GPU machine will run, checked here with its package versions.
 # triton==3.6.0 and transformers==5.17.0 go first on PYTHONPATH (scripts/device_env.sh;
 # torch stays the pinned CPU build), then:
-#   1. the Triton kernels in the interpreter and the CUDA kernels in the emulator (cuda_emu),
-#      the Hugging Face patching, the model package, and the AOT compile of every Triton
-#      kernel for sm_90/sm_80 with Triton 3.6's compiler (no spills: tests/test_triton_aot.py);
+#   1. the Triton kernels in Triton 3.6's interpreter (and the emulator's own tests), the
+#      Hugging Face patching and the model's transformers glue on transformers 5.17, and the
+#      AOT compile of every Triton kernel for sm_90/sm_80 with Triton 3.6's compiler (no
+#      spills: tests/test_triton_aot.py);
 #   2. bash scripts/gpu_check.sh --dry-run (the plan, imports, files and test selections);
 #   3. the C++ sources against the GPU image's torch 2.11 headers (scripts/check_device_headers.sh).
 # Each part prints how long it took.
@@ -20,6 +21,8 @@ import triton, transformers
 assert triton.__version__ == '3.6.0' and transformers.__version__ == '5.17.0', (triton.__version__, transformers.__version__)
 print(f'device versions: triton {triton.__version__}, transformers {transformers.__version__} (torch stays the pinned one)')"
 
+# Two pytest workers where pytest-xdist is installed (scripts/test.sh does the same).
+XDIST=$("$PYTHON" -c "import xdist" 2>/dev/null && echo "-n ${WIOLA_TEST_WORKERS:-2} --dist loadfile" || true)
 start=$SECONDS
 failed=()
 part() {  # NAME COMMAND...: run one part, say how long it took; the leg goes on after a failure
@@ -34,11 +37,16 @@ part() {  # NAME COMMAND...: run one part, say how long it took; the leg goes on
 # (gpu-report, one compile at a time) then reads Triton's cache.
 warm() { for arch in sm_90 sm_80; do "$PYTHON" scripts/triton_warmup.py --arch "$arch" --jobs "$(nproc)" | tail -1; done; }
 part "Triton 3.6 AOT compiles" warm
+# Only what these versions can change: the Triton kernels in Triton 3.6's interpreter, and
+# the code that touches transformers (patch_hf, the model's Hugging Face glue, generate). The
+# C++ kernels and their CUDA emulation do not import either package: the main run covers
+# them (test_cuda_emu.py stays here as a smoke test of the emulator under this environment).
 kernels=(tests/test_rms_norm.py tests/test_srpe.py tests/test_gcla_attention.py tests/test_atm.py
-         tests/test_op_layer.py tests/test_all_ops.py tests/test_cuda_emu.py tests/test_triton_interpreter.py)
-part "interpreter + cuda_emu tests" "$PYTHON" -m pytest -q -p no:cacheprovider "${kernels[@]}" -k "triton or cuda_emu" "$@"
-part "patch_hf + model tests" "$PYTHON" -m pytest -q -p no:cacheprovider tests/test_hf*.py tests/test_model*.py \
-  tests/test_spec_blackbox_model.py "$@"
+         tests/test_op_layer.py tests/test_all_ops.py tests/test_triton_interpreter.py)
+part "interpreter tests (Triton 3.6)" "$PYTHON" -m pytest -q -p no:cacheprovider $XDIST "${kernels[@]}" \
+  tests/test_cuda_emu.py -k "triton or test_cuda_emu" "$@"
+part "patch_hf + model tests (transformers 5.17)" "$PYTHON" -m pytest -q -p no:cacheprovider $XDIST \
+  tests/test_hf*.py tests/test_model.py tests/test_model_hf.py tests/test_model_decode.py "$@"
 part "AOT spill check (Triton 3.6)" "$PYTHON" -m pytest -q -p no:cacheprovider tests/test_triton_aot.py "$@"
 dry() { OUT=$(mktemp -d) WIOLA_DEVICE_ENV=0 bash scripts/gpu_check.sh --dry-run; }
 part "gpu_check.sh --dry-run" dry

@@ -8,6 +8,10 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
 os.environ["WIOLA_POISON_OUTPUTS"] = "1"
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # pytest -n N: N worker processes share the cores; one torch thread each, or idle OpenMP
+    # workers spin against the other process (tests that need 2 threads set them).
+    torch.set_num_threads(1)
 
 import pytest  # noqa: E402
 

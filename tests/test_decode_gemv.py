@@ -171,6 +171,7 @@ def test_each_kernel_takes_the_highest_path_it_has_at_or_below_the_level():
     gemv, norm = _extension.CPU_KERNEL_ISAS["decode_gemv"], _extension.CPU_KERNEL_ISAS["rms_norm"]
     assert [choose(list(gemv), c) for c in LEVELS] == ["generic", "avx2", "avx512", "avx512"]
     assert [choose(list(norm), c) for c in LEVELS] == ["avx2", "avx2", "avx2", "avx512_bf16"]
+    assert _extension.CPU_KERNEL_ISAS["glu"] == _extension.CPU_KERNEL_ISAS["add_rms_norm"] == norm
     with pytest.raises(ValueError, match="chosen must be one of"):
         choose(["avx2"], "avx1024")
 
@@ -184,7 +185,8 @@ def test_avx512_without_bf16_runs_the_avx512_gemv_and_the_avx2_norm():
             assert wk.kernel_isa("decode_gemv") == _extension.cpu_best_isa()  # the decision is tested above
             return
         assert wk.cpu_isa() == "avx512" and _extension.cpu_best_isa() == "avx512"
-        assert wk.kernel_isa("decode_gemv") == "avx512" and wk.kernel_isa("rms_norm") == "avx2"
+        assert wk.kernel_isa("decode_gemv") == "avx512"
+        assert [wk.kernel_isa(k) for k in ("rms_norm", "add_rms_norm", "glu")] == ["avx2"] * 3
         with pytest.raises(ValueError, match="no avx512_bf16"):
             wk.set_cpu_isa("avx512_bf16")
         g = torch.Generator().manual_seed(10)
@@ -219,7 +221,7 @@ def test_the_level_names_and_the_old_ones():
 def test_environment_variable_chooses_the_level():
     level = "avx512" if "avx512" in available_cpu_isas() else "avx2"
     code = ("import wiola_kernels as wk; print(wk.cpu_isa(), wk.kernel_isa('decode_gemv'), "
-            "wk.kernel_isa('rms_norm'))")
+            "wk.kernel_isa('rms_norm'), wk.kernel_isa('glu'))")
     out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "WIOLA_CPU_ISA": level},
                          capture_output=True, text=True, check=True)
-    assert out.stdout.split() == [level, level, "avx2"]
+    assert out.stdout.split() == [level, level, "avx2", "avx2"]

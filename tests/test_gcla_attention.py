@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 
 import pytest
 import torch
@@ -14,7 +13,7 @@ from hypothesis import strategies as st
 
 import wiola_kernels
 import wiola_kernels as wk
-from wiola_kernels import dispatch
+from wiola_kernels import dispatch, shapes
 from wiola_kernels.ops import gcla_attention_cuda as gc
 from wiola_kernels import dispatch as _dispatch
 from wiola_kernels.ops.gcla_attention import GCLAAttentionFunction
@@ -519,7 +518,7 @@ def test_triton_float64():
 @needs_triton
 def test_triton_gpu_block_sizes_in_the_interpreter():
     """The blocks launch_config picks for an H200 (bf16, d_h 64: forward 128 × 64, dq pass
-    128 × 32, dk/dv pass 32 × 128) on a sequence spanning several of them, against the oracle."""
+    128 × 32, dk/dv pass 32 × 64) on a sequence spanning several of them, against the oracle."""
     from wiola_kernels.triton import gcla_attention as tk
 
     cfg = tk.launch_config(64, torch.bfloat16, 90)
@@ -536,6 +535,26 @@ def test_triton_gpu_block_sizes_in_the_interpreter():
 
 
 @needs_triton
+def test_triton_dkv_split_in_the_interpreter():
+    """The dk/dv pass with each group's heads split over several programs (what a grid smaller
+    than the GPU gets, dkv_split), unevenly (4 heads over 3 programs), against the oracle."""
+    from wiola_kernels.triton import gcla_attention as tk
+
+    assert tk.dkv_split(1, 16, 1, 2048, 128, 132) == 9   # 16 programs, each group split 9 ways
+    assert tk.dkv_split(4, 16, 4, 4096, 64, 132) == 1    # the bench grid fills the GPU
+    assert tk.dkv_split(1, 4, 4, 64, 64, 132) == 1       # one head per group: nothing to split
+    T, lens = 40, [40, 23]
+    ins, lt = make_inputs(2, 4, 1, T, 16, T, 2, torch.float32, lens, seed=7)
+    out, lse = tk.gcla_attention_fwd(*ins, lt)
+    grad = torch.randn(2, 4, T, 16, generator=torch.Generator().manual_seed(8))
+    grads = tk.gcla_attention_bwd(grad, *ins, lt, out, lse, split=3)
+    ins64 = [x.double().requires_grad_() for x in ins]
+    ref, _ = gcla_attention_forward(*ins64, lt)
+    for name, g, rg in zip(NAMES, grads, torch.autograd.grad(ref, ins64, grad.double())):
+        close(g, rg, tolerance(torch.float32, "attention"), f"grad {name}")
+
+
+@needs_triton
 def test_triton_head_dim_limits():
     """Even d_h up to 256 run (tiles of max(16, next power of two) columns); wider run on
     another backend, with a warning that states the supported range."""
@@ -547,6 +566,23 @@ def test_triton_head_dim_limits():
     with wiola_kernels.use_backend("triton"):
         out = wiola_kernels.gcla_attention(*ins)
     close(out, gcla_attention_forward(*ins)[0], tolerance(torch.float64, "attention"), "d_h = 2")
+
+
+@needs_triton
+def test_triton_refuses_float32_beyond_d_h_64():
+    """float32 at d_h > 64 (its exact FMA products spill registers on a GPU) goes to the next
+    backend in line, with a warning that says why; the GPU launch configuration refuses it by name."""
+    from wiola_kernels.triton import gcla_attention as tk
+
+    with pytest.raises(ValueError, match=r"float32 on a GPU only up to d_h = 64, got d_h = 128.*cuda backend"):
+        tk.launch_config(128, torch.float32, 90)
+    assert tk.launch_config(128, torch.bfloat16, 90) and tk.launch_config(64, torch.float32, 80)
+    ins, _ = make_inputs(1, 2, 1, 3, 66, 3, 1)
+    wiola_kernels.dispatch.reset_warnings()
+    with wiola_kernels.use_backend("triton"), pytest.warns(RuntimeWarning, match=r"float32 only up to d_h 64"):
+        assert wiola_kernels.dispatch.select("gcla_attention", torch.device("cpu"), torch.float32, 66) != "triton"
+        out = wiola_kernels.gcla_attention(*ins)
+    close(out, gcla_attention_forward(*ins)[0], tolerance(torch.float32, "attention"), "d_h = 66")
 
 
 @needs_triton
@@ -567,10 +603,8 @@ def test_triton_dispatch():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("dtype, B, H, H_kv, T, dh, mode, lens", [
-    (dtype, *case) for dtype in (torch.bfloat16, torch.float16, torch.float32)
-    for case in ((2, 8, 2, 257, 64, "causal", [257, 100]), (1, 16, 4, 1000, 128, "paper", None),
-                 (3, 6, 3, 1, 64, "causal", [1, 0, 1]))
-    if dtype != torch.float32 or case[:5] == (2, 8, 2, 257, 64)])  # the AOT-checked set: wiola_kernels/triton/gcla_attention.GPU_TEST_CASES
+    (dtype, *case[:6], None if case[6] is None else list(case[6]))
+    for case, dtypes in shapes.GCLA_GPU_TESTS for dtype in dtypes])  # what gpu-report compiles ahead of time
 def test_triton_gpu_vs_float64(dtype, B, H, H_kv, T, dh, mode, lens):
     """Compiled kernels on the device against the float64 oracle (SPEC §9), bitwise reproducible."""
     S = 1 if mode == "paper" else T
@@ -1670,64 +1704,6 @@ def test_cuda_emu_backend_through_the_public_op():
         out, lse = GCLAAttentionFunction.apply(*ins, lengths), gcla_attention_op(*ins, lengths)[1]
         grads = torch.autograd.grad(out, ins, grad.to(torch.bfloat16))
     check_against_oracle(out, lse, grads, ins, lengths, grad, torch.bfloat16)
-
-
-# ---- compiled ahead of time for sm_90 / sm_80 at the bench shapes (no GPU needed) ----
-
-def _nvidia_toolchain() -> bool:
-    """Triton's NVIDIA backend with its bundled ptxas and cuobjdump."""
-    try:
-        import triton
-        from triton.backends.compiler import GPUTarget  # noqa: F401
-    except ImportError:
-        return False
-    bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-    return all(os.access(os.path.join(bindir, name), os.X_OK) for name in ("ptxas", "cuobjdump"))
-
-
-SMEM_PER_BLOCK = {90: 227 * 1024, 80: 163 * 1024}  # opt-in shared memory per block (H100/H200, A100)
-
-# Runs in a child process: conftest sets TRITON_INTERPRET=1 here, and interpreted kernels
-# cannot be compiled.
-_AOT_SCRIPT = """
-import json, sys
-from wiola_kernels.triton import gcla_attention as tk
-arch, head_dim = int(sys.argv[1]), int(sys.argv[2])
-shape = next(s for s in tk.BENCH_SHAPES if s["head_dim"] == head_dim)
-rows = []
-for summary, lengths in (("causal", False), ("paper", True)):
-    for cfg in tk.compile_configs(arch, **shape, summary=summary, lengths=lengths):
-        use = tk.cubin_resources(cfg.compile(arch), arch)
-        rows.append(dict(use, kernel=cfg.name, summary=summary, block_m=cfg.constexprs["BLOCK_M"],
-                         block_n=cfg.constexprs["BLOCK_N"], num_warps=cfg.num_warps, num_stages=cfg.num_stages))
-print(json.dumps(rows))
-"""
-
-
-@pytest.mark.skipif(not _nvidia_toolchain(), reason="Triton's NVIDIA compile toolchain (ptxas, cuobjdump) is missing")
-@pytest.mark.parametrize("arch", [90, 80])
-@pytest.mark.parametrize("head_dim", [64, 128])
-def test_aot_bench_shapes_no_spills_tensor_cores(arch, head_dim):
-    """Every GCLA Triton kernel at the bench shapes (bf16, B 4, H 16, H_kv 4, T 4096; causal
-    summaries without lengths and paper summaries with lengths), compiled as the JIT would
-    on sm_<arch>: no register spills, shared memory within the per-block limit, tensor-core
-    MMA instructions (HGMMA / HMMA) in the SASS."""
-    import json
-    import subprocess
-    import sys
-
-    env = dict(os.environ, TRITON_INTERPRET="0", TRITON_DEFAULT_FP_FUSION="1")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")])
-    done = subprocess.run([sys.executable, "-c", _AOT_SCRIPT, str(arch), str(head_dim)], capture_output=True,
-                          text=True, env=env, cwd=root, timeout=900)
-    assert done.returncode == 0, done.stderr[-3000:]
-    rows = json.loads(done.stdout.strip().splitlines()[-1])
-    assert {r["kernel"] for r in rows} == {"_gcla_fwd_kernel", "_gcla_bwd_dq_kernel", "_gcla_bwd_dkv_kernel"}
-    for r in rows:
-        assert r["stack_bytes"] == 0 and r["local_bytes"] == 0 and r["spill_instructions"] == 0, r
-        assert r["shared_bytes"] <= SMEM_PER_BLOCK[arch], r
-        assert r["tensor_core_instructions"] > 0, r
 
 
 # --- strided inputs, no hidden copies (issue 14 §3) ----------------------------------------

@@ -342,3 +342,36 @@ def test_train_and_generate_command_line(tmp_path, capsys):
     assert (tmp_path / "model.safetensors").exists() and (tmp_path / "train_state.json").exists()
     text = generate_main(["--checkpoint", str(tmp_path), "--max-new-tokens", "6", "--temperature", "0", "Hi"])
     assert "Hi" + text in capsys.readouterr().out
+
+
+def test_model_package_reaches_no_private_name_of_wiola_kernels():
+    """python/wiola runs the code its users run: every name it takes from wiola_kernels
+    (imports and attribute chains such as ``wiola_kernels.dispatch.select``) is public, no
+    path component starting with an underscore."""
+    import ast
+    from pathlib import Path
+
+    package = Path(__file__).resolve().parents[1] / "python" / "wiola"
+    found = []
+    for path in sorted(package.glob("*.py")):
+        tree = ast.parse(path.read_text(), str(path))
+        aliases = {"wiola_kernels"}  # local names bound to wiola_kernels (import wiola_kernels as wk)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                for a in node.names:
+                    if a.name.split(".")[0] == "wiola_kernels":
+                        found.append((path.name, a.name))
+                        aliases.add(a.asname or a.name.split(".")[0])
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "wiola_kernels":
+                found += [(path.name, f"{node.module}.{a.name}") for a in node.names]
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute):
+                chain, inner = [node.attr], node.value
+                while isinstance(inner, ast.Attribute):
+                    chain.append(inner.attr)
+                    inner = inner.value
+                if isinstance(inner, ast.Name) and inner.id in aliases:
+                    found.append((path.name, ".".join([inner.id, *reversed(chain)])))
+    assert len(found) > 10, found  # the walk sees the package's imports
+    private = sorted({(f, name) for f, name in found if any(p.startswith("_") for p in name.split("."))})
+    assert not private, private

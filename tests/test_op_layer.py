@@ -73,6 +73,32 @@ def _rms_calls(a):
              (torch.randn_like(a["x"]), a["x"], a["weight"], a["shift"], rstd))]
 
 
+def _add_make(dtype):
+    return dict(x=_rand(3, 5, 8, dtype=dtype, seed=41), residual=_rand(3, 5, 8, dtype=dtype, seed=42),
+                weight=_rand(8, dtype=dtype, seed=43) * 0.3 + 1, shift=_rand(8, dtype=dtype, seed=44) * 0.1, eps=1e-6,
+                hf_order=False)
+
+
+def _add_calls(a):
+    fwd = (a["x"], a["residual"], a["weight"], a["shift"], a["eps"], a["hf_order"])
+    _, s, rstd = torch.ops.wiola.add_rms_norm(*fwd)
+    return [(torch.ops.wiola.add_rms_norm.default, fwd),
+            (torch.ops.wiola.add_rms_norm_backward.default,
+             (torch.randn_like(a["x"]), torch.randn_like(a["x"]), s, a["weight"], a["shift"], rstd))]
+
+
+def _glu_make(dtype):
+    # a and b: the two halves of one projection's output (row stride 2n), read in place.
+    u = _rand(3, 5, 16, dtype=dtype, seed=45) * 2
+    return dict(a=u[..., :8], b=u[..., 8:], activation="gelu_tanh")
+
+
+def _glu_calls(a):
+    fwd = (a["a"], a["b"], a["activation"])
+    return [(torch.ops.wiola.glu.default, fwd),
+            (torch.ops.wiola.glu_backward.default, (torch.randn_like(a["a"]), *fwd))]
+
+
 def _srpe_make(dtype):
     pos = torch.tensor([[0, 1, 2, 3, 4], [7, 8, 9, 10, 11]])
     return dict(q=_rand(2, 4, 5, 8, dtype=dtype, seed=4), k=_rand(2, 2, 5, 8, dtype=dtype, seed=5), position_ids=pos,
@@ -134,6 +160,8 @@ def _unmerge_calls(a, ns="wiola"):
 
 CASES = [
     Case("rms_norm", wk.RMSNormFunction, "rms_norm", _rms_make, _rms_calls, reference.rms_norm),
+    Case("add_rms_norm", wk.AddRMSNormFunction, "add_rms_norm", _add_make, _add_calls, reference.add_rms_norm),
+    Case("glu", wk.GLUFunction, "glu", _glu_make, _glu_calls, reference.glu),
     Case("srpe", wk.SRPEFunction, "srpe", _srpe_make, _srpe_calls, reference.srpe),
     Case("gcla_attention", wk.GCLAAttentionFunction, "gcla_attention", _gcla_make, _gcla_calls,
          reference.gcla_attention),
@@ -443,7 +471,8 @@ def test_lengths_checks_agree_across_ops(case):
 
 def _bad_inputs() -> list[tuple[str, dict, type, str]]:
     """(public function, changed arguments, error, message) — one of each kind of check."""
-    rms, srpe_args, gcla, merge, unmerge = (c.make(torch.float32) for c in CASES)
+    rms, add, glu, srpe_args, gcla, merge, unmerge = (BY_NAME[n].make(torch.float32) for n in (
+        "rms_norm", "add_rms_norm", "glu", "srpe", "gcla_attention", "atm_merge", "atm_unmerge"))
     return [
         ("rms_norm", dict(x=rms["x"].long()), TypeError, r"^x must have dtype in \(float32, float64, bfloat16, float16\), got int64"),
         ("rms_norm", dict(weight=rms["weight"][:4]), ValueError, r"^weight must have shape \(d,\) = \(8,\), got \(4,\)"),
@@ -452,6 +481,15 @@ def _bad_inputs() -> list[tuple[str, dict, type, str]]:
         ("rms_norm", dict(x=torch.zeros(3, 0), weight=torch.ones(0), shift=torch.zeros(0)), ValueError, r"^x must have a non-empty last dimension d, got d = 0"),
         ("rms_norm", dict(eps=-1e-6), ValueError, r"^eps must be a finite number > 0, got -1e-06"),
         ("rms_norm", dict(eps=float("nan")), ValueError, r"^eps must be a finite number > 0, got nan"),
+        ("add_rms_norm", dict(residual=add["residual"][..., :7]), ValueError, r"^residual must have the shape of x \(\.\.\., d\) = \(3, 5, 8\), got \(3, 5, 7\)"),
+        ("add_rms_norm", dict(residual=add["residual"].double()), TypeError, r"^residual must have dtype torch.float32 like x, got torch.float64"),
+        ("add_rms_norm", dict(shift=add["shift"][:4]), ValueError, r"^shift must have shape \(d,\) = \(8,\), got \(4,\)"),
+        ("add_rms_norm", dict(eps=0.0), ValueError, r"^eps must be a finite number > 0, got 0.0"),
+        ("glu", dict(b=glu["b"][..., :7]), ValueError, r"^b must have the shape of a \(\.\.\., n\) = \(3, 5, 8\), got \(3, 5, 7\)"),
+        ("glu", dict(b=glu["b"].double()), TypeError, r"^b must have dtype torch.float32 like a, got torch.float64"),
+        ("glu", dict(a=glu["a"][..., :7].contiguous(), b=None), ValueError, r"^a must have an even last dimension 2n when b is None"),
+        ("glu", dict(activation="gelu"), ValueError, r"^activation must be 'silu' or 'gelu_tanh', got 'gelu'"),
+        ("glu", dict(a=glu["a"].long()), TypeError, r"^a must have dtype in \(float32, float64, bfloat16, float16\), got int64"),
         ("srpe", dict(k=srpe_args["k"][:, :, :3]), ValueError, r"^k must have shape \(B, H_kv, T, d_h\) = \(2, H_kv, 5, 8\) to match q, got \(2, 2, 3, 8\)"),
         ("srpe", dict(k=srpe_args["k"].double()), TypeError, r"^k must have dtype torch.float32 like q, got torch.float64"),
         ("srpe", dict(q=srpe_args["q"][..., :7], k=srpe_args["k"][..., :7]), ValueError, r"^q must have an even, non-zero head dim d_h \(last dim\), got d_h = 7"),

@@ -12,7 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import wiola_kernels as wk
-from wiola_kernels import reference
+from wiola_kernels import reference, shapes
 from wiola_kernels.modules import WiolaRMSNorm
 from wiola_kernels.testing import (assert_close_rel, available_backends, available_cpu_isas, cpu_isa, rel_err,
                                    tolerance)
@@ -1109,8 +1109,8 @@ def test_rms_norm_bitwise_reproducible(dtype):
 # ========================================================================================
 
 @gpu_only
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("shape", [(1, 3), (37, 192), (4, 33, 760), (1151, 4096), (2, 8193)])
+@pytest.mark.parametrize("dtype", shapes.RMS_NORM_GPU_TEST_DTYPES)
+@pytest.mark.parametrize("shape", shapes.RMS_NORM_GPU_TEST_SHAPES)  # what gpu-report compiles ahead of time
 def test_rms_norm_triton_vs_float64(shape, dtype):
     d = shape[-1]
     x = torch.randn(shape, dtype=torch.float64)

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 import wiola_kernels
 import wiola_kernels as wk
-from wiola_kernels import SpiralRotaryEmbedding, reference, use_backend
+from wiola_kernels import SpiralRotaryEmbedding, reference, shapes, use_backend
 from wiola_kernels.reference import srpe as reference_srpe
 from wiola_kernels.reference import srpe_backward as reference_srpe_backward
 from wiola_kernels.reference import srpe_frequencies
@@ -858,9 +858,8 @@ def test_srpe_bitwise_reproducible(dtype):
 # On a GPU (skipped without one)
 # ========================================================================================
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("b, h, h_kv, t, dh", [(1, 1, 1, 1, 64), (3, 16, 4, 257, 64), (2, 8, 8, 100, 128),
-                                               (1, 4, 2, 33, 10)])
+@pytest.mark.parametrize("dtype", shapes.SRPE_GPU_TEST_DTYPES)
+@pytest.mark.parametrize("b, h, h_kv, t, dh", shapes.SRPE_GPU_TEST_SHAPES)  # what gpu-report compiles ahead of time
 @gpu_only
 def test_srpe_triton_vs_float64(b, h, h_kv, t, dh, dtype):
     q, k = torch.randn(b, h, t, dh, dtype=torch.float64), torch.randn(b, h_kv, t, dh, dtype=torch.float64)

@@ -1,7 +1,9 @@
-"""Issue 10 §2–3: every Triton kernel compiled ahead of time for sm_90 and sm_80 with the
-launch-time specialisation its launchers produce (test and bench shapes), and every CUDA
-kernel compiled by nvcc, read back from the cubins: a kernel the interpreter accepts but
-the GPU compiler rejects, a register spill, or shared memory over the device limit fails.
+"""Every Triton kernel compiled ahead of time for sm_90 and sm_80 with the launch-time
+specialisation its launchers produce (test and bench shapes), and every CUDA kernel compiled
+by nvcc, read back from the cubins: a kernel the interpreter accepts but the GPU compiler
+rejects, a register spill, shared memory over the device limit, or a finding of the
+compiled-code lint (32-bit ``index × stride`` address products, narrow stores where the
+layout allows 128-bit ones) fails.
 
 The compiles run in one subprocess without TRITON_INTERPRET (``gpu-report --json``);
 Triton's cache and the cubin cache make later runs fast."""
@@ -11,6 +13,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -19,16 +22,22 @@ from pathlib import Path
 import pytest
 import torch
 
-from wiola_kernels import gpu_report
+from wiola_kernels import compiled_lint, gpu_report, shapes
+from wiola_kernels.devtools import cuda_report
 from wiola_kernels.triton import aot
 
 ROOT = Path(__file__).resolve().parent.parent
 HAVE_NVCC = gpu_report.tool("nvcc") is not None
 VARIANTS = [(arch, key) for arch, gpu in aot.GPUS.items() for key in aot.launches(gpu)]
-# Spills found by this test in kernels outside the AOT work, kept visible rather than
-# silently allowed: (arch, kernel prefix) -> spill bytes ptxas reports. An entry fails
-# the test when the spill grows or when it is gone (then delete the entry).
-KNOWN_CUDA_SPILLS: dict[tuple[str, str], int] = {}  # (arch, kernel prefix) -> bytes; none today
+# Findings in CUDA kernels, kept visible rather than silently allowed: (arch, kernel prefix)
+# -> spill bytes ptxas reports / lint findings (their text starts so). An entry fails the test
+# when the finding changes or when it is gone (then delete the entry).
+KNOWN_CUDA_SPILLS: dict[tuple[str, str], int] = {}  # none today
+KNOWN_CUDA_LINT: dict[tuple[str, str], tuple[str, ...]] = {
+    # one warp per row, each lane's 4 contiguous floats written as 4 scalar stores (wiola::gcla::store)
+    (arch, "gcla_attention::summary_forward_kernel<float, 128>"): ("main loop: stores of 32 bits",)
+    for arch in ("sm_90", "sm_80")
+}
 
 
 @pytest.fixture(scope="session")
@@ -45,30 +54,43 @@ def report(tmp_path_factory):
     return {(r["source"], r["arch"], r["kernel"]): r for r in json.loads(out.read_text())}
 
 
-def _check_record(r: dict, allowed_spill: int = 0) -> None:
+def _check_record(r: dict, allowed_spill: int = 0, allowed_lint: tuple[str, ...] = ()) -> None:
     assert "error" not in r, r.get("error")
     gpu = aot.GPUS[r["arch"]]
     assert r["spill_bytes"] == allowed_spill, f"{r['spill_bytes']} bytes of register spills"
     assert r["shared_bytes"] <= gpu.smem_per_block, f"{r['shared_bytes']} B shared > {gpu.smem_per_block}"
     assert r["blocks_per_sm"] >= 1
     assert r["registers"] > 0 and r["global_access_bits"] in (8, 16, 32, 64, 128)
+    assert len(r["lint"]) == len(allowed_lint) and all(f.startswith(a) for f, a in zip(r["lint"], allowed_lint)), \
+        "compiled-code lint:\n" + "\n".join(r["lint"])
 
 
 @pytest.mark.parametrize("arch, key", VARIANTS, ids=[f"{a}-{k}" for a, k in VARIANTS])
-def test_triton_kernel_compiles_without_spills(report, arch, key):
+def test_triton_kernel_compiles_without_spills_or_lint(report, arch, key):
     _check_record(report[("triton", arch, key)])
 
 
 @pytest.mark.skipif(not HAVE_NVCC, reason="nvcc not found")
-def test_cuda_kernels_compile_without_spills(report):
+def test_cuda_kernels_compile_without_spills_or_lint(report):
     cuda = [r for r in report.values() if r["source"] == "cuda"]
-    for cu in gpu_report.cuda_sources():
+    for cu in cuda_report.cuda_sources():
         for arch in aot.GPUS:
             assert any(r["kernel"].startswith(f"{cu.stem}::") and r["arch"] == arch for r in cuda), (cu.stem, arch)
     for r in cuda:
-        known = [v for (arch, prefix), v in KNOWN_CUDA_SPILLS.items()
+        spill = [v for (arch, prefix), v in KNOWN_CUDA_SPILLS.items()
                  if r["arch"] == arch and r["kernel"].startswith(prefix)]
-        _check_record(r, known[0] if known else 0)
+        lint = [v for (arch, prefix), v in KNOWN_CUDA_LINT.items() if r["arch"] == arch and r["kernel"] == prefix]
+        _check_record(r, spill[0] if spill else 0, lint[0] if lint else ())
+
+
+def test_gcla_triton_kernels_use_tensor_cores(report):
+    """The bf16/fp16 GCLA kernels run their products on the tensor cores (HGMMA on sm_90,
+    HMMA on sm_80), at every shape compiled."""
+    gcla = [r for r in report.values() if r["source"] == "triton" and r["kernel"].startswith("_gcla_")
+            and re.search(r"\*(bf16|fp16)/16", r["kernel"])]
+    assert gcla
+    for r in gcla:
+        assert r["tensor_core"], r["kernel"]
 
 
 def test_memory_bound_triton_kernels_meet_the_h200_targets(report):
@@ -76,7 +98,7 @@ def test_memory_bound_triton_kernels_meet_the_h200_targets(report):
     bench = [r for r in report.values() if r["source"] == "triton" and r["arch"] == "sm_90"
              and r["bytes_in_flight_per_sm"] is not None]
     assert {r["kernel"].split("[")[0] for r in bench} == {"_rms_norm_fwd_kernel", "_rms_norm_bwd_kernel",
-                                                            "_srpe_kernel"}
+                                                            "_srpe_kernel", "_glu_fwd_kernel", "_glu_bwd_kernel"}
     for r in bench:
         assert r["global_access_bits"] == 128, r["kernel"]
         assert r["bytes_in_flight_per_sm"] >= gpu_report.LITTLE_LAW_TARGET_BYTES, r["kernel"]
@@ -121,25 +143,33 @@ def _parametrized(test_fn, argnames):
     return {m.args[0]: m.args[1] for m in marks if m.args[0] in argnames}
 
 
-def test_gpu_test_shapes_are_compiled():
-    """The AOT shape lists cover what the GPU tests of tests/test_rms_norm.py and
-    tests/test_srpe.py run the Triton kernels at."""
+def test_gpu_tests_run_at_the_compiled_shapes():
+    """The GPU tests of tests/test_rms_norm.py, tests/test_srpe.py, tests/test_gcla_attention.py,
+    tests/test_glu.py and tests/test_add_rms_norm.py take their shapes from
+    wiola_kernels/shapes.py, which the AOT launch lists compile."""
     def load(name):
         spec = importlib.util.spec_from_file_location(f"_{name}_gpu_shapes", ROOT / "tests" / f"{name}.py")
         mod = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(mod)
         return mod
 
-    from wiola_kernels.triton import rms_norm, srpe
-
     p = _parametrized(load("test_rms_norm").test_rms_norm_triton_vs_float64, ("shape", "dtype"))
-    for shape in p["shape"]:
-        for dtype in p["dtype"]:
-            assert (tuple(shape), dtype) in rms_norm.GPU_TEST_SHAPES, (shape, dtype)
+    assert tuple(p["shape"]) == shapes.RMS_NORM_GPU_TEST_SHAPES and tuple(p["dtype"]) == shapes.RMS_NORM_GPU_TEST_DTYPES
+    assert {(s, d) for s in p["shape"] for d in p["dtype"]} <= set(shapes.RMS_NORM_GPU_TESTS)
     p = _parametrized(load("test_srpe").test_srpe_triton_vs_float64, ("b, h, h_kv, t, dh", "dtype"))
-    for shape in p["b, h, h_kv, t, dh"]:
-        for dtype in p["dtype"]:
-            assert (tuple(shape), dtype) in srpe.GPU_TEST_SHAPES, (shape, dtype)
+    assert tuple(p["b, h, h_kv, t, dh"]) == shapes.SRPE_GPU_TEST_SHAPES
+    assert {(s, d) for s in p["b, h, h_kv, t, dh"] for d in p["dtype"]} <= set(shapes.SRPE_GPU_TESTS)
+    p = _parametrized(load("test_gcla_attention").test_triton_gpu_vs_float64, ("dtype, B, H, H_kv, T, dh, mode, lens",))
+    compiled = {(case[:6] + (case[6] is not None,), d) for case, dtypes in shapes.GCLA_GPU_TESTS for d in dtypes}
+    assert {(tuple(c[1:7]) + (c[7] is not None,), c[0]) for c in p["dtype, B, H, H_kv, T, dh, mode, lens"]} == compiled
+    p = _parametrized(load("test_add_rms_norm").test_add_rms_norm_triton_vs_float64, ("shape", "dtype"))
+    assert tuple(p["shape"]) == shapes.ADD_RMS_NORM_GPU_TEST_SHAPES
+    assert tuple(p["dtype"]) == shapes.ADD_RMS_NORM_GPU_TEST_DTYPES
+    assert {(s, d) for s in p["shape"] for d in p["dtype"]} <= set(shapes.ADD_RMS_NORM_GPU_TESTS)
+    p = _parametrized(load("test_glu").test_glu_triton_vs_float64, ("rows, n", "dtype", "packed"))
+    assert tuple(p["rows, n"]) == shapes.GLU_GPU_TEST_SHAPES and tuple(p["dtype"]) == shapes.GLU_GPU_TEST_DTYPES
+    assert {(r, n, pk, d) for r, n in p["rows, n"] for d in p["dtype"] for pk in p["packed"]} \
+        <= set(shapes.GLU_GPU_TESTS)
 
 
 def test_specialisation_matches_the_jit():
@@ -153,9 +183,10 @@ def test_specialisation_matches_the_jit():
     gpu = aot.GPUS["sm_90"]
     for rows, d in ((1, 1024), (37, 192), (4096, 33)):
         launch = next(iter(rms_norm.aot_launches(gpu.sms)))
-        launch.args = launch.args[:5] + (rows, d, 1e-6)
+        first = len(launch.args) - 3  # (..., rows, d, eps): the first integer argument
+        launch.args = launch.args[:first] + (rows, d, 1e-6)
         signature, constexprs, attrs, _ = aot.specialise(launch, gpu)
-        for index, value in ((5, rows), (6, d)):
+        for index, value in ((first, rows), (first + 1, d)):
             kind, attr = native_specialize_impl(BaseBackend, value, False, True, True)[:2]
             if kind == "constexpr":
                 assert signature[list(signature)[index]] == "constexpr" and constexprs[(index,)] == value
@@ -172,6 +203,9 @@ def test_blocks_per_sm_follows_the_occupancy_rules():
     assert gpu_report.blocks_per_sm(h200, registers=33, threads=256, shared_bytes=0) == 6   # 40 per thread
     assert gpu_report.blocks_per_sm(h200, registers=32, threads=128, shared_bytes=100 * 1024) == 2  # smem
     assert gpu_report.blocks_per_sm(h200, registers=32, threads=128, shared_bytes=228 * 1024) == 0
+    assert gpu_report.occupancy(h200, registers=128, threads=256, shared_bytes=0) == (2, "registers")
+    assert gpu_report.occupancy(h200, registers=32, threads=128, shared_bytes=100 * 1024) == (2, "shared memory")
+    assert gpu_report.occupancy(h200, registers=32, threads=128, shared_bytes=0) == (16, "threads")
 
 
 def test_sass_analysis_finds_the_main_loop():
@@ -188,25 +222,36 @@ def test_sass_analysis_finds_the_main_loop():
     ]
     got = gpu_report.analyse_sass(sass)
     assert got == {"tensor_core": True, "global_access_bits": 128, "load_bytes": 32, "async_load_bytes": 0,
-                   "in_loop": True}
+                   "in_loop": True, "load_bits": 128, "store_bits": [64]}
     no_loop = gpu_report.analyse_sass([(0x0, "LDG.E.U16", "R1, [R2.64]"), (0x10, "STG.E", "[R2.64], R1")])
     assert no_loop["global_access_bits"] == 32 and no_loop["load_bytes"] == 2 and not no_loop["tensor_core"]
 
 
-def test_cuda_launch_block_sizes_are_read_from_the_source():
-    sizes = gpu_report.launch_block_sizes("atm")
-    assert sizes["select_kernel"] == gpu_report._cuda_constant("atm", "kScanThreads")
-    assert set(gpu_report.ATM_GRIDS) <= set(sizes)
+@pytest.mark.skipif(not HAVE_NVCC, reason="nvcc not found")
+def test_every_cuda_launch_has_its_geometry():
+    """Every kernel csrc/cuda/*.cu launches has a launch geometry (threads, grid, shared memory)
+    from the launchers' own constexpr functions (csrc/tools/launch_geometry.cpp), at the bench
+    shape; none is re-derived by the report."""
+    launched = {m.group(1) for cu in cuda_report.cuda_sources()
+                for m in re.finditer(r"\blaunch_kernel\(\s*(\w+)", cu.read_text())}
+    B, T, d = shapes.ATM_BENCH["full"]
+    geometry = cuda_report.launch_geometry(B, T, d, 8, shapes.GCLA_BENCH["L"])
+    assert launched == {kernel for kernel, _ in geometry}
+    assert all(g["threads"] > 0 and g["blocks"] > 0 and g["smem"] >= 0 for g in geometry.values())
 
 
-def test_cuda_dynamic_shared_memory_is_read_from_the_launch():
-    """GCLA's summary forward uses no dynamic shared memory (its backward's depends on Λ')."""
-    assert gpu_report.dynamic_smem("gcla_attention", "summary_forward_kernel", [64]) == 0
+def test_cuda_report_needs_a_checkout(monkeypatch):
+    """From an installed wheel (no csrc/ next to the package) the CUDA half says so."""
+    from wiola_kernels import devtools
+
+    monkeypatch.setattr(devtools, "REPO", None)
+    with pytest.raises(devtools.NoCheckout, match="source checkout"):
+        cuda_report.cuda_sources()
 
 
 @pytest.mark.skipif(shutil.which("c++filt") is None, reason="c++filt not found")
 def test_kernel_names_demangle():
-    assert gpu_report._short_name("void wiola::atm::(anonymous namespace)::unmerge_kernel<float>"
+    assert cuda_report.short_name("void wiola::atm::(anonymous namespace)::unmerge_kernel<float>"
                                   "(float const*, long const*, float*, long, long)") == \
         ("unmerge_kernel", "unmerge_kernel<float>")
 
@@ -248,3 +293,98 @@ def test_a_kernel_the_gpu_compiler_rejects_fails(tmp_path):
         finally:
             sys.path.remove(str(tmp_path))
             sys.modules.pop("bad_kernel", None)
+
+
+_LINT_KERNEL = r"""
+import triton, triton.language as tl
+
+@triton.jit
+def _rows_kernel(x_ptr, y_ptr, stride, n, BLOCK: tl.constexpr, MODE: tl.constexpr):
+    r = tl.arange(0, BLOCK)
+    cols = tl.arange(0, 16)
+    if MODE == 0:    # rows from the program id, 32-bit row × stride: wraps past 2^31
+        rows = tl.program_id(0) * BLOCK + r
+        offs = rows[:, None] * stride + cols[None, :]
+        tl.store(y_ptr + offs, tl.load(x_ptr + offs))
+    elif MODE == 1:  # rows from a loop variable, likewise
+        for r0 in range(0, n, BLOCK):
+            offs = (r0 + r)[:, None] * stride + cols[None, :]
+            tl.store(y_ptr + offs, tl.load(x_ptr + offs))
+    elif MODE == 2:  # a 64-bit base at the block's first row, a 32-bit tile inside the block
+        base = tl.program_id(0).to(tl.int64) * BLOCK * stride
+        offs = r[:, None] * stride + cols[None, :]
+        tl.store(y_ptr + base + offs, tl.load(x_ptr + base + offs))
+    else:            # the same 16-byte tiles stored one element off 16-byte alignment
+        offs = r[:, None] * 16 + cols[None, :]
+        tl.store(y_ptr + 1 + offs, tl.load(x_ptr + offs))
+"""
+
+_LINT_SCRIPT = r"""
+import json, sys, torch
+sys.path.insert(0, sys.argv[1])
+from lint_kernel import _rows_kernel
+from wiola_kernels import compiled_lint
+from wiola_kernels.triton import aot
+
+out = {}
+for mode in range(4):
+    launch = aot.Launch(_rows_kernel, (aot.DevicePointer(torch.bfloat16),) * 2 + (4096, 1000), dict(BLOCK=64, MODE=mode),
+                        1, 1, 1, "lint")
+    c = aot.compile_launch(launch, aot.GPUS["sm_90"])
+    out[mode] = [f.check for f in compiled_lint.i32_address_products(c.asm["ttir"])
+                 + compiled_lint.narrow_stores(c.asm["ttgir"], c.asm["ptx"])]
+print(json.dumps(out))
+"""
+
+
+def test_the_lint_flags_32_bit_row_offsets_and_narrow_stores(tmp_path):
+    """On real TTIR/TTGIR/PTX of this Triton: ``rows × stride`` in 32 bits with rows from the
+    program id or a loop variable is flagged, the 64-bit base + block tile form is not; a
+    store whose 16-byte-per-thread tile is pushed off alignment is flagged as narrow."""
+    (tmp_path / "lint_kernel.py").write_text(_LINT_KERNEL)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    done = subprocess.run([sys.executable, "-c", _LINT_SCRIPT, str(tmp_path)], env=env, capture_output=True, text=True,
+                          cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    assert got == {"0": ["i32-address-product"], "1": ["i32-address-product"], "2": [], "3": ["narrow-store"]}
+
+
+_TTIR = """
+#loc = loc("/k.py":1:1)
+#loc1 = loc("/k.py":5:3)
+#loc2 = loc("/k.py":6:3)
+module {
+  tt.func public @k(%x_ptr: !tt.ptr<f32> {tt.divisibility = 16 : i32} loc("x_ptr"(#loc)), %n: i32 loc("n"(#loc)), %st: i32 loc("st"(#loc))) attributes {noinline = false} {
+    %c0_i32 = arith.constant 0 : i32 loc(#loc)
+    %c16_i32 = arith.constant 16 : i32 loc(#loc)
+    %r = tt.make_range {end = 16 : i32, start = 0 : i32} : tensor<16xi32> loc(#loc)
+    %a = scf.for %i = %c0_i32 to %n step %c16_i32 iter_args(%acc = %c0_i32) -> (i32)  : i32 {
+      %k = arith.muli %r, %r : tensor<16xi32> loc(#loc)
+      %next = arith.addi %acc, %i : i32 loc(#loc)
+      scf.yield %next : i32 loc(#loc)
+    } loc(#loc)
+    %b = scf.for %i = %c0_i32 to %n step %c16_i32 iter_args(%acc = %c0_i32) -> (i32)  : i32 {
+      %k = tt.splat %st : i32 -> tensor<16xi32> loc(#loc)
+      %t = arith.muli %r, %k : tensor<16xi32> loc(#loc1)
+      %p = tt.splat %x_ptr : !tt.ptr<f32> -> tensor<16x!tt.ptr<f32>> loc(#loc)
+      %q = tt.addptr %p, %t : tensor<16x!tt.ptr<f32>>, tensor<16xi32> loc(#loc)
+      scf.yield %acc : i32 loc(#loc)
+    } loc(#loc)
+    %m = arith.muli %a, %st : i32 loc(#loc2)
+    %z = tt.addptr %x_ptr, %m : !tt.ptr<f32>, i32 loc(#loc2)
+    tt.return loc(#loc)
+  } loc(#loc)
+} loc(#loc)
+"""
+
+
+def test_the_lint_follows_loops_and_scopes():
+    """A value carried out of a loop (its yield) keeps the loop variable's index taint, so
+    ``loop result × stride`` is flagged (k.py:6); a name reused in a sibling loop body
+    (``%k``, a tile product there, a splat of the stride here) is a different value, so the
+    bounded ``arange × stride`` tile (k.py:5) is not."""
+    found = compiled_lint.i32_address_products(_TTIR)
+    assert [(f.check, f.where) for f in found] == [("i32-address-product", "k.py:6")]
+    assert "st" in found[0].message

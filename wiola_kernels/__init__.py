@@ -5,6 +5,8 @@ ops ``torch.ops.wiola.<name>`` (forward) and ``torch.ops.wiola.<name>_backward``
 declared once in C++ with a kernel per device that PyTorch's dispatcher picks:
 
 * :func:`rms_norm` / :class:`RMSNormFunction` — WiolaRMSNorm (SPEC §3)
+* :func:`add_rms_norm` / :class:`AddRMSNormFunction` — residual add + WiolaRMSNorm in one pass (SPEC §10.3)
+* :func:`glu` / :class:`GLUFunction` — gated activations SiLU / GELU_tanh, DSFF's streams (SPEC §10.2)
 * :func:`srpe` / :class:`SRPEFunction` — spiral rotary position encoding of Q and K (SPEC §4)
 * :func:`gcla_attention` / :class:`GCLAAttentionFunction` — GCLA summary-augmented causal attention (SPEC §5.5)
 * :func:`atm_merge` / :class:`ATMMergeFunction`, :func:`atm_unmerge` / :class:`ATMUnmergeFunction` —
@@ -29,14 +31,16 @@ dispatch.reload_environment()  # WIOLA_BACKEND, and whether the ops were declare
 
 from .hf import is_patched, patch_hf, unpatch_hf  # noqa: E402  (Hugging Face models; transformers not needed to import)
 from .modules import RMSNorm, SpiralRotaryEmbedding, WiolaRMSNorm  # noqa: E402
+from .ops.add_rms_norm import AddRMSNormFunction, add_rms_norm  # noqa: E402
 from .ops.atm import ATMMergeFunction, ATMUnmergeFunction, atm_merge, atm_unmerge  # noqa: E402
 from .ops.gcla_attention import GCLAAttentionFunction, gcla_attention  # noqa: E402
+from .ops.glu import GLUFunction, glu  # noqa: E402
 from .ops.rms_norm import RMSNormFunction, rms_norm  # noqa: E402
 from .ops.srpe import SRPEFunction, srpe  # noqa: E402
 
 __version__ = "0.1.0"
 
-__all__ = ["ATMMergeFunction", "ATMUnmergeFunction", "GCLAAttentionFunction", "RMSNorm", "RMSNormFunction",
-           "SRPEFunction", "SpiralRotaryEmbedding", "WiolaRMSNorm", "atm_merge", "atm_unmerge", "backends",
-           "cpu_isa", "gcla_attention", "is_patched", "kernel_isa", "patch_hf", "rms_norm", "set_cpu_isa", "srpe",
-           "unpatch_hf", "use_backend"]
+__all__ = ["ATMMergeFunction", "ATMUnmergeFunction", "AddRMSNormFunction", "GCLAAttentionFunction", "GLUFunction",
+           "RMSNorm", "RMSNormFunction", "SRPEFunction", "SpiralRotaryEmbedding", "WiolaRMSNorm", "add_rms_norm",
+           "atm_merge", "atm_unmerge", "backends", "cpu_isa", "gcla_attention", "glu", "is_patched", "kernel_isa",
+           "patch_hf", "rms_norm", "set_cpu_isa", "srpe", "unpatch_hf", "use_backend"]

@@ -13,7 +13,7 @@ from .cli import CommandError, HelpFormatter, positive_int, require_matplotlib, 
 DESCRIPTION = "Benchmark, self-check and list the backends of the fused Wiola ops."
 # Names the README and the public API use for an op, mapped to its benchmark case.
 OP_ALIASES = {"atm_merge": "atm", "atm_unmerge": "atm", "rms": "rms_norm", "gcla": "gcla_attention"}
-OP_NAMES = ("rms_norm", "srpe", "gcla_attention", "atm")
+OP_NAMES = ("rms_norm", "srpe", "gcla_attention", "atm", "add_rms_norm", "glu")
 
 
 def _device(name: str | None, must_run: bool = True) -> torch.device:

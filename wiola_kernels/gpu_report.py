@@ -1,20 +1,19 @@
-"""``python -m wiola_kernels gpu-report``: what the GPU compilers produced, without a GPU
-(issue 10 §3).
+"""``python -m wiola_kernels gpu-report``: what the GPU compilers produced, without a GPU, and
+a lint of it.
 
-For every CUDA kernel instantiation (``nvcc -cubin`` of each ``csrc/cuda/*.cu``) and every
-Triton kernel the launchers compile (``wiola_kernels/triton/aot.py``), for sm_90 and
-sm_80, one record:
+For every Triton kernel the launchers compile (``wiola_kernels/triton/aot.py``) and, from a
+source checkout with nvcc, every CUDA kernel instantiation (``csrc/cuda/*.cu``,
+:mod:`wiola_kernels.devtools.cuda_report`), for sm_90 and sm_80, one record:
 
 * ``registers``, ``spill_bytes``, ``shared_bytes``: from the cubin
-  (``cuobjdump --dump-resource-usage``) and ptxas's report; ``shared_bytes`` is
-  the static shared memory per block, plus a Triton kernel's dynamic shared memory (its
-  launch size); a CUDA kernel's dynamic shared memory is evaluated from its launch in
-  the ``.cu`` (``sizeof(float) * (…)`` of the file's constants and ``DH``).
-* ``blocks_per_sm``: resident blocks per SM those resources and the block size allow on
-  the architecture's reference GPU (sm_90: H200, 132 SMs; sm_80: A100, 108 SMs; 64 K
-  registers, 228 / 164 KB shared memory, 2048 threads and 32 blocks per SM).
-  ``spill_bytes`` are ptxas's spill stores per thread (``ptxas -v``; local arrays, such
-  as sin/cos's slow-path argument reduction, are not spills).
+  (``cuobjdump --dump-resource-usage``) and ptxas's report (``ptxas -v`` spill stores per
+  thread; local arrays, such as sin/cos's slow-path argument reduction, are not spills);
+  ``shared_bytes`` is the static shared memory per block plus the dynamic shared memory
+  of the launch.
+* ``blocks_per_sm`` and ``blocks_limit``: resident blocks per SM those registers, that
+  shared memory and the block size allow on the architecture's reference GPU (sm_90:
+  H200, 132 SMs; sm_80: A100, 108 SMs; 64 K registers, 228 / 164 KB shared memory, 2048
+  threads and 32 blocks per SM), and which of them is the limit.
 * ``tensor_core``: HGMMA / HMMA instructions in the SASS.
 * ``global_access_bits``: the widest global load or store (LDG / STG / LDGSTS) in the
   kernel's main loop (the innermost loop that loads from global memory; the whole
@@ -25,10 +24,17 @@ sm_80, one record:
   thread issues per iteration of the main loop (loads into shared memory by cp.async
   LDGSTS count ``num_stages − 1`` times: that many iterations are in flight). By
   Little's law an H200 needs ≈ 4.8 TB/s × ~1 µs / 132 SMs ≈ 32–40 KB in flight per SM.
+* ``lint``: findings of :mod:`wiola_kernels.compiled_lint` on the compiled code — 32-bit
+  ``index × stride`` products that reach pointer arithmetic (every Triton kernel, from its
+  TTIR), and stores narrower than 32 bits where the layout gives each thread 16
+  contiguous bytes (Triton kernels at the memory-bound bench shapes, from the TTGIR and
+  PTX; CUDA kernels from the SASS: a main loop that loads 128 bits per access but stores 32
+  or fewer).
 
-Compiled cubins are cached: Triton's in its cache (``TRITON_CACHE_DIR``), nvcc's under
-``$WIOLA_CUBIN_CACHE`` (default ``~/.cache/wiola_kernels/cubin``), keyed by the sources,
-headers and flags.
+CI (``tests/test_triton_aot.py``) fails on a compile error, a spill, shared memory over the
+device limit, a kernel that cannot be resident, and a lint finding. Compiled cubins are
+cached: Triton's in its cache (``TRITON_CACHE_DIR``), nvcc's and the analyses under
+``$WIOLA_CUBIN_CACHE`` (default ``~/.cache/wiola_kernels/cubin``).
 """
 
 from __future__ import annotations
@@ -44,29 +50,11 @@ import sys
 import tempfile
 from pathlib import Path
 
+from .compiled_lint import Finding, i32_address_products, narrow_stores
 from .triton.aot import GPU, GPUS
 
-KEYS = ("kernel", "source", "arch", "registers", "spill_bytes", "shared_bytes", "blocks_per_sm", "tensor_core",
-        "global_access_bits", "bytes_in_flight_per_sm")
 LITTLE_LAW_TARGET_BYTES = 32 * 1024  # per SM, for HBM bandwidth on an H200
-REPO = Path(__file__).resolve().parent.parent
-NVCC_FLAGS = ("-std=c++17", "-O3", "--use_fast_math", "--expt-relaxed-constexpr")  # as setup.py builds
-
-# ATM (memory-bound) kernels' grids at the bench shape (bench/cases.py: B, T, d), as the
-# launchers in csrc/cuda/atm.cu compute them; block sizes are read from the source.
-ATM_BENCH = {"B": 8, "T": 2048, "d": 1024}
-ATM_GRIDS = {
-    "norms_and_dots_kernel": lambda B, T, d: B * math.ceil(T / _cuda_constant("atm", "kSimTokens")),
-    "select_kernel": lambda B, T, d: B,
-    "gather_average_kernel": lambda B, T, d: B * T,
-    "merge_backward_kernel": lambda B, T, d: B * T,
-    "unmerge_kernel": lambda B, T, d: B * T,
-    "map_sorted_kernel": lambda B, T, d: B,
-    # segments × column blocks of 16-byte chunks (8 bf16 columns each), × rows
-    "unmerge_backward_kernel": lambda B, T, d: (math.ceil(T / _cuda_constant("atm", "kUnmergeSegment"))
-                                                * math.ceil(d / 8 / _cuda_constant("atm", "kColumnThreads"))
-                                                * min(B, 65535)),
-}
+_ANALYSIS_VERSION = 2  # bump when analyse_sass's record changes (its results are cached)
 
 
 # --------------------------------------------------------------------------- tools
@@ -125,7 +113,7 @@ def analyse_cubin(cubin: Path) -> dict[str, tuple[dict, dict]]:
     """``{mangled function: (resource usage, analyse_sass result)}``, cached by the
     cubin's hash (the cuobjdump calls dominate a warm report)."""
     data = cubin.read_bytes()
-    cache = _cubin_cache() / "analysis"
+    cache = cubin_cache() / f"analysis-v{_ANALYSIS_VERSION}"
     cache.mkdir(parents=True, exist_ok=True)
     entry = cache / f"{hashlib.sha256(data).hexdigest()[:32]}.json"
     if entry.exists():
@@ -158,7 +146,8 @@ def _is_global_access(op: str) -> bool:
 
 
 def analyse_sass(instrs: list[tuple[int, str, str]]) -> dict:
-    """Tensor-core use, the main loop's widest global access and its load bytes per thread."""
+    """Tensor-core use, the main loop's widest global access, its load bytes per thread, and
+    the widths of its global loads (widest) and stores (each)."""
     tensor_core = any(op.startswith(("HGMMA", "HMMA")) for _, op, _ in instrs)
     loops = []
     for addr, op, operands in instrs:
@@ -179,6 +168,7 @@ def analyse_sass(instrs: list[tuple[int, str, str]]) -> dict:
         lo, hi = max(loaded, key=lambda r: (load_bytes(*r), r[0] - r[1]))
         body = [i for i in instrs if lo <= i[0] <= hi]
     widths = [_access_bits(op) for _, op, _ in body if _is_global_access(op)]
+    loads = [_access_bits(op) for _, op, _ in body if _is_global_load(op)]
     return {
         "tensor_core": tensor_core,
         "global_access_bits": max(widths) if widths else 0,
@@ -186,39 +176,62 @@ def analyse_sass(instrs: list[tuple[int, str, str]]) -> dict:
                           not op.startswith(("LDGSTS", "LDGDEPBAR"))),
         "async_load_bytes": sum(_access_bits(op) // 8 for _, op, _ in body if op.startswith("LDGSTS")),
         "in_loop": bool(loaded),
+        "load_bits": max(loads) if loads else 0,
+        "store_bits": sorted({_access_bits(op) for _, op, _ in body if op.startswith("STG")}),
     }
 
 
-def blocks_per_sm(gpu: GPU, registers: int, threads: int, shared_bytes: int) -> int:
-    """Resident blocks per SM (CUDA occupancy rules: registers allocated per warp in units
-    of 256, 1 KB of shared memory reserved per block)."""
+def narrow_store_findings(sass: dict) -> list[Finding]:
+    """The SASS form of the narrow-store check (CUDA kernels, whose layout is not visible):
+    a main loop whose loads are 128 bits wide (a thread owns 16 contiguous bytes) but whose
+    stores are all 32 bits or narrower."""
+    if sass.get("load_bits", 0) >= 128 and sass.get("store_bits") and max(sass["store_bits"]) <= 32:
+        return [Finding("narrow-store", "main loop",
+                        f"stores of {max(sass['store_bits'])} bits where the loads are 128-bit: each thread's "
+                        "16 contiguous bytes could be one STG.E.128")]
+    return []
+
+
+def occupancy(gpu: GPU, registers: int, threads: int, shared_bytes: int) -> tuple[int, str]:
+    """``(resident blocks per SM, what limits it)`` by the CUDA occupancy rules (registers
+    allocated per warp in units of 256, 1 KB of shared memory reserved per block)."""
     warps = math.ceil(threads / 32)
-    by_threads = gpu.max_threads_per_sm // (warps * 32)
     regs_per_warp = math.ceil(max(registers, 1) * 32 / 256) * 256
-    by_regs = (gpu.regs_per_sm // regs_per_warp) // warps
-    by_smem = gpu.smem_per_sm // (shared_bytes + gpu.reserved_smem_per_block)
-    return max(0, min(gpu.max_blocks_per_sm, by_threads, by_regs, by_smem))
+    limits = {
+        "blocks": gpu.max_blocks_per_sm,
+        "threads": gpu.max_threads_per_sm // (warps * 32),
+        "registers": (gpu.regs_per_sm // regs_per_warp) // warps,
+        "shared memory": gpu.smem_per_sm // (shared_bytes + gpu.reserved_smem_per_block),
+    }
+    limit = min(limits, key=lambda k: (limits[k], list(limits).index(k)))  # ties: the per-SM block/thread caps
+    return max(0, limits[limit]), limit
 
 
-def _record(kernel, source, gpu, usage, sass, threads, grid, memory_bound, spill, dynamic_smem=0, num_stages=1):
+def blocks_per_sm(gpu: GPU, registers: int, threads: int, shared_bytes: int) -> int:
+    """Resident blocks per SM (:func:`occupancy`)."""
+    return occupancy(gpu, registers, threads, shared_bytes)[0]
+
+
+def record(kernel, source, gpu, usage, sass, threads, grid, memory_bound, spill, dynamic_smem=0, num_stages=1):
+    """One report record (see the module docstring) from a kernel's resources and SASS analysis."""
     shared = usage.get("SHARED", 0) + dynamic_smem
-    blocks = blocks_per_sm(gpu, usage.get("REG", 0), threads, shared)
+    blocks, limit = occupancy(gpu, usage.get("REG", 0), threads, shared)
     in_flight = None
     if memory_bound and grid is not None:
         resident = min(blocks, math.ceil(grid / gpu.sms))
         per_thread = sass["load_bytes"] + sass["async_load_bytes"] * max(1, num_stages - 1)
         in_flight = resident * threads * per_thread
     return {"kernel": kernel, "source": source, "arch": gpu.arch, "registers": usage.get("REG", 0),
-            "spill_bytes": spill, "shared_bytes": shared, "blocks_per_sm": blocks,
-            "tensor_core": sass["tensor_core"], "global_access_bits": sass["global_access_bits"],
-            "bytes_in_flight_per_sm": in_flight}
+            "spill_bytes": spill, "shared_bytes": shared, "threads": threads, "blocks_per_sm": blocks,
+            "blocks_limit": limit, "tensor_core": sass["tensor_core"], "global_access_bits": sass["global_access_bits"],
+            "bytes_in_flight_per_sm": in_flight, "lint": []}
 
 
 # --------------------------------------------------------------------------- Triton
 
 def _ptxas_spills(ptx: str, cubin: bytes) -> int:
     """Spill-store bytes ptxas reports for a Triton kernel's PTX (cached by cubin hash)."""
-    cache = _cubin_cache() / "spills"
+    cache = cubin_cache() / "spills"
     cache.mkdir(parents=True, exist_ok=True)
     entry = cache / hashlib.sha256(cubin).hexdigest()[:32]
     if entry.exists():
@@ -237,6 +250,16 @@ def _ptxas_spills(ptx: str, cubin: bytes) -> int:
     spills = sum(int(n) for n in re.findall(r"(\d+) bytes spill stores", log))
     entry.write_text(str(spills))
     return spills
+
+
+def triton_lint(compiled, launch) -> list[Finding]:
+    """The compiled-code lint of one Triton kernel: 32-bit address products (always) and
+    narrow stores (memory-bound kernels chosen at a bench shape, whose sizes and strides
+    are multiples of 16: only the kernel's addressing can keep a store narrow there)."""
+    findings = i32_address_products(compiled.asm["ttir"])
+    if launch.memory_bound and any(c.startswith("bench") for c in launch.case_grids):
+        findings += narrow_stores(compiled.asm["ttgir"], compiled.asm["ptx"])
+    return findings
 
 
 def triton_records(archs=tuple(GPUS)) -> list[dict]:
@@ -260,186 +283,30 @@ def triton_records(archs=tuple(GPUS)) -> list[dict]:
                 usage, sass = next(iter(analyse_cubin(cubin).values()))
                 grid = next((g for c, g in launch.case_grids.items() if c.startswith("bench full")), None)
                 spill = _ptxas_spills(compiled.asm["ptx"], compiled.asm["cubin"])
-                rec = _record(key, "triton", gpu, usage, sass, launch.num_warps * 32, grid, launch.memory_bound,
-                              spill, dynamic_smem=compiled.metadata.shared, num_stages=launch.num_stages)
+                rec = record(key, "triton", gpu, usage, sass, launch.num_warps * 32, grid, launch.memory_bound,
+                             spill, dynamic_smem=compiled.metadata.shared, num_stages=launch.num_stages)
                 rec["cases"] = sorted(launch.case_grids)
+                rec["lint"] = [str(f) for f in triton_lint(compiled, launch)]
                 records.append(rec)
     return records
 
 
-# --------------------------------------------------------------------------- CUDA
-
-def cuda_sources() -> list[Path]:
-    return sorted((REPO / "csrc" / "cuda").glob("*.cu"))
-
-
-def _cubin_cache() -> Path:
+def cubin_cache() -> Path:
+    """Where compiled cubins and their analyses are cached (``$WIOLA_CUBIN_CACHE``)."""
     return Path(os.environ.get("WIOLA_CUBIN_CACHE", Path.home() / ".cache" / "wiola_kernels" / "cubin"))
-
-
-def _source_key(cu: Path, arch: str, nvcc: str) -> str:
-    h = hashlib.sha256()
-    for path in [cu, *sorted((REPO / "csrc" / "include").rglob("*.h"))]:
-        h.update(path.read_bytes())
-    h.update(" ".join((nvcc, arch, *NVCC_FLAGS)).encode())
-    return h.hexdigest()[:24]
-
-
-def compile_cubins(archs=tuple(GPUS)) -> dict[tuple[str, str], Path]:
-    """``{(source stem, arch): cubin}``, nvcc'd in parallel and cached."""
-    nvcc = tool("nvcc")
-    if nvcc is None:
-        raise RuntimeError("nvcc not found: the CUDA part of the report needs the CUDA toolkit")
-    cache = _cubin_cache()
-    cache.mkdir(parents=True, exist_ok=True)
-    jobs, out = [], {}
-    for cu in cuda_sources():
-        for arch in archs:
-            target = cache / f"{cu.stem}-{arch}-{_source_key(cu, arch, nvcc)}.cubin"
-            out[(cu.stem, arch)] = target
-            if not target.exists():
-                tmp = target.with_suffix(f".tmp{os.getpid()}")
-                cmd = [nvcc, *NVCC_FLAGS, "-Xptxas", "-v", f"-arch={arch}", "-cubin", f"-I{REPO / 'csrc' / 'include'}", str(cu),
-                       "-o", str(tmp)]
-                jobs.append((subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT), tmp, target))
-    for proc, tmp, target in jobs:
-        log = proc.communicate()[0].decode(errors="replace")
-        if proc.returncode != 0:
-            raise RuntimeError(f"nvcc failed for {target.name}:\n{log}")
-        target.with_suffix(".log").write_text(log)
-        tmp.replace(target)
-    return out
-
-
-def _cuda_constant(stem: str, name: str) -> int:
-    text = (REPO / "csrc" / "cuda" / f"{stem}.cu").read_text()
-    m = re.search(rf"constexpr\s+int\s+{name}\s*=\s*([^;]+);", text)
-    if not m:
-        raise ValueError(f"{stem}.cu: no constexpr int {name}")
-    expr = m.group(1)
-    for other in set(re.findall(r"\bk\w+", expr)) - {name}:
-        expr = expr.replace(other, str(_cuda_constant(stem, other)))
-    return int(eval(expr, {"__builtins__": {}}))  # noqa: S307 - products of integer constants
-
-
-def _split_args(text: str) -> list[str]:
-    """Top-level comma-separated arguments of ``text`` (brackets and templates nest)."""
-    depth, args, cur = 0, [], ""
-    for ch in text:
-        if ch in "([<":
-            depth += 1
-        elif ch in ")]>":
-            depth -= 1
-        if ch == "," and depth == 0:
-            args.append(cur.strip())
-            cur = ""
-        else:
-            cur += ch
-    args.append(cur.strip())
-    return args
-
-
-def _launches(stem: str) -> dict[str, tuple[list[str], int]]:
-    """``{kernel name: ([grid, block, smem, stream, …], offset in the source)}`` for every
-    launch in ``csrc/cuda/<stem>.cu``: ``launch_kernel(kernel<…>, grid, block, smem, stream,
-    …)`` (the launch helper, csrc/include/wiola/cuda_launch.cuh) or ``kernel<…><<<grid,
-    block, smem, stream>>>``."""
-    text = (REPO / "csrc" / "cuda" / f"{stem}.cu").read_text()
-    out = {}
-    for m in re.finditer(r"(\w+)(?:<[^<>;]*>)?<<<(.*?)>>>", text, re.S):
-        out[m.group(1)] = (_split_args(m.group(2)), m.start())
-    for m in re.finditer(r"\blaunch_kernel\((.*?)\);", text, re.S):
-        args = _split_args(m.group(1))
-        name = re.match(r"\w+", args[0])
-        if name:
-            out[name.group(0)] = (args[1:], m.start())
-    return out
-
-
-def launch_block_sizes(stem: str) -> dict[str, int]:
-    """``{kernel name: threads per block}`` from the ``<<<grid, block, …>>>`` launches of
-    ``csrc/cuda/<stem>.cu`` (the block argument, a literal or a ``constexpr int``)."""
-    return {name: int(args[1]) if args[1].isdigit() else _cuda_constant(stem, args[1])
-            for name, (args, _) in _launches(stem).items()}
-
-
-#: Context slots (Λ') of the GCLA bench shape: a run-time size of the summary kernels' shared memory.
-BENCH_CONTEXT_SLOTS = 2
-
-
-def dynamic_smem(stem: str, kernel: str, template_ints: list[int]) -> int:
-    """Dynamic shared memory of a launch: its third ``<<<>>>`` argument, a literal or a
-    ``size_t`` defined before the launch as ``sizeof(float) * (…)`` of ``constexpr int``
-    constants and the kernel's ``int`` template parameter (``DH``)."""
-    text = (REPO / "csrc" / "cuda" / f"{stem}.cu").read_text()
-    args, at = _launches(stem)[kernel]
-    expr = args[2] if len(args) > 2 else "0"
-    if not expr.isdigit():
-        defs = list(re.finditer(rf"size_t\s+{re.escape(expr)}\s*=\s*([^;]+);", text[:at]))
-        if not defs:
-            raise ValueError(f"{stem}.cu: shared memory size {expr!r} of {kernel} not found")
-        expr = defs[-1].group(1)
-    expr = expr.replace("sizeof(float)", "4")
-    if "DH" in expr:
-        expr = re.sub(r"\bDH\b", str(template_ints[-1]), expr)
-    # Run-time sizes: the bench's context slots (Λ' = 2), and the larger side of a
-    # run-time choice (`cond ? a : b`), so the report shows the worst case.
-    expr = re.sub(r"\bp\.L\b", str(BENCH_CONTEXT_SLOTS), expr)
-    expr = re.sub(r"\(\s*\w+\s*\?\s*([^:()]+?)\s*:\s*([^()]+?)\s*\)", r"max(\1, \2)", expr)
-    for name in set(re.findall(r"\bk\w+", expr)):
-        expr = re.sub(rf"\b{name}\b", str(_cuda_constant(stem, name)), expr)
-    if not re.fullmatch(r"(?:[\d\s()+*,-]|max)+", expr):
-        raise ValueError(f"{stem}.cu: cannot evaluate the shared memory of {kernel}: {expr}")
-    return int(eval(expr, {"__builtins__": {}, "max": max}))  # noqa: S307 - integer arithmetic only
-
-
-def _demangle(names: list[str]) -> list[str]:
-    filt = shutil.which("c++filt")
-    if not filt:
-        return names
-    return subprocess.run([filt], input="\n".join(names), capture_output=True, text=True).stdout.splitlines()
-
-
-def _short_name(demangled: str) -> tuple[str, str]:
-    """(``kernel_name``, ``kernel_name<template args>``) from a demangled signature."""
-    name = demangled.replace("(anonymous namespace)::", "")
-    name = name[5:] if name.startswith("void ") else name
-    name = name.split("(")[0]
-    base = name.split("<")[0].split("::")[-1]
-    tmpl = name[len(name.split("<")[0]):]
-    return base, base + tmpl
-
-
-def cuda_records(archs=tuple(GPUS)) -> list[dict]:
-    """One record per kernel instantiation of every ``csrc/cuda/*.cu``, per arch."""
-    records = []
-    for (stem, arch), cubin in compile_cubins(archs).items():
-        gpu = GPUS[arch]
-        analysed = analyse_cubin(cubin)
-        blocks = launch_block_sizes(stem)
-        log = cubin.with_suffix(".log").read_text()
-        spills = {m.group(1): int(m.group(2)) for m in re.finditer(
-            r"Function properties for (\S+)\s+\d+ bytes stack frame, (\d+) bytes spill stores", log)}
-        mangled = sorted(analysed)
-        for raw, dem in zip(mangled, _demangle(mangled)):
-            base, full = _short_name(dem)
-            if base not in blocks:
-                raise ValueError(f"{stem}.cu: no launch of {base} found (block size unknown)")
-            memory_bound = stem == "atm"
-            grid = ATM_GRIDS[base](**ATM_BENCH) if memory_bound and "bfloat16" in full else None
-            records.append(_record(f"{stem}::{full}", "cuda", gpu, *analysed[raw],
-                                   blocks[base], grid, memory_bound and grid is not None, spills[raw],
-                                   dynamic_smem=dynamic_smem(stem, base, [int(v) for v in re.findall(r"\b\d+\b", full)])))
-    return records
 
 
 # --------------------------------------------------------------------------- report
 
 def collect(cuda: bool = True, triton: bool = True) -> list[dict]:
-    """Every record. When this process runs Triton's interpreter, the Triton part runs in a
-    subprocess without ``TRITON_INTERPRET`` (compiling needs the real JIT functions)."""
+    """Every record. The CUDA part needs a source checkout
+    (:class:`~wiola_kernels.devtools.NoCheckout` without one). When this process runs
+    Triton's interpreter, the Triton part runs in a subprocess without
+    ``TRITON_INTERPRET`` (compiling needs the real JIT functions)."""
     records = []
     if cuda:
+        from .devtools.cuda_report import cuda_records
+
         records += cuda_records()
     if triton:
         from .dispatch import triton_interpret_mode
@@ -464,7 +331,7 @@ def _triton_records_subprocess() -> list[dict]:
 
 def problems(records: list[dict]) -> list[str]:
     """What CI fails on: compile errors, spills, shared memory over the device limit, a
-    kernel that cannot be resident at all."""
+    kernel that cannot be resident, lint findings."""
     bad = []
     for r in records:
         where = f"{r['source']} {r['arch']} {r['kernel']}"
@@ -477,28 +344,43 @@ def problems(records: list[dict]) -> list[str]:
             bad.append(f"{where}: {r['shared_bytes']} bytes of shared memory > {GPUS[r['arch']].smem_per_block}")
         if r["blocks_per_sm"] < 1:
             bad.append(f"{where}: not one block fits on an SM")
+        bad += [f"{where}: {finding}" for finding in r.get("lint", [])]
     return bad
 
 
 def format_table(records: list[dict]) -> str:
-    """The records as an aligned text table."""
-    head = ("kernel", "src", "arch", "regs", "spill", "smem", "blk/SM", "TC", "bits", "in flight/SM")
+    """The records as an aligned text table (Triton kernel ids shortened: the first pointer's
+    element type stands for the pointer arguments; plain integer arguments are left out)."""
+    head = ("kernel", "src", "arch", "regs", "spill", "smem", "blk/SM (limit)", "TC", "bits", "in flight/SM", "lint")
     rows = [head]
     for r in records:
+        name = r["kernel"]
+        first = re.search(r"\[\*(\w+?)(?:/16)?,", name)
+        name = re.sub(r"\*\w+(?:/16)?,|\bi32(?:/16)?,|\bfp32,", "", name)
+        if first:
+            name = name.replace("[", f"[{first.group(1)},", 1)
         if "error" in r:
-            rows.append((r["kernel"], r["source"], r["arch"], "ERROR", "", "", "", "", "", ""))
+            rows.append((name, r["source"], r["arch"], "ERROR", "", "", "", "", "", "", ""))
             continue
         flight = r["bytes_in_flight_per_sm"]
-        rows.append((r["kernel"], r["source"], r["arch"], str(r["registers"]), str(r["spill_bytes"]),
-                     str(r["shared_bytes"]), str(r["blocks_per_sm"]), "yes" if r["tensor_core"] else "no",
-                     str(r["global_access_bits"]), "-" if flight is None else f"{flight / 1024:.1f} KB"))
+        rows.append((name, r["source"], r["arch"], str(r["registers"]), str(r["spill_bytes"]),
+                     str(r["shared_bytes"]), f"{r['blocks_per_sm']} ({r.get('blocks_limit', '?')})",
+                     "yes" if r["tensor_core"] else "no", str(r["global_access_bits"]),
+                     "-" if flight is None else f"{flight / 1024:.1f} KB", str(len(r.get("lint", [])) or "")))
     widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows)
 
 
 def main(args) -> int:
     """The ``gpu-report`` subcommand."""
-    records = collect(cuda=not args.no_cuda, triton=not args.no_triton)
+    from .devtools import REPO
+
+    cuda = not args.no_cuda
+    if cuda and REPO is None:
+        print("gpu-report: no source checkout (csrc/ next to the package): the CUDA kernels are not reported, "
+              "only the Triton ones", file=sys.stderr)
+        cuda = False
+    records = collect(cuda=cuda, triton=not args.no_triton)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(records, f, indent=1)

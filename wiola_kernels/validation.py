@@ -221,6 +221,7 @@ class Limits:
     dtypes: tuple[torch.dtype, ...] | None = None      # floating dtypes of the op's main input
     head_dims: tuple[int, ...] | None = None           # d_h values with kernels
     max_head_dim: int | None = None                    # even d_h up to this
+    dtype_max_head_dims: tuple[tuple[torch.dtype, int], ...] | None = None  # (dtype, widest d_h) narrower limits
 
     def reason(self, dtype: torch.dtype | None, head_dim: int | None) -> str | None:
         """None when the backend takes ``dtype`` / ``head_dim``, else why not."""
@@ -230,6 +231,10 @@ class Limits:
             return f"d_h = {head_dim} (it has kernels for d_h in {{{', '.join(map(str, self.head_dims))}}})"
         if head_dim is not None and self.max_head_dim is not None and head_dim > self.max_head_dim:
             return f"d_h = {head_dim} (it takes even head widths d_h in [2, {self.max_head_dim}])"
+        for limited, widest in self.dtype_max_head_dims or ():
+            if dtype == limited and head_dim is not None and head_dim > widest:
+                name = _dtype_name(dtype)
+                return f"{name} with d_h = {head_dim} (it takes {name} only up to d_h {widest})"
         return None
 
     def describe(self) -> str:
@@ -241,6 +246,7 @@ class Limits:
             parts.append("d_h in {" + ", ".join(map(str, self.head_dims)) + "}")
         if self.max_head_dim is not None:
             parts.append(f"even d_h in [2, {self.max_head_dim}]")
+        parts += [f"{_dtype_name(dt)} up to d_h {widest}" for dt, widest in self.dtype_max_head_dims or ()]
         return "; ".join(parts) or "any input"
 
 
@@ -251,6 +257,9 @@ CUDA_KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 CUDA_GCLA_HEAD_DIMS = (64, 128)
 #: Widest head the Triton GCLA kernels tile (16 … 256 columns; triton/gcla_attention.py).
 TRITON_GCLA_MAX_HEAD_DIM = 256
+#: Widest float32 head they take on a GPU: float32's exact (FMA) products hold d_h-long operand
+#: rows in registers, and spill beyond (the cuda backend takes float32 at d_h 128).
+TRITON_GCLA_FP32_MAX_HEAD_DIM = 64
 
 
 # --- one function per public op: what its kernels written in Python check at entry ---------
@@ -379,3 +388,41 @@ def check_atm_unmerge(y: object, index_map: object, name: str = "y") -> None:
     b, t, _ = check_atm_tokens(name, y)
     check_index_map(index_map, b, t, like=name)
     check_same_device(**{name: y}, index_map=index_map)
+
+
+def check_add_rms_norm(x: object, residual: object, weight: object, shift: object, eps: object,
+                       hf_order: object) -> float:
+    """Arguments of :func:`wiola_kernels.add_rms_norm`; returns ``eps`` as a float."""
+    check_tensor("x", x)
+    check_tensor("residual", residual)
+    check_rank("x", x, range(1, 64), "(..., d)")
+    if tuple(residual.shape) != tuple(x.shape):
+        raise ValueError(f"residual must have the shape of x (..., d) = {tuple(x.shape)}, got {tuple(residual.shape)}")
+    check_same_dtype(x=x, residual=residual)
+    check_same_device(x=x, residual=residual)
+    return check_rms_norm(x, weight, shift, eps, hf_order)
+
+
+#: The activations of :func:`wiola_kernels.glu`.
+GLU_ACTIVATIONS = ("silu", "gelu_tanh")
+
+
+def check_glu(a: object, b: object, activation: object) -> str:
+    """Arguments of :func:`wiola_kernels.glu` (``b`` None: ``a`` holds ``[a | b]``); returns
+    the activation."""
+    check_tensor("a", a)
+    if b is not None:
+        check_tensor("b", b)
+    check_rank("a", a, range(1, 64), "(..., n)" if b is not None else "(..., 2n)")
+    if b is not None:
+        if tuple(b.shape) != tuple(a.shape):
+            raise ValueError(f"b must have the shape of a (..., n) = {tuple(a.shape)}, got {tuple(b.shape)}")
+        check_same_dtype(a=a, b=b)
+        check_same_device(a=a, b=b)
+    elif a.shape[-1] % 2:
+        raise ValueError(f"a must have an even last dimension 2n when b is None (a holds [a | b]), got {a.shape[-1]}")
+    if not isinstance(activation, str):
+        raise TypeError(f"activation must be a str, got {type(activation).__name__}")
+    if activation not in GLU_ACTIVATIONS:
+        raise ValueError(f"activation must be 'silu' or 'gelu_tanh', got {activation!r}")
+    return activation

@@ -13,8 +13,8 @@
 // The process chooses one level — the CPU's best unless WIOLA_CPU_ISA (read once) or
 // set_cpu_isa lowered it — and each kernel runs the highest level it implements at or below
 // that choice (choose_isa): the decoding GEMV has generic/avx2/avx512 paths, so a CPU with
-// AVX-512 but no BF16 runs its AVX-512 path; RMSNorm's wide path needs BF16, so there it runs
-// its AVX2 path. The paths of one kernel agree to rounding (each kernel says how; tests hold
+// AVX-512 but no BF16 runs its AVX-512 path; RMSNorm's and GLU's wide paths need BF16
+// (avx512_bf16.h), so there they run their AVX2 paths. The paths of one kernel agree to rounding (each kernel says how; tests hold
 // each to the float64 reference), and each is deterministic on its own.
 #pragma once
 
@@ -60,7 +60,8 @@ Isa parse_isa(const std::string& name, const char* what = "isa");
 
 // The levels each kernel implements (the registry python_module.cpp reports).
 inline constexpr Isa kDecodeGemvIsas[] = {Isa::kGeneric, Isa::kAvx2, Isa::kAvx512};
-inline constexpr Isa kRmsNormIsas[] = {Isa::kAvx2, Isa::kAvx512Bf16};
+inline constexpr Isa kRmsNormIsas[] = {Isa::kAvx2, Isa::kAvx512Bf16};  // rms_norm and add_rms_norm
+inline constexpr Isa kGluIsas[] = {Isa::kAvx2, Isa::kAvx512Bf16};
 
 }  // namespace wiola::cpu
 

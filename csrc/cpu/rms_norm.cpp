@@ -24,6 +24,10 @@
 // returns an empty grad_shift), and hf_order rounds like LlamaRMSNorm: n = z/r is
 // rounded to the input dtype, then y = γ·n (exact in float for bf16/fp16 γ and n, then
 // rounded once), so bf16/fp16 outputs match HF's.
+//
+// add_rms_norm (csrc/cpu/add_rms_norm.cpp, through rms_norm.h) runs the same row loops: its
+// forward forms each row of s = x + residual (add_row: rounded once, written out, kept in L1
+// as the row the norm reads; ResidualAdd), its backward adds ∂L/∂s to ∂x (kGradS).
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
@@ -31,8 +35,10 @@
 #include <limits>
 #include <vector>
 
+#include "avx512_bf16.h"
 #include "common.h"
 #include "isa.h"
+#include "rms_norm.h"
 #include "wiola/checks.h"
 
 namespace wiola::cpu {
@@ -224,21 +230,10 @@ struct SplitWeights {
 // deterministic and thread-count independent on its own.
 namespace avx512 {
 
-using BF16 = at::BFloat16;
+using namespace ::wiola::cpu::avx512;  // the bf16 blocks of avx512_bf16.h
 
-// Nearest even, NaN -> 0xffff: at::vec::cvtfp32_bf16's rounding, for the 16 floats of v.
-WIOLA_TARGET_AVX512_BF16 inline __m256i round_bf16(__m512 v) {
-  const __m512i bits = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
-  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0xffff));
-  return _mm512_cvtepi32_epi16(r);
-}
-
-// Rows in blocks of 32 bf16, read as 16 dwords: dword j holds elements 2j (low half) and
-// 2j + 1 (high half), so a shift and a mask make the floats of the even and of the odd
-// elements (no widening shuffle), and one conversion plus one word permutation writes them
-// back interleaved. γ and δ are read in the same split order: `wp`/`sp` hold, per block,
+// Rows in blocks of 32 bf16, split into the floats of their even and odd elements
+// (avx512_bf16.h). γ and δ are read in the same split order: `wp`/`sp` hold, per block,
 // the 16 even entries then the 16 odd ones (deinterleave_blocks). The tail (d mod 32)
 // takes 16-wide and scalar steps on γ, δ.
 inline std::vector<float> deinterleave_blocks(const float* v, int64_t d) {
@@ -252,40 +247,18 @@ inline std::vector<float> deinterleave_blocks(const float* v, int64_t d) {
   return out;
 }
 
-struct Split {
-  __m512 even, odd;
-};
-
-WIOLA_TARGET_AVX512_BF16 inline Split load_bf16x32(const BF16* p) {
-  const __m512i v = _mm512_loadu_si512(p);
-  return {_mm512_castsi512_ps(_mm512_slli_epi32(v, 16)),
-          _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32(int32_t(0xffff0000u))))};
-}
-
-// Rounds the even and odd floats of a block to bf16 and stores the 32 interleaved at p.
-// AVX512-BF16's conversion rounds to nearest even too, but flushes subnormals to zero and
-// keeps NaN payloads: blocks holding those (fpclass: QNaN 0x01, subnormal 0x20, SNaN 0x80)
-// take round_bf16, so every output is the one the AVX2 rows write for the same float.
+// add_rms_norm's s = x + residual of one bf16 row (see the AVX2 add_row): 32 elements a step,
+// the sum rounded once, stored to `row` (read next by the norm) and to `s_row`.
 template <bool kStream>
-WIOLA_TARGET_AVX512_BF16 inline void store_bf16x32(__m512 even, __m512 odd, BF16* p) {
-  __m512i v;
-  if (C10_UNLIKELY((_mm512_fpclass_ps_mask(even, 0xA1) | _mm512_fpclass_ps_mask(odd, 0xA1)) != 0)) {
-    v = _mm512_or_si512(_mm512_cvtepu16_epi32(round_bf16(even)),
-                        _mm512_slli_epi32(_mm512_cvtepu16_epi32(round_bf16(odd)), 16));
-  } else {
-    // cvtne2ps puts `even` in words 0..15 and `odd` in 16..31; word 2j takes j, 2j+1 takes 16+j.
-    const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
-                                                23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-    v = _mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(odd, even));
+WIOLA_TARGET_AVX512_BF16 void add_row(const BF16* x, const BF16* r, BF16* row, BF16* s_row, int64_t d) {
+  int64_t i = 0;
+  for (; i + 32 <= d; i += 32) {
+    const Split xv = load_bf16x32(x + i), rv = load_bf16x32(r + i);
+    const __m512i v = pack_bf16x32(_mm512_add_ps(xv.even, rv.even), _mm512_add_ps(xv.odd, rv.odd));
+    _mm512_storeu_si512(row + i, v);
+    store_packed<kStream>(v, s_row + i);
   }
-  if (kStream && reinterpret_cast<uintptr_t>(p) % 64 == 0) {
-    _mm512_stream_si512(reinterpret_cast<__m512i*>(p), v);
-  } else if constexpr (kStream) {  // rows 32-byte aligned (stream_rows)
-    _mm256_stream_si256(reinterpret_cast<__m256i*>(p), _mm512_castsi512_si256(v));
-    _mm256_stream_si256(reinterpret_cast<__m256i*>(p) + 1, _mm512_extracti64x4_epi64(v, 1));
-  } else {
-    _mm512_storeu_si512(p, v);
-  }
+  for (; i < d; ++i) row[i] = s_row[i] = BF16(float(x[i]) + float(r[i]));
 }
 
 template <bool kStream>
@@ -321,11 +294,13 @@ WIOLA_TARGET_AVX512_BF16 bool forward_row(const BF16* x, const float* w, const f
 }
 
 // The backward of one row in the block order of forward_row; the ∂γ/∂δ partials `dw`, `ds`
-// are kept in that order too for the blocks (interleave_partials restores it).
-template <bool kStream, bool kShift>
+// are kept in that order too for the blocks (interleave_partials restores it). kGradS: ∂x
+// also adds `gs` (add_rms_norm's gradient of s).
+template <bool kStream, bool kShift, bool kGradS>
 WIOLA_TARGET_AVX512_BF16 void backward_row(const BF16* x, const BF16* g, const float* w, const float* s,
                                       const float* wp, const float* sp, float inv, BF16* dx, float* dw, float* ds,
-                                      int64_t d, const void* next_x, const void* next_g, int64_t next_bytes) {
+                                      int64_t d, const void* next_x, const void* next_g, int64_t next_bytes,
+                                      const BF16* gs) {
   const __m512 vinv = _mm512_set1_ps(inv);
   __m512 dot0 = _mm512_setzero_ps(), dot1 = _mm512_setzero_ps();
   int64_t i = 0;
@@ -343,7 +318,8 @@ WIOLA_TARGET_AVX512_BF16 void backward_row(const BF16* x, const BF16* g, const f
   const __m512 vcoef = _mm512_set1_ps(coef);
   const char* px = static_cast<const char*>(next_x);
   const char* pg = static_cast<const char*>(next_g);
-  int64_t pf = 0;  // bytes of the next rows prefetched: one line of x and one of g per block
+  const char* pgs = kGradS ? reinterpret_cast<const char*>(gs + d) : nullptr;  // gs's next row (rows contiguous)
+  int64_t pf = 0;  // bytes of the next rows prefetched: one line of x and one of g (and gs) per block
   // ∂x of 16 elements (split z, g at offset i of wp/sp); adds to the partials.
   auto dz_of = [&](__m512 xs, __m512 gs, int64_t i) WIOLA_TARGET_AVX512_BF16 {
     const __m512 zh = _mm512_mul_ps(_mm512_add_ps(xs, _mm512_loadu_ps(sp + i)), vinv);
@@ -356,16 +332,22 @@ WIOLA_TARGET_AVX512_BF16 void backward_row(const BF16* x, const BF16* g, const f
     if (pf < next_bytes) {
       __builtin_prefetch(px + pf, 0, 3);
       __builtin_prefetch(pg + pf, 0, 3);
+      if constexpr (kGradS) __builtin_prefetch(pgs + pf, 0, 3);
       pf += 64;
     }
     const Split xv = load_bf16x32(x + i), gv = load_bf16x32(g + i);
-    const __m512 dz0 = dz_of(xv.even, gv.even, i);
-    store_bf16x32<kStream>(dz0, dz_of(xv.odd, gv.odd, i + 16), dx + i);
+    __m512 dz0 = dz_of(xv.even, gv.even, i), dz1 = dz_of(xv.odd, gv.odd, i + 16);
+    if constexpr (kGradS) {
+      const Split gsv = load_bf16x32(gs + i);
+      dz0 = _mm512_add_ps(dz0, gsv.even);
+      dz1 = _mm512_add_ps(dz1, gsv.odd);
+    }
+    store_bf16x32<kStream>(dz0, dz1, dx + i);
   }
   for (; i < d; ++i) {
     const float zh = (float(x[i]) + s[i]) * inv, gi = float(g[i]);
     const float dz = (w[i] * gi - coef * zh) * inv;
-    dx[i] = BF16(dz);
+    dx[i] = BF16(kGradS ? dz + float(gs[i]) : dz);
     if constexpr (kShift) ds[i] += dz;
     dw[i] += gi * zh;
   }
@@ -424,71 +406,163 @@ inline bool forward_row_reduced_isa(const scalar_t* x, const float* w, const flo
   return forward_row_reduced<kStream>(x, w, s, y, d, eps, next, next_bytes, rstd);
 }
 
-// `ones`: a row of 1s (only read for hf_order with a reduced-precision x).
+// f(std::bool_constant<b>{}...) for the runtime flags b: template flags from runtime ones.
+template <typename F>
+void with_flags(F&& f) {
+  f();
+}
+
+template <typename F, typename... Flags>
+void with_flags(F&& f, bool first, Flags... rest) {
+  auto bind = [&](auto flag) {
+    with_flags([&](auto... more) { f(flag, more...); }, rest...);
+  };
+  if (first) {
+    bind(std::true_type{});
+  } else {
+    bind(std::false_type{});
+  }
+}
+
+// add_rms_norm's input: rows of x and of the residual (any row strides, in elements) whose
+// sum s = x + residual, rounded once to scalar_t, is written to `s` ((rows, d) contiguous)
+// and normalised in place of x. `s` nullptr: rms_norm (no add).
+template <typename scalar_t>
+struct ResidualAdd {
+  const scalar_t* x = nullptr;
+  int64_t x_stride = 0;
+  const scalar_t* residual = nullptr;
+  int64_t residual_stride = 0;
+  scalar_t* s = nullptr;
+};
+
+// One row of s = x + residual (float sum, rounded once to scalar_t, as PyTorch's add) into
+// `row` (what the norm reads next, from L1) and into the output `s_row` (non-temporal when
+// kStream, see stream_rows).
+template <bool kStream, typename scalar_t>
+inline void add_row(const scalar_t* x, const scalar_t* res, scalar_t* row, scalar_t* s_row, int64_t d) {
+  using acc_t = acc_type<scalar_t>;
+  int64_t i = 0;
+  if constexpr (std::is_same_v<scalar_t, acc_t>) {
+    using V = Vec<acc_t>;
+    for (; i + V::size() <= d; i += V::size()) {
+      const V v = V::loadu(x + i) + V::loadu(res + i);
+      v.store(row + i);
+      store_vec<kStream>(v, s_row + i);
+    }
+  } else {
+    using R = RVec<scalar_t>;
+    for (; i + R::size() <= d; i += R::size()) {
+      auto [x0, x1] = load_float2(x + i);
+      auto [r0, r1] = load_float2(res + i);
+      const R v = at::vec::convert_from_float<scalar_t>(x0 + r0, x1 + r1);
+      v.store(row + i);
+#if defined(CPU_CAPABILITY_AVX2)
+      if constexpr (kStream && std::is_same_v<scalar_t, at::BFloat16>) {
+        _mm256_stream_si256(reinterpret_cast<__m256i*>(s_row + i), v);
+        continue;
+      }
+#endif
+      v.store(s_row + i);
+    }
+  }
+  for (; i < d; ++i) row[i] = s_row[i] = scalar_t(acc_t(x[i]) + acc_t(res[i]));
+}
+
+// `ones`: a row of 1s (only read for hf_order with a reduced-precision x). `add`: see ResidualAdd.
 template <typename scalar_t>
 void forward_rows(const scalar_t* x, const acc_type<scalar_t>* w, const acc_type<scalar_t>* s,
                   const acc_type<scalar_t>* ones, scalar_t* y, acc_type<scalar_t>* rstd, int64_t rows, int64_t d,
-                  double eps, bool hf_order) {
+                  double eps, bool hf_order, const ResidualAdd<scalar_t>& add = {}) {
   using acc_t = acc_type<scalar_t>;
   using V = Vec<acc_t>;
   const int64_t row_bytes = d * int64_t(sizeof(scalar_t));
   const bool stream = stream_rows(y, rows * row_bytes, d);
+  const bool stream_s = add.s != nullptr && stream_rows(add.s, rows * row_bytes, d);
+  [[maybe_unused]] const bool avx512_rows = kernel_isa(kRmsNormIsas) == Isa::kAvx512Bf16;  // bf16 sums on AVX-512 (isa.h)
   const SplitWeights split = split_weights(w, s, d, std::is_same_v<scalar_t, at::BFloat16> && !hf_order);
-  at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / d), [&](int64_t begin, int64_t end) {
-    if constexpr (std::is_same_v<scalar_t, acc_t>) {
-      for (int64_t r = begin; r < end; ++r) {
-        const scalar_t* next = r + 1 < end ? x + (r + 1) * d : nullptr;
-        const scalar_t* xr = x + r * d;
-        scalar_t* yr = y + r * d;
-        if (stream) {
-          rstd[r] = hf_order ? forward_row<true, true>(xr, w, s, yr, d, eps, next, row_bytes)
-                             : forward_row<false, true>(xr, w, s, yr, d, eps, next, row_bytes);
-        } else {
-          rstd[r] = hf_order ? forward_row<true>(xr, w, s, yr, d, eps, next, row_bytes)
-                             : forward_row<false>(xr, w, s, yr, d, eps, next, row_bytes);
+  with_flags([&](auto kAdd, auto kStreamS) {
+    constexpr bool add_ = decltype(kAdd)::value;
+    at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / d), [&](int64_t begin, int64_t end) {
+      std::vector<scalar_t> sum(add_ ? d : 0);
+      // The row the norm reads: x's, or s = x + residual (also written out), in `sum`.
+      auto row = [&](int64_t r) -> const scalar_t* {
+        if constexpr (add_) {
+          constexpr bool stream_s_ = decltype(kStreamS)::value;
+          const scalar_t *xr = add.x + r * add.x_stride, *rr = add.residual + r * add.residual_stride;
+#if defined(WIOLA_HAVE_AVX512_TARGET)
+          if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
+            if (avx512_rows) {
+              avx512::add_row<stream_s_>(xr, rr, sum.data(), add.s + r * d, d);
+              return sum.data();
+            }
+          }
+#endif
+          add_row<stream_s_>(xr, rr, sum.data(), add.s + r * d, d);
+        }
+        return add_ ? sum.data() : x + r * d;
+      };
+      auto next_of = [&](int64_t r) -> const scalar_t* {  // the next input row, prefetched
+        if (r + 1 >= end) return nullptr;
+        return add_ ? add.x + (r + 1) * add.x_stride : x + (r + 1) * d;
+      };
+      if constexpr (std::is_same_v<scalar_t, acc_t>) {
+        for (int64_t r = begin; r < end; ++r) {
+          const scalar_t* next = next_of(r);
+          const scalar_t* xr = row(r);
+          scalar_t* yr = y + r * d;
+          if (stream) {
+            rstd[r] = hf_order ? forward_row<true, true>(xr, w, s, yr, d, eps, next, row_bytes)
+                               : forward_row<false, true>(xr, w, s, yr, d, eps, next, row_bytes);
+          } else {
+            rstd[r] = hf_order ? forward_row<true>(xr, w, s, yr, d, eps, next, row_bytes)
+                               : forward_row<false>(xr, w, s, yr, d, eps, next, row_bytes);
+          }
+        }
+      } else {
+        std::vector<acc_t> xs(d), ys(d);
+        for (int64_t r = begin; r < end; ++r) {
+          const scalar_t* next = next_of(r);
+          const scalar_t* xr = row(r);
+          if (hf_order) {
+            load_row(xr, xs.data(), d);
+            // n = z·rstd rounded to scalar_t (through y, in L1), then γ·n rounded once.
+            rstd[r] = forward_row<true>(xs.data(), ones, s, ys.data(), d, eps, next, row_bytes);
+            store_row(ys.data(), y + r * d, d);
+            load_row(y + r * d, ys.data(), d);
+            int64_t i = 0;
+            for (; i + V::size() <= d; i += V::size()) (V::loadu(w + i) * V::loadu(ys.data() + i)).store(ys.data() + i);
+            for (; i < d; ++i) ys[i] = w[i] * ys[i];
+          } else {
+            const bool done = stream ? forward_row_reduced_isa<true>(xr, w, s, y + r * d, d, eps, next, row_bytes,
+                                                                     rstd + r, split)
+                                     : forward_row_reduced_isa<false>(xr, w, s, y + r * d, d, eps, next, row_bytes,
+                                                                      rstd + r, split);
+            if (done) continue;
+            load_row(xr, xs.data(), d);  // Σz² overflowed: the float path rescales
+            rstd[r] = forward_row<false>(xs.data(), w, s, ys.data(), d, eps, next, row_bytes);
+          }
+          if (stream) {
+            store_row_stream(ys.data(), y + r * d, d);
+          } else {
+            store_row(ys.data(), y + r * d, d);
+          }
         }
       }
-    } else {
-      std::vector<acc_t> xs(d), ys(d);
-      for (int64_t r = begin; r < end; ++r) {
-        const scalar_t* next = r + 1 < end ? x + (r + 1) * d : nullptr;
-        if (hf_order) {
-          load_row(x + r * d, xs.data(), d);
-          // n = z·rstd rounded to scalar_t (through y, in L1), then γ·n rounded once.
-          rstd[r] = forward_row<true>(xs.data(), ones, s, ys.data(), d, eps, next, row_bytes);
-          store_row(ys.data(), y + r * d, d);
-          load_row(y + r * d, ys.data(), d);
-          int64_t i = 0;
-          for (; i + V::size() <= d; i += V::size()) (V::loadu(w + i) * V::loadu(ys.data() + i)).store(ys.data() + i);
-          for (; i < d; ++i) ys[i] = w[i] * ys[i];
-        } else {
-          const bool done = stream ? forward_row_reduced_isa<true>(x + r * d, w, s, y + r * d, d, eps, next,
-                                                                   row_bytes, rstd + r, split)
-                                   : forward_row_reduced_isa<false>(x + r * d, w, s, y + r * d, d, eps, next,
-                                                                    row_bytes, rstd + r, split);
-          if (done) continue;
-          load_row(x + r * d, xs.data(), d);  // Σz² overflowed: the float path rescales
-          rstd[r] = forward_row<false>(xs.data(), w, s, ys.data(), d, eps, next, row_bytes);
-        }
-        if (stream) {
-          store_row_stream(ys.data(), y + r * d, d);
-        } else {
-          store_row(ys.data(), y + r * d, d);
-        }
-      }
-    }
-    if (stream) stream_fence();
-  });
+      if (stream || decltype(kStreamS)::value) stream_fence();
+    });
+  }, add.s != nullptr, stream_s);
 }
 
 // One row of the backward on acc_t rows: writes ∂L/∂x = rstd (γg − ẑ mean(γgẑ)) to `dx`
 // and adds this row's terms (g ẑ, ∂L/∂x) to the ∂γ/∂δ partials `dw`, `ds`. `next_x`,
 // `next_g`: the next row's inputs (next_bytes each; 0 when there is none), prefetched.
 // kShift = false: δ is absent (s is a zero row) and the ∂δ partial `ds` is not written.
-template <bool kStream, bool kShift, typename acc_t>
+// kGradS: ∂x also adds `gs`, add_rms_norm's gradient of s (the partials do not).
+template <bool kStream, bool kShift, bool kGradS, typename acc_t>
 inline void backward_row(const acc_t* x, const acc_t* g, const acc_t* w, const acc_t* s, acc_t inv, acc_t* dx,
                          acc_t* dw, acc_t* ds, int64_t d, const void* next_x, const void* next_g,
-                         int64_t next_bytes) {
+                         int64_t next_bytes, const acc_t* gs) {
   using V = Vec<acc_t>;
   constexpr int64_t L = V::size();
   const V vinv(inv);
@@ -503,25 +577,29 @@ inline void backward_row(const acc_t* x, const acc_t* g, const acc_t* w, const a
   const V vcoef(coef);
   const char* px = static_cast<const char*>(next_x);
   const char* pg = static_cast<const char*>(next_g);
+  const char* pgs = kGradS ? reinterpret_cast<const char*>(gs + d) : nullptr;  // gs's next row (rows contiguous)
   int64_t pf = 0;  // bytes of the next rows prefetched so far
   bool pf_g = false;
   i = 0;
   for (; i + L <= d; i += L) {  // x and g are still in L1
-    if (pf < next_bytes) {  // one line per step, alternately of x and of g
+    if (pf < next_bytes) {  // one line per step, alternately of x and of g (then gs)
       __builtin_prefetch((pf_g ? pg : px) + pf, 0, 3);
+      if constexpr (kGradS) {
+        if (pf_g) __builtin_prefetch(pgs + pf, 0, 3);
+      }
       pf += pf_g ? 64 : 0;
       pf_g = !pf_g;
     }
     const V zh = (V::loadu(x + i) + V::loadu(s + i)) * vinv, vg = V::loadu(g + i);
     const V dz = at::vec::fnmadd(vcoef, zh, V::loadu(w + i) * vg) * vinv;
-    store_vec<kStream>(dz, dx + i);
+    store_vec<kStream>(kGradS ? dz + V::loadu(gs + i) : dz, dx + i);
     if constexpr (kShift) (V::loadu(ds + i) + dz).store(ds + i);
     at::vec::fmadd(vg, zh, V::loadu(dw + i)).store(dw + i);
   }
   for (; i < d; ++i) {
     const acc_t zh = (x[i] + s[i]) * inv;
     const acc_t dz = (w[i] * g[i] - coef * zh) * inv;
-    dx[i] = dz;
+    dx[i] = kGradS ? dz + gs[i] : dz;
     if constexpr (kShift) ds[i] += dz;
     dw[i] += g[i] * zh;
   }
@@ -529,10 +607,10 @@ inline void backward_row(const acc_t* x, const acc_t* g, const acc_t* w, const a
 
 // backward_row for a reduced-precision row: x, g and ∂x stay in scalar_t in memory and are
 // converted 2·V::size() elements at a time; the float terms are those of backward_row.
-template <bool kStream, bool kShift, typename scalar_t>
+template <bool kStream, bool kShift, bool kGradS, typename scalar_t>
 inline void backward_row_reduced(const scalar_t* x, const scalar_t* g, const float* w, const float* s, float inv,
                                  scalar_t* dx, float* dw, float* ds, int64_t d, const void* next_x,
-                                 const void* next_g, int64_t next_bytes) {
+                                 const void* next_g, int64_t next_bytes, const scalar_t* gs) {
   using V = Vec<float>;
   constexpr int64_t L = RVec<scalar_t>::size(), H = V::size();
   const V vinv(inv);
@@ -550,12 +628,14 @@ inline void backward_row_reduced(const scalar_t* x, const scalar_t* g, const flo
   const V vcoef(coef);
   const char* px = static_cast<const char*>(next_x);
   const char* pg = static_cast<const char*>(next_g);
-  int64_t pf = 0;  // bytes of the next rows prefetched so far: one line of x and one of g per step
+  const char* pgs = kGradS ? reinterpret_cast<const char*>(gs + d) : nullptr;  // gs's next row (rows contiguous)
+  int64_t pf = 0;  // bytes of the next rows prefetched so far: one line of x and one of g (and gs) per step
   i = 0;
   for (; i + L <= d; i += L) {  // x and g are still in L1
     if (pf < next_bytes) {
       __builtin_prefetch(px + pf, 0, 3);
       __builtin_prefetch(pg + pf, 0, 3);
+      if constexpr (kGradS) __builtin_prefetch(pgs + pf, 0, 3);
       pf += 64;
     }
     auto [x0, x1] = load_float2(x + i);
@@ -563,7 +643,12 @@ inline void backward_row_reduced(const scalar_t* x, const scalar_t* g, const flo
     const V zh0 = (x0 + V::loadu(s + i)) * vinv, zh1 = (x1 + V::loadu(s + i + H)) * vinv;
     const V dz0 = at::vec::fnmadd(vcoef, zh0, V::loadu(w + i) * g0) * vinv;
     const V dz1 = at::vec::fnmadd(vcoef, zh1, V::loadu(w + i + H) * g1) * vinv;
-    store_float2<kStream>(dz0, dz1, dx + i);
+    if constexpr (kGradS) {
+      auto [gs0, gs1] = load_float2(gs + i);
+      store_float2<kStream>(dz0 + gs0, dz1 + gs1, dx + i);
+    } else {
+      store_float2<kStream>(dz0, dz1, dx + i);
+    }
     if constexpr (kShift) {
       (V::loadu(ds + i) + dz0).store(ds + i);
       (V::loadu(ds + i + H) + dz1).store(ds + i + H);
@@ -574,34 +659,36 @@ inline void backward_row_reduced(const scalar_t* x, const scalar_t* g, const flo
   for (; i < d; ++i) {
     const float zh = (float(x[i]) + s[i]) * inv, gi = float(g[i]);
     const float dz = (w[i] * gi - coef * zh) * inv;
-    dx[i] = scalar_t(dz);
+    dx[i] = scalar_t(kGradS ? dz + float(gs[i]) : dz);
     if constexpr (kShift) ds[i] += dz;
     dw[i] += gi * zh;
   }
 }
 
 // backward_row_reduced on the active ISA (isa.h); `split` as for forward_row_reduced_isa.
-template <bool kStream, bool kShift, typename scalar_t>
+template <bool kStream, bool kShift, bool kGradS, typename scalar_t>
 inline void backward_row_reduced_isa(const scalar_t* x, const scalar_t* g, const float* w, const float* s,
                                      float inv, scalar_t* dx, float* dw, float* ds, int64_t d, const void* next_x,
-                                     const void* next_g, int64_t next_bytes, const SplitWeights& split) {
+                                     const void* next_g, int64_t next_bytes, const SplitWeights& split,
+                                     const scalar_t* gs) {
 #if defined(WIOLA_HAVE_AVX512_TARGET)
   if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
     if (split.active) {
-      avx512::backward_row<kStream, kShift>(x, g, w, s, split.w.data(), split.s.data(), inv, dx, dw, ds, d, next_x,
-                                            next_g, next_bytes);
+      avx512::backward_row<kStream, kShift, kGradS>(x, g, w, s, split.w.data(), split.s.data(), inv, dx, dw, ds, d,
+                                                    next_x, next_g, next_bytes, gs);
       return;
     }
   }
 #endif
-  backward_row_reduced<kStream, kShift>(x, g, w, s, inv, dx, dw, ds, d, next_x, next_g, next_bytes);
+  backward_row_reduced<kStream, kShift, kGradS>(x, g, w, s, inv, dx, dw, ds, d, next_x, next_g, next_bytes, gs);
 }
 
+// `gs`: add_rms_norm's gradient of s, added to ∂x (nullptr: none).
 template <typename scalar_t>
 void backward_rows(const scalar_t* g_in, const scalar_t* x, const acc_type<scalar_t>* w,
                    const acc_type<scalar_t>* s, const acc_type<scalar_t>* rstd, scalar_t* dx,
                    acc_type<scalar_t>* dw_partial, acc_type<scalar_t>* ds_partial, int64_t rows, int64_t d,
-                   int64_t chunks, bool has_shift) {
+                   int64_t chunks, bool has_shift, const scalar_t* gs) {
   using acc_t = acc_type<scalar_t>;
   const int64_t rows_per_chunk = (rows + chunks - 1) / chunks;
   const bool stream = stream_rows(dx, rows * d * int64_t(sizeof(scalar_t)), d);
@@ -613,50 +700,34 @@ void backward_rows(const scalar_t* g_in, const scalar_t* x, const acc_type<scala
   // The chunks, hence the bits of the result, do not depend on this.
   const int64_t chunk_elems = std::max<int64_t>(1, rows_per_chunk * d);
   const int64_t grain = std::max<int64_t>(1, (kMinBackwardElemsPerThread + chunk_elems - 1) / chunk_elems);
-  at::parallel_for(0, chunks, grain, [&](int64_t chunk_begin, int64_t chunk_end) {
-    for (int64_t c = chunk_begin; c < chunk_end; ++c) {
-      acc_t* dw = dw_partial + c * d;
-      acc_t* ds = ds_partial + c * d;
-      std::fill(dw, dw + d, acc_t(0));
-      std::fill(ds, ds + d, acc_t(0));
-      const int64_t r_end = std::min(rows, (c + 1) * rows_per_chunk);
-      for (int64_t r = c * rows_per_chunk; r < r_end; ++r) {
-        const int64_t next_bytes = r + 1 < r_end ? row_bytes : 0;
-        const scalar_t* next_x = x + (r + 1) * d;  // only read (prefetched) when next_bytes > 0
-        const scalar_t* next_g = g_in + (r + 1) * d;
-        if constexpr (std::is_same_v<scalar_t, acc_t>) {
-          const scalar_t *xr = x + r * d, *gr = g_in + r * d;
+  with_flags([&](auto kStream, auto kShift, auto kGradS) {
+    constexpr bool stream_ = decltype(kStream)::value, shift_ = decltype(kShift)::value;
+    constexpr bool grad_s_ = decltype(kGradS)::value;
+    at::parallel_for(0, chunks, grain, [&](int64_t chunk_begin, int64_t chunk_end) {
+      for (int64_t c = chunk_begin; c < chunk_end; ++c) {
+        acc_t* dw = dw_partial + c * d;
+        acc_t* ds = ds_partial + c * d;
+        std::fill(dw, dw + d, acc_t(0));
+        std::fill(ds, ds + d, acc_t(0));
+        const int64_t r_end = std::min(rows, (c + 1) * rows_per_chunk);
+        for (int64_t r = c * rows_per_chunk; r < r_end; ++r) {
+          const int64_t next_bytes = r + 1 < r_end ? row_bytes : 0;
+          const scalar_t* next_x = x + (r + 1) * d;  // only read (prefetched) when next_bytes > 0
+          const scalar_t* next_g = g_in + (r + 1) * d;
+          const scalar_t *xr = x + r * d, *gr = g_in + r * d, *gsr = grad_s_ ? gs + r * d : nullptr;
           scalar_t* dxr = dx + r * d;
-          if (stream && has_shift) {
-            backward_row<true, true>(xr, gr, w, s, rstd[r], dxr, dw, ds, d, next_x, next_g, next_bytes);
-          } else if (stream) {
-            backward_row<true, false>(xr, gr, w, s, rstd[r], dxr, dw, ds, d, next_x, next_g, next_bytes);
-          } else if (has_shift) {
-            backward_row<false, true>(xr, gr, w, s, rstd[r], dxr, dw, ds, d, next_x, next_g, next_bytes);
+          if constexpr (std::is_same_v<scalar_t, acc_t>) {
+            backward_row<stream_, shift_, grad_s_>(xr, gr, w, s, rstd[r], dxr, dw, ds, d, next_x, next_g, next_bytes,
+                                                   gsr);
           } else {
-            backward_row<false, false>(xr, gr, w, s, rstd[r], dxr, dw, ds, d, next_x, next_g, next_bytes);
-          }
-        } else {
-          const scalar_t *xr = x + r * d, *gr = g_in + r * d;
-          scalar_t* dxr = dx + r * d;
-          if (stream && has_shift) {
-            backward_row_reduced_isa<true, true>(xr, gr, w, s, rstd[r], dxr, dw, ds, d, next_x, next_g, next_bytes,
-                                                split);
-          } else if (stream) {
-            backward_row_reduced_isa<true, false>(xr, gr, w, s, rstd[r], dxr, dw, ds, d, next_x, next_g, next_bytes,
-                                                split);
-          } else if (has_shift) {
-            backward_row_reduced_isa<false, true>(xr, gr, w, s, rstd[r], dxr, dw, ds, d, next_x, next_g, next_bytes,
-                                                split);
-          } else {
-            backward_row_reduced_isa<false, false>(xr, gr, w, s, rstd[r], dxr, dw, ds, d, next_x, next_g, next_bytes,
-                                                split);
+            backward_row_reduced_isa<stream_, shift_, grad_s_>(xr, gr, w, s, rstd[r], dxr, dw, ds, d, next_x,
+                                                               next_g, next_bytes, split, gsr);
           }
         }
       }
-    }
-    if (stream) stream_fence();
-  });
+      if (stream_) stream_fence();
+    });
+  }, stream, has_shift, gs != nullptr);
 #if defined(WIOLA_HAVE_AVX512_TARGET)
   if constexpr (std::is_same_v<acc_t, float>) {
     if (split.active) {
@@ -672,43 +743,62 @@ at::Tensor shift_or_zeros(const std::optional<at::Tensor>& shift, const at::Tens
   return shift.has_value() ? shift->to(acc).contiguous() : at::zeros({x.size(-1)}, x.options().dtype(acc));
 }
 
-std::tuple<at::Tensor, at::Tensor> rms_norm_fwd(const at::Tensor& x_in, const at::Tensor& weight,
-                                                const std::optional<at::Tensor>& shift, double eps, bool hf_order) {
-  checks::rms_norm(x_in, weight, shift);
-  checks::positive("eps", eps);
-  const at::Tensor x = x_in.contiguous();
-  const int64_t d = x.size(-1), rows = x.numel() / d;
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> rms_norm_rows_forward(const at::Tensor& x_in,
+                                                                     const std::optional<at::Tensor>& residual,
+                                                                     const at::Tensor& weight,
+                                                                     const std::optional<at::Tensor>& shift,
+                                                                     double eps, bool hf_order) {
+  const int64_t d = x_in.size(-1);
+  // rms_norm reads contiguous rows; add_rms_norm reads x and the residual through their row
+  // strides (a view when the leading dimensions fold into one stride, else a copy).
+  const at::Tensor x = residual.has_value() ? checks::unit_last_stride(x_in).reshape({-1, d}) : x_in.contiguous();
+  const at::Tensor res = residual.has_value() ? checks::unit_last_stride(*residual).reshape({-1, d}) : at::Tensor();
+  const int64_t rows = x.numel() / d;
   const auto acc = acc_scalar_type(x);
   const at::Tensor w = weight.to(acc).contiguous(), s = shift_or_zeros(shift, x, acc);
   const bool reduced = x.scalar_type() != acc;
   const at::Tensor ones = hf_order && reduced ? at::ones({d}, x.options().dtype(acc)) : w;
-  at::Tensor y = empty_output(x.sizes(), x.options());
-  at::Tensor rstd = empty_output(x.sizes().slice(0, x.dim() - 1), x.options().dtype(acc));
+  at::Tensor y = empty_output(x_in.sizes(), x.options());
+  at::Tensor sum = residual.has_value() ? empty_output(x_in.sizes(), x.options()) : at::Tensor();
+  at::Tensor rstd = empty_output(x_in.sizes().slice(0, x_in.dim() - 1), x.options().dtype(acc));
+  if (rows == 0) return {y, sum, rstd};
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "wiola_rms_norm_fwd", [&] {
     using acc_t = acc_type<scalar_t>;
+    ResidualAdd<scalar_t> add;
+    if (residual.has_value()) {
+      add = {x.const_data_ptr<scalar_t>(), x.stride(0), res.const_data_ptr<scalar_t>(), res.stride(0),
+             sum.mutable_data_ptr<scalar_t>()};
+    }
     forward_rows<scalar_t>(x.const_data_ptr<scalar_t>(), w.const_data_ptr<acc_t>(), s.const_data_ptr<acc_t>(),
                            ones.const_data_ptr<acc_t>(), y.mutable_data_ptr<scalar_t>(),
-                           rstd.mutable_data_ptr<acc_t>(), rows, d, eps, hf_order);
+                           rstd.mutable_data_ptr<acc_t>(), rows, d, eps, hf_order, add);
   });
-  return {y, rstd};
+  return {y, sum, rstd};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> rms_norm_bwd(const at::Tensor& grad_y_in, const at::Tensor& x_in,
-                                                            const at::Tensor& weight,
-                                                            const std::optional<at::Tensor>& shift,
-                                                            const at::Tensor& rstd_in) {
-  checks::rms_norm(x_in, weight, shift);
+std::tuple<at::Tensor, at::Tensor, at::Tensor> rms_norm_rows_backward(const char* x_name, const at::Tensor& grad_y_in,
+                                                                      const std::optional<at::Tensor>& grad_s_in,
+                                                                      const at::Tensor& x_in, const at::Tensor& weight,
+                                                                      const std::optional<at::Tensor>& shift,
+                                                                      const at::Tensor& rstd_in) {
   const auto acc = acc_scalar_type(x_in);
-  TORCH_CHECK_VALUE(grad_y_in.sizes() == x_in.sizes() && grad_y_in.scalar_type() == x_in.scalar_type() &&
-                        grad_y_in.device() == x_in.device(),
-                    "grad_y must have the shape and dtype of x ", checks::shape_str(x_in.sizes()), ", got ",
-                    checks::shape_str(grad_y_in.sizes()), " ", checks::dtype_name(grad_y_in.scalar_type()));
+  const auto same_as_x = [&](const char* name, const at::Tensor& t) {
+    TORCH_CHECK_VALUE(t.sizes() == x_in.sizes() && t.scalar_type() == x_in.scalar_type() && t.device() == x_in.device(),
+                      name, " must have the shape and dtype of ", x_name, " ", checks::shape_str(x_in.sizes()), ", got ",
+                      checks::shape_str(t.sizes()), " ", checks::dtype_name(t.scalar_type()));
+  };
+  same_as_x("grad_y", grad_y_in);
+  if (grad_s_in.has_value()) same_as_x("grad_s", *grad_s_in);
   TORCH_CHECK_VALUE(rstd_in.sizes() == x_in.sizes().slice(0, x_in.dim() - 1) && rstd_in.scalar_type() == acc &&
                         rstd_in.device() == x_in.device(),
-                    "rstd must have shape x.shape[:-1] = ", checks::shape_str(x_in.sizes().slice(0, x_in.dim() - 1)),
-                    " and dtype ", checks::dtype_name(acc), " (the forward's), got ", checks::shape_str(rstd_in.sizes()),
-                    " ", checks::dtype_name(rstd_in.scalar_type()));
+                    "rstd must have shape ", x_name, ".shape[:-1] = ",
+                    checks::shape_str(x_in.sizes().slice(0, x_in.dim() - 1)), " and dtype ", checks::dtype_name(acc),
+                    " (the forward's), got ", checks::shape_str(rstd_in.sizes()), " ",
+                    checks::dtype_name(rstd_in.scalar_type()));
   const at::Tensor x = x_in.contiguous(), grad_y = grad_y_in.contiguous(), rstd = rstd_in.contiguous();
+  const at::Tensor grad_s = grad_s_in.has_value() ? grad_s_in->contiguous() : at::Tensor();
   const int64_t d = x.size(-1), rows = x.numel() / d;
   const at::Tensor w = weight.to(acc).contiguous(), s = shift_or_zeros(shift, x, acc);
   at::Tensor grad_x = empty_output(x.sizes(), x.options());
@@ -724,13 +814,32 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> rms_norm_bwd(const at::Tensor& gr
       backward_rows<scalar_t>(grad_y.const_data_ptr<scalar_t>(), x.const_data_ptr<scalar_t>(),
                               w.const_data_ptr<acc_t>(), s.const_data_ptr<acc_t>(), rstd.const_data_ptr<acc_t>(),
                               grad_x.mutable_data_ptr<scalar_t>(), dw_partial.mutable_data_ptr<acc_t>(),
-                              ds_partial.mutable_data_ptr<acc_t>(), rows, d, chunks, shift.has_value());
+                              ds_partial.mutable_data_ptr<acc_t>(), rows, d, chunks, shift.has_value(),
+                              grad_s.defined() ? grad_s.const_data_ptr<scalar_t>() : nullptr);
     });
   }
   // Column sums of the partials: a fixed-shape reduction, so the result does not
   // depend on the thread count.
   at::Tensor grad_shift = shift.has_value() ? ds_partial.sum(0).to(shift->scalar_type()) : at::Tensor();
   return {grad_x, dw_partial.sum(0).to(weight.scalar_type()), grad_shift};
+}
+
+namespace {
+
+std::tuple<at::Tensor, at::Tensor> rms_norm_fwd(const at::Tensor& x, const at::Tensor& weight,
+                                                const std::optional<at::Tensor>& shift, double eps, bool hf_order) {
+  checks::rms_norm(x, weight, shift);
+  checks::positive("eps", eps);
+  auto [y, unused, rstd] = rms_norm_rows_forward(x, std::nullopt, weight, shift, eps, hf_order);
+  return {y, rstd};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> rms_norm_bwd(const at::Tensor& grad_y, const at::Tensor& x,
+                                                            const at::Tensor& weight,
+                                                            const std::optional<at::Tensor>& shift,
+                                                            const at::Tensor& rstd) {
+  checks::rms_norm(x, weight, shift);
+  return rms_norm_rows_backward("x", grad_y, std::nullopt, x, weight, shift, rstd);
 }
 
 }  // namespace

@@ -38,6 +38,7 @@
 #include <cstring>
 
 #include "wiola/atm.h"
+#include "wiola/atm_launch.h"
 #include "wiola/cuda_convert.cuh"
 #include "wiola/cuda_launch.cuh"
 #include "wiola/warp_reduce.cuh"
@@ -45,28 +46,16 @@
 namespace wiola::atm {
 namespace {
 
-constexpr int kSimTokens = 8;     // tokens per block in norms_and_dots
-// norms_and_dots: a step of a thread is one 16-byte chunk of each of the kSimTokens + 1
-// tokens (9 × 16 B in flight per thread; a bf16 row of d = 1024 is one step of 128 threads).
-constexpr int kSimThreads = 128;
+// Launch geometry (threads per block, grids): wiola/atm_launch.h. Per-thread work:
 constexpr int kSimBlocks = 4;        // resident blocks per SM the register budget is sized for
 constexpr int kSimScalarBatch = 2;   // element-wise path (d or x not 16-byte aligned): columns per step
-constexpr int kScanThreads = 256;  // select: one block per row, tiles of kScanThreads·kScanItems tokens
-constexpr int kScanItems = 4;
+constexpr int kScanItems = 4;        // select: tiles of kScanThreads·kScanItems tokens
 constexpr int kTile = kScanThreads * kScanItems;
-// Row kernels (gather_average, merge_backward, unmerge): one block per token / slot. When
-// d and the base pointers allow (checked at launch), each thread moves 16-byte chunks and
-// loads kRowChunks of them before storing any: a bf16 row of d = 1024 is one block's
-// 64 × 2 chunks, and with 32 such blocks resident an SM has ≈ 64 KB of loads in flight
-// (issue 10 §3: ≥ 32 KB for HBM bandwidth; one 2-byte load per thread had 4 KB).
-constexpr int kRowThreads = 64;
+// Row kernels: each thread loads kRowChunks 16-byte chunks before storing any: a bf16 row of
+// d = 1024 is one block's 64 × 2 chunks, and with 32 such blocks resident an SM has ≈ 64 KB
+// of loads in flight (≥ 32 KB for HBM bandwidth; one 2-byte load per thread had 4 KB).
 constexpr int kRowChunks = 2;
-// Unmerge backward: a block owns kUnmergeSegment tokens of one row and kColumnThreads
-// 16-byte chunks (or elements) of their columns; the segments of a row run in parallel.
-constexpr int kColumnThreads = 128;
-constexpr int kUnmergeSegment = 16;
-constexpr int kUnmergeBatch = 4;     // tokens whose chunks are loaded before any is summed
-constexpr int kCheckThreads = 1024;  // map_sorted_kernel: one block per row,
+constexpr int kUnmergeBatch = 4;     // unmerge backward: tokens whose chunks are loaded before any is summed
 constexpr int kCheckItems = 4;       // consecutive entries per thread
 
 using wiola::cuda::dispatch_dtype;
@@ -714,12 +703,13 @@ __global__ void __launch_bounds__(kColumnThreads)
 template <typename scalar_t>
 cudaError_t merge_typed(const MergeParams& p, cudaStream_t stream) {
   const int64_t chunks = (p.T + kSimTokens - 1) / kSimTokens;
-  launch_kernel(norms_and_dots_kernel<scalar_t>, static_cast<unsigned>(p.B * chunks), kSimThreads, 0, stream,
+  const Geometry sim = norms_and_dots_geometry(p.B, p.T), scan = select_geometry(p.B), row = row_geometry(p.B, p.T);
+  launch_kernel(norms_and_dots_kernel<scalar_t>, static_cast<unsigned>(sim.blocks), sim.threads, sim.smem, stream,
       static_cast<const scalar_t*>(p.x), p.norm_sq, p.dot, p.T, p.d, chunks, rows_vectorizable<scalar_t>(p.d, p.x, p.x));
-  launch_kernel(select_kernel, static_cast<unsigned>(p.B), kScanThreads, 0, stream,
+  launch_kernel(select_kernel, static_cast<unsigned>(scan.blocks), scan.threads, scan.smem, stream,
       p.norm_sq, p.dot, p.positions, p.lengths, p.threshold, p.T, p.index_map, p.merged_positions,
       p.merged_lengths, p.slot_source);
-  launch_kernel(gather_average_kernel<scalar_t>, static_cast<unsigned>(p.B * p.T), kRowThreads, 0, stream,
+  launch_kernel(gather_average_kernel<scalar_t>, static_cast<unsigned>(row.blocks), row.threads, row.smem, stream,
       static_cast<const scalar_t*>(p.x), p.slot_source, static_cast<scalar_t*>(p.merged), p.T, p.d,
       rows_vectorizable<scalar_t>(p.d, p.x, p.merged));
   return cudaGetLastError();
@@ -727,7 +717,8 @@ cudaError_t merge_typed(const MergeParams& p, cudaStream_t stream) {
 
 template <typename scalar_t>
 cudaError_t merge_backward_typed(const MergeBackwardParams& p, cudaStream_t stream) {
-  launch_kernel(merge_backward_kernel<scalar_t>, static_cast<unsigned>(p.B * p.T), kRowThreads, 0, stream,
+  const Geometry row = row_geometry(p.B, p.T);
+  launch_kernel(merge_backward_kernel<scalar_t>, static_cast<unsigned>(row.blocks), row.threads, row.smem, stream,
       static_cast<const scalar_t*>(p.grad_merged), p.index_map, p.merged_lengths, static_cast<scalar_t*>(p.grad_x),
       p.T, p.d, rows_vectorizable<scalar_t>(p.d, p.grad_merged, p.grad_x));
   return cudaGetLastError();
@@ -735,7 +726,8 @@ cudaError_t merge_backward_typed(const MergeBackwardParams& p, cudaStream_t stre
 
 template <typename scalar_t>
 cudaError_t unmerge_typed(const UnmergeParams& p, cudaStream_t stream) {
-  launch_kernel(unmerge_kernel<scalar_t>, static_cast<unsigned>(p.B * p.T), kRowThreads, 0, stream,
+  const Geometry row = row_geometry(p.B, p.T);
+  launch_kernel(unmerge_kernel<scalar_t>, static_cast<unsigned>(row.blocks), row.threads, row.smem, stream,
       static_cast<const scalar_t*>(p.in), p.index_map, static_cast<scalar_t*>(p.out), p.T, p.d,
       rows_vectorizable<scalar_t>(p.d, p.in, p.out));
   return cudaGetLastError();
@@ -744,17 +736,16 @@ cudaError_t unmerge_typed(const UnmergeParams& p, cudaStream_t stream) {
 template <typename scalar_t>
 cudaError_t unmerge_backward_typed(const UnmergeParams& p, cudaStream_t stream) {
   const bool vec = rows_vectorizable<scalar_t>(p.d, p.in, p.out);
-  const int64_t lanes = vec ? p.d / kPerChunk<scalar_t> : p.d;
-  const int64_t segments = (p.T + kUnmergeSegment - 1) / kUnmergeSegment;
-  const int64_t blocks = segments * ((lanes + kColumnThreads - 1) / kColumnThreads);
-  if (blocks > INT32_MAX || p.B > INT32_MAX) return cudaErrorInvalidValue;
-  launch_kernel(map_sorted_kernel, static_cast<unsigned>(p.B), kCheckThreads, 0, stream, p.index_map, p.row_sorted,
-      p.T);
-  for (int64_t b0 = 0; b0 < p.B; b0 += 65535) {  // gridDim.y ≤ 65535
-    const unsigned rows = static_cast<unsigned>(p.B - b0 < 65535 ? p.B - b0 : 65535);
-    launch_kernel(unmerge_backward_kernel<scalar_t>, dim3(static_cast<unsigned>(blocks), rows), kColumnThreads, 0,
-        stream, static_cast<const scalar_t*>(p.in), p.index_map, p.row_sorted, static_cast<scalar_t*>(p.out), b0, p.T,
-        p.d, lanes, vec);
+  const int64_t lanes = unmerge_backward_lanes(p.d, kPerChunk<scalar_t>, vec);
+  const Geometry check = map_sorted_geometry(p.B), seg = unmerge_backward_geometry(p.T, lanes);
+  if (seg.blocks > INT32_MAX || p.B > INT32_MAX) return cudaErrorInvalidValue;
+  launch_kernel(map_sorted_kernel, static_cast<unsigned>(check.blocks), check.threads, check.smem, stream,
+      p.index_map, p.row_sorted, p.T);
+  for (int64_t b0 = 0; b0 < p.B; b0 += kMaxGridY) {  // gridDim.y ≤ 65535
+    const unsigned rows = static_cast<unsigned>(p.B - b0 < kMaxGridY ? p.B - b0 : kMaxGridY);
+    launch_kernel(unmerge_backward_kernel<scalar_t>, dim3(static_cast<unsigned>(seg.blocks), rows), seg.threads,
+        seg.smem, stream, static_cast<const scalar_t*>(p.in), p.index_map, p.row_sorted,
+        static_cast<scalar_t*>(p.out), b0, p.T, p.d, lanes, vec);
   }
   return cudaGetLastError();
 }

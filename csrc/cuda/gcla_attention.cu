@@ -28,15 +28,14 @@
 
 #include "wiola/cuda_convert.cuh"
 #include "wiola/gcla_attention.h"
+#include "wiola/gcla_launch.h"
 #include "wiola/cuda_launch.cuh"
 #include "wiola/warp_reduce.cuh"
 
 namespace wiola::gcla {
 namespace {
 
-constexpr int kWarps = 4;
-constexpr int kThreads = kWarps * 32;
-constexpr size_t kMaxSmem = 227 * 1024;  // opt-in shared memory per block on sm_90
+// kWarps, kThreads, the grids and shared memory of the launches: wiola/gcla_launch.h.
 
 using wiola::cuda::dispatch_dtype;
 using wiola::cuda::from_float;
@@ -341,7 +340,7 @@ template <typename scalar_t, int DH>
 cudaError_t forward_typed(const SummaryForwardParams& p, cudaStream_t stream) {
   const int64_t rows = p.B * p.H * p.T;
   if (rows == 0) return cudaSuccess;
-  const dim3 grid(static_cast<unsigned>((rows + kWarps - 1) / kWarps));
+  const dim3 grid(static_cast<unsigned>(summary_forward_blocks(rows)));
   launch_kernel(summary_forward_kernel<scalar_t, DH>, grid, kThreads, 0, stream, p);
   return cudaGetLastError();
 }
@@ -352,7 +351,7 @@ cudaError_t backward_typed(const SummaryBackwardParams& p, cudaStream_t stream) 
   const bool shared_ctx = p.S == 1;
   cudaError_t err = cudaSuccess;
   if (BH * nchunks > 0) {
-    const size_t smem = sizeof(float) * (kWarps * 2 * p.L * (1 + (shared_ctx ? DH : 0)) + kWarps);
+    const size_t smem = summary_backward_smem(p.L, DH, shared_ctx);
     if (smem > kMaxSmem) return cudaErrorInvalidValue;
     if ((err = set_smem(summary_backward_kernel<scalar_t, DH>, smem)) != cudaSuccess) return err;
     launch_kernel(summary_backward_kernel<scalar_t, DH>, static_cast<unsigned>(BH * nchunks), kThreads, smem, stream, p);
@@ -360,12 +359,13 @@ cudaError_t backward_typed(const SummaryBackwardParams& p, cudaStream_t stream) 
   }
   if (shared_ctx && BH * p.L > 0) {
     const int64_t n = BH * 2 * p.L * DH;
-    launch_kernel(context_sum_kernel<scalar_t>, static_cast<unsigned>((n + 255) / 256), 256, 0, stream,
-        p.ckv_part, static_cast<scalar_t*>(p.dkc), static_cast<scalar_t*>(p.dvc), BH, nchunks, p.L * DH);
+    launch_kernel(context_sum_kernel<scalar_t>, static_cast<unsigned>(context_sum_blocks(n)), kContextSumThreads, 0,
+        stream, p.ckv_part, static_cast<scalar_t*>(p.dkc), static_cast<scalar_t*>(p.dvc), BH, nchunks, p.L * DH);
     if ((err = cudaGetLastError()) != cudaSuccess) return err;
   }
   if (p.H > 0) {
-    launch_kernel(dgate_kernel, static_cast<unsigned>(p.H), 32, 0, stream, p.gate_part, p.gate, p.dgate, p.B, p.H, nchunks);
+    launch_kernel(dgate_kernel, static_cast<unsigned>(p.H), kDgateThreads, 0, stream, p.gate_part, p.gate, p.dgate, p.B,
+        p.H, nchunks);
     err = cudaGetLastError();
   }
   return err;

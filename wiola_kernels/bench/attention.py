@@ -1,4 +1,4 @@
-"""GCLA attention against FlashAttention alone (issue 11 §3), printed by
+"""GCLA attention against FlashAttention alone, printed by
 ``python -m wiola_kernels bench --device cuda``.
 
 At bf16, B 4, H 16, H_kv 4, T 4096, d_h ∈ {64, 128}, Λ' = 2 causal summaries (S = T): the
@@ -17,10 +17,10 @@ from typing import Callable
 import torch
 
 from .. import dispatch
+from ..shapes import GCLA_BENCH as SHAPE
+from ..shapes import GCLA_BENCH_HEAD_DIMS as HEAD_DIMS
 from .runner import time_interleaved_ms
 
-SHAPE = dict(B=4, H=16, H_kv=4, T=4096, L=2)
-HEAD_DIMS = (64, 128)
 PASSES = ("fwd", "fwd+bwd")
 
 

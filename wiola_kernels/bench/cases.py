@@ -18,9 +18,16 @@ from typing import Callable, Sequence
 import torch
 
 from .. import reference
+from ..ops.add_rms_norm import add_rms_norm
 from ..ops.atm import atm_merge, atm_unmerge
+from ..ops.glu import glu
 from ..ops.rms_norm import rms_norm
 from ..ops.srpe import srpe
+from ..shapes import ADD_RMS_NORM_BENCH as ADD_RMS_NORM_SHAPES
+from ..shapes import ATM_BENCH, GCLA_BENCH, GCLA_BENCH_CPU, GCLA_BENCH_HEAD_DIMS, GCLA_BENCH_SMALL, GPU_BENCH_DTYPE
+from ..shapes import GLU_BENCH as GLU_SHAPES
+from ..shapes import RMS_NORM_BENCH as RMS_NORM_SHAPES
+from ..shapes import SRPE_BENCH as SRPE_SHAPES
 
 
 @dataclass
@@ -68,10 +75,8 @@ def all_cases(device: torch.device | str, small: bool = False, ops: Sequence[str
     return cases
 
 
-# Shapes per op, small (smoke tests) and full; also what wiola_kernels/triton/aot.py compiles.
-RMS_NORM_SHAPES = {"small": (256, 1024), "full": (16384, 1024)}                 # (rows, d)
-SRPE_SHAPES = {"small": (2, 4, 1, 128, 64), "full": (4, 16, 4, 2048, 64)}       # (B, H, H_kv, T, d_h)
-GPU_BENCH_DTYPE = torch.bfloat16
+# Shapes per op, small (smoke tests) and full: wiola_kernels/shapes.py, which the AOT compiles
+# and gpu-report read too.
 
 
 def _default_dtype(device: torch.device) -> torch.dtype:
@@ -108,6 +113,72 @@ def _rms_norm_eager(x, weight, shift, eps):
     none of the oracle's overflow care, which would slow the baseline down)."""
     z = x.float() + shift.float()
     return (weight.float() * z * torch.rsqrt(z.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+@case_factory
+def add_rms_norm_cases(device: torch.device, small: bool) -> list[BenchCase]:
+    # The residual add before each norm of a layer (x: the attention or DSFF output), as rms_norm's case.
+    rows, d = ADD_RMS_NORM_SHAPES["small" if small else "full"]
+    dtypes = [_default_dtype(device)] + ([torch.bfloat16] if device.type == "cpu" else [])
+
+    def min_bytes(pass_, inputs, outputs, diff):
+        # Read x, residual, γ, δ; write y, s. The backward reads ∂L/∂y, ∂L/∂s and s again and
+        # writes one tensor, ∂L/∂x = ∂L/∂residual, plus ∂γ, ∂δ.
+        x, residual, weight, shift = inputs
+        row_tensor, params = x.numel() * x.element_size(), 2 * weight.numel() * weight.element_size()
+        fwd = 4 * row_tensor + params
+        return fwd if pass_ == "fwd" else fwd + 4 * row_tensor + params
+
+    def case(dtype: torch.dtype) -> BenchCase:
+        def make_inputs():
+            g = torch.Generator(device="cpu").manual_seed(0)
+            x = torch.randn(rows, d, generator=g).to(device=device, dtype=dtype)
+            residual = torch.randn(rows, d, generator=g).to(device=device, dtype=dtype)
+            weight = (torch.rand(d, generator=g) + 0.5).to(device=device, dtype=dtype)
+            shift = (0.1 * torch.randn(d, generator=g)).to(device=device, dtype=dtype)
+            return x, residual, weight, shift
+
+        def eager(x, residual, weight, shift):
+            s = x + residual
+            return _rms_norm_eager(s, weight, shift, 1e-6), s
+
+        return BenchCase(
+            op="add_rms_norm", shape=f"x, residual ({rows}, {d})", dtype=dtype, make_inputs=make_inputs,
+            fused=lambda x, r, w, s: add_rms_norm(x, r, w, s, 1e-6), eager=eager,
+            oracle=lambda x, r, w, s: reference.add_rms_norm(x, r, w, s, 1e-6), min_bytes=min_bytes,
+        )
+
+    return [case(dtype) for dtype in dtypes]
+
+
+def _glu_eager(u: torch.Tensor, activation: str) -> torch.Tensor:
+    """A gated activation on one projection's output as eager PyTorch, the way a model author
+    writes it (``chunk``: its backward is one ``cat`` of the halves' gradients)."""
+    import torch.nn.functional as F
+
+    a, b = u.chunk(2, dim=-1)
+    return (F.silu(a) if activation == "silu" else F.gelu(a, approximate="tanh")) * b
+
+
+@case_factory
+def glu_cases(device: torch.device, small: bool) -> list[BenchCase]:
+    # DSFF's narrow (SiLU, n) and wide (GELU_tanh, w) streams: u = x·[W1; W3]ᵀ of width 2n, one
+    # projection's output, given to glu whole (the packed form: its gradient is one tensor).
+    dtype = _default_dtype(device)
+
+    def case(tokens: int, n: int, activation: str) -> BenchCase:
+        def make_inputs():
+            g = torch.Generator(device="cpu").manual_seed(0)
+            return (torch.randn(tokens, 2 * n, generator=g).to(device=device, dtype=dtype),)
+
+        return BenchCase(
+            op="glu", shape=f"u ({tokens}, 2·{n}), {activation}", dtype=dtype, make_inputs=make_inputs,
+            fused=lambda u: glu(u, None, activation), eager=lambda u: _glu_eager(u, activation),
+            oracle=lambda u: reference.glu(u, None, activation),
+            backward_rereads=(0,),  # ∂a, ∂b recompute act(a) from u
+        )
+
+    return [case(*stream) for stream in GLU_SHAPES["small" if small else "full"]]
 
 
 @case_factory
@@ -158,7 +229,7 @@ def _atm_merge_eager(x, positions, tau):
 def atm_cases(device: torch.device, small: bool) -> list[BenchCase]:
     # ATM merge + unmerge at τ = 0.92 on random tokens with ~10% of adjacent pairs planted as
     # near-duplicates (cos ≈ 0.998; unplanted pairs have |cos| ≈ 0.03 at d = 1024).
-    b, t, d = (2, 256, 256) if small else (8, 2048, 1024)
+    b, t, d = ATM_BENCH["small" if small else "full"]
     dtype = torch.float32 if device.type == "cpu" else _default_dtype(device)
     tau, planted = 0.92, 0.10
     notes: dict = {"tau": tau, "planted_pair_rate": planted}
@@ -221,11 +292,9 @@ def gcla_attention_cases(device: torch.device, small: bool) -> list[BenchCase]:
     # wiola-360m attention (H 16, H_kv 4, d_h 64) with Λ' = 2 causal (prefix-mean) summaries.
     from ..ops.gcla_attention import gcla_attention
 
-    h, h_kv, dh, lam = 16, 4, 64, 2
-    if device.type == "cuda":
-        b, t = (1, 256) if small else (4, 4096)
-    else:
-        b, t = (1, 256) if small else (1, 2048)
+    shape = GCLA_BENCH_SMALL if small else (GCLA_BENCH if device.type == "cuda" else GCLA_BENCH_CPU)
+    b, h, h_kv, t, lam = (shape[k] for k in ("B", "H", "H_kv", "T", "L"))
+    dh = GCLA_BENCH_HEAD_DIMS[0]
     dtype = _default_dtype(device)
 
     def make_inputs():

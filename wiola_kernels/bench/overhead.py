@@ -49,6 +49,15 @@ def cases() -> list[OverheadCase]:
         g = _gen()
         return [_randn(4, 64, g=g).to(device), torch.ones(64, device=device), torch.zeros(64, device=device)]
 
+    def add_inputs(device):
+        g = _gen()
+        return [_randn(4, 64, g=g).to(device), _randn(4, 64, g=g).to(device), torch.ones(64, device=device),
+                torch.zeros(64, device=device)]
+
+    def glu_inputs(device):  # one decoding token's up projection, [a | b] of width 2·64
+        g = _gen()
+        return [_randn(1, 128, g=g).to(device)]
+
     def srpe_inputs(device):  # one decoding token, 4 query heads and 1 kv head
         g = _gen()
         return [_randn(1, 4, 1, 64, g=g).to(device), _randn(1, 1, 1, 64, g=g).to(device),
@@ -70,6 +79,8 @@ def cases() -> list[OverheadCase]:
     return [
         OverheadCase("F.rms_norm", lambda x, w, s: (F.rms_norm(x, (64,), w, 1e-6),), rms_inputs),
         OverheadCase("rms_norm", lambda x, w, s: (wk.rms_norm(x, w, s, 1e-6),), rms_inputs),
+        OverheadCase("add_rms_norm", lambda x, r, w, s: wk.add_rms_norm(x, r, w, s, 1e-6), add_inputs),
+        OverheadCase("glu", lambda u: (wk.glu(u, None, "silu"),), glu_inputs),
         OverheadCase("srpe", lambda q, k, p: wk.srpe(q, k, p), srpe_inputs),
         OverheadCase("gcla_attention", lambda *a: (wk.gcla_attention(*a),), gcla_inputs),
         OverheadCase("atm_merge", lambda x, p: wk.atm_merge(x, p, 0.9)[:1], merge_inputs),

@@ -42,8 +42,8 @@ from ..dtypes import compute_dtype
 from ..outputs import in_layout_of, unit_last_stride
 from ..reference.gcla_attention import gcla_attention_backward as _reference_backward
 from ..reference.gcla_attention import gcla_attention_forward as _reference_forward
-from ..validation import (CUDA_GCLA_HEAD_DIMS, CUDA_KERNEL_DTYPES, TRITON_GCLA_MAX_HEAD_DIM, Limits,
-                          check_gcla_attention)
+from ..validation import (CUDA_GCLA_HEAD_DIMS, CUDA_KERNEL_DTYPES, TRITON_GCLA_FP32_MAX_HEAD_DIM,
+                          TRITON_GCLA_MAX_HEAD_DIM, Limits, check_gcla_attention)
 from . import distinct, gcla_attention_cuda, needs_grad, register_kernel, register_fake, registered, registered_ops
 
 
@@ -115,7 +115,8 @@ dispatch.register(OP, "cpu", SimpleNamespace(forward=registered("wiola", "gcla_a
                                                                  lambda grad_out, *a: check_gcla_attention(*a[:8]))))
 dispatch.register(OP, "cuda", _python_kernels(gcla_attention_cuda.forward, gcla_attention_cuda.backward), _CUDA_LIMITS)
 dispatch.register(OP, "triton", _python_kernels(_triton_forward, _triton_backward),
-                  Limits(max_head_dim=TRITON_GCLA_MAX_HEAD_DIM))
+                  Limits(max_head_dim=TRITON_GCLA_MAX_HEAD_DIM,
+                         dtype_max_head_dims=((torch.float32, TRITON_GCLA_FP32_MAX_HEAD_DIM),)))
 dispatch.register(OP, "cuda_emu", _python_kernels(_emu_forward, _emu_backward), _CUDA_LIMITS)
 
 

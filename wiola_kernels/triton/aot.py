@@ -1,15 +1,17 @@
 """Ahead-of-time compilation of every Triton kernel of the package for real GPUs
-(sm_90, sm_80), without a GPU (issue 10 §2).
+(sm_90, sm_80), without a GPU: the one AOT pipeline (``gpu-report``,
+``scripts/triton_warmup.py`` and the tests use it; no module re-implements it).
 
 Each kernel module in ``wiola_kernels/triton/`` registers what its launchers launch by
 defining, next to them::
 
     def aot_launches(sms: int) -> Iterator[Launch]
+    def aot_launches(sms: int, arch: int = 90) -> Iterator[Launch]   # when the choice depends on it
 
-which yields one :class:`Launch` per kernel launch its launchers make at the shapes
-it names (the GPU test shapes of ``tests/test_rms_norm.py`` and ``tests/test_srpe.py`` and the bench shapes of
-``wiola_kernels/bench/cases.py``) on a GPU with ``sms`` SMs, built with the launchers'
-own choice functions. Pointer arguments are :class:`DevicePointer` stand-ins; scalar
+which yields one :class:`Launch` per kernel launch its launchers make at the shapes of
+:mod:`wiola_kernels.shapes` (the GPU test shapes and the bench shapes) on a GPU with ``sms``
+SMs (and compute capability ``arch``, e.g. 90, passed when the function takes it), built
+with the launchers' own choice functions. Pointer arguments are :class:`DevicePointer` stand-ins; scalar
 arguments are the real values, so the JIT's launch-time specialisation (integers
 divisible by 16 get ``tt.divisibility``, an integer equal to 1 becomes a constant,
 16-byte aligned pointers get ``tt.divisibility``) is reproduced by Triton's own binder
@@ -26,6 +28,7 @@ work in either mode. Compiled kernels land in Triton's cache
 from __future__ import annotations
 
 import importlib
+import inspect
 import pkgutil
 from dataclasses import dataclass, field
 
@@ -161,12 +164,20 @@ def variant_id(launch: Launch, gpu: GPU) -> str:
     return f"{launch.name}[{','.join(parts)},w{launch.num_warps},s{launch.num_stages}]"
 
 
+def module_launches(mod, gpu: GPU):
+    """``mod.aot_launches`` for ``gpu``: its SM count, and its compute capability when the
+    function takes ``arch``."""
+    if "arch" in inspect.signature(mod.aot_launches).parameters:
+        return mod.aot_launches(gpu.sms, arch=gpu.capability)
+    return mod.aot_launches(gpu.sms)
+
+
 def launches(gpu: GPU) -> dict[str, Launch]:
     """Every distinct compiled kernel the launchers choose on ``gpu``, by :func:`variant_id`
     (the first launch that chose it; ``case_grids`` lists every case with its grid)."""
     out: dict[str, Launch] = {}
     for mod in launch_modules():
-        for launch in mod.aot_launches(gpu.sms):
+        for launch in module_launches(mod, gpu):
             key = variant_id(launch, gpu)
             if key not in out:
                 out[key] = launch

@@ -71,6 +71,20 @@ def _load_shift(s_ptr, idx, mask, HAS_SHIFT: tl.constexpr):
 
 
 @triton.jit
+def _load_input(x_ptr, r_ptr, sum_ptr, offs, mask, acc_ptr, HAS_RESIDUAL: tl.constexpr, STORE_SUM: tl.constexpr):
+    """The rows the norm reads, in the accumulation dtype (``acc_ptr``'s element type): x;
+    or (add_rms_norm) the sum ``x + residual`` rounded once to x's dtype — stored to
+    ``sum_ptr`` when ``STORE_SUM``."""
+    acc_ty = acc_ptr.dtype.element_ty
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        x = (x.to(acc_ty) + tl.load(r_ptr + offs, mask=mask, other=0.0).to(acc_ty)).to(x_ptr.dtype.element_ty)
+        if STORE_SUM:
+            tl.store(sum_ptr + offs, x, mask=mask)
+    return x.to(acc_ty)
+
+
+@triton.jit
 def _load_z_chunk(x_ptr, s_ptr, row, row_mask, cols, c0, d, HAS_SHIFT: tl.constexpr):
     """``z = x + δ`` of the rows ``row`` at columns ``c0 + cols`` (0 where masked), in the
     accumulation dtype (δ's: ``s_ptr`` is γ when there is no shift, same dtype)."""
@@ -83,6 +97,8 @@ def _load_z_chunk(x_ptr, s_ptr, row, row_mask, cols, c0, d, HAS_SHIFT: tl.conste
 @triton.jit
 def _rms_norm_fwd_kernel(
     x_ptr,        # (rows, d) input, contiguous
+    r_ptr,        # (rows, d) residual, contiguous (add_rms_norm; else not read)
+    sum_ptr,      # (rows, d) output s = x + residual, dtype of x (add_rms_norm; else not written)
     w_ptr,        # (d,) γ in the accumulation dtype
     s_ptr,        # (d,) δ in the accumulation dtype
     y_ptr,        # (rows, d) output, dtype of x
@@ -94,6 +110,7 @@ def _rms_norm_fwd_kernel(
     WIDE: tl.constexpr,           # rows too wide for registers: walk them in BLOCK_D chunks, twice
     HAS_SHIFT: tl.constexpr,      # δ given (else δ = 0 and s_ptr is not read)
     HF_ORDER: tl.constexpr,       # y = γ·round(z·rstd) (Hugging Face) instead of round(γ·z·rstd)
+    HAS_RESIDUAL: tl.constexpr,   # add_rms_norm: normalise s = x + residual (rounded to x's dtype), store s
 ):
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
@@ -107,23 +124,32 @@ def _rms_norm_fwd_kernel(
         row = tl.arange(0, ROWS_PER_STEP).to(tl.int64) + first  # int64: rows * d can pass 2^31
         row_mask = row < rows
         if WIDE:
+            if HAS_RESIDUAL:  # the sum first; the passes below read it back (from L2) as they read x
+                for c0 in range(0, d, BLOCK_D):
+                    mask = row_mask[:, None] & (c0 + cols < d)[None, :]
+                    _load_input(x_ptr, r_ptr, sum_ptr, row[:, None] * d + (c0 + cols)[None, :], mask, w_ptr, True,
+                                True)
+                tl.debug_barrier()  # another thread may read an element this one wrote
+                in_ptr = sum_ptr
+            else:
+                in_ptr = x_ptr
             # Pass 1: Σz², kept per column (per thread) and reduced across the block once
             # after the loop rather than per chunk (one barrier, not one per chunk).
             ss_cols = tl.zeros((ROWS_PER_STEP, BLOCK_D), acc_ty)
             for c0 in range(0, d, BLOCK_D):
-                z = _load_z_chunk(x_ptr, s_ptr, row, row_mask, cols, c0, d, HAS_SHIFT)
+                z = _load_z_chunk(in_ptr, s_ptr, row, row_mask, cols, c0, d, HAS_SHIFT)
                 ss_cols += z * z
             ss = tl.sum(ss_cols, axis=1)
             scale = tl.full((ROWS_PER_STEP,), 1.0, acc_ty)
             if tl.max(ss, axis=0) == float("inf"):  # rare: max|z|, then Σ(s·z)² for the rescaled rows
                 m_cols = tl.zeros((ROWS_PER_STEP, BLOCK_D), acc_ty)
                 for c0 in range(0, d, BLOCK_D):
-                    z = _load_z_chunk(x_ptr, s_ptr, row, row_mask, cols, c0, d, HAS_SHIFT)
+                    z = _load_z_chunk(in_ptr, s_ptr, row, row_mask, cols, c0, d, HAS_SHIFT)
                     m_cols = tl.maximum(m_cols, tl.abs(z))
                 scale = _overflow_scale(ss, tl.max(m_cols, axis=1), IS_FP64)
                 ss_cols = tl.zeros((ROWS_PER_STEP, BLOCK_D), acc_ty)
                 for c0 in range(0, d, BLOCK_D):
-                    z = _load_z_chunk(x_ptr, s_ptr, row, row_mask, cols, c0, d, HAS_SHIFT)
+                    z = _load_z_chunk(in_ptr, s_ptr, row, row_mask, cols, c0, d, HAS_SHIFT)
                     z = z * scale[:, None]
                     ss_cols += z * z
                 ss = tl.where(scale != 1.0, tl.sum(ss_cols, axis=1), ss)
@@ -134,7 +160,7 @@ def _rms_norm_fwd_kernel(
                 offs = row[:, None] * d + (c0 + cols)[None, :]
                 wc = tl.load(w_ptr + c0 + cols, mask=c0 + cols < d, other=0.0)[None, :]
                 sc = _load_shift(s_ptr, c0 + cols, c0 + cols < d, HAS_SHIFT)[None, :]
-                z = tl.load(x_ptr + offs, mask=mask, other=0.0).to(acc_ty) + sc
+                z = tl.load(in_ptr + offs, mask=mask, other=0.0).to(acc_ty) + sc
                 n = (z * scale[:, None]) * rstd_s[:, None]
                 if HF_ORDER:
                     n = n.to(y_ptr.dtype.element_ty).to(acc_ty)
@@ -142,7 +168,7 @@ def _rms_norm_fwd_kernel(
         else:
             mask = row_mask[:, None] & col_mask[None, :]
             offs = row[:, None] * d + cols[None, :]
-            z = tl.where(mask, tl.load(x_ptr + offs, mask=mask, other=0.0).to(acc_ty) + s, 0.0)
+            z = tl.where(mask, _load_input(x_ptr, r_ptr, sum_ptr, offs, mask, w_ptr, HAS_RESIDUAL, True) + s, 0.0)
             ss = tl.sum(z * z, axis=1)
             scale = tl.full((ROWS_PER_STEP,), 1.0, acc_ty)
             if tl.max(ss, axis=0) == float("inf"):  # no NaN in z; rare, so a branch rather than a select
@@ -160,9 +186,19 @@ def _rms_norm_fwd_kernel(
 
 
 @triton.jit
+def _add_grad_s(dz, gs_ptr, offs, mask, HAS_GRAD_S: tl.constexpr):
+    """``dz + ∂L/∂s`` (add_rms_norm's ∂L/∂x) or dz."""
+    if HAS_GRAD_S:
+        return dz + tl.load(gs_ptr + offs, mask=mask, other=0.0).to(dz.dtype)
+    else:
+        return dz
+
+
+@triton.jit
 def _rms_norm_bwd_kernel(
     g_ptr,        # (rows, d) ∂L/∂y, contiguous
-    x_ptr,        # (rows, d) input
+    gs_ptr,       # (rows, d) add_rms_norm's ∂L/∂s, added to ∂L/∂x (HAS_GRAD_S; else not read)
+    x_ptr,        # (rows, d) input (add_rms_norm: s)
     w_ptr,        # (d,) γ, accumulation dtype
     s_ptr,        # (d,) δ, accumulation dtype
     rstd_ptr,     # (rows,) saved 1/r
@@ -175,16 +211,18 @@ def _rms_norm_bwd_kernel(
     WIDE: tl.constexpr,  # rows too wide for registers: two passes over BLOCK_D chunks, and the
                          # partials accumulate in their own (L2-resident) rows
     HAS_SHIFT: tl.constexpr,  # δ given (else δ = 0: s_ptr and ds_partial_ptr are not touched)
+    HAS_GRAD_S: tl.constexpr,  # add ∂L/∂s to ∂L/∂x (summed in the accumulation dtype, rounded once)
 ):
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     cols = tl.arange(0, BLOCK_D)
     acc_ty = w_ptr.dtype.element_ty
+    part = pid.to(tl.int64) * d  # this program's row of the (programs, d) partials
     if WIDE:
         for c0 in range(0, d, BLOCK_D):
-            tl.store(dw_partial_ptr + pid * d + c0 + cols, tl.zeros((BLOCK_D,), acc_ty), mask=c0 + cols < d)
+            tl.store(dw_partial_ptr + part + c0 + cols, tl.zeros((BLOCK_D,), acc_ty), mask=c0 + cols < d)
             if HAS_SHIFT:
-                tl.store(ds_partial_ptr + pid * d + c0 + cols, tl.zeros((BLOCK_D,), acc_ty), mask=c0 + cols < d)
+                tl.store(ds_partial_ptr + part + c0 + cols, tl.zeros((BLOCK_D,), acc_ty), mask=c0 + cols < d)
     else:
         col_mask = cols < d
         w = tl.load(w_ptr + cols, mask=col_mask, other=0.0)[None, :]
@@ -217,12 +255,13 @@ def _rms_norm_bwd_kernel(
                 g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(acc_ty)
                 z_hat = tl.where(mask, x + sc, 0.0) * rstd
                 dz = (g * wc - c * z_hat) * rstd
-                tl.store(dx_ptr + offs, dz.to(dx_ptr.dtype.element_ty), mask=mask)
-                dw_row = dw_partial_ptr + pid * d + c0 + cols
+                tl.store(dx_ptr + offs, _add_grad_s(dz, gs_ptr, offs, mask, HAS_GRAD_S).to(dx_ptr.dtype.element_ty),
+                         mask=mask)
+                dw_row = dw_partial_ptr + part + c0 + cols
                 # Each thread re-reads only what it wrote itself.
                 tl.store(dw_row, tl.load(dw_row, mask=cm) + tl.sum(g * z_hat, axis=0), mask=cm)
                 if HAS_SHIFT:
-                    ds_row = ds_partial_ptr + pid * d + c0 + cols
+                    ds_row = ds_partial_ptr + part + c0 + cols
                     tl.store(ds_row, tl.load(ds_row, mask=cm) + tl.sum(dz, axis=0), mask=cm)
         else:
             mask = row_mask[:, None] & col_mask[None, :]
@@ -233,13 +272,14 @@ def _rms_norm_bwd_kernel(
             gw = g * w
             c = tl.sum(gw * z_hat, axis=1)[:, None] / d
             dz = (gw - c * z_hat) * rstd
-            tl.store(dx_ptr + offs, dz.to(dx_ptr.dtype.element_ty), mask=mask)
+            tl.store(dx_ptr + offs, _add_grad_s(dz, gs_ptr, offs, mask, HAS_GRAD_S).to(dx_ptr.dtype.element_ty),
+                     mask=mask)
             dw_acc += tl.sum(g * z_hat, axis=0)
             ds_acc += tl.sum(dz, axis=0)
     if not WIDE:
-        tl.store(dw_partial_ptr + pid * d + cols, dw_acc, mask=col_mask)
+        tl.store(dw_partial_ptr + part + cols, dw_acc, mask=col_mask)
         if HAS_SHIFT:
-            tl.store(ds_partial_ptr + pid * d + cols, ds_acc, mask=col_mask)
+            tl.store(ds_partial_ptr + part + cols, ds_acc, mask=col_mask)
 
 
 # Bytes a thread loads from each row per step: one 128-bit access.
@@ -270,7 +310,8 @@ class LaunchConfig:
 
 def _launch_config(rows: int, d: int, element_size: int, loads_per_row: int, sms: int | None) -> LaunchConfig:
     """The launch of either kernel for ``rows`` rows of width ``d`` (``element_size``
-    bytes each; ``loads_per_row`` row tensors read per row: 1 forward, 2 backward).
+    bytes each; ``loads_per_row`` row tensors read per row: 1 forward, 2 backward; with
+    add_rms_norm's residual 2 and 3).
 
     Threads own 16 contiguous bytes of a row; rows per step so that each thread has
     ``_BYTES_PER_THREAD_STEP`` bytes loading. ``sms``: the GPU's SM count (the grid is
@@ -284,7 +325,8 @@ def _launch_config(rows: int, d: int, element_size: int, loads_per_row: int, sms
     if wide:  # chunks of 16 B per thread per row
         block_d = 32 * num_warps * per_thread
         row_bytes_per_thread = _BYTES_PER_THREAD_ROW
-    rows_per_step = max(1, min(16, _BYTES_PER_THREAD_STEP // (row_bytes_per_thread * loads_per_row)))
+    # At least _BYTES_PER_THREAD_STEP: add_rms_norm's backward loads three row tensors, two rows (96 B).
+    rows_per_step = max(1, min(16, triton.cdiv(_BYTES_PER_THREAD_STEP, row_bytes_per_thread * loads_per_row)))
     if wide:
         rows_per_step = 1
     steps = triton.cdiv(rows, rows_per_step)
@@ -296,84 +338,94 @@ def _sms(device: torch.device) -> int | None:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else None
 
 
-def rms_norm_fwd(x: torch.Tensor, weight: torch.Tensor, shift: torch.Tensor | None,
-                 eps: float, hf_order: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """Launch the forward on contiguous ``x (rows, d)``; returns ``(y, rstd)``.
+def norm_fwd(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, shift: torch.Tensor | None,
+             eps: float, hf_order: bool = False) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """Launch the forward on contiguous ``x (rows, d)``; returns ``(y, s, rstd)``.
+    ``residual`` (contiguous, x's shape; add_rms_norm): the rows normalised are
+    ``s = x + residual`` rounded to x's dtype, also returned (else s is None).
     ``shift=None``: δ = 0; ``hf_order``: Hugging Face's rounding order."""
     rows, d = x.shape
     acc = compute_dtype(x.dtype)
     y = empty_output((rows, d), dtype=x.dtype, device=x.device)
+    s = None if residual is None else empty_output((rows, d), dtype=x.dtype, device=x.device)
     rstd = empty_output((rows,), dtype=acc, device=x.device)
     if rows == 0:
-        return y, rstd
-    cfg = _launch_config(rows, d, x.element_size(), 1, _sms(x.device))
+        return y, s, rstd
+    cfg = _launch_config(rows, d, x.element_size(), 1 if residual is None else 2, _sms(x.device))
     w = weight.to(acc).contiguous()
     _rms_norm_fwd_kernel[(cfg.programs,)](
-        x, w, w if shift is None else shift.to(acc).contiguous(), y, rstd, rows, d, eps,
+        x, x if residual is None else residual, y if s is None else s, w,
+        w if shift is None else shift.to(acc).contiguous(), y, rstd, rows, d, eps,
         ROWS_PER_STEP=cfg.rows_per_step, BLOCK_D=cfg.block_d, IS_FP64=acc == torch.float64, WIDE=cfg.wide,
-        HAS_SHIFT=shift is not None, HF_ORDER=bool(hf_order), num_warps=cfg.num_warps)
-    return y, rstd
+        HAS_SHIFT=shift is not None, HF_ORDER=bool(hf_order), HAS_RESIDUAL=residual is not None,
+        num_warps=cfg.num_warps)
+    return y, s, rstd
 
 
-def rms_norm_bwd(grad_y, x, weight, shift, rstd):
-    """Launch the backward; returns ``(grad_x, grad_weight, grad_shift)`` (``grad_shift``
-    None when ``shift`` is)."""
+def norm_bwd(grad_y, grad_s, x, weight, shift, rstd):
+    """Launch the backward on contiguous rows; returns ``(grad_x, grad_weight, grad_shift)``
+    (``grad_shift`` None when ``shift`` is). ``grad_s`` (add_rms_norm; ``x`` is then s) is
+    added to ``grad_x``; None: nothing added."""
     rows, d = x.shape
     acc = compute_dtype(x.dtype)
     grad_x = empty_output((rows, d), dtype=x.dtype, device=x.device)
     if rows == 0:
         return grad_x, torch.zeros_like(weight), None if shift is None else torch.zeros_like(shift)
-    cfg = _launch_config(rows, d, x.element_size(), 2, _sms(x.device))
+    cfg = _launch_config(rows, d, x.element_size(), 2 if grad_s is None else 3, _sms(x.device))
     dw_partial = empty_output((cfg.programs, d), dtype=acc, device=x.device)
     ds_partial = dw_partial if shift is None else empty_output((cfg.programs, d), dtype=acc, device=x.device)
     w = weight.to(acc).contiguous()
     _rms_norm_bwd_kernel[(cfg.programs,)](
-        grad_y, x, w, w if shift is None else shift.to(acc).contiguous(), rstd, grad_x, dw_partial, ds_partial,
-        rows, d, ROWS_PER_STEP=cfg.rows_per_step, BLOCK_D=cfg.block_d, WIDE=cfg.wide, HAS_SHIFT=shift is not None,
-        num_warps=cfg.num_warps)
+        grad_y, grad_y if grad_s is None else grad_s, x, w, w if shift is None else shift.to(acc).contiguous(), rstd,
+        grad_x, dw_partial, ds_partial, rows, d, ROWS_PER_STEP=cfg.rows_per_step, BLOCK_D=cfg.block_d, WIDE=cfg.wide,
+        HAS_SHIFT=shift is not None, HAS_GRAD_S=grad_s is not None, num_warps=cfg.num_warps)
     grad_shift = None if shift is None else ds_partial.sum(0).to(shift.dtype)
     return grad_x, dw_partial.sum(0).to(weight.dtype), grad_shift
 
 
-# GPU test shapes (the GPU section and the float64 gradcheck of tests/test_rms_norm.py,
-# which runs on the GPU's Triton backend there): (x shape, dtype). The bench shapes come
-# from wiola_kernels/bench/cases.py. tests/test_triton_aot.py checks this list covers
-# those tests' parameters.
-GPU_TEST_SHAPES = tuple(
-    [(shape, dtype) for dtype in (torch.float32, torch.bfloat16, torch.float16)
-     for shape in ((1, 3), (37, 192), (4, 33, 760), (1151, 4096), (2, 8193))]
-    + [((4097, 1024), torch.float32), ((5, 33), torch.float32), ((2, 5), torch.float64)])
+def rms_norm_fwd(x: torch.Tensor, weight: torch.Tensor, shift: torch.Tensor | None,
+                 eps: float, hf_order: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launch the forward on contiguous ``x (rows, d)``; returns ``(y, rstd)``."""
+    y, _, rstd = norm_fwd(x, None, weight, shift, eps, hf_order)
+    return y, rstd
+
+
+def rms_norm_bwd(grad_y, x, weight, shift, rstd):
+    """Launch the backward; returns ``(grad_x, grad_weight, grad_shift)``."""
+    return norm_bwd(grad_y, None, x, weight, shift, rstd)
 
 
 def aot_launches(sms: int):
-    """Every launch of the forward and backward kernels at the GPU test and bench shapes,
-    on a GPU with ``sms`` SMs (see ``wiola_kernels/triton/aot.py``)."""
-    from ..bench.cases import GPU_BENCH_DTYPE, RMS_NORM_SHAPES
+    """Every launch of the forward and backward kernels at the GPU test and bench shapes
+    (:mod:`wiola_kernels.shapes`), on a GPU with ``sms`` SMs (see ``wiola_kernels/triton/aot.py``)."""
+    from .. import shapes
     from .aot import DEFAULT_NUM_STAGES, DevicePointer as P, Launch
 
-    cases = [(f"test x {shape} {dtype}", shape, dtype) for shape, dtype in GPU_TEST_SHAPES]
-    cases += [(f"bench {size} x {shape} {GPU_BENCH_DTYPE}", shape, GPU_BENCH_DTYPE)
-              for size, shape in RMS_NORM_SHAPES.items()]
+    cases = [(f"test x {shape} {dtype}", shape, dtype) for shape, dtype in shapes.RMS_NORM_GPU_TESTS]
+    cases += [(f"bench {size} x {shape} {shapes.GPU_BENCH_DTYPE}", shape, shapes.GPU_BENCH_DTYPE)
+              for size, shape in shapes.RMS_NORM_BENCH.items()]
     for case, shape, dtype in cases:
         rows, d = math.prod(shape[:-1]), shape[-1]
         acc = compute_dtype(dtype)
         element_size = torch.empty((), dtype=dtype).element_size()
         fwd = _launch_config(rows, d, element_size, 1, sms)
-        yield Launch(_rms_norm_fwd_kernel, (P(dtype), P(acc), P(acc), P(dtype), P(acc), rows, d, 1e-6),
+        yield Launch(_rms_norm_fwd_kernel, (P(dtype),) * 3 + (P(acc), P(acc), P(dtype), P(acc), rows, d, 1e-6),
                      dict(ROWS_PER_STEP=fwd.rows_per_step, BLOCK_D=fwd.block_d, IS_FP64=acc == torch.float64,
-                          WIDE=fwd.wide, HAS_SHIFT=True, HF_ORDER=False),
+                          WIDE=fwd.wide, HAS_SHIFT=True, HF_ORDER=False, HAS_RESIDUAL=False),
                      fwd.num_warps, DEFAULT_NUM_STAGES, fwd.programs, case)
         bwd = _launch_config(rows, d, element_size, 2, sms)
-        yield Launch(_rms_norm_bwd_kernel, (P(dtype), P(dtype), P(acc), P(acc), P(acc), P(dtype), P(acc), P(acc),
-                                            rows, d),
-                     dict(ROWS_PER_STEP=bwd.rows_per_step, BLOCK_D=bwd.block_d, WIDE=bwd.wide, HAS_SHIFT=True),
+        yield Launch(_rms_norm_bwd_kernel, (P(dtype),) * 3 + (P(acc), P(acc), P(acc), P(dtype), P(acc), P(acc),
+                                                              rows, d),
+                     dict(ROWS_PER_STEP=bwd.rows_per_step, BLOCK_D=bwd.block_d, WIDE=bwd.wide, HAS_SHIFT=True,
+                          HAS_GRAD_S=False),
                      bwd.num_warps, DEFAULT_NUM_STAGES, bwd.programs, case)
         if case.startswith("bench"):  # the Hugging Face variant (patch_hf): no δ, HF's rounding order
-            yield Launch(_rms_norm_fwd_kernel, (P(dtype), P(acc), P(acc), P(dtype), P(acc), rows, d, 1e-6),
+            yield Launch(_rms_norm_fwd_kernel, (P(dtype),) * 3 + (P(acc), P(acc), P(dtype), P(acc), rows, d, 1e-6),
                          dict(ROWS_PER_STEP=fwd.rows_per_step, BLOCK_D=fwd.block_d, IS_FP64=acc == torch.float64,
-                              WIDE=fwd.wide, HAS_SHIFT=False, HF_ORDER=True),
+                              WIDE=fwd.wide, HAS_SHIFT=False, HF_ORDER=True, HAS_RESIDUAL=False),
                          fwd.num_warps, DEFAULT_NUM_STAGES, fwd.programs, case + " hf")
-            yield Launch(_rms_norm_bwd_kernel, (P(dtype), P(dtype), P(acc), P(acc), P(acc), P(dtype), P(acc), P(acc),
-                                                rows, d),
-                         dict(ROWS_PER_STEP=bwd.rows_per_step, BLOCK_D=bwd.block_d, WIDE=bwd.wide, HAS_SHIFT=False),
+            yield Launch(_rms_norm_bwd_kernel, (P(dtype),) * 3 + (P(acc), P(acc), P(acc), P(dtype), P(acc), P(acc),
+                                                                  rows, d),
+                         dict(ROWS_PER_STEP=bwd.rows_per_step, BLOCK_D=bwd.block_d, WIDE=bwd.wide, HAS_SHIFT=False,
+                              HAS_GRAD_S=False),
                          bwd.num_warps, DEFAULT_NUM_STAGES, bwd.programs, case + " hf")

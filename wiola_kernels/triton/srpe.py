@@ -209,26 +209,18 @@ def srpe_apply(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, theta:
     return q_out, k_out
 
 
-# GPU test shapes (the GPU section of tests/test_srpe.py; tests/test_srpe.py's float64 cases run on the GPU's
-# Triton backend there too): ((B, H, H_kv, T, d_h), dtype). Bench shapes come from
-# wiola_kernels/bench/cases.py; tests/test_triton_aot.py checks this covers those tests.
-GPU_TEST_SHAPES = tuple(
-    [(shape, dtype) for dtype in (torch.float32, torch.bfloat16)
-     for shape in ((1, 1, 1, 1, 64), (3, 16, 4, 257, 64), (2, 8, 8, 100, 128), (1, 4, 2, 33, 10))]
-    + [((2, 4, 2, 7, 16), torch.float32), ((3, 4, 4, 5, 66), torch.float64)])
-
-
 def aot_launches(sms: int):
     """Every launch of the kernel (forward and transpose) at the GPU test and bench
-    shapes, on a GPU with ``sms`` SMs (see ``wiola_kernels/triton/aot.py``)."""
-    from ..bench.cases import GPU_BENCH_DTYPE, SRPE_SHAPES
+    shapes (:mod:`wiola_kernels.shapes`), on a GPU with ``sms`` SMs (see
+    ``wiola_kernels/triton/aot.py``)."""
+    from .. import shapes
     from .aot import DEFAULT_NUM_STAGES, DevicePointer as P, Launch
 
     # (B, H, T, d_h)-contiguous q/k (the tests and the bench), and the bench shapes in the
     # model's layout, transposed (B, T, H, d_h) views (outputs alike).
-    cases = [(f"test q/k {shape} {dtype}", shape, dtype, False) for shape, dtype in GPU_TEST_SHAPES]
-    cases += [(f"bench {size} q/k {shape} {GPU_BENCH_DTYPE}{' (B, T, H, d_h) views' if model else ''}", shape,
-               GPU_BENCH_DTYPE, model) for size, shape in SRPE_SHAPES.items() for model in (False, True)]
+    cases = [(f"test q/k {shape} {dtype}", shape, dtype, False) for shape, dtype in shapes.SRPE_GPU_TESTS]
+    cases += [(f"bench {size} q/k {shape} {shapes.GPU_BENCH_DTYPE}{' (B, T, H, d_h) views' if model else ''}", shape,
+               shapes.GPU_BENCH_DTYPE, model) for size, shape in shapes.SRPE_BENCH.items() for model in (False, True)]
     for case, (b, h, h_kv, t, dh), dtype, model in cases:
         cfg = _launch_config(b * t, dh // 2, torch.empty((), dtype=dtype).element_size(), sms)
         q_st, k_st = ((t * h * dh, dh, h * dh), (t * h_kv * dh, dh, h_kv * dh)) if model else \

@@ -243,6 +243,44 @@ inline void rms_norm(const at::Tensor& x, const at::Tensor& weight, const std::o
   TORCH_CHECK_VALUE(d != 0, "x must have a non-empty last dimension d, got d = 0");
 }
 
+// wiola::add_rms_norm: x (..., d), residual of x's shape, dtype and device, then the checks of
+// rms_norm on x.
+inline void add_rms_norm(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight,
+                         const std::optional<at::Tensor>& shift) {
+  float_tensor("x", x);
+  float_tensor("residual", residual);
+  min_rank("x", x, 1, "(..., d)");
+  TORCH_CHECK_VALUE(residual.sizes() == x.sizes(), "residual must have the shape of x (..., d) = ",
+                    shape_str(x.sizes()), ", got ", shape_str(residual.sizes()));
+  same_dtype("residual", residual, "x", x);
+  same_device("residual", residual, "x", x);
+  rms_norm(x, weight, shift);
+}
+
+// The gated activations of wiola::glu (SPEC §10.2).
+enum class GluActivation { kSilu, kGeluTanh };
+
+// wiola::glu: a (..., n) and b of a's shape, dtype and device; or b absent and a (..., 2n),
+// holding [a | b] (the packed form). activation "silu" or "gelu_tanh". Returns the activation.
+inline GluActivation glu(const at::Tensor& a, const std::optional<at::Tensor>& b, c10::string_view activation) {
+  float_tensor("a", a);
+  if (b.has_value()) float_tensor("b", *b);
+  min_rank("a", a, 1, b.has_value() ? "(..., n)" : "(..., 2n)");
+  if (b.has_value()) {
+    TORCH_CHECK_VALUE(b->sizes() == a.sizes(), "b must have the shape of a (..., n) = ", shape_str(a.sizes()),
+                      ", got ", shape_str(b->sizes()));
+    same_dtype("b", *b, "a", a);
+    same_device("b", *b, "a", a);
+  } else {
+    TORCH_CHECK_VALUE(a.size(-1) % 2 == 0, "a must have an even last dimension 2n when b is None (a holds [a | b]), "
+                      "got ", a.size(-1));
+  }
+  if (activation == "silu") return GluActivation::kSilu;
+  TORCH_CHECK_VALUE(activation == "gelu_tanh", "activation must be 'silu' or 'gelu_tanh', got '",
+                    std::string(activation), "'");
+  return GluActivation::kGeluTanh;
+}
+
 // Largest |p| at which float32 SRPE outputs still meet SPEC §9's 1e-5: the float64 angle
 // p·ω_j·(1 + 1/k_s) carries ~p·|1 + 1/k_s|·2^-52 rad of rounding (wiola_kernels.srpe_max_position).
 inline int64_t srpe_max_position(double spiral_divisor) {

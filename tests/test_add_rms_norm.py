@@ -1,0 +1,302 @@
+"""Residual add + WiolaRMSNorm (SPEC §10.3, §9): every available backend against the float64
+reference, y as the norm of the *rounded* sum, both outputs' gradients, strided inputs,
+rows whose Σz² overflows, and bitwise reproducibility of ∂γ, ∂δ."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import wiola_kernels as wk
+from wiola_kernels import reference, shapes
+from wiola_kernels.testing import (CopyCounter, assert_close_rel, available_backends, available_cpu_isas, cpu_isa,
+                                   tolerance)
+
+from helpers import assert_bitwise, forward_backward, gen, gpu_only, needs_cpu_extension, run_on_thread_counts
+
+BACKENDS = available_backends("add_rms_norm", "cpu")
+CPU_ISAS = available_cpu_isas("add_rms_norm")
+BACKEND_ISAS = [f"cpu/{isa}" for isa in CPU_ISAS if "cpu" in BACKENDS] + [b for b in BACKENDS if b != "cpu"]
+SHAPES = {"default": [(1, 3), (37, 192), (2, 3, 50)], "triton": [(3, 37)]}
+
+
+@pytest.fixture
+def backend(request):
+    """A backend of BACKEND_ISAS, with the CPU kernels held to the named instruction set."""
+    name, _, isa = request.param.partition("/")
+    with cpu_isa(isa or None):
+        yield name
+
+
+def interpreted_bf16(backend, dtype):
+    """Triton's CPU interpreter rounds float32 -> bfloat16 toward zero (a GPU rounds to
+    nearest even, as PyTorch does): its bf16 s is not bit for bit PyTorch's x + residual."""
+    return backend == "triton" and dtype == torch.bfloat16 and wk.dispatch.triton_interpret_mode()
+
+
+def make(shape, dtype, seed=0):
+    g = gen(seed)
+    d = shape[-1]
+    x = torch.randn(shape, generator=g, dtype=torch.float64)
+    residual = 2 * torch.randn(shape, generator=g, dtype=torch.float64)
+    w = torch.rand(d, generator=g, dtype=torch.float64) + 0.5
+    s = 0.3 * torch.randn(d, generator=g, dtype=torch.float64)
+    return x.to(dtype), residual.to(dtype), w.to(dtype), s.to(dtype)
+
+
+def run(backend, x, residual, w, shift, grads=None, eps=1e-6, hf_order=False):
+    """``(y, s)`` and, with ``grads = (g_y, g_s)`` (either may be None: that output unused),
+    the gradients of x, residual, weight, shift."""
+    leaves = [t.detach().clone().requires_grad_() if t is not None else None for t in (x, residual, w, shift)]
+    with wk.use_backend(backend):
+        y, s = wk.add_rms_norm(*leaves, eps, hf_order=hf_order)
+        if grads is None:
+            return (y.detach(), s.detach()), None
+        pairs = [(o, g) for o, g in zip((y, s), grads) if g is not None]
+        got = torch.autograd.grad([o for o, _ in pairs], [t for t in leaves if t is not None],
+                                  [g for _, g in pairs])
+    return (y.detach(), s.detach()), got
+
+
+def oracle(x, residual, w, shift, grads, eps=1e-6):
+    """The float64 reference on the same (rounded) inputs: (y, s) and the four gradients."""
+    leaves = [t.double().requires_grad_() if t is not None else None for t in (x, residual, w, shift)]
+    y, s = reference.add_rms_norm(*leaves, eps)
+    pairs = [(o, g.double()) for o, g in zip((y, s), grads) if g is not None]
+    wrt = [t for t in leaves if t is not None]
+    got = torch.autograd.grad([o for o, _ in pairs], wrt, [g for _, g in pairs], allow_unused=True)
+    return (y.detach(), s.detach()), [torch.zeros_like(t) if g is None else g for g, t in zip(got, wrt)]
+
+
+# --- the reference itself -----------------------------------------------------------------
+
+def test_reference_is_rms_norm_of_the_sum():
+    x, r, w, s = make((4, 9), torch.float64)
+    y, total = reference.add_rms_norm(x, r, w, s, 1e-6)
+    assert torch.equal(total, x + r)
+    assert torch.equal(y, reference.rms_norm(x + r, w, s, 1e-6))
+
+
+@pytest.mark.parametrize("with_grad_s", [True, False])
+def test_reference_explicit_backward_matches_autograd(with_grad_s):
+    x, r, w, s = (t.requires_grad_() for t in make((6, 11), torch.float64))
+    g_y = torch.randn(6, 11, generator=gen(1), dtype=torch.float64)
+    g_s = torch.randn(6, 11, generator=gen(2), dtype=torch.float64) if with_grad_s else None
+    y, total = reference.add_rms_norm(x, r, w, s, 1e-6)
+    outs = [(y, g_y)] + ([(total, g_s)] if with_grad_s else [])
+    want = torch.autograd.grad([o for o, _ in outs], (x, r, w, s), [g for _, g in outs])
+    _, total, rstd = reference.add_rms_norm_forward(x.detach(), r.detach(), w.detach(), s.detach(), 1e-6)
+    dx, dw, ds = reference.add_rms_norm_backward(g_y, g_s, total, w.detach(), s.detach(), rstd)
+    for got, ref, name in ((dx, want[0], "dx"), (dx, want[1], "dresidual"), (dw, want[2], "dweight"),
+                           (ds, want[3], "dshift")):
+        assert_close_rel(got, ref, tolerance(torch.float64), name)
+
+
+# --- every backend against the reference ----------------------------------------------------
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_gradcheck_float64(backend):
+    shape = (2, 5) if backend == "triton" else (2, 3, 9)
+    args = [t.requires_grad_() for t in make(shape, torch.float64)]
+    with wk.use_backend(backend):
+        assert torch.autograd.gradcheck(lambda *a: wk.add_rms_norm(*a, 1e-6), args)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+@pytest.mark.parametrize("backend", BACKEND_ISAS, indirect=True)
+def test_matches_float64_reference(backend, dtype):
+    for shape in SHAPES["triton" if backend == "triton" else "default"]:
+        x, r, w, s = make(shape, dtype, seed=shape[-1])
+        grads = tuple(torch.randn(shape, generator=gen(i), dtype=torch.float64).to(dtype) for i in (3, 4))
+        (y, total), got = run(backend, x, r, w, s, grads)
+        (y64, total64), want = oracle(x, r, w, s, grads)
+        assert y.dtype == total.dtype == dtype and y.shape == total.shape == x.shape
+        tol = tolerance(dtype)
+        for a, b, name in ((y, y64, "y"), (total, total64, "s"), *zip(got, want, ("dx", "dresidual", "dw", "dshift"))):
+            assert_close_rel(a, b, tol, f"{backend} {dtype} {shape} {name}")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("backend", BACKEND_ISAS, indirect=True)
+def test_y_is_the_norm_of_the_rounded_sum(backend, dtype):
+    """s is PyTorch's ``x + residual`` bit for bit, and y the norm of that rounded s: equal to
+    the unfused ops on the same backend. Inputs where the rounding of s matters: s ≈ 100
+    keeps few of x's bits in bf16/fp16."""
+    g = gen(5)
+    x = torch.randn(9, 40, generator=g, dtype=torch.float64).to(dtype)
+    r = (100 + 3 * torch.randn(9, 40, generator=g, dtype=torch.float64)).to(dtype)
+    w, shift = (torch.rand(40, generator=g) + 0.5).to(dtype), (0.1 * torch.randn(40, generator=g)).to(dtype)
+    (y, total), _ = run(backend, x, r, w, shift)
+    if not interpreted_bf16(backend, dtype):
+        assert torch.equal(total, x + r)
+    with wk.use_backend(backend):
+        assert torch.equal(y, wk.rms_norm(total, w, shift, 1e-6))
+    want = reference.rms_norm((x + r).double(), w.double(), shift.double(), 1e-6)
+    assert_close_rel(y, want, tolerance(dtype))
+
+
+def test_triton_wide_rows():
+    """d = 8193 (fp32): rows too wide for registers; the sum is written first, then the norm's
+    chunked passes read it back. Row 1 overflows Σz², so the chunked rescaling runs on s too."""
+    if "triton" not in BACKENDS:
+        pytest.skip("triton backend unavailable")
+    from wiola_kernels.triton.rms_norm import _launch_config
+
+    assert _launch_config(3, 8193, 4, 2, None).wide and _launch_config(3, 8193, 4, 3, None).wide
+    x, r, w, s = make((3, 8193), torch.float32, seed=21)
+    x[1] *= 1e30
+    grads = tuple(torch.randn(3, 8193, generator=gen(i)) for i in (22, 23))
+    (y, total), got = run("triton", x, r, w, s, grads)
+    (y64, total64), want = oracle(x, r, w, s, grads)
+    assert torch.equal(total, x + r)
+    for a, b, name in ((y, y64, "y"), *zip(got, want, ("dx", "dresidual", "dw", "dshift"))):
+        assert_close_rel(a, b, tolerance(torch.float32), name)
+
+
+@pytest.mark.parametrize("used", ["y", "s"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_one_output_unused(backend, used):
+    """Only y (∂L/∂s = 0: the backward gets None) or only s (∂L/∂y = 0) reaches the loss."""
+    x, r, w, s = make((5, 24), torch.float32, seed=6)
+    g = torch.randn(5, 24, generator=gen(7))
+    grads = (g, None) if used == "y" else (None, g)
+    _, got = run(backend, x, r, w, s, grads)
+    _, want = oracle(x, r, w, s, grads)
+    for a, b in zip(got, want):
+        assert_close_rel(a, b, tolerance(torch.float32))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_strided_inputs(backend):
+    """x and the residual as the halves of one tensor (row stride 2d: read in place by the CPU
+    kernel) and a transposed residual (copied once); no δ, and hf_order."""
+    d = 20
+    both = torch.randn(30, 2 * d, generator=gen(8))
+    x, r = both[:, :d], both[:, d:]
+    rt = torch.randn(d, 30, generator=gen(9)).t()
+    w = torch.rand(d, generator=gen(10)) + 0.5
+    grads = tuple(torch.randn(30, d, generator=gen(i)) for i in (11, 12))
+    for residual in (r, rt):
+        (y, total), got = run(backend, x, residual, w, None, grads)
+        (y64, total64), want = oracle(x, residual, w, None, grads)
+        for a, b in ((y, y64), (total, total64), *zip(got, want)):
+            assert_close_rel(a, b, tolerance(torch.float32))
+    (y, total), _ = run(backend, x.bfloat16(), r.bfloat16(), w.bfloat16(), None, hf_order=True)
+    with wk.use_backend(backend):
+        assert torch.equal(y, wk.rms_norm(total, w.bfloat16(), None, hf_order=True))
+    if backend == "cpu":
+        with CopyCounter() as seen:
+            torch.ops.wiola.add_rms_norm(x, r, w, None)
+        assert seen.copies == 0, seen.counts
+
+
+@pytest.mark.parametrize("dtype,scale", [(torch.float32, 1e25), (torch.bfloat16, 1e37), (torch.float64, 1e300)])
+@pytest.mark.parametrize("backend", BACKEND_ISAS, indirect=True)
+def test_huge_rows(backend, dtype, scale):
+    """Rows of s whose Σz² overflows the statistic's dtype take rms_norm's rescaled path: y is
+    right (against the float64 norm of the rounded s, row by row: the rows differ in scale)
+    and finite, next to a normal row."""
+    g = gen(13)
+    x = torch.randn(3, 33, generator=g, dtype=torch.float64).clamp(-1.5, 1.5)
+    x[[0, 2]] *= scale
+    r = torch.randn(3, 33, generator=g, dtype=torch.float64)
+    w, s = (torch.rand(33, generator=g) + 0.5).to(dtype), (0.3 * torch.randn(33, generator=g)).to(dtype)
+    x, r = x.to(dtype), r.to(dtype)
+    (y, total), _ = run(backend, x, r, w, s)
+    assert torch.isfinite(y).all() and (interpreted_bf16(backend, dtype) or torch.equal(total, x + r))
+    for row in range(3):
+        c = 2.0 ** -int(torch.frexp(total[row].double().abs().max()).exponent)  # exact rescale of the oracle's input
+        want = reference.rms_norm(total[row:row + 1].double() * c, w.double(), s.double() * c, 1e-6 * c * c)
+        assert_close_rel(y[row:row + 1], want, tolerance(dtype), f"row {row}")
+
+
+@pytest.mark.parametrize("backend", BACKEND_ISAS, indirect=True)
+def test_nan_stays_in_its_row(backend):
+    x, r, w, s = make((4, 24), torch.float32)
+    r[2, 5] = float("nan")
+    (y, total), _ = run(backend, x, r, w, s)
+    assert torch.isnan(y[2]).all() and torch.isnan(total[2, 5])
+    assert torch.isfinite(y[[0, 1, 3]]).all() and torch.isfinite(total[[0, 1, 3]]).all()
+
+
+@needs_cpu_extension
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_bitwise_reproducible_across_thread_counts(dtype):
+    x, r, w, s = make((601, 96), dtype, seed=14)
+    g = torch.randn(601, 96, generator=gen(15)).to(dtype)
+
+    def fn(x, r, w, s):
+        y, total = wk.add_rms_norm(x, r, w, s)
+        return y + total, g  # one output, both of the op's outputs in it
+
+    assert_bitwise(run_on_thread_counts(fn, [x, r, w, s]), ["y + s", "dx", "dresidual", "dweight", "dshift"])
+
+
+# --- registration, compile, bad input ---------------------------------------------------------
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_opcheck_without_grad_s_and_shift(backend):
+    """With δ and ∂L/∂s is opchecked in tests/test_op_layer.py; here without them."""
+    x, r, w, _ = make((5, 12), torch.float32)
+    with wk.use_backend(backend):
+        torch.library.opcheck(torch.ops.wiola.add_rms_norm.default, (x, r, w, None, 1e-6, True))
+        _, total, rstd = torch.ops.wiola.add_rms_norm(x, r, w, None)
+        torch.library.opcheck(torch.ops.wiola.add_rms_norm_backward.default,
+                              (torch.randn(5, 12), None, total, w, None, rstd))
+
+
+def test_torch_compile_fullgraph_two_residual_adds():
+    """Two residual adds as a layer chains them (s of the first is the second's residual):
+    0 graph breaks, equal to eager."""
+    torch._dynamo.reset()
+    w1, w2 = torch.rand(16, generator=gen(16)) + 0.5, torch.rand(16, generator=gen(17)) + 0.5
+
+    def layer(x, a, f, w1, w2):
+        h, x1 = wk.add_rms_norm(a, x, w1)
+        y, x2 = wk.add_rms_norm(torch.tanh(h) * f, x1, w2)
+        return (y * x2).sum()
+
+    ins = [torch.randn(2, 3, 16, generator=gen(i)) for i in (18, 19, 20)] + [w1, w2]
+    explained = torch._dynamo.explain(layer)(*ins)
+    assert explained.graph_break_count == 0, explained.break_reasons
+    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
+    a = [t.clone().requires_grad_() for t in ins]
+    b = [t.clone().requires_grad_() for t in ins]
+    compiled(*a).backward()
+    layer(*b).backward()
+    for p, q in zip(a, b):
+        assert_close_rel(p.grad, q.grad, tolerance(torch.float32))
+
+
+@pytest.mark.parametrize("backend", ["auto"] + [b for b in BACKENDS if b != "triton"])
+@pytest.mark.parametrize("change, error, match", [
+    (dict(residual=torch.randn(4, 7)), ValueError, r"^residual must have the shape of x \(\.\.\., d\) = \(4, 8\), got \(4, 7\)"),
+    (dict(residual=torch.randn(4, 8).double()), TypeError, r"^residual must have dtype torch.float32 like x"),
+    (dict(weight=torch.ones(7)), ValueError, r"^weight must have shape \(d,\) = \(8,\), got \(7,\)"),
+    (dict(eps=0.0), ValueError, r"^eps must be a finite number > 0, got 0.0"),
+    (dict(eps=-1e-6), ValueError, r"^eps must be a finite number > 0"),
+    (dict(residual=[0.0] * 8), TypeError, r"^residual must be a torch.Tensor"),
+])
+def test_bad_inputs_name_the_argument(backend, change, error, match):
+    args = dict(x=torch.randn(4, 8), residual=torch.randn(4, 8), weight=torch.ones(8), shift=None, eps=1e-6)
+    args.update(change)
+    with wk.use_backend(backend), pytest.raises(error, match=match):
+        wk.add_rms_norm(**args)
+
+
+# --- on a GPU (skipped without one) -----------------------------------------------------------
+
+@gpu_only
+@pytest.mark.parametrize("dtype", shapes.ADD_RMS_NORM_GPU_TEST_DTYPES)
+@pytest.mark.parametrize("shape", shapes.ADD_RMS_NORM_GPU_TEST_SHAPES)
+def test_add_rms_norm_triton_vs_float64(shape, dtype):
+    x, r, w, s = make(shape, torch.float64)
+    grads = [torch.randn(shape, dtype=torch.float64) for _ in range(2)]
+    with wk.use_backend("triton"):
+        outs, got = forward_backward(lambda *a: wk.add_rms_norm(*a), [t.to("cuda", dtype) for t in (x, r, w, s)],
+                                     [g.to("cuda", dtype) for g in grads])
+    rounded = [t.to(dtype).double() for t in (x, r, w, s)]
+    ref_outs, want = forward_backward(lambda *a: reference.add_rms_norm(*a, 1e-6),
+                                      rounded, [g.to(dtype).double() for g in grads])
+    for a, b in zip(outs + got, ref_outs + want):
+        assert_close_rel(a.cpu(), b, tolerance(dtype))

@@ -1,0 +1,157 @@
+"""Gated activations (SPEC §10.2): :func:`glu`, the :class:`GLUFunction` that drives its
+registered ops, and their kernels written in Python.
+
+Registered ops (declared in csrc/wiola_ops.cpp):
+
+* ``wiola::glu(a (..., n), b (..., n) | None, activation) -> y (..., n)``
+* ``wiola::glu_backward(grad_y, a, b, activation) -> (grad_a, grad_b)``
+
+``b`` None is the packed form: ``a`` is ``(..., 2n)`` holding ``[a | b]`` (one projection's
+output, the activated half first), and ``grad_a`` is its one ``(..., 2n)`` gradient
+(``grad_b`` None). Outputs and gradients are contiguous; inputs are read through their row
+strides (the two halves of a projection's output are read in place).
+
+Kernels: CPU — csrc/cpu/glu.cpp; CUDA — the Triton kernels (triton/glu.py, registered
+below); Meta — the fakes below. Forced backends (:mod:`wiola_kernels.dispatch`):
+``reference``, ``cpu``, ``triton``.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+from torch import Tensor
+
+from .. import dispatch
+from ..reference.glu import glu_backward as _reference_backward
+from ..reference.glu import glu_forward as _reference_forward
+from ..validation import check_glu
+from . import distinct, needs_grad, register_fake, register_kernel, registered, registered_ops
+
+OP = "glu"
+_ops = registered_ops("glu", "glu_backward")
+
+
+# --- kernels written in Python (the registry's backends; Triton is also the CUDA kernel) ---------
+
+def _no_check(*args):
+    """The backward's arguments come from the forward (the Function saves them)."""
+
+
+def _reference_forward_checked(a, b, activation="silu"):
+    return _reference_forward(a, b, check_glu(a, b, activation))
+
+
+def _triton_forward(a, b, activation="silu"):
+    from ..triton import glu as tk
+
+    return tk.glu_fwd(a, b, check_glu(a, b, activation))
+
+
+def _triton_backward(grad_y, a, b, activation):
+    from ..triton import glu as tk
+
+    check_glu(a, b, activation)
+    shape = a.shape if b is not None else (*a.shape[:-1], a.shape[-1] // 2)
+    if grad_y.shape != shape:
+        raise ValueError(f"grad_y must have the shape of y {tuple(shape)}, got {tuple(grad_y.shape)}")
+    return tk.glu_bwd(grad_y, a, b, activation)
+
+
+dispatch.register_default(OP, "cpu", "cpu")
+dispatch.register_default(OP, "cuda", "triton")
+dispatch.register(OP, "reference", SimpleNamespace(forward=_reference_forward_checked, backward=_reference_backward))
+dispatch.register(OP, "cpu", SimpleNamespace(forward=registered("wiola", "glu", check_glu),
+                                             backward=registered("wiola", "glu_backward", _no_check)))
+dispatch.register(OP, "triton", SimpleNamespace(forward=_triton_forward, backward=_triton_backward))
+register_kernel("glu", "CUDA", _triton_forward)
+register_kernel("glu_backward", "CUDA", _triton_backward)
+
+
+def _out_shape(a: Tensor, b: Tensor | None) -> tuple[int, ...]:
+    return tuple(a.shape) if b is not None else (*a.shape[:-1], a.shape[-1] // 2)
+
+
+@register_fake("wiola::glu")
+def _glu_fake(a, b, activation="silu"):
+    check_glu(a, b, activation)
+    return a.new_empty(_out_shape(a, b))
+
+
+@register_fake("wiola::glu_backward")
+def _glu_backward_fake(grad_y, a, b, activation):
+    return a.new_empty(a.shape), None if b is None else a.new_empty(a.shape)
+
+
+# --- autograd ------------------------------------------------------------------------------------
+
+def _forward(a, b, activation):
+    """``(y, backend)``: the dispatcher's kernel (backend None), or the forced one."""
+    backend = dispatch.forced_backend()
+    if backend is None:
+        try:
+            return _ops.glu(a, b, activation), None
+        except RuntimeError:  # the schema's argument parser: name the argument instead
+            check_glu(a, b, activation)
+            raise
+    if not isinstance(a, Tensor):
+        check_glu(a, b, activation)
+    backend = dispatch.resolve(OP, backend, a.device, a.dtype)
+    return dispatch.kernels(OP, backend).forward(a, b, activation), backend
+
+
+class GLUFunction(torch.autograd.Function):
+    """Autograd for :func:`glu`: ``GLUFunction.apply(a, b, activation)`` (every argument
+    positional; see :func:`glu`). Saves ``a`` and ``b`` only (the backward recomputes
+    ``act(a)``); calls ``wiola::glu`` and, in the backward, ``wiola::glu_backward`` — or the
+    forced backend's kernels, kept on ``ctx`` so that the backward runs where the forward ran."""
+
+    @staticmethod
+    def forward(ctx, a: Tensor, b: Tensor | None, activation: str) -> Tensor:
+        y, ctx.backend = _forward(a, b, activation)
+        ctx.activation = activation
+        ctx.save_for_backward(a, b)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_y: Tensor):
+        a, b = ctx.saved_tensors
+        if ctx.backend is None:
+            grad_a, grad_b = _ops.glu_backward(grad_y, a, b, ctx.activation)
+        else:
+            grad_a, grad_b = dispatch.kernels(OP, ctx.backend).backward(grad_y, a, b, ctx.activation)
+        return grad_a, grad_b, None
+
+
+def glu(a: Tensor, b: Tensor | None = None, activation: str = "silu") -> Tensor:
+    """Gated activation (SPEC §10.2): ``act(a) ⊙ b``, the core of SwiGLU / GeGLU feed-forwards.
+
+    ``SiLU(a) = a·σ(a)``; ``GELU_tanh(a) = ½a(1 + tanh(√(2/π)(a + 0.044715a³)))``.
+
+    Args:
+        a: the activated input ``(..., n)``; float32, float64, bfloat16 or float16. Any
+            strides with a contiguous last dimension are read in place — in particular
+            ``a, b = u[..., :n], u[..., n:]``, the halves of one projection's output.
+        b: the gate's other input, ``a``'s shape, dtype and device. None for the packed
+            form: ``a`` is then ``(..., 2n)`` holding ``[a | b]`` (one projection with the
+            activated rows first, e.g. ``x @ cat([W1, W3]).T``), and its gradient comes back
+            as one ``(..., 2n)`` tensor — no ``cat`` of ``∂a`` and ``∂b`` in the backward.
+        activation: ``"silu"`` (SwiGLU; DSFF's narrow stream) or ``"gelu_tanh"`` (GeGLU;
+            DSFF's wide stream).
+
+    Returns:
+        ``y (..., n)``, contiguous, in the input dtype (computed in float32, float64 for
+        float64). Differentiable in ``a`` and ``b`` (through :class:`GLUFunction`, which
+        saves only the inputs and recomputes ``act(a)``); the gradients are contiguous
+        tensors of the inputs' shapes.
+
+    Raises:
+        TypeError / ValueError naming the argument for a wrong type, dtype, shape or
+        activation.
+    """
+    if torch.compiler.is_compiling():
+        return GLUFunction.apply(*distinct(a, b), activation)
+    if needs_grad(a, b):
+        return GLUFunction.apply(a, b, activation)
+    return _forward(a, b, activation)[0]
