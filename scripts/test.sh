@@ -15,8 +15,7 @@ cmake -S . -B build-cmake -G Ninja -DCMAKE_PREFIX_PATH="$prefix" >/dev/null
 cmake --build build-cmake -j2
 ctest --test-dir build-cmake --output-on-failure
 if [ "${WIOLA_ASAN:-1}" != "0" ]; then
-  cmake -S . -B build-asan -G Ninja -DCMAKE_PREFIX_PATH="$prefix" -DWIOLA_SANITIZE=address \
-    -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
+  cmake -S . -B build-asan -G Ninja -DCMAKE_PREFIX_PATH="$prefix" -DWIOLA_SANITIZE=address >/dev/null
   cmake --build build-asan -j2 --target wiola_cpu_tests
   # libtorch's static registries are never freed: leaks are not what this run looks for.
   ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 ctest --test-dir build-asan -L cpu --output-on-failure

@@ -1,6 +1,6 @@
 """Where the CUDA-kernel tests run: the ``cuda`` backend on a GPU, and the same kernels on
 CPU tensors in the SIMT emulator (backend ``cuda_emu``, csrc/cuda/emu/) — one test file
-serves both (issue 10). Each target is skipped with the reason when it cannot run here."""
+serves both. Each target is skipped with the reason when it cannot run here."""
 
 from __future__ import annotations
 

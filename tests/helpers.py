@@ -79,7 +79,7 @@ def close_floored(out, ref, tol, what, floor=0.25):
     assert err <= tol, f"{what}: relative error {err:.3e} > {tol:.1e}"
 
 
-# --- bitwise determinism of the C++ CPU kernels (issue 6) ---------------------------------
+# --- bitwise determinism of the C++ CPU kernels ---------------------------------
 # Every forward and backward is bitwise reproducible run to run and independent of the
 # thread count (torch.set_num_threads 1 vs 2): reductions over rows split the work into a
 # fixed number of chunks, summed in a fixed order.

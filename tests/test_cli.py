@@ -1,4 +1,4 @@
-"""The command lines a new user meets first (issue 15): help that explains itself, mistakes
+"""The command lines a new user meets first: help that explains itself, mistakes
 refused up front in one line with a non-zero exit and no traceback, progress, no hangs.
 
 Most checks call the commands' ``main`` in this process (the same code path as the

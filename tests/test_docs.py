@@ -1,4 +1,4 @@
-"""The docs hold inside a clone (issue 15): every link in the Markdown files points to a file
+"""The docs hold inside a clone: every link in the Markdown files points to a file
 (and heading) of this repository, and the facts they state match the code."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The folded causal-summary sub-attention (issue 12 §4) against the unfolded SPEC §5.3
+"""The folded causal-summary sub-attention against the unfolded SPEC §5.3
 formulas in float64: ``Kᶜ = C W_Kc``, ``Vᶜ = C W_Vc``, ``σ(g)·softmax_λ(q·Kᶜ/√d_h)·Vᶜ``."""
 
 from __future__ import annotations

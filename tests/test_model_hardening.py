@@ -1,4 +1,4 @@
-"""Hardening of the reference model (issue 6, "Model"): a bad config.json is refused naming
+"""Hardening of the reference model: a bad config.json is refused naming
 the field, a checkpoint that does not match its config is refused naming the tensor (never a
 partial load, never pickle), and generation / forward refuse empty or too-long sequences."""
 
@@ -278,7 +278,7 @@ def test_forward_refuses_empty_and_too_long_inputs(model):
         assert model(torch.randint(3, 259, (1, 6)), cache=out.cache, use_cache=True).logits.shape == (1, 6, 259)
 
 
-# ---- a new user's first mistakes (issue 15): errors that say what to do --------------------
+# ---- a new user's first mistakes: errors that say what to do --------------------
 
 def test_generate_refuses_a_1d_prompt_naming_the_shape(model):
     with pytest.raises(ValueError, match=r"\(B, T\), got \(3,\).*ids\[None\]"):

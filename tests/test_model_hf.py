@@ -1,4 +1,4 @@
-"""The Hugging Face side of the model package (issue 12): the declared transformers floor."""
+"""The Hugging Face side of the model package: the declared transformers floor."""
 
 from __future__ import annotations
 

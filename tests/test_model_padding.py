@@ -1,4 +1,4 @@
-"""Padded batches as Hugging Face builds them (issue 12 §1): left and right padding in
+"""Padded batches as Hugging Face builds them: left and right padding in
 ``forward``, left padding in ``generate``, caches built from padded batches, hidden states.
 
 Oracle: every padded row must give what the same prompt gives when run alone, unpadded
@@ -12,7 +12,7 @@ import torch
 from wiola import WiolaCache, WiolaConfig, WiolaForCausalLM
 from wiola_kernels.testing import rel_err, tolerance
 
-TOL = 1e-5  # issue 12: padded rows vs the same prompt alone, fp32
+TOL = 1e-5  # padded rows vs the same prompt alone, fp32
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # small shapes: threads only add overhead

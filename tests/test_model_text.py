@@ -1,4 +1,4 @@
-"""Text in, text out (issue 12 §2): the BPE tokenizer saved with the model, generate and
+"""Text in, text out: the BPE tokenizer saved with the model, generate and
 eval reading it back, sliding-window perplexity, resumable training."""
 
 from __future__ import annotations

@@ -382,7 +382,7 @@ def test_zero_dim_input_says_it_needs_a_dimension():
         wk.rms_norm(torch.tensor(1.0), torch.ones(1), torch.zeros(1))
 
 
-# --- options for Hugging Face models (issue 13): δ absent, HF's rounding order ----------
+# --- options for Hugging Face models: δ absent, HF's rounding order ----------
 
 def _hf_rms_norm(x, w, eps):
     """Hugging Face's LlamaRMSNorm.forward, written out: normalise in float32, round to the

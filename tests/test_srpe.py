@@ -874,7 +874,7 @@ def test_srpe_triton_vs_float64(b, h, h_kv, t, dh, dtype):
         assert_close_rel(got.cpu(), want, tolerance(dtype))
 
 
-# ---- (B, T, H, d_h) passed instead of (B, H, T, d_h) (issue 15) --------------------------------
+# ---- (B, T, H, d_h) passed instead of (B, H, T, d_h) --------------------------------
 
 def test_transposed_q_k_get_a_transpose_hint():
     gen = torch.Generator().manual_seed(0)
@@ -913,7 +913,7 @@ def test_srpe_docstring_states_the_layout_and_the_accuracy_range_first():
     assert 2**34 < max_accurate_position(8.0) < 2**36  # "about 2^35 for k_s = 8"
 
 
-# --- plain RoPE: k_s = ∞ (1/k_s = 0) and a_s = 0 (issue 13, Hugging Face models) ---------
+# --- plain RoPE: k_s = ∞ (1/k_s = 0) and a_s = 0 (Hugging Face models) ---------
 
 def _rope_inputs(b, h, h_kv, t, dh, dtype, max_pos, seed=0):
     g = torch.Generator().manual_seed(seed)
@@ -973,7 +973,7 @@ def test_bad_divisor_still_rejected(divisor):
         wiola_kernels.srpe(q, k, pos, spiral_divisor=divisor)
 
 
-# --- strided inputs, no hidden copies (issue 14 §3) ----------------------------------------
+# --- strided inputs, no hidden copies ----------------------------------------
 
 STRIDED_BACKENDS = [b for b in BACKENDS if b in ("cpu", "triton")]  # the kernels that take strides
 

@@ -3,12 +3,10 @@
 // Forward: rows in parallel; each row is read once (it stays in L1), reduced, and written
 // once; while a row is written from L1, the next row is prefetched, so the memory keeps
 // reading during the write pass. Large fp32/bf16 outputs (y and ∂x) are written with
-// non-temporal stores: no read-for-ownership of their lines (measured, fp32 fwd at
-// (16384, 1024), 1 thread, CPU time: 8.3 -> 5.2 ms on reused pages, 13.9 -> 12.6 ms on
-// fresh ones). bf16/fp16 rows are converted to float on the fly inside the two passes
-// over the row, with no float copy of the row (bf16 fwd+bwd: 55% -> 84% of a copy).
+// non-temporal stores: no read-for-ownership of their lines. bf16/fp16 rows are converted
+// to float on the fly inside the two passes over the row, with no float copy of the row.
 // On CPUs with AVX-512 BF16 the bf16 rows run the avx512:: loops below (chosen at run
-// time, isa.h): 1 thread, (16384, 1024), fwd 40% -> 84-95% of a copy, fwd+bwd 44% -> 79-90%.
+// time, isa.h). docs/performance.md has what each of these choices measured.
 // A finite row whose float Σz² overflows (|z| ≳
 // 1.8e19/√d; 1.3e154/√d in double) takes a rare slow path that rescales it by an exact
 // power of two (as the reference does); the fast path pays one compare per row.
@@ -16,8 +14,8 @@
 // into a fixed number of chunks (independent of the thread count, so results are bitwise
 // reproducible); each chunk accumulates ∂γ and ∂δ partials of shape (d,), then the
 // partials are summed in chunk order. The write pass of a row prefetches the next row's
-// x and g, one cache line per vector step (bwd 10.6 -> 10.1 ms on 2 threads, 19.3 ->
-// 17.5 ms on 1; a burst of prefetches before the pass did not help).
+// x and g, one cache line per vector step (a burst of prefetches before the pass did
+// not help).
 //
 // Options for Hugging Face models (wiola_kernels.patch_hf): shift may be absent (δ = 0:
 // the forward adds a zero row that stays in L1; the backward skips the ∂δ partials and
@@ -221,10 +219,9 @@ struct SplitWeights {
 
 #if defined(WIOLA_HAVE_AVX512_TARGET)
 // bf16 rows on AVX-512 (isa.h). On AVX2 the bf16 rows are bound by the float <-> bf16
-// conversions, not by memory (1 thread: bf16 fwd at 40% of a copy where fp32 ran at 93%;
-// in L2, 0.21 ns per element). Here a block of 32 elements is widened by one shift and one
-// mask and narrowed by one AVX512-BF16 conversion and one permutation (0.09 ns per element
-// in L2; fwd 1.7-1.9 ms = 89% of a copy). The blocks are summed in another order than on
+// conversions, not by memory. Here a block of 32 elements is widened by one shift and one
+// mask and narrowed by one AVX512-BF16 conversion and one permutation, which brings them
+// to the memory's speed (docs/performance.md). The blocks are summed in another order than on
 // AVX2, so the two ISAs agree to rounding (Σz² and the ∂γ/∂δ partials in the last bits,
 // outputs where a product sits on a bf16 rounding tie), not bitwise; each ISA is
 // deterministic and thread-count independent on its own.

@@ -14,7 +14,7 @@ One training step = forward + backward + AdamW on a Wiola model of the size abov
   (model and inputs built) to the peak — what the step itself needs (activations,
   gradients, AdamW state).
 
-Targets on CPU (issue 5): fused ≥ 1.25× the reference's tokens/s and ≤ 0.9× its peak
+Targets on CPU: fused ≥ 1.25× the reference's tokens/s and ≤ 0.9× its peak
 memory. On a shared machine prefer ``--threads 1``: OpenMP threads spin when cores are
 oversubscribed and step times then swing by several times.
 """

@@ -1,4 +1,4 @@
-"""GCLA's cross-layer sub-attention with the context projections folded (issue 12 §4).
+"""GCLA's cross-layer sub-attention with the context projections folded.
 
 SPEC §5.3 projects every context slot through both context matrices,
 ``Kᶜ_λ = s_λ W_Kc``, ``Vᶜ_λ = s_λ W_Vc``: with causal summaries that is ``2Λ'`` products

@@ -11,7 +11,7 @@ outputs and input gradients, plus the inputs the backward needs again, the case'
 larger than the caches has left them by then). ``copy_gbps`` is a copy of the same byte count that
 allocates its output like the ops do (:func:`copy_baseline`), and ``pct_of_copy`` says
 how close the pass is to the memory limit. Two things made that ratio move between runs
-while the ops did not (issue 14 §4), and both are pinned here:
+while the ops did not, and both are pinned here:
 
 * Pages. glibc hands out an allocation of 32 MiB or more as fresh pages (mmap; every page
   faults and is zeroed on first touch, which on this VM costs as much as the copy itself),
