@@ -1,4 +1,4 @@
-"""Cached decoding steps (python/wiola/decode.py, issue 12 §3): the attention over the cache
+"""Cached decoding steps (python/wiola/decode.py): the attention over the cache
 against the float64 SPEC oracle, the in-place KV cache against concatenation, and decoding
 on the packed weights against the model's full forward (which runs the fused ops)."""
 

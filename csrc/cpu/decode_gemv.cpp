@@ -27,13 +27,11 @@
 // within SPEC §9's 1e-2 for bf16 weights except under heavy cancellation; exact when x is
 // already bf16, as in a bf16 model), and flushes subnormals. The loop is bound by the weight
 // stream, not by its arithmetic, and the shift/mask path already reads at that rate, so the
-// instruction would change numerics for no speed (measured: shift/mask and vdpbf16ps rows
-// both stream at the same GB/s on one Zen 4 core, within the run-to-run spread).
+// instruction would change numerics for no speed (docs/performance.md).
 //
 // Software prefetch is not used: on a forward stream the hardware prefetchers keep up, and
-// prefetching 2–8 KiB ahead, every line (T0 or NTA) or once per row, measured no faster and
-// mostly slower on one Zen 4 core (fp32 decoding step of wiola-360m: 15–17 GB/s with
-// prefetch, 17–19 without, alternating runs on a loaded machine).
+// prefetching ahead of the read (T0 or NTA, 0.5–8 KiB) measured no faster and mostly slower
+// (docs/performance.md).
 //
 // The ISA paths (generic, AVX2, AVX-512) are chosen at run time by the shared level (isa.h:
 // WIOLA_CPU_ISA, wiola_kernels.set_cpu_isa): the AVX-512 path needs only AVX-512 F/BW/VL/DQ.
@@ -77,10 +75,8 @@ constexpr int64_t chunk_elems(Isa isa, WType t) {
 constexpr int parts(WType t) { return t == WType::kF32 ? 1 : 2; }
 
 // Accumulator sets for B rows of x: the chunks of a row go round-robin to S sets, so that
-// 8 accumulators (B·S·parts) take the FMAs. One row measured on one Zen 4 core, weights
-// streamed from DRAM, in-process alternation: fp32 AVX-512 rows at 17 GB/s with 4
-// accumulators, 23 GB/s with 8 (the packed-panel kernel this replaced: 24-25 GB/s); bf16
-// 21-22 GB/s with 4, 23-24 with 8.
+// 8 accumulators (B·S·parts) take the FMAs; 4 left one core short of the weight stream's
+// rate (docs/performance.md).
 constexpr int sets_for(int b, int parts) { return std::max(1, 8 / (b * parts)); }
 
 template <typename O>

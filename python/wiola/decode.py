@@ -1,4 +1,4 @@
-"""Cached decoding steps (issue 12 §3): the same maths as the model's forward, laid out for
+"""Cached decoding steps: the same maths as the model's forward, laid out for
 batch-1 GEMVs on the CPU.
 
 At batch 1 a decoding step is a chain of matrix-vector products; its cost is reading every
