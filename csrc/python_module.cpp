@@ -3,6 +3,9 @@
 // declares the schemas; csrc/cpu and csrc/cuda implement them).
 #include <torch/extension.h>
 
+#include <string>
+#include <vector>
+
 #include "cpu/isa.h"
 
 PYBIND11_MODULE(_C, m) {
@@ -12,8 +15,29 @@ PYBIND11_MODULE(_C, m) {
 #else
   m.attr("WITH_CUDA") = false;
 #endif
-  // The run-time ISA of the CPU kernels' hot loops (csrc/cpu/isa.h); Python checks the name.
+  // The run-time ISA level of the CPU kernels' hot loops (csrc/cpu/isa.h).
+  using wiola::cpu::Isa;
   m.def("cpu_isa", [] { return wiola::cpu::isa_name(wiola::cpu::active_isa()); });
-  m.def("cpu_has_avx512", &wiola::cpu::cpu_has_avx512);
+  m.def("cpu_best_isa", [] { return wiola::cpu::isa_name(wiola::cpu::cpu_best_isa()); });
+  // Whether RMSNorm's AVX-512 loops (they need AVX512_BF16) can run: the name's old meaning.
+  m.def("cpu_has_avx512", [] { return wiola::cpu::cpu_best_isa() == Isa::kAvx512Bf16; });
   m.def("set_cpu_isa", &wiola::cpu::set_cpu_isa);
+  m.def("_set_cpu_probe_cap", &wiola::cpu::set_cpu_probe_cap);
+  // The level each CPU kernel with several paths runs now, by kernel name.
+  m.def("kernel_isa", [](const std::string& kernel) {
+    if (kernel == "decode_gemv") return wiola::cpu::isa_name(wiola::cpu::kernel_isa(wiola::cpu::kDecodeGemvIsas));
+    if (kernel == "rms_norm" || kernel == "add_rms_norm")
+      return wiola::cpu::isa_name(wiola::cpu::kernel_isa(wiola::cpu::kRmsNormIsas));
+    if (kernel == "glu") return wiola::cpu::isa_name(wiola::cpu::kernel_isa(wiola::cpu::kGluIsas));
+    TORCH_CHECK_VALUE(false, "kernel must be 'decode_gemv', 'rms_norm', 'add_rms_norm' or 'glu', got '", kernel, "'");
+    return std::string();
+  });
+  // The pure decision (isa.h choose_isa) on level names, for tests.
+  m.def("_choose_isa", [](const std::vector<std::string>& implemented, const std::string& chosen) {
+    std::vector<Isa> levels;
+    for (const auto& name : implemented) levels.push_back(wiola::cpu::parse_isa(name, "implemented"));
+    TORCH_CHECK_VALUE(!levels.empty(), "implemented must name at least one level");
+    const Isa want = wiola::cpu::parse_isa(chosen, "chosen");
+    return wiola::cpu::isa_name(wiola::cpu::choose_isa(levels.data(), levels.size(), want));
+  });
 }

@@ -17,10 +17,10 @@
 
 TORCH_LIBRARY(wiola, m) {
   // --- pieces of one backend, not public ops ---
-  // Batch-1 decoding GEMV (csrc/cpu/decode_gemv.cpp; wiola_kernels/decode_gemv.py packs):
-  // x (G, rows ≤ 16, k) float32, packed (G, ceil(n/32), k, 32) float32 -> (G, rows, n);
-  // isa: "auto", "avx512", "avx2" or "generic".
-  m.def("_decode_gemv(Tensor x, Tensor packed, int n, str isa=\"auto\") -> Tensor");
+  // Batch-1 decoding GEMV (csrc/cpu/decode_gemv.cpp; wiola_kernels/decode_gemv.py): x (..., K) with
+  // <= 16 rows, float32/bfloat16/float16; weights (n_i, k_i) of one of those dtypes, read in place;
+  // every k_i = K, or sum k_i = K with split_input -> (..., sum n_i) in x's dtype.
+  m.def("_decode_gemv(Tensor x, Tensor[] weights, bool split_input=False) -> Tensor");
   // The benchmark's copy baseline: a copy allocated like every kernel's output.
   m.def("_copy(Tensor x) -> Tensor");
 }

@@ -12,17 +12,23 @@ import pytest
 import torch
 
 import wiola_kernels as wk
+from wiola_kernels._extension import CPU_KERNEL_ISAS
 from wiola_kernels.testing import available_backends, available_cpu_isas, cpu_isa
 
 
 # --- backends ----------------------------------------------------------------------------
 
 def backend_variants(op: str) -> list[str]:
-    """Every backend of ``op`` that runs here, the C++ CPU backend once per instruction set
-    its loops run on this CPU (``"cpu/avx2"``, ``"cpu/avx512"``; csrc/cpu/isa.h)."""
+    """Every backend of ``op`` that runs here, the C++ CPU backend once per instruction-set
+    path of its own on this CPU (``"cpu/avx2"``, ``"cpu/avx512_bf16"``; csrc/cpu/isa.h), or
+    once (``"cpu"``) for a kernel with one path."""
     out = []
     for backend in available_backends(op, "cpu"):
-        out += [f"cpu/{isa}" for isa in available_cpu_isas()] if backend == "cpu" else [backend]
+        if backend != "cpu":
+            out.append(backend)
+            continue
+        isas = available_cpu_isas(op) if op in CPU_KERNEL_ISAS else []
+        out += [f"cpu/{isa}" for isa in isas] or ["cpu"]
     return out
 
 

@@ -15,7 +15,7 @@ from wiola_kernels.testing import (CopyCounter, assert_close_rel, available_back
 from helpers import assert_bitwise, forward_backward, gen, gpu_only, needs_cpu_extension, run_on_thread_counts
 
 BACKENDS = available_backends("add_rms_norm", "cpu")
-CPU_ISAS = available_cpu_isas()
+CPU_ISAS = available_cpu_isas("add_rms_norm")
 BACKEND_ISAS = [f"cpu/{isa}" for isa in CPU_ISAS if "cpu" in BACKENDS] + [b for b in BACKENDS if b != "cpu"]
 SHAPES = {"default": [(1, 3), (37, 192), (2, 3, 50)], "triton": [(3, 37)]}
 

@@ -1,150 +1,227 @@
-"""The batch-1 decoding GEMV (wiola_kernels/decode_gemv.py, csrc/cpu/decode_gemv.cpp; issue 12 §3)
-against float64 ``x @ Wᵀ``, on every instruction-set path this CPU runs (CI's has AVX-512, so
-both the AVX-512 and the AVX2 paths run there), at shapes that are not multiples of the panel."""
+"""The batch-1 decoding GEMV (wiola_kernels/decode_gemv.py, csrc/cpu/decode_gemv.cpp) against
+float64 ``x @ Wᵀ``, on every instruction-set path this CPU runs, for float32, bfloat16 and
+float16 weights, at shapes that are not multiples of any vector width; and the CPU kernels'
+shared instruction-set choice (csrc/cpu/isa.h)."""
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
 
+import wiola_kernels as wk
+from wiola_kernels import _extension
 from wiola_kernels import decode_gemv as dg
-from wiola_kernels.testing import assert_close_rel, tolerance
+from wiola_kernels.testing import assert_close_rel, available_cpu_isas, cpu_isa, fake_cpu, tolerance
 
 pytestmark = [pytest.mark.skipif(not dg.available(), reason="needs the C++ extension"),
               pytest.mark.usefixtures("one_thread")]
 
-ISAS = ["avx512", "avx2", "generic"]
-F32 = torch.float32
+F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
+ISAS = available_cpu_isas("decode_gemv")  # generic, avx2 and avx512 where the CPU has AVX-512
 
 
-def randn(g, *shape):
-    return torch.randn(*shape, generator=g, dtype=torch.float64).to(F32)
+def randn(g, *shape, dtype=F32):
+    return torch.randn(*shape, generator=g, dtype=torch.float64).to(dtype)
 
 
-def oracle(x, w):
-    """float64 ``x @ wᵀ`` (per group for a (G, n, k) ``w``)."""
-    return x.double() @ w.double().transpose(-1, -2)
-
-
-def need(isa):
-    if isa not in dg.available_isas():
-        pytest.skip(f"this CPU/build has no {isa} path")
+def oracle(x, *weights):
+    """float64 ``[x W_0ᵀ | x W_1ᵀ …]`` of the tensors' own values (a bf16 weight is exact in float64)."""
+    return torch.cat([x.double() @ w.double().t() for w in weights], -1)
 
 
 @pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize("rows", [*range(1, 9), 11, 16])
-@pytest.mark.parametrize("n,k", [(1, 1), (33, 17), (100, 64), (31, 1000), (160, 15), (257, 3)])
-def test_matches_float64(isa, rows, n, k):
-    # n: not a multiple of the panel (one partial panel, or only one); k: odd, not a multiple of 16.
-    need(isa)
+@pytest.mark.parametrize("wdtype", [F32, BF16, F16])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 11, 16])  # each register block (≤ 4 rows), and several
+@pytest.mark.parametrize("n,k", [(1, 1), (33, 17), (100, 64), (31, 1000), (257, 3)])
+def test_matches_float64(isa, wdtype, rows, n, k):
+    # n odd or one row; k odd, below one chunk, or not a multiple of 8/16/32. float32
+    # activations: the weights' values are exact, so float32 accumulation is all the error.
     g = torch.Generator().manual_seed(1000 * rows + 7 * n + k)
-    w, x = randn(g, n, k), randn(g, rows, k)
-    y = dg.gemv(x, dg.pack(w), isa=isa)
+    w, x = randn(g, n, k, dtype=wdtype), randn(g, rows, k)
+    with cpu_isa(isa):
+        y = dg.gemv(x, w)
     assert y.shape == (rows, n) and y.dtype == F32
     assert torch.isfinite(y).all()  # every element written over the poisoned output (conftest)
-    assert_close_rel(y, oracle(x, w), tolerance(F32), f"{isa} rows {rows} n {n} k {k}")
+    assert_close_rel(y, oracle(x, w), tolerance(F32), f"{isa} {wdtype} rows {rows} n {n} k {k}")
 
 
 @pytest.mark.parametrize("isa", ISAS)
-def test_wide_and_deep_shapes_of_the_model(isa):
-    # The decoding step's shapes: (d, 2n+2w) up projections and the (w, d) down projection.
-    need(isa)
+@pytest.mark.parametrize("wdtype", [F32, BF16, F16])
+def test_model_shapes_and_activation_dtypes(isa, wdtype):
+    # A decoding step's shapes (the (d, 2n+2w) up projections, the (w, d) down projection),
+    # activations in the weights' dtype as in a bf16/fp16 model: the output is rounded once
+    # to that dtype (SPEC §9 tolerance of the dtype).
     g = torch.Generator().manual_seed(3)
-    for n, k in ((10240 + 5, 1024), (1024, 4096 + 3)):
-        w, x = randn(g, n, k), randn(g, 1, k)
-        assert_close_rel(dg.gemv(x, dg.pack(w), isa=isa), oracle(x, w), tolerance(F32), f"{isa} {n}x{k}")
+    for n, k, rows in ((2560 + 5, 1024, 1), (512, 4096 + 3, 3)):
+        w, x = randn(g, n, k, dtype=wdtype), randn(g, rows, k, dtype=wdtype)
+        with cpu_isa(isa):
+            y = dg.gemv(x, w)
+        assert y.dtype == wdtype
+        assert_close_rel(y, oracle(x, w), tolerance(wdtype), f"{isa} {wdtype} {n}x{k}")
 
 
 @pytest.mark.parametrize("isa", ISAS)
-def test_grouped_weights_each_read_their_own_rows(isa):
-    need(isa)
+@pytest.mark.parametrize("wdtype", [F32, BF16])
+def test_several_weights_in_one_call(isa, wdtype):
     g = torch.Generator().manual_seed(4)
-    for groups, rows, n, k in ((3, 1, 70, 9), (16, 2, 64, 64), (5, 8, 1, 33)):
-        w, x = randn(g, groups, n, k), randn(g, groups, rows, k)
-        y = dg.gemv(x, dg.pack(w), isa=isa)
-        assert y.shape == (groups, rows, n)
-        assert_close_rel(y, oracle(x, w), tolerance(F32), f"{isa} G {groups}")
+    ws = [randn(g, n, 70, dtype=wdtype) for n in (64, 9, 33)]
+    x = randn(g, 2, 70)
+    with cpu_isa(isa):
+        y = dg.gemv(x, ws)                                              # every weight reads x
+        assert_close_rel(y, oracle(x, *ws), tolerance(F32), f"{isa} shared")
+        parts = [randn(g, 40, k, dtype=wdtype) for k in (50, 21)]
+        xs = randn(g, 3, 71)
+        y = dg.gemv(xs, parts, split_input=True)                        # weight i reads its own columns
+        ref = torch.cat([xs[:, :50].double() @ parts[0].double().t(), xs[:, 50:].double() @ parts[1].double().t()], -1)
+        assert_close_rel(y, ref, tolerance(F32), f"{isa} split")
 
 
-def test_strided_and_batched_inputs():
+def test_strided_inputs_and_weight_views():
     g = torch.Generator().manual_seed(5)
-    w = randn(g, 45, 20)
-    packed = dg.pack(w)
+    w = randn(g, 45, 20, dtype=BF16)
     x = randn(g, 2, 3, 40)[..., ::2]                       # last dim strided: copied
-    assert_close_rel(dg.gemv(x, packed), oracle(x, w), tolerance(F32), "strided last dim")
+    assert_close_rel(dg.gemv(x, w), oracle(x, w), tolerance(F32), "strided last dim")
     x = randn(g, 6, 20)[::2]                               # rows strided: read in place
-    assert_close_rel(dg.gemv(x, packed), oracle(x, w), tolerance(F32), "strided rows")
+    assert_close_rel(dg.gemv(x, w), oracle(x, w), tolerance(F32), "strided rows")
     x = randn(g, 20)                                       # one row, no leading dims
-    assert dg.gemv(x, packed).shape == (45,)
-    xg = randn(g, 2, 4, 20).transpose(0, 1)                # grouped x as a transposed view
-    wg = randn(g, 4, 9, 20)
-    assert_close_rel(dg.gemv(xg, dg.pack(wg)), oracle(xg, wg), tolerance(F32), "grouped view")
+    assert dg.gemv(x, w).shape == (45,)
+    wide = randn(g, 45, 37, dtype=F16)
+    view = wide[:, 3:23]                                   # rows 37 apart: read in place
+    x = randn(g, 4, 20)
+    assert_close_rel(dg.gemv(x, view), oracle(x, view), tolerance(F32), "weight view")
+    heads = randn(g, 4, 9, 20).transpose(0, 1)             # (9, 4, 20): per-head weights of a view
+    assert_close_rel(dg.gemv(x, [heads[:, 1], heads[:, 3]]), oracle(x, heads[:, 1], heads[:, 3]), tolerance(F32),
+                     "per-head views")
 
 
 def test_threads_do_not_change_the_result():
-    # Each output is one thread's sum in k order: bitwise the same on 1 and 2 threads.
+    # Each output is one thread's sum in a fixed order: bitwise the same on 1 and 2 threads.
     g = torch.Generator().manual_seed(6)
-    w, x = randn(g, 1000, 300), randn(g, 3, 300)
-    packed = dg.pack(w)
-    one = dg.gemv(x, packed)
-    torch.set_num_threads(2)
-    try:
-        two = dg.gemv(x, packed)
-    finally:
-        torch.set_num_threads(1)
-    assert torch.equal(one, two)
+    for dtype in (F32, BF16):
+        ws, x = [randn(g, 700, 300, dtype=dtype), randn(g, 301, 300, dtype=dtype)], randn(g, 3, 300)
+        one = dg.gemv(x, ws)
+        torch.set_num_threads(2)
+        try:
+            two = dg.gemv(x, ws)
+        finally:
+            torch.set_num_threads(1)
+        assert torch.equal(one, two), dtype
 
 
-def test_environment_forces_the_path(monkeypatch):
-    g = torch.Generator().manual_seed(7)
-    w, x = randn(g, 50, 70), randn(g, 2, 70)
-    packed = dg.pack(w)
-    for isa in dg.available_isas():
-        monkeypatch.setenv("WIOLA_GEMV_ISA", isa)
-        assert torch.equal(dg.gemv(x, packed), dg.gemv(x, packed, isa=isa))
-    monkeypatch.setenv("WIOLA_GEMV_ISA", "sse9")
-    with pytest.raises(ValueError, match="isa"):
-        dg.gemv(x, packed)
-
-
-def test_pack_layout():
-    # data[g, p, kk, c] = W[p·32 + c, kk], zeros past n.
-    w = torch.arange(35 * 3, dtype=F32).view(35, 3)
-    p = dg.pack(w)
-    assert p.data.shape == (1, 2, 3, dg.PANEL) and (p.n, p.k, p.groups) == (35, 3, 1)
-    assert torch.equal(p.data[0, 1, 2, :3], w[32:35, 2]) and not p.data[0, 1, :, 3:].any()
-    assert torch.equal(p.data[0, 0, 1], w[:32, 1])
+def test_reads_the_weight_in_place():
+    # No copy: a change to the weight is seen by the next call.
+    g = torch.Generator().manual_seed(9)
+    w, x = randn(g, 40, 30, dtype=BF16), randn(g, 1, 30)
+    before = dg.gemv(x, w)
+    w[7].mul_(-2)
+    after = dg.gemv(x, w)
+    assert_close_rel(after, oracle(x, w), tolerance(F32), "after the change")
+    assert torch.equal(before[:, :7], after[:, :7]) and not torch.equal(before[:, 7], after[:, 7])
 
 
 def test_bad_input():
     g = torch.Generator().manual_seed(8)
     w = randn(g, 10, 6)
-    packed = dg.pack(w)
-    with pytest.raises(TypeError, match="x must be float32"):
-        dg.gemv(torch.ones(1, 6, dtype=torch.float64), packed)
-    with pytest.raises(TypeError, match="packed"):
-        dg.gemv(torch.ones(1, 6), w)
+    with pytest.raises(TypeError, match="x must be float32, bfloat16 or float16"):
+        dg.gemv(torch.ones(1, 6, dtype=torch.float64), w)
+    with pytest.raises(TypeError, match="weight must be float32, bfloat16 or float16"):
+        dg.gemv(torch.ones(1, 6), w.double())
+    with pytest.raises(TypeError, match="weight must be a torch.Tensor"):
+        dg.gemv(torch.ones(1, 6), "w")
     with pytest.raises(TypeError, match="x must be a torch.Tensor"):
-        dg.gemv([1.0] * 6, packed)
+        dg.gemv([1.0] * 6, w)
+    with pytest.raises(TypeError, match="share one dtype"):
+        dg.gemv(torch.ones(1, 6), [w, w.bfloat16()])
+    with pytest.raises(TypeError, match=r"weights\[1\] must be float32"):
+        dg.gemv(torch.ones(1, 6), [w, w.int()])
     with pytest.raises(ValueError, match=r"k = 6"):
-        dg.gemv(torch.ones(1, 7), packed)
+        dg.gemv(torch.ones(1, 7), w)
+    with pytest.raises(ValueError, match=r"Σ k_i = 12"):
+        dg.gemv(torch.ones(1, 7), [w, w], split_input=True)
     with pytest.raises(ValueError, match="rows"):
-        dg.gemv(torch.ones(17, 6), packed)
+        dg.gemv(torch.ones(17, 6), w)
     with pytest.raises(ValueError, match="CPU"):
-        dg.gemv(torch.ones(1, 6, device="meta"), packed)
-    with pytest.raises(ValueError, match="isa"):
-        dg.gemv(torch.ones(1, 6), packed, isa="sse")
-    with pytest.raises(TypeError, match="weight must be float32"):
-        dg.pack(w.double())
+        dg.gemv(torch.ones(1, 6, device="meta"), w)
+    with pytest.raises(ValueError, match="CPU"):
+        dg.gemv(torch.ones(1, 6), w.to("meta"))
     with pytest.raises(ValueError, match="weight must have shape"):
-        dg.pack(torch.ones(6))
+        dg.gemv(torch.ones(1, 6), torch.ones(6))
     with pytest.raises(ValueError, match="weight must have shape"):
-        dg.pack(torch.ones(0, 6))
-    grouped = dg.pack(randn(g, 3, 10, 6))
-    with pytest.raises(ValueError, match=r"G = 3"):
-        dg.gemv(torch.ones(2, 1, 6), grouped)
-    # the raw kernel checks its own arguments too
-    with pytest.raises(ValueError, match="n must satisfy"):
-        torch.ops.wiola._decode_gemv(torch.ones(1, 1, 6), packed.data, 40, "auto")
-    with pytest.raises(ValueError, match="packed must be"):
-        torch.ops.wiola._decode_gemv(torch.ones(1, 1, 6), packed.data[..., :16], 10, "auto")
+        dg.gemv(torch.ones(1, 3), torch.ones(3, 0))
+    with pytest.raises(ValueError, match="k >= 1"):
+        dg.gemv(torch.ones(1, 0), w)
+    with pytest.raises(ValueError, match="contiguous rows"):
+        dg.gemv(torch.ones(1, 10), w.t())
+    with pytest.raises(ValueError, match=r"k = 6\) to match every"):
+        dg.gemv(torch.ones(1, 6), [w, torch.ones(3, 5)])
+
+
+# ---- the shared instruction-set level (csrc/cpu/isa.h) ------------------------------------------
+
+LEVELS = _extension.CPU_ISA_LEVELS
+
+
+def test_each_kernel_takes_the_highest_path_it_has_at_or_below_the_level():
+    # The pure decision, over every (implemented, chosen) pair the kernels have.
+    choose = _extension._load()[0]._choose_isa
+    gemv, norm = _extension.CPU_KERNEL_ISAS["decode_gemv"], _extension.CPU_KERNEL_ISAS["rms_norm"]
+    assert [choose(list(gemv), c) for c in LEVELS] == ["generic", "avx2", "avx512", "avx512"]
+    assert [choose(list(norm), c) for c in LEVELS] == ["avx2", "avx2", "avx2", "avx512_bf16"]
+    assert _extension.CPU_KERNEL_ISAS["glu"] == _extension.CPU_KERNEL_ISAS["add_rms_norm"] == norm
+    with pytest.raises(ValueError, match="chosen must be one of"):
+        choose(["avx2"], "avx1024")
+
+
+def test_avx512_without_bf16_runs_the_avx512_gemv_and_the_avx2_norm():
+    # A Skylake-SP / Cascade Lake / Ice Lake CPU: AVX-512 F/BW/VL/DQ, no BF16. The probe is
+    # capped (it can only lower what runs), so on a CPU without AVX-512 the cap changes nothing.
+    best = wk.cpu_isa()
+    with fake_cpu("avx512"):
+        if LEVELS.index(_extension.cpu_best_isa()) < LEVELS.index("avx512"):
+            assert wk.kernel_isa("decode_gemv") == _extension.cpu_best_isa()  # the decision is tested above
+            return
+        assert wk.cpu_isa() == "avx512" and _extension.cpu_best_isa() == "avx512"
+        assert wk.kernel_isa("decode_gemv") == "avx512"
+        assert [wk.kernel_isa(k) for k in ("rms_norm", "add_rms_norm", "glu")] == ["avx2"] * 3
+        with pytest.raises(ValueError, match="no avx512_bf16"):
+            wk.set_cpu_isa("avx512_bf16")
+        g = torch.Generator().manual_seed(10)
+        w, x = randn(g, 70, 45, dtype=BF16), randn(g, 2, 45)
+        assert_close_rel(dg.gemv(x, w), oracle(x, w), tolerance(F32), "avx512 gemv")
+        xb = randn(g, 3, 64, dtype=BF16)
+        with wk.use_backend("cpu"):
+            y = wk.rms_norm(xb, torch.ones(64), None, 1e-6)
+        ref = xb.double() * torch.rsqrt(xb.double().pow(2).mean(-1, keepdim=True) + 1e-6)
+        assert_close_rel(y, ref, tolerance(BF16), "rms_norm on its avx2 path")
+    assert wk.cpu_isa() == best and _extension.cpu_best_isa() == available_cpu_isas()[-1]
+
+
+def test_the_level_names_and_the_old_ones():
+    before = wk.cpu_isa()
+    try:
+        assert wk.set_cpu_isa("avx2") == before and wk.kernel_isa("decode_gemv") == "avx2"
+        assert wk.set_cpu_isa("generic") == "avx2" and wk.kernel_isa("decode_gemv") == "generic"
+        assert wk.kernel_isa("rms_norm") == "avx2"  # its lowest path
+        assert wk.set_cpu_isa("auto") == "generic" and wk.cpu_isa() == available_cpu_isas()[-1]
+        if "avx512" in available_cpu_isas():
+            wk.set_cpu_isa("avx512")
+            assert wk.kernel_isa("decode_gemv") == "avx512"
+    finally:
+        wk.set_cpu_isa(before)
+    with pytest.raises(ValueError, match="isa must be one of"):
+        wk.set_cpu_isa("sse2")
+    with pytest.raises(ValueError, match="kernel must be one of"):
+        wk.kernel_isa("matmul")
+
+
+def test_environment_variable_chooses_the_level():
+    level = "avx512" if "avx512" in available_cpu_isas() else "avx2"
+    code = ("import wiola_kernels as wk; print(wk.cpu_isa(), wk.kernel_isa('decode_gemv'), "
+            "wk.kernel_isa('rms_norm'), wk.kernel_isa('glu'))")
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "WIOLA_CPU_ISA": level},
+                         capture_output=True, text=True, check=True)
+    assert out.stdout.split() == [level, level, "avx2", "avx2"]

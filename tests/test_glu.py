@@ -18,7 +18,7 @@ from wiola_kernels.testing import (CopyCounter, assert_close_rel, available_back
 from helpers import forward_backward, gen, gpu_only
 
 BACKENDS = available_backends("glu", "cpu")
-CPU_ISAS = available_cpu_isas()
+CPU_ISAS = available_cpu_isas("glu")
 BACKEND_ISAS = [f"cpu/{isa}" for isa in CPU_ISAS if "cpu" in BACKENDS] + [b for b in BACKENDS if b != "cpu"]
 ACTS = ("silu", "gelu_tanh")
 # (rows..., n): n not a multiple of any vector width, T = 1, several leading dims. Triton runs

@@ -6,9 +6,11 @@ import json
 
 import torch
 
+import wiola_kernels
 from wiola import WiolaConfig, WiolaForCausalLM
 from wiola.bench import main as bench_main
 from wiola.bench_decode import decode_rate, llama_like, weight_bytes
+from wiola_kernels import decode_gemv
 
 
 def test_weight_bytes_count_the_tied_matrix_once():
@@ -43,14 +45,20 @@ def test_decode_rate_returns_the_greedy_tokens():
 
 def test_bench_decode_writes_the_records(tmp_path, capsys):
     out = tmp_path / "decode.json"
-    records = bench_main(["--decode", "--preset", "wiola-tiny", "--prompt", "4", "--new-tokens", "3",
-                          "--repeats", "1", "--threads", "1", "--clock", "cpu", "--breakdown", "--json", str(out)])
+    records = bench_main(["--decode", "--preset", "wiola-tiny", "--prompt", "4", "--new-tokens", "3", "--dtype",
+                          "bfloat16", "--repeats", "1", "--threads", "1", "--clock", "cpu", "--breakdown", "--json",
+                          str(out)])
     saved = json.loads(out.read_text())
     assert saved == json.loads(json.dumps(records))
     r = saved[0]
-    for key in ("preset", "tokens_per_s", "floor_tokens_per_s", "pct_of_floor", "llama_tokens_per_s"):
+    for key in ("preset", "tokens_per_s", "floor_tokens_per_s", "pct_of_floor", "llama_tokens_per_s", "dtype",
+                "threads", "isa", "rss_growth_mb", "weight_mb"):
         assert key in r, key
     assert r["preset"] == "wiola-tiny" and r["clock"] == "cpu" and r["tokens_per_s"] > 0 and r["llama_tokens_per_s"] > 0
+    assert r["dtype"] == "bfloat16" and r["threads"] == 1 and r["weight_mb"] == r["weight_bytes"] / 2**20
+    assert r["weight_bytes"] == weight_bytes(WiolaForCausalLM(WiolaConfig.from_name("wiola-tiny")).bfloat16())
+    assert r["isa"] == (wiola_kernels.kernel_isa("decode_gemv") if decode_gemv.available() else "none")
+    assert r["rss_growth_mb"] >= 0
     assert abs(r["floor_tokens_per_s"] - r["bandwidth_bytes_per_s"] / r["weight_bytes"]) <= 1e-9 * r["floor_tokens_per_s"]
     assert abs(r["pct_of_floor"] - 100 * r["tokens_per_s"] / r["floor_tokens_per_s"]) <= 1e-9 * r["pct_of_floor"]
     assert r["step_s"] > 0 and r["gemv_s"] > 0  # --breakdown

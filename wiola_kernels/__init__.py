@@ -17,12 +17,14 @@ declared once in C++ with a kernel per device that PyTorch's dispatcher picks:
 
 Force a backend (tests, benchmarks) with :func:`use_backend` or ``WIOLA_BACKEND`` (see
 :mod:`wiola_kernels.dispatch`), and see what runs here with :func:`backends`.
-The C++ CPU kernels run AVX-512 loops where the CPU has them (:func:`cpu_isa`,
-:func:`set_cpu_isa`, ``WIOLA_CPU_ISA=avx2``).
+The C++ CPU kernels run AVX-512 loops where the CPU has them; one level for all of them —
+generic, avx2, avx512, avx512_bf16 — says which (:func:`cpu_isa`, :func:`set_cpu_isa`,
+``WIOLA_CPU_ISA``, :func:`kernel_isa`). :mod:`wiola_kernels.decode_gemv` is the batch-1
+decoding GEMV (CPU, float32/bfloat16/float16 weights read in place).
 """
 
 from . import _extension
-from ._extension import cpu_isa, set_cpu_isa
+from ._extension import cpu_isa, kernel_isa, set_cpu_isa
 from . import dispatch
 from .dispatch import backends, use_backend
 
@@ -44,5 +46,5 @@ __version__ = "0.1.0"
 __all__ = ["ATMMergeFunction", "ATMUnmergeFunction", "AddRMSNormFunction", "GCLAAttentionFunction", "GLUFunction",
            "LinearCrossEntropyFunction", "RMSNorm", "RMSNormFunction", "SRPEFunction", "SpiralRotaryEmbedding",
            "WiolaRMSNorm", "add_rms_norm", "atm_merge", "atm_unmerge", "backends", "cpu_isa", "gcla_attention", "glu",
-           "is_patched", "linear_cross_entropy", "patch_hf", "rms_norm", "set_cpu_isa", "srpe", "unpatch_hf",
-           "use_backend"]
+           "is_patched", "kernel_isa", "linear_cross_entropy", "patch_hf", "rms_norm", "set_cpu_isa", "srpe",
+           "unpatch_hf", "use_backend"]

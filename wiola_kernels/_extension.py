@@ -55,27 +55,51 @@ def has_cuda_emu() -> bool:
     return True
 
 
-CPU_ISAS = ("auto", "avx2", "avx512")
+#: The CPU kernels' instruction-set levels, lowest first (csrc/cpu/isa.h).
+CPU_ISA_LEVELS = ("generic", "avx2", "avx512", "avx512_bf16")
+CPU_ISAS = ("auto", *CPU_ISA_LEVELS)
+#: The CPU kernels with more than one path, and the levels each implements.
+CPU_KERNEL_ISAS = {"decode_gemv": ("generic", "avx2", "avx512"), "rms_norm": ("avx2", "avx512_bf16"),
+                   "add_rms_norm": ("avx2", "avx512_bf16"), "glu": ("avx2", "avx512_bf16")}
 
 
 def cpu_isa() -> str | None:
-    """The instruction set the C++ CPU kernels' hot loops use now (``"avx2"`` or
-    ``"avx512"``), or None without the extension. AVX-512 is used where the CPU has it,
-    unless ``WIOLA_CPU_ISA=avx2`` was set before the extension loaded. The two agree to
-    rounding (bf16 RMSNorm: sums in another order), each deterministic on its own."""
+    """The instruction-set level the C++ CPU kernels use now — ``"generic"``, ``"avx2"``,
+    ``"avx512"`` (F/BW/VL/DQ) or ``"avx512_bf16"`` (also AVX512_BF16) — or None without the
+    extension. It is the CPU's best unless ``WIOLA_CPU_ISA`` (read when the extension loads)
+    or :func:`set_cpu_isa` chose a lower one. Each kernel runs the highest path it
+    implements at or below it (:func:`kernel_isa`); a kernel's paths agree to rounding,
+    each deterministic on its own."""
     module = _load()[0]
     return None if module is None else module.cpu_isa()
 
 
+def cpu_best_isa() -> str | None:
+    """The highest level this CPU runs (see :func:`cpu_isa`), or None without the extension."""
+    module = _load()[0]
+    return None if module is None else module.cpu_best_isa()
+
+
+def kernel_isa(kernel: str) -> str | None:
+    """The level ``kernel`` (a key of :data:`CPU_KERNEL_ISAS`: ``"decode_gemv"``,
+    ``"rms_norm"``, ``"add_rms_norm"``, ``"glu"``) runs at now: the highest it implements at or below :func:`cpu_isa`. None
+    without the extension. Raises ValueError for another kernel name."""
+    if kernel not in CPU_KERNEL_ISAS:
+        raise ValueError(f"kernel must be one of {tuple(CPU_KERNEL_ISAS)}, got {kernel!r}")
+    module = _load()[0]
+    return None if module is None else module.kernel_isa(kernel)
+
+
 def set_cpu_isa(isa: str) -> str:
-    """Choose the CPU kernels' instruction set: ``"auto"`` (the CPU's best), ``"avx2"`` or
-    ``"avx512"``. Returns the previous one. Raises ValueError for another name or for
-    ``"avx512"`` on a CPU without it, RuntimeError without the extension."""
+    """Choose the CPU kernels' instruction-set level: ``"auto"`` (the CPU's best) or one of
+    :data:`CPU_ISA_LEVELS`. Returns the previous level. Raises ValueError for another name
+    or for a level above what this CPU runs, RuntimeError without the extension."""
     if isa not in CPU_ISAS:
         raise ValueError(f"isa must be one of {CPU_ISAS}, got {isa!r}")
     module = _load()[0]
     if module is None:
         raise RuntimeError(f"set_cpu_isa needs the C++ extension: {load_error()}")
-    if isa == "avx512" and not module.cpu_has_avx512():
-        raise ValueError("isa: this CPU has no AVX-512 (F/BW/VL/DQ/BF16); use 'avx2' or 'auto'")
+    best = module.cpu_best_isa()
+    if isa != "auto" and CPU_ISA_LEVELS.index(isa) > CPU_ISA_LEVELS.index(best):
+        raise ValueError(f"isa: this CPU has no {isa} (it runs up to {best}); use a lower level or 'auto'")
     return module.set_cpu_isa(isa)

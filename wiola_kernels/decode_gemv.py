@@ -1,64 +1,49 @@
-"""Batch-1 decoding GEMV on the CPU (private: the Wiola model's decoding steps use it).
+"""Batch-1 decoding GEMV on the CPU: ``x · Wᵀ`` for a few rows of ``x``, reading the weights
+in place.
 
 At batch 1 a decoding step's projections are matrix-vector products whose cost is reading
-each weight once. :func:`pack` lays a weight out for one sequential read — panels of
-:data:`PANEL` output columns, k-major inside a panel, the last panel zero-padded — and
-:func:`gemv` computes ``y = x · Wᵀ`` (``nn.Linear``'s convention, no bias) for up to
-:data:`MAX_ROWS` rows of ``x`` with the C++ kernel ``torch.ops.wiola._decode_gemv``
-(``csrc/cpu/decode_gemv.cpp``: AVX-512 when the CPU has it, else AVX2, else plain C++;
-float32 accumulation; ``torch.set_num_threads`` threads over the panels).
+each weight once. :func:`gemv` computes ``y = x · Wᵀ`` (``nn.Linear``'s convention, no bias)
+for up to :data:`MAX_ROWS` rows of ``x`` with the C++ kernel ``torch.ops.wiola._decode_gemv``
+(``csrc/cpu/decode_gemv.cpp``) straight from ``nn.Linear.weight``'s ``(n, k)`` layout: each
+thread streams one contiguous range of weight rows, the way a packed copy would be streamed,
+so there is no packed copy — no second copy of the weights in memory, nothing to rebuild
+when a weight changes in place.
 
-Grouped weights ``(G, n, k)`` hold G independent matrices, each with its own rows of ``x``
-(``x (G, rows, k) → (G, rows, n)``); the model's folded context attention reads one small
-matrix per head that way.
+* Weights: float32, bfloat16 or float16 (widened in registers); activations ``x`` float32,
+  bfloat16 or float16, converted to float32 once per call; float32 accumulation. The result
+  has ``x``'s dtype (rounded once, like ``nn.Linear``).
+* Several weights in one call (one parallel region, one output): ``gemv(x, [W_q, W_k, W_v])``
+  is ``[x W_qᵀ | x W_kᵀ | x W_vᵀ]``; with ``split_input=True`` weight ``i`` reads its own
+  consecutive ``k_i`` columns of ``x`` instead (``Σ k_i`` = x's width).
+* Instruction set: the CPU kernels' shared level (:func:`wiola_kernels.cpu_isa`,
+  :func:`wiola_kernels.set_cpu_isa`, ``WIOLA_CPU_ISA``); this kernel has generic, AVX2 and
+  AVX-512 (F/BW/VL/DQ) paths and runs the highest at or below that level
+  (:func:`wiola_kernels.kernel_isa` ``("decode_gemv")`` says which).
+* Threads: ``torch.set_num_threads``; each thread takes an equal contiguous stretch of the
+  weight bytes. Each output is one thread's sum in a fixed order, so results do not depend
+  on the thread count.
 
-The instruction set is chosen at run time; ``isa=`` (or the environment variable
-``WIOLA_GEMV_ISA``) forces ``"avx512"``, ``"avx2"`` or ``"generic"``, so that tests and
-benchmarks can run each path on one machine; ``"auto"`` follows the CPU kernels' choice
-(:func:`wiola_kernels.cpu_isa`: AVX-512 where the CPU has it, unless set to AVX2).
-
-    w = torch.randn(1536, 1024)
-    packed = pack(w)
-    y = gemv(torch.randn(1, 1024), packed)      # == x @ w.t(), (1, 1536)
+    w = torch.randn(1536, 1024, dtype=torch.bfloat16)
+    y = gemv(torch.randn(1, 1024), w)        # ≈ x @ w.float().t(), (1, 1536) float32
 """
 
 from __future__ import annotations
 
-import functools
-import os
-from dataclasses import dataclass
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
 
-#: Output columns per panel of the packed layout (the C++ kernel's ``kPanel``).
-PANEL = 32
 #: Most rows of ``x`` per call (the C++ kernel's ``kMaxRows``; a decoding step's ``B·T_new``).
 MAX_ROWS = 16
-ISAS = ("auto", "avx512", "avx2", "generic")
-
-
-@dataclass(frozen=True)
-class PackedWeight:
-    """A weight packed by :func:`pack`: ``data (G, ceil(n / PANEL), k, PANEL)`` float32,
-    ``data[g, p, kk, c] = W_g[p·PANEL + c, kk]`` (zeros past ``n``)."""
-
-    data: Tensor
-    n: int
-    k: int
-    groups: int
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes one :func:`gemv` reads from the weight (padding included)."""
-        return self.data.numel() * self.data.element_size()
-
+#: The weight (and activation) dtypes the kernel reads.
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 _op = None
 
 
 def _kernel():
-    # The op's overload, looked up once: a decoding step calls it ~100 times, and the
+    # The op's overload, looked up once: a decoding step calls it ~80 times, and the
     # torch.ops lookup costs more than the checks around it.
     global _op
     if _op is None:
@@ -76,94 +61,48 @@ def available() -> bool:
     return _extension.load_error() is None and hasattr(torch.ops, "wiola") and hasattr(torch.ops.wiola, "_decode_gemv")
 
 
-def pack(weight: Tensor) -> PackedWeight:
-    """Pack ``weight`` — ``(n, k)`` as ``nn.Linear.weight``, or ``(G, n, k)`` for G matrices —
-    for :func:`gemv`. The result is a copy (gradients do not flow to ``weight``).
-
-    Raises:
-        TypeError: ``weight`` is not a float32 tensor.
-        ValueError: ``weight`` is not on the CPU, not 2-D/3-D, or has an empty dimension.
-    """
-    if not isinstance(weight, Tensor):
-        raise TypeError(f"weight must be a torch.Tensor, got {type(weight).__name__}")
-    if weight.dtype != torch.float32:
-        raise TypeError(f"weight must be float32, got {weight.dtype}")
-    if weight.device.type != "cpu":
-        raise ValueError(f"weight must be on the CPU, got {weight.device}")
-    if weight.dim() not in (2, 3) or 0 in weight.shape:
-        raise ValueError(f"weight must have shape (n, k) or (G, n, k) with no empty dimension, "
-                         f"got {tuple(weight.shape)}")
-    w = weight.detach()
-    w3 = w[None] if w.dim() == 2 else w
-    g, n, k = w3.shape
-    panels = -(-n // PANEL)
-    padded = w3.new_zeros(g, panels * PANEL, k)
-    padded[:, :n] = w3
-    data = padded.view(g, panels, PANEL, k).transpose(2, 3).contiguous()  # (G, P, k, PANEL)
-    return PackedWeight(data, n, k, g)
+def applies(dtype: torch.dtype, device: torch.device | str) -> bool:
+    """Whether :func:`gemv` reads weights of ``dtype`` on ``device`` (CPU, a dtype of
+    :data:`DTYPES`, the extension loaded)."""
+    return torch.device(device).type == "cpu" and dtype in DTYPES and available()
 
 
-@functools.lru_cache(maxsize=None)
-def _isa_runs(isa: str) -> bool:
-    try:
-        _kernel()(torch.ones(1, 1, 1), torch.ones(1, 1, 1, PANEL), 1, isa)
-    except ValueError:
-        return False
-    return True
-
-
-def available_isas() -> list[str]:
-    """The instruction sets :func:`gemv` can use here, best first (``"generic"`` always,
-    when the extension is loaded)."""
-    return [isa for isa in ISAS[1:] if _isa_runs(isa)]
-
-
-def gemv(x: Tensor, packed: PackedWeight, isa: str | None = None) -> Tensor:
-    """``x · Wᵀ`` for the ``W`` that ``packed`` holds (float32, CPU).
+def gemv(x: Tensor, weight: Tensor | Sequence[Tensor], split_input: bool = False) -> Tensor:
+    """``x · Wᵀ`` for one weight or ``[x W_0ᵀ | x W_1ᵀ | …]`` for several, on the CPU.
 
     Args:
-        x: ``(..., k)`` with at most :data:`MAX_ROWS` rows in all (the leading dimensions'
-            product) for a plain weight; ``(G, rows ≤ MAX_ROWS, k)`` for G grouped weights.
-            The last dimension must be contiguous (other strides are read as they are).
-        packed: the result of :func:`pack`.
-        isa: ``"auto"`` (default: ``WIOLA_GEMV_ISA`` or else the best the CPU has),
-            ``"avx512"``, ``"avx2"`` or ``"generic"``.
+        x: ``(..., k)`` float32, bfloat16 or float16 with at most :data:`MAX_ROWS` rows in
+            all (the leading dimensions' product). Strided rows are read in place; a
+            strided last dimension is copied.
+        weight: an ``(n, k)`` tensor (``nn.Linear.weight``), or a list or tuple of
+            ``(n_i, k_i)`` tensors of one dtype (float32, bfloat16 or float16). Rows must be
+            contiguous; the row stride may be larger than ``k`` (a view). Read in place,
+            never copied.
+        split_input: with several weights, weight ``i`` reads columns
+            ``Σ_{j<i} k_j … + k_i`` of ``x`` (``Σ k_i`` = ``k``) instead of all of it.
 
     Returns:
-        ``(..., n)`` (plain) or ``(G, rows, n)`` (grouped), float32.
+        ``(..., Σ n_i)`` in ``x``'s dtype, accumulated in float32.
 
     Raises:
-        TypeError: wrong types or dtypes. ValueError: wrong shapes, devices, too many rows,
-        or an instruction set this CPU or build lacks.
+        TypeError: ``x`` or a weight is not a tensor of a supported dtype, or the weights'
+            dtypes differ. ValueError: wrong shapes or devices, more than :data:`MAX_ROWS`
+            rows, or widths that do not fit ``x``.
     """
-    if not isinstance(packed, PackedWeight):
-        raise TypeError(f"packed must be a PackedWeight from decode_gemv.pack, got {type(packed).__name__}")
+    # A decoding step calls this ~80 times per token: the kernel checks shapes and dtypes
+    # (ValueError / TypeError naming the argument); here only what it cannot see.
     if not isinstance(x, Tensor):
         raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
-    if x.dtype != torch.float32:
-        raise TypeError(f"x must be float32, got {x.dtype}")
-    if not x.is_cpu:
-        raise ValueError(f"x must be on the CPU, got {x.device}")
-    if isa is None:
-        isa = os.environ.get("WIOLA_GEMV_ISA") or "auto"
-    if isa not in ISAS:
-        raise ValueError(f"isa must be one of {ISAS}, got {isa!r}")
-    if x.dim() == 0 or x.shape[-1] != packed.k:
-        raise ValueError(f"x must have shape (..., k = {packed.k}), got {tuple(x.shape)}")
-    if packed.groups == 1:
-        rows = x.reshape(1, -1, packed.k)  # a view for the model's (B, T, k) activations
-        if not 1 <= rows.shape[1] <= MAX_ROWS:
-            raise ValueError(f"x must have 1..{MAX_ROWS} rows (product of its leading dimensions), "
-                             f"got shape {tuple(x.shape)}")
-        if rows.stride(2) != 1:
-            rows = rows.contiguous()
-        return _kernel()(rows, packed.data, packed.n, isa).view(x.shape[:-1] + (packed.n,))
-    if x.dim() != 3 or x.shape[0] != packed.groups or not 1 <= x.shape[1] <= MAX_ROWS:
-        raise ValueError(f"x must have shape (G = {packed.groups}, rows ≤ {MAX_ROWS}, k = {packed.k}) for a grouped "
-                         f"weight, got {tuple(x.shape)}")
-    if x.stride(2) != 1:
-        x = x.contiguous()
-    return _kernel()(x, packed.data, packed.n, isa)
+    if isinstance(weight, Tensor):
+        weights = (weight,)
+    elif isinstance(weight, (list, tuple)) and weight and all(isinstance(w, Tensor) for w in weight):
+        weights = weight
+    else:
+        raise TypeError(f"weight must be a torch.Tensor or a non-empty list of them, got {type(weight).__name__}")
+    if not x.is_cpu or not all(w.is_cpu for w in weights):
+        raise ValueError(f"x and the weights must be on the CPU, got x on {x.device} and weights on "
+                         f"{sorted({str(w.device) for w in weights})}")
+    return _kernel()(x, weights, split_input)
 
 
-__all__ = ["MAX_ROWS", "PANEL", "PackedWeight", "available", "available_isas", "gemv", "pack"]
+__all__ = ["DTYPES", "MAX_ROWS", "applies", "available", "gemv"]

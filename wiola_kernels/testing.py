@@ -126,21 +126,28 @@ class CopyCounter:
         return False
 
 
-def available_cpu_isas() -> list[str]:
-    """The instruction sets the C++ CPU kernels can run here (``"avx2"``, and ``"avx512"``
-    where the CPU has it); empty without the extension."""
+def available_cpu_isas(kernel: str | None = None) -> list[str]:
+    """The instruction-set levels the C++ CPU kernels can run here, lowest first (``"generic"``
+    to the CPU's best); with ``kernel``, only the levels at which that kernel runs a path of
+    its own (``"rms_norm"``: ``["avx2", "avx512_bf16"]`` on a CPU with AVX512_BF16), so that
+    tests run each path once. Empty without the extension."""
     from . import _extension
 
     module = _extension._load()[0]
     if module is None:
         return []
-    return ["avx2", "avx512"] if module.cpu_has_avx512() else ["avx2"]
+    levels = _extension.CPU_ISA_LEVELS
+    runs = list(levels[:levels.index(module.cpu_best_isa()) + 1])
+    if kernel is None:
+        return runs
+    own = _extension.CPU_KERNEL_ISAS[kernel]
+    return [level for level in runs if level in own]
 
 
 @contextlib.contextmanager
 def cpu_isa(isa: str | None) -> Iterator[None]:
-    """Run the C++ CPU kernels on ``isa`` (``"avx2"``/``"avx512"``) inside the block; None
-    leaves the choice as it is. Not thread-safe: the choice is process-wide."""
+    """Run the C++ CPU kernels at level ``isa`` (``"generic"`` … ``"avx512_bf16"``) inside the
+    block; None leaves the choice as it is. Not thread-safe: the choice is process-wide."""
     if isa is None:
         yield
         return
@@ -151,3 +158,24 @@ def cpu_isa(isa: str | None) -> Iterator[None]:
         yield
     finally:
         set_cpu_isa(previous)
+
+
+@contextlib.contextmanager
+def fake_cpu(best: str) -> Iterator[None]:
+    """Inside the block the CPU's probe reports at most ``best`` (``"avx2"``, ``"avx512"``…), as
+    on a CPU without the higher extensions (``"avx512"``: Skylake-SP, Cascade Lake, Ice Lake —
+    AVX-512 without BF16), and the process's level is reset to it, as at start-up. It can only
+    lower what runs, so every kernel stays safe. Restores the real probe and the previous
+    level on exit. Not thread-safe."""
+    from . import _extension
+
+    module = _extension._load()[0]
+    if module is None:
+        raise RuntimeError(f"fake_cpu needs the C++ extension: {_extension.load_error()}")
+    level = module.cpu_isa()
+    previous = module._set_cpu_probe_cap(best)
+    try:
+        yield
+    finally:
+        module._set_cpu_probe_cap(previous)
+        module.set_cpu_isa(level)

@@ -3,8 +3,8 @@
 // dword j holds elements 2j (low half) and 2j + 1 (high half), so one shift and one mask
 // make the floats of the even and of the odd elements (no widening shuffle), and one
 // AVX512-BF16 conversion plus one word permutation writes them back interleaved. Compiled
-// with a function target attribute inside the x86-64-v3 build: call only when
-// active_isa() == Isa::kAvx512.
+// with a function target attribute inside the x86-64-v3 build: call only from a kernel
+// whose kernel_isa() is Isa::kAvx512Bf16.
 #pragma once
 
 #include "isa.h"
@@ -21,7 +21,7 @@ namespace wiola::cpu::avx512 {
 using BF16 = at::BFloat16;
 
 // Nearest even, NaN -> 0xffff: at::vec::cvtfp32_bf16's rounding, for the 16 floats of v.
-WIOLA_TARGET_AVX512 inline __m256i round_bf16(__m512 v) {
+WIOLA_TARGET_AVX512_BF16 inline __m256i round_bf16(__m512 v) {
   const __m512i bits = _mm512_castps_si512(v);
   const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
   __m512i r = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
@@ -33,7 +33,7 @@ struct Split {
   __m512 even, odd;
 };
 
-WIOLA_TARGET_AVX512 inline Split load_bf16x32(const BF16* p) {
+WIOLA_TARGET_AVX512_BF16 inline Split load_bf16x32(const BF16* p) {
   const __m512i v = _mm512_loadu_si512(p);
   return {_mm512_castsi512_ps(_mm512_slli_epi32(v, 16)),
           _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32(int32_t(0xffff0000u))))};
@@ -43,7 +43,7 @@ WIOLA_TARGET_AVX512 inline Split load_bf16x32(const BF16* p) {
 // AVX512-BF16's conversion rounds to nearest even too, but flushes subnormals to zero and
 // keeps NaN payloads: blocks holding those (fpclass: QNaN 0x01, subnormal 0x20, SNaN 0x80)
 // take round_bf16, so every output is the one the AVX2 rows write for the same float.
-WIOLA_TARGET_AVX512 inline __m512i pack_bf16x32(__m512 even, __m512 odd) {
+WIOLA_TARGET_AVX512_BF16 inline __m512i pack_bf16x32(__m512 even, __m512 odd) {
   if (C10_UNLIKELY((_mm512_fpclass_ps_mask(even, 0xA1) | _mm512_fpclass_ps_mask(odd, 0xA1)) != 0)) {
     return _mm512_or_si512(_mm512_cvtepu16_epi32(round_bf16(even)),
                            _mm512_slli_epi32(_mm512_cvtepu16_epi32(round_bf16(odd)), 16));
@@ -56,7 +56,7 @@ WIOLA_TARGET_AVX512 inline __m512i pack_bf16x32(__m512 even, __m512 odd) {
 
 // Stores the 64 bytes of v at p (kStream: non-temporal; p at least 32-byte aligned).
 template <bool kStream>
-WIOLA_TARGET_AVX512 inline void store_packed(__m512i v, void* p) {
+WIOLA_TARGET_AVX512_BF16 inline void store_packed(__m512i v, void* p) {
   if (kStream && reinterpret_cast<uintptr_t>(p) % 64 == 0) {
     _mm512_stream_si512(reinterpret_cast<__m512i*>(p), v);
   } else if constexpr (kStream) {
@@ -68,7 +68,7 @@ WIOLA_TARGET_AVX512 inline void store_packed(__m512i v, void* p) {
 }
 
 template <bool kStream>
-WIOLA_TARGET_AVX512 inline void store_bf16x32(__m512 even, __m512 odd, BF16* p) {
+WIOLA_TARGET_AVX512_BF16 inline void store_bf16x32(__m512 even, __m512 odd, BF16* p) {
   store_packed<kStream>(pack_bf16x32(even, odd), p);
 }
 

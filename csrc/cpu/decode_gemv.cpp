@@ -1,43 +1,48 @@
-// Batch-1 decoding GEMV on the CPU (issue 12 §3): y = x · Wᵀ for a few rows x (≤ 16) and a weight
-// packed for one sequential read.
+// Batch-1 decoding GEMV on the CPU: y = x · Wᵀ for a few rows x (≤ 16) and weights read
+// where they are, in nn.Linear's (n, k) layout, in float32, bfloat16 or float16.
 //
-// At batch 1 a decoding step's matrix products are bound by reading the weights once, so
-// the layout is chosen for streaming rather than for reuse. The weight W (n, k) of
-// nn.Linear's convention is packed (wiola_kernels/decode_gemv.py) into panels of kPanel = 32
-// output columns, k-major inside a panel, the last panel zero-padded:
+// At batch 1 a decoding step's matrix products are bound by reading each weight once, so the
+// kernel is built around one sequential read per thread. A thread owns a contiguous range of
+// output rows; weight row j is one contiguous stretch of k elements and the rows of a range
+// follow each other in memory, so the thread's reads are a single forward stream, as with a
+// packed panel layout — but over the Parameter's own storage: nothing is copied, so the
+// decoding step needs no second copy of the weights and sees every in-place change.
 //
-//     packed[g, p, kk, c] = W_g[p·32 + c, kk]            packed: (G, P, k, 32) float32
+// Per weight row, each row of x keeps a few vector accumulators over k (the chunks of the row
+// go round-robin to S sets, so that the FMA latency is off the critical path), reduced once at
+// the end of the row. x is converted once per call into float32 and laid out for the loads:
 //
-// so the whole weight is one contiguous stream and a panel's step kk is 128 bytes (two
-// cache lines) that feed 32 output columns. The G groups (G = 1 for a plain projection)
-// each have their own x rows and weight: the folded context attention reads one small
-// matrix per head (wiola/decode.py), and a group per head keeps those reads one stream too.
+//   float32  chunk = one vector of floats;
+//   bfloat16 chunk = one vector of 16-bit words; a bf16 word is the top half of a float, so
+//            the even elements are the 32-bit lanes shifted left by 16 and the odd ones the
+//            lanes with the low half masked off: two FMAs per chunk, with x stored in the same
+//            even/odd order (no widening shuffles);
+//   float16  chunk = two halves widened by vcvtph2ps (F16C; AVX-512F for 16 at once).
 //
-// Per panel, each row's 32 outputs live in registers for the whole k loop (AVX-512: two zmm
-// per row, up to 8 rows at once; AVX2: four ymm per row, up to 3 rows at once); x[r, kk] is
-// broadcast. With one row, two interleaved accumulator sets (even/odd kk) keep the FMA
-// latency off the critical path. More rows than a register block holds re-read the panel
-// (from L2: ≤ 512 KiB at k = 4096).
+// Accumulation is float32 in a fixed order that depends on the ISA path, the weight dtype and
+// the number of x rows, never on the thread count (each output is one thread's sum).
 //
-// Software prefetch runs kPrefetchBytes ahead of the read, so the next lines are in flight
-// while the current ones are used. Measured on the 2-core CI VM (AMD EPYC, 1 thread, CPU
-// time, one row, wiola-360m's five matrix shapes streamed from DRAM, 1.2 GB per pass, best
-// of 7): AVX-512 37.9 GB/s without prefetch, 42.0–42.6 GB/s prefetching 1–16 KiB ahead
-// (8 KiB kept); AVX2 36–37 GB/s with or without; MKL on nn.Linear's layout 19–26 GB/s, on
-// a (k, n) copy 24–29. The hint is non-temporal: alone the GEMVs run as fast with T0, T1 or
-// NTA, but NTA displaces less of what the step's small ops read next (KV cache,
-// activations): decoding wiola-360m, the step outside its GEMVs took 3.2–5.6 ms with NTA
-// against 7.4–7.7 ms with T0 (alternating runs, medians of 10 rounds of 4 steps).
+// AVX512_BF16's vdpbf16ps is not used. It would do a bf16 chunk's two FMAs in one instruction,
+// but it takes x in bf16: x rounded to 8 bits of mantissa (relative error ≤ 2⁻⁹ per term, so
+// within SPEC §9's 1e-2 for bf16 weights except under heavy cancellation; exact when x is
+// already bf16, as in a bf16 model), and flushes subnormals. The loop is bound by the weight
+// stream, not by its arithmetic, and the shift/mask path already reads at that rate, so the
+// instruction would change numerics for no speed (docs/performance.md).
 //
-// The AVX-512 path is compiled with a target attribute and chosen at run time
-// (__builtin_cpu_supports), so the extension still runs on any x86-64-v3 CPU; `isa` forces
-// a path (tests run each). Accumulation is float32 in kk order, one accumulator per output
-// (two for a single row: even and odd kk, added at the end).
+// Software prefetch is not used: on a forward stream the hardware prefetchers keep up, and
+// prefetching ahead of the read (T0 or NTA, 0.5–8 KiB) measured no faster and mostly slower
+// (docs/performance.md).
+//
+// The ISA paths (generic, AVX2, AVX-512) are chosen at run time by the shared level (isa.h:
+// WIOLA_CPU_ISA, wiola_kernels.set_cpu_isa): the AVX-512 path needs only AVX-512 F/BW/VL/DQ.
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <c10/util/SmallVector.h>
+
 #include <algorithm>
 #include <string>
+#include <vector>
 
 #include "common.h"
 #include "isa.h"
@@ -50,246 +55,379 @@
 namespace wiola::cpu {
 namespace {
 
-constexpr int64_t kPanel = 32;                 // output columns per panel
-constexpr int64_t kMaxRows = 16;               // rows of x per call (a decoding step's B·T_new)
-constexpr int64_t kPrefetchBytes = 8192;       // how far ahead of the read the prefetches run
+constexpr int64_t kMaxRows = 16;            // rows of x per call (a decoding step's B·T_new)
+constexpr int64_t kRowBlock = 4;            // x rows per register block
+constexpr int64_t kXPad = 32;               // prepared x rows are padded (zeros) to a multiple of this
+constexpr int64_t kMinThreadBytes = 1 << 16;  // weight bytes below which a call stays on one thread
 
-// One panel of one group: out[r, c] (c < cols) = Σ_kk x[r, kk] · w[kk, c] for r < R.
-// x rows are ldx apart, out rows ldy apart; w is the panel (k, 32).
-template <int R>
-void panel_generic(const float* x, int64_t ldx, const float* w, int64_t k, float* y, int64_t ldy, int64_t cols) {
-  float acc[R][kPanel] = {};
-  for (int64_t kk = 0; kk < k; ++kk) {
-    const float* wk = w + kk * kPanel;
-    for (int r = 0; r < R; ++r) {
-      const float xr = x[r * ldx + kk];
-      for (int64_t c = 0; c < kPanel; ++c) acc[r][c] += xr * wk[c];
+enum class WType { kF32, kBF16, kF16 };
+
+template <WType T>
+using Elem = std::conditional_t<T == WType::kF32, float, std::conditional_t<T == WType::kBF16, at::BFloat16, at::Half>>;
+
+// Elements per chunk of a path: one vector of weights (the same count fixes x's layout).
+constexpr int64_t chunk_elems(Isa isa, WType t) {
+  const int64_t bytes = isa == Isa::kAvx512 ? 64 : 32;
+  return t == WType::kF32 ? bytes / 4 : bytes / 2;
+}
+
+// Float vectors one chunk of weights widens to: bf16 even/odd lanes, fp16 low/high halves.
+constexpr int parts(WType t) { return t == WType::kF32 ? 1 : 2; }
+
+// Accumulator sets for B rows of x: the chunks of a row go round-robin to S sets, so that
+// 8 accumulators (B·S·parts) take the FMAs; 4 left one core short of the weight stream's
+// rate (docs/performance.md).
+constexpr int sets_for(int b, int parts) { return std::max(1, 8 / (b * parts)); }
+
+template <typename O>
+inline void store(O* y, float v) {
+  *y = static_cast<O>(v);
+}
+
+// ---- generic: plain C++, k in order --------------------------------------------------------
+
+template <WType T, typename O>
+void rows_generic(const Elem<T>* w, int64_t ldw, int64_t k, int64_t nrows, const float* x, int64_t ldx,
+                  int64_t xrows, O* y, int64_t ldy) {
+  for (int64_t j = 0; j < nrows; ++j) {
+    const Elem<T>* wj = w + j * ldw;
+    for (int64_t b = 0; b < xrows; ++b) {
+      const float* xb = x + b * ldx;
+      float acc = 0.0f;
+      for (int64_t kk = 0; kk < k; ++kk) acc += xb[kk] * static_cast<float>(wj[kk]);
+      store(y + b * ldy + j, acc);
     }
   }
-  for (int r = 0; r < R; ++r) std::memcpy(y + r * ldy, acc[r], cols * sizeof(float));
 }
 
 #if defined(WIOLA_GEMV_X86)
 
-inline void prefetch_ahead(const float* p) {
-  _mm_prefetch(reinterpret_cast<const char*>(p) + kPrefetchBytes, _MM_HINT_NTA);
-  _mm_prefetch(reinterpret_cast<const char*>(p) + kPrefetchBytes + 64, _MM_HINT_NTA);
+// ---- AVX2 + FMA + F16C (the build's baseline) ----------------------------------------------
+
+// A chunk of weights as P float vectors (P = 1 for float32, 2 otherwise).
+template <WType T>
+__attribute__((target("avx2,fma,f16c"), always_inline)) inline void load_avx2(const Elem<T>* p, __m256* v) {
+  if constexpr (T == WType::kF32) {
+    v[0] = _mm256_loadu_ps(p);
+  } else if constexpr (T == WType::kBF16) {
+    const __m256i u = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    v[0] = _mm256_castsi256_ps(_mm256_slli_epi32(u, 16));                                  // even elements
+    v[1] = _mm256_castsi256_ps(_mm256_and_si256(u, _mm256_set1_epi32(int(0xffff0000u))));  // odd elements
+  } else {
+    v[0] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    v[1] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p) + 1));
+  }
 }
 
-// AVX2 + FMA (the build's baseline, -march=x86-64-v3): 4 ymm per row, R ≤ 3.
-template <int R>
-__attribute__((target("avx2,fma"))) void panel_avx2(const float* x, int64_t ldx, const float* w, int64_t k, float* y,
-                                                     int64_t ldy, int64_t cols) {
-  constexpr int kSets = R == 1 ? 2 : 1;  // one row: even/odd kk accumulators
-  __m256 acc[kSets][R][4];
-  for (int s = 0; s < kSets; ++s)
-    for (int r = 0; r < R; ++r)
-      for (int j = 0; j < 4; ++j) acc[s][r][j] = _mm256_setzero_ps();
-  int64_t kk = 0;
-  for (; kk + kSets <= k; kk += kSets) {
-    for (int s = 0; s < kSets; ++s) {
-      const float* wk = w + (kk + s) * kPanel;
-      prefetch_ahead(wk);
-      const __m256 w0 = _mm256_loadu_ps(wk), w1 = _mm256_loadu_ps(wk + 8);
-      const __m256 w2 = _mm256_loadu_ps(wk + 16), w3 = _mm256_loadu_ps(wk + 24);
-      for (int r = 0; r < R; ++r) {
-        const __m256 xb = _mm256_broadcast_ss(x + r * ldx + kk + s);
-        acc[s][r][0] = _mm256_fmadd_ps(xb, w0, acc[s][r][0]);
-        acc[s][r][1] = _mm256_fmadd_ps(xb, w1, acc[s][r][1]);
-        acc[s][r][2] = _mm256_fmadd_ps(xb, w2, acc[s][r][2]);
-        acc[s][r][3] = _mm256_fmadd_ps(xb, w3, acc[s][r][3]);
+__attribute__((target("avx2,fma"), always_inline)) inline float hsum_avx2(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// Accumulate one chunk of weights (at wp; x's chunk at offset `at`) into set s of B rows.
+template <WType T, int B, int S>
+__attribute__((target("avx2,fma,f16c"), always_inline)) inline void step_avx2(__m256 (&acc)[B][S][parts(T)],
+                                                                             const Elem<T>* wp, const float* x,
+                                                                             int64_t ldx, int64_t at, int s) {
+  __m256 v[parts(T)];
+  load_avx2<T>(wp, v);
+  for (int b = 0; b < B; ++b)
+    for (int p = 0; p < parts(T); ++p)
+      acc[b][s][p] = _mm256_fmadd_ps(v[p], _mm256_loadu_ps(x + b * ldx + at + 8 * p), acc[b][s][p]);
+}
+
+// One weight row against B rows of x (prepared, ldx apart): y[b·ldy] = Σ_k x[b, k] w[k].
+template <WType T, int B, typename O>
+__attribute__((target("avx2,fma,f16c"), always_inline)) inline void row_avx2(const Elem<T>* w, int64_t k,
+                                                                            const float* x, int64_t ldx, O* y,
+                                                                            int64_t ldy) {
+  constexpr int64_t C = chunk_elems(Isa::kAvx2, T);
+  constexpr int P = parts(T), S = sets_for(B, P);
+  __m256 acc[B][S][P];
+  for (int b = 0; b < B; ++b)
+    for (int s = 0; s < S; ++s)
+      for (int p = 0; p < P; ++p) acc[b][s][p] = _mm256_setzero_ps();
+  const int64_t full = k / C;
+  int64_t c = 0;
+  for (; c + S <= full; c += S)
+    for (int s = 0; s < S; ++s) step_avx2<T, B, S>(acc, w + (c + s) * C, x, ldx, (c + s) * C, s);
+  for (; c < full; ++c) step_avx2<T, B, S>(acc, w + c * C, x, ldx, c * C, 0);
+  if (const int64_t tail = k - full * C) {  // x is zero past k: pad the weights' tail with zeros too
+    Elem<T> buf[C] = {};
+    std::memcpy(buf, w + full * C, tail * sizeof(Elem<T>));
+    step_avx2<T, B, S>(acc, buf, x, ldx, full * C, 0);
+  }
+  for (int b = 0; b < B; ++b) {
+    __m256 v = acc[b][0][0];
+    for (int s = 0; s < S; ++s)
+      for (int p = 0; p < P; ++p)
+        if (s || p) v = _mm256_add_ps(v, acc[b][s][p]);
+    store(y + b * ldy, hsum_avx2(v));
+  }
+}
+
+// The rows of one thread's range, all inlined into one function: no call (and no
+// vzeroupper) between rows of the stream.
+template <WType T, typename O>
+__attribute__((target("avx2,fma,f16c"))) void rows_avx2(const Elem<T>* w, int64_t ldw, int64_t k, int64_t nrows,
+                                                          const float* x, int64_t ldx, int64_t xrows, O* y,
+                                                          int64_t ldy) {
+  for (int64_t j = 0; j < nrows; ++j) {
+    const Elem<T>* wj = w + j * ldw;  // re-read from L1 by the later blocks of x rows
+    for (int64_t b0 = 0; b0 < xrows; b0 += kRowBlock) {
+      const float* xb = x + b0 * ldx;
+      O* yb = y + b0 * ldy + j;
+      switch (std::min(kRowBlock, xrows - b0)) {
+        case 1: row_avx2<T, 1>(wj, k, xb, ldx, yb, ldy); break;
+        case 2: row_avx2<T, 2>(wj, k, xb, ldx, yb, ldy); break;
+        case 3: row_avx2<T, 3>(wj, k, xb, ldx, yb, ldy); break;
+        default: row_avx2<T, 4>(wj, k, xb, ldx, yb, ldy); break;
       }
     }
   }
-  for (; kk < k; ++kk) {  // odd k with two sets: the last step into set 0
-    const float* wk = w + kk * kPanel;
-    for (int r = 0; r < R; ++r) {
-      const __m256 xb = _mm256_broadcast_ss(x + r * ldx + kk);
-      for (int j = 0; j < 4; ++j) acc[0][r][j] = _mm256_fmadd_ps(xb, _mm256_loadu_ps(wk + 8 * j), acc[0][r][j]);
-    }
-  }
-  for (int r = 0; r < R; ++r) {
-    alignas(32) float tmp[kPanel];
-    for (int j = 0; j < 4; ++j) {
-      __m256 v = acc[0][r][j];
-      if constexpr (kSets == 2) v = _mm256_add_ps(v, acc[1][r][j]);
-      _mm256_store_ps(tmp + 8 * j, v);
-    }
-    std::memcpy(y + r * ldy, tmp, cols * sizeof(float));
+}
+
+#if defined(WIOLA_HAVE_AVX512_TARGET)
+
+// ---- AVX-512 F/BW/VL/DQ -------------------------------------------------------------------
+
+template <WType T>
+WIOLA_TARGET_AVX512 __attribute__((always_inline)) inline void load_avx512(const Elem<T>* p, __m512* v) {
+  if constexpr (T == WType::kF32) {
+    v[0] = _mm512_loadu_ps(p);
+  } else if constexpr (T == WType::kBF16) {
+    const __m512i u = _mm512_loadu_si512(p);
+    v[0] = _mm512_castsi512_ps(_mm512_slli_epi32(u, 16));
+    v[1] = _mm512_castsi512_ps(_mm512_and_si512(u, _mm512_set1_epi32(int(0xffff0000u))));
+  } else {
+    v[0] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    v[1] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p) + 1));
   }
 }
 
-// AVX-512F: 2 zmm per row, R ≤ 8 (16 accumulators; 4 with the even/odd split of one row).
-template <int R>
-__attribute__((target("avx512f,avx512bw,avx512vl"))) void panel_avx512(const float* x, int64_t ldx, const float* w,
-                                                                        int64_t k, float* y, int64_t ldy,
-                                                                        int64_t cols) {
-  constexpr int kSets = R <= 2 ? 2 : 1;
-  __m512 acc[kSets][R][2];
-  for (int s = 0; s < kSets; ++s)
-    for (int r = 0; r < R; ++r) acc[s][r][0] = acc[s][r][1] = _mm512_setzero_ps();
-  int64_t kk = 0;
-  for (; kk + kSets <= k; kk += kSets) {
-    for (int s = 0; s < kSets; ++s) {
-      const float* wk = w + (kk + s) * kPanel;
-      prefetch_ahead(wk);
-      const __m512 w0 = _mm512_loadu_ps(wk), w1 = _mm512_loadu_ps(wk + 16);
-      for (int r = 0; r < R; ++r) {
-        const __m512 xb = _mm512_set1_ps(x[r * ldx + kk + s]);
-        acc[s][r][0] = _mm512_fmadd_ps(xb, w0, acc[s][r][0]);
-        acc[s][r][1] = _mm512_fmadd_ps(xb, w1, acc[s][r][1]);
+template <WType T, int B, int S>
+WIOLA_TARGET_AVX512 __attribute__((always_inline)) inline void step_avx512(__m512 (&acc)[B][S][parts(T)],
+                                                                          const Elem<T>* wp, const float* x,
+                                                                          int64_t ldx, int64_t at, int s) {
+  __m512 v[parts(T)];
+  load_avx512<T>(wp, v);
+  for (int b = 0; b < B; ++b)
+    for (int p = 0; p < parts(T); ++p)
+      acc[b][s][p] = _mm512_fmadd_ps(v[p], _mm512_loadu_ps(x + b * ldx + at + 16 * p), acc[b][s][p]);
+}
+
+template <WType T, int B, typename O>
+WIOLA_TARGET_AVX512 __attribute__((always_inline)) inline void row_avx512(const Elem<T>* w, int64_t k,
+                                                                         const float* x, int64_t ldx, O* y,
+                                                                         int64_t ldy) {
+  constexpr int64_t C = chunk_elems(Isa::kAvx512, T);
+  constexpr int P = parts(T), S = sets_for(B, P);
+  __m512 acc[B][S][P];
+  for (int b = 0; b < B; ++b)
+    for (int s = 0; s < S; ++s)
+      for (int p = 0; p < P; ++p) acc[b][s][p] = _mm512_setzero_ps();
+  const int64_t full = k / C;
+  int64_t c = 0;
+  for (; c + S <= full; c += S)
+    for (int s = 0; s < S; ++s) step_avx512<T, B, S>(acc, w + (c + s) * C, x, ldx, (c + s) * C, s);
+  for (; c < full; ++c) step_avx512<T, B, S>(acc, w + c * C, x, ldx, c * C, 0);
+  if (const int64_t tail = k - full * C) {
+    Elem<T> buf[C] = {};
+    std::memcpy(buf, w + full * C, tail * sizeof(Elem<T>));
+    step_avx512<T, B, S>(acc, buf, x, ldx, full * C, 0);
+  }
+  for (int b = 0; b < B; ++b) {
+    __m512 v = acc[b][0][0];
+    for (int s = 0; s < S; ++s)
+      for (int p = 0; p < P; ++p)
+        if (s || p) v = _mm512_add_ps(v, acc[b][s][p]);
+    store(y + b * ldy, _mm512_reduce_add_ps(v));
+  }
+}
+
+template <WType T, typename O>
+WIOLA_TARGET_AVX512 void rows_avx512(const Elem<T>* w, int64_t ldw, int64_t k, int64_t nrows, const float* x,
+                                     int64_t ldx, int64_t xrows, O* y, int64_t ldy) {
+  for (int64_t j = 0; j < nrows; ++j) {
+    const Elem<T>* wj = w + j * ldw;
+    for (int64_t b0 = 0; b0 < xrows; b0 += kRowBlock) {
+      const float* xb = x + b0 * ldx;
+      O* yb = y + b0 * ldy + j;
+      switch (std::min(kRowBlock, xrows - b0)) {
+        case 1: row_avx512<T, 1>(wj, k, xb, ldx, yb, ldy); break;
+        case 2: row_avx512<T, 2>(wj, k, xb, ldx, yb, ldy); break;
+        case 3: row_avx512<T, 3>(wj, k, xb, ldx, yb, ldy); break;
+        default: row_avx512<T, 4>(wj, k, xb, ldx, yb, ldy); break;
       }
     }
   }
-  for (; kk < k; ++kk) {
-    const float* wk = w + kk * kPanel;
-    const __m512 w0 = _mm512_loadu_ps(wk), w1 = _mm512_loadu_ps(wk + 16);
-    for (int r = 0; r < R; ++r) {
-      const __m512 xb = _mm512_set1_ps(x[r * ldx + kk]);
-      acc[0][r][0] = _mm512_fmadd_ps(xb, w0, acc[0][r][0]);
-      acc[0][r][1] = _mm512_fmadd_ps(xb, w1, acc[0][r][1]);
-    }
-  }
-  // Masked stores: the padded columns of the last panel are never written.
-  const int64_t lo = std::min<int64_t>(cols, 16), hi = cols - lo;
-  const __mmask16 m0 = static_cast<__mmask16>((1u << lo) - 1), m1 = static_cast<__mmask16>((1u << hi) - 1);
-  for (int r = 0; r < R; ++r) {
-    __m512 v0 = acc[0][r][0], v1 = acc[0][r][1];
-    if constexpr (kSets == 2) v0 = _mm512_add_ps(v0, acc[1][r][0]), v1 = _mm512_add_ps(v1, acc[1][r][1]);
-    _mm512_mask_storeu_ps(y + r * ldy, m0, v0);
-    _mm512_mask_storeu_ps(y + r * ldy + 16, m1, v1);
-  }
 }
 
+#endif  // WIOLA_HAVE_AVX512_TARGET
 #endif  // WIOLA_GEMV_X86
 
-enum class GemvIsa : int { kGeneric = 0, kAvx2 = 1, kAvx512 = 2 };
-
-bool cpu_has(GemvIsa isa) {
-  switch (isa) {
-    case GemvIsa::kGeneric:
-      return true;
+// nrows weight rows (ldw apart) against every row of x on the chosen path.
+template <WType T, typename O>
+void run_rows(Isa isa, const Elem<T>* w, int64_t ldw, int64_t k, int64_t nrows, const float* x, int64_t ldx,
+              int64_t xrows, O* y, int64_t ldy) {
 #if defined(WIOLA_GEMV_X86)
-    case GemvIsa::kAvx2:
-      return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-    case GemvIsa::kAvx512:
-      return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-             __builtin_cpu_supports("avx512vl");
+#if defined(WIOLA_HAVE_AVX512_TARGET)
+  if (isa == Isa::kAvx512) return rows_avx512<T, O>(w, ldw, k, nrows, x, ldx, xrows, y, ldy);
 #endif
-    default:
-      return false;
-  }
+  if (isa == Isa::kAvx2) return rows_avx2<T, O>(w, ldw, k, nrows, x, ldx, xrows, y, ldy);
+#endif
+  rows_generic<T, O>(w, ldw, k, nrows, x, ldx, xrows, y, ldy);
 }
 
-const char* isa_name(GemvIsa isa) {
-  return isa == GemvIsa::kAvx512 ? "avx512" : isa == GemvIsa::kAvx2 ? "avx2" : "generic";
-}
-
-GemvIsa parse_isa(const std::string& name) {
-  if (name == "auto") {  // the CPU's best, unless the process chose AVX2 (isa.h: set_cpu_isa, WIOLA_CPU_ISA)
-    if (active_isa() == Isa::kAvx2 && cpu_has(GemvIsa::kAvx2)) return GemvIsa::kAvx2;
-    for (GemvIsa isa : {GemvIsa::kAvx512, GemvIsa::kAvx2})
-      if (cpu_has(isa)) return isa;
-    return GemvIsa::kGeneric;
-  }
-  for (GemvIsa isa : {GemvIsa::kGeneric, GemvIsa::kAvx2, GemvIsa::kAvx512}) {
-    if (name == isa_name(isa)) {
-      WIOLA_CHECK_ARG(cpu_has(isa), "isa='", name, "' is not supported by this CPU or build");
-      return isa;
+// x[:, offset : offset + k] as float32 in the path's layout, rows ld apart, zeros past k: in
+// chunk order, and within each chunk of a bf16 weight's vector path the even elements
+// before the odd ones (the order load_avx2 / load_avx512 produce).
+template <typename X>
+void prepare_x(const X* x, int64_t ldx_in, int64_t rows, int64_t offset, int64_t k, bool even_odd, int64_t chunk,
+               float* out, int64_t ld) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const X* src = x + r * ldx_in + offset;
+    float* dst = out + r * ld;
+    std::fill(dst, dst + ld, 0.0f);
+    if (!even_odd) {
+      for (int64_t i = 0; i < k; ++i) dst[i] = static_cast<float>(src[i]);
+      continue;
+    }
+    const int64_t half = chunk / 2;
+    for (int64_t i = 0; i < k; ++i) {
+      const int64_t c = i / chunk, e = i % chunk;
+      dst[c * chunk + (e % 2) * half + e / 2] = static_cast<float>(src[i]);
     }
   }
-  WIOLA_CHECK_ARG(false, "isa must be one of 'auto', 'avx512', 'avx2', 'generic'; got '", name, "'");
-  return GemvIsa::kGeneric;
 }
 
-using PanelFn = void (*)(const float*, int64_t, const float*, int64_t, float*, int64_t, int64_t);
-
-// The register block of `isa` for `rows` rows: the kernel for min(rows, block) rows.
-template <template <int> class Kernel>
-PanelFn pick(int64_t rows) {
-  switch (rows) {
-    case 1: return &Kernel<1>::run;
-    case 2: return &Kernel<2>::run;
-    case 3: return &Kernel<3>::run;
-    case 4: return &Kernel<4>::run;
-    case 5: return &Kernel<5>::run;
-    case 6: return &Kernel<6>::run;
-    case 7: return &Kernel<7>::run;
-    default: return &Kernel<8>::run;
-  }
+WType wtype_of(at::ScalarType t) {
+  return t == at::kFloat ? WType::kF32 : t == at::kBFloat16 ? WType::kBF16 : WType::kF16;
 }
 
-template <int R>
-struct Generic {
-  static void run(const float* x, int64_t ldx, const float* w, int64_t k, float* y, int64_t ldy, int64_t c) {
-    panel_generic<R>(x, ldx, w, k, y, ldy, c);
+bool gemv_dtype(at::ScalarType t) { return t == at::kFloat || t == at::kBFloat16 || t == at::kHalf; }
+
+// x (..., K): at most 16 rows in its leading dimensions; weights (n_i, k_i) with contiguous
+// rows, all of one dtype. Without split_input every k_i = K (all read x); with it Σ k_i = K and
+// weight i reads its own consecutive k_i columns of x. Returns (..., Σ n_i) in x's dtype:
+// [x W_0ᵀ | x W_1ᵀ | …]. A decoding step calls this ~80 times per token, so the checks and
+// the bookkeeping stay allocation-light (the output is the only tensor made).
+at::Tensor decode_gemv(const at::Tensor& x_in, at::TensorList weights, bool split_input) {
+  WIOLA_CHECK_ARG(x_in.device().is_cpu(), "x must be a CPU tensor, got ", x_in.device());
+  TORCH_CHECK_TYPE(gemv_dtype(x_in.scalar_type()), "x must be float32, bfloat16 or float16, got ", x_in.scalar_type());
+  WIOLA_CHECK_ARG(x_in.dim() >= 1 && x_in.size(-1) >= 1, "x must have shape (..., k) with k >= 1, got ", x_in.sizes());
+  const int64_t kx = x_in.size(-1), rows = kx ? x_in.numel() / kx : 0;
+  WIOLA_CHECK_ARG(rows >= 1 && rows <= kMaxRows, "x must have 1..", kMaxRows,
+                  " rows (the product of its leading dimensions), got shape ", x_in.sizes());
+  const size_t count = weights.size();
+  WIOLA_CHECK_ARG(count >= 1, "weights must hold at least one tensor");
+  const char* name = count == 1 ? "weight" : "weights[";
+  const char* close = count == 1 ? "" : "]";
+  const at::ScalarType wt = weights[0].scalar_type();
+  int64_t n_total = 0, k_sum = 0;
+  bool shared = true;
+  for (size_t i = 0; i < count; ++i) {
+    const at::Tensor& w = weights[i];
+    const auto idx = count == 1 ? std::string() : std::to_string(i);
+    WIOLA_CHECK_ARG(w.device().is_cpu(), name, idx, close, " must be a CPU tensor, got ", w.device());
+    TORCH_CHECK_TYPE(gemv_dtype(w.scalar_type()), name, idx, close, " must be float32, bfloat16 or float16, got ",
+                     w.scalar_type());
+    TORCH_CHECK_TYPE(w.scalar_type() == wt, "weights must share one dtype (float32, bfloat16 or float16): weights[",
+                     i, "] is ", w.scalar_type(), ", weights[0] ", wt);
+    WIOLA_CHECK_ARG(w.dim() == 2 && w.size(0) >= 1 && w.size(1) >= 1, name, idx, close,
+                    " must have shape (n, k) with no empty dimension, got ", w.sizes());
+    WIOLA_CHECK_ARG(w.stride(1) == 1 || w.size(1) == 1, name, idx, close, " must have contiguous rows, got strides ",
+                    w.strides());
+    n_total += w.size(0);
+    k_sum += w.size(1);
+    shared = shared && w.size(1) == kx;
   }
-};
-#if defined(WIOLA_GEMV_X86)
-template <int R>
-struct Avx2 {  // R ≤ 3 rows per block (12 of the 16 ymm registers)
-  static void run(const float* x, int64_t ldx, const float* w, int64_t k, float* y, int64_t ldy, int64_t c) {
-    panel_avx2<(R < 3 ? R : 3)>(x, ldx, w, k, y, ldy, c);
+  if (split_input) {
+    WIOLA_CHECK_ARG(k_sum == kx, "x must have shape (..., k = Σ k_i = ", k_sum, ") with split_input, got ",
+                    x_in.sizes());
+  } else {
+    WIOLA_CHECK_ARG(shared, "x must have shape (..., k = ", weights[0].size(1), ") to match every weight's k, got ",
+                    x_in.sizes());
   }
-};
-template <int R>
-struct Avx512 {
-  static void run(const float* x, int64_t ldx, const float* w, int64_t k, float* y, int64_t ldy, int64_t c) {
-    panel_avx512<R>(x, ldx, w, k, y, ldy, c);
+  // (rows, K) with unit column stride: a view of x when its rows have one stride.
+  const at::Tensor x = x_in.stride(-1) == 1 || kx == 1 ? x_in.reshape({rows, kx}) : x_in.contiguous().view({rows, kx});
+
+  const Isa isa = kernel_isa(kDecodeGemvIsas);
+  const WType type = wtype_of(wt);
+  const bool even_odd = type == WType::kBF16 && isa != Isa::kGeneric;
+  const int64_t chunk = chunk_elems(isa, type);
+
+  // x as float32 in the path's layout, one block per distinct slice of x (a reused buffer).
+  const size_t segments = split_input ? count : 1;
+  c10::SmallVector<int64_t, 8> seg_off(segments), seg_ld(segments), seg_at(segments);
+  int64_t floats = 0;
+  for (size_t s = 0, off = 0; s < segments; ++s) {
+    const int64_t len = split_input ? weights[s].size(1) : kx;
+    seg_off[s] = off;
+    off += len;
+    seg_ld[s] = (len + kXPad - 1) / kXPad * kXPad;
+    seg_at[s] = floats;
+    floats += rows * seg_ld[s];
   }
-};
-#endif
+  thread_local std::vector<float> xbuf;
+  if (static_cast<int64_t>(xbuf.size()) < floats) xbuf.resize(floats);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "decode_gemv_x", [&] {
+    for (size_t s = 0; s < segments; ++s)
+      prepare_x(x.const_data_ptr<scalar_t>(), x.stride(0), rows, seg_off[s],
+                split_input ? weights[s].size(1) : kx, even_odd, chunk, xbuf.data() + seg_at[s], seg_ld[s]);
+  });
 
-// Rows per register block of each path.
-int64_t block_rows(GemvIsa isa) { return isa == GemvIsa::kAvx2 ? 3 : isa == GemvIsa::kAvx512 ? 8 : 4; }
+  std::vector<int64_t> out_sizes(x_in.sizes().begin(), x_in.sizes().end());
+  out_sizes.back() = n_total;
+  at::Tensor out = empty_output(out_sizes, x_in.options().memory_format(at::MemoryFormat::Contiguous));
+  // Weight i's rows start at byte start[i] of the call's stream; threads take equal stretches.
+  const int64_t esize = weights[0].element_size();
+  c10::SmallVector<int64_t, 8> start(count + 1, 0), col(count + 1, 0);
+  for (size_t i = 0; i < count; ++i) {
+    start[i + 1] = start[i] + weights[i].size(0) * weights[i].size(1) * esize;
+    col[i + 1] = col[i] + weights[i].size(0);
+  }
+  const int64_t total = start[count];
+  const int64_t chunks = std::clamp<int64_t>(total / kMinThreadBytes, 1, at::get_num_threads());
+  const float* xb = xbuf.data();
 
-PanelFn panel_fn(GemvIsa isa, int64_t rows) {
-#if defined(WIOLA_GEMV_X86)
-  if (isa == GemvIsa::kAvx512) return pick<Avx512>(rows);
-  if (isa == GemvIsa::kAvx2) return pick<Avx2>(rows);
-#endif
-  return pick<Generic>(rows);
-}
-
-// x (G, rows ≤ 16, k) float32 with a contiguous last dimension; packed (G, P, k, 32) contiguous
-// float32 with P = ceil(n / 32). Returns (G, rows, n).
-at::Tensor decode_gemv(const at::Tensor& x, const at::Tensor& packed, int64_t n, c10::string_view isa_arg) {
-  WIOLA_CHECK_ARG(x.device().is_cpu() && packed.device().is_cpu(), "x and packed must be CPU tensors");
-  WIOLA_CHECK_ARG(x.scalar_type() == at::kFloat && packed.scalar_type() == at::kFloat,
-                  "x and packed must be float32, got ", x.scalar_type(), " and ", packed.scalar_type());
-  WIOLA_CHECK_ARG(x.dim() == 3, "x must have shape (G, rows, k), got ", x.sizes());
-  WIOLA_CHECK_ARG(packed.dim() == 4 && packed.size(3) == kPanel && packed.is_contiguous(),
-                  "packed must be a contiguous (G, P, k, ", kPanel, ") tensor, got ", packed.sizes());
-  const int64_t groups = x.size(0), rows = x.size(1), k = x.size(2), panels = packed.size(1);
-  WIOLA_CHECK_ARG(packed.size(0) == groups && packed.size(2) == k, "packed must have shape (G, P, k, 32) = (",
-                  groups, ", P, ", k, ", 32) to match x ", x.sizes(), ", got ", packed.sizes());
-  WIOLA_CHECK_ARG(rows >= 1 && rows <= kMaxRows, "x must have 1..", kMaxRows, " rows, got ", rows);
-  WIOLA_CHECK_ARG(n >= 1 && (n + kPanel - 1) / kPanel == panels, "n must satisfy ceil(n / 32) = P = ", panels,
-                  ", got n = ", n);
-  WIOLA_CHECK_ARG(k >= 1, "k must be at least 1");
-  WIOLA_CHECK_ARG(x.stride(2) == 1 || k == 1, "x must have a contiguous last dimension");
-  const GemvIsa isa = parse_isa(std::string(isa_arg));
-  const int64_t block = block_rows(isa);
-
-  at::Tensor out = empty_output({groups, rows, n}, x.options());
-  const float* xp = x.const_data_ptr<float>();
-  const float* wp = packed.const_data_ptr<float>();
-  float* yp = out.mutable_data_ptr<float>();
-  const int64_t sxg = x.stride(0), sxr = x.stride(1);
-  const int64_t panel_floats = k * kPanel;
-  // Tasks are (group, panel) pairs in memory order, so a thread's share is one stretch of
-  // the stream; a grain of ~64 KiB of weights keeps small calls on one thread.
-  const int64_t tasks = groups * panels;
-  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 14) / panel_floats);
-  at::parallel_for(0, tasks, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t g = t / panels, p = t % panels;
-      const int64_t cols = std::min(kPanel, n - p * kPanel);
-      const float* w = wp + t * panel_floats;
-      for (int64_t r0 = 0; r0 < rows; r0 += block) {
-        const int64_t rb = std::min(block, rows - r0);
-        panel_fn(isa, rb)(xp + g * sxg + r0 * sxr, sxr, w, k, yp + (g * rows + r0) * n + p * kPanel, n, cols);
-      }
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "decode_gemv_out", [&] {
+    using O = scalar_t;
+    if constexpr (std::is_same_v<O, double>) {
+      TORCH_INTERNAL_ASSERT(false, "decode_gemv: float64 x was refused above");
+    } else {
+      O* yp = out.mutable_data_ptr<O>();
+      auto run = [&](auto tag) {
+        constexpr WType T = decltype(tag)::value;
+        auto work = [&](int64_t c0, int64_t c1) {
+          for (int64_t c = c0; c < c1; ++c) {
+            const int64_t lo = total * c / chunks, hi = total * (c + 1) / chunks;
+            for (size_t i = 0; i < count; ++i) {
+              if (start[i + 1] <= lo || start[i] >= hi) continue;
+              const at::Tensor& w = weights[i];
+              const int64_t k = w.size(1), row_bytes = k * esize, n = w.size(0);
+              // the rows whose first byte lies in [lo, hi)
+              const int64_t r0 = std::clamp<int64_t>((lo - start[i] + row_bytes - 1) / row_bytes, 0, n);
+              const int64_t r1 = std::clamp<int64_t>((hi - start[i] + row_bytes - 1) / row_bytes, 0, n);
+              if (r0 >= r1) continue;
+              const size_t s = split_input ? i : 0;
+              const Elem<T>* wp = reinterpret_cast<const Elem<T>*>(w.const_data_ptr()) + r0 * w.stride(0);
+              run_rows<T, O>(isa, wp, w.stride(0), k, r1 - r0, xb + seg_at[s], seg_ld[s], rows, yp + col[i] + r0,
+                             n_total);
+            }
+          }
+        };
+        if (chunks == 1) {
+          work(0, 1);
+        } else {
+          at::parallel_for(0, chunks, 1, work);
+        }
+      };
+      if (type == WType::kF32) run(std::integral_constant<WType, WType::kF32>{});
+      else if (type == WType::kBF16) run(std::integral_constant<WType, WType::kBF16>{});
+      else run(std::integral_constant<WType, WType::kF16>{});
     }
   });
   return out;

@@ -235,7 +235,7 @@ namespace avx512 {
 
 using namespace ::wiola::cpu::avx512;  // Split, load_bf16x32, pack_bf16x32, store_packed
 
-WIOLA_TARGET_AVX512 inline __m512 one_plus_exp_neg(__m512 h) {  // as the AVX2 one_plus_exp_neg
+WIOLA_TARGET_AVX512_BF16 inline __m512 one_plus_exp_neg(__m512 h) {  // as the AVX2 one_plus_exp_neg
   const __m512 hc = _mm512_max_ps(_mm512_min_ps(h, _mm512_set1_ps(87.0f)), _mm512_set1_ps(-89.0f));
   const __m512 shifter = _mm512_set1_ps(12582912.0f + 127.0f);
   const __m512 t = _mm512_fnmadd_ps(hc, _mm512_set1_ps(1.44269504088896341f), shifter);
@@ -252,7 +252,7 @@ WIOLA_TARGET_AVX512 inline __m512 one_plus_exp_neg(__m512 h) {  // as the AVX2 o
 
 // (a clamped below at −T, a clamped to ±T, 1 + e^{−h(a clamped)}): as clamp and Gate.
 template <GluActivation kAct>
-WIOLA_TARGET_AVX512 inline void gate(__m512 a, __m512& low, __m512& both, __m512& denominator) {
+WIOLA_TARGET_AVX512_BF16 inline void gate(__m512 a, __m512& low, __m512& both, __m512& denominator) {
   constexpr float t = Gate<kAct, float>::kClamp;
   low = _mm512_max_ps(_mm512_set1_ps(-t), a);  // NaN stays NaN (second operand)
   both = _mm512_min_ps(_mm512_set1_ps(t), low);
@@ -265,14 +265,14 @@ WIOLA_TARGET_AVX512 inline void gate(__m512 a, __m512& low, __m512& both, __m512
 }
 
 template <GluActivation kAct>
-WIOLA_TARGET_AVX512 inline __m512 glu_vec(__m512 a, __m512 b) {
+WIOLA_TARGET_AVX512_BF16 inline __m512 glu_vec(__m512 a, __m512 b) {
   __m512 low, both, den;
   gate<kAct>(a, low, both, den);
   return _mm512_div_ps(_mm512_mul_ps(low, b), den);
 }
 
 template <GluActivation kAct>
-WIOLA_TARGET_AVX512 inline void glu_grad_vec(__m512 g, __m512 a, __m512 b, __m512& da, __m512& db) {
+WIOLA_TARGET_AVX512_BF16 inline void glu_grad_vec(__m512 g, __m512 a, __m512 b, __m512& da, __m512& db) {
   __m512 low, both, den;
   gate<kAct>(a, low, both, den);
   const __m512 s = _mm512_div_ps(_mm512_set1_ps(1.0f), den);
@@ -293,12 +293,12 @@ struct Io;
 
 template <>
 struct Io<float> {
-  WIOLA_TARGET_AVX512 static Split load(const float* p, int64_t count = 32) {
+  WIOLA_TARGET_AVX512_BF16 static Split load(const float* p, int64_t count = 32) {
     if (count == 32) return {_mm512_loadu_ps(p), _mm512_loadu_ps(p + 16)};
     return {_mm512_maskz_loadu_ps(mask16(count), p), _mm512_maskz_loadu_ps(mask16(count - 16), p + 16)};
   }
   template <bool kStream>
-  WIOLA_TARGET_AVX512 static void store(Split v, float* p, int64_t count = 32) {
+  WIOLA_TARGET_AVX512_BF16 static void store(Split v, float* p, int64_t count = 32) {
     if (count == 32) {
       store_packed<kStream>(_mm512_castps_si512(v.even), p);
       store_packed<kStream>(_mm512_castps_si512(v.odd), p + 16);
@@ -312,14 +312,14 @@ struct Io<float> {
 
 template <>
 struct Io<at::BFloat16> {
-  WIOLA_TARGET_AVX512 static Split load(const BF16* p, int64_t count = 32) {
+  WIOLA_TARGET_AVX512_BF16 static Split load(const BF16* p, int64_t count = 32) {
     if (count == 32) return load_bf16x32(p);
     const __m512i v = _mm512_maskz_loadu_epi16(__mmask32((1u << count) - 1), p);
     return {_mm512_castsi512_ps(_mm512_slli_epi32(v, 16)),
             _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32(int32_t(0xffff0000u))))};
   }
   template <bool kStream>
-  WIOLA_TARGET_AVX512 static void store(Split v, BF16* p, int64_t count = 32) {
+  WIOLA_TARGET_AVX512_BF16 static void store(Split v, BF16* p, int64_t count = 32) {
     if (count == 32) {
       store_packed<kStream>(pack_bf16x32(v.even, v.odd), p);
     } else {
@@ -330,7 +330,7 @@ struct Io<at::BFloat16> {
 
 template <>
 struct Io<at::Half> {
-  WIOLA_TARGET_AVX512 static Split load(const at::Half* p, int64_t count = 32) {
+  WIOLA_TARGET_AVX512_BF16 static Split load(const at::Half* p, int64_t count = 32) {
     if (count == 32) {
       return {_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))),
               _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p) + 1))};
@@ -339,7 +339,7 @@ struct Io<at::Half> {
             _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(Io<float>::mask16(count - 16), p + 16))};
   }
   template <bool kStream>
-  WIOLA_TARGET_AVX512 static void store(Split v, at::Half* p, int64_t count = 32) {
+  WIOLA_TARGET_AVX512_BF16 static void store(Split v, at::Half* p, int64_t count = 32) {
     constexpr int kRound = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;  // as c10::Half(float)
     const __m256i lo = _mm512_cvtps_ph(v.even, kRound), hi = _mm512_cvtps_ph(v.odd, kRound);
     if (count == 32) {
@@ -353,7 +353,7 @@ struct Io<at::Half> {
 
 // One tile of a row (n elements from the given pointers).
 template <GluActivation kAct, bool kStream, typename scalar_t>
-WIOLA_TARGET_AVX512 void forward_span(const scalar_t* a, const scalar_t* b, scalar_t* y, int64_t n) {
+WIOLA_TARGET_AVX512_BF16 void forward_span(const scalar_t* a, const scalar_t* b, scalar_t* y, int64_t n) {
   using io = Io<scalar_t>;
   int64_t c = 0;
   for (; c + 32 <= n; c += 32) {
@@ -367,7 +367,7 @@ WIOLA_TARGET_AVX512 void forward_span(const scalar_t* a, const scalar_t* b, scal
 }
 
 template <GluActivation kAct, bool kStream, typename scalar_t>
-WIOLA_TARGET_AVX512 void backward_span(const scalar_t* g, const scalar_t* a, const scalar_t* b, scalar_t* da,
+WIOLA_TARGET_AVX512_BF16 void backward_span(const scalar_t* g, const scalar_t* a, const scalar_t* b, scalar_t* da,
                                        scalar_t* db, int64_t n) {
   using io = Io<scalar_t>;
   for (int64_t c = 0; c < n; c += 32) {
@@ -389,11 +389,12 @@ WIOLA_TARGET_AVX512 void backward_span(const scalar_t* g, const scalar_t* a, con
 }  // namespace avx512
 #endif
 
-// Whether scalar_t rows take the AVX-512 loops now (float, bf16, fp16 on an AVX-512 CPU).
+// Whether scalar_t rows take the AVX-512 loops now (float, bf16, fp16 at the avx512_bf16
+// level: the bf16 stores need AVX512_BF16, and one path for all dtypes keeps one choice).
 template <typename scalar_t>
 bool avx512_rows() {
 #if defined(WIOLA_HAVE_AVX512_TARGET)
-  return !std::is_same_v<scalar_t, double> && active_isa() == Isa::kAvx512;
+  return !std::is_same_v<scalar_t, double> && kernel_isa(kGluIsas) == Isa::kAvx512Bf16;
 #else
   return false;
 #endif

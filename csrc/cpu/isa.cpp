@@ -9,11 +9,44 @@
 namespace wiola::cpu {
 namespace {
 
-Isa best_isa() { return cpu_has_avx512() ? Isa::kAvx512 : Isa::kAvx2; }
+constexpr Isa kLevels[] = {Isa::kGeneric, Isa::kAvx2, Isa::kAvx512, Isa::kAvx512Bf16};
+
+Isa probed_isa() {
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+  static const Isa best = [] {
+    if (!(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))) return Isa::kGeneric;
+#if defined(WIOLA_HAVE_AVX512_TARGET)
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq"))
+      return __builtin_cpu_supports("avx512bf16") ? Isa::kAvx512Bf16 : Isa::kAvx512;
+#endif
+    return Isa::kAvx2;
+  }();
+  return best;
+#else
+  return Isa::kGeneric;
+#endif
+}
+
+// The test hook's cap on the probed level (set_cpu_probe_cap); kAvx512Bf16: none.
+std::atomic<Isa>& probe_cap() {
+  static std::atomic<Isa> cap{Isa::kAvx512Bf16};
+  return cap;
+}
 
 Isa initial_isa() {
   const char* env = std::getenv("WIOLA_CPU_ISA");
-  return env != nullptr && std::string(env) == "avx2" ? Isa::kAvx2 : best_isa();
+  if (env == nullptr || std::string(env).empty() || std::string(env) == "auto") return cpu_best_isa();
+  for (Isa isa : kLevels)
+    if (isa_name(isa) == env) {
+      if (static_cast<int>(isa) <= static_cast<int>(cpu_best_isa())) return isa;
+      TORCH_WARN("WIOLA_CPU_ISA=", env, " is above what this CPU runs (", isa_name(cpu_best_isa()),
+                 "); using ", isa_name(cpu_best_isa()));
+      return cpu_best_isa();
+    }
+  TORCH_WARN("WIOLA_CPU_ISA=", env, " is not one of auto, generic, avx2, avx512, avx512_bf16; using ",
+             isa_name(cpu_best_isa()));
+  return cpu_best_isa();
 }
 
 std::atomic<Isa>& current() {
@@ -23,34 +56,60 @@ std::atomic<Isa>& current() {
 
 }  // namespace
 
-bool cpu_has_avx512() {
-#if defined(WIOLA_HAVE_AVX512_TARGET)
-  static const bool has = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
-                          __builtin_cpu_supports("avx512bf16");
-  return has;
-#else
-  return false;
-#endif
+Isa cpu_best_isa() {
+  const Isa probed = probed_isa(), cap = probe_cap().load(std::memory_order_relaxed);
+  return static_cast<int>(cap) < static_cast<int>(probed) ? cap : probed;
 }
 
 Isa active_isa() { return current().load(std::memory_order_relaxed); }
 
-std::string isa_name(Isa isa) { return isa == Isa::kAvx512 ? "avx512" : "avx2"; }
+Isa choose_isa(const Isa* implemented, size_t count, Isa chosen) {
+  Isa lowest = Isa::kAvx512Bf16, best = Isa::kGeneric;
+  bool found = false;
+  for (size_t i = 0; i < count; ++i) {
+    const Isa isa = implemented[i];
+    if (static_cast<int>(isa) < static_cast<int>(lowest)) lowest = isa;
+    if (static_cast<int>(isa) <= static_cast<int>(chosen) && (!found || static_cast<int>(isa) > static_cast<int>(best)))
+      best = isa, found = true;
+  }
+  return found ? best : lowest;
+}
+
+std::string isa_name(Isa isa) {
+  switch (isa) {
+    case Isa::kGeneric: return "generic";
+    case Isa::kAvx2: return "avx2";
+    case Isa::kAvx512: return "avx512";
+    case Isa::kAvx512Bf16: return "avx512_bf16";
+  }
+  return "generic";
+}
+
+Isa parse_isa(const std::string& name, const char* what) {
+  for (Isa isa : kLevels)
+    if (isa_name(isa) == name) return isa;
+  TORCH_CHECK_VALUE(false, what, " must be one of 'generic', 'avx2', 'avx512', 'avx512_bf16' (or 'auto'), got '",
+                    name, "'");
+  return Isa::kGeneric;
+}
 
 std::string set_cpu_isa(const std::string& name) {
-  Isa isa;
-  if (name == "auto") {
-    isa = best_isa();
-  } else if (name == "avx2") {
-    isa = Isa::kAvx2;
-  } else if (name == "avx512") {
-    TORCH_CHECK_VALUE(cpu_has_avx512(), "isa: this CPU has no AVX-512 (F/BW/VL/DQ/BF16); use 'avx2' or 'auto'");
-    isa = Isa::kAvx512;
-  } else {
-    TORCH_CHECK_VALUE(false, "isa must be 'auto', 'avx2' or 'avx512', got '", name, "'");
+  Isa isa = cpu_best_isa();
+  if (name != "auto") {
+    TORCH_CHECK_VALUE(name == "generic" || name == "avx2" || name == "avx512" || name == "avx512_bf16",
+                      "isa must be 'auto', 'generic', 'avx2', 'avx512' or 'avx512_bf16', got '", name, "'");
+    isa = parse_isa(name);
+    TORCH_CHECK_VALUE(static_cast<int>(isa) <= static_cast<int>(cpu_best_isa()), "isa: this CPU has no ", name,
+                      " (it runs up to ", isa_name(cpu_best_isa()), "); use a lower level or 'auto'");
   }
   return isa_name(current().exchange(isa));
+}
+
+std::string set_cpu_probe_cap(const std::string& name) {
+  const Isa cap = name == "none" ? Isa::kAvx512Bf16 : parse_isa(name, "cap");
+  const Isa before = probe_cap().exchange(cap);
+  current().store(cpu_best_isa());
+  return before == Isa::kAvx512Bf16 ? "none" : isa_name(before);
 }
 
 }  // namespace wiola::cpu

@@ -247,7 +247,7 @@ inline std::vector<float> deinterleave_blocks(const float* v, int64_t d) {
 // add_rms_norm's s = x + residual of one bf16 row (see the AVX2 add_row): 32 elements a step,
 // the sum rounded once, stored to `row` (read next by the norm) and to `s_row`.
 template <bool kStream>
-WIOLA_TARGET_AVX512 void add_row(const BF16* x, const BF16* r, BF16* row, BF16* s_row, int64_t d) {
+WIOLA_TARGET_AVX512_BF16 void add_row(const BF16* x, const BF16* r, BF16* row, BF16* s_row, int64_t d) {
   int64_t i = 0;
   for (; i + 32 <= d; i += 32) {
     const Split xv = load_bf16x32(x + i), rv = load_bf16x32(r + i);
@@ -259,7 +259,7 @@ WIOLA_TARGET_AVX512 void add_row(const BF16* x, const BF16* r, BF16* row, BF16* 
 }
 
 template <bool kStream>
-WIOLA_TARGET_AVX512 bool forward_row(const BF16* x, const float* w, const float* s, const float* wp,
+WIOLA_TARGET_AVX512_BF16 bool forward_row(const BF16* x, const float* w, const float* s, const float* wp,
                                      const float* sp, BF16* y, int64_t d, double eps, const void* next,
                                      int64_t next_bytes, float* rstd) {
   __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
@@ -294,7 +294,7 @@ WIOLA_TARGET_AVX512 bool forward_row(const BF16* x, const float* w, const float*
 // are kept in that order too for the blocks (interleave_partials restores it). kGradS: ∂x
 // also adds `gs` (add_rms_norm's gradient of s).
 template <bool kStream, bool kShift, bool kGradS>
-WIOLA_TARGET_AVX512 void backward_row(const BF16* x, const BF16* g, const float* w, const float* s,
+WIOLA_TARGET_AVX512_BF16 void backward_row(const BF16* x, const BF16* g, const float* w, const float* s,
                                       const float* wp, const float* sp, float inv, BF16* dx, float* dw, float* ds,
                                       int64_t d, const void* next_x, const void* next_g, int64_t next_bytes,
                                       const BF16* gs) {
@@ -318,7 +318,7 @@ WIOLA_TARGET_AVX512 void backward_row(const BF16* x, const BF16* g, const float*
   const char* pgs = kGradS ? reinterpret_cast<const char*>(gs + d) : nullptr;  // gs's next row (rows contiguous)
   int64_t pf = 0;  // bytes of the next rows prefetched: one line of x and one of g (and gs) per block
   // ∂x of 16 elements (split z, g at offset i of wp/sp); adds to the partials.
-  auto dz_of = [&](__m512 xs, __m512 gs, int64_t i) WIOLA_TARGET_AVX512 {
+  auto dz_of = [&](__m512 xs, __m512 gs, int64_t i) WIOLA_TARGET_AVX512_BF16 {
     const __m512 zh = _mm512_mul_ps(_mm512_add_ps(xs, _mm512_loadu_ps(sp + i)), vinv);
     const __m512 dz = _mm512_mul_ps(_mm512_fnmadd_ps(vcoef, zh, _mm512_mul_ps(_mm512_loadu_ps(wp + i), gs)), vinv);
     if constexpr (kShift) _mm512_storeu_ps(ds + i, _mm512_add_ps(_mm512_loadu_ps(ds + i), dz));
@@ -375,7 +375,7 @@ SplitWeights split_weights(const acc_t* w, const acc_t* s, int64_t d, bool eligi
   SplitWeights split;
 #if defined(WIOLA_HAVE_AVX512_TARGET)
   if constexpr (std::is_same_v<acc_t, float>) {
-    if (eligible && active_isa() == Isa::kAvx512) {
+    if (eligible && kernel_isa(kRmsNormIsas) == Isa::kAvx512Bf16) {
       split.active = true;
       split.w = avx512::deinterleave_blocks(w, d);
       split.s = avx512::deinterleave_blocks(s, d);
@@ -476,7 +476,7 @@ void forward_rows(const scalar_t* x, const acc_type<scalar_t>* w, const acc_type
   const int64_t row_bytes = d * int64_t(sizeof(scalar_t));
   const bool stream = stream_rows(y, rows * row_bytes, d);
   const bool stream_s = add.s != nullptr && stream_rows(add.s, rows * row_bytes, d);
-  [[maybe_unused]] const bool avx512_rows = active_isa() == Isa::kAvx512;  // bf16 sums on AVX-512 (isa.h)
+  [[maybe_unused]] const bool avx512_rows = kernel_isa(kRmsNormIsas) == Isa::kAvx512Bf16;  // bf16 sums on AVX-512 (isa.h)
   const SplitWeights split = split_weights(w, s, d, std::is_same_v<scalar_t, at::BFloat16> && !hf_order);
   with_flags([&](auto kAdd, auto kStreamS) {
     constexpr bool add_ = decltype(kAdd)::value;

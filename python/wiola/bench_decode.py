@@ -1,32 +1,38 @@
 """``python -m wiola bench --decode``: batch-1 greedy decoding on the CPU, against the
 weight-streaming floor and a Hugging Face Llama of the same shape.
 
-    python -m wiola bench --decode                       # wiola-360m, 128-token prompt, 64 new tokens
+    python -m wiola bench --decode                       # wiola-360m, 128-token prompt, 64 new tokens, fp32
+    python -m wiola bench --decode --dtype bfloat16 --threads 2
     python -m wiola bench --decode --preset wiola-120m --repeats 3 --json decode.json
 
 * Tokens/s: ``generate(do_sample=False)`` of ``--new-tokens`` after a random
-  ``--prompt``-token prompt, random weights, fp32. Each decoding step is timestamped by a
-  logits processor; the rate is ``(n − 1)`` steps over the time from the first to the last
-  step (the prompt's forward is excluded). Median over ``--repeats`` runs, Wiola and Llama
-  alternating so that a change in machine load hits both.
+  ``--prompt``-token prompt, random weights in ``--dtype``. Each decoding step is
+  timestamped by a logits processor; the rate is ``(n − 1)`` steps over the time from the
+  first to the last step (the prompt's forward is excluded). Median over ``--repeats``
+  runs, Wiola and Llama alternating so that a change in machine load hits both.
 * Weight-streaming floor: at batch 1 every weight is read once per token, so decoding
   cannot beat ``bandwidth ÷ bytes of weights`` (the tied embedding is read once, as the
-  output head; the decoding path's packed copies replace the weights they copy, so the
-  bytes per token are the same). The bandwidth is measured here: the larger of a
-  read-only pass (``torch.sum``) and a copy (bytes read + written) over a 512 MiB buffer,
-  with the same threads — the strictest floor of the two. It is measured before every
-  round, so that it sees the load the round's decoding sees (on a machine other jobs
-  load, a bandwidth taken once, at the start, moved by ±15 % against the runs), and the
-  median is reported.
+  output head; the decoding path reads the parameters themselves, in their dtype). The
+  bandwidth is measured here: the larger of a read-only pass (``torch.sum``) and a copy
+  (bytes read + written) over a 512 MiB buffer, with the same threads — the strictest floor
+  of the two. It is measured before every round, so that it sees the load the round's
+  decoding sees (on a machine other jobs load, a bandwidth taken once, at the start, moved
+  by ±15 % against the runs), and the median is reported.
+* Memory: the growth of the process's resident set during the model's first ``generate``
+  (peak minus before, from ``VmHWM`` reset through ``/proc/self/clear_refs``, else sampled),
+  against the weights' bytes and the KV cache's: decoding that kept a second copy of the
+  weights would grow by their size.
 * ``--breakdown``: the decoding step's time against its weight reads alone — the same
-  GEMVs on the same weight objects and layouts, nothing else — alternating; what the
-  GEMVs reach is the ceiling the rest of the step (attention, norms, Python) lowers.
+  GEMVs on the same weights, nothing else — alternating; what the GEMVs reach is the
+  ceiling the rest of the step (attention, norms, Python) lowers.
 * Llama: ``LlamaForCausalLM`` with Wiola's width, depth, heads, vocabulary and an MLP of
-  ``n + w`` (DSFF's two streams), tied embeddings, SDPA attention. Per-parameter parity
-  means ``tokens/s × parameters`` at least the Llama's.
+  ``n + w`` (DSFF's two streams), tied embeddings, SDPA attention, in the same dtype.
+  Per-parameter parity means ``tokens/s × parameters`` at least the Llama's.
 
-JSON records: ``preset, tokens_per_s, floor_tokens_per_s, pct_of_floor, llama_tokens_per_s``
-and the parameter counts, bandwidth and threads.
+JSON records: ``preset, dtype, threads, isa, tokens_per_s, floor_tokens_per_s, pct_of_floor,
+llama_tokens_per_s, rss_growth_mb, weight_mb, kv_cache_mb`` (MiB), the parameter counts, the
+bandwidth and the runs. ``isa`` is the level the decoding GEMV ran at
+(:func:`wiola_kernels.kernel_isa`), or ``"none"`` where decoding does not use it.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import threading
 import time
 
 import torch
@@ -72,6 +79,53 @@ class _StepClock:
 CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 
 
+def _status_kib(field: str) -> int | None:
+    """A ``/proc/self/status`` field in KiB (``VmRSS``, ``VmHWM``), or None where there is none."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+class RssPeak:
+    """The peak resident set inside a ``with`` block, in bytes: ``VmHWM`` after resetting it
+    (``/proc/self/clear_refs``), else the largest ``VmRSS`` a sampling thread saw (every 2 ms).
+    ``before`` is the resident set on entry; ``growth`` the peak minus it."""
+
+    def __enter__(self):
+        self.before = 1024 * (_status_kib("VmRSS") or 0)
+        self._hwm = False
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+            self._hwm = _status_kib("VmHWM") is not None
+        except OSError:
+            pass
+        self._samples = [self.before]
+        self._stop = threading.Event()
+        if not self._hwm:
+            def sample():
+                while not self._stop.wait(0.002):
+                    self._samples.append(1024 * (_status_kib("VmRSS") or 0))
+            self._thread = threading.Thread(target=sample, daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        if self._hwm:
+            self.peak = 1024 * _status_kib("VmHWM")
+        else:
+            self._thread.join()
+            self.peak = max(self._samples + [1024 * (_status_kib("VmRSS") or 0)])
+        self.growth = self.peak - self.before
+        return False
+
+
 def decode_rate(model, prompt: torch.Tensor, new_tokens: int, clock: str = "wall") -> tuple[float, torch.Tensor]:
     """``(steps per second after the prompt, generated ids)`` of greedy decoding; ``clock``
     "cpu" counts this process's CPU time (for one thread on a loaded machine)."""
@@ -87,36 +141,48 @@ def decode_rate(model, prompt: torch.Tensor, new_tokens: int, clock: str = "wall
 
 
 def _weight_reads(model) -> None:
-    """The GEMVs of one decoding step of ``model`` (a WiolaForCausalLM, batch 1) on its own
-    weight objects and layouts (decode.py), on constant activations: only the weight reads."""
+    """The products of one decoding step of ``model`` (a WiolaForCausalLM, batch 1) on its own
+    weights, grouped as the step groups them (decode.py), on constant activations: only the
+    weight reads."""
     from wiola_kernels.decode_gemv import gemv
 
-    from .decode import _GemvBlock, _GemvHead
+    from .decode import gemv_applies
 
     inner = model.model
-    packed = inner._decode_weights
+    dtype = inner.embed_tokens.weight.dtype
     d = model.config.hidden_size
-    x = torch.ones(1, 1, d)
+    x = torch.ones(1, 1, d, dtype=dtype)
+    if gemv_applies(dtype, x.device) and inner.decode_packing:
+        for i, blk in enumerate(inner.layers):
+            a, f = blk.attn, blk.ffn
+            gemv(x, [a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])
+            slots = min(i, model.config.gcla_lookback)  # the context slots of layer i, through W_Kc and W_Vc
+            if slots == 1:
+                gemv(torch.ones(1, d, dtype=dtype), a.vc_proj.weight)
+            elif slots:
+                gemv(torch.ones(slots, d, dtype=dtype), [a.kc_proj.weight, a.vc_proj.weight])
+            gemv(x, a.o_proj.weight)
+            gemv(x, [f.w_n1.weight, f.w_n3.weight, f.w_w1.weight, f.w_w3.weight])
+            gemv(torch.ones(1, 1, f.w_n2.in_features + f.w_w2.in_features, dtype=dtype), [f.w_n2.weight, f.w_w2.weight],
+                 split_input=True)
+        gemv(x, model.lm_head.weight)
+        return
+    packed = inner._decode_weights
     for blk in inner.layers:
         a, f = blk.attn, blk.ffn
         got = packed.blocks.get(blk.layer_idx) if packed is not None else None
-        if isinstance(got, _GemvBlock):  # every product of the block on the GEMV kernel
-            for w in got.packs():
-                gemv(torch.ones(w.groups, 1, w.k), w) if w.groups > 1 else gemv(torch.ones(1, w.k), w)
-            continue
-        if packed is not None:
+        if got is not None:
             qkv, up = got
             x @ qkv.t, x @ up.t
         else:
             a.q_proj(x), a.k_proj(x), a.v_proj(x), f.w_n1(x), f.w_n3(x), f.w_w1(x), f.w_w3(x)
         h, dh = a.n_head, a.head_dim
-        q = torch.ones(1, h, dh)  # the folded context part (context_fold.py) reads W_Kc and W_Vc by heads
+        q = torch.ones(1, h, dh, dtype=dtype)  # the folded context part (context_fold.py) reads W_Kc and W_Vc by heads
         q_hat = torch.einsum("nhe,hed->nhd", q, a.kc_proj.weight.view(h, dh, d))
         torch.einsum("nhd,hed->nhe", q_hat, a.vc_proj.weight.view(h, dh, d))
-        a.o_proj(x), f.w_n2(torch.ones(1, 1, f.w_n2.in_features)), f.w_w2(torch.ones(1, 1, f.w_w2.in_features))
-    if packed is not None and isinstance(packed.head, _GemvHead):
-        gemv(x, packed.head.packed)
-    elif packed is not None and packed.head is not None:
+        a.o_proj(x), f.w_n2(torch.ones(1, 1, f.w_n2.in_features, dtype=dtype))
+        f.w_w2(torch.ones(1, 1, f.w_w2.in_features, dtype=dtype))
+    if packed is not None and packed.head is not None:
         x @ packed.head.t
     else:
         model.lm_head(x)
@@ -130,7 +196,7 @@ def step_breakdown(model, prompt: torch.Tensor, clock: str = "wall", rounds: int
     with torch.no_grad():
         out = model(prompt, use_cache=True)
         cache, tok = out.cache, out.logits[:, -1:].argmax(-1)
-        model(tok, cache=cache, use_cache=True)  # builds the packed weights
+        model(tok, cache=cache, use_cache=True)  # the first step (one-time allocations)
         step_times, read_times = [], []
         for _ in range(rounds):
             t0 = tick()
@@ -146,7 +212,7 @@ def step_breakdown(model, prompt: torch.Tensor, clock: str = "wall", rounds: int
 
 
 def llama_like(config):
-    """A random ``LlamaForCausalLM`` of the Wiola config's shape (MLP width n + w, tied, SDPA)."""
+    """A random ``LlamaForCausalLM`` of the Wiola config's shape (MLP width n + w, tied, SDPA), float32."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(vocab_size=config.vocab_size, hidden_size=config.hidden_size,
@@ -168,11 +234,33 @@ def weight_bytes(model) -> int:
     return total
 
 
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def kv_cache_bytes(config, positions: int, dtype: torch.dtype) -> int:
+    """Bytes of the keys and values of ``positions`` positions (batch 1, every layer)."""
+    per = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim
+    return per * positions * torch.empty(0, dtype=dtype).element_size()
+
+
+def gemv_isa(model) -> str:
+    """The level the decoding GEMV runs at for ``model`` (a WiolaForCausalLM), or ``"none"``."""
+    import wiola_kernels
+
+    from .decode import gemv_applies
+
+    weight = model.model.embed_tokens.weight
+    if not (model.model.decode_packing and gemv_applies(weight.dtype, weight.device)):
+        return "none"
+    return wiola_kernels.kernel_isa("decode_gemv") or "none"
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     """Command line: print and optionally write the decoding benchmark."""
     p = argparse.ArgumentParser(prog="python -m wiola bench --decode", description=__doc__.split("\n\n")[0])
     p.add_argument("--decode", action="store_true", help="(selects this benchmark)")
     p.add_argument("--preset", default="wiola-360m")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="the models' parameter dtype")
     p.add_argument("--prompt", type=int, default=128, help="prompt tokens")
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3, help="alternating runs of each model (median reported)")
@@ -191,18 +279,25 @@ def main(argv: list[str] | None = None) -> list[dict]:
     from .configuration_wiola import WiolaConfig
     from .modeling_wiola import WiolaForCausalLM
 
+    dtype = DTYPES[a.dtype]
     config = WiolaConfig.from_name(a.preset)
     torch.manual_seed(0)
-    models = {"wiola": WiolaForCausalLM(config).eval()}
+    models = {"wiola": WiolaForCausalLM(config).to(dtype).eval()}
     if not a.no_llama:
         torch.manual_seed(0)
-        models["llama"] = llama_like(config)
+        models["llama"] = llama_like(config).to(dtype)
     params = {k: sum(p.numel() for p in m.parameters()) for k, m in models.items()}
     prompt = torch.randint(3, config.vocab_size, (1, a.prompt), generator=torch.Generator().manual_seed(0))
+    isa = gemv_isa(models["wiola"])
     print(f"wiola bench --decode: {a.preset} ({params['wiola'] / 1e6:.1f}M parameters), batch 1, prompt {a.prompt}, "
-          f"{a.new_tokens} new tokens, greedy, fp32, {torch.get_num_threads()} threads, {a.clock} clock", flush=True)
+          f"{a.new_tokens} new tokens, greedy, {a.dtype}, {torch.get_num_threads()} threads, {a.clock} clock, "
+          f"GEMV isa {isa}", flush=True)
+    wiola_bytes = weight_bytes(models["wiola"])
+    kv_bytes = kv_cache_bytes(config, a.prompt + a.new_tokens, dtype)
+    with RssPeak() as rss:  # the first generate: whatever decoding allocates beside the weights shows here
+        decode_rate(models["wiola"], prompt, a.new_tokens, a.clock)
     rates: dict[str, list[float]] = {k: [] for k in models}
-    for name, model in models.items():  # warm-up (allocator, one-time kernel selection, packed weights)
+    for name, model in models.items():  # warm-up (allocator, one-time kernel selection)
         decode_rate(model, prompt[:, :8], 2)
     rounds = []
     for _ in range(a.repeats):
@@ -211,19 +306,23 @@ def main(argv: list[str] | None = None) -> list[dict]:
             rates[name].append(decode_rate(model, prompt, a.new_tokens, a.clock)[0])
     bw = {k: statistics.median(r[k] for r in rounds) for k in rounds[0]}
     bandwidth = statistics.median(max(r["read_bytes_per_s"], r["copy_bytes_per_s"]) for r in rounds)
-    wiola_bytes = weight_bytes(models["wiola"])
     floor = bandwidth / wiola_bytes
     tps = statistics.median(rates["wiola"])
-    record = dict(preset=a.preset, tokens_per_s=tps, floor_tokens_per_s=floor, pct_of_floor=100 * tps / floor,
+    mib = 2.0**20
+    record = dict(preset=a.preset, dtype=a.dtype, threads=torch.get_num_threads(), isa=isa, tokens_per_s=tps,
+                  floor_tokens_per_s=floor, pct_of_floor=100 * tps / floor,
                   llama_tokens_per_s=statistics.median(rates["llama"]) if "llama" in rates else None,
                   params=params["wiola"], llama_params=params.get("llama"), weight_bytes=wiola_bytes,
-                  bandwidth_bytes_per_s=bandwidth, threads=torch.get_num_threads(), clock=a.clock, runs=rates)
+                  weight_mb=wiola_bytes / mib, kv_cache_mb=kv_bytes / mib, rss_growth_mb=rss.growth / mib,
+                  rss_before_mb=rss.before / mib, bandwidth_bytes_per_s=bandwidth, clock=a.clock, runs=rates)
     per_round = [round(max(r["read_bytes_per_s"], r["copy_bytes_per_s"]) / 1e9, 1) for r in rounds]
     print(f"  bandwidth (median of rounds {per_round} GB/s): read {bw['read_bytes_per_s'] / 1e9:.2f} GB/s, copy "
           f"{bw['copy_bytes_per_s'] / 1e9:.2f} GB/s (read + write); floor = {bandwidth / 1e9:.2f} GB/s / "
           f"{wiola_bytes / 1e9:.3f} GB of weights = {floor:.2f} tok/s")
     print(f"  wiola: {tps:.2f} tok/s ({record['pct_of_floor']:.0f}% of the floor; target >= 80%) "
           f"runs {[round(r, 2) for r in rates['wiola']]}")
+    print(f"  memory: RSS grew {rss.growth / mib:.0f} MiB during the first generate (from {rss.before / mib:.0f} MiB; "
+          f"weights {wiola_bytes / mib:.0f} MiB, KV cache {kv_bytes / mib:.1f} MiB)")
     if "llama" in rates:
         llama = record["llama_tokens_per_s"]
         parity = tps * params["wiola"] / (llama * params["llama"])
@@ -233,7 +332,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if a.breakdown:
         step, gemv = step_breakdown(models["wiola"], prompt, clock=a.clock)
         record.update(step_s=step, gemv_s=gemv)
-        print(f"  breakdown: one step {step * 1e3:.1f} ms; its weight reads alone (GEMVs, same layouts) "
+        print(f"  breakdown: one step {step * 1e3:.1f} ms; its weight reads alone (GEMVs, same weights) "
               f"{gemv * 1e3:.1f} ms = {wiola_bytes / gemv / 1e9:.1f} GB/s ({100 * wiola_bytes / gemv / bandwidth:.0f}% "
               f"of the floor's bandwidth); the rest of the step {(step - gemv) * 1e3:.1f} ms")
     if a.json:
@@ -242,4 +341,5 @@ def main(argv: list[str] | None = None) -> list[dict]:
     return [record]
 
 
-__all__ = ["decode_rate", "llama_like", "main", "measure_bandwidth", "step_breakdown", "weight_bytes"]
+__all__ = ["RssPeak", "decode_rate", "gemv_isa", "kv_cache_bytes", "llama_like", "main", "measure_bandwidth",
+           "step_breakdown", "weight_bytes"]

@@ -1,28 +1,33 @@
-"""Cached decoding steps (issue 12 §3): the same maths as the model's forward, laid out for
+"""Cached decoding steps: the same maths as the model's forward, laid out for
 batch-1 GEMVs on the CPU.
 
 At batch 1 a decoding step is a chain of matrix-vector products; its cost is reading every
-weight once. On the CPU in float32 (with the C++ extension) every product of a step runs on
-:mod:`wiola_kernels.decode_gemv`, a kernel that reads a weight packed into panels as one
-sequential stream (~38–42 GB/s on one core of the CI VM, against 19–29 GB/s for MKL on
-either layout; numbers in ``csrc/cpu/decode_gemv.cpp``). :class:`_GemvBlock` packs, per
-block, ``W_Q|W_K|W_V``, ``W_O``, ``W_n1|W_n3|W_w1|W_w3``, the two down projections as one
-(with the DSFF blend ``σ(β)`` folded in) and the context matrices per head (the folded
-context attention of :mod:`wiola.context_fold`, score scale and gate folded in);
-:class:`_GemvHead` packs the tied head. Together they are a copy of every matrix (for
-wiola-360m 1.44 GB, next to the 1.44 GB of parameters).
+weight once. On the CPU in float32, bfloat16 or float16 (with the C++ extension) every
+product of a step runs on :func:`wiola_kernels.decode_gemv.gemv`, which streams the
+parameters themselves — ``nn.Linear``'s ``(n, d)`` rows, one contiguous stretch per thread
+— so decoding holds no copy of the weights: memory stays at the parameters plus the KV
+cache, training and ``state_dict`` see ordinary Parameters, and an in-place change of a
+weight (an optimizer step, ``load_state_dict``) is read by the next step as it is. A block
+is five kernel calls, each one parallel region over its weights: ``W_Q|W_K|W_V``, the
+context projections ``W_Kc|W_Vc`` of the context slots, ``W_O``, ``W_n1|W_n3|W_w1|W_w3``, and
+``W_n2|W_w2`` each on its own stream's activations; the tied head is one more. bfloat16 and
+float16 weights are widened in registers (the kernel reads half the bytes of float32), the
+activations keep the model's dtype between the products, as the model's forward does.
 
-Elsewhere (CUDA, other dtypes, no extension) :class:`_Packed` keeps the layouts MKL streams
+The context sub-attention (SPEC §5.3) is taken unfolded here: the ``Λ'`` context slots go
+through ``W_Kc`` and ``W_Vc`` as rows of one product (``Λ' ≤ 2`` by default, so one read of
+each matrix, as the folded form of :mod:`wiola.context_fold` costs), which needs no
+per-head transposed or pre-scaled matrix; the gate and ``1/√d_h`` are applied to the small
+results.
+
+Elsewhere (CUDA, float64, no extension) :class:`_Packed` keeps the layouts MKL streams
 fastest: ``W_Q | W_K | W_V`` and ``W_n1 | W_n3 | W_w1 | W_w3`` as transposed ``(d, Σ n_i)``
-copies and the tied head as ``(d, V)`` (MKL reads a ``(1, d) × (d, n)`` product at
-~19–22 GB/s against ~15 GB/s from ``nn.Linear``'s ``(n, d)`` when ``n ≥ d``); ``W_O``,
-``W_n2``, ``W_w2`` and the context matrices are read in place.
-
-:class:`DecodeWeights` holds those copies. They are built on the first cached decoding step
-without gradients, checked against the parameters' identity and version counters on every
-step (an optimizer step, ``load_state_dict`` or ``.to()`` rebuilds them), and dropped by
-``model.train()`` or :meth:`WiolaForCausalLM.release_decode_weights`. Set
-``WiolaForCausalLM.decode_packing = False`` to decode from the parameters themselves.
+copies and the tied head as ``(d, V)``; ``W_O``, ``W_n2``, ``W_w2`` and the context matrices
+are read in place. :class:`DecodeWeights` holds those copies: built on the first cached
+decoding step without gradients, checked against the parameters' identity and version
+counters on every step (an optimizer step, ``load_state_dict`` or ``.to()`` rebuilds them),
+and dropped by ``model.train()`` or :meth:`WiolaForCausalLM.release_decode_weights`. Set
+``WiolaModel.decode_packing = False`` to decode through the model's own modules.
 
 :class:`GrowingKV` is the cache layer: keys and values are written into a buffer with spare
 capacity (doubling), instead of ``torch.cat`` copying the whole cache on every token.
@@ -150,102 +155,52 @@ class _Packed:
         return self.key == _source_key(self.sources)
 
 
-class _GemvBlock:
-    """One block's weights packed for :func:`wiola_kernels.decode_gemv.gemv` (CPU float32): every
-    matrix a cached step reads, each one sequential stream.
-
-    * ``qkv``: ``W_Q | W_K | W_V``; ``o``: ``W_O``; ``up``: ``W_n1 | W_n3 | W_w1 | W_w3``;
-    * ``down``: ``[λ ⊙ W_n2 | (1 − λ) ⊙ W_w2]`` along the input (``λ = σ(β)`` per output
-      channel), so both DSFF streams' down projections and their blend are one product of
-      the concatenated activations;
-    * ``kc``: per head ``W_Kc,hᵀ / √d_h`` ``(H, d, d_h)`` and ``vc``: per head
-      ``σ(g_h) · W_Vc,h`` ``(H, d_h, d)``: the folded context attention
-      (:mod:`wiola.context_fold`) as two grouped products, the score scale and the gate
-      folded in.
-    """
-
-    def __init__(self, block):
-        a, f = block.attn, block.ffn
-        self.sources = (a.q_proj.weight, a.k_proj.weight, a.v_proj.weight, a.o_proj.weight, a.kc_proj.weight,
-                        a.vc_proj.weight, a.gate, f.w_n1.weight, f.w_n3.weight, f.w_w1.weight, f.w_w3.weight,
-                        f.w_n2.weight, f.w_w2.weight, f.beta)
-        self.key = _source_key(self.sources)
-        pack = decode_gemv.pack
-        h, dh, d = a.n_head, a.head_dim, a.kc_proj.weight.shape[1]
-        with torch.no_grad():
-            self.qkv = pack(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight], 0))
-            self.qkv_splits = [a.q_proj.weight.shape[0], a.k_proj.weight.shape[0], a.v_proj.weight.shape[0]]
-            self.o = pack(a.o_proj.weight)
-            self.kc = pack(a.kc_proj.weight.view(h, dh, d).transpose(1, 2) * (1.0 / math.sqrt(dh)))
-            self.vc = pack(a.vc_proj.weight.view(h, dh, d) * torch.sigmoid(a.gate)[:, None, None])
-            ups = (f.w_n1.weight, f.w_n3.weight, f.w_w1.weight, f.w_w3.weight)
-            self.up = pack(torch.cat(ups, 0))
-            self.up_splits = [w.shape[0] for w in ups]
-            lam = torch.sigmoid(f.beta)[:, None]
-            self.down = pack(torch.cat([f.w_n2.weight * lam, f.w_w2.weight * (1.0 - lam)], 1))
-
-    def fresh(self) -> bool:
-        return self.key == _source_key(self.sources)
-
-    def packs(self) -> tuple[decode_gemv.PackedWeight, ...]:
-        return self.qkv, self.kc, self.vc, self.o, self.up, self.down
-
-
-class _GemvHead:
-    """The tied head ``E`` packed for :func:`~wiola_kernels.decode_gemv.gemv`."""
-
-    def __init__(self, weight: Tensor):
-        self.sources = (weight,)
-        self.key = _source_key(self.sources)
-        self.packed = decode_gemv.pack(weight)
-
-    def fresh(self) -> bool:
-        return self.key == _source_key(self.sources)
-
-
 def gemv_applies(dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether decoding steps of a ``dtype`` model on ``device`` run on the packed GEMV kernel
-    (CPU float32 with the C++ extension); otherwise they use the MKL layouts of :class:`_Packed`."""
-    return device.type == "cpu" and dtype == torch.float32 and decode_gemv.available()
+    """Whether decoding steps of a ``dtype`` model on ``device`` run on the GEMV kernel
+    (CPU float32/bfloat16/float16 with the C++ extension); otherwise they use the MKL
+    layouts of :class:`_Packed`."""
+    return decode_gemv.applies(dtype, device)
 
 
 class DecodeWeights:
-    """The packed copies one model decodes from (see the module docstring), built lazily:
-    :class:`_GemvBlock` / :class:`_GemvHead` where :func:`gemv_applies`, else :class:`_Packed`."""
+    """The transposed copies (:class:`_Packed`) decoding steps read where the GEMV kernel does
+    not apply (see the module docstring), built lazily. On the GEMV path it stays empty."""
 
     def __init__(self):
-        self.blocks: dict[int, tuple[_Packed, _Packed] | _GemvBlock] = {}
-        self.head: _Packed | _GemvHead | None = None
+        self.blocks: dict[int, tuple[_Packed, _Packed]] = {}
+        self.head: _Packed | None = None
 
     def block(self, block) -> tuple[_Packed, _Packed]:
         """``(W_Q|W_K|W_V, W_n1|W_n3|W_w1|W_w3)`` of ``block``, rebuilt when a source changed."""
         got = self.blocks.get(block.layer_idx)
-        if not isinstance(got, tuple) or not (got[0].fresh() and got[1].fresh()):
+        if got is None or not (got[0].fresh() and got[1].fresh()):
             a, f = block.attn, block.ffn
             got = (_Packed(a.q_proj.weight, a.k_proj.weight, a.v_proj.weight),
                    _Packed(f.w_n1.weight, f.w_n3.weight, f.w_w1.weight, f.w_w3.weight))
             self.blocks[block.layer_idx] = got
         return got
 
-    def gemv_block(self, block) -> _GemvBlock:
-        """Every matrix of ``block`` packed for the GEMV kernel, rebuilt when a source changed."""
-        got = self.blocks.get(block.layer_idx)
-        if not isinstance(got, _GemvBlock) or not got.fresh():
-            got = self.blocks[block.layer_idx] = _GemvBlock(block)
-        return got
-
     def lm_head(self, weight: Tensor) -> _Packed:
-        if not isinstance(self.head, _Packed) or self.head.sources[0] is not weight or not self.head.fresh():
+        if self.head is None or self.head.sources[0] is not weight or not self.head.fresh():
             self.head = _Packed(weight)
         return self.head
 
     def logits(self, hidden: Tensor, weight: Tensor) -> Tensor:
-        """``hidden (B, T, d) @ weightᵀ`` (the tied head ``weight (V, d)``) from the packed copy."""
-        if gemv_applies(hidden.dtype, hidden.device):
-            if not isinstance(self.head, _GemvHead) or self.head.sources[0] is not weight or not self.head.fresh():
-                self.head = _GemvHead(weight)
-            return decode_gemv.gemv(hidden, self.head.packed)
+        """``hidden (B, T, d) @ weightᵀ`` (the tied head ``weight (V, d)``): on the GEMV kernel
+        from ``weight`` itself where it applies, else from the packed copy."""
+        if gemv_applies(weight.dtype, weight.device) and hidden.dtype == weight.dtype \
+                and hidden.shape[:-1].numel() <= decode_gemv.MAX_ROWS:
+            return decode_gemv.gemv(hidden, weight)
         return hidden @ self.lm_head(weight).t
+
+
+def _gemv_rows(x: Tensor, weights: list[Tensor]) -> Tensor:
+    """:func:`~wiola_kernels.decode_gemv.gemv` of ``x (N, k)`` for any N, in chunks of at most
+    ``MAX_ROWS`` rows (each chunk reads the weights once more)."""
+    step = decode_gemv.MAX_ROWS
+    if x.shape[0] <= step:
+        return decode_gemv.gemv(x, weights)
+    return torch.cat([decode_gemv.gemv(x[i:i + step], weights) for i in range(0, x.shape[0], step)])
 
 
 class DecodeStep:
@@ -302,37 +257,51 @@ class DecodeStep:
         projections ``q (B, T, H, d_h)``, ``k, v (B, T, H_kv, d_h)``."""
         q_rot, k_rot = attn.srpe(q.transpose(1, 2), k.transpose(1, 2), self.position_ids)
         k_all, v_all = self.cache.update(k_rot, v.transpose(1, 2), attn.layer_idx)  # (B, H_kv, T_past + T, d_h)
+        b, h, t, dh = q_rot.shape
+        if t == 1 and self.key_valid is None and q_rot.dtype in (torch.bfloat16, torch.float16):
+            # One query per row, no mask: SDPA reads a 16-bit cache as it is (accumulating in
+            # float32) rather than cached_attention widening the whole cache every step.
+            h_kv = k_all.shape[1]
+            out = F.scaled_dot_product_attention(q_rot.reshape(b, h // h_kv, h_kv, dh).transpose(1, 2), k_all, v_all)
+            return out.view(b, h_kv, h // h_kv, 1, dh).transpose(1, 2).reshape(b, 1, h, dh)
         return cached_attention(q_rot, k_all, v_all, self.key_valid).transpose(1, 2)
 
     def _gemv_block(self, block, x: Tensor, context: Tensor) -> Tensor:
-        """:meth:`block` with every product on the packed GEMV kernel (:class:`_GemvBlock`)."""
-        attn = block.attn
+        """:meth:`block` with every product on the GEMV kernel, read from the parameters. At
+        ~40 small ops per block the step's Python and dispatch overhead is a real part of a
+        token's time, so the ops are the fewest that do the maths (``split_with_sizes``, not
+        the Python ``split``; the context mixture as one SDPA call)."""
+        attn, ffn = block.attn, block.ffn
         gemv = decode_gemv.gemv
-        w = self.weights.gemv_block(block)
         b, t, d = x.shape
         h, h_kv, dh = attn.n_head, attn.n_kv_head, attn.head_dim
 
         hx = block.attn_norm(x)                                   # X̃ (B, T, d)
-        q, k, v = gemv(hx, w.qkv).split(w.qkv_splits, -1)
+        q, k, v = gemv(hx, [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]) \
+            .split_with_sizes([h * dh, h_kv * dh, h_kv * dh], -1)
         q = q.view(b, t, h, dh)
         out = self._attention(attn, q, k.view(b, t, h_kv, dh), v.view(b, t, h_kv, dh))  # (B, T, H, d_h)
         n_ctx = context.shape[2]
-        if n_ctx:  # folded context attention (context_fold.py), scale and gate in the packs
-            ctx = context.expand(b, t, n_ctx, d).reshape(b * t, n_ctx, d)      # (N, Λ', d)
+        if n_ctx:  # SPEC §5.3 unfolded: the context slots through W_Kc and W_Vc as rows of one product
+            n = b * t
+            ctx = context.expand(b, t, n_ctx, d).reshape(n * n_ctx, d)            # (N·Λ', d)
+            sig = torch.sigmoid(attn.gate.to(out.dtype)).view(h, 1)             # (H, 1)
             if n_ctx == 1:  # one slot: softmax weight 1, the key side drops out
-                mix = ctx[:, 0].expand(h, b * t, d)                             # (H, N, d)
-            else:
-                q_hat = gemv(q.reshape(b * t, h, dh).transpose(0, 1), w.kc)    # (H, N, d) = W_Kc,hᵀ q_h / √d_h
-                a = torch.softmax(q_hat.transpose(0, 1) @ ctx.transpose(1, 2), -1)  # (N, H, Λ')
-                mix = (a @ ctx).transpose(0, 1)                                 # (H, N, d): Σ_λ a_λ s_λ
-            cross = gemv(mix, w.vc)                                             # (H, N, d_h), σ(g_h) folded
-            out = out + cross.transpose(0, 1).view(b, t, h, dh)
-        x = x + gemv(out.reshape(b, t, h * dh), w.o)                           # X'
+                mixed = _gemv_rows(ctx, [attn.vc_proj.weight]).view(n, h, dh)
+            else:  # softmax_λ(q_h · W_Kc,h s_λ / √d_h) over the slots, then Σ_λ a_λ W_Vc,h s_λ: attention
+                kv = _gemv_rows(ctx, [attn.kc_proj.weight, attn.vc_proj.weight]).view(n, n_ctx, 2, h, dh)
+                kv = kv.permute(2, 0, 3, 1, 4)                                  # (2, N, H, Λ', d_h)
+                mixed = F.scaled_dot_product_attention(q.reshape(n, h, 1, dh), kv[0], kv[1]).view(n, h, dh)
+            out = out + (mixed * sig).view(b, t, h, dh)
+        x = x + gemv(out.to(x.dtype).reshape(b, t, h * dh), attn.o_proj.weight)  # X'
 
         hf = block.ffn_norm(x)
-        gn, un, gw, uw = gemv(hf, w.up).split(w.up_splits, -1)
-        act = torch.cat([F.silu(gn) * un, F.gelu(gw, approximate="tanh") * uw], -1)
-        return x + gemv(act, w.down)                                            # Xˡ⁺¹ (λ folded into down)
+        sizes = [ffn.w_n1.out_features, ffn.w_n3.out_features, ffn.w_w1.out_features, ffn.w_w3.out_features]
+        gn, un, gw, uw = gemv(hf, [ffn.w_n1.weight, ffn.w_n3.weight, ffn.w_w1.weight, ffn.w_w3.weight]) \
+            .split_with_sizes(sizes, -1)
+        act = torch.cat([F.silu(gn).mul_(un), F.gelu(gw, approximate="tanh").mul_(uw)], -1)
+        narrow, wide = gemv(act, [ffn.w_n2.weight, ffn.w_w2.weight], split_input=True).split_with_sizes([d, d], -1)
+        return x + torch.lerp(wide, narrow, torch.sigmoid(ffn.beta))          # Xˡ⁺¹ = x + λ·narrow + (1−λ)·wide
 
 
 def applies(model, batch: int, t: int, past: int, cache, requires_grad: bool) -> bool:

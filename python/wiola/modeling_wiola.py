@@ -11,9 +11,10 @@
         record the summary s⁽ˡ⁾ of Xˡ⁺¹
     logits = WRMSNorm_final(Xᴸ) · Eᵀ       (tied head)
 
-Cached decoding steps without gradients run the same maths on packed copies of the weights
-(``decode.py``: batch-1 GEMVs on ``wiola_kernels.decode_gemv``'s streaming layout on the CPU
-in float32, else in the layout MKL streams fastest; the KV cache appended in place).
+Cached decoding steps without gradients run the same maths laid out for batch-1 GEMVs
+(``decode.py``: on the CPU in float32/bfloat16/float16 ``wiola_kernels.decode_gemv`` streams
+the parameters themselves, no copy; elsewhere transposed copies in the layout MKL streams
+fastest; the KV cache appended in place).
 
 The heavy lifting is done by ``wiola_kernels`` ops (``rms_norm``, ``srpe``,
 ``gcla_attention``, ``atm_merge``/``atm_unmerge``, ``glu`` in DSFF, and ``add_rms_norm`` for
@@ -632,14 +633,15 @@ class WiolaModel(WiolaPreTrainedModel):
         self._decode_weights: decode.DecodeWeights | None = None
         self.post_init()
 
-    #: Cached decoding steps read packed copies of the weights (decode.py: on the CPU in
-    #: float32 every matrix, ~1.6x faster batch-1 decoding for 1.0x the parameters' memory;
-    #: elsewhere the widest ones; built on the first step and freed by ``train()``). False
-    #: decodes from the parameters themselves.
+    #: Cached decoding steps take decode.py's path: on the CPU in float32/bfloat16/float16 the
+    #: GEMV kernel reading the parameters in place (no copy); elsewhere transposed copies of
+    #: the widest matrices, built on the first step and freed by ``train()``. False decodes
+    #: through the model's own modules.
     decode_packing = True
 
     def decode_weights(self) -> "decode.DecodeWeights | None":
-        """The packed copies decoding steps read (None when :attr:`decode_packing` is off)."""
+        """The copies decoding steps read where the GEMV kernel does not apply (empty where it
+        does; None when :attr:`decode_packing` is off)."""
         if not self.decode_packing:
             self._decode_weights = None
         elif self._decode_weights is None:
@@ -647,7 +649,7 @@ class WiolaModel(WiolaPreTrainedModel):
         return self._decode_weights
 
     def release_decode_weights(self) -> None:
-        """Free the packed copies decoding built (they are rebuilt by the next decoding step)."""
+        """Free the copies decoding built (rebuilt by the next decoding step where needed)."""
         self._decode_weights = None
 
     def train(self, mode: bool = True):
@@ -1000,7 +1002,7 @@ class WiolaForCausalLM(WiolaPreTrainedModel, GenerationMixin):
                     dt = torch.get_autocast_dtype(h.device.type)
                     h, E = h.to(dt), E.to(dt)
                 loss = wiola_kernels.linear_cross_entropy(h, E.to(h.dtype), targets, ignore_index=-100)
-            elif packed_head:  # E from a packed copy (decode.py)
+            elif packed_head:  # E on the GEMV kernel, or from a transposed copy (decode.py)
                 logits = self.model.decode_weights().logits(hidden, self.lm_head.weight)
             else:
                 logits = self.lm_head(hidden)                                # (B, T, V)
