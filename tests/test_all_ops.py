@@ -125,6 +125,15 @@ def _glu_make(shape, dtype, seed):
     return dict(a=_randn(*shape, g=g, scale=2.0).to(dtype), b=_randn(*shape, g=g).to(dtype), activation="gelu_tanh")
 
 
+def _lce_make(shape, dtype, seed):
+    """(N, d, V): hidden rows, the head, labels with every fourth row ignored."""
+    n, d, vocab = shape
+    g = gen(seed)
+    labels = torch.randint(0, vocab, (n,), generator=g)
+    labels[::4] = -100
+    return dict(h=_randn(n, d, g=g).to(dtype), W=_randn(vocab, d, g=g, scale=0.5).to(dtype), labels=labels)
+
+
 def _gcla_make(shape, dtype, seed):
     b, h, h_kv, t, dh, lam = shape
     g = gen(seed)
@@ -171,6 +180,10 @@ CASES: dict[str, OpCase] = {
     "glu": OpCase(
         _glu_make, lambda a: (wk.glu(**a),),
         dict(dynamic=[(2, 3, 16), (2, 5, 16)], concurrent=[(64, 200)], gpu=[(5, 33)])),
+    "linear_cross_entropy": OpCase(
+        _lce_make, lambda a: (wk.linear_cross_entropy(**a),),
+        dict(dynamic=[(6, 8, 11), (9, 8, 11)], concurrent=[(64, 32, 300)], gpu=[(33, 64, 1000)]),
+        kind="attention"),
     "gcla_attention": OpCase(
         _gcla_make, lambda a: (wk.gcla_attention(**a),),
         # d_h = 64: a head width the CUDA kernels take
