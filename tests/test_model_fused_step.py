@@ -122,7 +122,7 @@ def test_float32_fused_matches_the_unfused_model(backend, monkeypatch):
 
     def run():
         model.zero_grad(set_to_none=True)
-        out = model(ids, labels=labels, use_cache=False)
+        out = model(ids, labels=labels, use_cache=False, return_logits=True)
         out.loss.backward()
         return out.logits.detach(), out.loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 

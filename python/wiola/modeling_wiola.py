@@ -493,6 +493,17 @@ class WiolaBlock(GradientCheckpointingLayer):
         return x, y
 
 
+def holds_its_weights(norm: WiolaRMSNorm, d: int) -> bool:
+    """Whether another module's forward may read ``norm``'s parameters: not under FSDP, which
+    keeps a module's parameters sharded (FSDP2: DTensors; FSDP1: flat, empty views) until
+    that module's own forward gathers them. The block then leaves the next norm to its owner."""
+    for p in (norm.weight, norm.shift):
+        if p is not None and (p.shape != (d,) or type(p).__name__ == "DTensor"
+                              or type(getattr(p, "data", p)).__name__ == "DTensor"):
+            return False
+    return True
+
+
 def add_norm(update: Tensor, residual: Tensor, norm: WiolaRMSNorm) -> tuple[Tensor, Tensor]:
     """``(norm(residual + update), residual + update)`` in one pass (:func:`wiola_kernels.add_rms_norm`).
 
@@ -731,8 +742,9 @@ class WiolaModel(WiolaPreTrainedModel):
                 x, normed = step.block(layer, x, context), None
             else:  # the block also returns the next norm of its output (the add and norm fused)
                 next_norm = self.layers[i + 1].attn_norm if i + 1 < len(self.layers) else self.norm
-                x, normed = layer(x, position_ids, context, normed, lengths=lengths, cache=cache, layout=layout,
-                                  next_norm=next_norm)
+                out = layer(x, position_ids, context, normed, lengths=lengths, cache=cache, layout=layout,
+                            next_norm=next_norm if holds_its_weights(next_norm, x.shape[-1]) else None)
+                x, normed = out if isinstance(out, tuple) else (out, None)
             if hidden_states is not None and i < len(self.layers) - 1:
                 hidden_states.append(x)
             if lookback > 0 and i < len(self.layers) - 1:  # the last layer's summary is never read
