@@ -42,11 +42,13 @@ part "Triton 3.6 AOT compiles" warm
 # C++ kernels and their CUDA emulation do not import either package: the main run covers
 # them (test_cuda_emu.py stays here as a smoke test of the emulator under this environment).
 kernels=(tests/test_rms_norm.py tests/test_srpe.py tests/test_gcla_attention.py tests/test_atm.py
+         tests/test_add_rms_norm.py tests/test_glu.py tests/test_linear_cross_entropy.py
          tests/test_op_layer.py tests/test_all_ops.py tests/test_triton_interpreter.py)
 part "interpreter tests (Triton 3.6)" "$PYTHON" -m pytest -q -p no:cacheprovider $XDIST "${kernels[@]}" \
   tests/test_cuda_emu.py -k "triton or test_cuda_emu" "$@"
 part "patch_hf + model tests (transformers 5.17)" "$PYTHON" -m pytest -q -p no:cacheprovider $XDIST \
-  tests/test_hf*.py tests/test_model.py tests/test_model_hf.py tests/test_model_decode.py "$@"
+  tests/test_hf*.py tests/test_model.py tests/test_model_hf.py tests/test_model_decode.py \
+  tests/test_model_fused_step.py tests/test_model_loss.py "$@"
 part "AOT spill check (Triton 3.6)" "$PYTHON" -m pytest -q -p no:cacheprovider tests/test_triton_aot.py "$@"
 dry() { OUT=$(mktemp -d) WIOLA_DEVICE_ENV=0 bash scripts/gpu_check.sh --dry-run; }
 part "gpu_check.sh --dry-run" dry
