@@ -100,7 +100,6 @@ __all__ = ["patch_hf", "unpatch_hf", "is_patched", "FusedGatedMLP", "FusedRotary
 # model_type -> class-name prefix in transformers.models.<type>.modeling_<type>. The three
 # families share LlamaRMSNorm's arithmetic, hence the HF rounding order for all of them.
 _FAMILIES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2"}
-_HF_ORDER = {"llama": True, "mistral": True, "qwen2": True}
 _RECORD = "_wiola_hf_patch"
 _ROPE_ATTR = "_wiola_rope"  # attribute of the cos table the fused rotary embedding returns
 
@@ -512,7 +511,7 @@ def _plan(model: nn.Module, model_type: str, modeling, switches: dict) -> tuple[
     if switches["rms_norm"] and norm_cls is not None:
         for parent, name, child in targets:
             if type(child) is norm_cls:
-                fused = RMSNorm(eps=child.variance_epsilon, hf_order=_HF_ORDER[model_type], weight=child.weight)
+                fused = RMSNorm(eps=child.variance_epsilon, hf_order=True, weight=child.weight)
                 fused.train(child.training)
                 norms.append((parent, name, child, fused))
     if switches["rope"] and rotary_cls is not None and callable(getattr(modeling, "apply_rotary_pos_emb", None)):
