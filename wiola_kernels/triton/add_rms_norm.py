@@ -11,12 +11,9 @@ row in the forward and three in the backward.
 
 from __future__ import annotations
 
-import math
-
 import torch
 
-from ..dtypes import compute_dtype
-from .rms_norm import _launch_config, _rms_norm_bwd_kernel, _rms_norm_fwd_kernel, norm_bwd, norm_fwd
+from .rms_norm import norm_bwd, norm_fwd, norm_launches
 
 
 def add_rms_norm_fwd(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, shift: torch.Tensor | None,
@@ -35,23 +32,9 @@ def aot_launches(sms: int):
     """Every launch of the forward and backward kernels with the residual flags, at the GPU
     test and bench shapes, on a GPU with ``sms`` SMs (see ``wiola_kernels/triton/aot.py``)."""
     from ..shapes import ADD_RMS_NORM_BENCH, ADD_RMS_NORM_GPU_TESTS, GPU_BENCH_DTYPE
-    from .aot import DEFAULT_NUM_STAGES, DevicePointer as P, Launch
 
     cases = [(f"test add x {shape} {dtype}", shape, dtype) for shape, dtype in ADD_RMS_NORM_GPU_TESTS]
     cases += [(f"bench {size} add x {shape} {GPU_BENCH_DTYPE}", shape, GPU_BENCH_DTYPE)
               for size, shape in ADD_RMS_NORM_BENCH.items()]
     for case, shape, dtype in cases:
-        rows, d = math.prod(shape[:-1]), shape[-1]
-        acc = compute_dtype(dtype)
-        element_size = torch.empty((), dtype=dtype).element_size()
-        fwd = _launch_config(rows, d, element_size, 2, sms)
-        yield Launch(_rms_norm_fwd_kernel, (P(dtype),) * 3 + (P(acc), P(acc), P(dtype), P(acc), rows, d, 1e-6),
-                     dict(ROWS_PER_STEP=fwd.rows_per_step, BLOCK_D=fwd.block_d, IS_FP64=acc == torch.float64,
-                          WIDE=fwd.wide, HAS_SHIFT=True, HF_ORDER=False, HAS_RESIDUAL=True),
-                     fwd.num_warps, DEFAULT_NUM_STAGES, fwd.programs, case)
-        bwd = _launch_config(rows, d, element_size, 3, sms)
-        yield Launch(_rms_norm_bwd_kernel, (P(dtype),) * 3 + (P(acc), P(acc), P(acc), P(dtype), P(acc), P(acc),
-                                                              rows, d),
-                     dict(ROWS_PER_STEP=bwd.rows_per_step, BLOCK_D=bwd.block_d, WIDE=bwd.wide, HAS_SHIFT=True,
-                          HAS_GRAD_S=True),
-                     bwd.num_warps, DEFAULT_NUM_STAGES, bwd.programs, case)
+        yield from norm_launches(case, shape, dtype, sms, residual=True)

@@ -399,33 +399,32 @@ def aot_launches(sms: int):
     """Every launch of the forward and backward kernels at the GPU test and bench shapes
     (:mod:`wiola_kernels.shapes`), on a GPU with ``sms`` SMs (see ``wiola_kernels/triton/aot.py``)."""
     from .. import shapes
-    from .aot import DEFAULT_NUM_STAGES, DevicePointer as P, Launch
 
     cases = [(f"test x {shape} {dtype}", shape, dtype) for shape, dtype in shapes.RMS_NORM_GPU_TESTS]
     cases += [(f"bench {size} x {shape} {shapes.GPU_BENCH_DTYPE}", shape, shapes.GPU_BENCH_DTYPE)
               for size, shape in shapes.RMS_NORM_BENCH.items()]
     for case, shape, dtype in cases:
-        rows, d = math.prod(shape[:-1]), shape[-1]
-        acc = compute_dtype(dtype)
-        element_size = torch.empty((), dtype=dtype).element_size()
-        fwd = _launch_config(rows, d, element_size, 1, sms)
-        yield Launch(_rms_norm_fwd_kernel, (P(dtype),) * 3 + (P(acc), P(acc), P(dtype), P(acc), rows, d, 1e-6),
-                     dict(ROWS_PER_STEP=fwd.rows_per_step, BLOCK_D=fwd.block_d, IS_FP64=acc == torch.float64,
-                          WIDE=fwd.wide, HAS_SHIFT=True, HF_ORDER=False, HAS_RESIDUAL=False),
-                     fwd.num_warps, DEFAULT_NUM_STAGES, fwd.programs, case)
-        bwd = _launch_config(rows, d, element_size, 2, sms)
-        yield Launch(_rms_norm_bwd_kernel, (P(dtype),) * 3 + (P(acc), P(acc), P(acc), P(dtype), P(acc), P(acc),
-                                                              rows, d),
-                     dict(ROWS_PER_STEP=bwd.rows_per_step, BLOCK_D=bwd.block_d, WIDE=bwd.wide, HAS_SHIFT=True,
-                          HAS_GRAD_S=False),
-                     bwd.num_warps, DEFAULT_NUM_STAGES, bwd.programs, case)
+        yield from norm_launches(case, shape, dtype, sms)
         if case.startswith("bench"):  # the Hugging Face variant (patch_hf): no δ, HF's rounding order
-            yield Launch(_rms_norm_fwd_kernel, (P(dtype),) * 3 + (P(acc), P(acc), P(dtype), P(acc), rows, d, 1e-6),
-                         dict(ROWS_PER_STEP=fwd.rows_per_step, BLOCK_D=fwd.block_d, IS_FP64=acc == torch.float64,
-                              WIDE=fwd.wide, HAS_SHIFT=False, HF_ORDER=True, HAS_RESIDUAL=False),
-                         fwd.num_warps, DEFAULT_NUM_STAGES, fwd.programs, case + " hf")
-            yield Launch(_rms_norm_bwd_kernel, (P(dtype),) * 3 + (P(acc), P(acc), P(acc), P(dtype), P(acc), P(acc),
-                                                                  rows, d),
-                         dict(ROWS_PER_STEP=bwd.rows_per_step, BLOCK_D=bwd.block_d, WIDE=bwd.wide, HAS_SHIFT=False,
-                              HAS_GRAD_S=False),
-                         bwd.num_warps, DEFAULT_NUM_STAGES, bwd.programs, case + " hf")
+            yield from norm_launches(case + " hf", shape, dtype, sms, shift=False, hf_order=True)
+
+
+def norm_launches(case: str, shape: tuple, dtype: torch.dtype, sms: int, *, residual: bool = False,
+                  shift: bool = True, hf_order: bool = False):
+    """The forward and backward launches of one input ``shape`` (rms_norm's, or add_rms_norm's
+    with ``residual``: one more row tensor each way) for :mod:`wiola_kernels.triton.aot`."""
+    from .aot import DEFAULT_NUM_STAGES, DevicePointer as P, Launch
+
+    rows, d = math.prod(shape[:-1]), shape[-1]
+    acc = compute_dtype(dtype)
+    element_size = torch.empty((), dtype=dtype).element_size()
+    fwd = _launch_config(rows, d, element_size, 1 + residual, sms)
+    yield Launch(_rms_norm_fwd_kernel, (P(dtype),) * 3 + (P(acc), P(acc), P(dtype), P(acc), rows, d, 1e-6),
+                 dict(ROWS_PER_STEP=fwd.rows_per_step, BLOCK_D=fwd.block_d, IS_FP64=acc == torch.float64,
+                      WIDE=fwd.wide, HAS_SHIFT=shift, HF_ORDER=hf_order, HAS_RESIDUAL=residual),
+                 fwd.num_warps, DEFAULT_NUM_STAGES, fwd.programs, case)
+    bwd = _launch_config(rows, d, element_size, 2 + residual, sms)
+    yield Launch(_rms_norm_bwd_kernel, (P(dtype),) * 3 + (P(acc), P(acc), P(acc), P(dtype), P(acc), P(acc), rows, d),
+                 dict(ROWS_PER_STEP=bwd.rows_per_step, BLOCK_D=bwd.block_d, WIDE=bwd.wide, HAS_SHIFT=shift,
+                      HAS_GRAD_S=residual),
+                 bwd.num_warps, DEFAULT_NUM_STAGES, bwd.programs, case)
