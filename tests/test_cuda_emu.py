@@ -1,4 +1,4 @@
-"""The cuda_emu test backend itself (issue 10 §1): how it is chosen, that it goes through
+"""The cuda_emu test backend itself: how it is chosen, that it goes through
 the CUDA bindings' argument checks, and that its schemas are those of the real kernels.
 The kernels' results are tested by the cuda/cuda_emu sections of tests/test_gcla_attention.py, tests/test_atm.py
 and tests/test_all_ops.py (which run on cuda_emu in CI) and by the ctest targets wiola_cuda_emu_* (also under TSan)."""

@@ -1,4 +1,4 @@
-"""``python -m wiola bench --decode`` (issue 12 §3): records, floor arithmetic, the Llama twin."""
+"""``python -m wiola bench --decode``: records, floor arithmetic, the Llama twin."""
 
 from __future__ import annotations
 

@@ -280,7 +280,7 @@ __global__ void __launch_bounds__(kSimThreads, kSimBlocks)
 #pragma unroll
   for (int k = 0; k <= kSimTokens; ++k) mx[k] = 0u;
   // A step loads its columns of all tokens before any is summed (memory-level
-  // parallelism, issue 10 §3); each thread sums its columns in ascending order, the
+  // parallelism); each thread sums its columns in ascending order, the
   // block its threads in a fixed order below: deterministic.
   if (vec) {  // one 16-byte chunk per token: columns [c·E, c·E + E) of chunk c
     constexpr int E = static_cast<int>(kPerChunk<scalar_t>);
@@ -655,7 +655,7 @@ __device__ __forceinline__ void unmerge_backward_segment(const scalar_t* g, cons
     cur = prev = slot;
     Lane::set(acc, v);
   };
-  // kUnmergeBatch tokens' chunks are loaded before any is summed (issue 10 §3).
+  // kUnmergeBatch tokens' chunks are loaded before any is summed.
 #pragma unroll 1
   for (int64_t t = t0; t < t1; t += kUnmergeBatch) {
     Chunk v[kUnmergeBatch];

@@ -1,4 +1,4 @@
-// SIMT emulation of CUDA's device side for the wiola kernels (issue 10 §1), test-only.
+// SIMT emulation of CUDA's device side for the wiola kernels, test-only.
 // A .cu includes this instead of the CUDA headers when compiled as host C++ with
 // -DWIOLA_CUDA_EMU; the kernel bodies stay unchanged. The runtime (fibers, scheduler,
 // checks) is csrc/cuda/emu/runtime.cpp.

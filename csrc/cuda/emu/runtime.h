@@ -1,4 +1,4 @@
-// SIMT emulation of the CUDA runtime for the wiola kernels (issue 10 §1): the host side
+// SIMT emulation of the CUDA runtime for the wiola kernels: the host side
 // (types, errors, launches) of the emulator. csrc/cuda/emu/cuda_emu.h adds the device
 // side (thread indices, barriers, warp collectives, bf16/fp16, intrinsics, cub subset).
 //
