@@ -112,7 +112,19 @@ at::Tensor empty_self(const Shape& s, const at::TensorOptions& options) {
   return t;
 }
 
-float scale_of(const Shape& s) { return static_cast<float>(1.0 / std::sqrt(static_cast<double>(s.dh))); }
+// The launch parameters both summary passes share: shape, layout, scale c = 1/√d_h, dtype.
+template <typename Params>
+void set_shape(Params& p, const Shape& s, bool perm_kv, const at::Tensor& q) {
+  p.B = s.B;
+  p.H = s.H;
+  p.T = s.T;
+  p.dh = s.dh;
+  p.S = s.S;
+  p.L = s.L;
+  p.perm_kv = perm_kv;
+  p.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(s.dh)));
+  p.dtype = kernel_dtype(q, "q");
+}
 
 std::tuple<at::Tensor, at::Tensor> gcla_summary_fwd(const at::Tensor& o_self, const at::Tensor& lse_self,
                                                     const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc,
@@ -137,15 +149,7 @@ std::tuple<at::Tensor, at::Tensor> gcla_summary_fwd(const at::Tensor& o_self, co
   at::Tensor lse = empty_output({s.B, s.H, s.T}, q.options().dtype(at::kFloat));
   p.out = out.mutable_data_ptr();
   p.lse = lse.mutable_data_ptr<float>();
-  p.B = s.B;
-  p.H = s.H;
-  p.T = s.T;
-  p.dh = s.dh;
-  p.S = s.S;
-  p.L = s.L;
-  p.perm_kv = perm_kv;
-  p.scale = scale_of(s);
-  p.dtype = kernel_dtype(q, "q");
+  set_shape(p, s, perm_kv, q);
   check_launch(gcla::launch_summary_forward(p, current_stream()), "gcla_attention summary forward");
   return {out, lse};
 }
@@ -207,15 +211,7 @@ gcla_summary_bwd(const at::Tensor& grad_out, const at::Tensor& out, const at::Te
   p.lse_self = self_lse("lse_self", lse_self, s, q);
   p.gate_part = gate_part.mutable_data_ptr<float>();
   p.ckv_part = s.S == 1 ? ckv_part.mutable_data_ptr<float>() : nullptr;
-  p.B = s.B;
-  p.H = s.H;
-  p.T = s.T;
-  p.dh = s.dh;
-  p.S = s.S;
-  p.L = s.L;
-  p.perm_kv = perm_kv;
-  p.scale = scale_of(s);
-  p.dtype = kernel_dtype(q, "q");
+  set_shape(p, s, perm_kv, q);
   check_launch(gcla::launch_summary_backward(p, current_stream()), "gcla_attention summary backward");
   return {dq, dkc, dvc, dgate, do_self, o_self, q_self, lse_self};
 }
