@@ -151,69 +151,74 @@ def greedy_groups(length, candidate):
     return groups
 
 
-def index_map_of(groups, t_len, length):
-    """The index map SPEC §6.3 gives ``groups`` of a row of ``t_len`` tokens, ``length``
-    of them real: token → its slot; padding token p → T' + (p − length)."""
-    imap = [0] * t_len
-    for slot, grp in enumerate(groups):
-        for t in grp:
-            imap[t] = slot
-    for p in range(length, t_len):
-        imap[p] = len(groups) + (p - length)
-    return imap
+def _unit_scaled(v):
+    """The token ``v`` (floats) times the power of two that brings ``max|v|`` into [0.5, 1):
+    the cosine is homogeneous in each token, so this changes no similarity, only keeps the
+    sums below in range at every magnitude."""
+    m = max(abs(u) for u in v)
+    if m == 0:
+        return v
+    e = math.frexp(m)[1]
+    return [math.ldexp(u, -e) for u in v]
 
 
-def atm_decisions(x, threshold, lengths=None):
-    """The groups of every row (SPEC §6.1-6.2): cosine similarity of neighbours in float64,
-    candidates ``s > threshold``, then :func:`greedy_groups`."""
+def atm_candidate(a, b, tau):
+    """SPEC §6.1: is ``s = cos(a, b) > τ`` for two tokens (lists of floats)? The cosine of a
+    zero token is 0; a NaN/Inf token is never a candidate (docs/ops.md). Decided without a
+    square root — for ``D = ⟨a, b⟩ > 0``, ``s > τ ⟺ D² > τ²·‖a‖²‖b‖²`` — in float64 with
+    ``τ²N`` rounded as ``(τ·τ)·N``, the rounding the project fixes for exact ties
+    (wiola_kernels/reference/atm.py): a threshold one ulp from a similarity is decided
+    the same way by every backend. D and τ are scaled together by a power of two so that
+    neither square under- or overflows."""
+    if not tau < 1 or not all(math.isfinite(u) for u in a + b):
+        return False
+    a, b = _unit_scaled(a), _unit_scaled(b)
+    dot = math.fsum(p * q for p, q in zip(a, b))
+    n = math.fsum(p * p for p in a) * math.fsum(q * q for q in b)
+    if n == 0:
+        return tau < 0
+    if (dot > 0) != (tau >= 0):
+        return dot > 0                                  # the signs decide
+    e = math.frexp(max(abs(dot), abs(tau)))[1]
+    ds, ts = math.ldexp(dot, -e), math.ldexp(tau, -e)
+    return ds * ds > (ts * ts) * n if dot > 0 else ds * ds < (ts * ts) * n
+
+
+def atm_oracle(x, position_ids, threshold, lengths=None):
+    """SPEC §6.1-6.3 in float64, a row and a token at a time: ``(merged, merged_position_ids,
+    merged_lengths, index_map)`` of ``x (B, T, d)``, ``merged`` differentiable in ``x`` (so its
+    autograd is SPEC §6.4's backward: halves to a pair's members, padding zero).
+
+    Candidates by :func:`atm_candidate` inside each row's length, the greedy scan of
+    :func:`greedy_groups`; a pair's mean as ``x_t/2 + x_{t+1}/2`` (no overflow at a dtype's
+    maximum) with its first member's position; row b holds its T'_b slots first, then zeros
+    with position 0; a padding token t ≥ L_b maps to slot ``T'_b + (t − L_b)``."""
     x = x.double()
-    B, T, _ = x.shape
-    groups = []
-    for b in range(B):
-        L = T if lengths is None else int(lengths[b])
-        sims = [torch.nn.functional.cosine_similarity(x[b, t], x[b, t + 1], dim=0, eps=0.0).item()
-                for t in range(max(L - 1, 0))]
-        groups.append(greedy_groups(L, lambda t, sims=sims: sims[t] > threshold))
-    return groups
-
-
-def atm_oracle(x, pos, groups, lengths=None):
-    """Given decisions, build merged/positions/lengths/index_map in float64 (differentiable)."""
     B, T, d = x.shape
-    xd = x.double()
-    merged_rows, mpos, mlen, imap = [], torch.zeros(B, T, dtype=torch.int64), [], torch.zeros(B, T, dtype=torch.int64)
+    pos = position_ids.to(torch.int64).expand(B, T)
+    rows = x.detach().tolist()
+    merged, mpos = [], torch.zeros(B, T, dtype=torch.int64)
+    mlen, imap = torch.zeros(B, dtype=torch.int64), torch.zeros(B, T, dtype=torch.int64)
     for b in range(B):
         L = T if lengths is None else int(lengths[b])
-        rows = []
-        for slot, grp in enumerate(groups[b]):
-            rows.append(sum(xd[b, t] for t in grp) / len(grp))
-            mpos[b, slot] = pos[b, grp[0]]
-            for t in grp:
-                imap[b, t] = slot
-        Tp = len(rows)
-        for t in range(L, T):
-            imap[b, t] = Tp + (t - L)
-        rows += [torch.zeros(d, dtype=torch.float64)] * (T - Tp)
-        merged_rows.append(torch.stack(rows))
-        mlen.append(Tp)
-    return torch.stack(merged_rows), mpos, torch.tensor(mlen), imap
+        groups = greedy_groups(L, lambda t, r=rows[b]: atm_candidate(r[t], r[t + 1], threshold))
+        first, last = (x[b, torch.tensor([g[k] for g in groups], dtype=torch.int64)] for k in (0, -1))
+        pair = torch.tensor([len(g) == 2 for g in groups], dtype=torch.bool)[:, None]
+        slots = torch.where(pair, first / 2 + last / 2, first)
+        merged.append(torch.cat([slots, torch.zeros(T - len(groups), d, dtype=F64)]))
+        for s, g in enumerate(groups):
+            mpos[b, s] = pos[b, g[0]]
+            imap[b, list(g)] = s
+        imap[b, L:] = torch.arange(len(groups), len(groups) + T - L)
+        mlen[b] = len(groups)
+    return (torch.stack(merged) if B else x * 0), mpos, mlen, imap
 
 
-def make_atm_input(B, T, d, dtype=torch.float32, seed=0):
-    """Random tokens with runs of near-duplicates (runs of 2, 3, 4 and 5) so the greedy
-    rule matters, and clearly dissimilar neighbours elsewhere."""
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(B, T, d, generator=g, dtype=torch.float64)
-    for b in range(B):
-        t = b % 2
-        run = 2 + b % 4
-        while t + run <= T:
-            base = x[b, t].clone()
-            for u in range(t, t + run):
-                x[b, u] = base + 0.05 * torch.randn(d, generator=g, dtype=torch.float64)
-            t += run + 1 + (t % 3)
-            run = 2 + (run - 1) % 4
-    return x.to(dtype)
+def atm_unmerge_oracle(y, index_map):
+    """SPEC §6.3 in float64: ``restored[b, t] = y[b, index_map[b, t]]``; differentiable, a
+    slot's gradient the sum of its tokens' (§6.4)."""
+    y = y.double()
+    return torch.stack([y[b, index_map[b]] for b in range(y.shape[0])]) if y.shape[0] else y * 0
 
 
 # ----------------------------------------------------------------------------------------

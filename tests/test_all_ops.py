@@ -10,7 +10,8 @@ test) the op also gets, per backend (the C++ CPU backend once per instruction se
 in its CPU interpreter here):
 
 * forward and backward against the oracle, in float32/bfloat16/float16/float64, to SPEC §9's
-  tolerances, with the outputs' dtypes and shapes, the inputs left unmodified (and every
+  tolerances (integer outputs, ATM's positions, lengths and index map, exactly), with the
+  outputs' dtypes and shapes, the inputs left unmodified (and every
   output poisoned with NaN before a kernel writes it: conftest);
 * strided inputs (the model's views): right values, and no copy by the kernels that read
   views in place (their outputs keep the inputs' memory order);
@@ -36,7 +37,7 @@ import torch
 import wiola_kernels as wk
 from cuda_targets import DEVICE, targets
 from helpers import assert_bitwise, backend_variants, forward_backward, gen, gpu_only, on_backend, threads
-from oracles import rms_oracle, srpe_oracle
+from oracles import atm_oracle, atm_unmerge_oracle, rms_oracle, srpe_oracle
 from wiola_kernels import dispatch
 from wiola_kernels.outputs import empty_output
 from wiola_kernels.testing import CopyCounter, assert_close_rel, srpe_tolerance, tolerance
@@ -144,17 +145,43 @@ def _gcla_make(shape, dtype, seed):
 
 
 def _atm_make(shape, dtype, seed):
-    """Tokens whose every third neighbour pair is an exact repeat (cosine 1) among random
-    neighbours (cosine far below the threshold 0.9 in d ≥ 16)."""
+    """Runs of repeated tokens (cosine 1) of every length among random neighbours (cosine far
+    below τ = 0.9 for d ≥ 16), so the greedy rule decides; per-row lengths (row 0 full, the
+    others anything in [0, T]) and positions of any order."""
     b, t, d = shape
-    x = _randn(b, t, d, g=gen(seed))
-    x[:, 1::3] = x[:, ::3][:, :x[:, 1::3].shape[1]]
-    return dict(x=x.to(dtype), position_ids=torch.arange(t), threshold=0.9)
+    g = gen(seed)
+    x = _randn(b, t, d, g=g)
+    repeat = torch.rand(b, t, generator=g) < 0.6
+    for j in range(1, t):
+        x[:, j] = torch.where(repeat[:, j, None], x[:, j - 1], x[:, j])
+    lengths = torch.randint(0, t + 1, (b,), generator=g)
+    lengths[:1] = t
+    return dict(x=x.to(dtype), position_ids=torch.randint(0, 2**20, (b, t), generator=g), threshold=0.9,
+                lengths=lengths)
+
+
+def _atm_views(shape, dtype, seed):
+    """x every other column of a (T, B, 2d) buffer, positions expanded from (1, T) (stride 0
+    over the batch), lengths every other element; the output gradients: merged's expanded
+    from one row (stride 0), restored's transposed."""
+    b, t, d = shape
+    args = _atm_make(shape, dtype, seed)
+    wide = torch.zeros(t, b, 2 * d, dtype=dtype)
+    wide[..., ::2] = args["x"].transpose(0, 1)
+    g = gen(seed + 1)
+    grads = [_randn(1, t, d, g=g).to(dtype).expand(b, t, d), _randn(b, d, t, g=g).to(dtype).transpose(1, 2)]
+    return dict(args, x=wide.transpose(0, 1)[..., ::2], position_ids=args["position_ids"][:1].expand(b, t),
+                lengths=torch.stack([args["lengths"], args["lengths"]], 1).flatten()[::2]), grads
 
 
 def _atm_call(a):
-    merged, _, merged_lengths, index_map = wk.atm_merge(a["x"], a["position_ids"], a["threshold"])
-    return merged, merged_lengths, index_map, wk.atm_unmerge(merged * 2, index_map)
+    merged, merged_positions, merged_lengths, index_map = wk.atm_merge(**a)
+    return merged, merged_positions, merged_lengths, index_map, wk.atm_unmerge(merged * 2, index_map)
+
+
+def _atm_oracle(a):
+    merged, merged_positions, merged_lengths, index_map = atm_oracle(**a)
+    return merged, merged_positions, merged_lengths, index_map, atm_unmerge_oracle(merged * 2, index_map)
 
 
 CASES: dict[str, OpCase] = {
@@ -191,7 +218,14 @@ CASES: dict[str, OpCase] = {
              gpu=[(2, 4, 2, 19, 64, 2)]),
         kind="attention"),
     "atm": OpCase(
-        _atm_make, _atm_call, dict(dynamic=[(2, 6, 16), (2, 9, 16)], concurrent=[(2, 50, 24)], gpu=[(3, 21, 48)])),
+        _atm_make, _atm_call,
+        # (B, T, d): T = 1, B = 0, odd B; T across the CUDA kernels' 8-token and 16-token blocks, d odd
+        # (their element-wise path) and across the C++ unmerge backward's 512-column blocks
+        dict(default=[(1, 1, 16), (0, 4, 16), (3, 7, 16), (2, 37, 24), (5, 20, 33), (2, 9, 520)],
+             threads=[(1, 257, 48)],  # one row: 1 thread streams it, 2 threads run the phased steps
+             views=[(3, 19, 16)], dynamic=[(2, 6, 16), (2, 9, 16)],
+             concurrent=[(2, 50, 24)], gpu=[(3, 21, 48)]),
+        oracle=_atm_oracle, views=_atm_views),
 }
 WITH_ORACLE = [op for op in dispatch.ops() if op in CASES and CASES[op].oracle is not None]
 
@@ -225,8 +259,17 @@ def _run(case: OpCase, args: dict, grads: list | int | None):
 def _oracle(case: OpCase, args: dict, grads: list):
     args = {n: v.detach().double().requires_grad_() if n in _tensors(args) else v for n, v in args.items()}
     outs = case.oracle(args)
-    return [o.detach() for o in outs], list(torch.autograd.grad(outs, [args[n] for n in _tensors(args)],
+    floats = [o for o in outs if o.is_floating_point()]
+    return [o.detach() for o in outs], list(torch.autograd.grad(floats, [args[n] for n in _tensors(args)],
                                                                [g.double() for g in grads]))
+
+
+def _assert_matches(got, ref, tol, what):
+    """Floating-point outputs within ``tol`` of the oracle; integer ones (indices, lengths) equal."""
+    if ref.is_floating_point():
+        assert_close_rel(got, ref, tol, what)
+    else:
+        assert got.dtype == ref.dtype and torch.equal(got, ref), what
 
 
 def _params(*props):
@@ -273,13 +316,14 @@ def test_forward_and_backward_match_the_oracle(op, backend, dtype):
         want, dwant = _oracle(case, args, grads)
         tol = case.tolerance(dtype, args)
         for got, ref, name in zip(outs, want, range(len(want))):
-            assert got.dtype == dtype, f"{shape} output {name}: {got.dtype}"
-            assert_close_rel(got, ref, tol, f"{shape} output {name}")
+            assert got.dtype == dtype or not ref.is_floating_point(), f"{shape} output {name}: {got.dtype}"
+            _assert_matches(got, ref, tol, f"{shape} output {name}")
         for got, ref, name in zip(dargs, dwant, _tensors(args)):
             assert got.dtype == args[name].dtype, f"{shape} grad {name}: {got.dtype}"
             assert_close_rel(got, ref, tol, f"{shape} grad {name}")
         assert all(torch.equal(args[n], v) for n, v in before.items()), "an input was modified"
-        assert not {o.data_ptr() for o in outs + dargs} & {v.data_ptr() for v in before.values()}, "output aliases input"
+        storage = {v.data_ptr() for v in before.values() if v.numel()}  # an empty tensor has no storage
+        assert not {o.data_ptr() for o in outs + dargs if o.numel()} & storage, "output aliases input"
 
 
 @pytest.mark.parametrize("op, backend", _params(lambda op, b: CASES[op].views is not None))
@@ -294,7 +338,7 @@ def test_strided_inputs(op, backend):
             want, dwant = _oracle(case, args, grads)
             tol = case.tolerance(dtype, args)
             for got, ref in zip(outs + dargs, want + dwant):
-                assert_close_rel(got, ref, tol, f"{shape} {dtype}")
+                _assert_matches(got, ref, tol, f"{shape} {dtype}")
             if reads_in_place:
                 assert copied.copies == 0, copied.counts
                 views = [args[n] for n in _tensors(args)]
@@ -319,7 +363,7 @@ def test_triton_float64_gradcheck(op, backend):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
-@pytest.mark.parametrize("op, backend", _params(lambda op, b: b.startswith("cpu/")))
+@pytest.mark.parametrize("op, backend", _params(lambda op, b: b.partition("/")[0] == "cpu"))
 def test_cpu_bitwise_on_any_thread_count(op, backend, dtype):
     """Forward and backward on 1, 2, 1, 2 threads: the same bits each time (reductions over
     rows split the work into a fixed number of chunks, summed in a fixed order)."""
