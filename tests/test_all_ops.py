@@ -36,7 +36,7 @@ import torch
 import wiola_kernels as wk
 from cuda_targets import DEVICE, targets
 from helpers import assert_bitwise, backend_variants, forward_backward, gen, gpu_only, on_backend, threads
-from oracles import rms_oracle, srpe_oracle
+from oracles import add_rms_norm_oracle, glu_oracle, rms_oracle, srpe_oracle
 from wiola_kernels import dispatch
 from wiola_kernels.outputs import empty_output
 from wiola_kernels.testing import CopyCounter, assert_close_rel, srpe_tolerance, tolerance
@@ -117,12 +117,40 @@ def _srpe_oracle(a):
 
 
 def _add_make(shape, dtype, seed):
-    return dict(_rms_make(shape, dtype, 2 * seed), residual=_randn(*shape, g=gen(seed + 1)).to(dtype))
+    """rms_norm's inputs (odd seeds: no δ) and a residual twice x's scale."""
+    return dict(_rms_make(shape, dtype, seed), residual=_randn(*shape, g=gen(seed + 1), scale=2.0).to(dtype))
+
+
+def _add_views(shape, dtype, seed):
+    """x and the residual as the two halves of one tensor (row stride 2d), then a transposed
+    residual; γ every other element, no δ; the output gradients transposed."""
+    g = gen(seed)
+    rows, d = shape
+    both = _randn(rows, 2 * d, g=g)
+    residual = both[:, d:] if seed % 2 else _randn(d, rows, g=g).t()
+    wd = torch.rand(2 * d, generator=g, dtype=F64) + 0.5
+    grads = [_randn(d, rows, g=g).t().to(dtype) for _ in range(2)]
+    return dict(x=both[:, :d].to(dtype), residual=residual.to(dtype), weight=wd[::2].to(dtype), shift=None,
+                eps=1e-6), grads
+
+
+_GLU_LAYOUTS = ("separate", "halves", "packed")
 
 
 def _glu_make(shape, dtype, seed):
-    g = gen(seed)
-    return dict(a=_randn(*shape, g=g, scale=2.0).to(dtype), b=_randn(*shape, g=g).to(dtype), activation="gelu_tanh")
+    """Seeds cycle the six (activation, layout) pairs: even seeds GELU_tanh, odd SiLU; the
+    layout by seed // 2: two tensors, the two halves of one projection's output (row stride
+    2n, read in place) or that output itself (b None, the packed form)."""
+    n = shape[-1]
+    u = _randn(*shape[:-1], 2 * n, g=gen(seed), scale=2.0).to(dtype)
+    activation = "silu" if seed % 2 else "gelu_tanh"
+    layout = _GLU_LAYOUTS[(seed // 2) % 3]
+    if layout == "packed":
+        return dict(a=u, b=None, activation=activation)
+    a, b = u[..., :n], u[..., n:]
+    if layout == "separate":
+        a, b = a.contiguous(), b.contiguous()
+    return dict(a=a, b=b, activation=activation)
 
 
 def _lce_make(shape, dtype, seed):
@@ -176,10 +204,18 @@ CASES: dict[str, OpCase] = {
         tol=lambda dtype, a: srpe_tolerance(dtype, a["position_ids"], a["spiral_divisor"])),
     "add_rms_norm": OpCase(
         _add_make, lambda a: wk.add_rms_norm(**a),
-        dict(dynamic=[(2, 3, 16), (2, 5, 16)], concurrent=[(64, 200)], gpu=[(5, 33)])),
+        dict(default=[(1, 3), (37, 192), (2, 3, 50), (7,)], triton=[(3, 37), (2, 5)], gradcheck=[(2, 5), (2, 3, 4)],
+             threads=[(601, 96)], views=[(30, 20), (7, 33)], dynamic=[(2, 3, 16), (2, 5, 16)],
+             concurrent=[(64, 200)], gpu=[(5, 33)]),
+        oracle=lambda a: add_rms_norm_oracle(a["x"], a["residual"], a["weight"], a["shift"], a["eps"]),
+        views=_add_views),
     "glu": OpCase(
         _glu_make, lambda a: (wk.glu(**a),),
-        dict(dynamic=[(2, 3, 16), (2, 5, 16)], concurrent=[(64, 200)], gpu=[(5, 33)])),
+        # six shapes: the six (activation, layout) pairs; n not a multiple of any vector width
+        dict(default=[(1, 3), (37, 40), (2, 5, 130), (7,), (3, 2, 17), (5, 33)],
+             triton=[(3, 37), (1, 3), (2, 5), (5,), (2, 2, 9), (4, 6)], gradcheck=[(2, 3)] * 6,
+             threads=[(301, 100)], dynamic=[(2, 3, 16), (2, 5, 16)], concurrent=[(64, 200)], gpu=[(5, 33)]),
+        oracle=lambda a: (glu_oracle(a["a"], a["b"], a["activation"]),)),
     "linear_cross_entropy": OpCase(
         _lce_make, lambda a: (wk.linear_cross_entropy(**a),),
         dict(dynamic=[(6, 8, 11), (9, 8, 11)], concurrent=[(64, 32, 300)], gpu=[(33, 64, 1000)]),
@@ -307,15 +343,16 @@ def test_strided_inputs(op, backend):
 def test_triton_float64_gradcheck(op, backend):
     """The interpreter runs a few hundred launches a second: the randomised gradcheck."""
     case = CASES[op]
-    args = case.make(case.shapes["gradcheck"][0], F64, seed=0)
-    names = _tensors(args)
+    for i, shape in enumerate(case.shapes["gradcheck"]):
+        args = case.make(shape, F64, seed=i)
+        names = _tensors(args)
 
-    def f(*leaves):
-        return case.call(dict(args, **dict(zip(names, leaves))))
+        def f(*leaves):
+            return case.call(dict(args, **dict(zip(names, leaves))))
 
-    leaves = [args[n].clone().requires_grad_() for n in names]
-    with on_backend(backend):
-        assert torch.autograd.gradcheck(f, leaves, fast_mode=True)
+        leaves = [args[n].clone().requires_grad_() for n in names]
+        with on_backend(backend):
+            assert torch.autograd.gradcheck(f, leaves, fast_mode=True), shape
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
