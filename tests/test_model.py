@@ -443,11 +443,11 @@ def test_paper_mode_refuses_a_filled_cache():
 
 # ---- loss, gradients, padding --------------------------------------------------------------------
 
-def _oracle_grads(model, cfg, ids, **kw):
+def _oracle_grads(model, cfg, ids, labels, **kw):
     oracle = ModelOracle(model, cfg, requires_grad=True)
     leaves = oracle.P
     logits = oracle.forward(ids, **kw)
-    loss = F.cross_entropy(logits[:, :-1].reshape(-1, cfg.vocab_size), ids[:, 1:].reshape(-1))
+    loss = F.cross_entropy(logits[:, :-1].reshape(-1, cfg.vocab_size), labels[:, 1:].reshape(-1), ignore_index=-100)
     loss.backward()
     # layer 0 has no context, so its kc/vc projections and gate get no gradient
     return loss.detach(), {k: torch.zeros_like(v) if v.grad is None else v.grad for k, v in leaves.items()}
@@ -455,17 +455,21 @@ def _oracle_grads(model, cfg, ids, **kw):
 
 @pytest.mark.parametrize("train", [False, True])
 def test_loss_and_gradients_match_oracle(train):
-    # §8: next-token cross-entropy; gradients of every parameter (ATM on in training)
+    """§8: next-token cross-entropy with an ignored label, and the gradient of every
+    parameter, through the fused ops (SPEC §10: the head's loss, DSFF's glu, add + norm) in
+    float64; ATM on in training."""
     model, cfg = make_model(atm_threshold=0.1, hidden_size=16, num_attention_heads=2,
                             num_key_value_heads=1, head_dim=8, seed=16)
     ids = torch.randint(0, cfg.vocab_size, (2, 10))
+    labels = ids.clone()
+    labels[0, 2] = -100
     info = {}
     atm = middle_third(6) if train else ()
-    want_loss, want = _oracle_grads(model, cfg, ids, atm_layers=atm, info=info)
+    want_loss, want = _oracle_grads(model, cfg, ids, labels, atm_layers=atm, info=info)
     if train:
         assert min(info["margin"]) > 1e-8 and all(info["merges"][l] > 0 for l in atm)
     model.train(train)
-    out = model(ids, labels=ids)  # training mode: no cache by default, so ATM runs
+    out = model(ids, labels=labels)  # training mode: no cache by default, so ATM runs
     assert (out.cache is None) == train
     out.loss.backward()
     model.eval()
