@@ -1,7 +1,8 @@
 """The properties every op shares, tested once per op and backend (each op's own file,
 tests/test_<op>.py, keeps what only that op has).
 
-The ops come from the dispatch registry: ``CASES`` has an entry for every registered op
+The ops come from the dispatch registry: ``CASES`` (tests/op_cases.py, which
+tests/test_op_layer.py reads too) has an entry for every registered op
 (``test_every_registered_op_has_a_case`` fails when one is missing) and every test here is
 parametrised over ``CASES``, never over names written here. An entry says how to make the
 op's inputs and call its public function. With an ``oracle`` (tests/oracles.py: float64,
@@ -14,9 +15,9 @@ in its CPU interpreter here):
   output poisoned with NaN before a kernel writes it: conftest);
 * strided inputs (the model's views): right values, and no copy by the kernels that read
   views in place (their outputs keep the inputs' memory order);
-* the float64 ``gradcheck`` of the Triton backend (the other backends' is in
-  test_op_layer.py, with ``opcheck``, ``torch.compile``'s graph breaks and the bad-input
-  messages of every backend);
+* the float64 ``gradcheck`` of every backend (test_op_layer.py has it for the ops without
+  an oracle, with ``opcheck``, ``torch.compile``'s graph breaks and the bad-input messages of
+  every backend);
 * the C++ kernels' forward and backward bitwise the same on 1 and 2 threads, run to run.
 
 An entry without an oracle is an op whose own test file still tests those; every entry
@@ -27,209 +28,16 @@ repeats under compute-sanitizer.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Callable
-
 import pytest
 import torch
 
 import wiola_kernels as wk
 from cuda_targets import DEVICE, targets
 from helpers import assert_bitwise, backend_variants, forward_backward, gen, gpu_only, on_backend, threads
-from oracles import add_rms_norm_oracle, glu_oracle, rms_oracle, srpe_oracle
+from op_cases import CASES, F64, WITH_ORACLE, OpCase
 from wiola_kernels import dispatch
 from wiola_kernels.outputs import empty_output
-from wiola_kernels.testing import CopyCounter, assert_close_rel, srpe_tolerance, tolerance
-
-F64 = torch.float64
-
-
-def _randn(*shape, g, scale=1.0):
-    return scale * torch.randn(*shape, generator=g, dtype=F64)
-
-
-# --- one entry per registered op ---------------------------------------------------------------
-
-@dataclass(frozen=True)
-class OpCase:
-    """How the tests here exercise one registered op."""
-
-    make: Callable[[tuple, torch.dtype, int], dict]  # (shape, dtype, seed) -> the public function's arguments
-    call: Callable[[dict], tuple]                    # those arguments -> the outputs
-    shapes: dict[str, list]   # "default", "triton" (interpreter: tiny), "gradcheck", "threads", "views",
-                              # "dynamic" (two sizes), "concurrent", "gpu"
-    oracle: Callable[[dict], tuple] | None = None    # float64 arguments -> float64 outputs, differentiable
-    views: Callable[[tuple, torch.dtype, int], tuple[dict, list]] | None = None  # strided (arguments, grads)
-    in_place: tuple[str, ...] = ()                   # backends that read `views` without a copy
-    kind: str = "elementwise"                        # SPEC §9's tolerance row
-    tol: Callable[[torch.dtype, dict], float] | None = field(default=None)  # instead of the kind's
-
-    def tolerance(self, dtype: torch.dtype, args: dict) -> float:
-        return self.tol(dtype, args) if self.tol else tolerance(dtype, self.kind)
-
-
-def _rms_make(shape, dtype, seed):
-    """Odd seeds: no shift δ (its own kernel path)."""
-    g = gen(seed)
-    d = shape[-1]
-    x, w, s = _randn(*shape, g=g), torch.rand(d, generator=g, dtype=F64) + 0.5, _randn(d, g=g, scale=0.3)
-    return dict(x=x.to(dtype), weight=w.to(dtype), shift=None if seed % 2 else s.to(dtype), eps=1e-6)
-
-
-def _rms_views(shape, dtype, seed):
-    """x a strided view both ways (transposed, every other column), γ and δ every other
-    element of one tensor, the output gradient transposed."""
-    g = gen(seed)
-    rows, d = shape
-    x = _randn(2 * d, rows, g=g).t()[:, ::2]
-    wd = torch.rand(2 * d, generator=g, dtype=F64) + 0.5
-    grad = _randn(d, rows, g=g).t()
-    return dict(x=x.to(dtype), weight=wd[::2].to(dtype), shift=(0.1 * wd[1::2]).to(dtype), eps=1e-6), [grad.to(dtype)]
-
-
-def _srpe_make(shape, dtype, seed):
-    """Seeds 3n + 1: positions below 2048 (float64 then within 1e-11); 3n + 2: other
-    hyperparameters than SPEC's defaults."""
-    b, h, h_kv, t, dh = shape
-    g = gen(seed)
-    q, k = _randn(b, h, t, dh, g=g), _randn(b, h_kv, t, dh, g=g)
-    pos = torch.randint(0, 2048 if seed % 3 == 1 else 2**20, (b, t), generator=g)  # not monotonic, may repeat
-    params = (500.0, 3.0, 0.3, 0.05) if seed % 3 == 2 else (10000.0, 8.0, 0.1, 0.01)
-    return dict(q=q.to(dtype), k=k.to(dtype), position_ids=pos,
-                **dict(zip(("theta", "spiral_divisor", "radial_amplitude", "radial_frequency"), params)))
-
-
-def _srpe_views(shape, dtype, seed):
-    """q, k as the model makes them: ``Linear(x).view(B, T, H, d_h).transpose(1, 2)``, int64
-    positions expanded from (1, T) (stride 0 over the batch), output gradients alike."""
-    b, h, h_kv, t, dh = shape
-    args = _srpe_make(shape, dtype, seed)
-    g = gen(seed + 1)
-    view = {n: _randn(b, t, n_h, dh, g=g).to(dtype).transpose(1, 2) for n, n_h in (("q", h), ("k", h_kv))}
-    pos = torch.randperm(4 * t, generator=g)[:t].sort().values[None].expand(b, t)
-    grads = [_randn(b, t, n_h, dh, g=g).to(dtype).transpose(1, 2) for n_h in (h, h_kv)]
-    return dict(args, **view, position_ids=pos), grads
-
-
-def _srpe_oracle(a):
-    params = (a["theta"], a["spiral_divisor"], a["radial_amplitude"], a["radial_frequency"])
-    return srpe_oracle(a["q"], a["position_ids"], *params), srpe_oracle(a["k"], a["position_ids"], *params)
-
-
-def _add_make(shape, dtype, seed):
-    """rms_norm's inputs (odd seeds: no δ) and a residual twice x's scale."""
-    return dict(_rms_make(shape, dtype, seed), residual=_randn(*shape, g=gen(seed + 1), scale=2.0).to(dtype))
-
-
-def _add_views(shape, dtype, seed):
-    """x and the residual as the two halves of one tensor (row stride 2d), then a transposed
-    residual; γ every other element, no δ; the output gradients transposed."""
-    g = gen(seed)
-    rows, d = shape
-    both = _randn(rows, 2 * d, g=g)
-    residual = both[:, d:] if seed % 2 else _randn(d, rows, g=g).t()
-    wd = torch.rand(2 * d, generator=g, dtype=F64) + 0.5
-    grads = [_randn(d, rows, g=g).t().to(dtype) for _ in range(2)]
-    return dict(x=both[:, :d].to(dtype), residual=residual.to(dtype), weight=wd[::2].to(dtype), shift=None,
-                eps=1e-6), grads
-
-
-_GLU_LAYOUTS = ("separate", "halves", "packed")
-
-
-def _glu_make(shape, dtype, seed):
-    """Seeds cycle the six (activation, layout) pairs: even seeds GELU_tanh, odd SiLU; the
-    layout by seed // 2: two tensors, the two halves of one projection's output (row stride
-    2n, read in place) or that output itself (b None, the packed form)."""
-    n = shape[-1]
-    u = _randn(*shape[:-1], 2 * n, g=gen(seed), scale=2.0).to(dtype)
-    activation = "silu" if seed % 2 else "gelu_tanh"
-    layout = _GLU_LAYOUTS[(seed // 2) % 3]
-    if layout == "packed":
-        return dict(a=u, b=None, activation=activation)
-    a, b = u[..., :n], u[..., n:]
-    if layout == "separate":
-        a, b = a.contiguous(), b.contiguous()
-    return dict(a=a, b=b, activation=activation)
-
-
-def _lce_make(shape, dtype, seed):
-    """(N, d, V): hidden rows, the head, labels with every fourth row ignored."""
-    n, d, vocab = shape
-    g = gen(seed)
-    labels = torch.randint(0, vocab, (n,), generator=g)
-    labels[::4] = -100
-    return dict(h=_randn(n, d, g=g).to(dtype), W=_randn(vocab, d, g=g, scale=0.5).to(dtype), labels=labels)
-
-
-def _gcla_make(shape, dtype, seed):
-    b, h, h_kv, t, dh, lam = shape
-    g = gen(seed)
-    sizes = dict(q_rot=(b, h, t, dh), k_rot=(b, h_kv, t, dh), v=(b, h_kv, t, dh), q=(b, h, t, dh),
-                 kc=(b, h, t, lam, dh), vc=(b, h, t, lam, dh), gate=(h,))
-    args = {n: _randn(*s, g=g).to(dtype) for n, s in sizes.items()}
-    return dict(args, lengths=torch.tensor([max(t - 3 * i, 1) for i in range(b)]))
-
-
-def _atm_make(shape, dtype, seed):
-    """Tokens whose every third neighbour pair is an exact repeat (cosine 1) among random
-    neighbours (cosine far below the threshold 0.9 in d ≥ 16)."""
-    b, t, d = shape
-    x = _randn(b, t, d, g=gen(seed))
-    x[:, 1::3] = x[:, ::3][:, :x[:, 1::3].shape[1]]
-    return dict(x=x.to(dtype), position_ids=torch.arange(t), threshold=0.9)
-
-
-def _atm_call(a):
-    merged, _, merged_lengths, index_map = wk.atm_merge(a["x"], a["position_ids"], a["threshold"])
-    return merged, merged_lengths, index_map, wk.atm_unmerge(merged * 2, index_map)
-
-
-CASES: dict[str, OpCase] = {
-    "rms_norm": OpCase(
-        _rms_make, lambda a: (wk.rms_norm(**a),),
-        dict(default=[(1, 3), (7,), (37, 192), (5, 760), (2, 3, 50), (1151, 33)],
-             triton=[(1, 3), (3, 7), (9, 130), (2, 3, 50)], gradcheck=[(2, 3, 9)], threads=[(3001, 320)],
-             views=[(30, 20)], dynamic=[(2, 3, 16), (2, 5, 16)], concurrent=[(64, 200)], gpu=[(5, 33)]),
-        oracle=lambda a: (rms_oracle(a["x"], a["weight"], a["shift"], a["eps"]),), views=_rms_views),
-    "srpe": OpCase(
-        _srpe_make, lambda a: wk.srpe(**a),
-        # (B, H, H_kv, T, d_h): T = 1, odd B, H/H_kv in {1, 4}, d_h not a power of two, 64, 128
-        dict(default=[(1, 1, 1, 1, 6), (3, 4, 1, 7, 10), (3, 4, 4, 5, 66), (2, 4, 1, 9, 64), (1, 2, 2, 3, 128)],
-             triton=[(1, 1, 1, 1, 6), (3, 4, 1, 7, 10), (1, 2, 2, 3, 128)], gradcheck=[(3, 2, 1, 3, 4)],
-             threads=[(2, 4, 2, 300, 64)], views=[(2, 4, 2, 37, 16), (3, 2, 1, 5, 66), (1, 4, 4, 1, 64)],
-             dynamic=[(2, 2, 1, 3, 4), (2, 2, 1, 5, 4)], concurrent=[(2, 4, 2, 33, 16)], gpu=[(2, 4, 2, 7, 16)]),
-        oracle=_srpe_oracle, views=_srpe_views, in_place=("cpu", "triton"),
-        # float64 at positions ~2^20: the angle p·ω itself carries ~1e-10 of rounding (SPEC §9)
-        tol=lambda dtype, a: srpe_tolerance(dtype, a["position_ids"], a["spiral_divisor"])),
-    "add_rms_norm": OpCase(
-        _add_make, lambda a: wk.add_rms_norm(**a),
-        dict(default=[(1, 3), (37, 192), (2, 3, 50), (7,)], triton=[(3, 37), (2, 5)], gradcheck=[(2, 5), (2, 3, 4)],
-             threads=[(601, 96)], views=[(30, 20), (7, 33)], dynamic=[(2, 3, 16), (2, 5, 16)],
-             concurrent=[(64, 200)], gpu=[(5, 33)]),
-        oracle=lambda a: add_rms_norm_oracle(a["x"], a["residual"], a["weight"], a["shift"], a["eps"]),
-        views=_add_views),
-    "glu": OpCase(
-        _glu_make, lambda a: (wk.glu(**a),),
-        # six shapes: the six (activation, layout) pairs; n not a multiple of any vector width
-        dict(default=[(1, 3), (37, 40), (2, 5, 130), (7,), (3, 2, 17), (5, 33)],
-             triton=[(3, 37), (1, 3), (2, 5), (5,), (2, 2, 9), (4, 6)], gradcheck=[(2, 3)] * 6,
-             threads=[(301, 100)], dynamic=[(2, 3, 16), (2, 5, 16)], concurrent=[(64, 200)], gpu=[(5, 33)]),
-        oracle=lambda a: (glu_oracle(a["a"], a["b"], a["activation"]),)),
-    "linear_cross_entropy": OpCase(
-        _lce_make, lambda a: (wk.linear_cross_entropy(**a),),
-        dict(dynamic=[(6, 8, 11), (9, 8, 11)], concurrent=[(64, 32, 300)], gpu=[(33, 64, 1000)]),
-        kind="attention"),
-    "gcla_attention": OpCase(
-        _gcla_make, lambda a: (wk.gcla_attention(**a),),
-        # d_h = 64: a head width the CUDA kernels take
-        dict(dynamic=[(2, 2, 1, 3, 4, 2), (2, 2, 1, 5, 4, 2)], concurrent=[(1, 4, 2, 40, 16, 2)],
-             gpu=[(2, 4, 2, 19, 64, 2)]),
-        kind="attention"),
-    "atm": OpCase(
-        _atm_make, _atm_call, dict(dynamic=[(2, 6, 16), (2, 9, 16)], concurrent=[(2, 50, 24)], gpu=[(3, 21, 48)])),
-}
-WITH_ORACLE = [op for op in dispatch.ops() if op in CASES and CASES[op].oracle is not None]
+from wiola_kernels.testing import CopyCounter, assert_close_rel, tolerance
 
 
 def _tensors(args: dict) -> list[str]:
@@ -309,7 +117,7 @@ def test_forward_and_backward_match_the_oracle(op, backend, dtype):
         want, dwant = _oracle(case, args, grads)
         tol = case.tolerance(dtype, args)
         for got, ref, name in zip(outs, want, range(len(want))):
-            assert got.dtype == dtype, f"{shape} output {name}: {got.dtype}"
+            assert got.dtype == case.out_dtype(dtype), f"{shape} output {name}: {got.dtype}"
             assert_close_rel(got, ref, tol, f"{shape} output {name}")
         for got, ref, name in zip(dargs, dwant, _tensors(args)):
             assert got.dtype == args[name].dtype, f"{shape} grad {name}: {got.dtype}"
@@ -339,9 +147,9 @@ def test_strided_inputs(op, backend):
                     assert out.stride() == like.stride(), (shape, out.shape, out.stride(), like.stride())
 
 
-@pytest.mark.parametrize("op, backend", _params(lambda op, b: b == "triton"))
-def test_triton_float64_gradcheck(op, backend):
-    """The interpreter runs a few hundred launches a second: the randomised gradcheck."""
+@pytest.mark.parametrize("op, backend", _params(lambda op, b: "gradcheck" in CASES[op].shapes))
+def test_float64_gradcheck(op, backend):
+    """The randomised gradcheck (Triton's interpreter runs a few hundred launches a second)."""
     case = CASES[op]
     for i, shape in enumerate(case.shapes["gradcheck"]):
         args = case.make(shape, F64, seed=i)
