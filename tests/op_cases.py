@@ -414,9 +414,10 @@ CASES: dict[str, OpCase] = {
         views=_add_views),
     "glu": OpCase(
         _glu_make, lambda a: (wk.glu(**a),),
-        # six shapes: the six (activation, layout) pairs; n not a multiple of any vector width
+        # six shapes: the six (activation, layout) pairs; n not a multiple of any vector width;
+        # Triton's n = 1100: more than one column tile in every dtype (BLOCK_N ≤ 1024)
         dict(default=[(1, 3), (37, 40), (2, 5, 130), (7,), (3, 2, 17), (5, 33)],
-             triton=[(3, 37), (1, 3), (2, 5), (5,), (2, 2, 9), (4, 6)], gradcheck=[(2, 3)] * 6,
+             triton=[(3, 37), (1, 3), (2, 5), (5,), (2, 2, 9), (4, 6), (3, 1100)], gradcheck=[(2, 3)] * 6,
              threads=[(301, 100)], dynamic=[(2, 3, 16), (2, 5, 16)], concurrent=[(64, 200)], gpu=[(5, 33)],
              layer=[(3, 5, 8)]),
         (Public("glu", wk.GLUFunction, _glu_calls, _glu_bad),),
