@@ -4,12 +4,13 @@ halves of one projection, the packed form), gradcheck, inputs left unmodified an
 kernels' bits on any thread count are tests/test_all_ops.py's; opcheck, torch.compile and
 the bad-input messages tests/test_op_layer.py's. Here: the CPU instruction sets' bits, the
 halves read in place with the packed form's one-tensor gradient, other strides, the
-numerics at the edges, the packed form's opcheck."""
+numerics at the edges, the packed form's opcheck and compile."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import wiola_kernels as wk
 from wiola_kernels import shapes
@@ -167,6 +168,8 @@ def test_nan_stays_in_its_element(backend, activation):
     assert torch.isfinite(da[~bad]).all() and torch.isfinite(db[~bad]).all()
 
 
+# --- the packed form: opcheck, compile ---------------------------------------------------------
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_opcheck_packed_form(backend):
     """The halves are opchecked in tests/test_op_layer.py; here the packed form."""
@@ -174,6 +177,29 @@ def test_opcheck_packed_form(backend):
     with wk.use_backend(backend):
         torch.library.opcheck(torch.ops.wiola.glu.default, (u, None, "gelu_tanh"))
         torch.library.opcheck(torch.ops.wiola.glu_backward.default, (torch.randn(5, 6), u, None, "gelu_tanh"))
+
+
+def test_torch_compile_fullgraph_dsff_stream():
+    """The packed form (b None) compiled, as a DSFF stream writes it: one up projection, the
+    packed glu, the down projection; 0 graph breaks and equal to eager (the halves' compile
+    is tests/test_op_layer.py's)."""
+    torch._dynamo.reset()
+    w13 = torch.randn(2 * 16, 8, generator=gen(11)) / 3
+    w2 = torch.randn(8, 16, generator=gen(12)) / 4
+
+    def stream(x, w13, w2):
+        return F.linear(wk.glu(F.linear(x, w13), None, "gelu_tanh"), w2)
+
+    x = torch.randn(3, 8, generator=gen(13))
+    explained = torch._dynamo.explain(stream)(x, w13, w2)
+    assert explained.graph_break_count == 0, explained.break_reasons
+    compiled = torch.compile(stream, fullgraph=True, backend="aot_eager")
+    leaves = [t.clone().requires_grad_() for t in (x, w13, w2)]
+    eager = [t.clone().requires_grad_() for t in (x, w13, w2)]
+    compiled(*leaves).square().sum().backward()
+    stream(*eager).square().sum().backward()
+    for a, b in zip(leaves, eager):
+        assert_close_rel(a.grad, b.grad, tolerance(torch.float32))
 
 
 # --- on a GPU (skipped without one) -----------------------------------------------------------
