@@ -176,3 +176,27 @@ def forward_backward(fn, inputs, grad_out):
     torch.autograd.backward([o for o in outs if o.requires_grad],
                             [g for o, g in zip(outs, grad_out) if o.requires_grad])
     return [o.detach() for o in outs], [t.grad for t in leaves if t.is_floating_point()]
+
+
+# --- the model ---------------------------------------------------------------------------
+
+def randomise(model, seed=0):
+    """Non-init values in every parameter of a Wiola model, so that init shortcuts (γ = 1,
+    δ = 0, β = 0, g = −3) show: γ ≈ 1 ± 0.3, δ, β and g of order 1, projections scaled by
+    1/√fan_in."""
+    g = gen(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            r = torch.randn(p.shape, generator=g, dtype=torch.float64)
+            if name.endswith("norm.weight"):
+                v = 1.0 + 0.3 * r
+            elif name.endswith("norm.shift"):
+                v = 0.5 * r
+            elif name.endswith("gate") or name.endswith("beta"):
+                v = 1.5 * r
+            elif "embed" in name:
+                v = r
+            else:
+                v = r / math.sqrt(p.shape[1])
+            p.copy_(v.to(p.dtype))
+    return model

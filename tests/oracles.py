@@ -53,6 +53,24 @@ def rms_oracle(x, w, s, eps, hf_order=False):
     return w * z / r
 
 
+def add_rms_norm_oracle(x, residual, w, s, eps):
+    """SPEC §10.3 in float64: ``(WRMSNorm(x + residual), x + residual)``."""
+    total = x.double() + residual.double()
+    return rms_oracle(total, w, s, eps), total
+
+
+def glu_oracle(a, b, activation):
+    """SPEC §10.2 in float64: ``act(a) ⊙ b``; ``b`` None: ``a`` is the packed ``[a | b]``."""
+    a = a.double()
+    if b is None:
+        a, b = a.chunk(2, dim=-1)
+    if activation == "silu":
+        act = a / (1 + torch.exp(-a))
+    else:
+        act = 0.5 * a * (1 + torch.tanh(math.sqrt(2 / math.pi) * (a + 0.044715 * a ** 3)))
+    return act * b.double()
+
+
 def lce_oracle(h, W, labels, ignore_index=-100, reduction="mean", label_smoothing=0.0, softcap=None, z_loss=0.0,
                num_items=None):
     """SPEC §10.1 row by row in float64, differentiable by autograd: h (..., d), W (V, d)."""

@@ -1,7 +1,8 @@
 """The properties every op shares, tested once per op and backend (each op's own file,
 tests/test_<op>.py, keeps what only that op has).
 
-The ops come from the dispatch registry: ``CASES`` has an entry for every registered op
+The ops come from the dispatch registry: ``CASES`` (tests/op_cases.py, which
+tests/test_op_layer.py reads too) has an entry for every registered op
 (``test_every_registered_op_has_a_case`` fails when one is missing) and every test here is
 parametrised over ``CASES``, never over names written here. An entry says how to make the
 op's inputs and call its public function. With an ``oracle`` (tests/oracles.py: float64,
@@ -10,14 +11,14 @@ test) the op also gets, per backend (the C++ CPU backend once per instruction se
 in its CPU interpreter here):
 
 * forward and backward against the oracle, in float32/bfloat16/float16/float64, to SPEC §9's
-  tolerances (integer outputs, ATM's positions, lengths and index map, exactly), with the
-  outputs' dtypes and shapes, the inputs left unmodified (and every
-  output poisoned with NaN before a kernel writes it: conftest);
+  tolerances (integer outputs, such as ATM's index map, exactly), with the outputs' dtypes
+  and shapes, the inputs left unmodified (and every output poisoned with NaN before a kernel
+  writes it: conftest);
 * strided inputs (the model's views): right values, and no copy by the kernels that read
   views in place (their outputs keep the inputs' memory order);
-* the float64 ``gradcheck`` of the Triton backend (the other backends' is in
-  test_op_layer.py, with ``opcheck``, ``torch.compile``'s graph breaks and the bad-input
-  messages of every backend);
+* the float64 ``gradcheck`` of every backend (test_op_layer.py has it for the ops without
+  an oracle, with ``opcheck``, ``torch.compile``'s graph breaks and the bad-input messages of
+  every backend);
 * the C++ kernels' forward and backward bitwise the same on 1 and 2 threads, run to run.
 
 An entry without an oracle is an op whose own test file still tests those; every entry
@@ -28,206 +29,16 @@ repeats under compute-sanitizer.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Callable
-
 import pytest
 import torch
 
 import wiola_kernels as wk
 from cuda_targets import DEVICE, targets
 from helpers import assert_bitwise, backend_variants, forward_backward, gen, gpu_only, on_backend, threads
-from oracles import atm_oracle, atm_unmerge_oracle, rms_oracle, srpe_oracle
+from op_cases import CASES, F64, WITH_ORACLE, OpCase
 from wiola_kernels import dispatch
 from wiola_kernels.outputs import empty_output
-from wiola_kernels.testing import CopyCounter, assert_close_rel, srpe_tolerance, tolerance
-
-F64 = torch.float64
-
-
-def _randn(*shape, g, scale=1.0):
-    return scale * torch.randn(*shape, generator=g, dtype=F64)
-
-
-# --- one entry per registered op ---------------------------------------------------------------
-
-@dataclass(frozen=True)
-class OpCase:
-    """How the tests here exercise one registered op."""
-
-    make: Callable[[tuple, torch.dtype, int], dict]  # (shape, dtype, seed) -> the public function's arguments
-    call: Callable[[dict], tuple]                    # those arguments -> the outputs
-    shapes: dict[str, list]   # "default", "triton" (interpreter: tiny), "gradcheck", "threads", "views",
-                              # "dynamic" (two sizes), "concurrent", "gpu"
-    oracle: Callable[[dict], tuple] | None = None    # float64 arguments -> float64 outputs, differentiable
-    views: Callable[[tuple, torch.dtype, int], tuple[dict, list]] | None = None  # strided (arguments, grads)
-    in_place: tuple[str, ...] = ()                   # backends that read `views` without a copy
-    kind: str = "elementwise"                        # SPEC §9's tolerance row
-    tol: Callable[[torch.dtype, dict], float] | None = field(default=None)  # instead of the kind's
-
-    def tolerance(self, dtype: torch.dtype, args: dict) -> float:
-        return self.tol(dtype, args) if self.tol else tolerance(dtype, self.kind)
-
-
-def _rms_make(shape, dtype, seed):
-    """Odd seeds: no shift δ (its own kernel path)."""
-    g = gen(seed)
-    d = shape[-1]
-    x, w, s = _randn(*shape, g=g), torch.rand(d, generator=g, dtype=F64) + 0.5, _randn(d, g=g, scale=0.3)
-    return dict(x=x.to(dtype), weight=w.to(dtype), shift=None if seed % 2 else s.to(dtype), eps=1e-6)
-
-
-def _rms_views(shape, dtype, seed):
-    """x a strided view both ways (transposed, every other column), γ and δ every other
-    element of one tensor, the output gradient transposed."""
-    g = gen(seed)
-    rows, d = shape
-    x = _randn(2 * d, rows, g=g).t()[:, ::2]
-    wd = torch.rand(2 * d, generator=g, dtype=F64) + 0.5
-    grad = _randn(d, rows, g=g).t()
-    return dict(x=x.to(dtype), weight=wd[::2].to(dtype), shift=(0.1 * wd[1::2]).to(dtype), eps=1e-6), [grad.to(dtype)]
-
-
-def _srpe_make(shape, dtype, seed):
-    """Seeds 3n + 1: positions below 2048 (float64 then within 1e-11); 3n + 2: other
-    hyperparameters than SPEC's defaults."""
-    b, h, h_kv, t, dh = shape
-    g = gen(seed)
-    q, k = _randn(b, h, t, dh, g=g), _randn(b, h_kv, t, dh, g=g)
-    pos = torch.randint(0, 2048 if seed % 3 == 1 else 2**20, (b, t), generator=g)  # not monotonic, may repeat
-    params = (500.0, 3.0, 0.3, 0.05) if seed % 3 == 2 else (10000.0, 8.0, 0.1, 0.01)
-    return dict(q=q.to(dtype), k=k.to(dtype), position_ids=pos,
-                **dict(zip(("theta", "spiral_divisor", "radial_amplitude", "radial_frequency"), params)))
-
-
-def _srpe_views(shape, dtype, seed):
-    """q, k as the model makes them: ``Linear(x).view(B, T, H, d_h).transpose(1, 2)``, int64
-    positions expanded from (1, T) (stride 0 over the batch), output gradients alike."""
-    b, h, h_kv, t, dh = shape
-    args = _srpe_make(shape, dtype, seed)
-    g = gen(seed + 1)
-    view = {n: _randn(b, t, n_h, dh, g=g).to(dtype).transpose(1, 2) for n, n_h in (("q", h), ("k", h_kv))}
-    pos = torch.randperm(4 * t, generator=g)[:t].sort().values[None].expand(b, t)
-    grads = [_randn(b, t, n_h, dh, g=g).to(dtype).transpose(1, 2) for n_h in (h, h_kv)]
-    return dict(args, **view, position_ids=pos), grads
-
-
-def _srpe_oracle(a):
-    params = (a["theta"], a["spiral_divisor"], a["radial_amplitude"], a["radial_frequency"])
-    return srpe_oracle(a["q"], a["position_ids"], *params), srpe_oracle(a["k"], a["position_ids"], *params)
-
-
-def _add_make(shape, dtype, seed):
-    return dict(_rms_make(shape, dtype, 2 * seed), residual=_randn(*shape, g=gen(seed + 1)).to(dtype))
-
-
-def _glu_make(shape, dtype, seed):
-    g = gen(seed)
-    return dict(a=_randn(*shape, g=g, scale=2.0).to(dtype), b=_randn(*shape, g=g).to(dtype), activation="gelu_tanh")
-
-
-def _lce_make(shape, dtype, seed):
-    """(N, d, V): hidden rows, the head, labels with every fourth row ignored."""
-    n, d, vocab = shape
-    g = gen(seed)
-    labels = torch.randint(0, vocab, (n,), generator=g)
-    labels[::4] = -100
-    return dict(h=_randn(n, d, g=g).to(dtype), W=_randn(vocab, d, g=g, scale=0.5).to(dtype), labels=labels)
-
-
-def _gcla_make(shape, dtype, seed):
-    b, h, h_kv, t, dh, lam = shape
-    g = gen(seed)
-    sizes = dict(q_rot=(b, h, t, dh), k_rot=(b, h_kv, t, dh), v=(b, h_kv, t, dh), q=(b, h, t, dh),
-                 kc=(b, h, t, lam, dh), vc=(b, h, t, lam, dh), gate=(h,))
-    args = {n: _randn(*s, g=g).to(dtype) for n, s in sizes.items()}
-    return dict(args, lengths=torch.tensor([max(t - 3 * i, 1) for i in range(b)]))
-
-
-def _atm_make(shape, dtype, seed):
-    """Runs of repeated tokens (cosine 1) of every length among random neighbours (cosine far
-    below τ = 0.9 for d ≥ 16), so the greedy rule decides; per-row lengths (row 0 full, the
-    others anything in [0, T]) and positions of any order."""
-    b, t, d = shape
-    g = gen(seed)
-    x = _randn(b, t, d, g=g)
-    repeat = torch.rand(b, t, generator=g) < 0.6
-    for j in range(1, t):
-        x[:, j] = torch.where(repeat[:, j, None], x[:, j - 1], x[:, j])
-    lengths = torch.randint(0, t + 1, (b,), generator=g)
-    lengths[:1] = t
-    return dict(x=x.to(dtype), position_ids=torch.randint(0, 2**20, (b, t), generator=g), threshold=0.9,
-                lengths=lengths)
-
-
-def _atm_views(shape, dtype, seed):
-    """x every other column of a (T, B, 2d) buffer, positions expanded from (1, T) (stride 0
-    over the batch), lengths every other element; the output gradients: merged's expanded
-    from one row (stride 0), restored's transposed."""
-    b, t, d = shape
-    args = _atm_make(shape, dtype, seed)
-    wide = torch.zeros(t, b, 2 * d, dtype=dtype)
-    wide[..., ::2] = args["x"].transpose(0, 1)
-    g = gen(seed + 1)
-    grads = [_randn(1, t, d, g=g).to(dtype).expand(b, t, d), _randn(b, d, t, g=g).to(dtype).transpose(1, 2)]
-    return dict(args, x=wide.transpose(0, 1)[..., ::2], position_ids=args["position_ids"][:1].expand(b, t),
-                lengths=torch.stack([args["lengths"], args["lengths"]], 1).flatten()[::2]), grads
-
-
-def _atm_call(a):
-    merged, merged_positions, merged_lengths, index_map = wk.atm_merge(**a)
-    return merged, merged_positions, merged_lengths, index_map, wk.atm_unmerge(merged * 2, index_map)
-
-
-def _atm_oracle(a):
-    merged, merged_positions, merged_lengths, index_map = atm_oracle(**a)
-    return merged, merged_positions, merged_lengths, index_map, atm_unmerge_oracle(merged * 2, index_map)
-
-
-CASES: dict[str, OpCase] = {
-    "rms_norm": OpCase(
-        _rms_make, lambda a: (wk.rms_norm(**a),),
-        dict(default=[(1, 3), (7,), (37, 192), (5, 760), (2, 3, 50), (1151, 33)],
-             triton=[(1, 3), (3, 7), (9, 130), (2, 3, 50)], gradcheck=[(2, 3, 9)], threads=[(3001, 320)],
-             views=[(30, 20)], dynamic=[(2, 3, 16), (2, 5, 16)], concurrent=[(64, 200)], gpu=[(5, 33)]),
-        oracle=lambda a: (rms_oracle(a["x"], a["weight"], a["shift"], a["eps"]),), views=_rms_views),
-    "srpe": OpCase(
-        _srpe_make, lambda a: wk.srpe(**a),
-        # (B, H, H_kv, T, d_h): T = 1, odd B, H/H_kv in {1, 4}, d_h not a power of two, 64, 128
-        dict(default=[(1, 1, 1, 1, 6), (3, 4, 1, 7, 10), (3, 4, 4, 5, 66), (2, 4, 1, 9, 64), (1, 2, 2, 3, 128)],
-             triton=[(1, 1, 1, 1, 6), (3, 4, 1, 7, 10), (1, 2, 2, 3, 128)], gradcheck=[(3, 2, 1, 3, 4)],
-             threads=[(2, 4, 2, 300, 64)], views=[(2, 4, 2, 37, 16), (3, 2, 1, 5, 66), (1, 4, 4, 1, 64)],
-             dynamic=[(2, 2, 1, 3, 4), (2, 2, 1, 5, 4)], concurrent=[(2, 4, 2, 33, 16)], gpu=[(2, 4, 2, 7, 16)]),
-        oracle=_srpe_oracle, views=_srpe_views, in_place=("cpu", "triton"),
-        # float64 at positions ~2^20: the angle p·ω itself carries ~1e-10 of rounding (SPEC §9)
-        tol=lambda dtype, a: srpe_tolerance(dtype, a["position_ids"], a["spiral_divisor"])),
-    "add_rms_norm": OpCase(
-        _add_make, lambda a: wk.add_rms_norm(**a),
-        dict(dynamic=[(2, 3, 16), (2, 5, 16)], concurrent=[(64, 200)], gpu=[(5, 33)])),
-    "glu": OpCase(
-        _glu_make, lambda a: (wk.glu(**a),),
-        dict(dynamic=[(2, 3, 16), (2, 5, 16)], concurrent=[(64, 200)], gpu=[(5, 33)])),
-    "linear_cross_entropy": OpCase(
-        _lce_make, lambda a: (wk.linear_cross_entropy(**a),),
-        dict(dynamic=[(6, 8, 11), (9, 8, 11)], concurrent=[(64, 32, 300)], gpu=[(33, 64, 1000)]),
-        kind="attention"),
-    "gcla_attention": OpCase(
-        _gcla_make, lambda a: (wk.gcla_attention(**a),),
-        # d_h = 64: a head width the CUDA kernels take
-        dict(dynamic=[(2, 2, 1, 3, 4, 2), (2, 2, 1, 5, 4, 2)], concurrent=[(1, 4, 2, 40, 16, 2)],
-             gpu=[(2, 4, 2, 19, 64, 2)]),
-        kind="attention"),
-    "atm": OpCase(
-        _atm_make, _atm_call,
-        # (B, T, d): T = 1, B = 0, odd B; T across the CUDA kernels' 8-token and 16-token blocks, d odd
-        # (their element-wise path) and across the C++ unmerge backward's 512-column blocks
-        dict(default=[(1, 1, 16), (0, 4, 16), (3, 7, 16), (2, 37, 24), (5, 20, 33), (2, 9, 520)],
-             threads=[(1, 257, 48)],  # one row: 1 thread streams it, 2 threads run the phased steps
-             views=[(3, 19, 16)], dynamic=[(2, 6, 16), (2, 9, 16)],
-             concurrent=[(2, 50, 24)], gpu=[(3, 21, 48)]),
-        oracle=_atm_oracle, views=_atm_views),
-}
-WITH_ORACLE = [op for op in dispatch.ops() if op in CASES and CASES[op].oracle is not None]
+from wiola_kernels.testing import CopyCounter, assert_close_rel, tolerance
 
 
 def _tensors(args: dict) -> list[str]:
@@ -316,7 +127,7 @@ def test_forward_and_backward_match_the_oracle(op, backend, dtype):
         want, dwant = _oracle(case, args, grads)
         tol = case.tolerance(dtype, args)
         for got, ref, name in zip(outs, want, range(len(want))):
-            assert got.dtype == dtype or not ref.is_floating_point(), f"{shape} output {name}: {got.dtype}"
+            assert got.dtype == case.out_dtype(dtype) or not ref.is_floating_point(), f"{shape} output {name}: {got.dtype}"
             _assert_matches(got, ref, tol, f"{shape} output {name}")
         for got, ref, name in zip(dargs, dwant, _tensors(args)):
             assert got.dtype == args[name].dtype, f"{shape} grad {name}: {got.dtype}"
@@ -347,19 +158,20 @@ def test_strided_inputs(op, backend):
                     assert out.stride() == like.stride(), (shape, out.shape, out.stride(), like.stride())
 
 
-@pytest.mark.parametrize("op, backend", _params(lambda op, b: b == "triton"))
-def test_triton_float64_gradcheck(op, backend):
-    """The interpreter runs a few hundred launches a second: the randomised gradcheck."""
+@pytest.mark.parametrize("op, backend", _params(lambda op, b: "gradcheck" in CASES[op].shapes))
+def test_float64_gradcheck(op, backend):
+    """The randomised gradcheck (Triton's interpreter runs a few hundred launches a second)."""
     case = CASES[op]
-    args = case.make(case.shapes["gradcheck"][0], F64, seed=0)
-    names = _tensors(args)
+    for i, shape in enumerate(case.shapes["gradcheck"]):
+        args = case.make(shape, F64, seed=i)
+        names = _tensors(args)
 
-    def f(*leaves):
-        return case.call(dict(args, **dict(zip(names, leaves))))
+        def f(*leaves):
+            return case.call(dict(args, **dict(zip(names, leaves))))
 
-    leaves = [args[n].clone().requires_grad_() for n in names]
-    with on_backend(backend):
-        assert torch.autograd.gradcheck(f, leaves, fast_mode=True)
+        leaves = [args[n].clone().requires_grad_() for n in names]
+        with on_backend(backend):
+            assert torch.autograd.gradcheck(f, leaves, fast_mode=True), shape
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)

@@ -1,30 +1,29 @@
-"""Gated activations (SPEC §10.2, §9): every available backend against the float64 reference,
-the reference against PyTorch's own SiLU/GELU, the halves of one projection read in place,
-the packed form's one-tensor gradient, and the numerics at the edges."""
+"""Gated activations (SPEC §10.2, §9): what only glu has. Forward and backward of every
+backend against the float64 oracle in every dtype, activation and layout (two tensors, the
+halves of one projection, the packed form), gradcheck, inputs left unmodified and the C++
+kernels' bits on any thread count are tests/test_all_ops.py's; opcheck, torch.compile and
+the bad-input messages tests/test_op_layer.py's. Here: the CPU instruction sets' bits, the
+halves read in place with the packed form's one-tensor gradient, other strides, the
+numerics at the edges, the packed form's opcheck and compile."""
 
 from __future__ import annotations
-
-import math
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 import wiola_kernels as wk
-from wiola_kernels import reference, shapes
+from wiola_kernels import shapes
 from wiola_kernels.testing import (CopyCounter, assert_close_rel, available_backends, available_cpu_isas, cpu_isa,
                                    tolerance)
 
 from helpers import forward_backward, gen, gpu_only
+from oracles import glu_oracle
 
 BACKENDS = available_backends("glu", "cpu")
 CPU_ISAS = available_cpu_isas("glu")
 BACKEND_ISAS = [f"cpu/{isa}" for isa in CPU_ISAS if "cpu" in BACKENDS] + [b for b in BACKENDS if b != "cpu"]
 ACTS = ("silu", "gelu_tanh")
-# (rows..., n): n not a multiple of any vector width, T = 1, several leading dims. Triton runs
-# in the interpreter: one small shape.
-SHAPES = {"default": [(1, 3), (37, 40), (2, 5, 130)], "triton": [(3, 37)]}
-LAYOUTS = ("separate", "halves", "packed")
 
 
 @pytest.fixture
@@ -33,21 +32,6 @@ def backend(request):
     name, _, isa = request.param.partition("/")
     with cpu_isa(isa or None):
         yield name
-
-
-def inputs(shape, dtype, layout, seed=0, scale=2.0):
-    """``(args for wk.glu, a, b)``: a, b drawn in float64 (|a| up to ~4·scale/2, across both
-    regimes of the activations), in ``dtype``, laid out as two tensors, the two halves of one
-    projection's output (row stride 2n), or that output itself (the packed form)."""
-    g = gen(seed)
-    n = shape[-1]
-    u = (scale * torch.randn(*shape[:-1], 2 * n, generator=g, dtype=torch.float64)).to(dtype)
-    a, b = u[..., :n], u[..., n:]
-    if layout == "separate":
-        return (a.contiguous(), b.contiguous()), a, b
-    if layout == "halves":
-        return (a, b), a, b
-    return (u, None), a, b
 
 
 def run(backend, args, activation, grad=None):
@@ -62,89 +46,17 @@ def run(backend, args, activation, grad=None):
 
 
 def want(a, b, activation, grad):
-    """The float64 reference on the same (rounded) inputs: y, ∂a, ∂b."""
+    """The float64 oracle on the same (rounded) inputs: y, ∂a, ∂b."""
     a64, b64 = a.double().requires_grad_(), b.double().requires_grad_()
-    y = reference.glu(a64, b64, activation)
+    y = glu_oracle(a64, b64, activation)
     return (y.detach(), *torch.autograd.grad(y, (a64, b64), grad.double()))
-
-
-def split_grads(grads, layout):
-    return (grads[0][..., :grads[0].shape[-1] // 2], grads[0][..., grads[0].shape[-1] // 2:]) \
-        if layout == "packed" else grads
-
-
-# --- the reference itself -----------------------------------------------------------------
-
-@pytest.mark.parametrize("activation", ACTS)
-def test_reference_matches_torch(activation):
-    """An independent oracle: PyTorch's own SiLU and tanh-approximated GELU, in float64."""
-    _, a, b = inputs((6, 50), torch.float64, "separate", scale=3.0)
-    torch_act = F.silu(a) if activation == "silu" else F.gelu(a, approximate="tanh")
-    assert_close_rel(reference.glu(a, b, activation), torch_act * b, tolerance(torch.float64))
-
-
-def test_reference_hand_worked():
-    a = torch.tensor([1.0, -2.0], dtype=torch.float64)
-    b = torch.tensor([3.0, 0.5], dtype=torch.float64)
-    silu = [1.0 / (1 + math.exp(-1.0)) * 3.0, -2.0 / (1 + math.exp(2.0)) * 0.5]
-    gelu = [0.5 * v * (1 + math.tanh(math.sqrt(2 / math.pi) * (v + 0.044715 * v**3))) * w
-            for v, w in ((1.0, 3.0), (-2.0, 0.5))]
-    assert_close_rel(reference.glu(a, b, "silu"), torch.tensor(silu, dtype=torch.float64), 1e-15)
-    assert_close_rel(reference.glu(a, b, "gelu_tanh"), torch.tensor(gelu, dtype=torch.float64), 1e-15)
-
-
-@pytest.mark.parametrize("layout", ("separate", "packed"))
-@pytest.mark.parametrize("activation", ACTS)
-def test_reference_explicit_backward_matches_autograd(activation, layout):
-    args, a, b = inputs((4, 9), torch.float64, layout, scale=3.0)
-    leaves = [t.clone().requires_grad_() if t is not None else None for t in args]
-    g = torch.randn(4, 9, generator=gen(1), dtype=torch.float64)
-    got = reference.glu_backward(g, *args, activation)
-    y = reference.glu(*leaves, activation)
-    expected = torch.autograd.grad(y, [t for t in leaves if t is not None], g)
-    for x, w in zip(got, expected):
-        assert_close_rel(x, w, tolerance(torch.float64))
-    assert (got[1] is None) == (layout == "packed")
-
-
-# --- every backend against the reference ----------------------------------------------------
-
-@pytest.mark.parametrize("layout", ("halves", "packed"))
-@pytest.mark.parametrize("activation", ACTS)
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_gradcheck_float64(backend, activation, layout):
-    args, _, _ = inputs((2, 3), torch.float64, layout, scale=2.0)
-    leaves = [t.detach().clone().requires_grad_() if t is not None else None for t in args]
-    with wk.use_backend(backend):
-        if layout == "packed":
-            assert torch.autograd.gradcheck(lambda u: wk.glu(u, None, activation), (leaves[0],))
-        else:
-            assert torch.autograd.gradcheck(lambda a, b: wk.glu(a, b, activation), tuple(leaves))
-
-
-@pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("activation", ACTS)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
-@pytest.mark.parametrize("backend", BACKEND_ISAS, indirect=True)
-def test_matches_float64_reference(backend, dtype, activation, layout):
-    for shape in SHAPES["triton" if backend == "triton" else "default"]:
-        args, a, b = inputs(shape, dtype, layout, seed=shape[-1])
-        g = torch.randn(shape, generator=gen(7), dtype=torch.float64).to(dtype)
-        y, grads = run(backend, args, activation, grad=g)
-        y64, da64, db64 = want(a, b, activation, g)
-        da, db = split_grads(grads, layout)
-        assert y.dtype == dtype and y.shape == a.shape and y.is_contiguous()
-        tol = tolerance(dtype)
-        for got, ref, name in ((y, y64, "y"), (da, da64, "da"), (db, db64, "db")):
-            assert got.dtype == dtype
-            assert_close_rel(got, ref, tol, f"{backend} {dtype} {activation} {layout} {shape} {name}")
 
 
 @pytest.mark.skipif(len(CPU_ISAS) < 2, reason="one CPU instruction set here")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_cpu_isas_give_the_same_bits(dtype):
     """The AVX-512 loops compute the AVX2 lanes' float steps in the same order."""
-    args, _, _ = inputs((5, 77), dtype, "packed", seed=11, scale=4.0)
+    args = ((4 * torch.randn(5, 2 * 77, generator=gen(11), dtype=torch.float64)).to(dtype), None)
     g = torch.randn(5, 77, generator=gen(12)).to(dtype)
     results = []
     for isa in CPU_ISAS:
@@ -256,19 +168,11 @@ def test_nan_stays_in_its_element(backend, activation):
     assert torch.isfinite(da[~bad]).all() and torch.isfinite(db[~bad]).all()
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_inputs_not_modified(backend):
-    args, _, _ = inputs((4, 24), torch.float32, "packed")
-    copy = args[0].clone()
-    run(backend, args, "gelu_tanh", grad=torch.randn(4, 24))
-    assert torch.equal(args[0], copy)
-
-
-# --- registration, compile, bad input ---------------------------------------------------------
+# --- the packed form: opcheck, compile ---------------------------------------------------------
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_opcheck_packed_form(backend):
-    """The separate form is opchecked in tests/test_op_layer.py; here the packed one."""
+    """The halves are opchecked in tests/test_op_layer.py; here the packed form."""
     u = torch.randn(5, 12, generator=gen(10))
     with wk.use_backend(backend):
         torch.library.opcheck(torch.ops.wiola.glu.default, (u, None, "gelu_tanh"))
@@ -276,8 +180,9 @@ def test_opcheck_packed_form(backend):
 
 
 def test_torch_compile_fullgraph_dsff_stream():
-    """A DSFF stream as a model writes it: one up projection, the packed glu, the down
-    projection; compiled with 0 graph breaks and equal to eager."""
+    """The packed form (b None) compiled, as a DSFF stream writes it: one up projection, the
+    packed glu, the down projection; 0 graph breaks and equal to eager (the halves' compile
+    is tests/test_op_layer.py's)."""
     torch._dynamo.reset()
     w13 = torch.randn(2 * 16, 8, generator=gen(11)) / 3
     w2 = torch.randn(8, 16, generator=gen(12)) / 4
@@ -297,30 +202,6 @@ def test_torch_compile_fullgraph_dsff_stream():
         assert_close_rel(a.grad, b.grad, tolerance(torch.float32))
 
 
-@pytest.mark.parametrize("backend", ["auto"] + [b for b in BACKENDS if b != "triton"])
-@pytest.mark.parametrize("args, error, match", [
-    (lambda: (torch.randn(4, 8), torch.randn(4, 7)), ValueError, r"^b must have the shape of a \(\.\.\., n\) = \(4, 8\)"),
-    (lambda: (torch.randn(4, 8), torch.randn(4, 8).double()), TypeError, r"^b must have dtype torch.float32 like a"),
-    (lambda: (torch.randn(4, 7), None), ValueError, r"^a must have an even last dimension 2n when b is None"),
-    (lambda: (torch.randn(()), torch.randn(())), ValueError, r"^a must have shape \(\.\.\., n\) \(at least 1 dimension\)"),
-    (lambda: (torch.ones(4, 8, dtype=torch.int64), None), TypeError, r"^a must have dtype in \(float32"),
-    (lambda: ([1.0, 2.0], None), TypeError, r"^a must be a torch.Tensor"),
-])
-def test_bad_inputs_name_the_argument(backend, args, error, match):
-    with wk.use_backend(backend), pytest.raises(error, match=match):
-        wk.glu(*args(), "silu")
-
-
-@pytest.mark.parametrize("backend", ["auto"] + [b for b in BACKENDS if b != "triton"])
-def test_bad_activation(backend):
-    a = torch.randn(2, 4)
-    with wk.use_backend(backend):
-        with pytest.raises(ValueError, match=r"^activation must be 'silu' or 'gelu_tanh', got 'relu'"):
-            wk.glu(a, a, "relu")
-        with pytest.raises(TypeError, match=r"^activation must be a str, got int"):
-            wk.glu(a, a, 3)
-
-
 # --- on a GPU (skipped without one) -----------------------------------------------------------
 
 @gpu_only
@@ -335,6 +216,6 @@ def test_glu_triton_vs_float64(rows, n, dtype, activation, packed):
     fn = (lambda v: wk.glu(v, None, activation)) if packed else (lambda v: wk.glu(v[:, :n], v[:, n:], activation))
     with wk.use_backend("triton"):
         outs, grads = forward_backward(fn, [uc], [g.to("cuda", dtype)])
-    ref_outs, ref_grads = forward_backward(lambda v: reference.glu(v, None, activation), [uc.cpu().double()], [g])
+    ref_outs, ref_grads = forward_backward(lambda v: glu_oracle(v, None, activation), [uc.cpu().double()], [g])
     for got, ref in zip(outs + grads, ref_outs + ref_grads):
         assert_close_rel(got.cpu(), ref, tolerance(dtype))
