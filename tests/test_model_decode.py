@@ -208,6 +208,40 @@ def test_gemv_steps_equal_the_full_forward(isa, step, monkeypatch):
     assert not weights.blocks and weights.head is None  # the kernel read the parameters: no copies
 
 
+@pytest.mark.parametrize("gemv", [True, False])
+@pytest.mark.parametrize("fuse", [True, False])
+def test_decoding_steps_run_the_blocks_own_sequence(gemv, fuse, monkeypatch):
+    # The block's norms, residual adds and their fusion are written once (WiolaBlock.sequence):
+    # a decoding step runs them for every block, on the GEMV kernel or the packed copies, with
+    # the add-and-norm fusion on or off as the block says. Oracle: the full forward.
+    from wiola.modeling_wiola import WiolaBlock
+
+    if gemv and not decode.gemv_applies(torch.float32, torch.device("cpu")):
+        pytest.skip("needs the C++ extension")
+    monkeypatch.setattr(WiolaBlock, "fuse_add_norm", fuse)
+    model = tiny(torch.float32 if gemv else F64)
+    calls = []
+    sequence = WiolaBlock.sequence
+
+    def spy(self, *args, **kwargs):
+        calls.append(self.layer_idx)
+        return sequence(self, *args, **kwargs)
+
+    monkeypatch.setattr(WiolaBlock, "sequence", spy)
+    ids = torch.randint(3, model.config.vocab_size, (1, 9), generator=torch.Generator().manual_seed(22))
+    with torch.no_grad():
+        full = model(ids, use_cache=False).logits
+        out = model(ids[:, :6], use_cache=True)
+        cache, pieces = out.cache, [out.logits]
+        calls.clear()
+        for i in range(6, 9):
+            pieces.append(model(ids[:, i:i + 1], cache=cache, use_cache=True).logits)
+    assert calls == list(range(model.config.num_hidden_layers)) * 3
+    assert (model.model._decode_weights.blocks == {}) == gemv
+    dtype = torch.float32 if gemv else F64
+    assert_close_rel(torch.cat(pieces, 1), full, tolerance(dtype, "attention"), "decoded logits")
+
+
 @needs_gemv
 def test_gemv_greedy_tokens_equal_the_unpacked_path(monkeypatch):
     model = tiny()

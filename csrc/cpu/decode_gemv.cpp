@@ -60,6 +60,13 @@ constexpr int64_t kRowBlock = 4;            // x rows per register block
 constexpr int64_t kXPad = 32;               // prepared x rows are padded (zeros) to a multiple of this
 constexpr int64_t kMinThreadBytes = 1 << 16;  // weight bytes below which a call stays on one thread
 
+constexpr int64_t kAlignFloats = 16;       // 64 bytes: prepared x starts on a cache line
+
+inline float* align_up(float* p) {
+  const auto a = reinterpret_cast<uintptr_t>(p);
+  return reinterpret_cast<float*>((a + 63) & ~uintptr_t(63));
+}
+
 enum class WType { kF32, kBF16, kF16 };
 
 template <WType T>
@@ -371,12 +378,15 @@ at::Tensor decode_gemv(const at::Tensor& x_in, at::TensorList weights, bool spli
     seg_at[s] = floats;
     floats += rows * seg_ld[s];
   }
+  // 64-byte aligned (kXPad keeps every row and segment so): an x chunk never straddles two
+  // cache lines, which would make each AVX-512 load of x two loads.
   thread_local std::vector<float> xbuf;
-  if (static_cast<int64_t>(xbuf.size()) < floats) xbuf.resize(floats);
+  if (static_cast<int64_t>(xbuf.size()) < floats + kAlignFloats) xbuf.resize(floats + kAlignFloats);
+  float* const xa = align_up(xbuf.data());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "decode_gemv_x", [&] {
     for (size_t s = 0; s < segments; ++s)
       prepare_x(x.const_data_ptr<scalar_t>(), x.stride(0), rows, seg_off[s],
-                split_input ? weights[s].size(1) : kx, even_odd, chunk, xbuf.data() + seg_at[s], seg_ld[s]);
+                split_input ? weights[s].size(1) : kx, even_odd, chunk, xa + seg_at[s], seg_ld[s]);
   });
 
   std::vector<int64_t> out_sizes(x_in.sizes().begin(), x_in.sizes().end());
@@ -391,7 +401,7 @@ at::Tensor decode_gemv(const at::Tensor& x_in, at::TensorList weights, bool spli
   }
   const int64_t total = start[count];
   const int64_t chunks = std::clamp<int64_t>(total / kMinThreadBytes, 1, at::get_num_threads());
-  const float* xb = xbuf.data();
+  const float* xb = xa;
 
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "decode_gemv_out", [&] {
     using O = scalar_t;

@@ -14,6 +14,11 @@ context projections ``W_Kc|W_Vc`` of the context slots, ``W_O``, ``W_n1|W_n3|W_w
 float16 weights are widened in registers (the kernel reads half the bytes of float32), the
 activations keep the model's dtype between the products, as the model's forward does.
 
+A step runs each block's own sequence, :meth:`WiolaBlock.sequence
+<wiola.modeling_wiola.WiolaBlock.sequence>` (the norms, the residual adds and their fusion
+with the next norm, as in training), with :class:`DecodeStep`'s attention over the cache and
+its DSFF products as the two sublayers: only the products are laid out differently here.
+
 The context sub-attention (SPEC §5.3) is taken unfolded here: the ``Λ'`` context slots go
 through ``W_Kc`` and ``W_Vc`` as rows of one product (``Λ' ≤ 2`` by default, so one read of
 each matrix, as the folded form of :mod:`wiola.context_fold` costs), which needs no
@@ -42,7 +47,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from transformers.cache_utils import DynamicLayer
 
-from wiola_kernels import decode_gemv
+from wiola_kernels import decode_gemv, glu
 from wiola_kernels.dtypes import compute_dtype
 from wiola_kernels.validation import srpe_max_position
 
@@ -92,9 +97,9 @@ class GrowingKV(DynamicLayer):
             capacity = max(2 * end, self._min_capacity)
             self._kbuf = self._grow(self.keys, key_states, capacity)
             self._vbuf = self._grow(self.values, value_states, capacity)
-        self._kbuf[:, :, past:end].copy_(key_states)
-        self._vbuf[:, :, past:end].copy_(value_states)
-        self.keys, self.values = self._kbuf[:, :, :end], self._vbuf[:, :, :end]
+        self._kbuf.narrow(2, past, end - past).copy_(key_states)
+        self._vbuf.narrow(2, past, end - past).copy_(value_states)
+        self.keys, self.values = self._kbuf.narrow(2, 0, end), self._vbuf.narrow(2, 0, end)
         return self.keys, self.values
 
 
@@ -204,9 +209,13 @@ def _gemv_rows(x: Tensor, weights: list[Tensor]) -> Tensor:
 
 
 class DecodeStep:
-    """One cached decoding forward's shared state: the position ids, the cache, the padding
-    mask of the keys and the packed weights. RMSNorm and SRPE are the model's own modules
-    (the public ops, which run their registered kernels directly when no gradient is needed)."""
+    """One cached decoding forward's shared state (the position ids, the cache, the padding
+    mask of the keys and the packed weights) and its two sublayers for
+    :meth:`WiolaBlock.sequence <wiola.modeling_wiola.WiolaBlock.sequence>`: the attention over
+    the cache and the DSFF, each a few products on the GEMV kernel (or on the packed copies /
+    the modules where it does not apply). The norms, residual adds and their fusion are the
+    block's own. RMSNorm and SRPE are the model's modules (the public ops, which run their
+    registered kernels directly when no gradient is needed)."""
 
     def __init__(self, model, position_ids: Tensor, cache, key_valid: Tensor | None, weights: DecodeWeights | None):
         device = position_ids.device
@@ -214,16 +223,26 @@ class DecodeStep:
         self.cache, self.key_valid, self.weights = cache, key_valid, weights
         self.gemv = weights is not None and gemv_applies(model.embed_tokens.weight.dtype, device)
 
-    def block(self, block, x: Tensor, context: Tensor) -> Tensor:
-        """``Xˡ⁺¹`` of one block for ``x (B, T_new, d)``; ``context (B, S, Λ', d)``."""
-        attn, ffn = block.attn, block.ffn
-        b, t, d = x.shape
-        h, h_kv, dh = attn.n_head, attn.n_kv_head, attn.head_dim
+    def block(self, block, x: Tensor, context: Tensor, normed: Tensor | None = None, next_norm=None
+              ) -> Tensor | tuple[Tensor, Tensor]:
+        """``Xˡ⁺¹`` of one block for ``x (B, T_new, d)`` (and ``next_norm(Xˡ⁺¹)`` with a
+        ``next_norm``, as the block's forward returns them); ``context (B, S, Λ', d)``."""
+        mods = block._modules
+        attn, ffn = mods["attn"], mods["ffn"]
         if self.gemv:
-            return self._gemv_block(block, x, context)
+            return block.sequence(x, lambda h: self._gemv_attend(attn, h, context), lambda h: self._gemv_dsff(ffn, h),
+                                  normed, next_norm)
         packed = self.weights.block(block) if self.weights is not None else None
+        return block.sequence(x, lambda h: self._attend(attn, h, context, packed),
+                              lambda h: self._dsff(ffn, h, packed), normed, next_norm)
 
-        hx = block.attn_norm(x)                                   # X̃ (B, T, d)
+    # ---- the packed copies / the modules (CUDA, float64, no extension, packing off) ----
+
+    def _attend(self, attn, hx: Tensor, context: Tensor, packed) -> Tensor:
+        """``A (B, T, d)`` of the normed ``hx (B, T, d)``: projections, SRPE, the cache, the
+        cached self-attention, the folded context part and ``W_O``."""
+        b, t, d = hx.shape
+        h, h_kv, dh = attn.n_head, attn.n_kv_head, attn.head_dim
         if packed is not None:
             q, k, v = (hx @ packed[0].t).split(packed[0].splits, -1)
         else:
@@ -240,9 +259,10 @@ class DecodeStep:
                                              context.expand(b, t, n_ctx, d).reshape(b * t, n_ctx, d),
                                              attn.kc_proj.weight, attn.vc_proj.weight, attn.gate)
             out = out + cross.view(b, t, h, dh)
-        x = x + attn.o_proj(out.to(x.dtype).reshape(b, t, h * dh))              # X'
+        return attn.o_proj(out.to(hx.dtype).reshape(b, t, h * dh))
 
-        hf = block.ffn_norm(x)
+    def _dsff(self, ffn, hf: Tensor, packed) -> Tensor:
+        """``F = λ·narrow + (1 − λ)·wide`` (SPEC §7) of the normed ``hf (B, T, d)``."""
         if packed is not None:
             gn, un, gw, uw = (hf @ packed[1].t).split(packed[1].splits, -1)
         else:
@@ -250,7 +270,12 @@ class DecodeStep:
         narrow = ffn.w_n2(F.silu(gn) * un)
         wide = ffn.w_w2(F.gelu(gw, approximate="tanh") * uw)
         lam = torch.sigmoid(ffn.beta)
-        return x + (lam * narrow + (1.0 - lam) * wide)                          # Xˡ⁺¹
+        return lam * narrow + (1.0 - lam) * wide
+
+    # ---- the GEMV kernel, reading the parameters in place ----
+    # At ~30 small ops per block the step's Python and dispatch overhead is a real part of a
+    # token's time, so these are the fewest ops that do the maths (``split_with_sizes``, not
+    # the Python ``split``; SDPA for the attention and for the context mixture; the fused GLU).
 
     def _attention(self, attn, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         """SRPE, the cache update and the cached self-attention: ``(B, T, H, d_h)`` from the
@@ -258,26 +283,21 @@ class DecodeStep:
         q_rot, k_rot = attn.srpe(q.transpose(1, 2), k.transpose(1, 2), self.position_ids)
         k_all, v_all = self.cache.update(k_rot, v.transpose(1, 2), attn.layer_idx)  # (B, H_kv, T_past + T, d_h)
         b, h, t, dh = q_rot.shape
-        if t == 1 and self.key_valid is None and q_rot.dtype in (torch.bfloat16, torch.float16):
-            # One query per row, no mask: SDPA reads a 16-bit cache as it is (accumulating in
-            # float32) rather than cached_attention widening the whole cache every step.
+        if t == 1 and self.key_valid is None:
+            # One query per row, no mask: one SDPA call over the cache as it is (a 16-bit cache
+            # is read as is, accumulating in float32), the heads of a group as its rows.
             h_kv = k_all.shape[1]
             out = F.scaled_dot_product_attention(q_rot.reshape(b, h // h_kv, h_kv, dh).transpose(1, 2), k_all, v_all)
             return out.view(b, h_kv, h // h_kv, 1, dh).transpose(1, 2).reshape(b, 1, h, dh)
         return cached_attention(q_rot, k_all, v_all, self.key_valid).transpose(1, 2)
 
-    def _gemv_block(self, block, x: Tensor, context: Tensor) -> Tensor:
-        """:meth:`block` with every product on the GEMV kernel, read from the parameters. At
-        ~40 small ops per block the step's Python and dispatch overhead is a real part of a
-        token's time, so the ops are the fewest that do the maths (``split_with_sizes``, not
-        the Python ``split``; the context mixture as one SDPA call)."""
-        attn, ffn = block.attn, block.ffn
+    def _gemv_attend(self, attn, hx: Tensor, context: Tensor) -> Tensor:
+        """:meth:`_attend` with every product on the GEMV kernel and the context part unfolded."""
         gemv = decode_gemv.gemv
-        b, t, d = x.shape
+        mods = attn._modules
+        b, t, d = hx.shape
         h, h_kv, dh = attn.n_head, attn.n_kv_head, attn.head_dim
-
-        hx = block.attn_norm(x)                                   # X̃ (B, T, d)
-        q, k, v = gemv(hx, [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]) \
+        q, k, v = gemv(hx, [_weight(mods["q_proj"]), _weight(mods["k_proj"]), _weight(mods["v_proj"])]) \
             .split_with_sizes([h * dh, h_kv * dh, h_kv * dh], -1)
         q = q.view(b, t, h, dh)
         out = self._attention(attn, q, k.view(b, t, h_kv, dh), v.view(b, t, h_kv, dh))  # (B, T, H, d_h)
@@ -285,23 +305,36 @@ class DecodeStep:
         if n_ctx:  # SPEC §5.3 unfolded: the context slots through W_Kc and W_Vc as rows of one product
             n = b * t
             ctx = context.expand(b, t, n_ctx, d).reshape(n * n_ctx, d)            # (N·Λ', d)
-            sig = torch.sigmoid(attn.gate.to(out.dtype)).view(h, 1)             # (H, 1)
             if n_ctx == 1:  # one slot: softmax weight 1, the key side drops out
-                mixed = _gemv_rows(ctx, [attn.vc_proj.weight]).view(n, h, dh)
+                mixed = _gemv_rows(ctx, [_weight(mods["vc_proj"])])
             else:  # softmax_λ(q_h · W_Kc,h s_λ / √d_h) over the slots, then Σ_λ a_λ W_Vc,h s_λ: attention
-                kv = _gemv_rows(ctx, [attn.kc_proj.weight, attn.vc_proj.weight]).view(n, n_ctx, 2, h, dh)
+                kv = _gemv_rows(ctx, [_weight(mods["kc_proj"]), _weight(mods["vc_proj"])]).view(n, n_ctx, 2, h, dh)
                 kv = kv.permute(2, 0, 3, 1, 4)                                  # (2, N, H, Λ', d_h)
-                mixed = F.scaled_dot_product_attention(q.reshape(n, h, 1, dh), kv[0], kv[1]).view(n, h, dh)
-            out = out + (mixed * sig).view(b, t, h, dh)
-        x = x + gemv(out.to(x.dtype).reshape(b, t, h * dh), attn.o_proj.weight)  # X'
+                mixed = F.scaled_dot_product_attention(q.reshape(n, h, 1, dh), kv[0], kv[1])
+            # out + σ(g_h) · mixed, σ(g) (H, 1) broadcast over d_h
+            out = torch.addcmul(out, mixed.view(b, t, h, dh), torch.sigmoid(attn.gate.to(out.dtype)).view(h, 1))
+        return gemv(out.to(hx.dtype).reshape(b, t, h * dh), _weight(mods["o_proj"]))
 
-        hf = block.ffn_norm(x)
-        sizes = [ffn.w_n1.out_features, ffn.w_n3.out_features, ffn.w_w1.out_features, ffn.w_w3.out_features]
-        gn, un, gw, uw = gemv(hf, [ffn.w_n1.weight, ffn.w_n3.weight, ffn.w_w1.weight, ffn.w_w3.weight]) \
-            .split_with_sizes(sizes, -1)
-        act = torch.cat([F.silu(gn).mul_(un), F.gelu(gw, approximate="tanh").mul_(uw)], -1)
-        narrow, wide = gemv(act, [ffn.w_n2.weight, ffn.w_w2.weight], split_input=True).split_with_sizes([d, d], -1)
-        return x + torch.lerp(wide, narrow, torch.sigmoid(ffn.beta))          # Xˡ⁺¹ = x + λ·narrow + (1−λ)·wide
+    def _gemv_dsff(self, ffn, hf: Tensor) -> Tensor:
+        """:meth:`_dsff` on the GEMV kernel: one up product ``[u_n1 | u_n3 | u_w1 | u_w3]``, the
+        fused GLU on each stream's half (the model's op), one down product over both streams."""
+        gemv = decode_gemv.gemv
+        mods = ffn._modules
+        w_n1 = _weight(mods["w_n1"])
+        n, d = w_n1.shape[0], hf.shape[-1]
+        u = gemv(hf, [w_n1, _weight(mods["w_n3"]), _weight(mods["w_w1"]), _weight(mods["w_w3"])])
+        act = torch.cat([glu(u[..., :2 * n], activation="silu"), glu(u[..., 2 * n:], activation="gelu_tanh")], -1)
+        narrow, wide = gemv(act, [_weight(mods["w_n2"]), _weight(mods["w_w2"])], split_input=True) \
+            .split_with_sizes([d, d], -1)
+        return torch.lerp(wide, narrow, torch.sigmoid(ffn.beta))                # λ·narrow + (1−λ)·wide
+
+
+def _weight(linear) -> Tensor:
+    """``linear.weight`` without ``nn.Module.__getattr__`` (a step reads ~30 weights per block,
+    and that lookup costs more than a small op); a weight that is not a registered Parameter
+    (a parametrization) is read the ordinary way."""
+    w = linear._parameters.get("weight")
+    return w if w is not None else linear.weight
 
 
 def applies(model, batch: int, t: int, past: int, cache, requires_grad: bool) -> bool:

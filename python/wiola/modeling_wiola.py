@@ -43,6 +43,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -463,34 +465,49 @@ class WiolaBlock(GradientCheckpointingLayer):
         ``next_norm`` output); computed here when None. ``next_norm``: the norm that reads
         ``Xˡ⁺¹`` next (the next layer's ``attn_norm`` or the final norm); the block then
         returns ``(Xˡ⁺¹, next_norm(Xˡ⁺¹))``, the residual add and that norm in one pass."""
+        return self.sequence(x, lambda h: self.attend(h, position_ids, context, lengths, cache, layout), self.ffn,
+                             normed, next_norm)
+
+    def sequence(self, x: Tensor, attend: Callable[[Tensor], Tensor], ffn: Callable[[Tensor], Tensor],
+                 normed: Tensor | None = None, next_norm: WiolaRMSNorm | None = None
+                 ) -> Tensor | tuple[Tensor, Tensor]:
+        """The block (SPEC §2): ``X' = Xˡ + GCLA(WRMSNorm(Xˡ))``, ``Xˡ⁺¹ = X' + DSFF(WRMSNorm'(X'))``,
+        with the two sublayers passed in: ``attend(X̃) → A`` and ``ffn(H) → F``, ``(B, T, d)``
+        each. :meth:`forward` passes :meth:`attend` and the DSFF module; a cached decoding step
+        (decode.py) passes its own products over the KV cache, so the norms, the residuals and
+        their fusion are written here only. ``normed`` and ``next_norm`` as in :meth:`forward`."""
         h = self.attn_norm(x) if normed is None else normed  # X̃ (B, T, d)
-        if self.merges and self.training and cache is None:
-            # ATM (SPEC §6): merge similar neighbours, attend over the shorter rows, restore length T.
-            merged, merged_pos, merged_len, index_map = wiola_kernels.atm_merge(
-                h, position_ids, self.atm_threshold, lengths)
-            if self.pack_merged:  # the attention block's projections skip the merged-away rows
-                rows = PackedRows(merged_len, h.shape[1])
-                if context.shape[1] > 1:  # causal summaries: each slot reads the context at its first member
-                    context = rows.pack(context, first_member(index_map))
-                a = self.attn.forward_packed(rows, rows.pack(merged), rows.pack(merged_pos), context)  # (N, d)
-                a = rows.unmerge(a, index_map, lengths is not None)  # A_t = A'_{map(t)}, (B, T, d)
-            else:  # static shapes: only the attention op skips work past merged_len
-                if context.shape[1] > 1:
-                    context = context.gather(1, first_member(index_map)[:, :, None, None].expand_as(context))
-                a = self.attn(merged, merged_pos, context, merged_len)  # (B, T, d), zero past merged_len
-                a = wiola_kernels.atm_unmerge(a, index_map)  # A_t = A'_{map(t)}
-        else:
-            a = self.attn(h, position_ids, context, lengths, cache, layout)
+        a = attend(h)                                  # A
         if not self.fuse_add_norm:
             x = x + a                                  # X'
-            x = x + self.ffn(self.ffn_norm(x))         # Xˡ⁺¹
+            x = x + ffn(self.ffn_norm(x))              # Xˡ⁺¹
             return x if next_norm is None else (x, next_norm(x))
         hf, x = add_norm(a, x, self.ffn_norm)          # WRMSNorm'_ℓ(X'), X'
-        f = self.ffn(hf)                               # F
+        f = ffn(hf)                                    # F
         if next_norm is None:
             return x + f                               # Xˡ⁺¹
         y, x = add_norm(f, x, next_norm)               # next_norm(Xˡ⁺¹), Xˡ⁺¹
         return x, y
+
+    def attend(self, h: Tensor, position_ids: Tensor, context: Tensor, lengths: Tensor | None = None,
+               cache: WiolaCache | None = None, layout: "PaddingLayout | None" = None) -> Tensor:
+        """``A = GCLA_ℓ(X̃)`` of the normed input ``h (B, T, d)``: with ATM's merge around it
+        when the block merges (training, no cache)."""
+        if not (self.merges and self.training and cache is None):
+            return self.attn(h, position_ids, context, lengths, cache, layout)
+        # ATM (SPEC §6): merge similar neighbours, attend over the shorter rows, restore length T.
+        merged, merged_pos, merged_len, index_map = wiola_kernels.atm_merge(h, position_ids, self.atm_threshold, lengths)
+        if self.pack_merged:  # the attention block's projections skip the merged-away rows
+            rows = PackedRows(merged_len, h.shape[1])
+            if context.shape[1] > 1:  # causal summaries: each slot reads the context at its first member
+                context = rows.pack(context, first_member(index_map))
+            a = self.attn.forward_packed(rows, rows.pack(merged), rows.pack(merged_pos), context)  # (N, d)
+            return rows.unmerge(a, index_map, lengths is not None)  # A_t = A'_{map(t)}, (B, T, d)
+        # static shapes: only the attention op skips work past merged_len
+        if context.shape[1] > 1:
+            context = context.gather(1, first_member(index_map)[:, :, None, None].expand_as(context))
+        a = self.attn(merged, merged_pos, context, merged_len)  # (B, T, d), zero past merged_len
+        return wiola_kernels.atm_unmerge(a, index_map)  # A_t = A'_{map(t)}
 
 
 def holds_its_weights(norm: WiolaRMSNorm, d: int) -> bool:
@@ -738,13 +755,16 @@ class WiolaModel(WiolaPreTrainedModel):
                 context = torch.stack(summaries[-lookback:], dim=2)  # Cˡ (B, S, Λ', d)
             else:
                 context = x.new_zeros(b, 1, 0, x.shape[-1])           # no earlier layers: plain attention
-            if step is not None:
-                x, normed = step.block(layer, x, context), None
-            else:  # the block also returns the next norm of its output (the add and norm fused)
-                next_norm = self.layers[i + 1].attn_norm if i + 1 < len(self.layers) else self.norm
+            # the block also returns the next norm of its output (the add and norm fused)
+            next_norm = self.layers[i + 1].attn_norm if i + 1 < len(self.layers) else self.norm
+            if not holds_its_weights(next_norm, x.shape[-1]):
+                next_norm = None
+            if step is not None:  # the block's sequence with the step's products
+                out = step.block(layer, x, context, normed, next_norm)
+            else:
                 out = layer(x, position_ids, context, normed, lengths=lengths, cache=cache, layout=layout,
-                            next_norm=next_norm if holds_its_weights(next_norm, x.shape[-1]) else None)
-                x, normed = out if isinstance(out, tuple) else (out, None)
+                            next_norm=next_norm)
+            x, normed = out if isinstance(out, tuple) else (out, None)
             if hidden_states is not None and i < len(self.layers) - 1:
                 hidden_states.append(x)
             if lookback > 0 and i < len(self.layers) - 1:  # the last layer's summary is never read
