@@ -150,9 +150,8 @@ def _gcla_make(shape, dtype, seed):
 def _gcla_views(shape, dtype, seed):
     """The model's views (S = T): q_rot, q, k_rot, v transposed from (B, T, heads, d_h), kc, vc
     permuted from the context projection's (B, T, Λ', H, d_h), a float32 gate (a parameter;
-    float64 beside float64),
-    the output gradient transposed alike (stride 0 over the batch for odd seeds: the gradient
-    of a sum). S = 1's layouts: tests/test_gcla_attention.py."""
+    float64 beside float64), the output gradient transposed alike (stride 0 over the batch for
+    odd seeds: the gradient of a sum). S = 1's layouts: tests/test_gcla_attention.py."""
     b, h, h_kv, t, dh, s, lam, lens = shape
     g = gen(seed)
     args = dict(_gcla_make(shape, dtype, seed), gate=_randn(h, g=g).to(F64 if dtype == F64 else torch.float32))
