@@ -15,7 +15,7 @@ import torch
 
 import wiola_kernels as wk
 from helpers import gen
-from oracles import add_rms_norm_oracle, atm_oracle, atm_unmerge_oracle, glu_oracle, lce_oracle, rms_oracle, srpe_oracle
+from oracles import add_rms_norm_oracle, atm_oracle, atm_unmerge_oracle, gcla_oracle, glu_oracle, lce_oracle, rms_oracle, srpe_oracle
 from wiola_kernels import dispatch, reference
 from wiola_kernels.testing import srpe_tolerance, tolerance
 
@@ -56,8 +56,9 @@ class OpCase:
 
     make: Callable[[tuple, torch.dtype, int], dict]  # (shape, dtype, seed) -> the public function's arguments
     call: Callable[[dict], tuple]                    # those arguments -> the outputs
-    shapes: dict[str, list]   # "default", "triton" (interpreter: tiny), "gradcheck", "threads", "views",
-                              # "dynamic" (two sizes), "concurrent", "gpu", "layer" (the op layer's)
+    shapes: dict[str, list]   # "default" or a backend's own ("triton": the interpreter is slow, tiny),
+                              # "gradcheck", "threads", "views", "dynamic" (two sizes), "concurrent",
+                              # "gpu", "layer" (the op layer's)
     functions: tuple[Public, ...] = ()               # the op's public functions
     layer_seed: int = 0                              # the seed of the op layer's arguments
     oracle: Callable[[dict], tuple] | None = None    # float64 arguments -> float64 outputs, differentiable
@@ -185,13 +186,37 @@ def _lce_oracle(a):
     return (lce_oracle(a["h"], a["W"], a["labels"], **{n: v for n, v in a.items() if n not in ("h", "W", "labels")}),)
 
 
+GCLA_NAMES = ("q_rot", "k_rot", "v", "q", "kc", "vc", "gate")
+
+
 def _gcla_make(shape, dtype, seed):
-    b, h, h_kv, t, dh, lam = shape
+    """(B, H, H_kv, T, d_h, S, Λ', lengths or None): S = 1 (one summary per sequence) or T."""
+    b, h, h_kv, t, dh, s, lam, lens = shape
     g = gen(seed)
-    sizes = dict(q_rot=(b, h, t, dh), k_rot=(b, h_kv, t, dh), v=(b, h_kv, t, dh), q=(b, h, t, dh),
-                 kc=(b, h, t, lam, dh), vc=(b, h, t, lam, dh), gate=(h,))
-    args = {n: _randn(*s, g=g).to(dtype) for n, s in sizes.items()}
-    return dict(args, lengths=torch.tensor([max(t - 3 * i, 1) for i in range(b)]))
+    sizes = ((b, h, t, dh), (b, h_kv, t, dh), (b, h_kv, t, dh), (b, h, t, dh), (b, h, s, lam, dh), (b, h, s, lam, dh),
+             (h,))
+    args = {n: _randn(*size, g=g).to(dtype) for n, size in zip(GCLA_NAMES, sizes)}
+    return dict(args, lengths=None if lens is None else torch.tensor(lens))
+
+
+def _gcla_views(shape, dtype, seed):
+    """The model's views (S = T): q_rot, q, k_rot, v transposed from (B, T, heads, d_h), kc, vc
+    permuted from the context projection's (B, T, Λ', H, d_h), a float32 gate (a parameter;
+    float64 beside float64), the output gradient transposed alike (stride 0 over the batch for
+    odd seeds: the gradient of a sum). S = 1's layouts: tests/test_gcla_attention.py."""
+    b, h, h_kv, t, dh, s, lam, lens = shape
+    g = gen(seed)
+    args = dict(_gcla_make(shape, dtype, seed), gate=_randn(h, g=g).to(F64 if dtype == F64 else torch.float32))
+    for n, n_h in (("q_rot", h), ("k_rot", h_kv), ("v", h_kv), ("q", h)):
+        args[n] = _randn(b, t, n_h, dh, g=g).to(dtype).transpose(1, 2)
+    for n in ("kc", "vc"):
+        args[n] = _randn(b, s, lam, h, dh, g=g).to(dtype).permute(0, 3, 1, 2, 4)
+    grad = _randn(1 if seed % 2 else b, t, h, dh, g=g).to(dtype).transpose(1, 2).expand(b, h, t, dh)
+    return args, [grad]
+
+
+def _gcla_oracle(a):
+    return (gcla_oracle(*(a[n] for n in GCLA_NAMES), lengths=a["lengths"]),)
 
 
 def _atm_make(shape, dtype, seed):
@@ -460,11 +485,24 @@ CASES: dict[str, OpCase] = {
         out_dtype=lambda dtype: torch.float64 if dtype == F64 else torch.float32),  # SPEC §10.1: a float32 loss
     "gcla_attention": OpCase(
         _gcla_make, lambda a: (wk.gcla_attention(**a),),
-        # d_h = 64: a head width the CUDA kernels take
-        dict(dynamic=[(2, 2, 1, 3, 4, 2), (2, 2, 1, 5, 4, 2)], concurrent=[(1, 4, 2, 40, 16, 2)],
-             gpu=[(2, 4, 2, 19, 64, 2)], layer=[(2, 4, 2, 5, 64, 2)]),
+        # (B, H, H_kv, T, d_h, S, Λ', lengths): odd B, rows of length 0 and 1, Λ' ∈ {0, 1, 2}, GQA
+        # pairs where h mod H_kv and h // (H/H_kv) differ ((6, 3), (4, 2)), d_h not a power of two
+        # (T = 1, where dq̃ = dk̃ = 0 exactly: tests/test_gcla_attention.py).
+        # The C++ kernel's blocks are 64 query × 128 key rows (T = 257: five and three, lengths off
+        # their edges); the interpreter's are 32 × 16 (dk/dv: 16 × 32); cuda_emu takes d_h 64, 128.
+        dict(default=[(3, 4, 1, 2, 16, 1, 1, (2, 0, 1)), (3, 6, 3, 7, 24, 7, 2, (7, 3, 0)),
+                      (2, 4, 2, 7, 10, 1, 0, None), (2, 4, 2, 40, 64, 1, 2, (37, 40)), (2, 4, 4, 64, 16, 64, 1, (64, 23)),
+                      (2, 4, 1, 257, 8, 257, 2, (250, 100)), (1, 6, 3, 257, 8, 1, 2, None)],
+             triton=[(3, 6, 3, 20, 16, 1, 2, (20, 9, 0)), (2, 4, 2, 7, 64, 7, 0, None), (2, 6, 3, 33, 16, 1, 2, (33, 20)),
+                     (2, 4, 1, 40, 8, 40, 1, (17, 40)), (1, 2, 2, 20, 24, 20, 2, None)],
+             cuda_emu=[(2, 4, 1, 2, 64, 1, 1, (2, 0)), (2, 6, 3, 7, 128, 1, 2, (7, 4)), (2, 4, 2, 257, 64, 257, 2, (254, 86)),
+                       (1, 6, 3, 257, 64, 1, 0, None)],
+             gradcheck=[(2, 2, 1, 5, 4, 1, 2, (5, 2))], threads=[(2, 4, 2, 200, 24, 1, 3, (200, 77))],
+             views=[(2, 6, 3, 21, 64, 21, 2, (21, 0)), (2, 4, 2, 9, 64, 9, 2, None)],
+             dynamic=[(2, 2, 1, 3, 4, 3, 2, (3, 1)), (2, 2, 1, 5, 4, 5, 2, (5, 2))],
+             concurrent=[(1, 4, 2, 40, 16, 40, 2, None)], gpu=[(2, 4, 2, 19, 64, 19, 2, (19, 14))], layer=[(2, 4, 2, 5, 64, 5, 2, (5, 2))]),
         (Public("gcla_attention", wk.GCLAAttentionFunction, _gcla_calls, _gcla_bad),),
-        kind="attention"),
+        oracle=_gcla_oracle, views=_gcla_views, in_place=("cpu", "triton"), kind="attention"),
     "atm": OpCase(
         _atm_make, _atm_call,
         # (B, T, d): T = 1, B = 0, odd B; T across the CUDA kernels' 8-token and 16-token blocks, d odd

@@ -116,40 +116,31 @@ def srpe_oracle(x, pos, theta=10000.0, ks=8.0, a_s=0.1, f_s=0.01):
 
 
 def gcla_oracle(q_rot, k_rot, v, q, kc, vc, gate, lengths=None, return_lse=False):
+    """SPEC §5.2-5.5 in float64, one batch row at a time, differentiable by autograd: head ``h``
+    attends causally to key/value group ``h mod H_kv`` with scores ``q̃·k̃ / √d_h``, plus
+    ``σ(g_h)`` times a softmax over the Λ' slots of ``kc``/``vc`` with the un-rotated ``q``
+    (slot row 0 when ``S = 1``, row ``t`` when ``S = T``). Rows ``t ≥ lengths[b]`` are 0 (their
+    keys are never attended: a row ``t < len`` sees keys ``≤ t`` only). The ``T×T`` scores are
+    materialised: an oracle may. ``return_lse``: also the self part's log-sum-exp (B, H, T),
+    NaN on rows past the length (SPEC leaves it undefined there)."""
     q_rot, k_rot, v, q, kc, vc, gate = (t.double() for t in (q_rot, k_rot, v, q, kc, vc, gate))
     B, H, T, dh = q_rot.shape
-    Hkv = k_rot.shape[1]
-    S, Lam = kc.shape[2], kc.shape[3]
+    group = torch.arange(H) % k_rot.shape[1]                   # SPEC §5.2: h mod H_kv
     scale = 1.0 / math.sqrt(dh)
+    future = torch.ones(T, T, dtype=torch.bool).triu(1)        # key j > query t
     outs, lses = [], []
     for b in range(B):
-        L = T if lengths is None else int(lengths[b])
-        heads, lse_h = [], []
-        for h in range(H):
-            g = h % Hkv                                       # SPEC §5.2: h mod H_kv
-            rows, lrow = [], []
-            for t in range(T):
-                if t >= L:
-                    rows.append(torch.zeros(dh, dtype=torch.float64))
-                    lrow.append(torch.tensor(float("nan"), dtype=torch.float64))
-                    continue
-                sc = (k_rot[b, g, : t + 1] @ q_rot[b, h, t]) * scale      # keys 0..t (all < L)
-                lse = torch.logsumexp(sc, 0)
-                o = torch.softmax(sc, 0) @ v[b, g, : t + 1]
-                if Lam > 0:
-                    sidx = 0 if S == 1 else t
-                    cs = (kc[b, h, sidx] @ q[b, h, t]) * scale             # (Λ',)
-                    oc = torch.softmax(cs, 0) @ vc[b, h, sidx]
-                    o = o + torch.sigmoid(gate[h]) * oc
-                rows.append(o)
-                lrow.append(lse)
-            heads.append(torch.stack(rows))
-            lse_h.append(torch.stack(lrow))
-        outs.append(torch.stack(heads))
-        lses.append(torch.stack(lse_h))
-    out = torch.stack(outs)
+        valid = torch.arange(T) < (T if lengths is None else int(lengths[b]))
+        s = (q_rot[b] @ k_rot[b, group].transpose(-1, -2) * scale).masked_fill(future, float("-inf"))  # (H, T, T)
+        o = torch.softmax(s, -1) @ v[b, group]
+        ctx_k, ctx_v = kc[b].expand(H, T, *kc.shape[3:]), vc[b].expand(H, T, *vc.shape[3:])  # S = 1: one row for all t
+        a = torch.softmax(torch.einsum("htd,htld->htl", q[b], ctx_k) * scale, -1)  # Λ' = 0: empty, O^cross = 0
+        o = o + torch.sigmoid(gate)[:, None, None] * torch.einsum("htl,htld->htd", a, ctx_v)
+        outs.append(torch.where(valid[:, None], o, 0.0))
+        lses.append(torch.where(valid, torch.logsumexp(s, -1), float("nan")))
+    out = torch.stack(outs) if B else q_rot * 0.0  # B = 0: empty, differentiable
     if return_lse:
-        return out, torch.stack(lses)
+        return out, torch.stack(lses) if B else q_rot.new_zeros(q_rot.shape[:3])
     return out
 
 

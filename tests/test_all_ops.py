@@ -16,13 +16,13 @@ in its CPU interpreter here):
   writes it: conftest);
 * strided inputs (the model's views): right values, and no copy by the kernels that read
   views in place (their outputs keep the inputs' memory order);
-* the float64 ``gradcheck`` of every backend (test_op_layer.py has it for the ops without
-  an oracle, with ``opcheck``, ``torch.compile``'s graph breaks and the bad-input messages of
-  every backend);
+* the float64 ``gradcheck`` of every backend, at the entry's "gradcheck" shapes
+  (test_op_layer.py has it for an entry without them, with ``opcheck``, ``torch.compile``'s
+  graph breaks and the bad-input messages of every backend);
 * the C++ kernels' forward and backward bitwise the same on 1 and 2 threads, run to run.
 
-An entry without an oracle is an op whose own test file still tests those; every entry
-takes part in the tests of all ops at once: one compiled graph through all of them,
+Every entry has an oracle (``test_every_op_has_an_oracle``), and every entry takes part
+in the tests of all ops at once: one compiled graph through all of them,
 concurrent calls from Python threads, and the small GPU runs that scripts/gpu_check.sh
 repeats under compute-sanitizer.
 """
@@ -94,6 +94,12 @@ def test_every_registered_op_has_a_case():
     assert set(CASES) == set(dispatch.ops())
 
 
+def test_every_op_has_an_oracle():
+    """Every op's forward and backward are checked against an oracle independent of the code
+    under test (a new op without one would be tested only against itself)."""
+    assert [op for op, case in CASES.items() if case.oracle is None] == []
+
+
 def test_cpu_backends_present():
     # The project ships a reference and a C++ CPU backend for every registered op.
     table = wk.backends("cpu")
@@ -119,7 +125,7 @@ def test_poisoning_is_active():
 @pytest.mark.parametrize("op, backend", _params())
 def test_forward_and_backward_match_the_oracle(op, backend, dtype):
     case = CASES[op]
-    for i, shape in enumerate(case.shapes["triton" if backend == "triton" else "default"]):
+    for i, shape in enumerate(case.shapes.get(backend, case.shapes["default"])):
         args = case.make(shape, dtype, seed=i)
         before = {n: v.clone() for n, v in args.items() if isinstance(v, torch.Tensor)}
         with on_backend(backend):

@@ -245,7 +245,7 @@ def test_backward_runs_on_the_forwards_backend(case, backend, ran):
 
 @pytest.mark.parametrize("case, backend", _case_backends(lambda c: "gradcheck" not in OP_CASES[c.op].shapes))
 def test_float64_gradcheck(case, backend):
-    """The ops whose gradcheck is not tests/test_all_ops.py's (no oracle there)."""
+    """The ops whose gradcheck is not tests/test_all_ops.py's (no "gradcheck" shapes there)."""
     args = _with_grad(case.make(torch.float64))
     names = [n for n, v in args.items() if isinstance(v, torch.Tensor) and v.requires_grad]
 
@@ -274,20 +274,6 @@ def test_opcheck_the_emulated_cuda_ops(case):
         pytest.skip("the extension was built without the emulated CUDA kernels")
     for op, args in case.op_calls(case.make(torch.float32), ns="wiola_cuda_emu"):
         torch.library.opcheck(op, args)
-
-
-@pytest.mark.parametrize("case", [c for c in CASES if OP_CASES[c.op].oracle is None], ids=lambda c: c.name)
-def test_every_backend_agrees_with_the_reference_forward(case):
-    """The ops without an oracle in tests/test_all_ops.py (whose forward tests compare every
-    backend with it)."""
-    args = case.make(torch.float32)
-    want = case.reference(**{n: v.double() if isinstance(v, torch.Tensor) and v.is_floating_point() else v
-                             for n, v in args.items()})
-    for backend in _backends_here(case.op):
-        with wk.use_backend(backend):
-            got = case.public(**args)
-        for x, y in zip(_float_outputs(got), _float_outputs(want)):
-            assert_close_rel(x, y, tolerance(torch.float32, case.kind), backend)
 
 
 # --- torch.compile ------------------------------------------------------------------------------
