@@ -2,8 +2,9 @@
 //
 // Rows are processed in chunks of R rows (chunk_rows); a chunk's logits L (R, V) live in one
 // buffer of the input dtype, the only large thing the op allocates. Per chunk, each phase a
-// parallel loop over a fixed partition (so the results do not depend on the thread count:
-// every GEMM below runs on one thread, on a block the partition fixes):
+// parallel loop over a fixed partition into tasks (so the results do not depend on the thread
+// count: every GEMM below runs on one thread, on a block the partition fixes), which the
+// threads take one by one (a thread slowed by another process takes fewer):
 //   1. per vocabulary block of C columns: L[:, block] = h_c W_blockᵀ (ATen GEMM: MKL for
 //      float, oneDNN for bf16), then, while the (R, C) block is in L2, softcap in place and
 //      each row's block max, Σexp, Σs and target logit;
@@ -14,7 +15,9 @@
 // Everything after the logits GEMM is ours (vectorised, float accumulation; double for
 // double). bf16/fp16: the GEMMs run in the input dtype (fp32 accumulation inside) and round
 // their outputs, as a model's lm_head does: logits, dz and ∂h are rounded once; ∂W sums the
-// chunks' rounded partials in a float32 accumulator (V, d) that is rounded once at the end.
+// chunks' rounded partials to 24 bits (bf16: the output holds the top 16 bits of the float32
+// sum, a (V, d) byte buffer the next 8; see add_partial_split) or in float32 (fp16, a (V, d)
+// float accumulator), rounded once at the end.
 //
 // Where the gradients come from (Liger-Kernel's choice, not Cut Cross-Entropy's): with
 // reduction "mean" or "sum" every row's gradient is grad_loss (÷ n) times a row gradient the
@@ -32,6 +35,8 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
+#include <bit>
 #include <cmath>
 #include <cstdlib>
 #include <limits>
@@ -48,12 +53,16 @@ namespace {
 constexpr int64_t kBlockBytes = int64_t(256) << 10;
 // Bytes of the chunk's logits (R, V), the op's working memory: R = this / (V · element size),
 // at least kMinChunkRows (GEMMs with fewer rows lose efficiency), at most kMaxChunkRows.
-// Measured at the bench shape (docs/ops.md, "linear_cross_entropy"): see chunk_rows.
-constexpr int64_t kChunkBytes = int64_t(16) << 20;
+// Every chunk reads and writes all of ∂W (V, d) once, so fewer, larger chunks move less: at the
+// bench shape (V 32000, d 1024) 32 MiB is 512 rows in bf16 (8 chunks of N 4096: ∂W traffic
+// 1.5 GB a pass instead of 4 GB with 16 MiB) and 262 in float32 (docs/ops.md).
+// Independent of the thread count, so that the results are too.
+constexpr int64_t kChunkBytes = int64_t(32) << 20;
 constexpr int64_t kMinChunkRows = 32;
 constexpr int64_t kMaxChunkRows = 512;
-// Columns of ∂h per phase-4 task: ≥ 4 tasks at d = 1024, so 2 threads stay busy.
-constexpr int64_t kGradHCols = 256;
+// Columns of ∂h per phase-4 task: 8 tasks at d = 1024, so 2 threads stay busy even when one
+// of them is slowed.
+constexpr int64_t kGradHCols = 128;
 
 template <typename acc_t>
 using Vec = at::vec::Vectorized<acc_t>;
@@ -65,6 +74,24 @@ struct Options {
   bool has_cap;
   double cap;        // softcap c
 };
+
+// tasks(0) … tasks(count − 1) on the intra-op threads, each task on one thread, taken in order
+// from a shared counter (dynamic: a thread that another process slows takes fewer); `body(next)`
+// runs once per worker and calls next() for its next task (−1: none left), so that a worker can
+// keep its scratch across its tasks. Which thread runs a task does not change its result.
+template <typename Body>
+void parallel_tasks(int64_t count, const Body& body) {
+  if (count <= 0) return;
+  std::atomic<int64_t> counter{0};
+  const int64_t workers = std::min<int64_t>(std::max(at::get_num_threads(), 1), count);
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+    const at::AutoDispatchBelowADInplaceOrView no_autograd;  // worker threads: grad mode is per thread
+    body([&]() -> int64_t {
+      const int64_t t = counter.fetch_add(1, std::memory_order_relaxed);
+      return t < count ? t : -1;
+    });
+  });
+}
 
 // Rows per chunk: kChunkBytes of logits, within [kMinChunkRows, kMaxChunkRows] and ≤ n.
 // WIOLA_LCE_CHUNK_ROWS overrides it (for measuring other sizes; docs/ops.md).
@@ -191,6 +218,30 @@ void add_partial(const scalar_t* p, float* acc, int64_t count, bool first) {
   for (; i < count; ++i) acc[i] = (first ? 0.0f : acc[i]) + float(p[i]);
 }
 
+// bf16 ∂W summed over the chunks to 24 bits without a float32 (V, d) buffer: the float32 sum
+// s is kept as its top 16 bits in the output `hi` itself (a bf16 bit pattern) and its next 8
+// in `lo`; each chunk adds its partial p in float32 to (hi, lo) and rounds the sum to 24 bits
+// (half a unit of the 24th bit: ≤ 2^-16 relative, against 2^-9 for a bf16 running sum, which
+// at N = 4096 in 16-row chunks misses 1e-2); `last`: the final sum is rounded to bf16
+// (nearest even) instead. Inf and NaN pass through (no rounding increment on them).
+inline void add_partial_split(const c10::BFloat16* p, c10::BFloat16* hi, uint8_t* lo, int64_t count, bool first,
+                              bool last) {
+  const uint16_t* pb = reinterpret_cast<const uint16_t*>(p);
+  uint16_t* hb = reinterpret_cast<uint16_t*>(hi);
+  for (int64_t i = 0; i < count; ++i) {
+    float s = std::bit_cast<float>(uint32_t(pb[i]) << 16);
+    if (!first) s += std::bit_cast<float>((uint32_t(hb[i]) << 16) | (uint32_t(lo[i]) << 8));
+    uint32_t u = std::bit_cast<uint32_t>(s);
+    if (last) {
+      hb[i] = c10::BFloat16(s).x;  // round to nearest even
+      continue;
+    }
+    u += (u & 0x7F800000u) != 0x7F800000u ? 0x80u : 0u;
+    hb[i] = uint16_t(u >> 16);
+    lo[i] = uint8_t(u >> 8);
+  }
+}
+
 // One call's tensors and sizes.
 template <typename scalar_t>
 struct Problem {
@@ -232,10 +283,9 @@ void logits_and_stats(const Problem<scalar_t>& P, at::Tensor& L, int64_t r0, int
   using acc_t = acc_type<scalar_t>;
   const at::Tensor hc = P.h.narrow(0, r0, rows);
   const int64_t blocks = (P.V + cols - 1) / cols;
-  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
-    const at::AutoDispatchBelowADInplaceOrView no_autograd;  // worker threads: grad mode is per thread
+  parallel_tasks(blocks, [&](const auto& next) {
     auto scratch = scratch_row<scalar_t>(cols);
-    for (int64_t b = b0; b < b1; ++b) {
+    for (int64_t b; (b = next()) >= 0;) {
       const int64_t v0 = b * cols, nv = std::min(cols, P.V - v0);
       at::Tensor Lb = L.narrow(0, 0, rows).narrow(1, v0, nv);
       at::mm_out(Lb, hc, P.W.narrow(0, v0, nv).t());
@@ -291,22 +341,24 @@ void row_losses(const Stats<acc_t>& st, const int64_t* y, int64_t rows, int64_t 
 }
 
 // Phases 3 and 4 for one chunk whose logits are in L: dz in place (row r weighted by g[r];
-// 0: an ignored row), then ∂W (into grad_W, or the float accumulator dW_acc for reduced
-// precision; `first`: the chunk overwrites instead of adding) and ∂h rows [r0, r0 + rows).
+// 0: an ignored row), then ∂W and ∂h rows [r0, r0 + rows). ∂W: float/double accumulate in
+// grad_W; bf16 in (grad_W, dW_lo) (add_partial_split); fp16 in the float accumulator dW_acc.
+// `first`: the chunk overwrites instead of adding; `last`: the final chunk (bf16 rounds).
 template <typename scalar_t>
 void chunk_gradients(const Problem<scalar_t>& P, at::Tensor& L, int64_t r0, int64_t rows, int64_t cols,
                      const acc_type<scalar_t>* lse, const acc_type<scalar_t>* g, at::Tensor* grad_h,
-                     at::Tensor* grad_W, at::Tensor* dW_acc, bool first) {
+                     at::Tensor* grad_W, at::Tensor* dW_acc, at::Tensor* dW_lo, bool first, bool last) {
   using acc_t = acc_type<scalar_t>;
   const Options& o = P.o;
   const at::Tensor hc = P.h.narrow(0, r0, rows);
   const int64_t blocks = (P.V + cols - 1) / cols;
-  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
-    const at::AutoDispatchBelowADInplaceOrView no_autograd;  // worker threads: grad mode is per thread
+  parallel_tasks(blocks, [&](const auto& next) {
     auto scratch = scratch_row<scalar_t>(cols);
-    // The worker's (cols, d) GEMM output, summed into dW_acc (reduced precision).
-    at::Tensor partial = dW_acc != nullptr ? at::empty({std::min(cols, P.V), P.d}, P.h.options()) : at::Tensor();
-    for (int64_t b = b0; b < b1; ++b) {
+    // The worker's (cols, d) GEMM output, summed into ∂W (reduced precision).
+    at::Tensor partial = grad_W != nullptr && !std::is_same_v<scalar_t, acc_t>
+                             ? at::empty({std::min(cols, P.V), P.d}, P.h.options())
+                             : at::Tensor();
+    for (int64_t b; (b = next()) >= 0;) {
       const int64_t v0 = b * cols, nv = std::min(cols, P.V - v0);
       scalar_t* base = L.mutable_data_ptr<scalar_t>() + v0;
       for (int64_t r = 0; r < rows; ++r) {
@@ -327,19 +379,24 @@ void chunk_gradients(const Problem<scalar_t>& P, at::Tensor& L, int64_t r0, int6
         at::Tensor out = grad_W->narrow(0, v0, nv);
         if (first) at::mm_out(out, dzb, hc);
         else out.addmm_(dzb, hc);
-      } else {  // reduced precision: the GEMM's rounded partial, summed in float
+      } else {  // reduced precision: the GEMM's rounded partial, summed to 24 bits or in float
         at::Tensor part = partial.narrow(0, 0, nv);
         at::mm_out(part, dzb, hc);
-        add_partial(part.const_data_ptr<scalar_t>(), dW_acc->mutable_data_ptr<float>() + v0 * P.d, nv * P.d, first);
+        if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+          add_partial_split(part.const_data_ptr<scalar_t>(), grad_W->mutable_data_ptr<scalar_t>() + v0 * P.d,
+                            dW_lo->mutable_data_ptr<uint8_t>() + v0 * P.d, nv * P.d, first, last);
+        } else {
+          add_partial(part.const_data_ptr<scalar_t>(), dW_acc->mutable_data_ptr<float>() + v0 * P.d, nv * P.d,
+                      first);
+        }
       }
     }
   });
   if (grad_h == nullptr) return;
   const at::Tensor dz = L.narrow(0, 0, rows);
   const int64_t tasks = (P.d + kGradHCols - 1) / kGradHCols;
-  at::parallel_for(0, tasks, 1, [&](int64_t t0, int64_t t1) {
-    const at::AutoDispatchBelowADInplaceOrView no_autograd;
-    for (int64_t t = t0; t < t1; ++t) {
+  parallel_tasks(tasks, [&](const auto& next) {
+    for (int64_t t; (t = next()) >= 0;) {
       const int64_t c0 = t * kGradHCols, nc = std::min(kGradHCols, P.d - c0);
       at::Tensor out = grad_h->narrow(0, r0, rows).narrow(1, c0, nc);
       at::mm_out(out, dz, P.W.narrow(1, c0, nc));
@@ -360,10 +417,13 @@ void run_chunks(const Problem<scalar_t>& P, acc_type<scalar_t>* lse, acc_type<sc
   const int64_t blocks = (P.V + cols - 1) / cols;
   const bool grads = grad_h != nullptr || grad_W != nullptr;
   at::Tensor L = at::empty({R, P.V}, P.h.options());
-  // ∂W of reduced precision is summed in float (V, d), rounded once at the end.
-  at::Tensor dW_acc = grad_W != nullptr && !std::is_same_v<scalar_t, acc_t>
+  // ∂W of reduced precision: bf16 summed to 24 bits in (grad_W, dW_lo), fp16 in float (V, d);
+  // rounded once at the end.
+  constexpr bool bf16 = std::is_same_v<scalar_t, c10::BFloat16>;
+  at::Tensor dW_acc = grad_W != nullptr && !bf16 && !std::is_same_v<scalar_t, acc_t>
                           ? at::empty({P.V, P.d}, P.h.options().dtype(at::kFloat))
                           : at::Tensor();
+  at::Tensor dW_lo = grad_W != nullptr && bf16 ? at::empty({P.V, P.d}, P.h.options().dtype(at::kByte)) : at::Tensor();
   std::vector<acc_t> g(R), lse_chunk(R);
   for (int64_t r0 = 0; r0 < P.n; r0 += R) {
     const int64_t rows = std::min(R, P.n - r0);
@@ -378,7 +438,7 @@ void run_chunks(const Problem<scalar_t>& P, acc_type<scalar_t>* lse, acc_type<sc
     const acc_t* l = lse_in != nullptr ? lse_in + r0 : lse + r0;
     for (int64_t r = 0; r < rows; ++r) g[r] = P.y[r0 + r] == P.o.ignore_index ? acc_t(0) : weight(r0 + r);
     chunk_gradients(P, L, r0, rows, cols, l, g.data(), grad_h, grad_W, dW_acc.defined() ? &dW_acc : nullptr,
-                    r0 == 0);
+                    dW_lo.defined() ? &dW_lo : nullptr, r0 == 0, r0 + rows >= P.n);
   }
   if (grad_W != nullptr) {
     if (P.n == 0) grad_W->zero_();
