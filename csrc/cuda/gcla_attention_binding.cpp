@@ -112,9 +112,10 @@ at::Tensor empty_self(const Shape& s, const at::TensorOptions& options) {
   return t;
 }
 
-// The launch parameters both summary passes share: shape, layout, scale c = 1/√d_h, dtype.
+// The launch parameters both summary passes share: shape, the K/V head permutation P
+// (perm_kv, gcla_attention.h), scale c = 1/√d_h, dtype.
 template <typename Params>
-void set_shape(Params& p, const Shape& s, bool perm_kv, const at::Tensor& q) {
+void set_shape(Params& p, const Shape& s, int64_t perm_kv, const at::Tensor& q) {
   p.B = s.B;
   p.H = s.H;
   p.T = s.T;
