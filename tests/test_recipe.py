@@ -94,10 +94,12 @@ def _tests(op, fns):
     assert (ROOT / f"tests/test_{op}.py").exists(), op
 
 
-def _op_layer_case(op, fns):
-    text = _read("tests/test_op_layer.py")
-    for fn in fns:
-        assert f'Case("{fn}"' in text, fn
+def _op_case(op, fns):
+    from op_cases import CASES
+
+    assert op in CASES, f"no OpCase for {op} in tests/op_cases.py"
+    assert CASES[op].oracle is not None, f"{op}'s OpCase has no oracle"
+    assert sorted(f.name for f in CASES[op].functions) == fns, (op, fns)
 
 
 def _bench_case(op, fns):
@@ -125,7 +127,7 @@ CHECKS = {
     "wiola_kernels/__init__.py": _exports,
     "docs/ops.md": _docs,
     "tests/test_<op>.py": _tests,
-    "tests/test_op_layer.py": _op_layer_case,
+    "tests/op_cases.py": _op_case,
     "wiola_kernels/bench/cases.py": _bench_case,
     "wiola_kernels/bench/overhead.py": _overhead_case,
 }
