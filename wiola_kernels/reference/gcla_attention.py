@@ -190,12 +190,17 @@ def gcla_attention_backward(grad_out: Tensor, q_rot: Tensor, k_rot: Tensor, v: T
     a, o_cross = gcla_cross_attention(qq, kcc, vcc, scale)
     sig = torch.sigmoid(gate.to(acc))
     d_oc = sig[None, :, None, None] * d_o
+    # Rows past a length read S = 1's shared summaries too, which may be NaN/Inf where the row
+    # is empty (a mean over no tokens): their terms are dropped, not multiplied by a zero dO.
+    pad = ~row_ok[..., None]
+    a, o_cross = a.masked_fill(pad, 0.0), o_cross.masked_fill(pad, 0.0)
     dvc = a.unsqueeze(-1) * d_oc.unsqueeze(-2)  # (B, H, T, Λ', dh)
     da = (d_oc.unsqueeze(-2) * vcc).sum(-1)  # (B, H, T, Λ')
-    dz = a * (da - (d_oc * o_cross).sum(-1, keepdim=True))
+    dz = (a * (da - (d_oc * o_cross).sum(-1, keepdim=True))).masked_fill(pad, 0.0)
     dq = (dz.unsqueeze(-1) * kcc).sum(-2) * scale
     if dq.shape != qq.shape:  # Λ' = 0, S = 1
         dq = dq.expand(qq.shape)
+    dq = dq.masked_fill(pad, 0.0)
     dkc = dz.unsqueeze(-1) * qq.unsqueeze(-2) * scale
     if kc.shape[2] == 1:
         dkc = dkc.sum(2, keepdim=True)

@@ -417,8 +417,9 @@ def _gcla_bwd_dq_kernel(
             lam64 = tl.cast(lam, tl.int64)
             kc = tl.load(kc_base + lam64 * skc_l + kc_offs, mask=ctx_ok, other=0.0)
             vc = tl.load(vc_base + lam64 * svc_l + vc_offs, mask=ctx_ok, other=0.0)
-            a = tl.exp(tl.sum(qq.to(sig.dtype) * kc.to(sig.dtype), 1) * c - m_c) / l_c
-            t += a * tl.sum(do.to(sig.dtype) * vc.to(sig.dtype), 1)
+            # rows past the length: a = 0, and no 0 · NaN from S = 1's summaries of an empty row
+            a = tl.where(row_ok, tl.exp(tl.sum(qq.to(sig.dtype) * kc.to(sig.dtype), 1) * c - m_c) / l_c, 0.0)
+            t += tl.where(row_ok, a * tl.sum(do.to(sig.dtype) * vc.to(sig.dtype), 1), 0.0)
             dvc = (sig * a)[:, None] * do.to(sig.dtype)
             if PER_ROW:  # rows past the length hold exact zeros (dO reads 0 there)
                 tl.store(dvc_ptrs + lam64 * sdvc_l, dvc.to(dvc_ptr.dtype.element_ty), mask=st_ok)
@@ -429,7 +430,7 @@ def _gcla_bwd_dq_kernel(
             kc = tl.load(kc_base + lam64 * skc_l + kc_offs, mask=ctx_ok, other=0.0)
             vc = tl.load(vc_base + lam64 * svc_l + vc_offs, mask=ctx_ok, other=0.0)
             a = tl.exp(tl.sum(qq.to(sig.dtype) * kc.to(sig.dtype), 1) * c - m_c) / l_c
-            dz = (sig * c) * a * (tl.sum(do.to(sig.dtype) * vc.to(sig.dtype), 1) - t)
+            dz = tl.where(row_ok, (sig * c) * a * (tl.sum(do.to(sig.dtype) * vc.to(sig.dtype), 1) - t), 0.0)
             dq += dz[:, None] * kc.to(sig.dtype)
             dkc = dz[:, None] * qq.to(sig.dtype)
             if PER_ROW:
