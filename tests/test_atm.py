@@ -424,6 +424,26 @@ def test_bad_input_names_the_argument(case):
             fn()
 
 
+def test_inductor_around_the_cpu_kernels():
+    """Inductor compiles a layer around merge and unmerge without a graph break (the op
+    layer's compile tests use aot_eager), and its values and gradient are the oracle's."""
+    def layer(x, pos):
+        merged, mpos, mlen, imap = wk.atm_merge(x, pos, 0.5)
+        return wk.atm_unmerge(torch.tanh(merged) * (mpos.unsqueeze(-1) + 1), imap), mlen
+
+    x, pos = _tokens(2, 10, 6, 5).float().requires_grad_(), torch.arange(10)
+    torch._dynamo.reset()
+    with wk.use_backend("cpu"):
+        out, mlen = torch.compile(layer, fullgraph=True, backend="inductor")(x, pos)
+        (gx,) = torch.autograd.grad(out.sum(), x)
+    x64 = x.detach().double().requires_grad_()
+    merged, mpos, mlen64, imap = atm_oracle(x64, pos, 0.5)
+    want = atm_unmerge_oracle(torch.tanh(merged) * (mpos.unsqueeze(-1) + 1), imap)
+    assert torch.equal(mlen, mlen64)
+    assert_close_rel(out.detach(), want.detach(), tolerance(torch.float32), "restored")
+    assert_close_rel(gx, torch.autograd.grad(want.sum(), x64)[0], tolerance(torch.float32), "grad x")
+
+
 # --- the CUDA kernels: their block edges, alignment, and on a GPU opcheck and compile ----------
 
 # 1100 tokens: two select tiles of 1024; d = 1032: rows of several 16-byte-chunk steps, the last partial
