@@ -29,7 +29,10 @@ PYBIND11_MODULE(_C, m) {
     if (kernel == "rms_norm" || kernel == "add_rms_norm")
       return wiola::cpu::isa_name(wiola::cpu::kernel_isa(wiola::cpu::kRmsNormIsas));
     if (kernel == "glu") return wiola::cpu::isa_name(wiola::cpu::kernel_isa(wiola::cpu::kGluIsas));
-    TORCH_CHECK_VALUE(false, "kernel must be 'decode_gemv', 'rms_norm', 'add_rms_norm' or 'glu', got '", kernel, "'");
+    if (kernel == "linear_cross_entropy")
+      return wiola::cpu::isa_name(wiola::cpu::kernel_isa(wiola::cpu::kLinearCrossEntropyIsas));
+    TORCH_CHECK_VALUE(false, "kernel must be 'decode_gemv', 'rms_norm', 'add_rms_norm', 'glu' or 'linear_cross_entropy', got '",
+                      kernel, "'");
     return std::string();
   });
   // The pure decision (isa.h choose_isa) on level names, for tests.

@@ -171,7 +171,8 @@ def test_each_kernel_takes_the_highest_path_it_has_at_or_below_the_level():
     gemv, norm = _extension.CPU_KERNEL_ISAS["decode_gemv"], _extension.CPU_KERNEL_ISAS["rms_norm"]
     assert [choose(list(gemv), c) for c in LEVELS] == ["generic", "avx2", "avx512", "avx512"]
     assert [choose(list(norm), c) for c in LEVELS] == ["avx2", "avx2", "avx2", "avx512_bf16"]
-    assert _extension.CPU_KERNEL_ISAS["glu"] == _extension.CPU_KERNEL_ISAS["add_rms_norm"] == norm
+    assert (_extension.CPU_KERNEL_ISAS["glu"] == _extension.CPU_KERNEL_ISAS["add_rms_norm"]
+            == _extension.CPU_KERNEL_ISAS["linear_cross_entropy"] == norm)
     with pytest.raises(ValueError, match="chosen must be one of"):
         choose(["avx2"], "avx1024")
 
@@ -186,7 +187,7 @@ def test_avx512_without_bf16_runs_the_avx512_gemv_and_the_avx2_norm():
             return
         assert wk.cpu_isa() == "avx512" and _extension.cpu_best_isa() == "avx512"
         assert wk.kernel_isa("decode_gemv") == "avx512"
-        assert [wk.kernel_isa(k) for k in ("rms_norm", "add_rms_norm", "glu")] == ["avx2"] * 3
+        assert [wk.kernel_isa(k) for k in ("rms_norm", "add_rms_norm", "glu", "linear_cross_entropy")] == ["avx2"] * 4
         with pytest.raises(ValueError, match="no avx512_bf16"):
             wk.set_cpu_isa("avx512_bf16")
         g = torch.Generator().manual_seed(10)

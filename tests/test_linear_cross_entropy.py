@@ -16,7 +16,7 @@ from torch._dynamo.utils import counters
 
 import wiola_kernels as wk
 from wiola_kernels import reference, shapes
-from wiola_kernels.testing import assert_close_rel, available_backends, tolerance
+from wiola_kernels.testing import assert_close_rel, available_backends, available_cpu_isas, cpu_isa, tolerance
 
 from helpers import gen, gpu_only, needs_cpu_extension, threads
 from oracles import lce_oracle
@@ -290,6 +290,29 @@ def test_cpu_is_bitwise_reproducible_across_thread_counts(dtype, monkeypatch):
         assert torch.equal(a, b), "depends on the thread count"
     for a, b in zip(results[0] + results[1], results[4] + results[5]):
         assert torch.equal(a, b), "differs run to run"
+
+
+@needs_cpu_extension
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cpu_16bit_paths_match_oracle_over_many_blocks(dtype, monkeypatch):
+    """Both 16-bit GEMM paths (csrc/cpu/linear_cross_entropy.cpp widened_gemms) that this CPU
+    runs — float32 GEMMs on widened operands below avx512_bf16, bf16 GEMMs at it — over 17
+    vocabulary blocks (512-row chunks: 128 float32 columns) and two chunks, so the widened
+    path's eight ∂h groups hold two or three blocks each: within 1e-2 of float64 with every
+    option, and the same bits at 1 and 2 threads."""
+    monkeypatch.setenv("WIOLA_LCE_CHUNK_ROWS", "512")
+    h, W, y = make(600, 32, 2100, dtype, seed=21)
+    kw = OPTIONS["all"]
+    want = oracle(h, W, y, loss_grad(600), **kw)
+    for isa in available_cpu_isas("linear_cross_entropy"):
+        with cpu_isa(isa):
+            with threads(1):
+                one = run("cpu", h, W, y, **kw)
+            with threads(2):
+                two = run("cpu", h, W, y, **kw)
+        assert_matches(one, want, TOL[dtype], f"cpu/{isa} {dtype}")
+        for a, b in zip(one, two):
+            assert torch.equal(a, b), f"cpu/{isa} {dtype}: depends on the thread count"
 
 
 @needs_cpu_extension

@@ -60,7 +60,8 @@ CPU_ISA_LEVELS = ("generic", "avx2", "avx512", "avx512_bf16")
 CPU_ISAS = ("auto", *CPU_ISA_LEVELS)
 #: The CPU kernels with more than one path, and the levels each implements.
 CPU_KERNEL_ISAS = {"decode_gemv": ("generic", "avx2", "avx512"), "rms_norm": ("avx2", "avx512_bf16"),
-                   "add_rms_norm": ("avx2", "avx512_bf16"), "glu": ("avx2", "avx512_bf16")}
+                   "add_rms_norm": ("avx2", "avx512_bf16"), "glu": ("avx2", "avx512_bf16"),
+                   "linear_cross_entropy": ("avx2", "avx512_bf16")}
 
 
 def cpu_isa() -> str | None:
@@ -82,7 +83,7 @@ def cpu_best_isa() -> str | None:
 
 def kernel_isa(kernel: str) -> str | None:
     """The level ``kernel`` (a key of :data:`CPU_KERNEL_ISAS`: ``"decode_gemv"``,
-    ``"rms_norm"``, ``"add_rms_norm"``, ``"glu"``) runs at now: the highest it implements at or below :func:`cpu_isa`. None
+    ``"rms_norm"``, ``"add_rms_norm"``, ``"glu"``, ``"linear_cross_entropy"``) runs at now: the highest it implements at or below :func:`cpu_isa`. None
     without the extension. Raises ValueError for another kernel name."""
     if kernel not in CPU_KERNEL_ISAS:
         raise ValueError(f"kernel must be one of {tuple(CPU_KERNEL_ISAS)}, got {kernel!r}")

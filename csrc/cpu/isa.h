@@ -62,6 +62,8 @@ Isa parse_isa(const std::string& name, const char* what = "isa");
 inline constexpr Isa kDecodeGemvIsas[] = {Isa::kGeneric, Isa::kAvx2, Isa::kAvx512};
 inline constexpr Isa kRmsNormIsas[] = {Isa::kAvx2, Isa::kAvx512Bf16};  // rms_norm and add_rms_norm
 inline constexpr Isa kGluIsas[] = {Isa::kAvx2, Isa::kAvx512Bf16};
+// bf16 GEMMs natively (ATen/oneDNN) at avx512_bf16, as widened float32 GEMMs below it.
+inline constexpr Isa kLinearCrossEntropyIsas[] = {Isa::kAvx2, Isa::kAvx512Bf16};
 
 }  // namespace wiola::cpu
 

@@ -9,15 +9,19 @@
 //      float, oneDNN for bf16), then, while the (R, C) block is in L2, softcap in place and
 //      each row's block max, Σexp, Σs and target logit;
 //   2. per row: lse and ℓ from the block statistics, combined in block order;
-//   3. per block (gradients wanted): dz in place in L (input dtype), then the block's share
-//      of ∂W, dz_blockᵀ h_c, while the block is in L2;
-//   4. per column block of ∂h: ∂h_c = dz W (one GEMM over all of V).
+//   3. per block (gradients wanted): dz in place in L, then the block's share of ∂W,
+//      dz_blockᵀ h_c, while the block is in L2;
+//   4. ∂h_c = dz W: per column slab of ∂h (one GEMM over all of V); on the widened path
+//      (below) per fixed group of blocks inside phase 3's tasks instead (each block's
+//      dz_b W_b into the group's float partial while W_b is widened, the partials summed in
+//      group order).
 // Everything after the logits GEMM is ours (vectorised, float accumulation; double for
-// double). bf16/fp16: the GEMMs run in the input dtype (fp32 accumulation inside) and round
-// their outputs, as a model's lm_head does: logits, dz and ∂h are rounded once; ∂W sums the
-// chunks' rounded partials to 24 bits (bf16: the output holds the top 16 bits of the float32
-// sum, a (V, d) byte buffer the next 8; see add_partial_split) or in float32 (fp16, a (V, d)
-// float accumulator), rounded once at the end.
+// double). bf16/fp16 (see widened_gemms): where the CPU multiplies bf16 natively the GEMMs
+// run in bf16 (fp32 accumulation inside) and round their outputs, as a model's lm_head does;
+// elsewhere they run in float32 on widened operands, with float32 logits. ∂h is rounded once;
+// ∂W sums the chunks' partials to 24 bits (bf16: the output holds the top 16 bits of the
+// float32 sum, a (V, d) byte buffer the next 8; see add_partial_split) or in float32 (fp16, a
+// (V, d) float accumulator), rounded once at the end.
 //
 // Where the gradients come from (Liger-Kernel's choice, not Cut Cross-Entropy's): with
 // reduction "mean" or "sum" every row's gradient is grad_loss (÷ n) times a row gradient the
@@ -43,6 +47,7 @@
 #include <vector>
 
 #include "common.h"
+#include "isa.h"
 #include "wiola/checks.h"
 
 namespace wiola::cpu {
@@ -63,6 +68,12 @@ constexpr int64_t kMaxChunkRows = 512;
 // Columns of ∂h per phase-4 task: 8 tasks at d = 1024, so 2 threads stay busy even when one
 // of them is slowed.
 constexpr int64_t kGradHCols = 128;
+// The widened path's phase 3-4 tasks: ∂h_c = Σ_g dz[:, group g] W[group g] over this many
+// fixed groups of vocabulary blocks, each into its own (R, d) float partial, summed in group
+// order (so the bits do not depend on which thread ran a group); each W block is widened
+// once for its ∂h product and its share of ∂W. (On float32 inputs the column slabs above
+// measured ~4 % faster at 1 thread: one long-K GEMM per slab instead of K = 192 ones.)
+constexpr int64_t kGradHGroups = 8;
 
 template <typename acc_t>
 using Vec = at::vec::Vectorized<acc_t>;
@@ -224,12 +235,12 @@ void add_partial(const scalar_t* p, float* acc, int64_t count, bool first) {
 // (half a unit of the 24th bit: ≤ 2^-16 relative, against 2^-9 for a bf16 running sum, which
 // at N = 4096 in 16-row chunks misses 1e-2); `last`: the final sum is rounded to bf16
 // (nearest even) instead. Inf and NaN pass through (no rounding increment on them).
-inline void add_partial_split(const c10::BFloat16* p, c10::BFloat16* hi, uint8_t* lo, int64_t count, bool first,
-                              bool last) {
-  const uint16_t* pb = reinterpret_cast<const uint16_t*>(p);
+// The partial p is the GEMM's bf16 output, or its float32 output on the widened path.
+template <typename part_t>
+inline void add_partial_split(const part_t* p, c10::BFloat16* hi, uint8_t* lo, int64_t count, bool first, bool last) {
   uint16_t* hb = reinterpret_cast<uint16_t*>(hi);
   for (int64_t i = 0; i < count; ++i) {
-    float s = std::bit_cast<float>(uint32_t(pb[i]) << 16);
+    float s = static_cast<float>(p[i]);
     if (!first) s += std::bit_cast<float>((uint32_t(hb[i]) << 16) | (uint32_t(lo[i]) << 8));
     uint32_t u = std::bit_cast<uint32_t>(s);
     if (last) {
@@ -252,16 +263,50 @@ struct Problem {
   Options o;
 };
 
-// A worker's row of acc_t for reduced-precision rows (empty for float/double storage).
+// bf16/fp16 GEMMs run as float32 GEMMs on widened operands ("the widened path": h a chunk at
+// a time, W a block at a time, float32 logits) unless the CPU multiplies bf16 natively
+// (AVX512_BF16 and up, where oneDNN's bf16 GEMM is the fast one). Measured on an AVX2-only
+// Zen 3 core (N 4096, d 1024, V 32000): ATen's bf16 GEMM 8 GFLOP/s against MKL's float32
+// 60–74, so the widened path is ~7× faster there; widening a block costs ~1 % of its GEMMs.
+// fp16 always widens: ATen's fp16 GEMM is fast only with AVX512-FP16 or AMX-FP16, which the
+// ISA levels here (isa.h) do not name.
 template <typename scalar_t>
-std::vector<acc_type<scalar_t>> scratch_row(int64_t cols) {
-  return std::vector<acc_type<scalar_t>>(std::is_same_v<scalar_t, acc_type<scalar_t>> ? 0 : cols);
+bool widened_gemms() {
+  if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) return kernel_isa(kLinearCrossEntropyIsas) < Isa::kAvx512Bf16;
+  else return std::is_same_v<scalar_t, c10::Half>;
+}
+
+// A worker's (cols, d) float32 buffer for widened W blocks (undefined when logit_t is the input type).
+template <typename scalar_t, typename logit_t>
+at::Tensor widen_buffer(const Problem<scalar_t>& P, int64_t cols) {
+  if constexpr (std::is_same_v<scalar_t, logit_t>) return at::Tensor();
+  else return at::empty({std::min(cols, P.V), P.d}, P.W.options().dtype(at::kFloat));
+}
+
+// W[v0 : v0 + nv] as a GEMM operand: a view of W, or its float32 copy in `buf` (widened path).
+template <typename scalar_t, typename logit_t>
+at::Tensor vocab_rows(const Problem<scalar_t>& P, int64_t v0, int64_t nv, at::Tensor& buf) {
+  const at::Tensor w = P.W.narrow(0, v0, nv);
+  if constexpr (std::is_same_v<scalar_t, logit_t>) {
+    (void)buf;
+    return w;
+  } else {
+    at::Tensor wide = buf.narrow(0, 0, nv);
+    wide.copy_(w);
+    return wide;
+  }
+}
+
+// A worker's row of acc_t for reduced-precision rows (empty for float/double storage).
+template <typename logit_t>
+std::vector<acc_type<logit_t>> scratch_row(int64_t cols) {
+  return std::vector<acc_type<logit_t>>(std::is_same_v<logit_t, acc_type<logit_t>> ? 0 : cols);
 }
 
 // acc_t view of a block row: the row itself (float/double storage) or its copy in `scratch`.
-template <typename scalar_t, typename acc_t = acc_type<scalar_t>>
-inline acc_t* as_acc(scalar_t* p, int64_t n, std::vector<acc_t>& scratch) {
-  if constexpr (std::is_same_v<scalar_t, acc_t>) {
+template <typename logit_t, typename acc_t = acc_type<logit_t>>
+inline acc_t* as_acc(logit_t* p, int64_t n, std::vector<acc_t>& scratch) {
+  if constexpr (std::is_same_v<logit_t, acc_t>) {
     (void)n, (void)scratch;
     return p;
   } else {
@@ -270,34 +315,35 @@ inline acc_t* as_acc(scalar_t* p, int64_t n, std::vector<acc_t>& scratch) {
   }
 }
 
-template <typename scalar_t, typename acc_t>
-inline void write_back(const acc_t* x, scalar_t* p, int64_t n) {
-  if constexpr (!std::is_same_v<scalar_t, acc_t>) store_row(x, p, n);
+template <typename logit_t, typename acc_t>
+inline void write_back(const acc_t* x, logit_t* p, int64_t n) {
+  if constexpr (!std::is_same_v<logit_t, acc_t>) store_row(x, p, n);
   else (void)x, (void)p, (void)n;
 }
 
-// Phase 1: logits of rows [r0, r0 + rows) into L, softcapped in place; block statistics.
-template <typename scalar_t>
-void logits_and_stats(const Problem<scalar_t>& P, at::Tensor& L, int64_t r0, int64_t rows, int64_t cols,
-                      Stats<acc_type<scalar_t>>* stats) {
+// Phase 1: logits of the chunk's rows (GEMM operand hc) into L, softcapped in place; block
+// statistics. L holds logit_t: the input dtype, or float32 on the widened path.
+template <typename scalar_t, typename logit_t>
+void logits_and_stats(const Problem<scalar_t>& P, const at::Tensor& hc, at::Tensor& L, int64_t rows, int64_t cols,
+                      int64_t r0, Stats<acc_type<scalar_t>>* stats) {
   using acc_t = acc_type<scalar_t>;
-  const at::Tensor hc = P.h.narrow(0, r0, rows);
   const int64_t blocks = (P.V + cols - 1) / cols;
   parallel_tasks(blocks, [&](const auto& next) {
-    auto scratch = scratch_row<scalar_t>(cols);
+    auto scratch = scratch_row<logit_t>(cols);
+    at::Tensor wbuf = widen_buffer<scalar_t, logit_t>(P, cols);
     for (int64_t b; (b = next()) >= 0;) {
       const int64_t v0 = b * cols, nv = std::min(cols, P.V - v0);
       at::Tensor Lb = L.narrow(0, 0, rows).narrow(1, v0, nv);
-      at::mm_out(Lb, hc, P.W.narrow(0, v0, nv).t());
+      at::mm_out(Lb, hc, vocab_rows<scalar_t, logit_t>(P, v0, nv, wbuf).t());
       if (!P.o.has_cap && stats == nullptr) continue;
-      scalar_t* base = L.mutable_data_ptr<scalar_t>() + v0;
+      logit_t* base = L.mutable_data_ptr<logit_t>() + v0;
       for (int64_t r = 0; r < rows; ++r) {
-        scalar_t* row = base + r * P.V;
+        logit_t* row = base + r * P.V;
         acc_t* x = as_acc(row, nv, scratch);
         if (P.o.has_cap) {
           softcap_row(x, nv, acc_t(P.o.cap));
           write_back(x, row, nv);
-          if constexpr (!std::is_same_v<scalar_t, acc_t>) load_row(row, x, nv);  // the stored (rounded) s
+          if constexpr (!std::is_same_v<logit_t, acc_t>) load_row(row, x, nv);  // the stored (rounded) s
         }
         if (stats == nullptr) continue;
         const acc_t m = max_row(x, nv);
@@ -340,109 +386,212 @@ void row_losses(const Stats<acc_t>& st, const int64_t* y, int64_t rows, int64_t 
   }
 }
 
-// Phases 3 and 4 for one chunk whose logits are in L: dz in place (row r weighted by g[r];
-// 0: an ignored row), then ∂W and ∂h rows [r0, r0 + rows). ∂W: float/double accumulate in
-// grad_W; bf16 in (grad_W, dW_lo) (add_partial_split); fp16 in the float accumulator dW_acc.
-// `first`: the chunk overwrites instead of adding; `last`: the final chunk (bf16 rounds).
-template <typename scalar_t>
-void chunk_gradients(const Problem<scalar_t>& P, at::Tensor& L, int64_t r0, int64_t rows, int64_t cols,
-                     const acc_type<scalar_t>* lse, const acc_type<scalar_t>* g, at::Tensor* grad_h,
-                     at::Tensor* grad_W, at::Tensor* dW_acc, at::Tensor* dW_lo, bool first, bool last) {
+// Where one chunk's gradients go. ∂W: float/double accumulate in grad_W; bf16 in (grad_W,
+// dW_lo) (add_partial_split); fp16 in the float accumulator dW_acc. dh_parts: the (groups, R, d)
+// partials of ∂h (widened path only). `first`: the chunk overwrites instead of adding; `last`:
+// the final chunk (bf16 rounds).
+struct Grads {
+  at::Tensor* grad_h;
+  at::Tensor* grad_W;
+  at::Tensor* dW_acc;
+  at::Tensor* dW_lo;
+  at::Tensor* dh_parts;
+  bool first, last;
+};
+
+// dz in place over block [v0, v0 + nv) of the chunk's rows (row r weighted by g[r]; 0: an
+// ignored row).
+template <typename scalar_t, typename logit_t>
+void block_dz(const Problem<scalar_t>& P, at::Tensor& L, int64_t r0, int64_t rows, int64_t v0, int64_t nv,
+              const acc_type<scalar_t>* lse, const acc_type<scalar_t>* g, std::vector<acc_type<logit_t>>& scratch) {
   using acc_t = acc_type<scalar_t>;
   const Options& o = P.o;
-  const at::Tensor hc = P.h.narrow(0, r0, rows);
+  logit_t* base = L.mutable_data_ptr<logit_t>() + v0;
+  for (int64_t r = 0; r < rows; ++r) {
+    logit_t* row = base + r * P.V;
+    if (g[r] == acc_t(0)) {
+      std::fill(row, row + nv, logit_t(0));
+      continue;
+    }
+    acc_t* x = as_acc(row, nv, scratch);
+    const int64_t yv = P.y[r0 + r] - v0;
+    dz_row(x, nv, lse[r], acc_t(g[r] * (1.0 + 2.0 * o.z_loss * lse[r])), acc_t(g[r] * o.eps / double(P.V)),
+           acc_t(g[r] * (1.0 - o.eps)), yv >= 0 && yv < nv ? yv : -1, o);
+    write_back(x, row, nv);
+  }
+}
+
+// The block's share of ∂W, dz_blockᵀ h_c, added into the chunk sum (`partial`: the worker's
+// (cols, d) GEMM output where the sum is not the GEMM's own output).
+template <typename scalar_t, typename logit_t>
+void block_dW(const Problem<scalar_t>& P, const at::Tensor& dzb, const at::Tensor& hc, int64_t v0, int64_t nv,
+              const Grads& G, at::Tensor& partial) {
+  using acc_t = acc_type<scalar_t>;
+  if constexpr (std::is_same_v<scalar_t, acc_t>) {  // float / double: accumulate in the output
+    at::Tensor out = G.grad_W->narrow(0, v0, nv);
+    if (G.first) at::mm_out(out, dzb, hc);
+    else out.addmm_(dzb, hc);
+  } else if constexpr (std::is_same_v<scalar_t, c10::Half>) {  // fp16: in the float accumulator
+    if constexpr (std::is_same_v<logit_t, float>) {
+      at::Tensor out = G.dW_acc->narrow(0, v0, nv);
+      if (G.first) at::mm_out(out, dzb, hc);
+      else out.addmm_(dzb, hc);
+    } else {
+      at::Tensor part = partial.narrow(0, 0, nv);
+      at::mm_out(part, dzb, hc);
+      add_partial(part.const_data_ptr<scalar_t>(), G.dW_acc->mutable_data_ptr<float>() + v0 * P.d, nv * P.d, G.first);
+    }
+  } else {  // bf16: the GEMM's partial (bf16, or float widened) summed to 24 bits
+    at::Tensor part = partial.narrow(0, 0, nv);
+    at::mm_out(part, dzb, hc);
+    add_partial_split(part.const_data_ptr<logit_t>(), G.grad_W->mutable_data_ptr<scalar_t>() + v0 * P.d,
+                      G.dW_lo->mutable_data_ptr<uint8_t>() + v0 * P.d, nv * P.d, G.first, G.last);
+  }
+}
+
+// Phases 3 and 4 for one chunk whose float32 logits are in L, on the widened path: tasks are
+// kGradHGroups fixed groups of vocabulary blocks; per block, dz in place, its share of ∂W and
+// its product dz_b W_b (W_b widened once for both) into the group's ∂h partial, while the
+// block is in L2; then ∂h_c = Σ_g partial_g in group order.
+template <typename scalar_t, typename logit_t>
+void chunk_gradients_widened(const Problem<scalar_t>& P, const at::Tensor& hc, at::Tensor& L, int64_t r0,
+                             int64_t rows, int64_t cols, const acc_type<scalar_t>* lse, const acc_type<scalar_t>* g,
+                             const Grads& G) {
+  const int64_t blocks = (P.V + cols - 1) / cols;
+  const int64_t groups = std::min(kGradHGroups, blocks);
+  parallel_tasks(groups, [&](const auto& next) {
+    auto scratch = scratch_row<logit_t>(cols);
+    at::Tensor wbuf = widen_buffer<scalar_t, logit_t>(P, cols);
+    at::Tensor partial = G.grad_W != nullptr && std::is_same_v<scalar_t, c10::BFloat16>
+                             ? at::empty({std::min(cols, P.V), P.d}, L.options())
+                             : at::Tensor();
+    for (int64_t t; (t = next()) >= 0;) {
+      const int64_t b0 = blocks * t / groups, b1 = blocks * (t + 1) / groups;
+      at::Tensor dh = G.grad_h != nullptr ? G.dh_parts->select(0, t).narrow(0, 0, rows) : at::Tensor();
+      for (int64_t b = b0; b < b1; ++b) {
+        const int64_t v0 = b * cols, nv = std::min(cols, P.V - v0);
+        block_dz<scalar_t, logit_t>(P, L, r0, rows, v0, nv, lse, g, scratch);
+        const at::Tensor dzb = L.narrow(0, 0, rows).narrow(1, v0, nv);  // (rows, nv)
+        if (G.grad_W != nullptr) block_dW<scalar_t, logit_t>(P, dzb.t(), hc, v0, nv, G, partial);
+        if (G.grad_h == nullptr) continue;
+        const at::Tensor wb = vocab_rows<scalar_t, logit_t>(P, v0, nv, wbuf);
+        if (b == b0) at::mm_out(dh, dzb, wb);
+        else dh.addmm_(dzb, wb);
+      }
+    }
+  });
+  if (G.grad_h == nullptr) return;
+  // ∂h_c = Σ_g partial_g, in group order, rounded once to the input dtype.
+  using acc_t = acc_type<logit_t>;
+  const acc_t* parts = G.dh_parts->const_data_ptr<acc_t>();
+  const int64_t stride = G.dh_parts->stride(0);
+  scalar_t* out = G.grad_h->mutable_data_ptr<scalar_t>() + r0 * P.d;
+  at::parallel_for(0, rows, 16, [&](int64_t lo, int64_t hi) {
+    std::vector<acc_t> row(P.d);
+    for (int64_t r = lo; r < hi; ++r) {
+      const acc_t* p = parts + r * P.d;
+      std::copy(p, p + P.d, row.begin());
+      for (int64_t t = 1; t < groups; ++t) {
+        const acc_t* q = p + t * stride;
+        for (int64_t c = 0; c < P.d; ++c) row[c] += q[c];
+      }
+      store_row(row.data(), out + r * P.d, P.d);
+    }
+  });
+}
+
+// Phases 3 and 4 for one chunk whose logits are in L in the input dtype: per block, dz in
+// place and its share of ∂W, while the block is in L2; then per column slab of ∂h,
+// ∂h_c = dz W (one GEMM over all of V).
+template <typename scalar_t>
+void chunk_gradients(const Problem<scalar_t>& P, const at::Tensor& hc, at::Tensor& L, int64_t r0,
+                              int64_t rows, int64_t cols, const acc_type<scalar_t>* lse,
+                              const acc_type<scalar_t>* g, const Grads& G) {
   const int64_t blocks = (P.V + cols - 1) / cols;
   parallel_tasks(blocks, [&](const auto& next) {
     auto scratch = scratch_row<scalar_t>(cols);
-    // The worker's (cols, d) GEMM output, summed into ∂W (reduced precision).
-    at::Tensor partial = grad_W != nullptr && !std::is_same_v<scalar_t, acc_t>
+    at::Tensor partial = G.grad_W != nullptr && !std::is_same_v<scalar_t, acc_type<scalar_t>>
                              ? at::empty({std::min(cols, P.V), P.d}, P.h.options())
                              : at::Tensor();
     for (int64_t b; (b = next()) >= 0;) {
       const int64_t v0 = b * cols, nv = std::min(cols, P.V - v0);
-      scalar_t* base = L.mutable_data_ptr<scalar_t>() + v0;
-      for (int64_t r = 0; r < rows; ++r) {
-        scalar_t* row = base + r * P.V;
-        if (g[r] == acc_t(0)) {
-          std::fill(row, row + nv, scalar_t(0));
-          continue;
-        }
-        acc_t* x = as_acc(row, nv, scratch);
-        const int64_t yv = P.y[r0 + r] - v0;
-        dz_row(x, nv, lse[r], acc_t(g[r] * (1.0 + 2.0 * o.z_loss * lse[r])), acc_t(g[r] * o.eps / double(P.V)),
-               acc_t(g[r] * (1.0 - o.eps)), yv >= 0 && yv < nv ? yv : -1, o);
-        write_back(x, row, nv);
-      }
-      if (grad_W == nullptr) continue;
+      block_dz<scalar_t, scalar_t>(P, L, r0, rows, v0, nv, lse, g, scratch);
+      if (G.grad_W == nullptr) continue;
       const at::Tensor dzb = L.narrow(0, 0, rows).narrow(1, v0, nv).t();  // (nv, rows)
-      if constexpr (std::is_same_v<scalar_t, acc_t>) {  // float / double: accumulate in the output
-        at::Tensor out = grad_W->narrow(0, v0, nv);
-        if (first) at::mm_out(out, dzb, hc);
-        else out.addmm_(dzb, hc);
-      } else {  // reduced precision: the GEMM's rounded partial, summed to 24 bits or in float
-        at::Tensor part = partial.narrow(0, 0, nv);
-        at::mm_out(part, dzb, hc);
-        if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
-          add_partial_split(part.const_data_ptr<scalar_t>(), grad_W->mutable_data_ptr<scalar_t>() + v0 * P.d,
-                            dW_lo->mutable_data_ptr<uint8_t>() + v0 * P.d, nv * P.d, first, last);
-        } else {
-          add_partial(part.const_data_ptr<scalar_t>(), dW_acc->mutable_data_ptr<float>() + v0 * P.d, nv * P.d,
-                      first);
-        }
-      }
+      block_dW<scalar_t, scalar_t>(P, dzb, hc, v0, nv, G, partial);
     }
   });
-  if (grad_h == nullptr) return;
+  if (G.grad_h == nullptr) return;
   const at::Tensor dz = L.narrow(0, 0, rows);
   const int64_t tasks = (P.d + kGradHCols - 1) / kGradHCols;
   parallel_tasks(tasks, [&](const auto& next) {
     for (int64_t t; (t = next()) >= 0;) {
       const int64_t c0 = t * kGradHCols, nc = std::min(kGradHCols, P.d - c0);
-      at::Tensor out = grad_h->narrow(0, r0, rows).narrow(1, c0, nc);
+      at::Tensor out = G.grad_h->narrow(0, r0, rows).narrow(1, c0, nc);
       at::mm_out(out, dz, P.W.narrow(1, c0, nc));
     }
   });
 }
 
-
 // Every chunk: logits (phase 1), then with `lse_in` (backward) the given lse, else phase 2's
 // into lse/loss; with gradients wanted, phases 3-4 with row weights g(r) (0 on ignored rows).
-template <typename scalar_t, typename RowWeight>
-void run_chunks(const Problem<scalar_t>& P, acc_type<scalar_t>* lse, acc_type<scalar_t>* loss,
-                const acc_type<scalar_t>* lse_in, at::Tensor* grad_h, at::Tensor* grad_W, RowWeight weight) {
+// logit_t: the logits' (and GEMMs') dtype, the input's or float32 (widened path).
+template <typename scalar_t, typename logit_t, typename RowWeight>
+void run_chunks_as(const Problem<scalar_t>& P, acc_type<scalar_t>* lse, acc_type<scalar_t>* loss,
+                   const acc_type<scalar_t>* lse_in, at::Tensor* grad_h, at::Tensor* grad_W, RowWeight weight) {
   using acc_t = acc_type<scalar_t>;
-  const int64_t esize = int64_t(sizeof(scalar_t));
+  constexpr bool widened = !std::is_same_v<scalar_t, logit_t>;
+  const int64_t esize = int64_t(sizeof(logit_t));
   const int64_t R = chunk_rows(P.n, P.V, esize);
   const int64_t cols = block_cols(R, P.V, esize);
   const int64_t blocks = (P.V + cols - 1) / cols;
   const bool grads = grad_h != nullptr || grad_W != nullptr;
-  at::Tensor L = at::empty({R, P.V}, P.h.options());
+  const auto logit_dtype = c10::CppTypeToScalarType<logit_t>::value;
+  at::Tensor L = at::empty({R, P.V}, P.h.options().dtype(logit_dtype));
   // ∂W of reduced precision: bf16 summed to 24 bits in (grad_W, dW_lo), fp16 in float (V, d);
   // rounded once at the end.
   constexpr bool bf16 = std::is_same_v<scalar_t, c10::BFloat16>;
-  at::Tensor dW_acc = grad_W != nullptr && !bf16 && !std::is_same_v<scalar_t, acc_t>
-                          ? at::empty({P.V, P.d}, P.h.options().dtype(at::kFloat))
-                          : at::Tensor();
+  constexpr bool fp16 = std::is_same_v<scalar_t, c10::Half>;
+  at::Tensor dW_acc = grad_W != nullptr && fp16 ? at::empty({P.V, P.d}, P.h.options().dtype(at::kFloat)) : at::Tensor();
   at::Tensor dW_lo = grad_W != nullptr && bf16 ? at::empty({P.V, P.d}, P.h.options().dtype(at::kByte)) : at::Tensor();
-  std::vector<acc_t> g(R), lse_chunk(R);
+  at::Tensor dh_parts = grad_h != nullptr && widened
+                            ? at::empty({std::min(kGradHGroups, blocks), R, P.d}, L.options())
+                            : at::Tensor();
+  std::vector<acc_t> g(R);
   for (int64_t r0 = 0; r0 < P.n; r0 += R) {
     const int64_t rows = std::min(R, P.n - r0);
+    // The chunk's rows of h as the GEMMs' operand: a view, or float32 on the widened path.
+    at::Tensor hc = P.h.narrow(0, r0, rows);
+    if constexpr (!std::is_same_v<scalar_t, logit_t>) hc = hc.to(at::kFloat);
     if (lse_in == nullptr) {
       Stats<acc_t> stats(rows, blocks);
-      logits_and_stats(P, L, r0, rows, cols, &stats);
+      logits_and_stats<scalar_t, logit_t>(P, hc, L, rows, cols, r0, &stats);
       row_losses(stats, P.y + r0, rows, P.V, P.o, lse + r0, loss + r0);
     } else {
-      logits_and_stats<scalar_t>(P, L, r0, rows, cols, nullptr);
+      logits_and_stats<scalar_t, logit_t>(P, hc, L, rows, cols, r0, nullptr);
     }
     if (!grads) continue;
     const acc_t* l = lse_in != nullptr ? lse_in + r0 : lse + r0;
     for (int64_t r = 0; r < rows; ++r) g[r] = P.y[r0 + r] == P.o.ignore_index ? acc_t(0) : weight(r0 + r);
-    chunk_gradients(P, L, r0, rows, cols, l, g.data(), grad_h, grad_W, dW_acc.defined() ? &dW_acc : nullptr,
-                    dW_lo.defined() ? &dW_lo : nullptr, r0 == 0, r0 + rows >= P.n);
+    const Grads G{grad_h, grad_W, dW_acc.defined() ? &dW_acc : nullptr, dW_lo.defined() ? &dW_lo : nullptr,
+                  dh_parts.defined() ? &dh_parts : nullptr, r0 == 0, r0 + rows >= P.n};
+    if constexpr (widened) chunk_gradients_widened<scalar_t, logit_t>(P, hc, L, r0, rows, cols, l, g.data(), G);
+    else chunk_gradients<scalar_t>(P, hc, L, r0, rows, cols, l, g.data(), G);
   }
   if (grad_W != nullptr) {
     if (P.n == 0) grad_W->zero_();
     else if (dW_acc.defined()) grad_W->copy_(dW_acc);
+  }
+}
+
+template <typename scalar_t, typename RowWeight>
+void run_chunks(const Problem<scalar_t>& P, acc_type<scalar_t>* lse, acc_type<scalar_t>* loss,
+                const acc_type<scalar_t>* lse_in, at::Tensor* grad_h, at::Tensor* grad_W, RowWeight weight) {
+  if constexpr (std::is_same_v<scalar_t, acc_type<scalar_t>>) {
+    run_chunks_as<scalar_t, scalar_t>(P, lse, loss, lse_in, grad_h, grad_W, weight);
+  } else {
+    if (widened_gemms<scalar_t>()) run_chunks_as<scalar_t, float>(P, lse, loss, lse_in, grad_h, grad_W, weight);
+    else run_chunks_as<scalar_t, scalar_t>(P, lse, loss, lse_in, grad_h, grad_W, weight);
   }
 }
 
