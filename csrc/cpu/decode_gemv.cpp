@@ -29,9 +29,11 @@
 // stream, not by its arithmetic, and the shift/mask path already reads at that rate, so the
 // instruction would change numerics for no speed (docs/performance.md).
 //
-// Software prefetch is not used: on a forward stream the hardware prefetchers keep up, and
+// Software prefetch: the AVX2 path with one row of x (a decoding step) reads two streams
+// and prefetches each 1 KiB ahead, which measured +5–12 % on an AVX2-only Zen 3 core (bf16
+// most: its loads feed four vector ops each). On the AVX-512 path (one stream, no prefetch)
 // prefetching ahead of the read (T0 or NTA, 0.5–8 KiB) measured no faster and mostly slower
-// (docs/performance.md).
+// there (docs/performance.md); it has not been re-measured with two streams.
 //
 // The ISA paths (generic, AVX2, AVX-512) are chosen at run time by the shared level (isa.h:
 // WIOLA_CPU_ISA, wiola_kernels.set_cpu_isa): the AVX-512 path needs only AVX-512 F/BW/VL/DQ.
@@ -61,6 +63,11 @@ constexpr int64_t kXPad = 32;               // prepared x rows are padded (zeros
 constexpr int64_t kMinThreadBytes = 1 << 16;  // weight bytes below which a call stays on one thread
 
 constexpr int64_t kAlignFloats = 16;       // 64 bytes: prepared x starts on a cache line
+// AVX2, one row of x: accumulators per weight row (sets × parts), two rows read at once, and
+// how far ahead of its reads each stream is prefetched (measured 512–2048 on Zen 3: 768–1024
+// best, docs/performance.md).
+constexpr int kStreamSets = 4;
+constexpr int64_t kPrefetchBytes = 1024;
 
 inline float* align_up(float* p) {
   const auto a = reinterpret_cast<uintptr_t>(p);
@@ -175,12 +182,78 @@ __attribute__((target("avx2,fma,f16c"), always_inline)) inline void row_avx2(con
   }
 }
 
+// One row of x against R weight rows read as R concurrent streams (R = 1 or 2), each row
+// with kStreamSets accumulator sets per part: the same sums, chunk for chunk, whether a row
+// is read alone or beside another (so the bits do not depend on how the rows were paired,
+// which follows the thread split). Each stream is prefetched kPrefetchBytes ahead.
+template <WType T, int R, typename O>
+__attribute__((target("avx2,fma,f16c"), always_inline)) inline void streams_avx2(const Elem<T>* const (&w)[R],
+                                                                                int64_t k, const float* x,
+                                                                                O* const (&y)[R]) {
+  constexpr int64_t C = chunk_elems(Isa::kAvx2, T);
+  constexpr int P = parts(T), S = kStreamSets / P;
+  constexpr int64_t kGroupBytes = S * C * int64_t(sizeof(Elem<T>));
+  __m256 acc[R][S][P];
+  for (int r = 0; r < R; ++r)
+    for (int s = 0; s < S; ++s)
+      for (int p = 0; p < P; ++p) acc[r][s][p] = _mm256_setzero_ps();
+  auto chunk = [&](int r, const Elem<T>* wp, int64_t at, int s) {
+    __m256 v[P];
+    load_avx2<T>(wp, v);
+    for (int p = 0; p < P; ++p) acc[r][s][p] = _mm256_fmadd_ps(v[p], _mm256_loadu_ps(x + at + 8 * p), acc[r][s][p]);
+  };
+  const int64_t full = k / C;
+  int64_t c = 0;
+  for (; c + S <= full; c += S) {
+    for (int r = 0; r < R; ++r)
+      for (int64_t b = 0; b < kGroupBytes; b += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(w[r] + c * C) + kPrefetchBytes + b, _MM_HINT_T0);
+    for (int s = 0; s < S; ++s)
+      for (int r = 0; r < R; ++r) chunk(r, w[r] + (c + s) * C, (c + s) * C, s);
+  }
+  for (; c < full; ++c)
+    for (int r = 0; r < R; ++r) chunk(r, w[r] + c * C, c * C, 0);
+  if (const int64_t tail = k - full * C) {  // x is zero past k: pad the weights' tail with zeros too
+    for (int r = 0; r < R; ++r) {
+      Elem<T> buf[C] = {};
+      std::memcpy(buf, w[r] + full * C, tail * sizeof(Elem<T>));
+      chunk(r, buf, full * C, 0);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    __m256 v = acc[r][0][0];
+    for (int s = 0; s < S; ++s)
+      for (int p = 0; p < P; ++p)
+        if (s || p) v = _mm256_add_ps(v, acc[r][s][p]);
+    store(y[r], hsum_avx2(v));
+  }
+}
+
 // The rows of one thread's range, all inlined into one function: no call (and no
-// vzeroupper) between rows of the stream.
+// vzeroupper) between rows of the stream. One row of x (a decoding step): the range's two
+// halves are read side by side, rows j and j + nrows/2 together — two streams in flight
+// instead of one raise a core's read rate ~5 % (fp32) to ~10 % (bf16) on Zen 3 (one stream's
+// loads each feed 1–4 vector ops, which fill the scheduler before enough reads are in
+// flight; docs/performance.md). More rows of x: each weight row once, against blocks of
+// kRowBlock rows of x.
 template <WType T, typename O>
 __attribute__((target("avx2,fma,f16c"))) void rows_avx2(const Elem<T>* w, int64_t ldw, int64_t k, int64_t nrows,
                                                           const float* x, int64_t ldx, int64_t xrows, O* y,
                                                           int64_t ldy) {
+  if (xrows == 1) {
+    const int64_t half = nrows / 2;
+    for (int64_t j = 0; j < half; ++j) {
+      const Elem<T>* const pair[2] = {w + j * ldw, w + (j + half) * ldw};
+      O* const out[2] = {y + j, y + j + half};
+      streams_avx2<T, 2, O>(pair, k, x, out);
+    }
+    if (nrows % 2) {
+      const Elem<T>* const last[1] = {w + (nrows - 1) * ldw};
+      O* const out[1] = {y + nrows - 1};
+      streams_avx2<T, 1, O>(last, k, x, out);
+    }
+    return;
+  }
   for (int64_t j = 0; j < nrows; ++j) {
     const Elem<T>* wj = w + j * ldw;  // re-read from L1 by the later blocks of x rows
     for (int64_t b0 = 0; b0 < xrows; b0 += kRowBlock) {
