@@ -295,7 +295,7 @@ def test_cpu_is_bitwise_reproducible_across_thread_counts(dtype, monkeypatch):
 @needs_cpu_extension
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_cpu_16bit_paths_match_oracle_over_many_blocks(dtype, monkeypatch):
-    """Both 16-bit GEMM paths (csrc/cpu/linear_cross_entropy.cpp widened_gemms) that this CPU
+    """Both 16-bit GEMM paths (csrc/cpu/linear_cross_entropy.cpp widened_bf16_gemms) that this CPU
     runs — float32 GEMMs on widened operands below avx512_bf16, bf16 GEMMs at it — over 17
     vocabulary blocks (512-row chunks: 128 float32 columns) and two chunks, so the widened
     path's eight ∂h groups hold two or three blocks each: within 1e-2 of float64 with every

@@ -16,7 +16,7 @@
 //      dz_b W_b into the group's float partial while W_b is widened, the partials summed in
 //      group order).
 // Everything after the logits GEMM is ours (vectorised, float accumulation; double for
-// double). bf16/fp16 (see widened_gemms): where the CPU multiplies bf16 natively the GEMMs
+// double). bf16/fp16 (see widened_bf16_gemms): where the CPU multiplies bf16 natively the GEMMs
 // run in bf16 (fp32 accumulation inside) and round their outputs, as a model's lm_head does;
 // elsewhere they run in float32 on widened operands, with float32 logits. ∂h is rounded once;
 // ∂W sums the chunks' partials to 24 bits (bf16: the output holds the top 16 bits of the
@@ -211,24 +211,6 @@ struct Stats {
       : max(rows * blocks_), expsum(rows * blocks_), sum(rows * blocks_), target(rows), blocks(blocks_) {}
 };
 
-// acc[i] = (first ? 0 : acc[i]) + p[i], reduced-precision p widened to float.
-template <typename scalar_t>
-void add_partial(const scalar_t* p, float* acc, int64_t count, bool first) {
-  using FV = Vec<float>;
-  constexpr int64_t S = 2 * FV::size();
-  int64_t i = 0;
-  for (; i + S <= count; i += S) {
-    auto [lo, hi] = at::vec::convert_to_float<scalar_t>(at::vec::Vectorized<scalar_t>::loadu(p + i));
-    if (!first) {
-      lo = lo + FV::loadu(acc + i);
-      hi = hi + FV::loadu(acc + i + FV::size());
-    }
-    lo.store(acc + i);
-    hi.store(acc + i + FV::size());
-  }
-  for (; i < count; ++i) acc[i] = (first ? 0.0f : acc[i]) + float(p[i]);
-}
-
 // bf16 ∂W summed over the chunks to 24 bits without a float32 (V, d) buffer: the float32 sum
 // s is kept as its top 16 bits in the output `hi` itself (a bf16 bit pattern) and its next 8
 // in `lo`; each chunk adds its partial p in float32 to (hi, lo) and rounds the sum to 24 bits
@@ -271,11 +253,7 @@ struct Problem {
 // the float32 time within the run-to-run spread (14.6–14.9 s vs 13.5–15.2 s, 1 thread).
 // fp16 always widens: ATen's fp16 GEMM is fast only with AVX512-FP16 or AMX-FP16, which the
 // ISA levels here (isa.h) do not name.
-template <typename scalar_t>
-bool widened_gemms() {
-  if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) return kernel_isa(kLinearCrossEntropyIsas) < Isa::kAvx512Bf16;
-  else return std::is_same_v<scalar_t, c10::Half>;
-}
+inline bool widened_bf16_gemms() { return kernel_isa(kLinearCrossEntropyIsas) < Isa::kAvx512Bf16; }
 
 // A worker's (cols, d) float32 buffer for widened W blocks (undefined when logit_t is the input type).
 template <typename scalar_t, typename logit_t>
@@ -432,16 +410,10 @@ void block_dW(const Problem<scalar_t>& P, const at::Tensor& dzb, const at::Tenso
     at::Tensor out = G.grad_W->narrow(0, v0, nv);
     if (G.first) at::mm_out(out, dzb, hc);
     else out.addmm_(dzb, hc);
-  } else if constexpr (std::is_same_v<scalar_t, c10::Half>) {  // fp16: in the float accumulator
-    if constexpr (std::is_same_v<logit_t, float>) {
-      at::Tensor out = G.dW_acc->narrow(0, v0, nv);
-      if (G.first) at::mm_out(out, dzb, hc);
-      else out.addmm_(dzb, hc);
-    } else {
-      at::Tensor part = partial.narrow(0, 0, nv);
-      at::mm_out(part, dzb, hc);
-      add_partial(part.const_data_ptr<scalar_t>(), G.dW_acc->mutable_data_ptr<float>() + v0 * P.d, nv * P.d, G.first);
-    }
+  } else if constexpr (std::is_same_v<scalar_t, c10::Half>) {  // fp16 (always widened): in the float accumulator
+    at::Tensor out = G.dW_acc->narrow(0, v0, nv);
+    if (G.first) at::mm_out(out, dzb, hc);
+    else out.addmm_(dzb, hc);
   } else {  // bf16: the GEMM's partial (bf16, or float widened) summed to 24 bits
     at::Tensor part = partial.narrow(0, 0, nv);
     at::mm_out(part, dzb, hc);
@@ -590,9 +562,12 @@ void run_chunks(const Problem<scalar_t>& P, acc_type<scalar_t>* lse, acc_type<sc
                 const acc_type<scalar_t>* lse_in, at::Tensor* grad_h, at::Tensor* grad_W, RowWeight weight) {
   if constexpr (std::is_same_v<scalar_t, acc_type<scalar_t>>) {
     run_chunks_as<scalar_t, scalar_t>(P, lse, loss, lse_in, grad_h, grad_W, weight);
+  } else if constexpr (std::is_same_v<scalar_t, c10::Half>) {
+    run_chunks_as<scalar_t, float>(P, lse, loss, lse_in, grad_h, grad_W, weight);
+  } else if (widened_bf16_gemms()) {
+    run_chunks_as<scalar_t, float>(P, lse, loss, lse_in, grad_h, grad_W, weight);
   } else {
-    if (widened_gemms<scalar_t>()) run_chunks_as<scalar_t, float>(P, lse, loss, lse_in, grad_h, grad_W, weight);
-    else run_chunks_as<scalar_t, scalar_t>(P, lse, loss, lse_in, grad_h, grad_W, weight);
+    run_chunks_as<scalar_t, scalar_t>(P, lse, loss, lse_in, grad_h, grad_W, weight);
   }
 }
 
