@@ -110,6 +110,13 @@ def sass_functions(cubin: Path) -> dict[str, list[tuple[int, str, str]]]:
     return funcs
 
 
+def _write_atomically(path: Path, text: str) -> None:
+    """A cache entry that another process may read while it is written (rename is atomic)."""
+    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
 def analyse_cubin(cubin: Path) -> dict[str, tuple[dict, dict]]:
     """``{mangled function: (resource usage, analyse_sass result)}``, cached by the
     cubin's hash (the cuobjdump calls dominate a warm report)."""
@@ -122,7 +129,7 @@ def analyse_cubin(cubin: Path) -> dict[str, tuple[dict, dict]]:
     usage = resource_usage(cubin)
     sass = sass_functions(cubin)
     out = {name: (u, analyse_sass(sass.get(name, []))) for name, u in usage.items()}
-    entry.write_text(json.dumps(out))
+    _write_atomically(entry, json.dumps(out))
     return out
 
 
@@ -290,7 +297,7 @@ def _ptxas_spills(ptx: str, cubin: bytes) -> int:
                "-o", str(Path(tmp) / "k.o")]
         log = subprocess.run(cmd, check=True, capture_output=True, text=True).stderr
     spills = sum(int(n) for n in re.findall(r"(\d+) bytes spill stores", log))
-    entry.write_text(str(spills))
+    _write_atomically(entry, str(spills))
     return spills
 
 
@@ -304,33 +311,53 @@ def triton_lint(compiled, launch) -> list[Finding]:
     return findings
 
 
-def triton_records(archs=tuple(GPUS)) -> list[dict]:
-    """Compile every Triton launch (``aot.launches``) for each arch and describe it. A
-    compile failure becomes a record with an ``error`` key. Needs a non-interpreting process."""
+_WORKER_LAUNCHES: dict[str, dict] = {}  # arch -> aot.launches, once per worker process
+
+
+def _triton_record(arch: str, key: str) -> dict:
+    """One Triton launch compiled for ``arch`` and described (a compile failure becomes a
+    record with an ``error`` key): the unit of work :func:`triton_records` spreads over
+    processes."""
     from .triton import aot
 
-    records = []
+    gpu = GPUS[arch]
+    if arch not in _WORKER_LAUNCHES:
+        _WORKER_LAUNCHES[arch] = aot.launches(gpu)
+    launch = _WORKER_LAUNCHES[arch][key]
+    try:
+        compiled = aot.compile_launch(launch, gpu)
+    except Exception as exc:  # reported per kernel; the caller fails on it
+        return {"kernel": key, "source": "triton", "arch": arch, "error": f"{type(exc).__name__}: {exc}"[-4000:]}
     with tempfile.TemporaryDirectory() as tmp:
-        for arch in archs:
-            gpu = GPUS[arch]
-            for key, launch in aot.launches(gpu).items():
-                try:
-                    compiled = aot.compile_launch(launch, gpu)
-                except Exception as exc:  # reported per kernel; the caller fails on it
-                    records.append({"kernel": key, "source": "triton", "arch": arch,
-                                    "error": f"{type(exc).__name__}: {exc}"[-4000:]})
-                    continue
-                cubin = Path(tmp) / "k.cubin"
-                cubin.write_bytes(compiled.asm["cubin"])
-                usage, sass = next(iter(analyse_cubin(cubin).values()))
-                grid = next((g for c, g in launch.case_grids.items() if c.startswith("bench full")), None)
-                spill = _ptxas_spills(compiled.asm["ptx"], compiled.asm["cubin"])
-                rec = record(key, "triton", gpu, usage, sass, launch.num_warps * 32, grid, launch.memory_bound,
-                             spill, dynamic_smem=compiled.metadata.shared, num_stages=launch.num_stages)
-                rec["cases"] = sorted(launch.case_grids)
-                rec["lint"] = [str(f) for f in triton_lint(compiled, launch)]
-                records.append(rec)
-    return records
+        cubin = Path(tmp) / "k.cubin"
+        cubin.write_bytes(compiled.asm["cubin"])
+        usage, sass = next(iter(analyse_cubin(cubin).values()))
+    grid = next((g for c, g in launch.case_grids.items() if c.startswith("bench full")), None)
+    spill = _ptxas_spills(compiled.asm["ptx"], compiled.asm["cubin"])
+    rec = record(key, "triton", gpu, usage, sass, launch.num_warps * 32, grid, launch.memory_bound,
+                 spill, dynamic_smem=compiled.metadata.shared, num_stages=launch.num_stages)
+    rec["cases"] = sorted(launch.case_grids)
+    rec["lint"] = [str(f) for f in triton_lint(compiled, launch)]
+    return rec
+
+
+def triton_records(archs=tuple(GPUS), jobs: int | None = None) -> list[dict]:
+    """Compile every Triton launch (``aot.launches``) for each arch and describe it, in
+    ``jobs`` processes (default: one per core; the compiles, ``ptxas -v`` and ``cuobjdump``
+    of ~500 variants are minutes of single-threaded work). Records come back in launch
+    order. Needs a non-interpreting process."""
+    from .triton import aot
+
+    work = [(arch, key) for arch in archs for key in aot.launches(GPUS[arch])]
+    jobs = max(1, min(jobs or os.cpu_count() or 1, len(work)))
+    if jobs == 1:
+        return [_triton_record(arch, key) for arch, key in work]
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    # spawn: a parent that touched CUDA cannot fork safely; the workers only compile.
+    with ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return list(pool.map(_triton_record, *zip(*work), chunksize=4))
 
 
 def cubin_cache() -> Path:
@@ -340,7 +367,7 @@ def cubin_cache() -> Path:
 
 # --------------------------------------------------------------------------- report
 
-def collect(cuda: bool = True, triton: bool = True) -> list[dict]:
+def collect(cuda: bool = True, triton: bool = True, jobs: int | None = None) -> list[dict]:
     """Every record. The CUDA part needs a source checkout
     (:class:`~wiola_kernels.devtools.NoCheckout` without one). When this process runs
     Triton's interpreter, the Triton part runs in a subprocess without
@@ -354,17 +381,18 @@ def collect(cuda: bool = True, triton: bool = True) -> list[dict]:
         from .dispatch import triton_interpret_mode
 
         if triton_interpret_mode():
-            records += _triton_records_subprocess()
+            records += _triton_records_subprocess(jobs)
         else:
-            records += triton_records()
+            records += triton_records(jobs=jobs)
     return records
 
 
-def _triton_records_subprocess() -> list[dict]:
+def _triton_records_subprocess(jobs: int | None = None) -> list[dict]:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "triton.json"
-        subprocess.run([sys.executable, "-m", "wiola_kernels", "gpu-report", "--no-cuda", "--json", str(out)],
+        cmd = [sys.executable, "-m", "wiola_kernels", "gpu-report", "--no-cuda", "--json", str(out)]
+        subprocess.run(cmd + ([f"--jobs={jobs}"] if jobs else []),
                        env=env, check=False, capture_output=True, text=True)
         if not out.exists():
             raise RuntimeError("the Triton AOT subprocess wrote no records")
@@ -422,7 +450,7 @@ def main(args) -> int:
         print("gpu-report: no source checkout (csrc/ next to the package): the CUDA kernels are not reported, "
               "only the Triton ones", file=sys.stderr)
         cuda = False
-    records = collect(cuda=cuda, triton=not args.no_triton)
+    records = collect(cuda=cuda, triton=not args.no_triton, jobs=args.jobs)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(records, f, indent=1)
