@@ -86,10 +86,27 @@ struct Options {
   double cap;        // softcap c
 };
 
+// MKL's thread count for the calling thread set to 1 for the guard's lifetime. MKL plans a GEMM
+// for the threads it may use, and on some CPUs (Sapphire Rapids) splits a long reduction (∂h's
+// K = V) between them: the bits would then depend on the thread count, even inside a parallel
+// region where the split halves run one after the other. Weak, so that a PyTorch built
+// without MKL still loads the extension (and its BLAS runs as it will). MKL_Set_Num_Threads_Local
+// is the C entry point (mkl_service.h maps mkl_set_num_threads_local to it); the lower-case
+// symbol of the same name is the Fortran one, which takes a pointer.
+extern "C" int MKL_Set_Num_Threads_Local(int) __attribute__((weak));
+struct SequentialBlas {
+  int previous = 0;
+  SequentialBlas() { if (MKL_Set_Num_Threads_Local != nullptr) previous = MKL_Set_Num_Threads_Local(1); }
+  ~SequentialBlas() { if (MKL_Set_Num_Threads_Local != nullptr) MKL_Set_Num_Threads_Local(previous); }
+  SequentialBlas(const SequentialBlas&) = delete;
+  SequentialBlas& operator=(const SequentialBlas&) = delete;
+};
+
 // tasks(0) … tasks(count − 1) on the intra-op threads, each task on one thread, taken in order
 // from a shared counter (dynamic: a thread that another process slows takes fewer); `body(next)`
 // runs once per worker and calls next() for its next task (−1: none left), so that a worker can
-// keep its scratch across its tasks. Which thread runs a task does not change its result.
+// keep its scratch across its tasks. Which thread runs a task does not change its result: its
+// BLAS calls run on that one thread (SequentialBlas).
 template <typename Body>
 void parallel_tasks(int64_t count, const Body& body) {
   if (count <= 0) return;
@@ -97,6 +114,7 @@ void parallel_tasks(int64_t count, const Body& body) {
   const int64_t workers = std::min<int64_t>(std::max(at::get_num_threads(), 1), count);
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
     const at::AutoDispatchBelowADInplaceOrView no_autograd;  // worker threads: grad mode is per thread
+    const SequentialBlas one_blas_thread;
     body([&]() -> int64_t {
       const int64_t t = counter.fetch_add(1, std::memory_order_relaxed);
       return t < count ? t : -1;
