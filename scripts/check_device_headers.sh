@@ -62,15 +62,21 @@ arch = m.cuda_nvcc_arch_flags({"WIOLA_CUDA_ARCH": os.environ.get("WIOLA_CUDA_ARC
 print(" ".join([*common, f"-std={std}", "-O3", "--use_fast_math", "-lineinfo", "--expt-relaxed-constexpr", *arch]))
 EOF
 )"
+  # One nvcc per .cu, all at once (each runs a device and a host compile): the CPU count
+  # bounds them better than running them in turn.
   for cu in csrc/cuda/*.cu; do
-    log="$logs/$(echo "$cu" | tr / _).log"
-    if nvcc "${nvcc_flags[@]}" -DWIOLA_WITH_CUDA -Icsrc/include -I"$dir/torch/include" -c "$cu" -o "$logs/x.o" \
-        > "$log" 2>&1; then
-      echo "OK   $cu (nvcc)"
-    else
-      echo "FAIL $cu"
-    fi
-  done >> "$logs/summary"
+    (
+      name=$(echo "$cu" | tr / _)
+      if nvcc "${nvcc_flags[@]}" -DWIOLA_WITH_CUDA -Icsrc/include -I"$dir/torch/include" -c "$cu" \
+          -o "$logs/$name.o" > "$logs/$name.log" 2>&1; then
+        echo "OK   $cu (nvcc)" > "$logs/$name.result"
+      else
+        echo "FAIL $cu" > "$logs/$name.result"
+      fi
+    ) &
+  done
+  wait
+  cat "$logs"/csrc_cuda_*.cu.result >> "$logs/summary"
   sources+=(csrc/cuda/*.cu)
 fi
 cat "$logs/summary"
