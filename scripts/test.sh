@@ -2,8 +2,9 @@
 # The whole test run (what CI runs after scripts/setup.sh):
 #   1. CMake: the SIMT emulator's tests (ctest), and the CUDA compile check for sm_90 with
 #      warnings as errors when nvcc is present;
-#   2. the same C++ unit tests built with AddressSanitizer (skip: WIOLA_ASAN=0), and the
-#      CUDA kernels run by the SIMT emulator under ThreadSanitizer (skip: WIOLA_TSAN=0);
+#   2. the C++ CPU kernels' unit tests built with AddressSanitizer (WIOLA_ASAN=0: in the plain
+#      build instead), and the CUDA kernels run by the SIMT emulator under ThreadSanitizer
+#      (skip: WIOLA_TSAN=0);
 #   3. pytest (two workers): every op and backend available here against the float64 reference,
 #      Triton in the CPU interpreter, the model package; the benchmark suite runs
 #      once with tiny shapes (timings are never asserted).
