@@ -98,18 +98,23 @@ def test_strided_inputs_and_weight_views():
                      "per-head views")
 
 
-def test_threads_do_not_change_the_result():
-    # Each output is one thread's sum in a fixed order: bitwise the same on 1 and 2 threads.
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("xrows", [1, 3])  # one row: weight rows read as concurrent streams, grouped by the split
+def test_threads_do_not_change_the_result(isa, xrows):
+    # Each output is one thread's sum in a fixed order: bitwise the same on 1 and 2 threads
+    # (the split moves which weight rows are read side by side; 701 and 301 rows leave remainders).
     g = torch.Generator().manual_seed(6)
-    for dtype in (F32, BF16):
-        ws, x = [randn(g, 700, 300, dtype=dtype), randn(g, 301, 300, dtype=dtype)], randn(g, 3, 300)
-        one = dg.gemv(x, ws)
-        torch.set_num_threads(2)
-        try:
-            two = dg.gemv(x, ws)
-        finally:
-            torch.set_num_threads(1)
-        assert torch.equal(one, two), dtype
+    for dtype in (F32, BF16, F16):
+        ws, x = [randn(g, 701, 300, dtype=dtype), randn(g, 301, 300, dtype=dtype)], randn(g, xrows, 300)
+        with cpu_isa(isa):
+            one = dg.gemv(x, ws)
+            torch.set_num_threads(2)
+            try:
+                two = dg.gemv(x, ws)
+            finally:
+                torch.set_num_threads(1)
+        assert torch.equal(one, two), (isa, dtype)
+        assert_close_rel(one, oracle(x, *ws), tolerance(F32), f"{isa} {dtype}")
 
 
 def test_reads_the_weight_in_place():

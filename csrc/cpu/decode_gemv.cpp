@@ -29,11 +29,12 @@
 // stream, not by its arithmetic, and the shift/mask path already reads at that rate, so the
 // instruction would change numerics for no speed (docs/performance.md).
 //
-// Software prefetch: the AVX2 path with one row of x (a decoding step) reads two streams
-// and prefetches each 1 KiB ahead, which measured +5–12 % on an AVX2-only Zen 3 core (bf16
-// most: its loads feed four vector ops each). On the AVX-512 path (one stream, no prefetch)
-// prefetching ahead of the read (T0 or NTA, 0.5–8 KiB) measured no faster and mostly slower
-// there (docs/performance.md); it has not been re-measured with two streams.
+// Concurrent streams and software prefetch, with one row of x (a decoding step): a single
+// sequential stream leaves a core short of reads in flight (each load feeds only 1–4 vector
+// ops), so several weight rows are read side by side, each prefetched 1 KiB ahead — two on the
+// AVX2 path (+5–12 % on an AVX2-only Zen 3 core), four on the AVX-512 path (+50–70 % on a
+// Sapphire Rapids core, where one stream read 20–30 % below torch.sum over the same bytes and
+// four read 15–30 % above it; docs/performance.md).
 //
 // The ISA paths (generic, AVX2, AVX-512) are chosen at run time by the shared level (isa.h:
 // WIOLA_CPU_ISA, wiola_kernels.set_cpu_isa): the AVX-512 path needs only AVX-512 F/BW/VL/DQ.
@@ -68,6 +69,10 @@ constexpr int64_t kAlignFloats = 16;       // 64 bytes: prepared x starts on a c
 // best, docs/performance.md).
 constexpr int kStreamSets = 4;
 constexpr int64_t kPrefetchBytes = 1024;
+// AVX-512, one row of x: weight rows read at once, and accumulator vectors per row (sets ×
+// parts), measured on Sapphire Rapids (1–4 streams, 0–4 KiB prefetch; docs/performance.md).
+constexpr int kStreams512 = 4;
+constexpr int kStreamSets512 = 2;
 
 inline float* align_up(float* p) {
   const auto a = reinterpret_cast<uintptr_t>(p);
@@ -289,7 +294,7 @@ WIOLA_TARGET_AVX512 __attribute__((always_inline)) inline void load_avx512(const
 
 template <WType T, int B, int S>
 WIOLA_TARGET_AVX512 __attribute__((always_inline)) inline void step_avx512(__m512 (&acc)[B][S][parts(T)],
-                                                                          const Elem<T>* wp, const float* x,
+                                                                                 const Elem<T>* wp, const float* x,
                                                                           int64_t ldx, int64_t at, int s) {
   __m512 v[parts(T)];
   load_avx512<T>(wp, v);
@@ -327,9 +332,86 @@ WIOLA_TARGET_AVX512 __attribute__((always_inline)) inline void row_avx512(const 
   }
 }
 
+// Accumulate one chunk of weight row r (at wp; x's chunk at offset `at`) into its set s.
+template <WType T, int R, int S>
+WIOLA_TARGET_AVX512 __attribute__((always_inline)) inline void stream_step_avx512(__m512 (&acc)[R][S][parts(T)], int r,
+                                                                                 const Elem<T>* wp, const float* x,
+                                                                          int64_t at, int s) {
+  __m512 v[parts(T)];
+  load_avx512<T>(wp, v);
+  for (int p = 0; p < parts(T); ++p)
+    acc[r][s][p] = _mm512_fmadd_ps(v[p], _mm512_loadu_ps(x + at + 16 * p), acc[r][s][p]);
+}
+
+// One row of x against R weight rows read as R concurrent streams (R = 1, 2 or 4), each row
+// with kStreamSets512 / P accumulator sets per part, every stream prefetched kPrefetchBytes
+// ahead: as streams_avx2, the same sums whether a row is read alone or beside others.
+template <WType T, int R, typename O>
+WIOLA_TARGET_AVX512 __attribute__((always_inline)) inline void streams_avx512(const Elem<T>* const (&w)[R],
+                                                                             int64_t k, const float* x,
+                                                                             O* const (&y)[R]) {
+  constexpr int64_t C = chunk_elems(Isa::kAvx512, T);
+  constexpr int P = parts(T), S = std::max(1, kStreamSets512 / P);
+  constexpr int64_t kGroupBytes = S * C * int64_t(sizeof(Elem<T>));
+  __m512 acc[R][S][P];
+  for (int r = 0; r < R; ++r)
+    for (int s = 0; s < S; ++s)
+      for (int p = 0; p < P; ++p) acc[r][s][p] = _mm512_setzero_ps();
+  const int64_t full = k / C;
+  int64_t c = 0;
+  for (; c + S <= full; c += S) {
+    for (int r = 0; r < R; ++r)
+      for (int64_t b = 0; b < kGroupBytes; b += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(w[r] + c * C) + kPrefetchBytes + b, _MM_HINT_T0);
+    for (int s = 0; s < S; ++s)
+      for (int r = 0; r < R; ++r) stream_step_avx512<T, R, S>(acc, r, w[r] + (c + s) * C, x, (c + s) * C, s);
+  }
+  for (; c < full; ++c)
+    for (int r = 0; r < R; ++r) stream_step_avx512<T, R, S>(acc, r, w[r] + c * C, x, c * C, 0);
+  if (const int64_t tail = k - full * C) {  // x is zero past k: pad the weights' tail with zeros too
+    for (int r = 0; r < R; ++r) {
+      Elem<T> buf[C] = {};
+      std::memcpy(buf, w[r] + full * C, tail * sizeof(Elem<T>));
+      stream_step_avx512<T, R, S>(acc, r, buf, x, full * C, 0);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    __m512 v = acc[r][0][0];
+    for (int s = 0; s < S; ++s)
+      for (int p = 0; p < P; ++p)
+        if (s || p) v = _mm512_add_ps(v, acc[r][s][p]);
+    store(y[r], _mm512_reduce_add_ps(v));
+  }
+}
+
+// The rows of one thread's range. One row of x (a decoding step): the range's four quarters
+// are read side by side, rows j, j + q, j + 2q and j + 3q together (q = nrows / 4; the last
+// nrows mod 4 rows alone), each stream prefetched: on a Sapphire Rapids core this reads
+// 12.4 GB/s of float32 (bf16 12.2) where one stream without prefetch read 8.1 (7.2) and
+// torch.sum over the same bytes ~10; two threads 23 against 14–16 (docs/performance.md).
+// More rows of x: each weight row once, against blocks of kRowBlock rows of x.
 template <WType T, typename O>
 WIOLA_TARGET_AVX512 void rows_avx512(const Elem<T>* w, int64_t ldw, int64_t k, int64_t nrows, const float* x,
                                      int64_t ldx, int64_t xrows, O* y, int64_t ldy) {
+  if (xrows == 1) {
+    constexpr int R = kStreams512;
+    const int64_t q = nrows / R;
+    for (int64_t j = 0; j < q; ++j) {
+      const Elem<T>* rows[R];
+      O* out[R];
+      for (int r = 0; r < R; ++r) {
+        rows[r] = w + (j + r * q) * ldw;
+        out[r] = y + j + r * q;
+      }
+      streams_avx512<T, R, O>(rows, k, x, out);
+    }
+    for (int64_t j = R * q; j < nrows; ++j) {
+      const Elem<T>* const last[1] = {w + j * ldw};
+      O* const out[1] = {y + j};
+      streams_avx512<T, 1, O>(last, k, x, out);
+    }
+    return;
+  }
   for (int64_t j = 0; j < nrows; ++j) {
     const Elem<T>* wj = w + j * ldw;
     for (int64_t b0 = 0; b0 < xrows; b0 += kRowBlock) {
