@@ -46,6 +46,8 @@
 #include <limits>
 #include <vector>
 
+#include <unistd.h>
+
 #include "common.h"
 #include "isa.h"
 #include "wiola/checks.h"
@@ -53,21 +55,25 @@
 namespace wiola::cpu {
 namespace {
 
-// Bytes of one (R, C) logits block: it stays in L2 (1-2 MB per core) from its GEMM to its
-// epilogue, and from its dz to its ∂W GEMM.
-constexpr int64_t kBlockBytes = int64_t(256) << 10;
+// Bytes of one (R, C) logits block: it stays in L2 from its GEMM to its epilogue, and from its
+// dz to its ∂W GEMM. Half the core's L2 (block_bytes): 256 KiB on Zen 3/4 (512 KiB-1 MiB L2),
+// 1 MiB on Sapphire Rapids (2 MiB), where fewer, wider GEMMs measured faster than 256 KiB ones.
+constexpr int64_t kDefaultBlockBytes = int64_t(256) << 10;
 // Bytes of the chunk's logits (R, V), the op's working memory: R = this / (V · element size),
 // at least kMinChunkRows (GEMMs with fewer rows lose efficiency), at most kMaxChunkRows.
-// Every chunk reads and writes all of ∂W (V, d) once, so fewer, larger chunks move less: at the
-// bench shape (V 32000, d 1024) 32 MiB is 512 rows in bf16 (8 chunks of N 4096: ∂W traffic
-// 1.5 GB a pass instead of 4 GB with 16 MiB) and 262 in float32 (docs/ops.md).
+// Every chunk streams all of W twice (logits, ∂h) and reads and writes all of ∂W (V, d) once,
+// so fewer, larger chunks move less: at the bench shape (V 32000, d 1024) 64 MiB is 512 rows
+// in float32 and in bf16 (8 chunks of N 4096). In float32 on one Sapphire Rapids core, 512-row
+// chunks took 9.3–9.6 s a fwd+bwd where 262-row ones (32 MiB) took 10.8–11.4 (docs/ops.md);
+// 64 MiB is 4.3 % of the eager loss's 1.5 GB.
 // Independent of the thread count, so that the results are too.
-constexpr int64_t kChunkBytes = int64_t(32) << 20;
+constexpr int64_t kChunkBytes = int64_t(64) << 20;
 constexpr int64_t kMinChunkRows = 32;
 constexpr int64_t kMaxChunkRows = 512;
-// Columns of ∂h per phase-4 task: 8 tasks at d = 1024, so 2 threads stay busy even when one
-// of them is slowed.
-constexpr int64_t kGradHCols = 128;
+// Columns of ∂h per phase-4 task: 2 tasks at d = 1024 (one per thread on 2 cores); each task
+// reads all of the chunk's dz, so fewer, wider slabs read it fewer times (8 slabs of 128
+// columns measured ~10 % slower at 1 thread).
+constexpr int64_t kGradHCols = 512;
 // The widened path's phase 3-4 tasks: ∂h_c = Σ_g dz[:, group g] W[group g] over this many
 // fixed groups of vocabulary blocks, each into its own (R, d) float partial, summed in group
 // order (so the bits do not depend on which thread ran a group); each W block is widened
@@ -133,9 +139,23 @@ int64_t chunk_rows(int64_t n, int64_t V, int64_t element_size) {
   return std::max<int64_t>(1, std::min(rows, n));
 }
 
-// Vocabulary columns per block: kBlockBytes of an (R, C) block, a multiple of 64.
+// Bytes of a logits block: half the core's L2 (the OS's figure), within [256 KiB, 1 MiB];
+// 256 KiB where the OS does not say.
+int64_t block_bytes() {
+  static const int64_t bytes = [] {
+#if defined(_SC_LEVEL2_CACHE_SIZE)
+    const long l2 = sysconf(_SC_LEVEL2_CACHE_SIZE);
+#else
+    const long l2 = 0;
+#endif
+    return l2 > 0 ? std::clamp<int64_t>(l2 / 2, kDefaultBlockBytes, int64_t(1) << 20) : kDefaultBlockBytes;
+  }();
+  return bytes;
+}
+
+// Vocabulary columns per block: block_bytes() of an (R, C) block, a multiple of 64.
 int64_t block_cols(int64_t rows, int64_t V, int64_t element_size) {
-  int64_t cols = kBlockBytes / std::max<int64_t>(1, rows * element_size);
+  int64_t cols = block_bytes() / std::max<int64_t>(1, rows * element_size);
   cols = std::max<int64_t>(64, cols / 64 * 64);
   return std::min(cols, V);
 }
