@@ -5,12 +5,14 @@
 // parallel loop over a fixed partition into tasks (so the results do not depend on the thread
 // count: every GEMM below runs on one thread, on a block the partition fixes), which the
 // threads take one by one (a thread slowed by another process takes fewer):
-//   1. per vocabulary block of C columns: L[:, block] = h_c W_blockᵀ (ATen GEMM: MKL for
-//      float, oneDNN for bf16), then, while the (R, C) block is in L2, softcap in place and
-//      each row's block max, Σexp, Σs and target logit;
+//   1. per span of vocabulary blocks (C columns each): L[:, span] = h_c W_spanᵀ (one ATen
+//      GEMM: MKL for float, oneDNN for bf16; on the widened path one block at a time), then
+//      per block of the span softcap in place and each row's block max, Σexp, Σs and target
+//      logit;
 //   2. per row: lse and ℓ from the block statistics, combined in block order;
-//   3. per block (gradients wanted): dz in place in L, then the block's share of ∂W,
-//      dz_blockᵀ h_c, while the block is in L2;
+//   3. gradients wanted: dz in place in L block by block, and the blocks' share of ∂W,
+//      dzᵀ h_c — per span of blocks in float/double (one GEMM into ∂W itself), per block
+//      while it is in L2 in bf16 (through a block-sized partial);
 //   4. ∂h_c = dz W: per column slab of ∂h (one GEMM over all of V); on the widened path
 //      (below) per fixed group of blocks inside phase 3's tasks instead (each block's
 //      dz_b W_b into the group's float partial while W_b is widened, the partials summed in
@@ -70,6 +72,13 @@ constexpr int64_t kDefaultBlockBytes = int64_t(256) << 10;
 constexpr int64_t kChunkBytes = int64_t(64) << 20;
 constexpr int64_t kMinChunkRows = 32;
 constexpr int64_t kMaxChunkRows = 512;
+// Vocabulary columns per GEMM (whole blocks) for the logits and, in float/double, for ∂W:
+// fewer, wider calls than the L2-sized blocks the epilogues walk, because every call packs
+// h_c again (MKL's packing was 11 % of a float32 fwd+bwd with a call per 512-column block).
+// At the bench shape (512 rows) 4096-column logits GEMMs ran as fast as one (4096, 32000)
+// GEMM, 512-column ones 7 % slower (one Sapphire Rapids core). 8 tasks at V = 32000. The
+// block epilogues then read the span from L3/memory rather than L2: one more read of it.
+constexpr int64_t kSpanCols = 4096;
 // Columns of ∂h per phase-4 task: 2 tasks at d = 1024 (one per thread on 2 cores); each task
 // reads all of the chunk's dz, so fewer, wider slabs read it fewer times (8 slabs of 128
 // columns measured ~10 % slower at 1 thread).
@@ -345,31 +354,40 @@ void logits_and_stats(const Problem<scalar_t>& P, const at::Tensor& hc, at::Tens
                       int64_t r0, Stats<acc_type<scalar_t>>* stats) {
   using acc_t = acc_type<scalar_t>;
   const int64_t blocks = (P.V + cols - 1) / cols;
-  parallel_tasks(blocks, [&](const auto& next) {
+  // Blocks per GEMM: a span of at least kSpanCols columns where W is read in place
+  // (the widened path widens one block at a time into a block-sized buffer).
+  constexpr bool widened = !std::is_same_v<scalar_t, logit_t>;
+  const int64_t span = widened ? 1 : std::max<int64_t>(1, (kSpanCols + cols - 1) / cols);
+  const int64_t spans = (blocks + span - 1) / span;
+  parallel_tasks(spans, [&](const auto& next) {
     auto scratch = scratch_row<logit_t>(cols);
     at::Tensor wbuf = widen_buffer<scalar_t, logit_t>(P, cols);
-    for (int64_t b; (b = next()) >= 0;) {
-      const int64_t v0 = b * cols, nv = std::min(cols, P.V - v0);
-      at::Tensor Lb = L.narrow(0, 0, rows).narrow(1, v0, nv);
-      at::mm_out(Lb, hc, vocab_rows<scalar_t, logit_t>(P, v0, nv, wbuf).t());
+    for (int64_t t; (t = next()) >= 0;) {
+      const int64_t b0 = t * span, b1 = std::min(blocks, b0 + span);
+      const int64_t s0 = b0 * cols, sn = std::min(P.V, b1 * cols) - s0;
+      at::Tensor Ls = L.narrow(0, 0, rows).narrow(1, s0, sn);
+      at::mm_out(Ls, hc, vocab_rows<scalar_t, logit_t>(P, s0, sn, wbuf).t());
       if (!P.o.has_cap && stats == nullptr) continue;
-      logit_t* base = L.mutable_data_ptr<logit_t>() + v0;
-      for (int64_t r = 0; r < rows; ++r) {
-        logit_t* row = base + r * P.V;
-        acc_t* x = as_acc(row, nv, scratch);
-        if (P.o.has_cap) {
-          softcap_row(x, nv, acc_t(P.o.cap));
-          write_back(x, row, nv);
-          if constexpr (!std::is_same_v<logit_t, acc_t>) load_row(row, x, nv);  // the stored (rounded) s
+      for (int64_t b = b0; b < b1; ++b) {
+        const int64_t v0 = b * cols, nv = std::min(cols, P.V - v0);
+        logit_t* base = L.mutable_data_ptr<logit_t>() + v0;
+        for (int64_t r = 0; r < rows; ++r) {
+          logit_t* row = base + r * P.V;
+          acc_t* x = as_acc(row, nv, scratch);
+          if (P.o.has_cap) {
+            softcap_row(x, nv, acc_t(P.o.cap));
+            write_back(x, row, nv);
+            if constexpr (!std::is_same_v<logit_t, acc_t>) load_row(row, x, nv);  // the stored (rounded) s
+          }
+          if (stats == nullptr) continue;
+          const acc_t m = max_row(x, nv);
+          const auto [e, s] = exp_sum_row(x, nv, m, P.o.eps != 0.0);
+          stats->max[r * blocks + b] = m;
+          stats->expsum[r * blocks + b] = e;
+          stats->sum[r * blocks + b] = s;
+          const int64_t yv = P.y[r0 + r] - v0;
+          if (P.y[r0 + r] != P.o.ignore_index && yv >= 0 && yv < nv) stats->target[r] = x[yv];
         }
-        if (stats == nullptr) continue;
-        const acc_t m = max_row(x, nv);
-        const auto [e, s] = exp_sum_row(x, nv, m, P.o.eps != 0.0);
-        stats->max[r * blocks + b] = m;
-        stats->expsum[r * blocks + b] = e;
-        stats->sum[r * blocks + b] = s;
-        const int64_t yv = P.y[r0 + r] - v0;
-        if (P.y[r0 + r] != P.o.ignore_index && yv >= 0 && yv < nv) stats->target[r] = x[yv];
       }
     }
   });
@@ -519,17 +537,25 @@ void chunk_gradients(const Problem<scalar_t>& P, const at::Tensor& hc, at::Tenso
                               int64_t rows, int64_t cols, const acc_type<scalar_t>* lse,
                               const acc_type<scalar_t>* g, const Grads& G) {
   const int64_t blocks = (P.V + cols - 1) / cols;
-  parallel_tasks(blocks, [&](const auto& next) {
+  // float/double accumulate ∂W in the output, so their ∂W GEMM spans several blocks (one pack
+  // of h_c per span instead of per block); bf16's goes through a block-sized partial.
+  constexpr bool in_output = std::is_same_v<scalar_t, acc_type<scalar_t>>;
+  const int64_t span = in_output ? std::max<int64_t>(1, (kSpanCols + cols - 1) / cols) : 1;
+  const int64_t spans = (blocks + span - 1) / span;
+  parallel_tasks(spans, [&](const auto& next) {
     auto scratch = scratch_row<scalar_t>(cols);
-    at::Tensor partial = G.grad_W != nullptr && !std::is_same_v<scalar_t, acc_type<scalar_t>>
-                             ? at::empty({std::min(cols, P.V), P.d}, P.h.options())
-                             : at::Tensor();
-    for (int64_t b; (b = next()) >= 0;) {
-      const int64_t v0 = b * cols, nv = std::min(cols, P.V - v0);
-      block_dz<scalar_t, scalar_t>(P, L, r0, rows, v0, nv, lse, g, scratch);
+    at::Tensor partial = G.grad_W != nullptr && !in_output ? at::empty({std::min(cols, P.V), P.d}, P.h.options())
+                                                           : at::Tensor();
+    for (int64_t t; (t = next()) >= 0;) {
+      const int64_t b0 = t * span, b1 = std::min(blocks, b0 + span);
+      for (int64_t b = b0; b < b1; ++b) {
+        const int64_t v0 = b * cols, nv = std::min(cols, P.V - v0);
+        block_dz<scalar_t, scalar_t>(P, L, r0, rows, v0, nv, lse, g, scratch);
+      }
       if (G.grad_W == nullptr) continue;
-      const at::Tensor dzb = L.narrow(0, 0, rows).narrow(1, v0, nv).t();  // (nv, rows)
-      block_dW<scalar_t, scalar_t>(P, dzb, hc, v0, nv, G, partial);
+      const int64_t s0 = b0 * cols, sn = std::min(P.V, b1 * cols) - s0;
+      const at::Tensor dzs = L.narrow(0, 0, rows).narrow(1, s0, sn).t();  // (sn, rows)
+      block_dW<scalar_t, scalar_t>(P, dzs, hc, s0, sn, G, partial);
     }
   });
   if (G.grad_h == nullptr) return;

@@ -29,7 +29,10 @@ while the ops did not, and both are pinned here:
   equal ``gbps / copy_gbps``.
 
 A case marked ``compute_bound`` (its time is GEMMs, not memory traffic) has no copy
-baseline: its fused pass is timed like the baselines, and the copy fields are None.
+baseline: its fused pass and the two baselines are timed in alternation (the order flipped
+every round), so that their ratios see the same machine load — timed one after the other,
+seconds-long passes on this shared VM moved by 10–25 % between the blocks of runs — and the
+copy fields are None.
 
 Peak memory (cases marked ``peak_memory``): after the timings, each variant's pass runs once
 more under :func:`peak_mb` — on CUDA ``torch.cuda.max_memory_allocated`` above what was
@@ -304,7 +307,22 @@ def run_case(case: BenchCase, device: torch.device, *, repeats: int = 10, compil
         copy_fn, copy_bytes = (None, 0) if case.compute_bound else copy_baseline(nbytes, device)
         vs_copy = {}
         peaks: dict = {}
-        for label, fn in (("fused", case.fused), ("eager", case.eager), ("compile", compiled)):
+        variants = (("fused", case.fused), ("eager", case.eager), ("compile", compiled))
+        if case.compute_bound:  # the three in alternation: each sees the same machine load
+            runs = {label: make_pass(case, fn, pass_, inputs) for label, fn in variants if fn is not None}
+            if progress is not None:
+                progress.set_postfix_str(f"{case.op} {pass_} {' / '.join(runs)} alternating")
+            with page_policy("warm", device):
+                samples = _interleaved_samples(list(runs.values()), device, repeats, warmup=2)
+            timings = {label: None for label, _ in variants}
+            timings.update({label: statistics.median(s) for label, s in zip(runs, samples)})
+            for label, run in runs.items():
+                if case.peak_memory:
+                    peaks[label] = peak_mb(run, device)
+            if progress is not None:
+                progress.update(len(variants))
+            variants = ()
+        for label, fn in variants:
             if progress is not None:
                 progress.set_postfix_str(f"{case.op} {pass_} {label}")
             if fn is None:
