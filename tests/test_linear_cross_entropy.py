@@ -114,8 +114,8 @@ def test_reference_matches_row_oracle_and_its_backward_matches_autograd(name):
 @pytest.mark.parametrize("name", list(OPTIONS))
 @pytest.mark.parametrize("backend", PY_BACKENDS)
 def test_backends_match_oracle_every_option(backend, name, monkeypatch):
-    """float32, 61 rows in chunks of 16 (the last one partial), V = 4100: two vocabulary
-    blocks on the CPU (4096 columns at 16 rows, then 4)."""
+    """float32, 61 rows in chunks of 16 (the last one partial), V = 4100: one or two
+    vocabulary blocks on the CPU (a block is half the core's L2: 4096–16384 columns at 16 rows)."""
     monkeypatch.setenv("WIOLA_LCE_CHUNK_ROWS", "16")
     kw = OPTIONS[name]
     h, W, y = make(61, 24, 4100, seed=3)
@@ -129,7 +129,7 @@ def test_backends_match_oracle_every_option(backend, name, monkeypatch):
 @pytest.mark.parametrize("backend", PY_BACKENDS)
 def test_backends_reduced_precision(backend, dtype, monkeypatch):
     """bf16/fp16 within 1e-2 of float64 on the same (rounded) inputs; several chunks and, in
-    bf16, two vocabulary blocks (8192 columns at 16 rows)."""
+    bf16, V = 8200 (one or two vocabulary blocks: 8192–32768 columns at 16 rows)."""
     monkeypatch.setenv("WIOLA_LCE_CHUNK_ROWS", "16")
     for kw in (OPTIONS["plain"], OPTIONS["all"], OPTIONS["all_none"]):
         h, W, y = make(40, 32, 8200 if dtype == torch.bfloat16 else 300, dtype, seed=4)
@@ -296,12 +296,12 @@ def test_cpu_is_bitwise_reproducible_across_thread_counts(dtype, monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_cpu_16bit_paths_match_oracle_over_many_blocks(dtype, monkeypatch):
     """Both 16-bit GEMM paths (csrc/cpu/linear_cross_entropy.cpp widened_bf16_gemms) that this CPU
-    runs — float32 GEMMs on widened operands below avx512_bf16, bf16 GEMMs at it — over 17
-    vocabulary blocks (512-row chunks: 128 float32 columns) and two chunks, so the widened
-    path's eight ∂h groups hold two or three blocks each: within 1e-2 of float64 with every
-    option, and the same bits at 1 and 2 threads."""
+    runs — float32 GEMMs on widened operands below avx512_bf16, bf16 GEMMs at it — over
+    17–66 vocabulary blocks (512-row chunks: 128–512 float32 columns, by the L2 size) and two
+    chunks, so the widened path's eight ∂h groups hold two or more blocks each: within 1e-2
+    of float64 with every option, and the same bits at 1 and 2 threads."""
     monkeypatch.setenv("WIOLA_LCE_CHUNK_ROWS", "512")
-    h, W, y = make(600, 32, 2100, dtype, seed=21)
+    h, W, y = make(600, 32, 8400, dtype, seed=21)
     kw = OPTIONS["all"]
     want = oracle(h, W, y, loss_grad(600), **kw)
     for isa in available_cpu_isas("linear_cross_entropy"):
@@ -313,6 +313,26 @@ def test_cpu_16bit_paths_match_oracle_over_many_blocks(dtype, monkeypatch):
         assert_matches(one, want, TOL[dtype], f"cpu/{isa} {dtype}")
         for a, b in zip(one, two):
             assert torch.equal(a, b), f"cpu/{isa} {dtype}: depends on the thread count"
+
+
+@needs_cpu_extension
+def test_cpu_float32_gemm_spans(monkeypatch):
+    """float32 with 512-row chunks (two, the second partial) and V = 9000: the logits and ∂W
+    GEMMs run over spans of 4096 columns (8–32 L2-sized blocks each), the last span partial
+    (808 columns), with the block statistics and dz walked block by block inside each span:
+    every option within 1e-4 of float64, the same bits at 1 and 2 threads."""
+    monkeypatch.setenv("WIOLA_LCE_CHUNK_ROWS", "512")
+    h, W, y = make(600, 16, 9000, seed=22)
+    for name in ("plain", "all", "all_none"):
+        kw = OPTIONS[name]
+        want = oracle(h, W, y, loss_grad(600, kw.get("reduction", "mean")), **kw)
+        with threads(1):
+            one = run("cpu", h, W, y, **kw)
+        with threads(2):
+            two = run("cpu", h, W, y, **kw)
+        assert_matches(one, want, TOL[torch.float32], f"cpu {name}")
+        for a, b in zip(one, two):
+            assert torch.equal(a, b), f"cpu {name}: depends on the thread count"
 
 
 @needs_cpu_extension
