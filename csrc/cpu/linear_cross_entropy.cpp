@@ -58,8 +58,9 @@ namespace wiola::cpu {
 namespace {
 
 // Bytes of one (R, C) logits block: it stays in L2 from its GEMM to its epilogue, and from its
-// dz to its ∂W GEMM. Half the core's L2 (block_bytes): 256 KiB on Zen 3/4 (512 KiB-1 MiB L2),
-// 1 MiB on Sapphire Rapids (2 MiB), where fewer, wider GEMMs measured faster than 256 KiB ones.
+// dz to its ∂W GEMM. Half the core's L2 (block_bytes): 256 KiB on Zen 3 (512 KiB L2, where
+// 256 KiB was measured), 1 MiB on Sapphire Rapids (2 MiB, where 1–2 MiB blocks measured faster
+// than 256 KiB ones); Zen 4's 512 KiB is not measured.
 constexpr int64_t kDefaultBlockBytes = int64_t(256) << 10;
 // Bytes of the chunk's logits (R, V), the op's working memory: R = this / (V · element size),
 // at least kMinChunkRows (GEMMs with fewer rows lose efficiency), at most kMaxChunkRows.
