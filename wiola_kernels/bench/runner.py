@@ -313,16 +313,13 @@ def run_case(case: BenchCase, device: torch.device, *, repeats: int = 10, compil
             if progress is not None:
                 progress.set_postfix_str(f"{case.op} {pass_} {' / '.join(runs)} alternating")
             with page_policy("warm", device):
-                samples = _interleaved_samples(list(runs.values()), device, repeats, warmup=2)
-            timings = {label: None for label, _ in variants}
-            timings.update({label: statistics.median(s) for label, s in zip(runs, samples)})
-            for label, run in runs.items():
-                if case.peak_memory:
-                    peaks[label] = peak_mb(run, device)
+                medians = time_interleaved_ms(list(runs.values()), device, repeats=repeats)
+            timings = {label: None for label, _ in variants} | dict(zip(runs, medians))
+            if case.peak_memory:
+                peaks = {label: peak_mb(run, device) for label, run in runs.items()}
             if progress is not None:
                 progress.update(len(variants))
-            variants = ()
-        for label, fn in variants:
+        for label, fn in () if case.compute_bound else variants:
             if progress is not None:
                 progress.set_postfix_str(f"{case.op} {pass_} {label}")
             if fn is None:
