@@ -21,6 +21,13 @@ TORCH_LIBRARY(wiola, m) {
   // <= 16 rows, float32/bfloat16/float16; weights (n_i, k_i) of one of those dtypes, read in place;
   // every k_i = K, or sum k_i = K with split_input -> (..., sum n_i) in x's dtype.
   m.def("_decode_gemv(Tensor x, Tensor[] weights, bool split_input=False) -> Tensor");
+  // A cached decoding step's attention (csrc/cpu/decode_attention.cpp; wiola_kernels/decode_attention.py):
+  // SRPE of q and k from qkv (B, (H + 2 H_kv) d_h), the rotated key and the value written into the
+  // cache buffers (B, H_kv, capacity, d_h) at index past, GQA softmax over the past + 1 keys, plus
+  // the gated context slots (B, slots, H d_h) -> (B, H d_h) in qkv's dtype.
+  m.def("_decode_attention(Tensor qkv, Tensor(a!) k_cache, Tensor(b!) v_cache, int past, Tensor position_ids,"
+        " int n_head, float theta, float spiral_divisor, float radial_amplitude, float radial_frequency,"
+        " Tensor? context_k=None, Tensor? context_v=None, Tensor? gate=None) -> Tensor");
   // The benchmark's copy baseline: a copy allocated like every kernel's output.
   m.def("_copy(Tensor x) -> Tensor");
 }

@@ -243,6 +243,55 @@ def test_decoding_steps_run_the_blocks_own_sequence(gemv, fuse, monkeypatch):
 
 
 @needs_gemv
+@pytest.mark.parametrize("lookback", [0, 1, 2])
+def test_fused_attention_runs_once_per_block(lookback, monkeypatch):
+    # A one-position step's attention (SRPE, cache append, softmax over the cache, the Λ'
+    # context slots: none, one without keys, two) is one decode_attention call per block, and
+    # the steps equal the full forward. Oracle: the full forward (nn.Linear and the fused op).
+    from wiola_kernels import decode_attention
+
+    model = tiny(num_key_value_heads=2, gcla_lookback=lookback)
+    calls = []
+    fused = decode_attention.decode_attention
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs["context_v"].shape[1] if kwargs["context_v"] is not None else 0)
+        return fused(*args, **kwargs)
+
+    monkeypatch.setattr(decode_attention, "decode_attention", spy)
+    ids = torch.randint(3, model.config.vocab_size, (2, 11), generator=torch.Generator().manual_seed(23))
+    with torch.no_grad():
+        full = model(ids, use_cache=False).logits
+    got = decode_logits(model, ids, 6)
+    layers = model.config.num_hidden_layers
+    assert calls == [min(i, lookback) for i in range(layers)] * 5
+    assert_close_rel(got, full, tolerance(torch.float32, "attention"), "decoded logits")
+
+
+@needs_gemv
+def test_fused_attention_leaves_other_cache_layers_to_update(monkeypatch):
+    # A cache whose layers are not GrowingKV (a plain DynamicLayer) is updated the ordinary
+    # way, with the same result.
+    from transformers.cache_utils import DynamicLayer
+
+    model = tiny(num_key_value_heads=2)
+    ids = torch.randint(3, model.config.vocab_size, (1, 9), generator=torch.Generator().manual_seed(24))
+    with torch.no_grad():
+        full = model(ids, use_cache=False).logits
+        out = model(ids[:, :5], use_cache=True)
+        cache, pieces = out.cache, [out.logits]
+        cache.layers = [DynamicLayer() for _ in cache.layers]  # re-seeded below from the prompt's keys
+        fresh = model(ids[:, :5], use_cache=True, cache=WiolaCache()).cache
+        for mine, theirs in zip(cache.layers, fresh.layers):
+            mine.lazy_initialization(theirs.keys, theirs.values)
+            mine.keys, mine.values = theirs.keys.clone(), theirs.values.clone()
+        for i in range(5, 9):
+            pieces.append(model(ids[:, i:i + 1], cache=cache, use_cache=True).logits)
+    assert all(type(layer) is DynamicLayer and layer.keys.shape[2] == 9 for layer in cache.layers)
+    assert_close_rel(torch.cat(pieces, 1), full, tolerance(torch.float32, "attention"), "decoded logits")
+
+
+@needs_gemv
 def test_gemv_greedy_tokens_equal_the_unpacked_path(monkeypatch):
     model = tiny()
     prompt = torch.randint(3, model.config.vocab_size, (1, 7), generator=torch.Generator().manual_seed(16))

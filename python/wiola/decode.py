@@ -47,7 +47,8 @@ import torch.nn.functional as F
 from torch import Tensor
 from transformers.cache_utils import DynamicLayer
 
-from wiola_kernels import decode_gemv, glu
+from wiola_kernels import decode_attention, decode_gemv, glu
+from wiola_kernels import SpiralRotaryEmbedding
 from wiola_kernels.dtypes import compute_dtype
 from wiola_kernels.validation import srpe_max_position
 
@@ -73,11 +74,16 @@ class GrowingKV(DynamicLayer):
         super().lazy_initialization(key_states, value_states)
         self._kbuf = self._vbuf = None
 
-    def _fits(self, buf: Tensor | None, cur: Tensor, new: Tensor) -> bool:
+    @staticmethod
+    def _fits(buf: Tensor | None, cur: Tensor, new: Tensor | None) -> bool:
+        """Whether ``buf`` still backs ``cur`` and has room after it for ``new`` (None: one
+        more position of ``cur``'s shape)."""
         if buf is None or cur.dim() != 4 or cur.data_ptr() != buf.data_ptr() or cur.stride() != buf.stride():
             return False
+        new = cur if new is None else new
+        n_new = 1 if new is cur else new.shape[2]
         return (buf.dtype == new.dtype and buf.shape[0] == new.shape[0] and buf.shape[1] == new.shape[1]
-                and buf.shape[3] == new.shape[3] and cur.shape[2] + new.shape[2] <= buf.shape[2])
+                and buf.shape[3] == new.shape[3] and cur.shape[2] + n_new <= buf.shape[2])
 
     @staticmethod
     def _grow(cur: Tensor, new: Tensor, capacity: int) -> Tensor:
@@ -99,8 +105,32 @@ class GrowingKV(DynamicLayer):
             self._vbuf = self._grow(self.values, value_states, capacity)
         self._kbuf.narrow(2, past, end - past).copy_(key_states)
         self._vbuf.narrow(2, past, end - past).copy_(value_states)
-        self.keys, self.values = self._kbuf.narrow(2, 0, end), self._vbuf.narrow(2, 0, end)
+        self.appended(end)
         return self.keys, self.values
+
+    def append_buffers(self, batch: int, heads: int, head_dim: int, dtype: torch.dtype
+                       ) -> tuple[Tensor, Tensor, int] | None:
+        """``(key buffer, value buffer, past)``: the ``(B, H_kv, capacity, d_h)`` buffers, with
+        room for one more position at index ``past``, for a kernel that writes the new key and
+        value itself (:func:`wiola_kernels.decode_attention.decode_attention`); call
+        :meth:`appended` ``(past + 1)`` after it. None where this layer holds no cache yet or
+        one of another shape or dtype (the caller then uses :meth:`update`)."""
+        if not self.is_initialized or self.keys.dim() != 4:
+            return None
+        k = self.keys
+        if k.dtype != dtype or k.shape[0] != batch or k.shape[1] != heads or k.shape[3] != head_dim \
+                or self.values.shape != k.shape or self.values.dtype != dtype:
+            return None
+        past = k.shape[2]
+        if not (self._fits(self._kbuf, k, None) and self._fits(self._vbuf, self.values, None)):
+            capacity = max(2 * (past + 1), self._min_capacity)
+            self._kbuf = self._grow(k, k, capacity)
+            self._vbuf = self._grow(self.values, self.values, capacity)
+        return self._kbuf, self._vbuf, past
+
+    def appended(self, end: int) -> None:
+        """The cache now holds the buffers' first ``end`` positions."""
+        self.keys, self.values = self._kbuf.narrow(2, 0, end), self._vbuf.narrow(2, 0, end)
 
 
 def cached_attention(q_rot: Tensor, k_rot: Tensor, v: Tensor, key_valid: Tensor | None = None) -> Tensor:
@@ -221,7 +251,12 @@ class DecodeStep:
         device = position_ids.device
         self.position_ids = position_ids.contiguous()
         self.cache, self.key_valid, self.weights = cache, key_valid, weights
-        self.gemv = weights is not None and gemv_applies(model.embed_tokens.weight.dtype, device)
+        dtype = model.embed_tokens.weight.dtype
+        self.gemv = weights is not None and gemv_applies(dtype, device)
+        # One kernel call for a block's attention (SRPE, the cache append, the softmax over the
+        # cache and the context slots) where each row adds one unpadded position to a GrowingKV.
+        self.fused_attention = self.gemv and key_valid is None and position_ids.shape[-1] == 1 \
+            and decode_attention.applies(dtype, device) and not getattr(cache, "offloading", False)
 
     def block(self, block, x: Tensor, context: Tensor, normed: Tensor | None = None, next_norm=None
               ) -> Tensor | tuple[Tensor, Tensor]:
@@ -297,8 +332,12 @@ class DecodeStep:
         mods = attn._modules
         b, t, d = hx.shape
         h, h_kv, dh = attn.n_head, attn.n_kv_head, attn.head_dim
-        q, k, v = gemv(hx, [_weight(mods["q_proj"]), _weight(mods["k_proj"]), _weight(mods["v_proj"])]) \
-            .split_with_sizes([h * dh, h_kv * dh, h_kv * dh], -1)
+        qkv = gemv(hx, [_weight(mods["q_proj"]), _weight(mods["k_proj"]), _weight(mods["v_proj"])])
+        if self.fused_attention:
+            out = self._fused_attention(attn, mods, qkv, context)
+            if out is not None:
+                return gemv(out.view(b, t, h * dh), _weight(mods["o_proj"]))
+        q, k, v = qkv.split_with_sizes([h * dh, h_kv * dh, h_kv * dh], -1)
         q = q.view(b, t, h, dh)
         out = self._attention(attn, q, k.view(b, t, h_kv, dh), v.view(b, t, h_kv, dh))  # (B, T, H, d_h)
         n_ctx = context.shape[2]
@@ -314,6 +353,38 @@ class DecodeStep:
             # out + σ(g_h) · mixed, σ(g) (H, 1) broadcast over d_h
             out = torch.addcmul(out, mixed.view(b, t, h, dh), torch.sigmoid(attn.gate.to(out.dtype)).view(h, 1))
         return gemv(out.to(hx.dtype).reshape(b, t, h * dh), _weight(mods["o_proj"]))
+
+    def _fused_attention(self, attn, mods, qkv: Tensor, context: Tensor) -> Tensor | None:
+        """``(B, H·d_h)``: :meth:`_attention` and the context part of :meth:`_gemv_attend` in one
+        :func:`~wiola_kernels.decode_attention.decode_attention` call, which also appends the
+        new key and value to this layer's cache; None (nothing done) where the layer's cache
+        is not a :class:`GrowingKV` it can append to, or SRPE is not the model's own module."""
+        layers, idx = self.cache.layers, attn.layer_idx
+        layer = layers[idx] if idx < len(layers) else None
+        srpe = attn._modules["srpe"]
+        if type(layer) is not GrowingKV or type(srpe) is not SpiralRotaryEmbedding:
+            return None
+        b, h, dh = qkv.shape[0], attn.n_head, attn.head_dim
+        buffers = layer.append_buffers(b, attn.n_kv_head, dh, qkv.dtype)
+        if buffers is None:
+            return None
+        k_buf, v_buf, past = buffers
+        context_k = context_v = gate = None
+        n_ctx = context.shape[2]
+        if n_ctx:  # the context slots through W_Kc and W_Vc as rows of one product (as in _gemv_attend)
+            rows = context.expand(b, 1, n_ctx, context.shape[-1]).reshape(b * n_ctx, -1)
+            if n_ctx == 1:  # one slot: softmax weight 1, no keys needed
+                context_v = _gemv_rows(rows, [_weight(mods["vc_proj"])]).view(b, 1, h * dh)
+            else:
+                kv = _gemv_rows(rows, [_weight(mods["kc_proj"]), _weight(mods["vc_proj"])]).view(b, n_ctx, 2 * h * dh)
+                context_k, context_v = kv[..., :h * dh], kv[..., h * dh:]
+            gate = attn._parameters["gate"]
+        out = decode_attention.decode_attention(
+            qkv.view(b, -1), k_buf, v_buf, past, self.position_ids, h, theta=srpe.theta,
+            spiral_divisor=srpe.spiral_divisor, radial_amplitude=srpe.radial_amplitude,
+            radial_frequency=srpe.radial_frequency, context_k=context_k, context_v=context_v, gate=gate)
+        layer.appended(past + 1)
+        return out
 
     def _gemv_dsff(self, ffn, hf: Tensor) -> Tensor:
         """:meth:`_dsff` on the GEMV kernel: one up product ``[u_n1 | u_n3 | u_w1 | u_w3]``, the
