@@ -28,6 +28,16 @@ TORCH_LIBRARY(wiola, m) {
   m.def("_decode_attention(Tensor qkv, Tensor(a!) k_cache, Tensor(b!) v_cache, int past, Tensor position_ids,"
         " int n_head, float theta, float spiral_divisor, float radial_amplitude, float radial_frequency,"
         " Tensor? context_k=None, Tensor? context_v=None, Tensor? gate=None) -> Tensor");
+  // One block of a cached decoding step (csrc/cpu/decode_block.cpp; wiola_kernels/decode_block.py): x, normed
+  // (B, 1, d); weights [W_Q, W_K, W_V, W_O, W_Kc, W_Vc, W_n1, W_n3, W_w1, W_w3, W_n2, W_w2]; the block's
+  // ffn norm and the next norm (None: none); the cache buffers as for _decode_attention; context (B, 1,
+  // slots, d); summary_sum (B, d) float32 or None -> (x_out, next-normed x_out or empty, new summary sum
+  // or empty, summary (B, 1, d) or empty).
+  m.def("_decode_block(Tensor x, Tensor normed, Tensor[] weights, Tensor ffn_norm_weight, Tensor? ffn_norm_shift,"
+        " float ffn_norm_eps, Tensor? next_norm_weight, Tensor? next_norm_shift, float next_norm_eps, Tensor beta,"
+        " Tensor gate, Tensor(a!) k_cache, Tensor(b!) v_cache, int past, Tensor position_ids, int n_head,"
+        " float theta, float spiral_divisor, float radial_amplitude, float radial_frequency, Tensor? context,"
+        " Tensor? summary_sum) -> (Tensor, Tensor, Tensor, Tensor)");
   // The benchmark's copy baseline: a copy allocated like every kernel's output.
   m.def("_copy(Tensor x) -> Tensor");
 }

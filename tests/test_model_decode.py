@@ -211,23 +211,31 @@ def test_gemv_steps_equal_the_full_forward(isa, step, monkeypatch):
 @pytest.mark.parametrize("gemv", [True, False])
 @pytest.mark.parametrize("fuse", [True, False])
 def test_decoding_steps_run_the_blocks_own_sequence(gemv, fuse, monkeypatch):
-    # The block's norms, residual adds and their fusion are written once (WiolaBlock.sequence):
-    # a decoding step runs them for every block, on the GEMV kernel or the packed copies, with
-    # the add-and-norm fusion on or off as the block says. Oracle: the full forward.
+    # The block's norms, residual adds and their fusion are written once in Python
+    # (WiolaBlock.sequence) and once in C++ (wiola_kernels.decode_block, the same kernels in the
+    # same order): a decoding step on the GEMV kernel with the add-and-norm fusion on runs the
+    # C++ block for every block, otherwise the block's own sequence (the packed copies, or the
+    # fusion off as the block says). Oracle: the full forward.
     from wiola.modeling_wiola import WiolaBlock
+    from wiola_kernels import decode_block
 
     if gemv and not decode.gemv_applies(torch.float32, torch.device("cpu")):
         pytest.skip("needs the C++ extension")
     monkeypatch.setattr(WiolaBlock, "fuse_add_norm", fuse)
     model = tiny(torch.float32 if gemv else F64)
-    calls = []
-    sequence = WiolaBlock.sequence
+    calls, fused_calls = [], []
+    sequence, fused = WiolaBlock.sequence, decode_block.decode_block
 
     def spy(self, *args, **kwargs):
         calls.append(self.layer_idx)
         return sequence(self, *args, **kwargs)
 
+    def fused_spy(*args, **kwargs):
+        fused_calls.append(1)
+        return fused(*args, **kwargs)
+
     monkeypatch.setattr(WiolaBlock, "sequence", spy)
+    monkeypatch.setattr(decode_block, "decode_block", fused_spy)
     ids = torch.randint(3, model.config.vocab_size, (1, 9), generator=torch.Generator().manual_seed(22))
     with torch.no_grad():
         full = model(ids, use_cache=False).logits
@@ -236,20 +244,54 @@ def test_decoding_steps_run_the_blocks_own_sequence(gemv, fuse, monkeypatch):
         calls.clear()
         for i in range(6, 9):
             pieces.append(model(ids[:, i:i + 1], cache=cache, use_cache=True).logits)
-    assert calls == list(range(model.config.num_hidden_layers)) * 3
+    layers = model.config.num_hidden_layers
+    in_cpp = gemv and fuse
+    assert calls == ([] if in_cpp else list(range(layers)) * 3)
+    assert len(fused_calls) == (layers * 3 if in_cpp else 0)
     assert (model.model._decode_weights.blocks == {}) == gemv
     dtype = torch.float32 if gemv else F64
     assert_close_rel(torch.cat(pieces, 1), full, tolerance(dtype, "attention"), "decoded logits")
 
 
 @needs_gemv
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("next_norm", [True, False])
+@pytest.mark.parametrize("lookback", [0, 1, 2])
+def test_fused_block_equals_the_python_sequence_bit_for_bit(dtype, next_norm, lookback, monkeypatch):
+    # The C++ block runs the Python step's kernels in the same order with the same roundings:
+    # the same logits, bit for bit, with and without the next norm fused into the block (FSDP's
+    # sharded norms leave it to its owner), and the same running summaries in the cache.
+    from wiola import modeling_wiola
+    from wiola_kernels import decode_block
+
+    if not next_norm:
+        monkeypatch.setattr(modeling_wiola, "holds_its_weights", lambda norm, d: False)
+    model = tiny(dtype, num_key_value_heads=2, gcla_lookback=lookback)
+    ids = torch.randint(3, model.config.vocab_size, (2, 10), generator=torch.Generator().manual_seed(25))
+    runs = {}
+    for fused in (True, False):
+        monkeypatch.setattr(decode_block, "available", lambda fused=fused: fused)
+        with torch.no_grad():
+            out = model(ids[:, :6], use_cache=True)
+            cache, pieces = out.cache, [out.logits]
+            for i in range(6, 10):
+                pieces.append(model(ids[:, i:i + 1], cache=cache, use_cache=True).logits)
+        runs[fused] = torch.cat(pieces, 1), dict(cache.summary_sums)
+    assert torch.equal(runs[True][0], runs[False][0])
+    assert runs[True][1].keys() == runs[False][1].keys()
+    assert all(torch.equal(runs[True][1][k], runs[False][1][k]) for k in runs[True][1])
+
+
+@needs_gemv
 @pytest.mark.parametrize("lookback", [0, 1, 2])
 def test_fused_attention_runs_once_per_block(lookback, monkeypatch):
-    # A one-position step's attention (SRPE, cache append, softmax over the cache, the Λ'
-    # context slots: none, one without keys, two) is one decode_attention call per block, and
-    # the steps equal the full forward. Oracle: the full forward (nn.Linear and the fused op).
-    from wiola_kernels import decode_attention
+    # Without the C++ block (wiola_kernels.decode_block), a one-position step's attention
+    # (SRPE, cache append, softmax over the cache, the Λ' context slots: none, one without
+    # keys, two) is one decode_attention call per block, and the steps equal the full forward.
+    # Oracle: the full forward (nn.Linear and the fused op).
+    from wiola_kernels import decode_attention, decode_block
 
+    monkeypatch.setattr(decode_block, "available", lambda: False)
     model = tiny(num_key_value_heads=2, gcla_lookback=lookback)
     calls = []
     fused = decode_attention.decode_attention

@@ -18,6 +18,14 @@ A step runs each block's own sequence, :meth:`WiolaBlock.sequence
 <wiola.modeling_wiola.WiolaBlock.sequence>` (the norms, the residual adds and their fusion
 with the next norm, as in training), with :class:`DecodeStep`'s attention over the cache and
 its DSFF products as the two sublayers: only the products are laid out differently here.
+Where each row adds one unpadded position to a :class:`GrowingKV` cache on the GEMV kernel,
+the block's attention is one call (:func:`wiola_kernels.decode_attention.decode_attention`:
+SRPE, the cache append, the softmax over the cache and the context slots), and with the
+add-and-norm fusion on the whole block is one call
+(:func:`wiola_kernels.decode_block.decode_block`: the same kernels in the same order from
+C++, bit for bit the Python sequence's result, and the layer's running causal summary): at
+batch 1 the interpreter and dispatch time between ~30 small ops per block was a fifth of a
+bf16 step.
 
 The context sub-attention (SPEC §5.3) is taken unfolded here: the ``Λ'`` context slots go
 through ``W_Kc`` and ``W_Vc`` as rows of one product (``Λ' ≤ 2`` by default, so one read of
@@ -47,7 +55,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from transformers.cache_utils import DynamicLayer
 
-from wiola_kernels import decode_attention, decode_gemv, glu
+from wiola_kernels import decode_attention, decode_block, decode_gemv, dispatch, glu
 from wiola_kernels import SpiralRotaryEmbedding
 from wiola_kernels.dtypes import compute_dtype
 from wiola_kernels.validation import srpe_max_position
@@ -247,7 +255,8 @@ class DecodeStep:
     block's own. RMSNorm and SRPE are the model's modules (the public ops, which run their
     registered kernels directly when no gradient is needed)."""
 
-    def __init__(self, model, position_ids: Tensor, cache, key_valid: Tensor | None, weights: DecodeWeights | None):
+    def __init__(self, model, position_ids: Tensor, cache, key_valid: Tensor | None, weights: DecodeWeights | None,
+                 summaries: bool = False):
         device = position_ids.device
         self.position_ids = position_ids.contiguous()
         self.cache, self.key_valid, self.weights = cache, key_valid, weights
@@ -257,6 +266,17 @@ class DecodeStep:
         # cache and the context slots) where each row adds one unpadded position to a GrowingKV.
         self.fused_attention = self.gemv and key_valid is None and position_ids.shape[-1] == 1 \
             and decode_attention.applies(dtype, device) and not getattr(cache, "offloading", False)
+        # And the whole block in one call (wiola_kernels.decode_block: the same kernels, in the
+        # same order, without the interpreter between them) where no backend is forced.
+        self.fused_block = self.fused_attention and decode_block.available() and dispatch.forced_backend() is None
+        # summaries: the caller lets the block op keep the running causal summaries (one step
+        # of WiolaCache.summary: no padding); summary_of() hands each layer's to the caller.
+        self.summaries = summaries
+        self._summary: dict[int, Tensor] = {}
+
+    def summary_of(self, layer_idx: int) -> Tensor | None:
+        """The causal summary the fused block computed for ``layer_idx`` (None: it did not)."""
+        return self._summary.pop(layer_idx, None)
 
     def block(self, block, x: Tensor, context: Tensor, normed: Tensor | None = None, next_norm=None
               ) -> Tensor | tuple[Tensor, Tensor]:
@@ -265,6 +285,10 @@ class DecodeStep:
         mods = block._modules
         attn, ffn = mods["attn"], mods["ffn"]
         if self.gemv:
+            if self.fused_block:
+                out = self._fused_block(block, mods, attn, ffn, x, context, normed, next_norm)
+                if out is not None:
+                    return out
             return block.sequence(x, lambda h: self._gemv_attend(attn, h, context), lambda h: self._gemv_dsff(ffn, h),
                                   normed, next_norm)
         packed = self.weights.block(block) if self.weights is not None else None
@@ -354,21 +378,63 @@ class DecodeStep:
             out = torch.addcmul(out, mixed.view(b, t, h, dh), torch.sigmoid(attn.gate.to(out.dtype)).view(h, 1))
         return gemv(out.to(hx.dtype).reshape(b, t, h * dh), _weight(mods["o_proj"]))
 
+    def _cache_slot(self, attn, b: int, dtype: torch.dtype):
+        """``(layer, key buffer, value buffer, past)`` for a kernel that appends this step's key
+        and value itself; None where the layer's cache is not a :class:`GrowingKV` it can append
+        to, or SRPE is not the model's own module."""
+        layers, idx = self.cache.layers, attn.layer_idx
+        layer = layers[idx] if idx < len(layers) else None
+        if type(layer) is not GrowingKV or type(attn._modules["srpe"]) is not SpiralRotaryEmbedding:
+            return None
+        buffers = layer.append_buffers(b, attn.n_kv_head, attn.head_dim, dtype)
+        return None if buffers is None else (layer, *buffers)
+
+    def _fused_block(self, block, mods, attn, ffn, x: Tensor, context: Tensor, normed: Tensor | None, next_norm
+                     ) -> Tensor | tuple[Tensor, Tensor] | None:
+        """:meth:`block` as one :func:`~wiola_kernels.decode_block.decode_block` call; None
+        (nothing done) where it does not apply: the block's add-and-norm fusion off, more
+        context rows than one GEMV takes, a cache it cannot append to, mixed dtypes."""
+        b, d = x.shape[0], x.shape[-1]
+        n_ctx = context.shape[2]
+        ffn_norm = mods["ffn_norm"]
+        if not block.fuse_add_norm or b * n_ctx > decode_gemv.MAX_ROWS or x.dtype != ffn_norm.weight.dtype:
+            return None
+        slot = self._cache_slot(attn, b, x.dtype)
+        if slot is None:
+            return None
+        layer, k_buf, v_buf, past = slot
+        if normed is None:
+            normed = mods["attn_norm"](x)
+        a, f = attn._modules, ffn._modules
+        weights = [_weight(a["q_proj"]), _weight(a["k_proj"]), _weight(a["v_proj"]), _weight(a["o_proj"]),
+                   _weight(a["kc_proj"]), _weight(a["vc_proj"]), _weight(f["w_n1"]), _weight(f["w_n3"]),
+                   _weight(f["w_w1"]), _weight(f["w_w3"]), _weight(f["w_n2"]), _weight(f["w_w2"])]
+        idx = attn.layer_idx
+        summary_sum = self.cache.summary_sums.get(idx) if self.summaries else None
+        srpe = a["srpe"]
+        out, y, new_sum, summary = decode_block.decode_block(
+            x, normed, weights, (ffn_norm.weight, ffn_norm.shift, ffn_norm.eps),
+            None if next_norm is None else (next_norm.weight, next_norm.shift, next_norm.eps),
+            ffn._parameters["beta"], attn._parameters["gate"], k_buf, v_buf, past, self.position_ids, attn.n_head,
+            theta=srpe.theta, spiral_divisor=srpe.spiral_divisor, radial_amplitude=srpe.radial_amplitude,
+            radial_frequency=srpe.radial_frequency, context=context if n_ctx else None, summary_sum=summary_sum)
+        layer.appended(past + 1)
+        if summary_sum is not None:
+            self.cache.summary_sums[idx] = new_sum
+            self._summary[idx] = summary
+        return out if next_norm is None else (out, y)
+
     def _fused_attention(self, attn, mods, qkv: Tensor, context: Tensor) -> Tensor | None:
         """``(B, H·d_h)``: :meth:`_attention` and the context part of :meth:`_gemv_attend` in one
         :func:`~wiola_kernels.decode_attention.decode_attention` call, which also appends the
         new key and value to this layer's cache; None (nothing done) where the layer's cache
         is not a :class:`GrowingKV` it can append to, or SRPE is not the model's own module."""
-        layers, idx = self.cache.layers, attn.layer_idx
-        layer = layers[idx] if idx < len(layers) else None
-        srpe = attn._modules["srpe"]
-        if type(layer) is not GrowingKV or type(srpe) is not SpiralRotaryEmbedding:
-            return None
         b, h, dh = qkv.shape[0], attn.n_head, attn.head_dim
-        buffers = layer.append_buffers(b, attn.n_kv_head, dh, qkv.dtype)
-        if buffers is None:
+        slot = self._cache_slot(attn, b, qkv.dtype)
+        if slot is None:
             return None
-        k_buf, v_buf, past = buffers
+        layer, k_buf, v_buf, past = slot
+        srpe = attn._modules["srpe"]
         context_k = context_v = gate = None
         n_ctx = context.shape[2]
         if n_ctx:  # the context slots through W_Kc and W_Vc as rows of one product (as in _gemv_attend)

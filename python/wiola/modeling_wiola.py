@@ -744,8 +744,12 @@ class WiolaModel(WiolaPreTrainedModel):
         step = None  # a cached decoding step: blocks run on the packed weights (decode.py)
         if decode.applies(self, b, t, past, cache, x.requires_grad) \
                 and decode.positions_ok(position_ids, cfg.srpe_spiral_divisor):
+            # the fused block may keep the causal summaries where WiolaCache.summary would take its
+            # one-step form (no padding now or before)
+            summaries = cfg.gcla_lookback > 0 and cfg.gcla_summary == "causal" and layout is None \
+                and cache.summary_counts is None
             step = decode.DecodeStep(self, position_ids, cache, layout.key_valid if layout is not None else None,
-                                     self.decode_weights())
+                                     self.decode_weights(), summaries)
 
         lookback = cfg.gcla_lookback
         summaries: list[Tensor] = []  # s⁽ˡ⁾, (B, S, d) each, oldest first
@@ -769,7 +773,9 @@ class WiolaModel(WiolaPreTrainedModel):
                 hidden_states.append(x)
             if lookback > 0 and i < len(self.layers) - 1:  # the last layer's summary is never read
                 if cache is not None and cfg.gcla_summary == "causal":
-                    summaries.append(cache.summary(i, x, past, layout.summary_valid if layout is not None else None))
+                    summary = step.summary_of(i) if step is not None else None
+                    summaries.append(summary if summary is not None else
+                                     cache.summary(i, x, past, layout.summary_valid if layout is not None else None))
                 else:
                     acc = compute_dtype(x.dtype)  # summed in float32 (float64 models: 64)
                     summaries.append(gcla_summary(x.to(acc), cfg.gcla_summary, lengths).to(x.dtype))
