@@ -186,3 +186,43 @@ def test_bad_inputs_name_the_argument():
         call(context_v=None, gate=None)
     with pytest.raises(ValueError, match="context_v must have shape"):
         call(context_v=ctx["context_v"][..., :-1])
+
+
+# ---- the whole block (wiola_kernels.decode_block) ---------------------------------------------------------
+# Its results are checked in the model (tests/test_model_decode.py: against the Python step and the
+# full forward); here, what it refuses.
+
+def test_block_bad_inputs_name_the_argument():
+    from wiola_kernels import decode_block as db
+
+    if not db.available():
+        pytest.skip("needs the C++ extension")
+    g = torch.Generator().manual_seed(0)
+    d, h, h_kv, dh, n, w = 16, 4, 2, 4, 8, 12
+    x = randn(g, 1, 1, d)
+    weights = [randn(g, *shape) for shape in [(h * dh, d), (h_kv * dh, d), (h_kv * dh, d), (d, h * dh),
+                                                (h * dh, d), (h * dh, d), (n, d), (n, d), (w, d), (w, d), (d, n), (d, w)]]
+    norm = (torch.ones(d), torch.zeros(d), 1e-6)
+    k_cache, v_cache = torch.zeros(1, h_kv, 8, dh), torch.zeros(1, h_kv, 8, dh)
+
+    def call(**over):
+        args = dict(x=x, normed=x, weights=weights, ffn_norm=norm, next_norm=norm, beta=torch.zeros(d),
+                    gate=torch.zeros(h))
+        args.update(over)
+        return db.decode_block(args["x"], args["normed"], args["weights"], args["ffn_norm"], args["next_norm"],
+                               args["beta"], args["gate"], k_cache, v_cache, 3, torch.tensor([3]), h, **SRPE)
+
+    out, y, s, summary = call()
+    assert out.shape == y.shape == (1, 1, d) and s is None and summary is None
+    with pytest.raises(ValueError, match="weights must be the 12 matrices"):
+        call(weights=weights[:-1])
+    with pytest.raises(ValueError, match="beta must be a CPU tensor of shape"):
+        call(beta=torch.zeros(d + 1))
+    with pytest.raises(ValueError, match="ffn_norm_weight must be"):
+        call(ffn_norm=(torch.ones(d - 1), None, 1e-6))
+    with pytest.raises(ValueError, match="x and normed must have shape"):
+        call(x=randn(g, 1, 2, d))
+    with pytest.raises(TypeError, match="share one dtype"):
+        call(normed=x.to(BF16))
+    with pytest.raises(TypeError, match="x must be a torch.Tensor"):
+        call(x=None)

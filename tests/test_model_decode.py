@@ -257,10 +257,11 @@ def test_decoding_steps_run_the_blocks_own_sequence(gemv, fuse, monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("next_norm", [True, False])
 @pytest.mark.parametrize("lookback", [0, 1, 2])
-def test_fused_block_equals_the_python_sequence_bit_for_bit(dtype, next_norm, lookback, monkeypatch):
-    # The C++ block runs the Python step's kernels in the same order with the same roundings:
-    # the same logits, bit for bit, with and without the next norm fused into the block (FSDP's
-    # sharded norms leave it to its owner), and the same running summaries in the cache.
+def test_fused_block_equals_the_python_sequence(dtype, next_norm, lookback, monkeypatch):
+    # The C++ block runs the Python step's GEMV and attention kernels and, between them, its own
+    # loops with the Python step's roundings: the same logits and running summaries to
+    # rounding, with and without the next norm fused into the block (FSDP's sharded norms leave
+    # it to its owner), with no context, one slot and two.
     from wiola import modeling_wiola
     from wiola_kernels import decode_block
 
@@ -277,9 +278,11 @@ def test_fused_block_equals_the_python_sequence_bit_for_bit(dtype, next_norm, lo
             for i in range(6, 10):
                 pieces.append(model(ids[:, i:i + 1], cache=cache, use_cache=True).logits)
         runs[fused] = torch.cat(pieces, 1), dict(cache.summary_sums)
-    assert torch.equal(runs[True][0], runs[False][0])
+    tol = tolerance(dtype, "attention")
+    assert_close_rel(runs[True][0], runs[False][0], tol, "logits")
     assert runs[True][1].keys() == runs[False][1].keys()
-    assert all(torch.equal(runs[True][1][k], runs[False][1][k]) for k in runs[True][1])
+    for k in runs[True][1]:
+        assert_close_rel(runs[True][1][k], runs[False][1][k], tol, f"summary sum {k}")
 
 
 @needs_gemv
