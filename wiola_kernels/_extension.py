@@ -34,6 +34,25 @@ def load_error() -> str | None:
     return _load()[1]
 
 
+def has_cpu_op(name: str) -> bool:
+    """Whether the extension loaded and registered ``torch.ops.wiola.<name>``."""
+    import torch
+
+    return load_error() is None and hasattr(torch.ops, "wiola") and hasattr(torch.ops.wiola, name)
+
+
+@functools.lru_cache(maxsize=None)
+def cpu_op(name: str, module: str):
+    """``torch.ops.wiola.<name>.default``, looked up once (a decoding step calls such ops
+    dozens of times per token, and the ``torch.ops`` lookup costs more than the checks around
+    them); RuntimeError naming ``module`` where the extension is not loaded."""
+    import torch
+
+    if not has_cpu_op(name):
+        raise RuntimeError(f"{module} needs the C++ extension (wiola_kernels._C), which is not loaded")
+    return getattr(torch.ops.wiola, name).default
+
+
 def has_cuda_kernels() -> bool:
     """True when the extension was compiled with its CUDA kernels."""
     module = _load()[0]

@@ -28,29 +28,19 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from . import _extension
+
 #: The dtypes the kernel reads (the decoding GEMV's).
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
-_op = None
-
 
 def _kernel():
-    # Looked up once: a decoding step calls it once per block.
-    global _op
-    if _op is None:
-        if not available():
-            raise RuntimeError("wiola_kernels.decode_attention needs the C++ extension (wiola_kernels._C), "
-                               "which is not loaded")
-        _op = torch.ops.wiola._decode_attention.default
-    return _op
+    return _extension.cpu_op("_decode_attention", "wiola_kernels.decode_attention")
 
 
 def available() -> bool:
     """Whether the C++ kernel is loaded (the extension was built and imported)."""
-    from . import _extension
-
-    return _extension.load_error() is None and hasattr(torch.ops, "wiola") \
-        and hasattr(torch.ops.wiola, "_decode_attention")
+    return _extension.has_cpu_op("_decode_attention")
 
 
 def applies(dtype: torch.dtype, device: torch.device | str) -> bool:

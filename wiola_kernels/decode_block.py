@@ -31,27 +31,19 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from . import _extension
+
 #: The order of :func:`decode_block`'s ``weights``.
 WEIGHTS = ("W_Q", "W_K", "W_V", "W_O", "W_Kc", "W_Vc", "W_n1", "W_n3", "W_w1", "W_w3", "W_n2", "W_w2")
 
-_op = None
-
 
 def _kernel():
-    global _op
-    if _op is None:
-        if not available():
-            raise RuntimeError("wiola_kernels.decode_block needs the C++ extension (wiola_kernels._C), "
-                               "which is not loaded")
-        _op = torch.ops.wiola._decode_block.default
-    return _op
+    return _extension.cpu_op("_decode_block", "wiola_kernels.decode_block")
 
 
 def available() -> bool:
     """Whether the C++ kernel is loaded (the extension was built and imported)."""
-    from . import _extension
-
-    return _extension.load_error() is None and hasattr(torch.ops, "wiola") and hasattr(torch.ops.wiola, "_decode_block")
+    return _extension.has_cpu_op("_decode_block")
 
 
 def decode_block(x: Tensor, normed: Tensor, weights: Sequence[Tensor], ffn_norm: tuple[Tensor, Tensor | None, float],

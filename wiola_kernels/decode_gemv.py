@@ -34,31 +34,21 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from . import _extension
+
 #: Most rows of ``x`` per call (the C++ kernel's ``kMaxRows``; a decoding step's ``B·T_new``).
 MAX_ROWS = 16
 #: The weight (and activation) dtypes the kernel reads.
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
-_op = None
-
 
 def _kernel():
-    # The op's overload, looked up once: a decoding step calls it ~80 times, and the
-    # torch.ops lookup costs more than the checks around it.
-    global _op
-    if _op is None:
-        if not available():
-            raise RuntimeError("wiola_kernels.decode_gemv needs the C++ extension (wiola_kernels._C), "
-                               "which is not loaded")
-        _op = torch.ops.wiola._decode_gemv.default
-    return _op
+    return _extension.cpu_op("_decode_gemv", "wiola_kernels.decode_gemv")
 
 
 def available() -> bool:
     """Whether the C++ kernel is loaded (the extension was built and imported)."""
-    from . import _extension
-
-    return _extension.load_error() is None and hasattr(torch.ops, "wiola") and hasattr(torch.ops.wiola, "_decode_gemv")
+    return _extension.has_cpu_op("_decode_gemv")
 
 
 def applies(dtype: torch.dtype, device: torch.device | str) -> bool:

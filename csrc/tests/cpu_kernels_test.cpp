@@ -321,6 +321,99 @@ std::pair<at::Tensor, at::Tensor> naive_gcla(const GclaInputs& in) {
   return {out, lse};
 }
 
+// Naive decoding attention of one new position per row (double): SRPE of q and k at pos,
+// softmax over the cached keys and the new one, head h reading group h mod H_kv, plus the
+// gated softmax over the context slots with the unrotated q. Returns (out (B, H·d_h), k̃ (B, H_kv, d_h)).
+std::pair<at::Tensor, at::Tensor> naive_decode_attention(const at::Tensor& qkv, const at::Tensor& kc,
+                                                         const at::Tensor& vc, int64_t past, const at::Tensor& pos,
+                                                         int64_t H, const std::vector<double>& af,
+                                                         const std::vector<double>& rf, double amp,
+                                                         const at::Tensor& ck, const at::Tensor& cv,
+                                                         const at::Tensor& gate) {
+  const int64_t B = qkv.size(0), Hkv = kc.size(1), dh = kc.size(3), T = past + 1;
+  const at::Tensor x = qkv.to(at::kDouble);
+  const at::Tensor q = x.narrow(1, 0, H * dh).view({B, H, 1, dh});
+  const at::Tensor k = x.narrow(1, H * dh, Hkv * dh).view({B, Hkv, 1, dh});
+  const at::Tensor v = x.narrow(1, (H + Hkv) * dh, Hkv * dh).view({B, Hkv, 1, dh});
+  const at::Tensor qr = naive_srpe(q, pos.view({B, 1}), af, rf, amp, false);
+  const at::Tensor kr = naive_srpe(k, pos.view({B, 1}), af, rf, amp, false);
+  const at::Tensor keys = at::cat({kc.narrow(2, 0, past).to(at::kDouble), kr}, 2);
+  const at::Tensor values = at::cat({vc.narrow(2, 0, past).to(at::kDouble), v}, 2);
+  at::Tensor out = at::zeros({B, H, dh}, at::kDouble);
+  const int64_t slots = cv.defined() ? cv.size(1) : 0;
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t h = 0; h < H; ++h) {
+      const int64_t g = h % Hkv;
+      std::vector<double> sc(T);
+      double m = -INFINITY, sum = 0;
+      for (int64_t j = 0; j < T; ++j) {
+        sc[j] = (qr[b][h][0] * keys[b][g][j]).sum().item<double>() / std::sqrt(double(dh));
+        m = std::max(m, sc[j]);
+      }
+      for (int64_t j = 0; j < T; ++j) sum += (sc[j] = std::exp(sc[j] - m));
+      for (int64_t j = 0; j < T; ++j) out[b][h] += values[b][g][j] * (sc[j] / sum);
+      if (slots == 0) continue;
+      std::vector<double> a(slots);
+      double ma = -INFINITY, sa = 0;
+      for (int64_t l = 0; l < slots; ++l) {
+        a[l] = (q[b][h][0] * ck[b][l].narrow(0, h * dh, dh).to(at::kDouble)).sum().item<double>() / std::sqrt(double(dh));
+        ma = std::max(ma, a[l]);
+      }
+      for (int64_t l = 0; l < slots; ++l) sa += (a[l] = std::exp(a[l] - ma));
+      const double sig = 1.0 / (1.0 + std::exp(-gate[h].item<double>()));
+      for (int64_t l = 0; l < slots; ++l) out[b][h] += cv[b][l].narrow(0, h * dh, dh).to(at::kDouble) * (sig * a[l] / sa);
+    }
+  }
+  return {out.view({B, H * dh}), kr.view({B, Hkv, dh})};
+}
+
+// The decoding attention through the dispatcher against the naive loop, at head sizes that are
+// and are not multiples of the vector widths, group sizes that take every register path, and
+// key counts around multiples of 8; under the sanitizer build any access past the cache rows,
+// the scratch or the output faults.
+void test_decode_attention() {
+  using Opt = std::optional<at::Tensor>;
+  auto attn = op("wiola::_decode_attention")
+                  .typed<at::Tensor(const at::Tensor&, at::Tensor&, at::Tensor&, int64_t, const at::Tensor&, int64_t,
+                                    double, double, double, double, const Opt&, const Opt&, const Opt&)>();
+  const double theta = 10000.0, k_s = 8.0, f_s = 0.01, amp = 0.1;
+  for (int64_t dh : {6, 24, 64}) {
+    std::vector<double> af(dh / 2), rf(dh / 2);
+    for (int64_t j = 0; j < dh / 2; ++j) {
+      const double omega = std::pow(theta, -2.0 * j / dh);
+      af[j] = omega * (1.0 + 1.0 / k_s);
+      rf[j] = omega * f_s;
+    }
+    for (auto [H, Hkv] : {std::pair<int64_t, int64_t>{7, 1}, {6, 2}, {8, 2}}) {
+      for (int64_t past : {0, 9, 40}) {
+        for (auto dtype : {at::kFloat, at::kBFloat16}) {
+          const int64_t B = 2, slots = 2;
+          const at::Tensor qkv = at::randn({B, (H + 2 * Hkv) * dh}).to(dtype);
+          at::Tensor kc = at::randn({B, Hkv, past + 1, dh}).to(dtype), vc = at::randn({B, Hkv, past + 1, dh}).to(dtype);
+          const at::Tensor kc0 = kc.clone(), vc0 = vc.clone();
+          const at::Tensor ck = at::randn({B, slots, H * dh}).to(dtype), cv = at::randn({B, slots, H * dh}).to(dtype);
+          const at::Tensor gate = at::randn({H}).to(dtype), pos = at::randint(past, past + 100, {B}, at::kLong);
+          const at::Tensor out = attn.call(qkv, kc, vc, past, pos, H, theta, k_s, amp, f_s, ck, cv, gate);
+          auto [ref, kr] = naive_decode_attention(qkv, kc0, vc0, past, pos, H, af, rf, amp, ck, cv, gate);
+          const double tol = dtype == at::kFloat ? 1e-4 : 1e-2;
+          const double e = rel_err(out, ref), ek = rel_err(kc.select(2, past), kr);
+          expect(e <= tol && ek <= tol && at::equal(kc.narrow(2, 0, past), kc0.narrow(2, 0, past)) &&
+                     at::equal(vc.select(2, past), qkv.narrow(1, (H + Hkv) * dh, Hkv * dh).view({B, Hkv, dh})),
+                 "decode_attention dh=" + std::to_string(dh) + " H=" + std::to_string(H) + "/" +
+                     std::to_string(Hkv) + " past=" + std::to_string(past) + " " + c10::toString(dtype) +
+                     " rel err " + std::to_string(e) + " key " + std::to_string(ek));
+        }
+      }
+    }
+  }
+  at::Tensor kc = at::zeros({1, 2, 4, 8}), vc = at::zeros({1, 2, 4, 8});
+  expect(throws_value_error([&] {
+           attn.call(at::zeros({1, 64}), kc, vc, 4, at::zeros({1}, at::kLong), 4, theta, k_s, amp, f_s, std::nullopt,
+                     std::nullopt, std::nullopt);
+         }),
+         "decode_attention rejects past = capacity with ValueError");
+}
+
 void test_gcla_attention() {
   using Fwd = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                                  const at::Tensor&, const at::Tensor&, const at::Tensor&,
@@ -579,6 +672,7 @@ int main() {
   test_rms_norm();
   test_srpe();
   test_gcla_attention();
+  test_decode_attention();
   test_atm();
   std::printf("%d passed, %d failed\n", passes, failures);
   return failures == 0 ? 0 : 1;
