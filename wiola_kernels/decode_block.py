@@ -5,10 +5,11 @@ dozen small operations between them per block — the attention over the cache, 
 adds with their norms, the DSFF activations and blend, the running causal summary. Each is a
 few microseconds of arithmetic; called from Python each cost ~10–30 µs of interpreter and
 dispatch time, about a millisecond per block of wiola-360m. :func:`decode_block` runs the
-block's whole sequence from C++ (``torch.ops.wiola._decode_block``,
-``csrc/cpu/decode_block.cpp``) through the same kernels, in the same order, with the same
-roundings as the model's Python decoding step (``wiola.decode.DecodeStep``), so the two agree
-bit for bit; only the interpreter time goes.
+block's whole sequence in one C++ call (``torch.ops.wiola._decode_block``,
+``csrc/cpu/decode_block.cpp``): the GEMVs and the attention through the dispatcher, and the
+work between them as loops over the rows with the roundings of the model's Python decoding
+step (``wiola.decode.DecodeStep``: each op's output rounded to the model's dtype, statistics
+in float32), so the two agree to rounding; only the interpreter and dispatch time goes.
 
 For ``x (B, 1, d)`` (one new position per row) and ``normed = WRMSNorm_ℓ(x)``:
 

@@ -22,10 +22,10 @@ Where each row adds one unpadded position to a :class:`GrowingKV` cache on the G
 the block's attention is one call (:func:`wiola_kernels.decode_attention.decode_attention`:
 SRPE, the cache append, the softmax over the cache and the context slots), and with the
 add-and-norm fusion on the whole block is one call
-(:func:`wiola_kernels.decode_block.decode_block`: the same kernels in the same order from
-C++, bit for bit the Python sequence's result, and the layer's running causal summary): at
-batch 1 the interpreter and dispatch time between ~30 small ops per block was a fifth of a
-bf16 step.
+(:func:`wiola_kernels.decode_block.decode_block`: the GEMVs and the attention from C++, the
+work between them as loops with the Python sequence's roundings, and the layer's running
+causal summary): at batch 1 the interpreter and dispatch time of ~30 small ops per block was a
+fifth of a bf16 step.
 
 The context sub-attention (SPEC §5.3) is taken unfolded here: the ``Λ'`` context slots go
 through ``W_Kc`` and ``W_Vc`` as rows of one product (``Λ' ≤ 2`` by default, so one read of
@@ -266,8 +266,8 @@ class DecodeStep:
         # cache and the context slots) where each row adds one unpadded position to a GrowingKV.
         self.fused_attention = self.gemv and key_valid is None and position_ids.shape[-1] == 1 \
             and decode_attention.applies(dtype, device) and not getattr(cache, "offloading", False)
-        # And the whole block in one call (wiola_kernels.decode_block: the same kernels, in the
-        # same order, without the interpreter between them) where no backend is forced.
+        # And the whole block in one call (wiola_kernels.decode_block: no interpreter or ATen
+        # dispatch between the GEMVs) where no backend is forced.
         self.fused_block = self.fused_attention and decode_block.available() and dispatch.forced_backend() is None
         # summaries: the caller lets the block op keep the running causal summaries (one step
         # of WiolaCache.summary: no padding); summary_of() hands each layer's to the caller.
