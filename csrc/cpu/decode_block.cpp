@@ -39,9 +39,9 @@ enum Weight : int { kQ, kK, kV, kO, kKc, kVc, kN1, kN3, kW1, kW3, kN2, kW2, kWei
 
 using Opt = std::optional<at::Tensor>;
 
-// Per-thread float scratch rows (slot k), reused across calls: no allocation per block.
+// Per-thread float scratch rows (slots 0–2), reused across calls: no allocation per block.
 std::vector<float>& scratch(int k, int64_t n) {
-  thread_local std::vector<float> rows[6];
+  thread_local std::vector<float> rows[3];
   if (static_cast<int64_t>(rows[k].size()) < n) rows[k].resize(n);
   return rows[k];
 }
