@@ -394,7 +394,7 @@ def test_bf16_greedy_tokens_over_32_steps():
     # (≈ 5 bf16 steps): a real difference in the decoding path flips a token, rounding does not.
     torch.manual_seed(0)
     model = WiolaForCausalLM(WiolaConfig.from_name("wiola-tiny", initializer_range=0.15)).to(torch.bfloat16).eval()
-    prompt = torch.randint(3, model.config.vocab_size, (1, 6), generator=torch.Generator().manual_seed(16))
+    prompt = torch.randint(3, model.config.vocab_size, (1, 6), generator=torch.Generator().manual_seed(26))
 
     def greedy():
         with torch.no_grad():

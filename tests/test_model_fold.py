@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from wiola import WiolaConfig
+from wiola import context_fold
 from wiola.context_fold import folded_context_attention
 from wiola.modeling_wiola import WiolaAttention
 from wiola_kernels.reference.gcla_attention import gcla_attention_forward, gcla_context_kv
@@ -45,6 +46,20 @@ def test_folded_forward_matches_the_unfolded_float64_formulas(slots, dtype):
     assert got.dtype == dtype and got.shape == (37, 4, 8)
     want = unfolded(*(a.to(F64) for a in args))
     assert rel_err(got, want) <= tolerance(dtype, "attention")
+
+
+@pytest.mark.parametrize("slots", [1, 3])
+def test_folded_inference_in_row_chunks_matches_the_unfolded_float64_formulas(slots):
+    # Without gradients the fold runs INFERENCE_ROWS positions at a time (a prompt's (N, H, d)
+    # intermediates stay small): N past two chunks and not a multiple of one, strided q.
+    n = 2 * context_fold.INFERENCE_ROWS + 5
+    q, context, w_kc, w_vc, gate = inputs(n, 4, 8, slots, torch.float32, seed=40 + slots)
+    q = torch.cat([q, q], -1)[..., ::2]  # a strided view, the same values
+    with torch.no_grad():
+        got = folded_context_attention(q, context, w_kc, w_vc, gate)
+    assert got.shape == (n, 4, 8) and torch.isfinite(got).all()
+    want = unfolded(*(a.to(F64) for a in (q, context, w_kc, w_vc, gate)))
+    assert rel_err(got, want) <= tolerance(torch.float32, "attention")
 
 
 @pytest.mark.parametrize("slots", [1, 2, 3])

@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 
 import wiola_kernels
 from wiola import WiolaConfig, WiolaForCausalLM
-from wiola.modeling_wiola import WiolaBlock, WiolaDSFF
+from wiola.modeling_wiola import StackedLinear, WiolaBlock, WiolaDSFF
 from wiola_kernels import WiolaRMSNorm
 from wiola_kernels.reference import dsff as dsff_reference
 from wiola_kernels.testing import rel_err, tolerance
@@ -183,6 +183,56 @@ def test_dsff_output_and_gradients_within_spec_tolerance(dtype):
     assert y.dtype == dtype and rel_err(y, want) <= tol
     for name, got, ref in zip(["x"] + DSFF_NAMES + ["beta"], grads, want_grads):
         assert got.dtype == dtype and rel_err(got, ref) <= tol, name
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode", "frozen"])
+def test_dsff_without_gradients_makes_no_weight_copy(dtype, mode, monkeypatch):
+    """No gradient wanted (a prompt's forward, evaluation, frozen weights and input): the
+    up projections write their column blocks of ``u`` and the blend scales the outputs —
+    no stacked or λ-scaled weight copy (StackedLinear is not called) — and the output is
+    §7's float64 reference within SPEC tolerance (strided input)."""
+    ffn = _dsff(dtype, d=8, n=8, w=12, seed=3)
+    ffn64 = copy.deepcopy(ffn).double()
+    x = torch.randn(3, 7, 8, generator=torch.Generator().manual_seed(4)).to(dtype)
+    want = dsff_reference(x.double()[:, 1:6], *_params(ffn64))
+
+    def refuse(*args):
+        raise AssertionError("StackedLinear ran without a gradient to compute")
+
+    monkeypatch.setattr(StackedLinear, "apply", refuse)
+    out = torch.full((3, 5, 8), float("nan"), dtype=dtype)
+    if mode == "frozen":
+        ffn.requires_grad_(False)
+        out.copy_(ffn(x[:, 1:6]))
+    else:
+        with torch.no_grad() if mode == "no_grad" else torch.inference_mode():
+            out.copy_(ffn(x[:, 1:6]))
+    assert out.dtype == dtype and rel_err(out, want) <= tolerance(dtype, "attention")
+
+
+def test_dsff_without_gradients_compiles_fullgraph():
+    # Under torch.compile the inference path concatenates the four up projections (Dynamo
+    # traces no out= into a view): one graph, §7's float64 reference within tolerance.
+    torch._dynamo.reset()
+    ffn = _dsff(torch.float32, seed=5)
+    x = torch.randn(2, 5, 8, generator=torch.Generator().manual_seed(6))
+    want = dsff_reference(x.double(), *_params(copy.deepcopy(ffn).double()))
+    with torch.no_grad():
+        got = torch.compile(ffn, fullgraph=True, backend="inductor")(x)
+    assert rel_err(got, want) <= tolerance(torch.float32, "attention")
+
+
+def test_dsff_with_gradients_still_runs_the_stacked_gemm(monkeypatch):
+    # The inference path is only for no gradient: with one wanted, the one stacked GEMM runs.
+    ffn = _dsff(torch.float32)
+    calls = []
+    apply = StackedLinear.apply
+    monkeypatch.setattr(StackedLinear, "apply", lambda *a: calls.append(1) or apply(*a))
+    ffn(torch.randn(2, 8))
+    with torch.no_grad():
+        ffn(torch.randn(2, 8))
+    assert len(calls) == 1
 
 
 def test_checkpoint_saved_before_the_fusion_loads_unchanged():
