@@ -99,7 +99,9 @@ def test_strided_inputs_and_weight_views():
 
 
 @pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize("xrows", [1, 3])  # one row: weight rows read as concurrent streams, grouped by the split
+# weight rows are read as concurrent streams, grouped by the split: 4 with 1–3 rows of x, 2 with
+# 4 rows of 16-bit weights, and 6 rows are a block of 4 and one of 2 against the same group
+@pytest.mark.parametrize("xrows", [1, 2, 3, 4, 6])
 def test_threads_do_not_change_the_result(isa, xrows):
     # Each output is one thread's sum in a fixed order: bitwise the same on 1 and 2 threads
     # (the split moves which weight rows are read side by side; 701 and 301 rows leave remainders).

@@ -157,7 +157,9 @@ __attribute__((target("avx2,fma,f16c"), always_inline)) inline void step_avx2(__
       acc[b][s][p] = _mm256_fmadd_ps(v[p], _mm256_loadu_ps(x + b * ldx + at + 8 * p), acc[b][s][p]);
 }
 
-// One weight row against B rows of x (prepared, ldx apart): y[b·ldy] = Σ_k x[b, k] w[k].
+// One weight row against B rows of x (prepared, ldx apart): y[b·ldy] = Σ_k x[b, k] w[k],
+// prefetched kPrefetchBytes ahead (two rows of bf16 x: 4.1–4.8 → 5.0–5.8 GB/s on one core of
+// the AVX-512 machine run at the AVX2 level).
 template <WType T, int B, typename O>
 __attribute__((target("avx2,fma,f16c"), always_inline)) inline void row_avx2(const Elem<T>* w, int64_t k,
                                                                             const float* x, int64_t ldx, O* y,
@@ -168,10 +170,14 @@ __attribute__((target("avx2,fma,f16c"), always_inline)) inline void row_avx2(con
   for (int b = 0; b < B; ++b)
     for (int s = 0; s < S; ++s)
       for (int p = 0; p < P; ++p) acc[b][s][p] = _mm256_setzero_ps();
+  constexpr int64_t kGroupBytes = S * C * int64_t(sizeof(Elem<T>));
   const int64_t full = k / C;
   int64_t c = 0;
-  for (; c + S <= full; c += S)
+  for (; c + S <= full; c += S) {
+    for (int64_t b = 0; b < kGroupBytes; b += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(w + c * C) + kPrefetchBytes + b, _MM_HINT_T0);
     for (int s = 0; s < S; ++s) step_avx2<T, B, S>(acc, w + (c + s) * C, x, ldx, (c + s) * C, s);
+  }
   for (; c < full; ++c) step_avx2<T, B, S>(acc, w + c * C, x, ldx, c * C, 0);
   if (const int64_t tail = k - full * C) {  // x is zero past k: pad the weights' tail with zeros too
     Elem<T> buf[C] = {};
@@ -303,33 +309,51 @@ WIOLA_TARGET_AVX512 __attribute__((always_inline)) inline void step_avx512(__m51
       acc[b][s][p] = _mm512_fmadd_ps(v[p], _mm512_loadu_ps(x + b * ldx + at + 16 * p), acc[b][s][p]);
 }
 
-template <WType T, int B, typename O>
-WIOLA_TARGET_AVX512 __attribute__((always_inline)) inline void row_avx512(const Elem<T>* w, int64_t k,
-                                                                         const float* x, int64_t ldx, O* y,
-                                                                         int64_t ldy) {
+// R weight rows (R = 1, 2 or 4, read as concurrent streams, each prefetched) against B rows of
+// x (prepared, ldx apart): y[r][b·ldy] = Σ_k x[b, k] w[r][k], one accumulator per (weight row,
+// x row, part) — the streams, not extra sets, keep the FMAs independent — so a row's sums do
+// not depend on the rows read beside it (which follow the thread split). A step's context
+// slots (2 rows of x against W_Kc and W_Vc, 8 % of wiola-360m's weights) read 6.3 → 10.1 GB/s
+// of bf16 on one Sapphire Rapids core and 9.9 → 16.5 on two, as fast as one row of x
+// (10.2 / 17.5), where one stream without prefetch left them at the rates before the arrows.
+template <WType T, int R, int B, typename O>
+WIOLA_TARGET_AVX512 __attribute__((always_inline)) inline void row_avx512(const Elem<T>* const (&w)[R], int64_t k,
+                                                                         const float* x, int64_t ldx,
+                                                                         O* const (&y)[R], int64_t ldy) {
   constexpr int64_t C = chunk_elems(Isa::kAvx512, T);
-  constexpr int P = parts(T), S = sets_for(B, P);
-  __m512 acc[B][S][P];
-  for (int b = 0; b < B; ++b)
-    for (int s = 0; s < S; ++s)
-      for (int p = 0; p < P; ++p) acc[b][s][p] = _mm512_setzero_ps();
+  constexpr int P = parts(T), S = 1;
+  constexpr int64_t kGroupBytes = S * C * int64_t(sizeof(Elem<T>));
+  __m512 acc[R][B][S][P];
+  for (int r = 0; r < R; ++r)
+    for (int b = 0; b < B; ++b)
+      for (int s = 0; s < S; ++s)
+        for (int p = 0; p < P; ++p) acc[r][b][s][p] = _mm512_setzero_ps();
   const int64_t full = k / C;
   int64_t c = 0;
-  for (; c + S <= full; c += S)
-    for (int s = 0; s < S; ++s) step_avx512<T, B, S>(acc, w + (c + s) * C, x, ldx, (c + s) * C, s);
-  for (; c < full; ++c) step_avx512<T, B, S>(acc, w + c * C, x, ldx, c * C, 0);
-  if (const int64_t tail = k - full * C) {
-    Elem<T> buf[C] = {};
-    std::memcpy(buf, w + full * C, tail * sizeof(Elem<T>));
-    step_avx512<T, B, S>(acc, buf, x, ldx, full * C, 0);
-  }
-  for (int b = 0; b < B; ++b) {
-    __m512 v = acc[b][0][0];
+  for (; c + S <= full; c += S) {
+    for (int r = 0; r < R; ++r)
+      for (int64_t b = 0; b < kGroupBytes; b += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(w[r] + c * C) + kPrefetchBytes + b, _MM_HINT_T0);
     for (int s = 0; s < S; ++s)
-      for (int p = 0; p < P; ++p)
-        if (s || p) v = _mm512_add_ps(v, acc[b][s][p]);
-    store(y + b * ldy, _mm512_reduce_add_ps(v));
+      for (int r = 0; r < R; ++r) step_avx512<T, B, S>(acc[r], w[r] + (c + s) * C, x, ldx, (c + s) * C, s);
   }
+  for (; c < full; ++c)
+    for (int r = 0; r < R; ++r) step_avx512<T, B, S>(acc[r], w[r] + c * C, x, ldx, c * C, 0);
+  if (const int64_t tail = k - full * C) {
+    for (int r = 0; r < R; ++r) {
+      Elem<T> buf[C] = {};
+      std::memcpy(buf, w[r] + full * C, tail * sizeof(Elem<T>));
+      step_avx512<T, B, S>(acc[r], buf, x, ldx, full * C, 0);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int b = 0; b < B; ++b) {
+      __m512 v = acc[r][b][0][0];
+      for (int s = 0; s < S; ++s)
+        for (int p = 0; p < P; ++p)
+          if (s || p) v = _mm512_add_ps(v, acc[r][b][s][p]);
+      store(y[r] + b * ldy, _mm512_reduce_add_ps(v));
+    }
 }
 
 // Accumulate one chunk of weight row r (at wp; x's chunk at offset `at`) into its set s.
@@ -384,12 +408,44 @@ WIOLA_TARGET_AVX512 __attribute__((always_inline)) inline void streams_avx512(co
   }
 }
 
+// Several rows of x: the group of R weight rows j, j + q, … (R = 1 with q = 0: row j alone)
+// against every block of ≤ kRowBlock rows of x in turn; the later blocks re-read the group
+// from L1/L2.
+template <WType T, int R, typename O>
+WIOLA_TARGET_AVX512 __attribute__((always_inline)) inline void group_avx512(const Elem<T>* w, int64_t ldw,
+                                                                           int64_t j, int64_t q, int64_t k,
+                                                                           const float* x, int64_t ldx,
+                                                                           int64_t xrows, O* y, int64_t ldy) {
+  const Elem<T>* rows[R];
+  for (int r = 0; r < R; ++r) rows[r] = w + (j + r * q) * ldw;
+  for (int64_t b0 = 0; b0 < xrows; b0 += kRowBlock) {
+    O* out[R];
+    for (int r = 0; r < R; ++r) out[r] = y + b0 * ldy + j + r * q;
+    const float* xb = x + b0 * ldx;
+    switch (std::min(kRowBlock, xrows - b0)) {
+      case 1: row_avx512<T, R, 1, O>(rows, k, xb, ldx, out, ldy); break;
+      case 2: row_avx512<T, R, 2, O>(rows, k, xb, ldx, out, ldy); break;
+      case 3: row_avx512<T, R, 3, O>(rows, k, xb, ldx, out, ldy); break;
+      default: row_avx512<T, R, 4, O>(rows, k, xb, ldx, out, ldy); break;
+    }
+  }
+}
+
+// All nrows weight rows in groups of R streams (q = nrows / R; the last nrows mod R alone).
+template <WType T, int R, typename O>
+WIOLA_TARGET_AVX512 void groups_avx512(const Elem<T>* w, int64_t ldw, int64_t k, int64_t nrows, const float* x,
+                                       int64_t ldx, int64_t xrows, O* y, int64_t ldy) {
+  const int64_t q = nrows / R;
+  for (int64_t j = 0; j < q; ++j) group_avx512<T, R, O>(w, ldw, j, q, k, x, ldx, xrows, y, ldy);
+  for (int64_t j = R * q; j < nrows; ++j) group_avx512<T, 1, O>(w, ldw, j, 0, k, x, ldx, xrows, y, ldy);
+}
+
 // The rows of one thread's range. One row of x (a decoding step): the range's four quarters
 // are read side by side, rows j, j + q, j + 2q and j + 3q together (q = nrows / 4; the last
 // nrows mod 4 rows alone), each stream prefetched: on a Sapphire Rapids core this reads
 // 12.4 GB/s of float32 (bf16 12.2) where one stream without prefetch read 8.1 (7.2) and
 // torch.sum over the same bytes ~10; two threads 23 against 14–16 (docs/performance.md).
-// More rows of x: each weight row once, against blocks of kRowBlock rows of x.
+// More rows of x: groups_avx512, each weight row read once.
 template <WType T, typename O>
 WIOLA_TARGET_AVX512 void rows_avx512(const Elem<T>* w, int64_t ldw, int64_t k, int64_t nrows, const float* x,
                                      int64_t ldx, int64_t xrows, O* y, int64_t ldy) {
@@ -412,18 +468,10 @@ WIOLA_TARGET_AVX512 void rows_avx512(const Elem<T>* w, int64_t ldw, int64_t k, i
     }
     return;
   }
-  for (int64_t j = 0; j < nrows; ++j) {
-    const Elem<T>* wj = w + j * ldw;
-    for (int64_t b0 = 0; b0 < xrows; b0 += kRowBlock) {
-      const float* xb = x + b0 * ldx;
-      O* yb = y + b0 * ldy + j;
-      switch (std::min(kRowBlock, xrows - b0)) {
-        case 1: row_avx512<T, 1>(wj, k, xb, ldx, yb, ldy); break;
-        case 2: row_avx512<T, 2>(wj, k, xb, ldx, yb, ldy); break;
-        case 3: row_avx512<T, 3>(wj, k, xb, ldx, yb, ldy); break;
-        default: row_avx512<T, 4>(wj, k, xb, ldx, yb, ldy); break;
-      }
-    }
+  if (4 * std::min(kRowBlock, xrows) * parts(T) <= 24) {
+    groups_avx512<T, 4, O>(w, ldw, k, nrows, x, ldx, xrows, y, ldy);
+  } else {
+    groups_avx512<T, 2, O>(w, ldw, k, nrows, x, ldx, xrows, y, ldy);
   }
 }
 
