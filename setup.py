@@ -149,6 +149,7 @@ def _metadata() -> dict:
             "triton": ["triton>=3.6"],
             "model": ["transformers>=5.17", "tokenizers", "safetensors"],  # transformers 5 APIs; 5.17 and newer tested
             "plot": ["matplotlib"],  # python -m wiola_kernels bench --plot
+            "llama-cpp": ["gguf"],  # python -m wiola bench --decode --llama-cpp (writes the GGUF file)
             "test": ["pytest", "pytest-benchmark", "hypothesis", "matplotlib", "triton>=3.6"],
         },
         entry_points={"console_scripts": ["wiola-kernels=wiola_kernels.__main__:main"]},

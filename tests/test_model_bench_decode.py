@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 import json
+import os
+import sys
+import textwrap
 
+import numpy as np
+import pytest
 import torch
 
 import wiola_kernels
@@ -59,7 +64,158 @@ def test_bench_decode_writes_the_records(tmp_path, capsys):
     assert r["weight_bytes"] == weight_bytes(WiolaForCausalLM(WiolaConfig.from_name("wiola-tiny")).bfloat16())
     assert r["isa"] == (wiola_kernels.kernel_isa("decode_gemv") if decode_gemv.available() else "none")
     assert r["rss_growth_mb"] >= 0
+    assert r["llama_cpp_tokens_per_s"] is None and r["per_param_vs_llama_cpp"] is None  # no --llama-cpp
     assert abs(r["floor_tokens_per_s"] - r["bandwidth_bytes_per_s"] / r["weight_bytes"]) <= 1e-9 * r["floor_tokens_per_s"]
     assert abs(r["pct_of_floor"] - 100 * r["tokens_per_s"] / r["floor_tokens_per_s"]) <= 1e-9 * r["pct_of_floor"]
     assert r["step_s"] > 0 and r["gemv_s"] > 0  # --breakdown
     assert "of the floor" in capsys.readouterr().out
+
+
+# llama.cpp (wiola/llama_cpp.py): the GGUF file read back with gguf's own reader, llama-bench faked.
+
+GGUF_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
+
+
+def _gguf_array(tensor) -> np.ndarray:
+    """A GGUF tensor's values as float32, in Hugging Face's (rows, columns) order; BF16 widened by hand
+    (the reader hands its raw bytes), not through the gguf package that wrote it."""
+    data = np.asarray(tensor.data)
+    if tensor.tensor_type.name == "BF16":
+        return (data.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+    return data.astype(np.float32)
+
+
+def _rotary_order(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """llama.cpp's row order of a Q or K projection: within each head, row 2j + s is Hugging Face's
+    row s·d_h/2 + j (the pair rotate_half rotates together becomes adjacent)."""
+    d_h = w.shape[0] // n_head
+    rows = [h * d_h + s * (d_h // 2) + j for h in range(n_head) for j in range(d_h // 2) for s in range(2)]
+    return w[rows]
+
+
+@pytest.mark.parametrize("dtype", list(GGUF_DTYPES), ids=lambda d: str(d).removeprefix("torch."))
+def test_gguf_file_is_the_llama_twin(tmp_path, dtype):
+    gguf = pytest.importorskip("gguf")
+    from wiola.llama_cpp import write_gguf
+
+    config = WiolaConfig.from_name("wiola-tiny", vocab_size=262)  # three filler tokens after the 259 required
+    llama = llama_like(config)
+    write_gguf(llama, tmp_path / "twin.gguf", dtype)
+    reader = gguf.GGUFReader(tmp_path / "twin.gguf")
+    field = {name: f.contents() for name, f in reader.fields.items()}
+    assert field["general.architecture"] == "llama"
+    assert field["general.file_type"] == {torch.float32: 0, torch.float16: 1, torch.bfloat16: 32}[dtype]
+    assert {k: field[f"llama.{k}"] for k in ("context_length", "embedding_length", "block_count", "feed_forward_length",
+                                             "attention.head_count", "attention.head_count_kv", "attention.key_length",
+                                             "attention.value_length", "rope.dimension_count")} == {
+        "context_length": 1024, "embedding_length": 128, "block_count": 6, "feed_forward_length": 640,
+        "attention.head_count": 4, "attention.head_count_kv": 2, "attention.key_length": 32,
+        "attention.value_length": 32, "rope.dimension_count": 32}
+    assert field["llama.rope.freq_base"] == 10000.0
+    assert field["llama.attention.layer_norm_rms_epsilon"] == pytest.approx(1e-6, rel=1e-6)  # stored as f32
+    tokens = field["tokenizer.ggml.tokens"]
+    assert field["tokenizer.ggml.model"] == "llama" and len(tokens) == 262
+    assert tokens[:4] == ["<unk>", "<s>", "</s>", "<0x00>"] and tokens[258:] == ["<0xFF>", "▁tok0", "▁tok1", "▁tok2"]
+    assert field["tokenizer.ggml.scores"][-3:] == [0.0, -1.0, -2.0]
+    assert field["tokenizer.ggml.token_type"] == [2, 3, 3] + [6] * 256 + [1] * 3  # unknown, control, byte, normal
+    assert (field["tokenizer.ggml.bos_token_id"], field["tokenizer.ggml.eos_token_id"],
+            field["tokenizer.ggml.unknown_token_id"]) == (1, 2, 0)
+
+    sd = llama.state_dict()
+    blocks = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+              "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+              "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
+    want = {"token_embd.weight": sd["model.embed_tokens.weight"], "output_norm.weight": sd["model.norm.weight"]}
+    for i in range(6):
+        for name, hf in blocks.items():
+            want[f"blk.{i}.{name}.weight"] = sd[f"model.layers.{i}.{hf}.weight"]
+        want[f"blk.{i}.attn_q.weight"] = _rotary_order(want[f"blk.{i}.attn_q.weight"], 4)
+        want[f"blk.{i}.attn_k.weight"] = _rotary_order(want[f"blk.{i}.attn_k.weight"], 2)
+    got = {t.name: t for t in reader.tensors}
+    assert sorted(got) == sorted(want)  # no output.weight: llama.cpp reads token_embd as the tied head
+    for name, w in want.items():
+        t = got[name]
+        assert t.tensor_type.name == ("F32" if w.ndim == 1 else GGUF_DTYPES[dtype]), name
+        assert list(t.shape) == list(reversed(w.shape)), name  # ggml lists the fastest dimension first
+        # exactly torch's rounding to the dtype (both round to nearest even); norms stay float32
+        expect = w if w.ndim == 1 else w.to(dtype).float()
+        assert np.array_equal(_gguf_array(t), expect.numpy()), name
+
+
+def test_gguf_needs_a_sentencepiece_sized_vocabulary(tmp_path):
+    pytest.importorskip("gguf")
+    from wiola.llama_cpp import write_gguf
+
+    llama = llama_like(WiolaConfig.from_name("wiola-tiny", vocab_size=258))
+    with pytest.raises(ValueError, match="at least 259"):
+        write_gguf(llama, tmp_path / "small.gguf", torch.float32)
+    with pytest.raises(ValueError, match="float32, float16 or bfloat16"):
+        write_gguf(llama_like(WiolaConfig.from_name("wiola-tiny")), tmp_path / "f64.gguf", torch.float64)
+
+
+FAKE_RECORD = {"build_commit": "fake123", "model_n_params": 1000, "model_size": 4000, "type_k": "f16",
+               "n_prompt": 0, "n_gen": 3, "avg_ts": 50.0, "samples_ts": [50.0]}
+
+
+def _fake_llama_bench(tmp_path, body: str) -> str:
+    """An executable ``llama-bench`` that records its arguments (and whether ``-m`` is a GGUF file)
+    in ``argv.json`` beside it, then runs ``body`` (Python)."""
+    script = tmp_path / "fake_llama_bench.py"
+    script.write_text(textwrap.dedent(f"""\
+        import json, os, sys
+        args = sys.argv[1:]
+        model = args[args.index("-m") + 1] if "-m" in args else None
+        magic = open(model, "rb").read(4).decode() if model and os.path.exists(model) else None
+        with open({str(tmp_path / "argv.json")!r}, "w") as f:
+            json.dump({{"argv": args, "magic": magic}}, f)
+        """) + textwrap.dedent(body))
+    binary = tmp_path / "llama-bench"
+    binary.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{script}" "$@"\n')
+    binary.chmod(0o755)
+    return str(binary)
+
+
+def test_run_llama_bench_passes_the_decode_test_and_reads_its_json(tmp_path):
+    from wiola.llama_cpp import run_llama_bench
+
+    fake = _fake_llama_bench(tmp_path, f"print(json.dumps([{FAKE_RECORD!r}]))")
+    got = run_llama_bench(fake, tmp_path / "m.gguf", threads=2, prompt=4, new_tokens=3, repeats=5)
+    argv = json.loads((tmp_path / "argv.json").read_text())["argv"]
+    assert argv == ["-m", str(tmp_path / "m.gguf"), "-t", "2", "-p", "0", "-n", "3", "-d", "4", "-r", "5", "-o", "json"]
+    assert got == {"tokens_per_s": 50.0, "samples_ts": [50.0], "model_n_params": 1000, "model_size": 4000,
+                   "build_commit": "fake123", "type_k": "f16"}
+
+
+def test_run_llama_bench_refuses_what_it_cannot_use(tmp_path):
+    from wiola.llama_cpp import run_llama_bench
+
+    with pytest.raises(ValueError, match="--llama-cpp"):
+        run_llama_bench(str(tmp_path / "missing"), "m.gguf", 1, 4, 3)
+    (tmp_path / "plain").write_text("not executable")
+    with pytest.raises(ValueError, match="--llama-cpp"):
+        run_llama_bench(str(tmp_path / "plain"), "m.gguf", 1, 4, 3)
+    failing = _fake_llama_bench(tmp_path, 'sys.stderr.write("loading\\nerror: failed to load model\\n"); sys.exit(1)')
+    with pytest.raises(RuntimeError, match="(?s)status 1.*failed to load model"):
+        run_llama_bench(failing, "m.gguf", 1, 4, 3)
+    for output in ('print("| model | size |")', 'print(json.dumps([{"avg_ts": 1.0}]))', 'print("[]")'):
+        with pytest.raises(RuntimeError, match="llama-bench"):
+            run_llama_bench(_fake_llama_bench(tmp_path, output), "m.gguf", 1, 4, 3)
+
+
+def test_bench_decode_times_llama_cpp_on_the_gguf_file(tmp_path, capsys):
+    pytest.importorskip("gguf")
+    fake = _fake_llama_bench(tmp_path, f"print(json.dumps([{FAKE_RECORD!r}]))")
+    out = tmp_path / "decode.json"
+    records = bench_main(["--decode", "--preset", "wiola-tiny", "--llama-cpp", fake, "--new-tokens", "3", "--prompt", "4",
+                          "--repeats", "1", "--threads", "1", "--no-llama", "--json", str(out)])
+    r = json.loads(out.read_text())[0]
+    assert r == json.loads(json.dumps(records[0]))
+    assert (r["llama_cpp_tokens_per_s"], r["llama_cpp_params"], r["llama_cpp_build"]) == (50.0, 1000, "fake123")
+    assert r["runs"]["llama.cpp"] == [50.0] and r["llama_tokens_per_s"] is None  # --no-llama skips only the HF Llama
+    assert r["per_param_vs_llama_cpp"] == pytest.approx(r["tokens_per_s"] * r["params"] / (50.0 * 1000), rel=1e-12)
+    seen = json.loads((tmp_path / "argv.json").read_text())
+    argv = seen["argv"]
+    assert seen["magic"] == "GGUF" and argv[argv.index("-t") + 1] == "1"
+    assert argv[argv.index("-n") + 1] == "3" and argv[argv.index("-d") + 1] == "4"
+    assert not os.path.exists(argv[argv.index("-m") + 1])  # the temporary directory is gone
+    assert "llama.cpp (0.0M, build fake123" in capsys.readouterr().out

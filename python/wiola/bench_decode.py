@@ -1,8 +1,9 @@
 """``python -m wiola bench --decode``: batch-1 greedy decoding on the CPU, against the
-weight-streaming floor and a Hugging Face Llama of the same shape.
+weight-streaming floor, a Hugging Face Llama of the same shape and, optionally, llama.cpp.
 
     python -m wiola bench --decode                       # wiola-360m, 128-token prompt, 64 new tokens, fp32
     python -m wiola bench --decode --dtype bfloat16 --threads 2
+    python -m wiola bench --decode --dtype bfloat16 --threads 2 --llama-cpp /path/to/llama-bench
     python -m wiola bench --decode --preset wiola-120m --repeats 3 --json decode.json
 
 * Tokens/s: ``generate(do_sample=False)`` of ``--new-tokens`` after a random
@@ -28,22 +29,40 @@ weight-streaming floor and a Hugging Face Llama of the same shape.
 * Llama: ``LlamaForCausalLM`` with Wiola's width, depth, heads, vocabulary and an MLP of
   ``n + w`` (DSFF's two streams), tied embeddings, SDPA attention, in the same dtype.
   Per-parameter parity means ``tokens/s × parameters`` at least the Llama's.
+* ``--llama-cpp BIN``: llama.cpp's ``llama-bench`` (a build of the machine's own, e.g.
+  ``llama.cpp/build/bin/llama-bench``) on the same Llama — the same random weights (seed 0),
+  written as a GGUF file in the run's dtype (F32, F16 or BF16 matrices, F32 norms, as
+  llama.cpp's converter writes them; :mod:`wiola.llama_cpp`) into ``--gguf-dir`` or a
+  temporary directory. Once per round, beside our runs, it decodes ``--new-tokens`` after a
+  context of ``--prompt`` tokens (``-d``; its warm-up and the context's fill are not timed),
+  with the same thread count in its own thread pool, timed by its wall clock whatever
+  ``--clock`` says. llama.cpp keeps its KV cache in F16 by default, whatever the weights.
 
 JSON records: ``preset, dtype, threads, isa, tokens_per_s, floor_tokens_per_s, pct_of_floor,
 llama_tokens_per_s, rss_growth_mb, weight_mb, kv_cache_mb`` (MiB), the parameter counts, the
-bandwidth and the runs. ``isa`` is the level the decoding GEMV ran at
+bandwidth and the runs; with ``--llama-cpp``, ``llama_cpp_tokens_per_s, llama_cpp_params``
+(llama-bench's count), ``per_param_vs_llama_cpp`` and ``llama_cpp_build`` (its commit),
+otherwise None. ``isa`` is the level the decoding GEMV ran at
 (:func:`wiola_kernels.kernel_isa`), or ``"none"`` where decoding does not use it.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import importlib.util
 import json
+import os
 import statistics
+import tempfile
 import threading
 import time
 
 import torch
+
+from wiola_kernels.cli import CommandError
+
+from .llama_cpp import find_llama_bench, run_llama_bench, write_gguf
 
 
 def measure_bandwidth(mib: int = 512, repeats: int = 5, clock=time.perf_counter) -> dict:
@@ -255,6 +274,23 @@ def gemv_isa(model) -> str:
     return wiola_kernels.kernel_isa("decode_gemv") or "none"
 
 
+def _llama_gguf(llama, config, dtype: torch.dtype, a: argparse.Namespace, stack: contextlib.ExitStack) -> str:
+    """The GGUF file llama.cpp decodes: ``llama`` (the Hugging Face row's model), or, without
+    that row, the same model built again from seed 0, written in ``dtype`` into ``a.gguf_dir``
+    or a temporary directory ``stack`` removes."""
+    if llama is None:
+        torch.manual_seed(0)
+        llama = llama_like(config)  # float32: write_gguf rounds it to dtype as .to(dtype) would
+    if a.gguf_dir:
+        os.makedirs(a.gguf_dir, exist_ok=True)
+        folder = a.gguf_dir
+    else:
+        folder = stack.enter_context(tempfile.TemporaryDirectory(prefix="wiola-bench-"))
+    path = os.path.join(folder, f"llama-like-{a.preset}-{a.dtype}.gguf")
+    write_gguf(llama, path, dtype)
+    return path
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     """Command line: print and optionally write the decoding benchmark."""
     p = argparse.ArgumentParser(prog="python -m wiola bench --decode", description=__doc__.split("\n\n")[0])
@@ -265,7 +301,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3, help="alternating runs of each model (median reported)")
     p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
-    p.add_argument("--no-llama", action="store_true", help="skip the Llama comparison")
+    p.add_argument("--no-llama", action="store_true", help="skip the Hugging Face Llama comparison")
+    p.add_argument("--llama-cpp", default=None, metavar="BIN",
+                   help="also time llama.cpp: the path to its llama-bench (the same Llama, as a GGUF file)")
+    p.add_argument("--gguf-dir", default=None, metavar="DIR",
+                   help="where --llama-cpp writes the GGUF file (default: a temporary directory, removed afterwards)")
     p.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
                    help="wall time, or this process's CPU time (with --threads 1 on a machine other jobs load)")
     p.add_argument("--breakdown", action="store_true",
@@ -274,6 +314,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
     a = p.parse_args(argv)
     if a.new_tokens < 2 or a.prompt < 1 or a.repeats < 1:
         raise SystemExit("--new-tokens must be ≥ 2, --prompt and --repeats ≥ 1")
+    if a.llama_cpp:  # before the models are built: a mistake here should not cost a run
+        find_llama_bench(a.llama_cpp)
+        if importlib.util.find_spec("gguf") is None:
+            raise CommandError("--llama-cpp writes its model with the gguf package, which is not installed: "
+                               "pip install gguf (it is in requirements.txt)")
     if a.threads:
         torch.set_num_threads(a.threads)
     from .configuration_wiola import WiolaConfig
@@ -299,11 +344,18 @@ def main(argv: list[str] | None = None) -> list[dict]:
     rates: dict[str, list[float]] = {k: [] for k in models}
     for name, model in models.items():  # warm-up (allocator, one-time kernel selection)
         decode_rate(model, prompt[:, :8], 2)
-    rounds = []
-    for _ in range(a.repeats):
-        rounds.append(measure_bandwidth(repeats=2, clock=CLOCKS[a.clock]))
-        for name, model in models.items():
-            rates[name].append(decode_rate(model, prompt, a.new_tokens, a.clock)[0])
+    rounds, llama_cpp = [], None
+    with contextlib.ExitStack() as stack:
+        if a.llama_cpp:
+            gguf_path = _llama_gguf(models.get("llama"), config, dtype, a, stack)
+            rates["llama.cpp"] = []
+        for _ in range(a.repeats):
+            rounds.append(measure_bandwidth(repeats=2, clock=CLOCKS[a.clock]))
+            for name, model in models.items():
+                rates[name].append(decode_rate(model, prompt, a.new_tokens, a.clock)[0])
+            if a.llama_cpp:
+                llama_cpp = run_llama_bench(a.llama_cpp, gguf_path, torch.get_num_threads(), a.prompt, a.new_tokens)
+                rates["llama.cpp"].append(llama_cpp["tokens_per_s"])
     bw = {k: statistics.median(r[k] for r in rounds) for k in rounds[0]}
     bandwidth = statistics.median(max(r["read_bytes_per_s"], r["copy_bytes_per_s"]) for r in rounds)
     floor = bandwidth / wiola_bytes
@@ -314,7 +366,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                   llama_tokens_per_s=statistics.median(rates["llama"]) if "llama" in rates else None,
                   params=params["wiola"], llama_params=params.get("llama"), weight_bytes=wiola_bytes,
                   weight_mb=wiola_bytes / mib, kv_cache_mb=kv_bytes / mib, rss_growth_mb=rss.growth / mib,
-                  rss_before_mb=rss.before / mib, bandwidth_bytes_per_s=bandwidth, clock=a.clock, runs=rates)
+                  rss_before_mb=rss.before / mib, bandwidth_bytes_per_s=bandwidth, clock=a.clock, runs=rates,
+                  llama_cpp_tokens_per_s=None, llama_cpp_params=None, per_param_vs_llama_cpp=None, llama_cpp_build=None)
     per_round = [round(max(r["read_bytes_per_s"], r["copy_bytes_per_s"]) / 1e9, 1) for r in rounds]
     print(f"  bandwidth (median of rounds {per_round} GB/s): read {bw['read_bytes_per_s'] / 1e9:.2f} GB/s, copy "
           f"{bw['copy_bytes_per_s'] / 1e9:.2f} GB/s (read + write); floor = {bandwidth / 1e9:.2f} GB/s / "
@@ -329,6 +382,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
         record["per_param_vs_llama"] = parity
         print(f"  llama ({params['llama'] / 1e6:.1f}M): {llama:.2f} tok/s; wiola tok/s x params / llama's = "
               f"{parity:.2f} (target >= 1.0) runs {[round(r, 2) for r in rates['llama']]}")
+    if llama_cpp is not None:
+        cpp, cpp_params = statistics.median(rates["llama.cpp"]), llama_cpp["model_n_params"]
+        parity = tps * params["wiola"] / (cpp * cpp_params)
+        record.update(llama_cpp_tokens_per_s=cpp, llama_cpp_params=cpp_params, per_param_vs_llama_cpp=parity,
+                      llama_cpp_build=llama_cpp["build_commit"])
+        print(f"  llama.cpp ({cpp_params / 1e6:.1f}M, build {llama_cpp['build_commit']}, KV cache "
+              f"{llama_cpp['type_k']}): {cpp:.2f} tok/s; wiola tok/s x params / llama.cpp's = {parity:.2f} "
+              f"(target >= 1.0) runs {[round(r, 2) for r in rates['llama.cpp']]}")
     if a.breakdown:
         step, gemv = step_breakdown(models["wiola"], prompt, clock=a.clock)
         record.update(step_s=step, gemv_s=gemv)
