@@ -71,6 +71,42 @@ def test_bench_decode_writes_the_records(tmp_path, capsys):
     assert "of the floor" in capsys.readouterr().out
 
 
+def test_bench_decode_alternates_several_dtypes(tmp_path, monkeypatch, capsys):
+    # --dtype float32,bfloat16: both dtypes' models in every round, one record each; the second
+    # is reported against the first as the median of the rounds' own ratios (a fake decode_rate
+    # gives each run a known rate, so the median is of pairs, not a ratio of medians).
+    from wiola import bench_decode
+
+    rates = iter([10.0, 20.0, 12.0, 30.0, 8.0, 10.0])  # rounds: (fp32, bf16) × 3 → ratios 2, 2.5, 1.25
+    calls = []
+
+    def fake_rate(model, prompt, new_tokens, clock="wall"):
+        if prompt.shape[1] == 4 and new_tokens == 3 and len(calls) >= 2 * 2:  # after the first generates and warm-ups
+            calls.append(model.dtype)
+            return next(rates), None
+        calls.append(None)
+        return 1.0, None
+
+    monkeypatch.setattr(bench_decode, "decode_rate", fake_rate)
+    records = bench_main(["--decode", "--preset", "wiola-tiny", "--prompt", "4", "--new-tokens", "3", "--dtype",
+                          "float32,bfloat16", "--repeats", "3", "--threads", "1", "--no-llama"])
+    assert [r["dtype"] for r in records] == ["float32", "bfloat16"]
+    assert [c for c in calls if c is not None] == [torch.float32, torch.bfloat16] * 3  # alternating, round by round
+    fp32, bf16 = records
+    assert fp32["runs"]["wiola"] == [10.0, 12.0, 8.0] and bf16["runs"]["wiola"] == [20.0, 30.0, 10.0]
+    assert fp32["vs_dtype"] is None and fp32["tokens_per_s_ratio"] is None
+    assert bf16["vs_dtype"] == "float32" and bf16["tokens_per_s_ratio"] == 2.0  # median of 2, 2.5, 1.25
+    assert bf16["weight_bytes"] * 2 == fp32["weight_bytes"] and bf16["bandwidth_bytes_per_s"] == fp32["bandwidth_bytes_per_s"]
+    assert "bfloat16: tok/s / float32's" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("bad", ["float64", "float32,float32", "float32,", ""])
+def test_bench_decode_refuses_a_bad_dtype_list(bad, capsys):
+    with pytest.raises(SystemExit):
+        bench_main(["--decode", "--preset", "wiola-tiny", "--dtype", bad])
+    assert "--dtype" in capsys.readouterr().err
+
+
 # llama.cpp (wiola/llama_cpp.py): the GGUF file read back with gguf's own reader, llama-bench faked.
 
 GGUF_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}

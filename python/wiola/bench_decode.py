@@ -4,6 +4,7 @@ weight-streaming floor, a Hugging Face Llama of the same shape and, optionally, 
     python -m wiola bench --decode                       # wiola-360m, 128-token prompt, 64 new tokens, fp32
     python -m wiola bench --decode --dtype bfloat16 --threads 2
     python -m wiola bench --decode --dtype bfloat16 --threads 2 --llama-cpp /path/to/llama-bench
+    python -m wiola bench --decode --dtype float32,bfloat16 --threads 2   # both, in the same rounds
     python -m wiola bench --decode --preset wiola-120m --repeats 3 --json decode.json
 
 * Tokens/s: ``generate(do_sample=False)`` of ``--new-tokens`` after a random
@@ -11,6 +12,11 @@ weight-streaming floor, a Hugging Face Llama of the same shape and, optionally, 
   timestamped by a logits processor; the rate is ``(n − 1)`` steps over the time from the
   first to the last step (the prompt's forward is excluded). Median over ``--repeats``
   runs, Wiola and Llama alternating so that a change in machine load hits both.
+* Several dtypes (``--dtype float32,bfloat16``): every round runs each dtype's models in
+  turn, and a dtype after the first is reported against it round by round (the median of
+  the per-round ratios of tokens/s): on a machine whose bandwidth moves by ±20 % between
+  runs (other tenants), separate runs of the two dtypes measure the load as much as the
+  dtypes.
 * Weight-streaming floor: at batch 1 every weight is read once per token, so decoding
   cannot beat ``bandwidth ÷ bytes of weights`` (the tied embedding is read once, as the
   output head; the decoding path reads the parameters themselves, in their dtype). The
@@ -42,7 +48,8 @@ JSON records: ``preset, dtype, threads, isa, tokens_per_s, floor_tokens_per_s, p
 llama_tokens_per_s, rss_growth_mb, weight_mb, kv_cache_mb`` (MiB), the parameter counts, the
 bandwidth and the runs; with ``--llama-cpp``, ``llama_cpp_tokens_per_s, llama_cpp_params``
 (llama-bench's count), ``per_param_vs_llama_cpp`` and ``llama_cpp_build`` (its commit),
-otherwise None. ``isa`` is the level the decoding GEMV ran at
+otherwise None; ``vs_dtype`` and ``tokens_per_s_ratio`` (this dtype's tokens/s over
+``vs_dtype``'s, the first ``--dtype``, median of the rounds' ratios; None for the first). ``isa`` is the level the decoding GEMV ran at
 (:func:`wiola_kernels.kernel_isa`), or ``"none"`` where decoding does not use it.
 """
 
@@ -286,17 +293,29 @@ def _llama_gguf(llama, config, dtype: torch.dtype, a: argparse.Namespace, stack:
         folder = a.gguf_dir
     else:
         folder = stack.enter_context(tempfile.TemporaryDirectory(prefix="wiola-bench-"))
-    path = os.path.join(folder, f"llama-like-{a.preset}-{a.dtype}.gguf")
+    path = os.path.join(folder, f"llama-like-{a.preset}-{str(dtype).removeprefix('torch.')}.gguf")
     write_gguf(llama, path, dtype)
     return path
 
 
+def _dtype_list(text: str) -> list[str]:
+    """``--dtype``'s value: one dtype name, or several, comma-separated, each once."""
+    names = [t.strip() for t in text.split(",")]
+    bad = [t for t in names if t not in DTYPES]
+    if bad or not names or len(set(names)) != len(names):
+        raise argparse.ArgumentTypeError(f"expected one or more of {sorted(DTYPES)}, comma-separated and each once, "
+                                         f"got {text!r}")
+    return names
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
-    """Command line: print and optionally write the decoding benchmark."""
+    """Command line: print and optionally write the decoding benchmark (one record per dtype)."""
     p = argparse.ArgumentParser(prog="python -m wiola bench --decode", description=__doc__.split("\n\n")[0])
     p.add_argument("--decode", action="store_true", help="(selects this benchmark)")
     p.add_argument("--preset", default="wiola-360m")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="the models' parameter dtype")
+    p.add_argument("--dtype", type=_dtype_list, default=["float32"], metavar="D[,D...]",
+                   help=f"the models' parameter dtype, of {sorted(DTYPES)}; several (comma-separated) alternate in "
+                        "the same rounds and are reported against the first")
     p.add_argument("--prompt", type=int, default=128, help="prompt tokens")
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3, help="alternating runs of each model (median reported)")
@@ -324,83 +343,110 @@ def main(argv: list[str] | None = None) -> list[dict]:
     from .configuration_wiola import WiolaConfig
     from .modeling_wiola import WiolaForCausalLM
 
-    dtype = DTYPES[a.dtype]
     config = WiolaConfig.from_name(a.preset)
-    torch.manual_seed(0)
-    models = {"wiola": WiolaForCausalLM(config).to(dtype).eval()}
-    if not a.no_llama:
-        torch.manual_seed(0)
-        models["llama"] = llama_like(config).to(dtype)
-    params = {k: sum(p.numel() for p in m.parameters()) for k, m in models.items()}
     prompt = torch.randint(3, config.vocab_size, (1, a.prompt), generator=torch.Generator().manual_seed(0))
-    isa = gemv_isa(models["wiola"])
-    print(f"wiola bench --decode: {a.preset} ({params['wiola'] / 1e6:.1f}M parameters), batch 1, prompt {a.prompt}, "
-          f"{a.new_tokens} new tokens, greedy, {a.dtype}, {torch.get_num_threads()} threads, {a.clock} clock, "
-          f"GEMV isa {isa}", flush=True)
-    wiola_bytes = weight_bytes(models["wiola"])
-    kv_bytes = kv_cache_bytes(config, a.prompt + a.new_tokens, dtype)
-    with RssPeak() as rss:  # the first generate: whatever decoding allocates beside the weights shows here
-        decode_rate(models["wiola"], prompt, a.new_tokens, a.clock)
-    rates: dict[str, list[float]] = {k: [] for k in models}
-    for name, model in models.items():  # warm-up (allocator, one-time kernel selection)
-        decode_rate(model, prompt[:, :8], 2)
-    rounds, llama_cpp = [], None
+    runs = {}  # per dtype name: its models, their rates, the first generate's memory
+    for name in a.dtype:
+        dtype = DTYPES[name]
+        torch.manual_seed(0)
+        models = {"wiola": WiolaForCausalLM(config).to(dtype).eval()}
+        if not a.no_llama:
+            torch.manual_seed(0)
+            models["llama"] = llama_like(config).to(dtype)
+        runs[name] = dict(dtype=dtype, models=models, rates={k: [] for k in models}, llama_cpp=None,
+                          params={k: sum(q.numel() for q in m.parameters()) for k, m in models.items()},
+                          isa=gemv_isa(models["wiola"]), weight_bytes=weight_bytes(models["wiola"]),
+                          kv_bytes=kv_cache_bytes(config, a.prompt + a.new_tokens, dtype))
+    first = runs[a.dtype[0]]
+    print(f"wiola bench --decode: {a.preset} ({first['params']['wiola'] / 1e6:.1f}M parameters), batch 1, prompt "
+          f"{a.prompt}, {a.new_tokens} new tokens, greedy, {', '.join(a.dtype)}, {torch.get_num_threads()} threads, "
+          f"{a.clock} clock, GEMV isa {first['isa']}", flush=True)
+    for run in runs.values():
+        with RssPeak() as rss:  # the first generate: whatever decoding allocates beside the weights shows here
+            decode_rate(run["models"]["wiola"], prompt, a.new_tokens, a.clock)
+        run["rss"] = rss
+    for run in runs.values():
+        for model in run["models"].values():  # warm-up (allocator, one-time kernel selection)
+            decode_rate(model, prompt[:, :8], 2)
+    rounds = []
     with contextlib.ExitStack() as stack:
         if a.llama_cpp:
-            gguf_path = _llama_gguf(models.get("llama"), config, dtype, a, stack)
-            rates["llama.cpp"] = []
+            for run in runs.values():
+                run["gguf"] = _llama_gguf(run["models"].get("llama"), config, run["dtype"], a, stack)
+                run["rates"]["llama.cpp"] = []
         for _ in range(a.repeats):
             rounds.append(measure_bandwidth(repeats=2, clock=CLOCKS[a.clock]))
-            for name, model in models.items():
-                rates[name].append(decode_rate(model, prompt, a.new_tokens, a.clock)[0])
-            if a.llama_cpp:
-                llama_cpp = run_llama_bench(a.llama_cpp, gguf_path, torch.get_num_threads(), a.prompt, a.new_tokens)
-                rates["llama.cpp"].append(llama_cpp["tokens_per_s"])
+            for run in runs.values():
+                for name, model in run["models"].items():
+                    run["rates"][name].append(decode_rate(model, prompt, a.new_tokens, a.clock)[0])
+                if a.llama_cpp:
+                    run["llama_cpp"] = run_llama_bench(a.llama_cpp, run["gguf"], torch.get_num_threads(), a.prompt,
+                                                       a.new_tokens)
+                    run["rates"]["llama.cpp"].append(run["llama_cpp"]["tokens_per_s"])
     bw = {k: statistics.median(r[k] for r in rounds) for k in rounds[0]}
     bandwidth = statistics.median(max(r["read_bytes_per_s"], r["copy_bytes_per_s"]) for r in rounds)
+    per_round = [round(max(r["read_bytes_per_s"], r["copy_bytes_per_s"]) / 1e9, 1) for r in rounds]
+    print(f"  bandwidth (median of rounds {per_round} GB/s): read {bw['read_bytes_per_s'] / 1e9:.2f} GB/s, copy "
+          f"{bw['copy_bytes_per_s'] / 1e9:.2f} GB/s (read + write)")
+    records = [_report(a, name, run, bandwidth, first, prompt) for name, run in runs.items()]
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(records, f, indent=2)
+    return records
+
+
+def _report(a: argparse.Namespace, name: str, run: dict, bandwidth: float, first: dict, prompt: torch.Tensor) -> dict:
+    """Print one dtype's lines and return its record; a dtype after the first is also compared
+    with the first, round by round (the same rounds, so a change of load hits both)."""
+    mib = 2.0**20
+    rates, params, wiola_bytes, kv_bytes, rss = run["rates"], run["params"], run["weight_bytes"], run["kv_bytes"], \
+        run["rss"]
     floor = bandwidth / wiola_bytes
     tps = statistics.median(rates["wiola"])
-    mib = 2.0**20
-    record = dict(preset=a.preset, dtype=a.dtype, threads=torch.get_num_threads(), isa=isa, tokens_per_s=tps,
+    record = dict(preset=a.preset, dtype=name, threads=torch.get_num_threads(), isa=run["isa"], tokens_per_s=tps,
                   floor_tokens_per_s=floor, pct_of_floor=100 * tps / floor,
                   llama_tokens_per_s=statistics.median(rates["llama"]) if "llama" in rates else None,
                   params=params["wiola"], llama_params=params.get("llama"), weight_bytes=wiola_bytes,
                   weight_mb=wiola_bytes / mib, kv_cache_mb=kv_bytes / mib, rss_growth_mb=rss.growth / mib,
                   rss_before_mb=rss.before / mib, bandwidth_bytes_per_s=bandwidth, clock=a.clock, runs=rates,
-                  llama_cpp_tokens_per_s=None, llama_cpp_params=None, per_param_vs_llama_cpp=None, llama_cpp_build=None)
-    per_round = [round(max(r["read_bytes_per_s"], r["copy_bytes_per_s"]) / 1e9, 1) for r in rounds]
-    print(f"  bandwidth (median of rounds {per_round} GB/s): read {bw['read_bytes_per_s'] / 1e9:.2f} GB/s, copy "
-          f"{bw['copy_bytes_per_s'] / 1e9:.2f} GB/s (read + write); floor = {bandwidth / 1e9:.2f} GB/s / "
-          f"{wiola_bytes / 1e9:.3f} GB of weights = {floor:.2f} tok/s")
-    print(f"  wiola: {tps:.2f} tok/s ({record['pct_of_floor']:.0f}% of the floor; target >= 80%) "
+                  llama_cpp_tokens_per_s=None, llama_cpp_params=None, per_param_vs_llama_cpp=None, llama_cpp_build=None,
+                  vs_dtype=None, tokens_per_s_ratio=None)
+    lead = f"  {name}: " if len(a.dtype) > 1 else "  "
+    print(f"{lead}floor = {bandwidth / 1e9:.2f} GB/s / {wiola_bytes / 1e9:.3f} GB of weights = {floor:.2f} tok/s")
+    print(f"{lead}wiola: {tps:.2f} tok/s ({record['pct_of_floor']:.0f}% of the floor; target >= 80%) "
           f"runs {[round(r, 2) for r in rates['wiola']]}")
-    print(f"  memory: RSS grew {rss.growth / mib:.0f} MiB during the first generate (from {rss.before / mib:.0f} MiB; "
-          f"weights {wiola_bytes / mib:.0f} MiB, KV cache {kv_bytes / mib:.1f} MiB)")
+    print(f"{lead}memory: RSS grew {rss.growth / mib:.0f} MiB during the first generate (from {rss.before / mib:.0f} "
+          f"MiB; weights {wiola_bytes / mib:.0f} MiB, KV cache {kv_bytes / mib:.1f} MiB)")
+    if run is not first:
+        ratios = [x / y for x, y in zip(rates["wiola"], first["rates"]["wiola"])]
+        base = a.dtype[0]
+        record.update(vs_dtype=base, tokens_per_s_ratio=statistics.median(ratios))
+        print(f"{lead}tok/s / {base}'s, round by round: {[round(r, 2) for r in ratios]}, median "
+              f"{record['tokens_per_s_ratio']:.2f} (bytes per weight: {first['dtype'].itemsize} / "
+              f"{run['dtype'].itemsize})")
     if "llama" in rates:
         llama = record["llama_tokens_per_s"]
         parity = tps * params["wiola"] / (llama * params["llama"])
         record["per_param_vs_llama"] = parity
-        print(f"  llama ({params['llama'] / 1e6:.1f}M): {llama:.2f} tok/s; wiola tok/s x params / llama's = "
+        print(f"{lead}llama ({params['llama'] / 1e6:.1f}M): {llama:.2f} tok/s; wiola tok/s x params / llama's = "
               f"{parity:.2f} (target >= 1.0) runs {[round(r, 2) for r in rates['llama']]}")
+    llama_cpp = run["llama_cpp"]
     if llama_cpp is not None:
         cpp, cpp_params = statistics.median(rates["llama.cpp"]), llama_cpp["model_n_params"]
         parity = tps * params["wiola"] / (cpp * cpp_params)
         record.update(llama_cpp_tokens_per_s=cpp, llama_cpp_params=cpp_params, per_param_vs_llama_cpp=parity,
                       llama_cpp_build=llama_cpp["build_commit"])
-        print(f"  llama.cpp ({cpp_params / 1e6:.1f}M, build {llama_cpp['build_commit']}, KV cache "
+        print(f"{lead}llama.cpp ({cpp_params / 1e6:.1f}M, build {llama_cpp['build_commit']}, KV cache "
               f"{llama_cpp['type_k']}): {cpp:.2f} tok/s; wiola tok/s x params / llama.cpp's = {parity:.2f} "
               f"(target >= 1.0) runs {[round(r, 2) for r in rates['llama.cpp']]}")
     if a.breakdown:
-        step, gemv = step_breakdown(models["wiola"], prompt, clock=a.clock)
+        step, gemv = step_breakdown(run["models"]["wiola"], prompt, clock=a.clock)
         record.update(step_s=step, gemv_s=gemv)
-        print(f"  breakdown: one step {step * 1e3:.1f} ms; its weight reads alone (GEMVs, same weights) "
+        print(f"{lead}breakdown: one step {step * 1e3:.1f} ms; its weight reads alone (GEMVs, same weights) "
               f"{gemv * 1e3:.1f} ms = {wiola_bytes / gemv / 1e9:.1f} GB/s ({100 * wiola_bytes / gemv / bandwidth:.0f}% "
               f"of the floor's bandwidth); the rest of the step {(step - gemv) * 1e3:.1f} ms"
               + (" (the GEMVs alone took longer: the rest is within the run-to-run spread)" if step < gemv else ""))
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump([record], f, indent=2)
-    return [record]
+    return record
 
 
 __all__ = ["RssPeak", "decode_rate", "gemv_isa", "kv_cache_bytes", "llama_like", "main", "measure_bandwidth",

@@ -161,8 +161,8 @@ def run_llama_bench(binary: str, gguf_path, threads: int, prompt: int, new_token
     ``repeats`` runs. Returns ``tokens_per_s`` (llama-bench's mean, ``avg_ts``; wall clock) and,
     under llama-bench's names, ``samples_ts`` (each run's), ``model_n_params``, ``model_size``
     (bytes), ``build_commit`` and ``type_k`` (the KV cache's type)."""
-    cmd = [find_llama_bench(binary), "-m", str(gguf_path), "-t", str(threads), "-p", "0", "-n", str(new_tokens), "-d", str(prompt),
-           "-r", str(repeats), "-o", "json"]
+    cmd = [find_llama_bench(binary), "-m", str(gguf_path), "-t", str(threads), "-p", "0", "-n", str(new_tokens),
+           "-d", str(prompt), "-r", str(repeats), "-o", "json"]
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
         tail = "\n".join(done.stderr.strip().splitlines()[-10:])
