@@ -96,7 +96,8 @@ def test_bench_decode_alternates_several_dtypes(tmp_path, monkeypatch, capsys):
     assert fp32["runs"]["wiola"] == [10.0, 12.0, 8.0] and bf16["runs"]["wiola"] == [20.0, 30.0, 10.0]
     assert fp32["vs_dtype"] is None and fp32["tokens_per_s_ratio"] is None
     assert bf16["vs_dtype"] == "float32" and bf16["tokens_per_s_ratio"] == 2.0  # median of 2, 2.5, 1.25
-    assert bf16["weight_bytes"] * 2 == fp32["weight_bytes"] and bf16["bandwidth_bytes_per_s"] == fp32["bandwidth_bytes_per_s"]
+    assert bf16["weight_bytes"] * 2 == fp32["weight_bytes"]
+    assert bf16["bandwidth_bytes_per_s"] == fp32["bandwidth_bytes_per_s"]  # one floor measurement per round
     assert "bfloat16: tok/s / float32's" in capsys.readouterr().out
 
 

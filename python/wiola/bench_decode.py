@@ -49,8 +49,9 @@ llama_tokens_per_s, rss_growth_mb, weight_mb, kv_cache_mb`` (MiB), the parameter
 bandwidth and the runs; with ``--llama-cpp``, ``llama_cpp_tokens_per_s, llama_cpp_params``
 (llama-bench's count), ``per_param_vs_llama_cpp`` and ``llama_cpp_build`` (its commit),
 otherwise None; ``vs_dtype`` and ``tokens_per_s_ratio`` (this dtype's tokens/s over
-``vs_dtype``'s, the first ``--dtype``, median of the rounds' ratios; None for the first). ``isa`` is the level the decoding GEMV ran at
-(:func:`wiola_kernels.kernel_isa`), or ``"none"`` where decoding does not use it.
+``vs_dtype``'s, the first ``--dtype``, median of the rounds' ratios; None for the first).
+``isa`` is the level the decoding GEMV ran at (:func:`wiola_kernels.kernel_isa`), or
+``"none"`` where decoding does not use it.
 """
 
 from __future__ import annotations
