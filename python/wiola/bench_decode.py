@@ -28,7 +28,9 @@ weight-streaming floor, a Hugging Face Llama of the same shape and, optionally, 
 * Memory: the growth of the process's resident set during the model's first ``generate``
   (peak minus before, from ``VmHWM`` reset through ``/proc/self/clear_refs``, else sampled),
   against the weights' bytes and the KV cache's: decoding that kept a second copy of the
-  weights would grow by their size.
+  weights would grow by their size. With several dtypes, the first dtype's ``generate`` also
+  holds the process's one-time allocations (code, thread pools, ~15–20 MiB) that the later
+  ones reuse.
 * ``--breakdown``: the decoding step's time against its weight reads alone — the same
   GEMVs on the same weights, nothing else — alternating; what the GEMVs reach is the
   ceiling the rest of the step (attention, norms, Python) lowers.
