@@ -7,9 +7,9 @@ machine; this module makes that one reproducible command instead of a hand-made 
 * :func:`write_gguf` writes ``llama_like(config)`` (a ``LlamaForCausalLM``, tied embeddings)
   as llama.cpp's own converter (``convert_hf_to_gguf.py``) would: architecture ``llama``,
   matrices in the run's precision (F32, F16 or BF16), norms in F32, Q and K rows permuted to
-  llama.cpp's rotary layout, and a stub SentencePiece vocabulary (the benchmark feeds token
-  ids, never text). The ``gguf`` package (the ggml project's reader and writer) is imported
-  only here, when a file is written.
+  llama.cpp's rotary layout, and a SentencePiece vocabulary of the special and byte tokens
+  and numbered fillers (the benchmark feeds token ids, never text). The ``gguf`` package
+  (the ggml project's reader and writer) is imported only here, when a file is written.
 * :func:`run_llama_bench` runs ``llama-bench`` on that file — decoding after a filled context,
   as our benchmark decodes after its prompt — and returns its tokens/s and what it says about
   the model and the build.
@@ -54,7 +54,7 @@ def rotary_rows(w: torch.Tensor, n_head: int) -> torch.Tensor:
     return w.reshape(n_head, 2, rows // n_head // 2, cols).transpose(1, 2).reshape(rows, cols)
 
 
-def stub_vocab(size: int) -> tuple[list[str], list[float], list[int]]:
+def filler_vocab(size: int) -> tuple[list[str], list[float], list[int]]:
     """``(tokens, scores, types)`` of a SentencePiece vocabulary of ``size`` tokens: ``<unk>``,
     ``<s>``, ``</s>``, the byte tokens ``<0x00>``..``<0xFF>``, then ``▁tok{i}`` with score ``-i``.
     llama.cpp wants the special and byte tokens to exist; the rest only fills the size."""
@@ -88,7 +88,7 @@ def write_gguf(model, path, dtype: torch.dtype) -> None:
     if not c.tie_word_embeddings:
         raise ValueError("write_gguf writes llama_like's model, whose output head is the tied embedding")
     matrix_type, file_type = types[dtype]
-    tokens, scores, token_types = stub_vocab(c.vocab_size)
+    tokens, scores, token_types = filler_vocab(c.vocab_size)
 
     state = model.state_dict()
     named = {"token_embd.weight": state.pop("model.embed_tokens.weight"),
@@ -181,4 +181,4 @@ def run_llama_bench(binary: str, gguf_path, threads: int, prompt: int, new_token
     return {"tokens_per_s": float(r["avg_ts"]), **{k: r[k] for k in BENCH_KEYS if k != "avg_ts"}}
 
 
-__all__ = ["find_llama_bench", "rotary_rows", "run_llama_bench", "stub_vocab", "write_gguf"]
+__all__ = ["find_llama_bench", "rotary_rows", "run_llama_bench", "filler_vocab", "write_gguf"]
