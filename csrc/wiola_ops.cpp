@@ -38,6 +38,15 @@ TORCH_LIBRARY(wiola, m) {
         " Tensor gate, Tensor(a!) k_cache, Tensor(b!) v_cache, int past, Tensor position_ids, int n_head,"
         " float theta, float spiral_divisor, float radial_amplitude, float radial_frequency, Tensor? context,"
         " Tensor? summary_sum) -> (Tensor, Tensor, Tensor, Tensor)");
+  // A whole cached decoding step (csrc/cpu/decode_step.cpp; wiola_kernels/decode_step.py): input_ids (B, 1),
+  // the embedding (V, d); per layer the 12 weights of _decode_block, the gate, β and the cache buffers; the
+  // norms [WRMSNorm_0, WRMSNorm'_0, WRMSNorm_1, ..., final]; the running summary sums of every layer but the
+  // last (lookback > 0) -> (logits (B, 1, V), the new summary sums).
+  m.def("_decode_step(Tensor input_ids, Tensor embed_weight, Tensor[] weights, Tensor[] norm_weights,"
+        " Tensor?[] norm_shifts, float[] norm_eps, Tensor[] betas, Tensor[] gates, Tensor(a!)[] k_caches,"
+        " Tensor(b!)[] v_caches, int past, Tensor position_ids, int n_head, float theta, float spiral_divisor,"
+        " float radial_amplitude, float radial_frequency, int lookback, Tensor[] summary_sums, Tensor head_weight)"
+        " -> (Tensor, Tensor[])");
   // The benchmark's copy baseline: a copy allocated like every kernel's output.
   m.def("_copy(Tensor x) -> Tensor");
 }

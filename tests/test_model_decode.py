@@ -208,23 +208,27 @@ def test_gemv_steps_equal_the_full_forward(isa, step, monkeypatch):
     assert not weights.blocks and weights.head is None  # the kernel read the parameters: no copies
 
 
-@pytest.mark.parametrize("gemv", [True, False])
-@pytest.mark.parametrize("fuse", [True, False])
-def test_decoding_steps_run_the_blocks_own_sequence(gemv, fuse, monkeypatch):
+@pytest.mark.parametrize("gemv,fuse,one_call", [(True, True, True), (True, True, False), (True, False, False),
+                                                 (False, True, False), (False, False, False)])
+def test_decoding_steps_run_the_blocks_own_sequence(gemv, fuse, one_call, monkeypatch):
     # The block's norms, residual adds and their fusion are written once in Python
     # (WiolaBlock.sequence) and once in C++ (wiola_kernels.decode_block, the same kernels in the
     # same order): a decoding step on the GEMV kernel with the add-and-norm fusion on runs the
-    # C++ block for every block, otherwise the block's own sequence (the packed copies, or the
-    # fusion off as the block says). Oracle: the full forward.
+    # whole step as one C++ call (wiola_kernels.decode_step, which runs the C++ block for every
+    # block) or, without that op, the C++ block from Python for every block; otherwise the
+    # block's own sequence (the packed copies, or the fusion off as the block says). Oracle:
+    # the full forward.
     from wiola.modeling_wiola import WiolaBlock
-    from wiola_kernels import decode_block
+    from wiola_kernels import decode_block, decode_step
 
     if gemv and not decode.gemv_applies(torch.float32, torch.device("cpu")):
         pytest.skip("needs the C++ extension")
     monkeypatch.setattr(WiolaBlock, "fuse_add_norm", fuse)
+    if not one_call:
+        monkeypatch.setattr(decode_step, "available", lambda: False)
     model = tiny(torch.float32 if gemv else F64)
-    calls, fused_calls = [], []
-    sequence, fused = WiolaBlock.sequence, decode_block.decode_block
+    calls, fused_calls, step_calls = [], [], []
+    sequence, fused, whole = WiolaBlock.sequence, decode_block.decode_block, decode_step.decode_step
 
     def spy(self, *args, **kwargs):
         calls.append(self.layer_idx)
@@ -234,8 +238,13 @@ def test_decoding_steps_run_the_blocks_own_sequence(gemv, fuse, monkeypatch):
         fused_calls.append(1)
         return fused(*args, **kwargs)
 
+    def step_spy(*args, **kwargs):
+        step_calls.append(1)
+        return whole(*args, **kwargs)
+
     monkeypatch.setattr(WiolaBlock, "sequence", spy)
     monkeypatch.setattr(decode_block, "decode_block", fused_spy)
+    monkeypatch.setattr(decode_step, "decode_step", step_spy)
     ids = torch.randint(3, model.config.vocab_size, (1, 9), generator=torch.Generator().manual_seed(22))
     with torch.no_grad():
         full = model(ids, use_cache=False).logits
@@ -247,7 +256,8 @@ def test_decoding_steps_run_the_blocks_own_sequence(gemv, fuse, monkeypatch):
     layers = model.config.num_hidden_layers
     in_cpp = gemv and fuse
     assert calls == ([] if in_cpp else list(range(layers)) * 3)
-    assert len(fused_calls) == (layers * 3 if in_cpp else 0)
+    assert len(step_calls) == (3 if one_call else 0)
+    assert len(fused_calls) == (layers * 3 if in_cpp and not one_call else 0)
     assert (model.model._decode_weights.blocks == {}) == gemv
     dtype = torch.float32 if gemv else F64
     assert_close_rel(torch.cat(pieces, 1), full, tolerance(dtype, "attention"), "decoded logits")

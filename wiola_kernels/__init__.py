@@ -22,7 +22,8 @@ generic, avx2, avx512, avx512_bf16 — says which (:func:`cpu_isa`, :func:`set_c
 ``WIOLA_CPU_ISA``, :func:`kernel_isa`). :mod:`wiola_kernels.decode_gemv` is the batch-1
 decoding GEMV (CPU, float32/bfloat16/float16 weights read in place) and
 :mod:`wiola_kernels.decode_attention` a decoding step's attention over a KV cache in one call,
-:mod:`wiola_kernels.decode_block` a whole Wiola block of such a step in one call.
+:mod:`wiola_kernels.decode_block` a whole Wiola block of such a step in one call, and
+:mod:`wiola_kernels.decode_step` the whole step (every block and the head) in one call.
 """
 
 from . import _extension

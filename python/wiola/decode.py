@@ -55,7 +55,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from transformers.cache_utils import DynamicLayer
 
-from wiola_kernels import decode_attention, decode_block, decode_gemv, dispatch, glu
+from wiola_kernels import decode_attention, decode_block, decode_gemv, decode_step, dispatch, glu
 from wiola_kernels import SpiralRotaryEmbedding
 from wiola_kernels.dtypes import compute_dtype
 from wiola_kernels.validation import srpe_max_position
@@ -474,6 +474,96 @@ def _weight(linear) -> Tensor:
     return w if w is not None else linear.weight
 
 
+def fused_step(model, head: Tensor, input_ids: Tensor, position_ids: Tensor | None, cache) -> Tensor | None:
+    """The logits ``(B, 1, V)`` of a cached decoding step of ``model`` (a :class:`WiolaModel`)
+    with the output head ``head (V, d)``, by one :func:`wiola_kernels.decode_step.decode_step`
+    call; the cache advances by one position. None (nothing done) where that call does not
+    apply and the step must take the model's own forward: any padding (the caller checks the
+    mask; here the cache's), a layer the block op does not take (add-and-norm fusion off, a
+    sharded norm, SRPE not the model's module, a cache it cannot append to), mixed dtypes, a
+    forced backend, non-causal summaries, more context rows than one GEMV takes.
+
+    ``input_ids (B, 1)`` int64 on the CPU; ``position_ids`` None (each row at ``past``) or
+    ``(B, 1)`` / ``(1, 1)`` int64."""
+    from .modeling_wiola import holds_its_weights  # the model module imports this one
+
+    cfg = model.config
+    emb = model.embed_tokens._parameters.get("weight")
+    b = input_ids.shape[0]
+    past = cache.get_seq_length()
+    if emb is None or head.dtype != emb.dtype or not (decode_step.available() and decode_block.available()) \
+            or cache.key_valid is not None or cache.summary_counts is not None \
+            or getattr(cache, "offloading", False) or not applies(model, b, 1, past, cache, False) \
+            or not gemv_applies(emb.dtype, emb.device) or cfg.kernel_backend != "auto" \
+            or dispatch.forced_backend() is not None:
+        return None
+    lookback = cfg.gcla_lookback
+    if lookback and (cfg.gcla_summary != "causal" or b * lookback > decode_gemv.MAX_ROWS):
+        return None
+    if position_ids is None:
+        position_ids = torch.full((b, 1), past, dtype=torch.int64)
+    elif position_ids.dtype != torch.int64 or position_ids.dim() != 2 or position_ids.shape[1] != 1 \
+            or position_ids.shape[0] not in (1, b) or not positions_ok(position_ids, cfg.srpe_spiral_divisor):
+        return None
+    else:
+        position_ids = position_ids.expand(b, 1).contiguous()
+    dtype, d = emb.dtype, emb.shape[1]
+    layers, cache_layers = model.layers, cache.layers
+    if len(cache_layers) != len(layers):
+        return None
+    weights: list[Tensor] = []
+    norms: list[tuple] = []
+    betas, gates, k_bufs, v_bufs, grown = [], [], [], [], []
+    srpe = None
+    for block, layer in zip(layers, cache_layers):
+        mods = block._modules
+        attn, ffn = mods["attn"], mods["ffn"]
+        a, f = attn._modules, ffn._modules
+        rotary = a["srpe"]
+        if not block.fuse_add_norm or type(layer) is not GrowingKV or type(rotary) is not SpiralRotaryEmbedding:
+            return None
+        if srpe is None:
+            srpe = rotary
+        elif (rotary.theta, rotary.spiral_divisor, rotary.radial_amplitude, rotary.radial_frequency) != \
+                (srpe.theta, srpe.spiral_divisor, srpe.radial_amplitude, srpe.radial_frequency):
+            return None
+        for norm in (mods["attn_norm"], mods["ffn_norm"]):
+            w = norm.weight
+            if w.dtype != dtype or not holds_its_weights(norm, d):
+                return None
+            norms.append((w, norm.shift, norm.eps))
+        buffers = layer.append_buffers(b, attn.n_kv_head, attn.head_dim, dtype)
+        if buffers is None or buffers[2] != past:
+            return None
+        k_bufs.append(buffers[0])
+        v_bufs.append(buffers[1])
+        grown.append(layer)
+        weights += [_weight(a["q_proj"]), _weight(a["k_proj"]), _weight(a["v_proj"]), _weight(a["o_proj"]),
+                    _weight(a["kc_proj"]), _weight(a["vc_proj"]), _weight(f["w_n1"]), _weight(f["w_n3"]),
+                    _weight(f["w_w1"]), _weight(f["w_w3"]), _weight(f["w_n2"]), _weight(f["w_w2"])]
+        betas.append(ffn._parameters["beta"])
+        gates.append(attn._parameters["gate"])
+    final = model.norm
+    if final.weight.dtype != dtype or not holds_its_weights(final, d):
+        return None
+    norms.append((final.weight, final.shift, final.eps))
+    sums = []
+    if lookback:
+        sums = [cache.summary_sums.get(i) for i in range(len(layers) - 1)]
+        if any(s is None or s.dtype != torch.float32 for s in sums):
+            return None
+    model.decode_weights()  # empty on the GEMV path; made here as on every decoding step
+    logits, new_sums = decode_step.decode_step(
+        input_ids, emb, weights, norms, betas, gates, k_bufs, v_bufs, past, position_ids, attn.n_head,
+        theta=srpe.theta, spiral_divisor=srpe.spiral_divisor, radial_amplitude=srpe.radial_amplitude,
+        radial_frequency=srpe.radial_frequency, lookback=lookback, summary_sums=sums, head_weight=head)
+    for layer in grown:
+        layer.appended(past + 1)
+    for i, s in enumerate(new_sums):
+        cache.summary_sums[i] = s
+    return logits
+
+
 def applies(model, batch: int, t: int, past: int, cache, requires_grad: bool) -> bool:
     """Whether a forward of ``model`` (a :class:`WiolaModel`) over ``batch × t`` new positions
     is a cached decoding step the fast path takes: a non-empty cache, at most
@@ -495,4 +585,4 @@ def positions_ok(position_ids: Tensor, spiral_divisor: float) -> bool:
 
 
 __all__ = ["DecodeStep", "DecodeWeights", "GrowingKV", "MAX_STEP_POSITIONS", "applies", "cached_attention",
-           "gemv_applies", "positions_ok"]
+           "fused_step", "gemv_applies", "positions_ok"]

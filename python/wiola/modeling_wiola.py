@@ -1049,6 +1049,12 @@ class WiolaForCausalLM(WiolaPreTrainedModel, GenerationMixin):
         flag changes nothing."""
         if cache is None:
             cache = kwargs.pop("past_key_values", None)
+        if self._one_call_step(input_ids, attention_mask, cache, labels, inputs_embeds, use_cache,
+                               output_hidden_states, output_attentions):
+            # a cached decoding step without padding: the whole model in one C++ call (decode.py)
+            logits = decode.fused_step(self.model, self.lm_head.weight, input_ids, position_ids, cache)
+            if logits is not None:
+                return WiolaCausalLMOutput(logits=logits, cache=cache)
         ids = input_ids if input_ids is not None else inputs_embeds
         past = cache.get_seq_length() if isinstance(cache, WiolaCache) else 0
         packed_head = isinstance(ids, Tensor) and ids.dim() >= 2 and self.model.decode_packing \
@@ -1080,6 +1086,27 @@ class WiolaForCausalLM(WiolaPreTrainedModel, GenerationMixin):
             loss = F.cross_entropy(logits[:, :-1].to(compute_dtype(logits.dtype)).reshape(-1, logits.shape[-1]),
                                    targets.reshape(-1), ignore_index=-100)
         return WiolaCausalLMOutput(loss=loss, logits=logits, cache=out.cache, hidden_states=out.hidden_states)
+
+    def _one_call_step(self, input_ids, attention_mask, cache, labels, inputs_embeds, use_cache,
+                       output_hidden_states, output_attentions) -> bool:
+        """Whether a forward's arguments ask for nothing but the next logits of one new token per
+        row after a cache with no padding: what :func:`decode.fused_step` may compute (it
+        checks the model and the cache). Anything else — and any argument the forward would
+        refuse — takes the forward's own path."""
+        cfg = self.config
+        if labels is not None or inputs_embeds is not None or use_cache is False or not isinstance(cache, WiolaCache) \
+                or not self.model.decode_packing or output_attentions or output_hidden_states \
+                or getattr(cfg, "output_hidden_states", False) or getattr(cfg, "output_attentions", False):
+            return False
+        if not isinstance(input_ids, Tensor) or input_ids.dim() != 2 or input_ids.shape[1] != 1 \
+                or input_ids.dtype != torch.int64 or not input_ids.is_cpu:
+            return False
+        if attention_mask is None:
+            return True
+        # Hugging Face passes the whole sequence's mask; all ones is no padding
+        return isinstance(attention_mask, Tensor) and attention_mask.dim() == 2 \
+            and attention_mask.shape[0] == input_ids.shape[0] \
+            and attention_mask.shape[1] in (1, cache.get_seq_length() + 1) and bool(attention_mask.all())
 
     # -- generation --------------------------------------------------------------------
 
