@@ -77,10 +77,15 @@ class GrowingKV(DynamicLayer):
     ``crop`` slices the view, which the next update simply overwrites past."""
 
     _min_capacity = 256
+    # (keys, values, end) as appended() last set them: while keys and values are still those
+    # views, the buffers back them and append_buffers needs no other check (a decoding step
+    # asks once per layer, and the full checks cost more than a small op).
+    _views: tuple[Tensor, Tensor, int] | None = None
 
     def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
         super().lazy_initialization(key_states, value_states)
         self._kbuf = self._vbuf = None
+        self._views = None
 
     @staticmethod
     def _fits(buf: Tensor | None, cur: Tensor, new: Tensor | None) -> bool:
@@ -123,6 +128,12 @@ class GrowingKV(DynamicLayer):
         value itself (:func:`wiola_kernels.decode_attention.decode_attention`); call
         :meth:`appended` ``(past + 1)`` after it. None where this layer holds no cache yet or
         one of another shape or dtype (the caller then uses :meth:`update`)."""
+        views = self._views
+        if views is not None and views[0] is self.keys and views[1] is self.values:
+            kb, vb, past = self._kbuf, self._vbuf, views[2]
+            if past < kb.shape[2] and kb.dtype == dtype and vb.dtype == dtype and kb.shape == vb.shape \
+                    and kb.shape[0] == batch and kb.shape[1] == heads and kb.shape[3] == head_dim:
+                return kb, vb, past
         if not self.is_initialized or self.keys.dim() != 4:
             return None
         k = self.keys
@@ -139,6 +150,7 @@ class GrowingKV(DynamicLayer):
     def appended(self, end: int) -> None:
         """The cache now holds the buffers' first ``end`` positions."""
         self.keys, self.values = self._kbuf.narrow(2, 0, end), self._vbuf.narrow(2, 0, end)
+        self._views = (self.keys, self.values, end)
 
 
 def cached_attention(q_rot: Tensor, k_rot: Tensor, v: Tensor, key_valid: Tensor | None = None) -> Tensor:

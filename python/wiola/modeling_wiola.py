@@ -546,9 +546,19 @@ def holds_its_weights(norm: WiolaRMSNorm, d: int) -> bool:
     """Whether another module's forward may read ``norm``'s parameters: not under FSDP, which
     keeps a module's parameters sharded (FSDP2: DTensors; FSDP1: flat, empty views) until
     that module's own forward gathers them. The block then leaves the next norm to its owner."""
-    for p in (norm.weight, norm.shift):
-        if p is not None and (p.shape != (d,) or type(p).__name__ == "DTensor"
-                              or type(getattr(p, "data", p)).__name__ == "DTensor"):
+    params = norm._parameters
+    for name in ("weight", "shift"):
+        p = params.get(name)
+        if p is None:
+            p = getattr(norm, name, None)  # not a registered Parameter (a parametrization, FSDP's views)
+        if p is None:
+            continue
+        if p.shape != (d,):  # FSDP1's flat views
+            return False
+        # a plain Parameter holds a plain tensor (no .data: it makes a new tensor object,
+        # and a decoding step asks for every norm)
+        if type(p) is not nn.Parameter and (type(p).__name__ == "DTensor"
+                                            or type(getattr(p, "data", p)).__name__ == "DTensor"):
             return False
     return True
 
