@@ -31,10 +31,11 @@
 //
 // Concurrent streams and software prefetch, with one row of x (a decoding step): a single
 // sequential stream leaves a core short of reads in flight (each load feeds only 1–4 vector
-// ops), so several weight rows are read side by side, each prefetched 1 KiB ahead — two on the
-// AVX2 path (+5–12 % on an AVX2-only Zen 3 core), four on the AVX-512 path (+50–70 % on a
-// Sapphire Rapids core, where one stream read 20–30 % below torch.sum over the same bytes and
-// four read 15–30 % above it; docs/performance.md).
+// ops), so four weight rows are read side by side, each prefetched 1 KiB ahead — on the AVX2
+// path (two streams: +5–12 % over one on an AVX2-only Zen 3 core; four: +10–40 % over two on a
+// Sapphire Rapids core at the AVX2 level, bf16 and fp32, 1 and 2 threads) and on the AVX-512
+// path (+50–70 % over one on Sapphire Rapids, where one stream read 20–30 % below torch.sum
+// over the same bytes and four read 15–30 % above it; docs/performance.md).
 //
 // The ISA paths (generic, AVX2, AVX-512) are chosen at run time by the shared level (isa.h:
 // WIOLA_CPU_ISA, wiola_kernels.set_cpu_isa): the AVX-512 path needs only AVX-512 F/BW/VL/DQ.
@@ -64,10 +65,11 @@ constexpr int64_t kXPad = 32;               // prepared x rows are padded (zeros
 constexpr int64_t kMinThreadBytes = 1 << 16;  // weight bytes below which a call stays on one thread
 
 constexpr int64_t kAlignFloats = 16;       // 64 bytes: prepared x starts on a cache line
-// AVX2, one row of x: accumulators per weight row (sets × parts), two rows read at once, and
-// how far ahead of its reads each stream is prefetched (measured 512–2048 on Zen 3: 768–1024
-// best, docs/performance.md).
-constexpr int kStreamSets = 4;
+// AVX2, one row of x: weight rows read at once, accumulator vectors per row (sets × parts:
+// four streams of two fill 8 of the 16 registers), and how far ahead of its reads each stream
+// is prefetched (measured 512–2048 on Zen 3: 768–1024 best, docs/performance.md).
+constexpr int kStreamsAvx2 = 4;
+constexpr int kStreamSets = 2;
 constexpr int64_t kPrefetchBytes = 1024;
 // AVX-512, one row of x: weight rows read at once, and accumulator vectors per row (sets ×
 // parts), measured on Sapphire Rapids (1–4 streams, 0–4 KiB prefetch; docs/performance.md).
@@ -193,8 +195,8 @@ __attribute__((target("avx2,fma,f16c"), always_inline)) inline void row_avx2(con
   }
 }
 
-// One row of x against R weight rows read as R concurrent streams (R = 1 or 2), each row
-// with kStreamSets accumulator sets per part: the same sums, chunk for chunk, whether a row
+// One row of x against R weight rows read as R concurrent streams (R = 1 or 4), each row
+// with kStreamSets accumulator vectors (sets × parts): the same sums, chunk for chunk, whether a row
 // is read alone or beside another (so the bits do not depend on how the rows were paired,
 // which follows the thread split). Each stream is prefetched kPrefetchBytes ahead.
 template <WType T, int R, typename O>
@@ -203,6 +205,7 @@ __attribute__((target("avx2,fma,f16c"), always_inline)) inline void streams_avx2
                                                                                 O* const (&y)[R]) {
   constexpr int64_t C = chunk_elems(Isa::kAvx2, T);
   constexpr int P = parts(T), S = kStreamSets / P;
+  static_assert(S >= 1, "kStreamSets: at least one set per part");
   constexpr int64_t kGroupBytes = S * C * int64_t(sizeof(Elem<T>));
   __m256 acc[R][S][P];
   for (int r = 0; r < R; ++r)
@@ -241,26 +244,30 @@ __attribute__((target("avx2,fma,f16c"), always_inline)) inline void streams_avx2
 }
 
 // The rows of one thread's range, all inlined into one function: no call (and no
-// vzeroupper) between rows of the stream. One row of x (a decoding step): the range's two
-// halves are read side by side, rows j and j + nrows/2 together — two streams in flight
-// instead of one raise a core's read rate ~5 % (fp32) to ~10 % (bf16) on Zen 3 (one stream's
-// loads each feed 1–4 vector ops, which fill the scheduler before enough reads are in
-// flight; docs/performance.md). More rows of x: each weight row once, against blocks of
-// kRowBlock rows of x.
+// vzeroupper) between rows of the stream. One row of x (a decoding step): the range's four
+// quarters are read side by side, rows j, j + q, j + 2q, j + 3q together (q = nrows / 4) —
+// more streams in flight raise a core's read rate (one stream's loads each feed 1–4 vector
+// ops, which fill the scheduler before enough reads are in flight; docs/performance.md). More
+// rows of x: each weight row once, against blocks of kRowBlock rows of x.
 template <WType T, typename O>
 __attribute__((target("avx2,fma,f16c"))) void rows_avx2(const Elem<T>* w, int64_t ldw, int64_t k, int64_t nrows,
                                                           const float* x, int64_t ldx, int64_t xrows, O* y,
                                                           int64_t ldy) {
   if (xrows == 1) {
-    const int64_t half = nrows / 2;
-    for (int64_t j = 0; j < half; ++j) {
-      const Elem<T>* const pair[2] = {w + j * ldw, w + (j + half) * ldw};
-      O* const out[2] = {y + j, y + j + half};
-      streams_avx2<T, 2, O>(pair, k, x, out);
+    constexpr int R = kStreamsAvx2;
+    const int64_t q = nrows / R;
+    for (int64_t j = 0; j < q; ++j) {
+      const Elem<T>* rows[R];
+      O* out[R];
+      for (int r = 0; r < R; ++r) {
+        rows[r] = w + (j + r * q) * ldw;
+        out[r] = y + j + r * q;
+      }
+      streams_avx2<T, R, O>(rows, k, x, out);
     }
-    if (nrows % 2) {
-      const Elem<T>* const last[1] = {w + (nrows - 1) * ldw};
-      O* const out[1] = {y + nrows - 1};
+    for (int64_t j = R * q; j < nrows; ++j) {  // the last nrows mod R rows, alone
+      const Elem<T>* const last[1] = {w + j * ldw};
+      O* const out[1] = {y + j};
       streams_avx2<T, 1, O>(last, k, x, out);
     }
     return;
