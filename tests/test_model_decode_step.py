@@ -248,3 +248,22 @@ def test_fused_step_leaves_a_cache_it_cannot_append_to(step_calls):
         got = model(ids[:, 7:], cache=cache, use_cache=True).logits
     assert step_calls == []
     assert_close_rel(got, full[:, 7:], tolerance(torch.float32, "attention"), "logits")
+
+
+def test_the_op_declares_what_it_mutates():
+    # torch.library's schema check: the op writes the cache buffers (declared Tensor(a!)[] /
+    # Tensor(b!)[]) and nothing else it is given (the summary sums come back as new tensors).
+    import wiola_kernels.decode_step as ds
+
+    model = tiny(gcla_lookback=2)
+    ids = ids_for(model, 2, 7, seed=48)
+    with torch.no_grad():
+        cache = model(ids[:, :6], use_cache=True).cache
+    args, kwargs = step_arguments(model, ids[:, 6:], cache)
+    (input_ids, emb, weights, norms, betas, gates, k_bufs, v_bufs, past, positions, n_head) = args
+    op_args = (ids[:, 6:], emb, list(weights), [n[0] for n in norms], [n[1] for n in norms],
+               [float(n[2]) for n in norms], list(betas), list(gates), list(k_bufs), list(v_bufs), past - 1,
+               positions - 1, n_head, kwargs["theta"], kwargs["spiral_divisor"], kwargs["radial_amplitude"],
+               kwargs["radial_frequency"], kwargs["lookback"], list(kwargs["summary_sums"]), emb)
+    with torch.no_grad():
+        torch.library.opcheck(ds._kernel(), op_args, test_utils="test_schema")

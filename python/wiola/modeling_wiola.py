@@ -1104,6 +1104,8 @@ class WiolaForCausalLM(WiolaPreTrainedModel, GenerationMixin):
         checks the model and the cache). Anything else — and any argument the forward would
         refuse — takes the forward's own path."""
         cfg = self.config
+        if torch.compiler.is_compiling():  # a graph traces the model's own path (decode.applies)
+            return False
         if labels is not None or inputs_embeds is not None or use_cache is False or not isinstance(cache, WiolaCache) \
                 or not self.model.decode_packing or output_attentions or output_hidden_states \
                 or getattr(cfg, "output_hidden_states", False) or getattr(cfg, "output_attentions", False):
