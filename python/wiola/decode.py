@@ -521,7 +521,7 @@ def fused_step(model, head: Tensor, input_ids: Tensor, position_ids: Tensor | No
         position_ids = position_ids.expand(b, 1).contiguous()
     dtype, d = emb.dtype, emb.shape[1]
     layers, cache_layers = model.layers, cache.layers
-    if len(cache_layers) != len(layers):
+    if not len(layers) or len(cache_layers) != len(layers):
         return None
     weights: list[Tensor] = []
     norms: list[tuple] = []
