@@ -15,11 +15,11 @@
 // ATen each cost 10–50 µs: the interpreter, the dispatcher, TensorIterator's setup, and — after
 // every GEMV has streamed tens of MB of weights through the caches — the cold code and
 // metadata of each op (a wiola-360m bf16 step spent ~1 ms a block there, ~20 % of the step).
-// So the GEMVs and the attention go through the dispatcher (their own kernels), and everything
-// between them — both add-and-norms, the two gated activations, the DSFF blend, the summary —
-// is plain vectorised loops over the d-wide rows here, with the roundings of the model's
-// Python step (each op's output rounded to the model's dtype; statistics in float32): the two
-// paths agree to rounding (tests/test_model_decode.py).
+// So the GEMVs (called directly, decode_kernels.h) and the attention (through the dispatcher)
+// run their own kernels, and everything between them — both add-and-norms, the two gated
+// activations, the DSFF blend, the summary — is plain vectorised loops over the d-wide rows
+// here, with the roundings of the model's Python step (each op's output rounded to the model's
+// dtype; statistics in float32): the two paths agree to rounding (tests/test_model_decode.py).
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
@@ -29,6 +29,7 @@
 #include <vector>
 
 #include "common.h"
+#include "decode_kernels.h"
 #include "glu_math.h"
 
 namespace wiola::cpu {
@@ -44,13 +45,6 @@ std::vector<float>& scratch(int k, int64_t n) {
   thread_local std::vector<float> rows[3];
   if (static_cast<int64_t>(rows[k].size()) < n) rows[k].resize(n);
   return rows[k];
-}
-
-at::Tensor gemv(const at::Tensor& x, at::TensorList weights, bool split_input = false) {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("wiola::_decode_gemv", "")
-                       .typed<at::Tensor(const at::Tensor&, at::TensorList, bool)>();
-  return op.call(x, weights, split_input);
 }
 
 using Vf = at::vec::Vectorized<float>;
@@ -127,6 +121,8 @@ at::Tensor attention(const at::Tensor& qkv, at::Tensor& k_cache, at::Tensor& v_c
                  radial_frequency, context_k, context_v, gate);
 }
 
+}  // namespace
+
 // Returns (x'', y or an empty tensor without a next norm, S or empty, s or empty).
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> decode_block(
     const at::Tensor& x, const at::Tensor& normed, at::TensorList weights, const at::Tensor& ffn_norm_weight,
@@ -155,7 +151,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> decode_block(
                   n_head * k_cache.size(3), " rows, got ", weights[kQ].size(0));
 
   // Attention: projections, the context slots' keys and values, the fused attention, W_O.
-  const at::Tensor qkv = gemv(normed, weights.slice(kQ, 3)).view({b, -1});
+  const at::Tensor qkv = decode_gemv(normed, weights.slice(kQ, 3), false).view({b, -1});
   Opt context_k, context_v, gate_arg;
   if (context.has_value() && context->size(2) > 0) {
     WIOLA_CHECK_ARG(context->dim() == 4 && context->size(0) == b && context->size(1) == 1 && context->size(3) == d,
@@ -163,9 +159,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> decode_block(
     const int64_t n_ctx = context->size(2);
     const at::Tensor rows = context->reshape({b * n_ctx, d});
     if (n_ctx == 1) {  // one slot: softmax weight 1, no keys needed
-      context_v = gemv(rows, weights.slice(kVc, 1)).view({b, 1, hd});
+      context_v = decode_gemv(rows, weights.slice(kVc, 1), false).view({b, 1, hd});
     } else {
-      const at::Tensor kv = gemv(rows, weights.slice(kKc, 2)).view({b, n_ctx, 2 * hd});
+      const at::Tensor kv = decode_gemv(rows, weights.slice(kKc, 2), false).view({b, n_ctx, 2 * hd});
       context_k = kv.narrow(2, 0, hd);
       context_v = kv.narrow(2, hd, hd);
     }
@@ -173,7 +169,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> decode_block(
   }
   const at::Tensor o = attention(qkv, k_cache, v_cache, past, position_ids, n_head, theta, spiral_divisor,
                                  radial_amplitude, radial_frequency, context_k, context_v, gate_arg);
-  const at::Tensor a = gemv(o.view({b, 1, hd}), weights.slice(kO, 1));
+  const at::Tensor a = decode_gemv(o.view({b, 1, hd}), weights.slice(kO, 1), false);
   const int64_t n = weights[kN1].size(0), w = weights[kW1].size(0);
   std::vector<float> gamma1, delta1, gamma2, delta2, beta_f;
   const float* g1 = as_float(ffn_norm_weight, gamma1);
@@ -208,14 +204,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> decode_block(
         add_norm_row(ap + r * d, xc.const_data_ptr<scalar_t>() + r * d, x1.mutable_data_ptr<scalar_t>() + r * d,
                      hf.mutable_data_ptr<scalar_t>() + r * d, g1, d1, static_cast<float>(ffn_norm_eps), d, z);
       }
-      const at::Tensor u = gemv(hf, weights.slice(kN1, 4));  // [u_n1 | u_n3 | u_w1 | u_w3]
+      const at::Tensor u = decode_gemv(hf, weights.slice(kN1, 4), false);  // [u_n1 | u_n3 | u_w1 | u_w3]
       for (int64_t r = 0; r < b; ++r) {
         const scalar_t* ur = u.const_data_ptr<scalar_t>() + r * u.stride(0);
         scalar_t* yr = act.mutable_data_ptr<scalar_t>() + r * (n + w);
         glu_span<GluActivation::kSilu>(ur, ur + n, yr, n, z, z2);
         glu_span<GluActivation::kGeluTanh>(ur + 2 * n, ur + 2 * n + w, yr + n, w, z, z2);
       }
-      const at::Tensor down = gemv(act, weights.slice(kN2, 2), true);  // [narrow | wide]
+      const at::Tensor down = decode_gemv(act, weights.slice(kN2, 2), true);  // [narrow | wide]
       std::vector<scalar_t> f(d);
       for (int64_t r = 0; r < b; ++r) {
         // F = λ·narrow + (1 − λ)·wide, λ = σ(β), rounded; then X'' = X' + F and its next norm.
@@ -254,8 +250,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> decode_block(
   }
   return {x2, y, sum_out, summary};
 }
-
-}  // namespace
 
 TORCH_LIBRARY_IMPL(wiola, CPU, m) { m.impl("_decode_block", &decode_block); }
 

@@ -49,6 +49,7 @@
 #include <vector>
 
 #include "common.h"
+#include "decode_kernels.h"
 #include "isa.h"
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
@@ -526,6 +527,9 @@ WType wtype_of(at::ScalarType t) {
 
 bool gemv_dtype(at::ScalarType t) { return t == at::kFloat || t == at::kBFloat16 || t == at::kHalf; }
 
+}  // namespace
+
+
 // x (..., K): at most 16 rows in its leading dimensions; weights (n_i, k_i) with contiguous
 // rows, all of one dtype. Without split_input every k_i = K (all read x); with it Σ k_i = K and
 // weight i reads its own consecutive k_i columns of x. Returns (..., Σ n_i) in x's dtype:
@@ -652,8 +656,6 @@ at::Tensor decode_gemv(const at::Tensor& x_in, at::TensorList weights, bool spli
   });
   return out;
 }
-
-}  // namespace
 
 TORCH_LIBRARY_IMPL(wiola, CPU, m) { m.impl("_decode_gemv", &decode_gemv); }
 

@@ -12,8 +12,8 @@
 // Why one call: between the blocks the model's Python (the loop, the context stack, the cache
 // bookkeeping, each block's argument list) ran cold after every block had streamed ~40 MB of
 // weights through the caches — ~5 ms of a 45 ms wiola-360m bf16 step (docs/performance.md).
-// Every kernel here is the one the Python step calls, through the dispatcher, so the two
-// paths agree bit for bit (tests/test_model_decode_step.py).
+// Every kernel here is the one the Python step calls (the block and the GEMV directly,
+// decode_kernels.h), so the two paths agree bit for bit (tests/test_model_decode_step.py).
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "common.h"
+#include "decode_kernels.h"
 
 namespace wiola::cpu {
 namespace {
@@ -37,32 +38,6 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, const Opt& sh
                        .typed<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const Opt&,
                                                                  double, bool)>();
   return std::get<0>(op.call(x, weight, shift, eps, false));
-}
-
-at::Tensor gemv(const at::Tensor& x, at::TensorList weights) {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("wiola::_decode_gemv", "")
-                       .typed<at::Tensor(const at::Tensor&, at::TensorList, bool)>();
-  return op.call(x, weights, false);
-}
-
-using BlockOut = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
-
-BlockOut block(const at::Tensor& x, const at::Tensor& normed, at::TensorList weights, const at::Tensor& ffn_norm_weight,
-               const Opt& ffn_norm_shift, double ffn_norm_eps, const Opt& next_norm_weight,
-               const Opt& next_norm_shift, double next_norm_eps, const at::Tensor& beta, const at::Tensor& gate,
-               at::Tensor& k_cache, at::Tensor& v_cache, int64_t past, const at::Tensor& position_ids,
-               int64_t n_head, double theta, double spiral_divisor, double radial_amplitude,
-               double radial_frequency, const Opt& context, const Opt& summary_sum) {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("wiola::_decode_block", "")
-                       .typed<BlockOut(const at::Tensor&, const at::Tensor&, at::TensorList, const at::Tensor&,
-                                       const Opt&, double, const Opt&, const Opt&, double, const at::Tensor&,
-                                       const at::Tensor&, at::Tensor&, at::Tensor&, int64_t, const at::Tensor&,
-                                       int64_t, double, double, double, double, const Opt&, const Opt&)>();
-  return op.call(x, normed, weights, ffn_norm_weight, ffn_norm_shift, ffn_norm_eps, next_norm_weight,
-                 next_norm_shift, next_norm_eps, beta, gate, k_cache, v_cache, past, position_ids, n_head, theta,
-                 spiral_divisor, radial_amplitude, radial_frequency, context, summary_sum);
 }
 
 // Returns (logits (B, 1, V), the layers' new running summary sums — one per entry of summary_sums).
@@ -115,7 +90,7 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> decode_step(
     const Opt sum = l < summed ? Opt(summary_sums[l]) : std::nullopt;
     at::Tensor k = k_caches[l], v = v_caches[l];
     auto [out, y, s, summary] =
-        block(x, normed, weights.slice(kBlockWeights * l, kBlockWeights), norm_weights[ffn], norm_shifts.get(ffn),
+        decode_block(x, normed, weights.slice(kBlockWeights * l, kBlockWeights), norm_weights[ffn], norm_shifts.get(ffn),
               norm_eps[ffn], norm_weights[next], norm_shifts.get(next), norm_eps[next], betas[l], gates[l], k, v,
               past, position_ids, n_head, theta, spiral_divisor, radial_amplitude, radial_frequency, context, sum);
     x = std::move(out);
@@ -126,7 +101,7 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> decode_step(
       if (static_cast<int64_t>(summaries.size()) > lookback) summaries.erase(summaries.begin());
     }
   }
-  return {gemv(normed, {head_weight}), std::move(new_sums)};
+  return {decode_gemv(normed, {head_weight}, false), std::move(new_sums)};
 }
 
 }  // namespace
