@@ -1,7 +1,12 @@
 // The Python module `wiola_kernels._C`. Importing it loads this library, whose static
 // initialisers register every wiola:: kernel with the dispatcher (csrc/wiola_ops.cpp
 // declares the schemas; csrc/cpu and csrc/cuda implement them).
-#include <torch/extension.h>
+// pybind11 and c10's checks, not <torch/extension.h> (all of torch's C++ API: ~30 s of a
+// compile for nothing this file uses). torch._C registers the translation of c10 errors to
+// Python's (c10::ValueError → ValueError) with the pybind11 both modules share.
+#include <c10/util/Exception.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
 
 #include <string>
 #include <vector>

@@ -14,6 +14,7 @@
 // index map (each slot is rounded once for maps from merge).
 #include <ATen/Parallel.h>
 #include <torch/library.h>
+#include <ATen/ops/empty.h>
 
 #include <algorithm>
 #include <cmath>

@@ -1,7 +1,8 @@
 // Helpers shared by the C++ CPU kernels.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/core/Tensor.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 

@@ -20,9 +20,10 @@
 // activations, the DSFF blend, the summary — is plain vectorised loops over the d-wide rows
 // here, with the roundings of the model's Python step (each op's output rounded to the model's
 // dtype; statistics in float32): the two paths agree to rounding (tests/test_model_decode.py).
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
+#include <ATen/ops/empty.h>
 
 #include <optional>
 #include <tuple>

@@ -4,7 +4,7 @@
 // schemas (csrc/wiola_ops.cpp).
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 #include <optional>
 #include <tuple>

@@ -14,9 +14,10 @@
 // weights through the caches — ~5 ms of a 45 ms wiola-360m bf16 step (docs/performance.md).
 // Every kernel here is the one the Python step calls (the block and the GEMV directly,
 // decode_kernels.h), so the two paths agree bit for bit (tests/test_model_decode_step.py).
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
+#include <ATen/ops/stack.h>
 
 #include <algorithm>
 #include <optional>

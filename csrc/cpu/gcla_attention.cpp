@@ -32,6 +32,8 @@
 // (b, h, query block); both are summed afterwards in a fixed order.
 #include <ATen/Parallel.h>
 #include <torch/library.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 
 #include <algorithm>
 #include <cmath>

@@ -38,6 +38,8 @@
 // code on the same chunks, so both give the same bits.
 #include <ATen/Parallel.h>
 #include <torch/library.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/mm.h>
 
 #include <algorithm>
 #include <array>

@@ -28,6 +28,9 @@
 // as the row the norm reads; ResidualAdd), its backward adds ∂L/∂s to ∂x (kGradS).
 #include <ATen/Parallel.h>
 #include <torch/library.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/ones.h>
+#include <ATen/ops/zeros.h>
 
 #include <cmath>
 #include <limits>

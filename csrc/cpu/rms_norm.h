@@ -3,7 +3,7 @@
 // (wiola/checks.h); these check only what the backward receives from the forward.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 #include <optional>
 #include <tuple>

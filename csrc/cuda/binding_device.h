@@ -5,6 +5,8 @@
 // registered as torch.ops.wiola_cuda_emu.* (the test backend cuda_emu).
 #pragma once
 
+#include <ATen/ops/from_blob.h>
+#include <c10/util/strides.h>
 #include <torch/library.h>
 
 #include "wiola/dtype.h"

@@ -7,7 +7,9 @@
 // Host code with ATen; never included by a .cu file.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/full.h>
 #include <c10/util/Exception.h>
 
 #include <charconv>

@@ -3,7 +3,9 @@
 // which must not pull in the CPU kernels' SIMD headers). ATen only.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 
 #include <cstdint>
 #include <cstdlib>
