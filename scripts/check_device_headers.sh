@@ -42,6 +42,18 @@ if [ -n "$cuda_include" ]; then
 fi
 echo "torch $(sed -n "s/^__version__ = '\(.*\)'/\1/p" "$dir/torch/version.py") headers, $(c++ --version | head -1)"
 logs=$(mktemp -d)
+# The torch headers the kernels include, parsed once into a GCC precompiled header that every
+# source is given first (-include): a source's check then takes ~3 s instead of ~11. GCC
+# ignores a PCH built with other flags and parses the headers itself (slower, same verdict).
+printf '#include <%s>\n' ATen/Dispatch.h ATen/Parallel.h ATen/core/Tensor.h ATen/cpu/vec/functional.h \
+  ATen/cpu/vec/vec.h ATen/ops/empty.h torch/library.h > "$logs/torch_headers.h"
+pch_flags=()
+for f in "${flags[@]}"; do [ "$f" = -fsyntax-only ] || pch_flags+=("$f"); done
+if c++ "${pch_flags[@]}" -x c++-header "$logs/torch_headers.h" -o "$logs/torch_headers.h.gch" 2> "$logs/pch.log"; then
+  flags+=(-include "$logs/torch_headers.h")
+else
+  echo "(no precompiled header: $(grep -m1 error: "$logs/pch.log"))"
+fi
 sources=(csrc/*.cpp csrc/cpu/*.cpp csrc/cuda/emu/*.cpp)
 [ -n "$cuda_include" ] && sources+=(csrc/cuda/*.cpp)
 export logs
@@ -79,6 +91,7 @@ EOF
   cat "$logs"/csrc_cuda_*.cu.result >> "$logs/summary"
   sources+=(csrc/cuda/*.cu)
 fi
+rm -f "$logs/torch_headers.h.gch"  # ~0.4 GB
 cat "$logs/summary"
 if grep -q "^FAIL" "$logs/summary"; then
   for f in $(sed -n 's/^FAIL //p' "$logs/summary"); do
