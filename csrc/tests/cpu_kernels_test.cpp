@@ -12,6 +12,8 @@
 #include <string>
 #include <vector>
 
+#include "../cpu/isa.h"
+
 namespace {
 
 int failures = 0;
@@ -371,6 +373,54 @@ std::pair<at::Tensor, at::Tensor> naive_decode_attention(const at::Tensor& qkv, 
 // and are not multiples of the vector widths, group sizes that take every register path, and
 // key counts around multiples of 8; under the sanitizer build any access past the cache rows,
 // the scratch or the output faults.
+// The decoding GEMV on every path this CPU runs (generic, AVX2, AVX-512), float32/bf16/fp16,
+// with row, column and vector tails: under AddressSanitizer a load past a weight row, x or the
+// output fails here, not only a wrong number. Reference: x Wᵀ in double.
+void test_decode_gemv() {
+  using wiola::cpu::Isa;
+  auto gemv = op("wiola::_decode_gemv").typed<at::Tensor(const at::Tensor&, at::TensorList, bool)>();
+  const int best = static_cast<int>(wiola::cpu::cpu_best_isa());
+  for (const char* isa : {"generic", "avx2", "avx512"}) {
+    if (static_cast<int>(wiola::cpu::parse_isa(isa)) > best) continue;
+    wiola::cpu::set_cpu_isa(isa);
+    for (auto dtype : {at::kFloat, at::kBFloat16, at::kHalf}) {
+      const double tol = dtype == at::kFloat ? 1e-5 : 1e-2;
+      for (int64_t rows : {1, 3, 16}) {
+        for (auto [n, k] : {std::pair<int64_t, int64_t>{1, 1}, {3, 7}, {17, 33}, {33, 100}, {130, 257}, {5, 1027}}) {
+          const at::Tensor x = at::randn({rows, k}).to(dtype);
+          // W whole (a read past its last row's end leaves the allocation), and W's rows as a
+          // slice of wider rows (stride k + 5, not adjacent in memory).
+          for (bool sliced : {false, true}) {
+            const at::Tensor w = sliced ? at::randn({n, k + 5}).to(dtype).narrow(1, 2, k) : at::randn({n, k}).to(dtype);
+            const at::Tensor out = gemv.call(x, {w}, false);
+            const double e = rel_err(out, at::mm(x.to(at::kDouble), w.to(at::kDouble).t()));
+            expect(e <= tol, std::string("decode_gemv ") + isa + " " + c10::toString(dtype) + " rows=" +
+                                 std::to_string(rows) + " n=" + std::to_string(n) + " k=" + std::to_string(k) +
+                                 (sliced ? " sliced W" : "") + " rel err " + std::to_string(e));
+          }
+        }
+        // Several weights: each reads all of x, or (split_input) its own columns of x.
+        const at::Tensor w0 = at::randn({9, 40}).to(dtype), w1 = at::randn({20, 40}).to(dtype);
+        const at::Tensor w2 = at::randn({7, 13}).to(dtype), w3 = at::randn({11, 27}).to(dtype);
+        const at::Tensor x = at::randn({rows, 40}).to(dtype), xd = x.to(at::kDouble);
+        const at::Tensor both = gemv.call(x, {w0, w1}, false);
+        const at::Tensor split = gemv.call(x, {w2, w3}, true);
+        const at::Tensor ref_both = at::cat({at::mm(xd, w0.to(at::kDouble).t()), at::mm(xd, w1.to(at::kDouble).t())}, 1);
+        const at::Tensor ref_split = at::cat({at::mm(xd.narrow(1, 0, 13), w2.to(at::kDouble).t()),
+                                              at::mm(xd.narrow(1, 13, 27), w3.to(at::kDouble).t())}, 1);
+        const double e = std::max(rel_err(both, ref_both), rel_err(split, ref_split));
+        expect(e <= tol, std::string("decode_gemv ") + isa + " " + c10::toString(dtype) + " rows=" +
+                             std::to_string(rows) + " two weights, shared and split x: rel err " + std::to_string(e));
+      }
+    }
+  }
+  wiola::cpu::set_cpu_isa("auto");
+  expect(throws_value_error([&] { gemv.call(at::randn({17, 8}), {at::randn({4, 8})}, false); }),
+         "decode_gemv rejects 17 rows with ValueError");
+  expect(throws_value_error([&] { gemv.call(at::randn({2, 8}), {at::randn({4, 7})}, false); }),
+         "decode_gemv rejects a weight of another k with ValueError");
+}
+
 void test_decode_attention() {
   using Opt = std::optional<at::Tensor>;
   auto attn = op("wiola::_decode_attention")
@@ -673,6 +723,7 @@ int main() {
   test_srpe();
   test_gcla_attention();
   test_decode_attention();
+  test_decode_gemv();
   test_atm();
   std::printf("%d passed, %d failed\n", passes, failures);
   return failures == 0 ? 0 : 1;
