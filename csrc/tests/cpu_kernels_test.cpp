@@ -5,8 +5,11 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/util/Exception.h>
 
+#include <array>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
+#include <tuple>
 #include <functional>
 #include <optional>
 #include <string>
@@ -421,6 +424,99 @@ void test_decode_gemv() {
          "decode_gemv rejects a weight of another k with ValueError");
 }
 
+// Linear cross-entropy's loss, lse and gradients in double, written from SPEC §10.1: z = h Wᵀ
+// (softcapped), ℓ = (1 − ε)(lse − z_y) + ε(lse − mean z) + ζ lse², 0 on ignored rows; dz the
+// gradient of Σ g_i ℓ_i with respect to z; ∂h = dz W, ∂W = dzᵀ h.
+struct LceRef {
+  at::Tensor loss, lse, grad_h, grad_W;
+};
+LceRef naive_linear_cross_entropy(const at::Tensor& h, const at::Tensor& W, const at::Tensor& y, double eps,
+                                  std::optional<double> cap, double zeta, const at::Tensor& g) {
+  const at::Tensor hd = h.to(at::kDouble), Wd = W.to(at::kDouble);
+  at::Tensor z = at::mm(hd, Wd.t());
+  if (cap) z = *cap * at::tanh(z / *cap);
+  const int64_t V = W.size(0);
+  const at::Tensor lse = at::logsumexp(z, {1});
+  const at::Tensor valid = y.ne(-100);
+  const at::Tensor yc = at::where(valid, y, at::zeros_like(y));
+  const at::Tensor zy = z.gather(1, yc.unsqueeze(1)).squeeze(1);
+  at::Tensor loss = (1 - eps) * (lse - zy) + eps * (lse - z.mean({1})) + zeta * lse * lse;
+  loss = at::where(valid, loss, at::zeros_like(loss));
+  at::Tensor dz = at::softmax(z, 1) * (1 + 2 * zeta * lse).unsqueeze(1) - eps / V;
+  dz.scatter_add_(1, yc.unsqueeze(1), at::full({h.size(0), 1}, -(1 - eps), dz.options()));
+  if (cap) dz = dz * (1 - (z / *cap) * (z / *cap));
+  dz = dz * (g.to(at::kDouble) * valid.to(at::kDouble)).unsqueeze(1);
+  return {loss, lse, at::mm(dz, Wd), at::mm(dz.t(), hd)};
+}
+
+// Several chunks of rows (WIOLA_LCE_CHUNK_ROWS = 32 over 70 rows: 32 + 32 + 6) and a vocabulary
+// that is no multiple of a block or a vector, ignored rows, and every option; float32, and
+// bf16 on both of its paths (float32 GEMMs on widened operands below AVX512_BF16, bf16 GEMMs
+// at it). The forward's gradients ("sum") and the backward's recomputation ("none", rows
+// weighted) against the double loop above; ASan sees every chunk's and block's edges.
+void test_linear_cross_entropy() {
+  using Opt = std::optional<at::Tensor>;
+  auto fwd = op("wiola::linear_cross_entropy")
+                 .typed<std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
+                     const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, c10::string_view, double,
+                     std::optional<double>, double, const Opt&, std::array<bool, 2>)>();
+  auto bwd = op("wiola::linear_cross_entropy_backward")
+                 .typed<void(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                             const at::Tensor&, const Opt&, const Opt&, const Opt&, int64_t, c10::string_view, double,
+                             std::optional<double>, double, bool)>();
+  setenv("WIOLA_LCE_CHUNK_ROWS", "32", 1);
+  const int64_t n = 70, d = 24, V = 8300;
+  const int best = static_cast<int>(wiola::cpu::cpu_best_isa());
+  struct Case {
+    at::ScalarType dtype;
+    const char* isa;
+  };
+  for (const Case c : {Case{at::kFloat, "avx2"}, Case{at::kBFloat16, "avx2"}, Case{at::kBFloat16, "avx512_bf16"}}) {
+    if (static_cast<int>(wiola::cpu::parse_isa(c.isa)) > best) continue;
+    wiola::cpu::set_cpu_isa(c.isa);
+    const double tol = c.dtype == at::kFloat ? 1e-4 : 1e-2;
+    for (const bool options : {false, true}) {
+      const double eps = options ? 0.1 : 0.0, zeta = options ? 1e-4 : 0.0;
+      const std::optional<double> cap = options ? std::optional<double>(3.0) : std::nullopt;
+      const at::Tensor h = at::randn({n, d}).to(c.dtype), W = (at::randn({V, d}) * 0.5).to(c.dtype);
+      at::Tensor y = at::randint(0, V, {n}, at::kLong);
+      y.index_put_({at::arange(0, n, 7)}, -100);
+      y[1] = V - 1;  // the last column, in the vocabulary's tail
+      const std::string name = std::string("linear_cross_entropy ") + c10::toString(c.dtype) + " " + c.isa +
+                               (options ? " ε=0.1 softcap=3 ζ=1e-4" : "");
+      // "sum" with the forward's gradients: those of Σ ℓ_i (g = 1).
+      const auto [loss, lse, gh, gW] = fwd.call(h, W, y, -100, "sum", eps, cap, zeta, std::nullopt, {true, true});
+      const LceRef r = naive_linear_cross_entropy(h, W, y, eps, cap, zeta, at::ones({n}, at::kDouble));
+      const double e_loss = std::abs(loss.item<double>() - r.loss.sum().item<double>()) /
+                            std::abs(r.loss.sum().item<double>());
+      const at::Tensor valid = y.ne(-100);
+      const double e_lse = rel_err(lse.masked_select(valid), r.lse.masked_select(valid));
+      const double e_h = rel_err(gh, r.grad_h), e_W = rel_err(gW, r.grad_W);
+      expect(e_loss <= tol && e_lse <= tol && e_h <= tol && e_W <= tol,
+             name + " sum: rel err loss " + std::to_string(e_loss) + " lse " + std::to_string(e_lse) + " dh " +
+                 std::to_string(e_h) + " dW " + std::to_string(e_W));
+      // "none": the backward recomputes, rows weighted by grad_loss.
+      const at::Tensor g = at::randn({n}, at::kFloat);
+      const auto [rows_loss, lse_none, unused_h, unused_W] =
+          fwd.call(h, W, y, -100, "none", eps, cap, zeta, std::nullopt, {false, false});
+      at::Tensor bh = at::full({n, d}, std::nan(""), h.options()), bW = at::full({V, d}, std::nan(""), W.options());
+      bwd.call(g, h, W, y, lse_none, std::nullopt, bh, bW, -100, "none", eps, cap, zeta, false);
+      const LceRef rg = naive_linear_cross_entropy(h, W, y, eps, cap, zeta, g);
+      const double e_rows = rel_err(rows_loss, r.loss), e_bh = rel_err(bh, rg.grad_h), e_bW = rel_err(bW, rg.grad_W);
+      expect(e_rows <= tol && e_bh <= tol && e_bW <= tol,
+             name + " none + backward: rel err loss " + std::to_string(e_rows) + " dh " + std::to_string(e_bh) +
+                 " dW " + std::to_string(e_bW));
+    }
+  }
+  wiola::cpu::set_cpu_isa("auto");
+  unsetenv("WIOLA_LCE_CHUNK_ROWS");
+  expect(throws_value_error([&] {
+           fwd.call(at::randn({4, 8}), at::randn({10, 7}), at::zeros({4}, at::kLong), -100, "mean", 0.0, std::nullopt,
+                    0.0, std::nullopt, {false, false});
+         }),
+         "linear_cross_entropy rejects W of another d with ValueError");
+}
+
 void test_decode_attention() {
   using Opt = std::optional<at::Tensor>;
   auto attn = op("wiola::_decode_attention")
@@ -724,6 +820,7 @@ int main() {
   test_gcla_attention();
   test_decode_attention();
   test_decode_gemv();
+  test_linear_cross_entropy();
   test_atm();
   std::printf("%d passed, %d failed\n", passes, failures);
   return failures == 0 ? 0 : 1;
