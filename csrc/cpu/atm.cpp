@@ -13,8 +13,8 @@
 // a segment sum per (row, column block) in token order, so it is deterministic for any
 // index map (each slot is rounded once for maps from merge).
 #include <ATen/Parallel.h>
-#include <torch/library.h>
 #include <ATen/ops/empty.h>
+#include <torch/library.h>
 
 #include <algorithm>
 #include <cmath>

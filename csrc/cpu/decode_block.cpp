@@ -22,8 +22,8 @@
 // dtype; statistics in float32): the two paths agree to rounding (tests/test_model_decode.py).
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
-#include <torch/library.h>
 #include <ATen/ops/empty.h>
+#include <torch/library.h>
 
 #include <optional>
 #include <tuple>

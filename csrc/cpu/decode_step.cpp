@@ -16,8 +16,8 @@
 // decode_kernels.h), so the two paths agree bit for bit (tests/test_model_decode_step.py).
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
-#include <torch/library.h>
 #include <ATen/ops/stack.h>
+#include <torch/library.h>
 
 #include <algorithm>
 #include <optional>

@@ -31,9 +31,9 @@
 // S = 1 summaries give dkc/dvc partials per query block and dgate partials per
 // (b, h, query block); both are summed afterwards in a fixed order.
 #include <ATen/Parallel.h>
-#include <torch/library.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
+#include <torch/library.h>
 
 #include <algorithm>
 #include <cmath>

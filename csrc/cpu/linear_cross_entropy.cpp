@@ -37,9 +37,9 @@
 // gradients were already used (autograd called twice on the graph, e.g. gradcheck): the same
 // code on the same chunks, so both give the same bits.
 #include <ATen/Parallel.h>
-#include <torch/library.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/mm.h>
+#include <torch/library.h>
 
 #include <algorithm>
 #include <array>

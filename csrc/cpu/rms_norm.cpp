@@ -27,10 +27,10 @@
 // forward forms each row of s = x + residual (add_row: rounded once, written out, kept in L1
 // as the row the norm reads; ResidualAdd), its backward adds ∂L/∂s to ∂x (kGradS).
 #include <ATen/Parallel.h>
-#include <torch/library.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/ones.h>
 #include <ATen/ops/zeros.h>
+#include <torch/library.h>
 
 #include <cmath>
 #include <limits>

@@ -9,10 +9,10 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
-#include <tuple>
 #include <functional>
 #include <optional>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "../cpu/isa.h"
@@ -372,15 +372,10 @@ std::pair<at::Tensor, at::Tensor> naive_decode_attention(const at::Tensor& qkv, 
   return {out.view({B, H * dh}), kr.view({B, Hkv, dh})};
 }
 
-// The decoding attention through the dispatcher against the naive loop, at head sizes that are
-// and are not multiples of the vector widths, group sizes that take every register path, and
-// key counts around multiples of 8; under the sanitizer build any access past the cache rows,
-// the scratch or the output faults.
 // The decoding GEMV on every path this CPU runs (generic, AVX2, AVX-512), float32/bf16/fp16,
 // with row, column and vector tails: under AddressSanitizer a load past a weight row, x or the
 // output fails here, not only a wrong number. Reference: x Wᵀ in double.
 void test_decode_gemv() {
-  using wiola::cpu::Isa;
   auto gemv = op("wiola::_decode_gemv").typed<at::Tensor(const at::Tensor&, at::TensorList, bool)>();
   const int best = static_cast<int>(wiola::cpu::cpu_best_isa());
   for (const char* isa : {"generic", "avx2", "avx512"}) {
@@ -517,6 +512,10 @@ void test_linear_cross_entropy() {
          "linear_cross_entropy rejects W of another d with ValueError");
 }
 
+// The decoding attention through the dispatcher against the naive loop, at head sizes that are
+// and are not multiples of the vector widths, group sizes that take every register path, and
+// key counts around multiples of 8; under the sanitizer build any access past the cache rows,
+// the scratch or the output faults.
 void test_decode_attention() {
   using Opt = std::optional<at::Tensor>;
   auto attn = op("wiola::_decode_attention")
