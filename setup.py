@@ -20,6 +20,7 @@ import glob
 import os
 import platform
 import re
+import shlex
 import subprocess
 
 from setuptools import find_packages, setup
@@ -91,6 +92,36 @@ def _cpu_arch_flags() -> list[str]:
     return flags
 
 
+def shared_libstdcxx_link_args(cxx: str) -> list[str]:
+    """The shared libstdc++ of compiler ``cxx``, as a link argument ([] when it has none).
+
+    Some toolchains link libstdc++ statically (the GPU image's /opt/gcc does). The extension
+    then carries a private copy whose locale facets are numbered differently from those of
+    the shared copy torch loads, and a stream made by one and written by the other calls the
+    wrong facet: formatting an integer in a TORCH_CHECK message crashed the interpreter.
+    Named before the driver's own libraries, the shared library satisfies every reference,
+    so nothing is taken from the static archive."""
+    try:
+        out = subprocess.run([*shlex.split(cxx)[:1], "-print-file-name=libstdc++.so.6"], capture_output=True,
+                             text=True, timeout=60).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        out = ""
+    if os.path.isabs(out) and os.path.isfile(out):
+        return [out]
+    loaded = _loaded_libstdcxx()  # the compiler has none: the copy this process (torch) runs with
+    return [loaded] if loaded else []
+
+
+def _loaded_libstdcxx() -> str | None:
+    """The path of the libstdc++.so.6 mapped into this process, if any (Linux)."""
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {m.group(0) for m in map(re.compile(r"/\S*/libstdc\+\+\.so\.6[.\d]*$").search, maps) if m}
+    except OSError:
+        return None
+    return min(paths) if paths else None
+
+
 def _extensions() -> tuple[list, dict]:
     if os.environ.get("WIOLA_NO_EXTENSION", "0") == "1":
         return [], {}
@@ -100,6 +131,7 @@ def _extensions() -> tuple[list, dict]:
     sources = [os.path.relpath(p, HERE) for p in ["csrc/python_module.cpp", "csrc/wiola_ops.cpp", *sorted(glob.glob(f"{HERE}/csrc/cpu/*.cpp"))]]
     # C++20 named: torch < 2.13 would add -std=c++17 to a command line that has none.
     cxx = ["-O3", "-std=c++20", "-fopenmp", *_cpu_arch_flags()]
+    link = ["-fopenmp", *shared_libstdcxx_link_args(os.environ.get("CXX", "c++"))]  # torch's choice of driver
     if os.environ.get("WIOLA_NO_CUDA_EMU", "0") != "1":
         # The CUDA kernels compiled as host C++ for the SIMT emulator (test backend cuda_emu),
         # in every build: on a GPU build too, so that scripts/gpu_check.sh compares the two.
@@ -115,10 +147,10 @@ def _extensions() -> tuple[list, dict]:
         nvcc += cuda_nvcc_arch_flags(os.environ)
         ext = CUDAExtension("wiola_kernels._C", sources, include_dirs=[f"{HERE}/csrc/include"],
                             define_macros=[("WIOLA_WITH_CUDA", None)],
-                            extra_compile_args={"cxx": cxx, "nvcc": nvcc}, extra_link_args=["-fopenmp"])
+                            extra_compile_args={"cxx": cxx, "nvcc": nvcc}, extra_link_args=link)
     else:
         ext = CppExtension("wiola_kernels._C", sources, include_dirs=[f"{HERE}/csrc/include"],
-                           extra_compile_args={"cxx": cxx}, extra_link_args=["-fopenmp"])
+                           extra_compile_args={"cxx": cxx}, extra_link_args=link)
     return [ext], {"build_ext": BuildExtension.with_options(use_ninja=True)}
 
 

@@ -96,3 +96,35 @@ def test_cpp_standard_is_named(setup_py, monkeypatch):
     monkeypatch.delenv("WIOLA_FORCE_CUDA", raising=False)
     (ext,), _ = setup_py._extensions()
     assert "-std=c++20" in ext.extra_compile_args["cxx"]
+
+
+def test_the_shared_libstdcxx_is_linked_by_path(setup_py):
+    """The compiler's own libstdc++.so.6, so that no toolchain can link a private static copy."""
+    (path,) = setup_py.shared_libstdcxx_link_args("c++ -O2")
+    assert Path(path).is_absolute() and Path(path).name == "libstdc++.so.6" and Path(path).is_file()
+
+
+def test_a_compiler_without_a_shared_libstdcxx_takes_the_loaded_one(setup_py, tmp_path):
+    """A toolchain that has only the static archive: the copy torch runs with."""
+    fake = tmp_path / "fake-g++"
+    fake.write_text("#!/bin/sh\necho libstdc++.so.6\n")  # what gcc prints for a file it cannot find
+    fake.chmod(0o755)
+    import torch  # noqa: F401  (maps libstdc++.so.6 into this process)
+
+    loaded = setup_py._loaded_libstdcxx()
+    assert loaded is not None and Path(loaded).name.startswith("libstdc++.so.6") and Path(loaded).is_file()
+    assert setup_py.shared_libstdcxx_link_args(str(fake)) == [loaded]
+    assert setup_py.shared_libstdcxx_link_args(str(tmp_path / "missing")) == [loaded]
+
+
+def test_the_extension_uses_the_process_libstdcxx():
+    """No libstdc++ code inside wiola_kernels._C: a static copy's locale facets clash with the
+    shared copy torch loads (an integer in an error message crashed on the GPU image)."""
+    import wiola_kernels
+
+    so = next(Path(wiola_kernels.__file__).parent.glob("_C*.so"), None)
+    if so is None or shutil.which("nm") is None:
+        pytest.skip("needs the built extension and nm")
+    defined = subprocess.run(["nm", "-C", "--defined-only", str(so)], capture_output=True, text=True,
+                             timeout=120).stdout
+    assert "std::codecvt" not in defined and "std::locale::classic" not in defined
