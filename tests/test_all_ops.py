@@ -62,7 +62,7 @@ def _run(case: OpCase, args: dict, grads: list | int | None):
         return [o.detach() for o in outs], [], []
     if isinstance(grads, int):
         g = gen(grads)
-        grads = [torch.randn(o.shape, generator=g, dtype=F64).to(o.dtype) for o in floats]
+        grads = [torch.randn(o.shape, generator=g, dtype=F64).to(o.device, o.dtype) for o in floats]
     dargs = torch.autograd.grad(floats, [args[n] for n in _tensors(args)], grads)
     return [o.detach() for o in outs], list(dargs), grads
 

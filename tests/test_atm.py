@@ -304,7 +304,7 @@ def test_nonfinite_token_is_confined(backend):
             merged, _, mlen, imap = (o.cpu() for o in wk.atm_merge(xb, torch.arange(t, device=dev), 0.5))
             slot = int(imap[1, 4])
             grad[1, slot, 0] = bad
-            (gx,) = (v.cpu() for v in torch.autograd.grad(merged, xb, grad.to(dev)))
+            (gx,) = (v.cpu() for v in torch.autograd.grad(merged, xb, grad))  # merged: a CPU copy
             y[2, 1, 3], gr[0, 7, 1] = bad, bad
             y = y.to(dev).requires_grad_()
             restored = wk.atm_unmerge(y, imap0.to(dev))
