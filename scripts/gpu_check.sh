@@ -40,14 +40,14 @@ BUDGET=480           # seconds of wall time for the whole run; no step starts pa
 BUDGET=${GPU_CHECK_BUDGET:-$BUDGET}  # smaller in tests/test_gpu_check.py
 SUMMARY_RESERVE=10   # kept back for the summary
 PLAN=(
-  "environment|15|GPU, driver, compilers and package versions"
-  "build|140|build the extension (sm_\${WIOLA_CUDA_ARCH}) on all cores; Triton kernels compiled in parallel"
-  "gpu-tests|85|GPU tests (pytest -m gpu, no -x)"
-  "sanitizers|80|compute-sanitizer memcheck, racecheck, synccheck, initcheck; planted bugs caught"
-  "cuda-vs-emu|30|CUDA kernels on the GPU vs the same kernels in the CPU emulator"
+  "environment|25|GPU, driver, compilers and package versions"
+  "build|100|build the extension (sm_\${WIOLA_CUDA_ARCH}) on all cores; Triton kernels compiled in parallel"
+  "gpu-tests|120|GPU tests (pytest -m gpu, no -x; 4 processes where pytest-xdist is installed)"
+  "sanitizers|60|compute-sanitizer memcheck, racecheck, synccheck, initcheck; planted bugs caught"
+  "cuda-vs-emu|20|CUDA kernels on the GPU vs the same kernels in the CPU emulator"
   "check|25|self-check: every backend vs the float64 oracle"
-  "bench|50|benchmarks of every op (bf16)"
-  "overhead|30|op-layer overhead on CUDA tensors"
+  "bench|40|benchmarks of every op (bf16)"
+  "overhead|60|op-layer overhead on CUDA tensors"
   "hf-llama|75|Hugging Face Llama training step, bf16: patch_hf vs unpatched, eager and compiled"
   "summary|10|summary table"
 )
@@ -167,20 +167,32 @@ EOF
   [ $rc -eq 0 ] || { tail -40 "$OUT/build.log"; echo "BUILD FAILED (log: $OUT/build.log)"; }
   wait $warm || echo "warning: the Triton warm-up failed (kernels compile on first use instead)"
   grep -E "kernel variants|compiled|FAILED" "$OUT/triton_warmup.log" | head -8
+  # A toolchain that links libstdc++ statically gives the extension a private copy that
+  # clashes with torch's (setup.py shared_libstdcxx_link_args): an error message crashed.
+  local so
+  for so in wiola_kernels/_C*.so; do
+    if [ -f "$so" ] && nm -C --defined-only "$so" 2>/dev/null | grep -q "std::codecvt"; then
+      echo "BUILD FAILED: $so holds its own copy of libstdc++ (linked statically)"; rc=1
+    fi
+  done
   $PY -m wiola_kernels backends --device cuda 2>&1 | awk '$2 == "cuda" || $2 == "triton"' | cut -c1-160
   return $rc
 }
 
 step_gpu_tests() {
+  # Four processes share the GPU: a quarter of the time, and a test that crashes its process
+  # is reported as failed instead of ending the run (pytest-xdist restarts the worker).
+  local XDIST=()
+  $PY -c "import xdist" 2>/dev/null && XDIST=(-n 4)
   if [ "$DRY" = 1 ]; then
     gpu_test_ids > /dev/null || return 1
     local n
     n=$(grep -v -c -i "cuda_emu" "$OUT/gpu-tests.ids")
-    echo "GPU tests selected: $n (pytest -m gpu -k 'not cuda_emu' tests)"
+    echo "GPU tests selected: $n (pytest -m gpu -k 'not cuda_emu' ${XDIST[*]} tests)"
     [ "$n" -gt 0 ]
     return
   fi
-  $PY -m pytest -q -p no:cacheprovider -m gpu -k "not cuda_emu" -rfE --tb=short --durations=10 \
+  $PY -m pytest -q -p no:cacheprovider -m gpu -k "not cuda_emu" -rfE --tb=short --durations=10 "${XDIST[@]}" \
     --junitxml "$OUT/pytest-gpu.xml" tests > "$OUT/pytest-gpu.log" 2>&1
   local rc=$?
   grep -E "^(FAILED|ERROR) " "$OUT/pytest-gpu.log" | cut -c1-200 | head -40

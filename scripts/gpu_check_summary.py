@@ -37,12 +37,18 @@ def format_steps(rows: list[dict]) -> str:
 
 
 def format_bench(rows: list[dict]) -> str:
-    lines = [f"{'op':<16}{'pass':<9}{'backend':<9}{'ms':>9}{'x eager':>9}{'x compile':>10}{'GB/s':>8}{'%copy':>7}"]
+    """One line per benchmark record; "-" where a baseline was not run (``--no-compile``)."""
+    w = max([len("op"), *(len(r["op"]) for r in rows)]) + 2
+
+    def ratio(v) -> str:
+        return f"{v:>10.2f}" if v is not None else f"{'-':>10}"
+
+    lines = [f"{'op':<{w}}{'pass':<9}{'backend':<9}{'ms':>9}{'x eager':>9}{'x compile':>10}{'GB/s':>8}{'%copy':>7}  case"]
     for r in rows:
-        compiled = r.get("speedup_vs_compile") or 0.0
-        lines.append(f"{r['op']:<16}{r['pass']:<9}{r['backend']:<9}{r['ms']:>9.3f}{r['speedup_vs_eager']:>9.2f}"
-                     f"{compiled:>10.2f}{r['gbps']:>8.0f}"
-                     + (f"{r['pct_of_copy']:>6.0f}%" if r.get("pct_of_copy") is not None else f"{'-':>7}"))
+        lines.append(f"{r['op']:<{w}}{r['pass']:<9}{r['backend']:<9}{r['ms']:>9.3f}{r['speedup_vs_eager']:>9.2f}"
+                     f"{ratio(r.get('speedup_vs_compile'))}{r['gbps']:>8.0f}"
+                     + (f"{r['pct_of_copy']:>6.0f}%" if r.get("pct_of_copy") is not None else f"{'-':>7}")
+                     + f"  {r.get('shape', '')} {r.get('dtype', '')}".rstrip())
     return "\n".join(lines)
 
 

@@ -120,7 +120,9 @@ def summary_out(tmp_path):
     (tmp_path / "gpu_check_steps.tsv").write_text(
         "".join(f"{n}\t{s}\t{sec}\t{t}\tthe {n} step\n" for n, s, sec, t in rows))
     bench = [dict(op="rms_norm", backend="triton", shape="x", dtype="bfloat16", ms=0.0312, speedup_vs_eager=4.5,
-                  speedup_vs_compile=None, gbps=2100.0, pct_of_copy=71.0, **{"pass": "fwd"})]
+                  speedup_vs_compile=None, gbps=2100.0, pct_of_copy=71.0, **{"pass": "fwd"}),
+             dict(op="linear_cross_entropy", backend="triton", shape="h (4096, 1024)", dtype="bfloat16", ms=1.154,
+                  speedup_vs_eager=1.07, speedup_vs_compile=1.25, gbps=64.0, pct_of_copy=None, **{"pass": "fwd+bwd"})]
     (tmp_path / "bench.json").write_text(json.dumps(bench))
     return tmp_path
 
@@ -132,9 +134,13 @@ def test_summary_tabulates_steps_and_benchmarks(summary_out):
     lines = out.stdout.splitlines()
     assert re.fullmatch(r"build\s+FAIL\s+151\s+150", lines[2])
     assert re.fullmatch(r"total\s+156\s+175", lines[4])
-    assert any(re.fullmatch(r"rms_norm\s+fwd\s+triton\s+0\.031\s+4\.50\s+0\.00\s+2100\s+71%", ln) for ln in lines)
+    # No compile baseline: "-", not a ratio of 0; a long op name keeps its columns apart.
+    assert any(re.fullmatch(r"rms_norm\s+fwd\s+triton\s+0\.031\s+4\.50\s+-\s+2100\s+71%\s+x bfloat16", ln)
+               for ln in lines)
+    assert any(re.fullmatch(r"linear_cross_entropy\s+fwd\+bwd\s+triton\s+1\.154\s+1\.07\s+1\.25\s+64\s+-\s+"
+                            r"h \(4096, 1024\) bfloat16", ln) for ln in lines)
     saved = json.loads((summary_out / "gpu_check.json").read_text())
-    assert [s["status"] for s in saved["steps"]] == ["PASS", "FAIL", "SKIPPED"] and len(saved["bench"]) == 1
+    assert [s["status"] for s in saved["steps"]] == ["PASS", "FAIL", "SKIPPED"] and len(saved["bench"]) == 2
 
 
 def test_no_step_starts_past_the_budget_and_the_table_still_comes(tmp_path):
