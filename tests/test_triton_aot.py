@@ -427,3 +427,15 @@ def test_the_lint_follows_loops_and_scopes():
     found = compiled_lint.i32_address_products(_TTIR)
     assert [(f.check, f.where) for f in found] == [("i32-address-product", "k.py:6")]
     assert "st" in found[0].message
+
+
+def test_host_integer_helpers_match_tritons():
+    """The launchers' cdiv / next_power_of_2 (plain ints, no constexpr wrapper) give Triton's
+    values, so every grid and tile is the one the kernels were compiled for."""
+    triton = pytest.importorskip("triton")
+    from wiola_kernels.triton import cdiv, next_power_of_2
+
+    for n in [*range(0, 2050), 4095, 4096, 4097, 32000, 2**20 + 1]:
+        assert next_power_of_2(n) == triton.next_power_of_2(n), n
+        for y in (1, 2, 3, 16, 64, 128, 132):
+            assert cdiv(n, y) == triton.cdiv(n, y), (n, y)

@@ -3,6 +3,19 @@
 import os
 
 
+# Host-side integer helpers for grids and launch configurations. Triton's own ``triton.cdiv``
+# and ``triton.next_power_of_2`` are constexpr functions usable inside kernels too, and cost
+# ~1 µs a call on the host through that wrapper: a launcher makes several per launch.
+def cdiv(x: int, y: int) -> int:
+    """⌈x / y⌉ for ints (as ``triton.cdiv``)."""
+    return (x + y - 1) // y
+
+
+def next_power_of_2(n: int) -> int:
+    """The smallest power of two ≥ n, 0 for n ≤ 0 (as ``triton.next_power_of_2``)."""
+    return 1 << (n - 1).bit_length() if n > 0 else 0
+
+
 def _fix_interpreter_loop_bounds() -> None:
     """Let Triton's interpreter take runtime loop bounds on every Triton we support.
 

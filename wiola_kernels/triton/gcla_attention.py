@@ -78,6 +78,7 @@ import triton.language as tl
 
 from ..dtypes import compute_dtype
 from ..outputs import empty_output, empty_output_as
+from . import cdiv, next_power_of_2
 from ..validation import TRITON_GCLA_FP32_MAX_HEAD_DIM as FP32_MAX_HEAD_DIM
 from ..validation import TRITON_GCLA_MAX_HEAD_DIM as MAX_HEAD_DIM
 
@@ -615,7 +616,7 @@ class LaunchConfig:
 
 def block_d(head_dim: int) -> int:
     """Tile width for ``head_dim``: the next power of two, at least 16 (``tl.dot``'s minimum K)."""
-    return max(16, triton.next_power_of_2(head_dim))
+    return max(16, next_power_of_2(head_dim))
 
 
 def check_head_dim(head_dim: int) -> None:
@@ -671,10 +672,10 @@ def dkv_split(batch: int, heads: int, kv_heads: int, seq_len: int, block_n: int,
     cdiv(T, BLOCK_N)·B·H_kv programs covers the ``sms`` SMs, else enough to cover them, at most
     the group's H/H_kv heads (each split takes every SPLIT-th head; its float partials are
     summed afterwards). ``sms=None`` (the interpreter): 1."""
-    programs = triton.cdiv(seq_len, block_n) * batch * kv_heads
+    programs = cdiv(seq_len, block_n) * batch * kv_heads
     if sms is None or programs == 0 or programs >= sms:
         return 1
-    return max(1, min(heads // kv_heads, triton.cdiv(sms, programs)))
+    return max(1, min(heads // kv_heads, cdiv(sms, programs)))
 
 
 def _device_arch(device: torch.device) -> tuple[Optional[int], Optional[int]]:
@@ -727,7 +728,7 @@ def _fwd_launch(q_rot, k_rot, v, q, kc, vc, gate_acc, lengths, out, lse, dims, c
     same = l_qr.stride() == l_q.stride() == l_o.stride() and l_k.stride() == l_v.stride() and \
         l_kc.stride() == l_vc.stride()
     return KernelLaunch(
-        _gcla_fwd_kernel, triton.cdiv(T, blk.block_m) * B * H,
+        _gcla_fwd_kernel, cdiv(T, blk.block_m) * B * H,
         (q_rot, k_rot, v, q, kc, vc, gate_acc, gate_acc if lengths is None else lengths, out, lse,
          out if park is None else park, B, H, H_kv, T, L, *_strides(l_qr, l_k, l_v, l_q, l_kc, l_vc, l_o)),
         dict(HEAD_DIM=D, BLOCK_M=blk.block_m, BLOCK_N=blk.block_n, BLOCK_D=block_d(D), PER_ROW=S != 1,
@@ -753,13 +754,13 @@ def _bwd_launches(grad_out, q_rot, k_rot, v, q, kc, vc, gate_acc, lengths, out, 
                   UPCAST=_upcast(dtype, device_type))
     dq_blk, kv_blk = cfg.dq, cfg.dkv
     dq_pass = KernelLaunch(
-        _gcla_bwd_dq_kernel, triton.cdiv(T, dq_blk.block_m) * B * H,
+        _gcla_bwd_dq_kernel, cdiv(T, dq_blk.block_m) * B * H,
         (q_rot, k_rot, v, q, kc, vc, gate_acc, lens, out, lse, grad_out, dq_rot, dq, dkc, dvc, delta, dgate_part,
          B, H, H_kv, T, L, *_strides(l_qr, l_k, l_v, l_q, l_kc, l_vc, l_o, l_do, l_dqr, l_dq, l_dkc, l_dvc)),
         dict(common, BLOCK_M=dq_blk.block_m, BLOCK_N=dq_blk.block_n, PER_ROW=S != 1, HAS_CROSS=L > 0),
         dq_blk.num_warps, dq_blk.num_stages)
     dkv_pass = KernelLaunch(
-        _gcla_bwd_dkv_kernel, triton.cdiv(T, kv_blk.block_n) * B * H_kv * split,
+        _gcla_bwd_dkv_kernel, cdiv(T, kv_blk.block_n) * B * H_kv * split,
         (q_rot, k_rot, v, gate_acc, lens, lse, grad_out, delta, dk, dv, B, H, H_kv, T, split,
          *_strides(l_qr, l_k, l_v, l_do, l_dk, l_dv)),
         dict(common, BLOCK_M=kv_blk.block_m, BLOCK_N=kv_blk.block_n, SAME_T_STRIDE=l_qr.stride(2) == l_do.stride(2)),
@@ -817,7 +818,7 @@ def gcla_attention_bwd(grad_out, q_rot, k_rot, v, q, kc, vc, gate, lengths, out,
     cfg = config or launch_config(D, dt, arch)
     if split is None:
         split = dkv_split(B, H, H_kv, T, cfg.dkv.block_n, sms)
-    n_mb = triton.cdiv(T, cfg.dq.block_m)
+    n_mb = cdiv(T, cfg.dq.block_m)
     if S != 1:
         dkc, dvc = empty_output_as(kc), empty_output_as(vc)
     else:  # per-(query block) partials, summed below in a fixed order

@@ -31,6 +31,7 @@ import triton.language as tl
 
 from ..dtypes import compute_dtype
 from ..outputs import empty_output
+from . import cdiv, next_power_of_2
 
 ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
 _TWO_K = 2.0 * math.sqrt(2.0 / math.pi)
@@ -155,10 +156,10 @@ def _launch_config(rows: int, n: int, element_size: int, loads: int, sms: int | 
     ``loads`` operands per element (2 forward, 3 backward). ``sms``: the GPU's SM count;
     None for the interpreter (same tiles, at most four programs)."""
     per_thread = max(1, _BYTES_PER_THREAD_ROW // element_size)
-    block_n = min(triton.next_power_of_2(max(n, 1)), per_thread * 32 * _MAX_WARPS)
+    block_n = min(next_power_of_2(max(n, 1)), per_thread * 32 * _MAX_WARPS)
     num_warps = max(1, min(_MAX_WARPS, block_n // (32 * per_thread)))
     rows_per_step = max(1, _BYTES_PER_THREAD_STEP // (_BYTES_PER_THREAD_ROW * loads))
-    tiles = triton.cdiv(rows, rows_per_step) * triton.cdiv(n, block_n)
+    tiles = cdiv(rows, rows_per_step) * cdiv(n, block_n)
     programs = max(1, min(4, tiles) if sms is None else min(tiles, sms * _PROGRAMS_PER_SM))
     return LaunchConfig(block_n, rows_per_step, num_warps, programs)
 

@@ -43,6 +43,7 @@ import triton.language as tl
 
 from ..dtypes import compute_dtype
 from ..outputs import empty_output
+from . import cdiv, next_power_of_2
 
 
 @triton.jit
@@ -300,11 +301,11 @@ def _launch_config(n: int, V: int, d: int, dtype: torch.dtype, sms: int | None) 
 def _splits(rows: int, V: int, tiles: Tiles, sms: int | None) -> tuple[int, int]:
     """``(splits, columns per split)`` of the vocabulary for a launch over ``rows`` rows: enough
     programs to fill ``sms`` SMs ``_PROGRAMS_PER_SM`` times, each at least one tile wide."""
-    row_blocks = triton.cdiv(rows, tiles.block_m)
-    tiles_v = triton.cdiv(V, tiles.block_n)
-    want = 2 if sms is None else max(1, triton.cdiv(_PROGRAMS_PER_SM * sms, row_blocks))
-    per = triton.cdiv(tiles_v, min(tiles_v, want)) * tiles.block_n
-    return triton.cdiv(V, per), per
+    row_blocks = cdiv(rows, tiles.block_m)
+    tiles_v = cdiv(V, tiles.block_n)
+    want = 2 if sms is None else max(1, cdiv(_PROGRAMS_PER_SM * sms, row_blocks))
+    per = cdiv(tiles_v, min(tiles_v, want)) * tiles.block_n
+    return cdiv(V, per), per
 
 
 def _sms(device: torch.device) -> int | None:
@@ -317,7 +318,7 @@ def _sms(device: torch.device) -> int | None:
 def _logits_launch(h2, W, y, logits, stats, row0, rows, cfg: LaunchConfig, splits, per, cap, want_sum):
     t = cfg.logits
     V, d = W.shape
-    _lce_logits_kernel[(triton.cdiv(rows, t.block_m), splits)](
+    _lce_logits_kernel[(cdiv(rows, t.block_m), splits)](
         h2, W, y, stats if logits is None else logits, stats, row0, rows, V, d,
         h2.stride(0), h2.stride(1), W.stride(0), W.stride(1), 0 if logits is None else logits.stride(0),
         1.0 if cap is None else cap, per,
@@ -327,7 +328,7 @@ def _logits_launch(h2, W, y, logits, stats, row0, rows, cfg: LaunchConfig, split
 
 
 def _rows_launch(stats, y, lse, loss, row0, rows, splits, V, cfg, ignore_index, eps, z_loss):
-    _lce_rows_kernel[(triton.cdiv(rows, cfg.rows_block),)](
+    _lce_rows_kernel[(cdiv(rows, cfg.rows_block),)](
         stats, y, lse, loss, row0, rows, splits, V, ignore_index, eps, z_loss,
         BLOCK_R=cfg.rows_block, F64=lse.dtype == torch.float64)
 
@@ -336,7 +337,7 @@ def _chunk_grads(h2, W, y, lse, g, row0, rows, cfg, buf, dz, grad_h, grad_W, dW_
                  z_loss):
     """∂h rows and the chunk's share of ∂W from the chunk's logits in ``buf``."""
     V = W.shape[0]
-    _lce_dlogits_kernel[(triton.cdiv(rows, cfg.ew_m), triton.cdiv(V, cfg.ew_n))](
+    _lce_dlogits_kernel[(cdiv(rows, cfg.ew_m), cdiv(V, cfg.ew_n))](
         buf, dz, y, lse, lse if g is None else g, row0, rows, V, buf.stride(0), 1.0 if cap is None else cap,
         ignore_index, eps, z_loss, BLOCK_M=cfg.ew_m, BLOCK_N=cfg.ew_n, HAS_CAP=cap is not None,
         HAS_ROW_GRAD=g is not None, num_warps=cfg.ew_warps)
@@ -354,7 +355,7 @@ def _chunk_grads(h2, W, y, lse, g, row0, rows, cfg, buf, dz, grad_h, grad_W, dW_
         return
     t = cfg.dw
     d = h2.shape[1]
-    _lce_dw_kernel[(triton.cdiv(V, t.block_m), triton.cdiv(d, t.block_n))](
+    _lce_dw_kernel[(cdiv(V, t.block_m), cdiv(d, t.block_n))](
         dz, h2, dW_acc, row0, rows, V, d, dz.stride(0), h2.stride(0), h2.stride(1), FIRST=first,
         BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, UPCAST=cfg.upcast, num_warps=t.num_warps,
         num_stages=t.num_stages)
@@ -437,22 +438,22 @@ def aot_launches(sms: int):
                               V if store else 0, 30.0, per),
                              dict(BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, HAS_CAP=cap,
                                   STORE_LOGITS=store, WANT_SUM=True, F64=f64, PRECISION=cfg.precision, UPCAST=False),
-                             t.num_warps, t.num_stages, triton.cdiv(rows, t.block_m) * splits,
+                             t.num_warps, t.num_stages, cdiv(rows, t.block_m) * splits,
                              f"{case}{' chunk' if store else ''}{' softcap' if cap else ''}", memory_bound=False)
             yield Launch(_lce_rows_kernel, (P(acc), P(torch.int64), P(acc), P(acc), 0, rows, splits, V, -100, 0.1, 1e-4),
-                         dict(BLOCK_R=cfg.rows_block, F64=f64), 4, 3, triton.cdiv(rows, cfg.rows_block), case,
+                         dict(BLOCK_R=cfg.rows_block, F64=f64), 4, 3, cdiv(rows, cfg.rows_block), case,
                          memory_bound=False)
         rows = min(n, cfg.chunk)
         for row_grad in (False, True):
             yield Launch(_lce_dlogits_kernel,
                          (P(acc), P(dtype), P(torch.int64), P(acc), P(acc), 0, rows, V, V, 30.0, -100, 0.1, 1e-4),
                          dict(BLOCK_M=cfg.ew_m, BLOCK_N=cfg.ew_n, HAS_CAP=True, HAS_ROW_GRAD=row_grad),
-                         cfg.ew_warps, 3, triton.cdiv(rows, cfg.ew_m) * triton.cdiv(V, cfg.ew_n), case,
+                         cfg.ew_warps, 3, cdiv(rows, cfg.ew_m) * cdiv(V, cfg.ew_n), case,
                          memory_bound=False)
         if dtype in (torch.bfloat16, torch.float16):
             w = cfg.dw
             for first in (True, False):
                 yield Launch(_lce_dw_kernel, (P(dtype), P(dtype), P(torch.float32), 0, rows, V, d, V, d, 1),
                              dict(FIRST=first, BLOCK_M=w.block_m, BLOCK_N=w.block_n, BLOCK_K=w.block_k, UPCAST=False),
-                             w.num_warps, w.num_stages, triton.cdiv(V, w.block_m) * triton.cdiv(d, w.block_n), case,
+                             w.num_warps, w.num_stages, cdiv(V, w.block_m) * cdiv(d, w.block_n), case,
                              memory_bound=False)

@@ -45,6 +45,7 @@ import triton.language as tl
 
 from ..outputs import empty_output
 from ..dtypes import compute_dtype
+from . import cdiv, next_power_of_2
 
 
 @triton.jit
@@ -317,7 +318,7 @@ def _launch_config(rows: int, d: int, element_size: int, loads_per_row: int, sms
     ``_BYTES_PER_THREAD_STEP`` bytes loading. ``sms``: the GPU's SM count (the grid is
     ``_PROGRAMS_PER_SM`` × ``sms``); ``None`` for the interpreter (same tiles, at most
     four programs: each program is slow there)."""
-    block_d = triton.next_power_of_2(d)
+    block_d = next_power_of_2(d)
     per_thread = max(1, _BYTES_PER_THREAD_ROW // element_size)
     num_warps = min(_MAX_WARPS, max(1, block_d // (32 * per_thread)))
     row_bytes_per_thread = max(_BYTES_PER_THREAD_ROW, block_d * element_size // (32 * num_warps))
@@ -326,10 +327,10 @@ def _launch_config(rows: int, d: int, element_size: int, loads_per_row: int, sms
         block_d = 32 * num_warps * per_thread
         row_bytes_per_thread = _BYTES_PER_THREAD_ROW
     # At least _BYTES_PER_THREAD_STEP: add_rms_norm's backward loads three row tensors, two rows (96 B).
-    rows_per_step = max(1, min(16, triton.cdiv(_BYTES_PER_THREAD_STEP, row_bytes_per_thread * loads_per_row)))
+    rows_per_step = max(1, min(16, cdiv(_BYTES_PER_THREAD_STEP, row_bytes_per_thread * loads_per_row)))
     if wide:
         rows_per_step = 1
-    steps = triton.cdiv(rows, rows_per_step)
+    steps = cdiv(rows, rows_per_step)
     programs = min(4, steps) if sms is None else min(steps, sms * _PROGRAMS_PER_SM)
     return LaunchConfig(block_d, rows_per_step, num_warps, programs, wide)
 

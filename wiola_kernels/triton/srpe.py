@@ -41,6 +41,7 @@ import triton.language as tl
 
 from ..outputs import empty_output_as
 from ..srpe_tables import kernel_frequencies
+from . import cdiv, next_power_of_2
 
 _TWO_PI = 2.0 * math.pi
 
@@ -171,15 +172,15 @@ def _launch_config(bt: int, half: int, element_size: int, sms: int | None) -> La
     ``d_h`` allows); tiles of ``BLOCK_T`` positions so that the GPU (``sms`` SMs) gets
     ``_PROGRAMS_PER_SM`` programs per SM, at most 8 warps each. ``sms=None``: the
     interpreter (same head steps, large tiles, few programs: each program is slow there)."""
-    block_half = triton.next_power_of_2(half)
+    block_half = next_power_of_2(half)
     if sms is None:
-        block_t = max(1, min(triton.next_power_of_2(bt), 64))
-        return LaunchConfig(block_t, block_half, _HEADS_PER_STEP, 1, triton.cdiv(bt, block_t))
+        block_t = max(1, min(next_power_of_2(bt), 64))
+        return LaunchConfig(block_t, block_half, _HEADS_PER_STEP, 1, cdiv(bt, block_t))
     per_thread = max(1, 16 // element_size)
     max_t = max(1, 8 * 32 * per_thread // block_half)  # 8 warps
-    block_t = max(1, min(triton.next_power_of_2(triton.cdiv(bt, _PROGRAMS_PER_SM * sms)), max_t))
+    block_t = max(1, min(next_power_of_2(cdiv(bt, _PROGRAMS_PER_SM * sms)), max_t))
     num_warps = max(1, min(8, block_t * block_half // (32 * per_thread)))
-    return LaunchConfig(block_t, block_half, _HEADS_PER_STEP, num_warps, triton.cdiv(bt, block_t))
+    return LaunchConfig(block_t, block_half, _HEADS_PER_STEP, num_warps, cdiv(bt, block_t))
 
 
 def _sms(device: torch.device) -> int | None:
