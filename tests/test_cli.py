@@ -115,6 +115,34 @@ def test_plot_without_matplotlib_is_refused_before_the_run(monkeypatch, capsys, 
     assert "--plot needs matplotlib" in _one_line_error(capsys.readouterr().err, "wiola-kernels")
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["bench", "--profile", "rms_norm", "--device", "cpu"], "--profile: profiles the op layer's calls; use it with --overhead"),
+    (["bench", "--overhead", "--profile", "rms_norm,rms_nrom", "--device", "cpu"],
+     "--profile: unknown op 'rms_nrom'; choose from F.rms_norm, rms_norm, add_rms_norm"),
+])
+def test_profile_mistakes_are_refused_before_any_timing(argv, message, monkeypatch, capsys):
+    import wiola_kernels.bench.overhead as overhead
+
+    monkeypatch.setattr(overhead, "measure", lambda *a, **k: pytest.fail("the overhead was measured"))
+    assert kernels_cli.main(argv) == 2
+    assert message in _one_line_error(capsys.readouterr().err, "wiola-kernels")
+
+
+@pytest.mark.parametrize("which", ["fwd", "fwd+bwd"])
+def test_profile_names_where_an_ops_host_time_goes(which):
+    """The profile of rms_norm's calls lists the op layer's own functions (the public op, and
+    in the backward its autograd Function)."""
+    from wiola_kernels.bench.overhead import profile
+
+    text = profile(torch.device("cpu"), "rms_norm", which, calls=50, top=40)
+    assert text.startswith(f"rms_norm {which} on cpu: 50 calls, the 40 functions with the most own time")
+    assert re.search(r"wiola_kernels/ops/rms_norm\.py:\d+\(rms_norm\)", text)
+    if which == "fwd+bwd":
+        assert re.search(r"wiola_kernels/ops/rms_norm\.py:\d+\(backward\)", text)
+    with pytest.raises(ValueError, match="op must be one of F.rms_norm, rms_norm"):
+        profile(torch.device("cpu"), "nope")
+
+
 def _help(main, argv: list[str], capsys) -> str:
     with pytest.raises(SystemExit) as exit_info:
         main([*argv, "--help"])

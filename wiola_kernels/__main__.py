@@ -87,9 +87,14 @@ def cmd_bench_overhead(args: argparse.Namespace) -> int:
     """``bench --overhead``: one call of each op on a tiny input vs F.rms_norm, and first calls."""
     from tqdm import tqdm
 
-    from .bench.overhead import PASSES, cases, first_call_records, first_calls, format_overhead, measure
+    from .bench.overhead import PASSES, cases, first_call_records, first_calls, format_overhead, measure, profile
 
     device = _device(args.device)
+    profiled = [op.strip() for op in (args.profile or "").split(",") if op.strip()]
+    known = [c.op for c in cases()]
+    for op in profiled:
+        if op not in known:
+            raise CommandError(f"--profile: unknown op {op!r}; choose from {', '.join(known)}")
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     with tqdm(total=len(PASSES) * len(cases()), desc="bench --overhead", unit="op", file=sys.stderr) as bar:
@@ -99,6 +104,10 @@ def cmd_bench_overhead(args: argparse.Namespace) -> int:
           f"threads: {torch.get_num_threads()}, torch {torch.__version__}; median of "
           f"{max(1000, 100 * args.repeats)} calls per row")
     print(format_overhead(records, first))
+    for op in profiled:
+        for which in PASSES:
+            print()
+            print(profile(device, op, which))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(records + first_call_records(first), f, indent=2)
@@ -111,6 +120,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         return cmd_bench_hf(args)
     if args.overhead:
         return cmd_bench_overhead(args)
+    if args.profile:
+        raise CommandError("--profile: profiles the op layer's calls; use it with --overhead")
     from tqdm import tqdm
 
     from . import dispatch
@@ -208,6 +219,9 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--overhead", action="store_true",
                        help="instead of the ops' kernels: the cost of one call of each op on a tiny input "
                             "(the op layer) vs F.rms_norm, and the first call after import in a fresh process")
+    bench.add_argument("--profile", metavar="OP[,OP...]",
+                       help="with --overhead: also a cProfile of each named op's call (fwd, then fwd+bwd), the "
+                            "functions with the most own time (where the op layer's host time goes)")
     bench.add_argument("--small", action="store_true", help="small shapes (seconds; for smoke tests)")
     bench.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline")
     bench.add_argument("--json", metavar="FILE", help="also write the records as JSON")

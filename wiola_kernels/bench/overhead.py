@@ -142,6 +142,33 @@ def measure(device: torch.device, calls: int = 1000, warmup: int = 200, progress
     return records
 
 
+def profile(device: torch.device, op: str, which: str = "fwd", calls: int = 2000, top: int = 15) -> str:
+    """Where one call of ``op`` (an :func:`cases` name) spends its host time: cProfile over
+    ``calls`` calls of pass ``which`` after a warm-up, the ``top`` functions by own time
+    (the op layer's Python, Triton's launcher, the dispatcher's boxing)."""
+    import cProfile
+    import io
+    import pstats
+
+    table = {c.op: c for c in cases()}
+    if op not in table:
+        raise ValueError(f"--profile: op must be one of {', '.join(table)}, got {op!r}")
+    if which not in PASSES:
+        raise ValueError(f"--profile: the pass must be one of {', '.join(PASSES)}, got {which!r}")
+    step = _runner(table[op], device, which)
+    for _ in range(200):
+        step()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        step()
+    prof.disable()
+    out = io.StringIO()
+    out.write(f"{op} {which} on {device}: {calls} calls, the {top} functions with the most own time\n")
+    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(top)
+    return out.getvalue()
+
+
 _FIRST_CALL = r"""
 import json, sys, time
 t0 = time.perf_counter()
