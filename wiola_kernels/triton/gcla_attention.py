@@ -78,9 +78,9 @@ import triton.language as tl
 
 from ..dtypes import compute_dtype
 from ..outputs import empty_output, empty_output_as
-from . import cdiv, next_power_of_2
 from ..validation import TRITON_GCLA_FP32_MAX_HEAD_DIM as FP32_MAX_HEAD_DIM
 from ..validation import TRITON_GCLA_MAX_HEAD_DIM as MAX_HEAD_DIM
+from . import cdiv, next_power_of_2
 
 
 # ---------------------------------------------------------------------------------------------
