@@ -3,8 +3,9 @@
 # triton 3.6, transformers 5.17, nvcc 13.0, compute-sanitizer), sized to the time a GPU is
 # lent: the extension built on all cores while the Triton kernels compile in parallel, the
 # GPU tests (all of them, failures summarised), the four compute-sanitizer tools, the CUDA
-# kernels against their CPU emulation, the self-check, the benchmarks, the op-layer
-# overhead and the Hugging Face training step; a short table last. Logs and JSON go to
+# kernels against their CPU emulation, the self-check, the benchmarks, each op's kernels by
+# device time (scripts/gpu_kernel_profile.py), the op-layer overhead and the Hugging Face
+# training step; a short table last. Logs and JSON go to
 # $OUT (default /tmp/wiola-gpu-check).
 #
 #   bash scripts/gpu_check.sh            on the GPU machine (≤ 480 s wall, every step capped)
@@ -41,14 +42,15 @@ BUDGET=${GPU_CHECK_BUDGET:-$BUDGET}  # smaller in tests/test_gpu_check.py
 SUMMARY_RESERVE=10   # kept back for the summary
 PLAN=(
   "environment|25|GPU, driver, compilers and package versions"
-  "build|100|build the extension (sm_\${WIOLA_CUDA_ARCH}) on all cores; Triton kernels compiled in parallel"
-  "gpu-tests|120|GPU tests (pytest -m gpu, no -x; 4 processes where pytest-xdist is installed)"
-  "sanitizers|60|compute-sanitizer memcheck, racecheck, synccheck, initcheck; planted bugs caught"
+  "build|90|build the extension (sm_\${WIOLA_CUDA_ARCH}) on all cores; Triton kernels compiled in parallel"
+  "gpu-tests|110|GPU tests (pytest -m gpu, no -x; 4 processes where pytest-xdist is installed)"
+  "sanitizers|50|compute-sanitizer memcheck, racecheck, synccheck, initcheck; planted bugs caught"
   "cuda-vs-emu|20|CUDA kernels on the GPU vs the same kernels in the CPU emulator"
   "check|25|self-check: every backend vs the float64 oracle"
   "bench|40|benchmarks of every op (bf16)"
+  "kernels|40|where each op's GPU time goes: its kernels by device time, fused and eager (bf16)"
   "overhead|60|op-layer overhead on CUDA tensors"
-  "hf-llama|75|Hugging Face Llama training step, bf16: patch_hf vs unpatched, eager and compiled"
+  "hf-llama|70|Hugging Face Llama training step, bf16: patch_hf vs unpatched, eager and compiled"
   "summary|10|summary table"
 )
 
@@ -300,6 +302,21 @@ step_bench() {
   return $rc
 }
 
+step_kernels() {
+  if [ "$DRY" = 1 ]; then
+    $PY scripts/gpu_kernel_profile.py --dry-run 2>&1 | tail -1 | grep -q ": ready$" \
+      && echo "python scripts/gpu_kernel_profile.py: ready (every case builds)"
+    return
+  fi
+  $PY scripts/gpu_kernel_profile.py > "$OUT/kernels.txt" 2> "$OUT/kernels.log"
+  local rc=$?
+  # The screen gets each variant's three costliest kernels; $OUT/kernels.txt has the tables.
+  awk '/ fwd\+bwd, (fused|eager): / {print; n = 0; next} /^-+/ {dash++; next} dash % 3 == 2 && n < 3 && NF {print "   " substr($0, 1, 150); n++}' \
+    "$OUT/kernels.txt" | head -80
+  [ $rc -eq 0 ] || tail -5 "$OUT/kernels.log"
+  return $rc
+}
+
 step_overhead() {
   local help profile=()
   help=$($PY -m wiola_kernels bench --help 2>/dev/null)
@@ -338,7 +355,7 @@ step_summary() {
   $PY scripts/gpu_check_summary.py "$OUT" $([ "$DRY" = 1 ] && echo --dry-run)
 }
 export -f step_environment step_build step_gpu_tests step_sanitizers step_cuda_vs_emu step_check \
-  step_bench step_overhead step_hf_llama step_summary
+  step_bench step_kernels step_overhead step_hf_llama step_summary
 
 # ------------------------------------------------------------------------------ runner
 

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "scripts" / "gpu_check.sh"
@@ -45,8 +46,8 @@ def test_every_planned_step_is_defined_and_every_step_is_planned():
 
 def test_the_plan_runs_what_the_first_gpu_run_needs_in_order():
     names = [n for n, _, _ in plan()]
-    want = ["environment", "build", "gpu-tests", "sanitizers", "cuda-vs-emu", "check", "bench", "overhead",
-            "hf-llama", "summary"]
+    want = ["environment", "build", "gpu-tests", "sanitizers", "cuda-vs-emu", "check", "bench", "kernels",
+            "overhead", "hf-llama", "summary"]
     assert names == want
 
 
@@ -85,7 +86,7 @@ def test_sanitizers_cover_the_four_tools_without_the_caching_allocator():
 def test_files_the_script_calls_exist():
     paths = set(re.findall(r"(?<![\w/.])((?:scripts|tests|csrc)/[\w./-]+\.(?:py|sh))\b", TEXT)) | {"setup.py"}
     assert {"scripts/triton_warmup.py", "scripts/gpu_compare_emu.py", "scripts/gpu_check_summary.py",
-            "scripts/planted_gpu.sh", "csrc/tests/planted_bugs.py"} <= paths
+            "scripts/planted_gpu.sh", "csrc/tests/planted_bugs.py", "scripts/gpu_kernel_profile.py"} <= paths
     for path in paths:
         assert (ROOT / path).is_file(), path
     assert 'local planted=scripts/planted_gpu.sh' in TEXT
@@ -156,4 +157,17 @@ def test_no_step_starts_past_the_budget_and_the_table_still_comes(tmp_path):
     assert not (tmp_path / "build.log").exists()
     build = dict((n, t) for n, t, _ in plan())["build"]
     assert re.search(rf"^build\s+OUT-OF-TIME\s+0\s+{build}$", out.stdout, re.M), out.stdout[-2000:]
-    assert "gpu_check: FAILED (9 step(s))" in out.stdout
+    assert f"gpu_check: FAILED ({len(plan()) - 1} step(s))" in out.stdout  # all but the summary
+
+
+def test_kernel_profile_builds_its_cases_here_and_refuses_without_a_gpu():
+    script = str(ROOT / "scripts" / "gpu_kernel_profile.py")
+    out = subprocess.run([sys.executable, script, "--dry-run", "--ops", "glu,linear_cross_entropy"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    ready = [ln for ln in out.stdout.splitlines() if ln.endswith(": ready")]
+    assert {ln.split(" fwd+bwd")[0] for ln in ready} == {"glu", "linear_cross_entropy"}
+    assert any(", fused: " in ln for ln in ready) and any(", eager: " in ln for ln in ready)
+    if not torch.cuda.is_available():
+        out = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=300)
+        assert out.returncode == 2 and "no CUDA device" in out.stderr
