@@ -169,6 +169,23 @@ def test_triton_out_of_range_label_is_nan_when_values_are_not_read():
     assert torch.isnan(rows[2]) and torch.isfinite(rows[[0, 1, 3, 4]]).all()
 
 
+def test_gpu_chunk_rows_follow_the_measuring_override(monkeypatch):
+    """WIOLA_LCE_CHUNK_ROWS sets the GPU launcher's rows per chunk too (rounded down to its row
+    tile, at least one tile), for measuring other sizes; unset or not a positive int: the default."""
+    pytest.importorskip("triton")
+    from wiola_kernels.triton.linear_cross_entropy import _launch_config
+
+    monkeypatch.delenv("WIOLA_LCE_CHUNK_ROWS", raising=False)
+    default = _launch_config(4096, 32000, 1024, torch.bfloat16, 132)
+    tile = default.logits.block_m
+    assert default.chunk % tile == 0 and default.chunk * 32000 * 4 <= 32 << 20
+    for value, want in (("4096", 4096), (str(tile + 5), tile), ("1", tile), ("0", default.chunk),
+                        ("many", default.chunk), ("", default.chunk)):
+        monkeypatch.setenv("WIOLA_LCE_CHUNK_ROWS", value)
+        assert _launch_config(4096, 32000, 1024, torch.bfloat16, 132).chunk == want, value
+    assert _launch_config(4096, 32000, 1024, torch.bfloat16, None).chunk == 16  # the interpreter's own
+
+
 # --- edges ------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("backend", PY_BACKENDS)

@@ -35,6 +35,7 @@ would miss the 1e-4 of SPEC §10.1), float64 likewise. All offsets are int64 (``
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -263,7 +264,8 @@ class Tiles:
 
 @dataclass(frozen=True)
 class LaunchConfig:
-    """Every choice of one call's launches (a pure function of shape, dtype and GPU)."""
+    """Every choice of one call's launches (a pure function of shape, dtype and GPU, and of
+    ``WIOLA_LCE_CHUNK_ROWS`` when set)."""
 
     logits: Tiles
     dw: Tiles
@@ -295,6 +297,9 @@ def _launch_config(n: int, V: int, d: int, dtype: torch.dtype, sms: int | None) 
         logits, dw = Tiles(64, 128, 64, 8, 3), Tiles(128, 128, 64, 8, 3)
     chunk = _CHUNK_BYTES // (4 * V)
     chunk = max(_MIN_CHUNK_ROWS, min(_MAX_CHUNK_ROWS, chunk // logits.block_m * logits.block_m))
+    override = os.environ.get("WIOLA_LCE_CHUNK_ROWS", "")
+    if override.isdigit() and int(override) > 0:  # for measuring other sizes, as on the CPU (docs/ops.md)
+        chunk = max(logits.block_m, int(override) // logits.block_m * logits.block_m)
     return LaunchConfig(logits, dw, ew_m, ew_n, ew_warps, 256, chunk, precision, upcast=False)
 
 
