@@ -305,8 +305,8 @@ step_bench() {
 
 step_kernels() {
   if [ "$DRY" = 1 ]; then
-    $PY scripts/gpu_kernel_profile.py --dry-run 2>&1 | tail -1 | grep -q ": ready$" \
-      && echo "python scripts/gpu_kernel_profile.py: ready (every case builds)"
+    $PY scripts/gpu_kernel_profile.py --dry-run > "$OUT/kernels.txt" 2>&1 || { grep FAILED "$OUT/kernels.txt"; return 1; }
+    echo "python scripts/gpu_kernel_profile.py: ready ($(grep -c ': ready$' "$OUT/kernels.txt") fused and eager cases build)"
     return
   fi
   $PY scripts/gpu_kernel_profile.py > "$OUT/kernels.txt" 2> "$OUT/kernels.log"

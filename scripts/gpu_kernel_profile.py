@@ -53,21 +53,28 @@ def main(argv: list[str] | None = None) -> int:
         print("gpu_kernel_profile: no CUDA device (use --dry-run here)", file=sys.stderr)
         return 2
     cases = all_cases(device, small=args.dry_run, ops=ops)
+    failed = 0
     for case in cases:
         inputs = case.make_inputs()
         for variant, fn in (("fused", case.fused), ("eager", case.eager)):
-            step = make_pass(case, fn, "fwd+bwd", inputs)
             title = f"{case.op} fwd+bwd, {variant}: {case.shape} {str(case.dtype).replace('torch.', '')}"
-            if args.dry_run:
-                step()
-                print(f"{title}: ready")
+            try:  # one failing case is reported; the others still run
+                step = make_pass(case, fn, "fwd+bwd", inputs)
+                if args.dry_run:
+                    step()
+                    print(f"{title}: ready")
+                    continue
+                table = kernel_table(step, args.steps, args.top)
+            except Exception as exc:  # noqa: BLE001 (reported and counted)
+                failed += 1
+                print(f"{title}: FAILED ({type(exc).__name__}: {str(exc)[:300]})")
                 continue
             print(f"\n{title}, {args.steps} passes")
-            print(kernel_table(step, args.steps, args.top))
+            print(table)
         del inputs
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    return 0
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
