@@ -44,7 +44,7 @@ import triton.language as tl
 
 from ..dtypes import compute_dtype
 from ..outputs import empty_output
-from . import cdiv, next_power_of_2
+from . import cdiv
 
 
 @triton.jit
