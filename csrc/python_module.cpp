@@ -9,6 +9,7 @@
 #include <pybind11/stl.h>
 
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "cpu/isa.h"
@@ -24,20 +25,31 @@ PYBIND11_MODULE(_C, m) {
   using wiola::cpu::Isa;
   m.def("cpu_isa", [] { return wiola::cpu::isa_name(wiola::cpu::active_isa()); });
   m.def("cpu_best_isa", [] { return wiola::cpu::isa_name(wiola::cpu::cpu_best_isa()); });
-  // Whether RMSNorm's AVX-512 loops (they need AVX512_BF16) can run: the name's old meaning.
-  m.def("cpu_has_avx512", [] { return wiola::cpu::cpu_best_isa() == Isa::kAvx512Bf16; });
   m.def("set_cpu_isa", &wiola::cpu::set_cpu_isa);
   m.def("_set_cpu_probe_cap", &wiola::cpu::set_cpu_probe_cap);
-  // The level each CPU kernel with several paths runs now, by kernel name.
+  // The levels, lowest first, and the table of which levels each CPU kernel implements (isa.h).
+  m.def("isa_levels", [] {
+    std::vector<std::string> names;
+    for (Isa level : wiola::cpu::kIsaLevels) names.push_back(wiola::cpu::isa_name(level));
+    return names;
+  });
+  m.def("kernel_isas", [] {
+    std::vector<std::pair<std::string, std::vector<std::string>>> table;
+    for (const auto& entry : wiola::cpu::kKernelIsas) {
+      std::vector<std::string> names;
+      for (size_t i = 0; i < entry.count; ++i) names.push_back(wiola::cpu::isa_name(entry.levels[i]));
+      table.emplace_back(entry.kernel, std::move(names));
+    }
+    return table;
+  });
+  // The level a CPU kernel with several paths runs now, by kernel name.
   m.def("kernel_isa", [](const std::string& kernel) {
-    if (kernel == "decode_gemv") return wiola::cpu::isa_name(wiola::cpu::kernel_isa(wiola::cpu::kDecodeGemvIsas));
-    if (kernel == "rms_norm" || kernel == "add_rms_norm")
-      return wiola::cpu::isa_name(wiola::cpu::kernel_isa(wiola::cpu::kRmsNormIsas));
-    if (kernel == "glu") return wiola::cpu::isa_name(wiola::cpu::kernel_isa(wiola::cpu::kGluIsas));
-    if (kernel == "linear_cross_entropy")
-      return wiola::cpu::isa_name(wiola::cpu::kernel_isa(wiola::cpu::kLinearCrossEntropyIsas));
-    TORCH_CHECK_VALUE(false, "kernel must be 'decode_gemv', 'rms_norm', 'add_rms_norm', 'glu' or 'linear_cross_entropy', got '",
-                      kernel, "'");
+    for (const auto& entry : wiola::cpu::kKernelIsas)
+      if (kernel == entry.kernel)
+        return wiola::cpu::isa_name(wiola::cpu::choose_isa(entry.levels, entry.count, wiola::cpu::active_isa()));
+    std::string names;
+    for (const auto& entry : wiola::cpu::kKernelIsas) names += std::string(names.empty() ? "'" : ", '") + entry.kernel + "'";
+    TORCH_CHECK_VALUE(false, "kernel must be one of ", names, ", got '", kernel, "'");
     return std::string();
   });
   // The pure decision (isa.h choose_isa) on level names, for tests.

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import wiola_kernels as wk
-from wiola_kernels._extension import CPU_KERNEL_ISAS
+from wiola_kernels._extension import cpu_kernel_isas
 from wiola_kernels.testing import available_backends, available_cpu_isas, cpu_isa
 
 
@@ -27,7 +27,7 @@ def backend_variants(op: str) -> list[str]:
         if backend != "cpu":
             out.append(backend)
             continue
-        isas = available_cpu_isas(op) if op in CPU_KERNEL_ISAS else []
+        isas = available_cpu_isas(op) if op in cpu_kernel_isas() else []
         out += [f"cpu/{isa}" for isa in isas] or ["cpu"]
     return out
 

@@ -169,17 +169,18 @@ def test_bad_input():
 
 # ---- the shared instruction-set level (csrc/cpu/isa.h) ------------------------------------------
 
-LEVELS = _extension.CPU_ISA_LEVELS
+LEVELS = _extension.cpu_isa_levels()
 
 
 def test_each_kernel_takes_the_highest_path_it_has_at_or_below_the_level():
     # The pure decision, over every (implemented, chosen) pair the kernels have.
     choose = _extension._load()[0]._choose_isa
-    gemv, norm = _extension.CPU_KERNEL_ISAS["decode_gemv"], _extension.CPU_KERNEL_ISAS["rms_norm"]
+    table = _extension.cpu_kernel_isas()
+    gemv, norm = table["decode_gemv"], table["rms_norm"]
     assert [choose(list(gemv), c) for c in LEVELS] == ["generic", "avx2", "avx512", "avx512"]
     assert [choose(list(norm), c) for c in LEVELS] == ["avx2", "avx2", "avx2", "avx512_bf16"]
-    assert (_extension.CPU_KERNEL_ISAS["glu"] == _extension.CPU_KERNEL_ISAS["add_rms_norm"]
-            == _extension.CPU_KERNEL_ISAS["linear_cross_entropy"] == norm)
+    assert table["glu"] == table["add_rms_norm"] == table["linear_cross_entropy"] == norm
+    assert LEVELS == ("generic", "avx2", "avx512", "avx512_bf16")
     with pytest.raises(ValueError, match="chosen must be one of"):
         choose(["avx2"], "avx1024")
 

@@ -74,13 +74,22 @@ def has_cuda_emu() -> bool:
     return True
 
 
-#: The CPU kernels' instruction-set levels, lowest first (csrc/cpu/isa.h).
-CPU_ISA_LEVELS = ("generic", "avx2", "avx512", "avx512_bf16")
-CPU_ISAS = ("auto", *CPU_ISA_LEVELS)
-#: The CPU kernels with more than one path, and the levels each implements.
-CPU_KERNEL_ISAS = {"decode_gemv": ("generic", "avx2", "avx512"), "rms_norm": ("avx2", "avx512_bf16"),
-                   "add_rms_norm": ("avx2", "avx512_bf16"), "glu": ("avx2", "avx512_bf16"),
-                   "linear_cross_entropy": ("avx2", "avx512_bf16")}
+@functools.lru_cache(maxsize=None)
+def cpu_isa_levels() -> tuple[str, ...]:
+    """The CPU kernels' instruction-set levels, lowest first (``"generic"``, ``"avx2"``,
+    ``"avx512"``, ``"avx512_bf16"``), as csrc/cpu/isa.h defines them; empty without the
+    extension."""
+    module = _load()[0]
+    return () if module is None else tuple(module.isa_levels())
+
+
+@functools.lru_cache(maxsize=None)
+def cpu_kernel_isas() -> dict[str, tuple[str, ...]]:
+    """The CPU kernels with more than one path and the levels each implements, lowest first
+    (``{"rms_norm": ("avx2", "avx512_bf16"), ...}``): csrc/cpu/isa.h's table, read from the
+    extension; empty without it."""
+    module = _load()[0]
+    return {} if module is None else {kernel: tuple(levels) for kernel, levels in module.kernel_isas()}
 
 
 def cpu_isa() -> str | None:
@@ -101,25 +110,19 @@ def cpu_best_isa() -> str | None:
 
 
 def kernel_isa(kernel: str) -> str | None:
-    """The level ``kernel`` (a key of :data:`CPU_KERNEL_ISAS`: ``"decode_gemv"``,
-    ``"rms_norm"``, ``"add_rms_norm"``, ``"glu"``, ``"linear_cross_entropy"``) runs at now: the highest it implements at or below :func:`cpu_isa`. None
-    without the extension. Raises ValueError for another kernel name."""
-    if kernel not in CPU_KERNEL_ISAS:
-        raise ValueError(f"kernel must be one of {tuple(CPU_KERNEL_ISAS)}, got {kernel!r}")
+    """The level ``kernel`` (a key of :func:`cpu_kernel_isas`: ``"decode_gemv"``,
+    ``"rms_norm"``, ``"add_rms_norm"``, ``"glu"``, ``"linear_cross_entropy"``) runs at now:
+    the highest it implements at or below :func:`cpu_isa`. None without the extension.
+    Raises ValueError for another kernel name."""
     module = _load()[0]
     return None if module is None else module.kernel_isa(kernel)
 
 
 def set_cpu_isa(isa: str) -> str:
     """Choose the CPU kernels' instruction-set level: ``"auto"`` (the CPU's best) or one of
-    :data:`CPU_ISA_LEVELS`. Returns the previous level. Raises ValueError for another name
+    :func:`cpu_isa_levels`. Returns the previous level. Raises ValueError for another name
     or for a level above what this CPU runs, RuntimeError without the extension."""
-    if isa not in CPU_ISAS:
-        raise ValueError(f"isa must be one of {CPU_ISAS}, got {isa!r}")
     module = _load()[0]
     if module is None:
         raise RuntimeError(f"set_cpu_isa needs the C++ extension: {load_error()}")
-    best = module.cpu_best_isa()
-    if isa != "auto" and CPU_ISA_LEVELS.index(isa) > CPU_ISA_LEVELS.index(best):
-        raise ValueError(f"isa: this CPU has no {isa} (it runs up to {best}); use a lower level or 'auto'")
     return module.set_cpu_isa(isa)

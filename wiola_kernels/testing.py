@@ -136,11 +136,11 @@ def available_cpu_isas(kernel: str | None = None) -> list[str]:
     module = _extension._load()[0]
     if module is None:
         return []
-    levels = _extension.CPU_ISA_LEVELS
+    levels = _extension.cpu_isa_levels()
     runs = list(levels[:levels.index(module.cpu_best_isa()) + 1])
     if kernel is None:
         return runs
-    own = _extension.CPU_KERNEL_ISAS[kernel]
+    own = _extension.cpu_kernel_isas()[kernel]
     return [level for level in runs if level in own]
 
 

@@ -9,7 +9,6 @@
 namespace wiola::cpu {
 namespace {
 
-constexpr Isa kLevels[] = {Isa::kGeneric, Isa::kAvx2, Isa::kAvx512, Isa::kAvx512Bf16};
 
 Isa probed_isa() {
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
@@ -37,7 +36,7 @@ std::atomic<Isa>& probe_cap() {
 Isa initial_isa() {
   const char* env = std::getenv("WIOLA_CPU_ISA");
   if (env == nullptr || std::string(env).empty() || std::string(env) == "auto") return cpu_best_isa();
-  for (Isa isa : kLevels)
+  for (Isa isa : kIsaLevels)
     if (isa_name(isa) == env) {
       if (static_cast<int>(isa) <= static_cast<int>(cpu_best_isa())) return isa;
       TORCH_WARN("WIOLA_CPU_ISA=", env, " is above what this CPU runs (", isa_name(cpu_best_isa()),
@@ -86,7 +85,7 @@ std::string isa_name(Isa isa) {
 }
 
 Isa parse_isa(const std::string& name, const char* what) {
-  for (Isa isa : kLevels)
+  for (Isa isa : kIsaLevels)
     if (isa_name(isa) == name) return isa;
   TORCH_CHECK_VALUE(false, what, " must be one of 'generic', 'avx2', 'avx512', 'avx512_bf16' (or 'auto'), got '",
                     name, "'");
@@ -96,9 +95,7 @@ Isa parse_isa(const std::string& name, const char* what) {
 std::string set_cpu_isa(const std::string& name) {
   Isa isa = cpu_best_isa();
   if (name != "auto") {
-    TORCH_CHECK_VALUE(name == "generic" || name == "avx2" || name == "avx512" || name == "avx512_bf16",
-                      "isa must be 'auto', 'generic', 'avx2', 'avx512' or 'avx512_bf16', got '", name, "'");
-    isa = parse_isa(name);
+    isa = parse_isa(name, "isa");
     TORCH_CHECK_VALUE(static_cast<int>(isa) <= static_cast<int>(cpu_best_isa()), "isa: this CPU has no ", name,
                       " (it runs up to ", isa_name(cpu_best_isa()), "); use a lower level or 'auto'");
   }

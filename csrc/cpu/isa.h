@@ -58,12 +58,32 @@ std::string isa_name(Isa isa);
 // naming `what` for another string.
 Isa parse_isa(const std::string& name, const char* what = "isa");
 
-// The levels each kernel implements (the registry python_module.cpp reports).
+// The levels each kernel implements. kKernelIsas below is the one table of them: the kernels
+// choose from it, and Python reads it (wiola_kernels._extension.cpu_kernel_isas).
 inline constexpr Isa kDecodeGemvIsas[] = {Isa::kGeneric, Isa::kAvx2, Isa::kAvx512};
 inline constexpr Isa kRmsNormIsas[] = {Isa::kAvx2, Isa::kAvx512Bf16};  // rms_norm and add_rms_norm
 inline constexpr Isa kGluIsas[] = {Isa::kAvx2, Isa::kAvx512Bf16};
 // bf16 GEMMs natively (ATen/oneDNN) at avx512_bf16, as widened float32 GEMMs below it.
 inline constexpr Isa kLinearCrossEntropyIsas[] = {Isa::kAvx2, Isa::kAvx512Bf16};
+
+// Every level, lowest first, and every CPU kernel with more than one path, by name.
+inline constexpr Isa kIsaLevels[] = {Isa::kGeneric, Isa::kAvx2, Isa::kAvx512, Isa::kAvx512Bf16};
+struct KernelIsas {
+  const char* kernel;
+  const Isa* levels;
+  size_t count;
+};
+template <size_t N>
+constexpr KernelIsas kernel_isas(const char* kernel, const Isa (&levels)[N]) {
+  return {kernel, levels, N};
+}
+inline constexpr KernelIsas kKernelIsas[] = {
+    kernel_isas("decode_gemv", kDecodeGemvIsas),
+    kernel_isas("rms_norm", kRmsNormIsas),
+    kernel_isas("add_rms_norm", kRmsNormIsas),
+    kernel_isas("glu", kGluIsas),
+    kernel_isas("linear_cross_entropy", kLinearCrossEntropyIsas),
+};
 
 }  // namespace wiola::cpu
 
