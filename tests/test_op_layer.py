@@ -156,15 +156,13 @@ def test_every_registered_op_has_its_public_functions():
     assert all(OP_CASES[op].functions for op in dispatch.ops())
 
 
-def test_functions_are_exported_and_documented():
-    docs = (ROOT / "docs" / "ops.md").read_text() + (ROOT / "CONTRIBUTING.md").read_text()
+def test_functions_are_exported():
+    # Their documentation: tests/test_docs.py's coverage test.
     exported = {n for n in wk.__all__ if n.endswith("Function")}
     assert {c.function.__name__ for c in CASES} <= exported
     for case in CASES:
         assert issubclass(case.function, torch.autograd.Function)
         assert getattr(wk, case.function.__name__) is case.function
-        assert case.function.__name__ in docs, f"{case.function.__name__} missing from docs/ops.md / CONTRIBUTING.md"
-        assert case.function.__doc__ and case.public.__doc__
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
