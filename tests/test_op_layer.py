@@ -20,7 +20,6 @@ import subprocess
 import sys
 import warnings
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable
 
 import pytest
@@ -35,7 +34,6 @@ from wiola_kernels.validation import INDEX_DTYPES, Limits
 from op_cases import CASES as OP_CASES
 from op_cases import Public
 
-ROOT = Path(__file__).resolve().parents[1]
 CPU = torch.device("cpu")
 HAVE_OPS = wk.ops.have_registered_ops()
 needs_ops = pytest.mark.skipif(not HAVE_OPS, reason="needs the C++ extension (the registered ops)")
