@@ -54,19 +54,31 @@ class Public:
 class OpCase:
     """How the shared suites exercise one registered op."""
 
-    make: Callable[[tuple, torch.dtype, int], dict]  # (shape, dtype, seed) -> the public function's arguments
+    make: Callable[..., dict]    # (shape, dtype, seed, **variant) -> the public function's arguments: the
+                                 # seed draws the numbers, the variant's keywords choose the options
     call: Callable[[dict], tuple]                    # those arguments -> the outputs
     shapes: dict[str, list]   # "default" or a backend's own ("triton": the interpreter is slow, tiny),
                               # "gradcheck", "threads", "views", "dynamic" (two sizes), "concurrent",
                               # "gpu", "layer" (the op layer's)
     functions: tuple[Public, ...] = ()               # the op's public functions
-    layer_seed: int = 0                              # the seed of the op layer's arguments
+    variants: tuple[dict, ...] = ({},)               # make's option sets, cycled over each list of shapes
+    view_variants: tuple[dict, ...] = ({},)          # views' option sets, likewise
+    layer_variant: dict = field(default_factory=dict)  # the options of the op layer's arguments
     oracle: Callable[[dict], tuple] | None = None    # float64 arguments -> float64 outputs, differentiable
     views: Callable[[tuple, torch.dtype, int], tuple[dict, list]] | None = None  # strided (arguments, grads)
     in_place: tuple[str, ...] = ()                   # backends that read `views` without a copy
     kind: str = "elementwise"                        # SPEC §9's tolerance row
     out_dtype: Callable[[torch.dtype], torch.dtype] = lambda dtype: dtype  # the float outputs' dtype
     tol: Callable[[torch.dtype, dict], float] | None = field(default=None)  # instead of the kind's
+
+    def inputs(self, shape: tuple, dtype: torch.dtype, i: int, variant: int | None = None) -> dict:
+        """The arguments for the ``i``-th shape of a list: seed ``i`` and the variant ``i``
+        cycles to (or the ``variant``-th)."""
+        return self.make(shape, dtype, seed=i, **self.variants[(i if variant is None else variant) % len(self.variants)])
+
+    def view_inputs(self, shape: tuple, dtype: torch.dtype, i: int) -> tuple[dict, list]:
+        """``views``' (arguments, output gradients) for the ``i``-th shape of ``shapes["views"]``."""
+        return self.views(shape, dtype, seed=i, **self.view_variants[i % len(self.view_variants)])
 
     def tolerance(self, dtype: torch.dtype, args: dict) -> float:
         return self.tol(dtype, args) if self.tol else tolerance(dtype, self.kind)
@@ -76,17 +88,17 @@ class OpCase:
         signature, in order (``Function.apply`` takes them positionally)."""
         if function.make is not None:
             return function.make(dtype)
-        bound = inspect.signature(function.public).bind(**self.make(self.shapes["layer"][0], dtype, self.layer_seed))
+        bound = inspect.signature(function.public).bind(**self.make(self.shapes["layer"][0], dtype, seed=0, **self.layer_variant))
         bound.apply_defaults()
         return dict(bound.arguments)
 
 
-def _rms_make(shape, dtype, seed):
-    """Odd seeds: no shift δ (its own kernel path)."""
+def _rms_make(shape, dtype, seed, shift=True):
+    """``shift=False``: no δ (its own kernel path)."""
     g = gen(seed)
     d = shape[-1]
     x, w, s = _randn(*shape, g=g), torch.rand(d, generator=g, dtype=F64) + 0.5, _randn(d, g=g, scale=0.3)
-    return dict(x=x.to(dtype), weight=w.to(dtype), shift=None if seed % 2 else s.to(dtype), eps=1e-6)
+    return dict(x=x.to(dtype), weight=w.to(dtype), shift=s.to(dtype) if shift else None, eps=1e-6)
 
 
 def _rms_views(shape, dtype, seed):
@@ -100,14 +112,16 @@ def _rms_views(shape, dtype, seed):
     return dict(x=x.to(dtype), weight=wd[::2].to(dtype), shift=(0.1 * wd[1::2]).to(dtype), eps=1e-6), [grad.to(dtype)]
 
 
-def _srpe_make(shape, dtype, seed):
-    """Seeds 3n + 1: positions below 256 (float64 then within 1e-12; every index dtype, uint8
-    too, holds them); 3n + 2: other hyperparameters than SPEC's defaults."""
+SRPE_SPEC_PARAMS = (10000.0, 8.0, 0.1, 0.01)
+
+
+def _srpe_make(shape, dtype, seed, max_position=2**20, params=SRPE_SPEC_PARAMS):
+    """Positions in ``[0, max_position)`` (below 256, float64 is within 1e-12 and every index
+    dtype, uint8 too, holds them); ``params``: (θ₀, k_s, a_s, f_s)."""
     b, h, h_kv, t, dh = shape
     g = gen(seed)
     q, k = _randn(b, h, t, dh, g=g), _randn(b, h_kv, t, dh, g=g)
-    pos = torch.randint(0, 256 if seed % 3 == 1 else 2**20, (b, t), generator=g)  # not monotonic, may repeat
-    params = (500.0, 3.0, 0.3, 0.05) if seed % 3 == 2 else (10000.0, 8.0, 0.1, 0.01)
+    pos = torch.randint(0, max_position, (b, t), generator=g)  # not monotonic, may repeat
     return dict(q=q.to(dtype), k=k.to(dtype), position_ids=pos,
                 **dict(zip(("theta", "spiral_divisor", "radial_amplitude", "radial_frequency"), params)))
 
@@ -129,18 +143,19 @@ def _srpe_oracle(a):
     return srpe_oracle(a["q"], a["position_ids"], *params), srpe_oracle(a["k"], a["position_ids"], *params)
 
 
-def _add_make(shape, dtype, seed):
-    """rms_norm's inputs (odd seeds: no δ) and a residual twice x's scale."""
-    return dict(_rms_make(shape, dtype, seed), residual=_randn(*shape, g=gen(seed + 1), scale=2.0).to(dtype))
+def _add_make(shape, dtype, seed, shift=True):
+    """rms_norm's inputs and a residual twice x's scale."""
+    return dict(_rms_make(shape, dtype, seed, shift), residual=_randn(*shape, g=gen(seed + 1), scale=2.0).to(dtype))
 
 
-def _add_views(shape, dtype, seed):
-    """x and the residual as the two halves of one tensor (row stride 2d), then a transposed
-    residual; γ every other element, no δ; the output gradients transposed."""
+def _add_views(shape, dtype, seed, residual="transposed"):
+    """x a half of a (rows, 2d) tensor (row stride 2d); the residual its other half
+    (``residual="half"``) or transposed; γ every other element, no δ; the output gradients
+    transposed."""
     g = gen(seed)
     rows, d = shape
     both = _randn(rows, 2 * d, g=g)
-    residual = both[:, d:] if seed % 2 else _randn(d, rows, g=g).t()
+    residual = both[:, d:] if residual == "half" else _randn(d, rows, g=g).t()
     wd = torch.rand(2 * d, generator=g, dtype=F64) + 0.5
     grads = [_randn(d, rows, g=g).t().to(dtype) for _ in range(2)]
     return dict(x=both[:, :d].to(dtype), residual=residual.to(dtype), weight=wd[::2].to(dtype), shift=None,
@@ -150,14 +165,11 @@ def _add_views(shape, dtype, seed):
 _GLU_LAYOUTS = ("halves", "separate", "packed")
 
 
-def _glu_make(shape, dtype, seed):
-    """Seeds cycle the six (activation, layout) pairs: even seeds GELU_tanh, odd SiLU; the
-    layout by seed // 2: the two halves of one projection's output (row stride 2n, read in
-    place), two tensors, or that output itself (b None, the packed form)."""
+def _glu_make(shape, dtype, seed, activation="gelu_tanh", layout="halves"):
+    """``layout``: the two halves of one projection's output (row stride 2n, read in place),
+    two tensors (``separate``), or that output itself (``packed``: b None)."""
     n = shape[-1]
     u = _randn(*shape[:-1], 2 * n, g=gen(seed), scale=2.0).to(dtype)
-    activation = "silu" if seed % 2 else "gelu_tanh"
-    layout = _GLU_LAYOUTS[(seed // 2) % 3]
     if layout == "packed":
         return dict(a=u, b=None, activation=activation)
     a, b = u[..., :n], u[..., n:]
@@ -166,18 +178,17 @@ def _glu_make(shape, dtype, seed):
     return dict(a=a, b=b, activation=activation)
 
 
-def _lce_make(shape, dtype, seed):
+def _lce_make(shape, dtype, seed, reduction="mean", options=False):
     """(N, d, V): hidden rows, the head, labels with every fourth row ignored (from row 1:
-    N = 1 still counts a row). Odd seeds: label smoothing, softcap and z-loss all on; seeds
-    3n + 2: reduction "none"."""
+    N = 1 still counts a row). ``options``: label smoothing, softcap and z-loss all on."""
     n, d, vocab = shape
     g = gen(seed)
     labels = torch.randint(0, vocab, (n,), generator=g)
     labels[1::4] = -100
     args = dict(h=_randn(n, d, g=g).to(dtype), W=_randn(vocab, d, g=g, scale=0.5).to(dtype), labels=labels)
-    if seed % 3 == 2:
-        args["reduction"] = "none"
-    if seed % 2:
+    if reduction != "mean":
+        args["reduction"] = reduction
+    if options:
         args.update(label_smoothing=0.1, softcap=4.0, z_loss=1e-2)
     return args
 
@@ -199,11 +210,11 @@ def _gcla_make(shape, dtype, seed):
     return dict(args, lengths=None if lens is None else torch.tensor(lens))
 
 
-def _gcla_views(shape, dtype, seed):
+def _gcla_views(shape, dtype, seed, broadcast_grad=False):
     """The model's views (S = T): q_rot, q, k_rot, v transposed from (B, T, heads, d_h), kc, vc
     permuted from the context projection's (B, T, Λ', H, d_h), a float32 gate (a parameter;
-    float64 beside float64), the output gradient transposed alike (stride 0 over the batch for
-    odd seeds: the gradient of a sum). S = 1's layouts: tests/test_gcla_attention.py."""
+    float64 beside float64), the output gradient transposed alike (``broadcast_grad``: stride 0
+    over the batch, the gradient of a sum). S = 1's layouts: tests/test_gcla_attention.py."""
     b, h, h_kv, t, dh, s, lam, lens = shape
     g = gen(seed)
     args = dict(_gcla_make(shape, dtype, seed), gate=_randn(h, g=g).to(F64 if dtype == F64 else torch.float32))
@@ -211,7 +222,7 @@ def _gcla_views(shape, dtype, seed):
         args[n] = _randn(b, t, n_h, dh, g=g).to(dtype).transpose(1, 2)
     for n in ("kc", "vc"):
         args[n] = _randn(b, s, lam, h, dh, g=g).to(dtype).permute(0, 3, 1, 2, 4)
-    grad = _randn(1 if seed % 2 else b, t, h, dh, g=g).to(dtype).transpose(1, 2).expand(b, h, t, dh)
+    grad = _randn(1 if broadcast_grad else b, t, h, dh, g=g).to(dtype).transpose(1, 2).expand(b, h, t, dh)
     return args, [grad]
 
 
@@ -442,6 +453,7 @@ CASES: dict[str, OpCase] = {
              views=[(30, 20)], dynamic=[(2, 3, 16), (2, 5, 16)], concurrent=[(64, 200)], gpu=[(5, 33)],
              layer=[(3, 5, 8)]),
         (Public("rms_norm", wk.RMSNormFunction, _rms_calls, _rms_bad),),
+        variants=(dict(shift=True), dict(shift=False)),
         oracle=lambda a: (rms_oracle(a["x"], a["weight"], a["shift"], a["eps"]),), views=_rms_views),
     "srpe": OpCase(
         _srpe_make, lambda a: wk.srpe(**a),
@@ -451,7 +463,9 @@ CASES: dict[str, OpCase] = {
              threads=[(2, 4, 2, 300, 64)], views=[(2, 4, 2, 37, 16), (3, 2, 1, 5, 66), (1, 4, 4, 1, 64)],
              dynamic=[(2, 2, 1, 3, 4), (2, 2, 1, 5, 4)], concurrent=[(2, 4, 2, 33, 16)], gpu=[(2, 4, 2, 7, 16)],
              layer=[(2, 4, 2, 5, 8)]),
-        (Public("srpe", wk.SRPEFunction, _srpe_calls, _srpe_bad),), layer_seed=1,  # positions below 256
+        (Public("srpe", wk.SRPEFunction, _srpe_calls, _srpe_bad),),
+        variants=(dict(), dict(max_position=256), dict(params=(500.0, 3.0, 0.3, 0.05))),
+        layer_variant=dict(max_position=256),
         oracle=_srpe_oracle, views=_srpe_views, in_place=("cpu", "triton"),
         # float64 at positions ~2^20: the angle p·ω itself carries ~1e-10 of rounding (SPEC §9)
         tol=lambda dtype, a: srpe_tolerance(dtype, a["position_ids"], a["spiral_divisor"])),
@@ -461,6 +475,8 @@ CASES: dict[str, OpCase] = {
              threads=[(601, 96)], views=[(30, 20), (7, 33)], dynamic=[(2, 3, 16), (2, 5, 16)],
              concurrent=[(64, 200)], gpu=[(5, 33)], layer=[(3, 5, 8)]),
         (Public("add_rms_norm", wk.AddRMSNormFunction, _add_calls, _add_bad),),
+        variants=(dict(shift=True), dict(shift=False)),
+        view_variants=(dict(residual="transposed"), dict(residual="half")),
         oracle=lambda a: add_rms_norm_oracle(a["x"], a["residual"], a["weight"], a["shift"], a["eps"]),
         views=_add_views),
     "glu": OpCase(
@@ -472,15 +488,18 @@ CASES: dict[str, OpCase] = {
              threads=[(301, 100)], dynamic=[(2, 3, 16), (2, 5, 16)], concurrent=[(64, 200)], gpu=[(5, 33)],
              layer=[(3, 5, 8)]),
         (Public("glu", wk.GLUFunction, _glu_calls, _glu_bad),),
+        variants=tuple(dict(activation=act, layout=layout) for layout in _GLU_LAYOUTS for act in ("gelu_tanh", "silu")),
         oracle=lambda a: (glu_oracle(a["a"], a["b"], a["activation"]),)),
     "linear_cross_entropy": OpCase(
         _lce_make, lambda a: (wk.linear_cross_entropy(**a),),
-        # (N, d, V); the seeds of the lists cycle the options
+        # (N, d, V); the lists cycle the variants
         dict(default=[(7, 6, 13), (37, 16, 75), (1, 8, 5), (64, 32, 300), (9, 3, 1000), (2, 1, 2)],
              triton=[(7, 6, 13), (5, 4, 9), (9, 8, 37)], gradcheck=[(6, 4, 7)] * 6,
              dynamic=[(6, 8, 11), (9, 8, 11)], concurrent=[(64, 32, 300)], gpu=[(33, 64, 1000)], threads=[(300, 64, 1000)], layer=[(7, 6, 13)]),
         (Public("linear_cross_entropy", wk.LinearCrossEntropyFunction, _lce_calls, _lce_bad),),
-        layer_seed=1,  # smoothing, softcap and z-loss on
+        variants=(dict(), dict(options=True), dict(reduction="none"), dict(options=True), dict(),
+                  dict(reduction="none", options=True)),
+        layer_variant=dict(options=True),
         oracle=_lce_oracle, kind="attention",
         out_dtype=lambda dtype: torch.float64 if dtype == F64 else torch.float32),  # SPEC §10.1: a float32 loss
     "gcla_attention": OpCase(
@@ -502,6 +521,7 @@ CASES: dict[str, OpCase] = {
              dynamic=[(2, 2, 1, 3, 4, 3, 2, (3, 1)), (2, 2, 1, 5, 4, 5, 2, (5, 2))],
              concurrent=[(1, 4, 2, 40, 16, 40, 2, None)], gpu=[(2, 4, 2, 19, 64, 19, 2, (19, 14))], layer=[(2, 4, 2, 5, 64, 5, 2, (5, 2))]),
         (Public("gcla_attention", wk.GCLAAttentionFunction, _gcla_calls, _gcla_bad),),
+        view_variants=(dict(), dict(broadcast_grad=True)),
         oracle=_gcla_oracle, views=_gcla_views, in_place=("cpu", "triton"), kind="attention"),
     "atm": OpCase(
         _atm_make, _atm_call,

@@ -41,12 +41,12 @@ def raises_naming(exc_types, names, fn):
 def rms_oracle(x, w, s, eps, hf_order=False):
     """SPEC §3 in float64: ``γ z / sqrt(mean z² + ε)``, ``z = x + δ`` (``s`` None: δ = 0).
 
-    ``hf_order``: Hugging Face's LlamaRMSNorm instead, in x's dtype, not float64 (its
-    roundings are the point): normalise in float32, round to x's dtype, then multiply by γ
-    in PyTorch's type promotion."""
+    ``hf_order``: Hugging Face's LlamaRMSNorm order instead, in x's dtype, not float64 (its
+    roundings are the point): ``z = x + δ`` and its normalisation in float32, rounded to x's
+    dtype, then multiplied by γ in PyTorch's type promotion."""
     if hf_order:
-        xf = x.to(torch.float32)
-        return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+        z = x.to(torch.float32) if s is None else x.to(torch.float32) + s.to(torch.float32)
+        return w * (z * torch.rsqrt(z.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
     x, w = x.double(), w.double()
     z = x if s is None else x + s.double()
     r = torch.sqrt((z * z).mean(-1, keepdim=True) + eps)

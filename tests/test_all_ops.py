@@ -126,7 +126,7 @@ def test_poisoning_is_active():
 def test_forward_and_backward_match_the_oracle(op, backend, dtype):
     case = CASES[op]
     for i, shape in enumerate(case.shapes.get(backend, case.shapes["default"])):
-        args = case.make(shape, dtype, seed=i)
+        args = case.inputs(shape, dtype, i)
         before = {n: v.clone() for n, v in args.items() if isinstance(v, torch.Tensor)}
         with on_backend(backend):
             outs, dargs, grads = _run(case, args, 100 + i)
@@ -149,7 +149,7 @@ def test_strided_inputs(op, backend):
     reads_in_place = backend.partition("/")[0] in case.in_place
     for i, shape in enumerate(case.shapes["views"]):
         for dtype in (torch.float32, torch.bfloat16, torch.float64):
-            args, grads = case.views(shape, dtype, seed=i)
+            args, grads = case.view_inputs(shape, dtype, i)
             with on_backend(backend), CopyCounter() as copied:
                 outs, dargs, _ = _run(case, args, grads)
             want, dwant = _oracle(case, args, grads)
@@ -169,7 +169,7 @@ def test_float64_gradcheck(op, backend):
     """The randomised gradcheck (Triton's interpreter runs a few hundred launches a second)."""
     case = CASES[op]
     for i, shape in enumerate(case.shapes["gradcheck"]):
-        args = case.make(shape, F64, seed=i)
+        args = case.inputs(shape, F64, i)
         names = _tensors(args)
 
         def f(*leaves):
@@ -186,7 +186,7 @@ def test_cpu_bitwise_on_any_thread_count(op, backend, dtype):
     """Forward and backward on 1, 2, 1, 2 threads: the same bits each time (reductions over
     rows split the work into a fixed number of chunks, summed in a fixed order)."""
     case = CASES[op]
-    args = case.make(case.shapes["threads"][0], dtype, seed=0)
+    args = case.inputs(case.shapes["threads"][0], dtype, 0)
     results = []
     for n in (1, 2, 1, 2):
         with threads(n), on_backend(backend):
@@ -204,7 +204,7 @@ def _loss(outs) -> torch.Tensor:
 def test_compile_dynamic_shapes_all_ops():
     """One compiled function over every op, with dynamic shapes and autograd (aot_eager keeps
     this test fast), against the same calls eagerly."""
-    template = [(case, case.make(case.shapes["dynamic"][0], torch.float32, 0)) for case in CASES.values()]
+    template = [(case, case.inputs(case.shapes["dynamic"][0], torch.float32, 0)) for case in CASES.values()]
     layout = [(case, {n: v for n, v in a.items() if not isinstance(v, torch.Tensor)},
                [n for n, v in a.items() if isinstance(v, torch.Tensor)]) for case, a in template]
 
@@ -217,7 +217,7 @@ def test_compile_dynamic_shapes_all_ops():
 
     cf = torch.compile(f, fullgraph=True, dynamic=True, backend="aot_eager")
     for size in (0, 1):
-        ins = [v for case in CASES.values() for v in case.make(case.shapes["dynamic"][size], torch.float32, 2 * size).values()
+        ins = [v for case in CASES.values() for v in case.inputs(case.shapes["dynamic"][size], torch.float32, size, variant=0).values()
                if isinstance(v, torch.Tensor)]
         a = [t.clone().requires_grad_(t.is_floating_point()) for t in ins]
         b = [t.clone().requires_grad_(t.is_floating_point()) for t in ins]
@@ -246,7 +246,7 @@ def test_ops_are_thread_safe(backend):
 
     def job(seed):
         for op, case in CASES.items():
-            args = case.make(case.shapes["concurrent"][0], torch.float32, seed)
+            args = case.inputs(case.shapes["concurrent"][0], torch.float32, seed)
             with wk.use_backend(backend):
                 outs = case.call(args)
             with wk.use_backend("reference"):
@@ -261,7 +261,7 @@ def _on_device_against_reference(op, backend, device):
     """Forward and backward on ``device``: the outputs against the float64 reference (on the
     CPU), the gradients finite (every element written)."""
     case = CASES[op]
-    args = case.make(case.shapes["gpu"][0], torch.float32, 0)
+    args = case.inputs(case.shapes["gpu"][0], torch.float32, 0)
     with wk.use_backend(backend):
         outs, dargs, _ = _run(case, {n: v.to(device) if isinstance(v, torch.Tensor) else v for n, v in args.items()}, 1)
     with wk.use_backend("reference"):

@@ -36,11 +36,16 @@ def test_links_stay_inside_the_repository(doc):
             assert anchor in _anchors(resolved.read_text(encoding="utf-8")), f"{doc.name}: no heading #{anchor}"
 
 
-def test_ops_doc_covers_every_public_op_and_the_tolerances():
+def test_every_public_name_is_documented_and_every_op_has_its_contract():
+    """The one docs-coverage test: every name ``wiola_kernels`` exports has a docstring; every
+    registered op's public functions and autograd Functions are in docs/ops.md; its accuracy
+    table states the tolerances the tests use."""
     import wiola_kernels
     from wiola_kernels.testing import TOLERANCE
 
     text = (ROOT / "docs" / "ops.md").read_text(encoding="utf-8")
+    for name in wiola_kernels.__all__:
+        assert (getattr(wiola_kernels, name).__doc__ or "").strip(), f"wiola_kernels.{name} has no docstring"
     # Every registered op's public functions (atm: atm_merge, atm_unmerge); no op list here.
     public = [n for n in wiola_kernels.__all__ if n.islower() and callable(getattr(wiola_kernels, n))]
     for op in wiola_kernels.dispatch.ops():
@@ -48,6 +53,8 @@ def test_ops_doc_covers_every_public_op_and_the_tolerances():
         assert names, f"{op}: no public function in wiola_kernels.__all__"
         for name in names:
             assert f"`{name}(" in text, name
+    for name in (n for n in wiola_kernels.__all__ if n.endswith("Function")):
+        assert name in text, f"{name} missing from docs/ops.md"
     table = text.split("## Accuracy", 1)[1]
     for kind, column in (("elementwise", 2), ("attention", 3)):
         for dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
@@ -57,11 +64,11 @@ def test_ops_doc_covers_every_public_op_and_the_tolerances():
             assert written in row.split("|")[column], (kind, name, row)
 
 
-def test_readme_states_the_build_facts():
+def test_readme_names_the_build_s_cxx_standard():
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
     standard = re.search(r"CMAKE_CXX_STANDARD (\d+)", (ROOT / "CMakeLists.txt").read_text()).group(1)
-    assert f"C++{standard} compiler" in readme and "C++17 compiler" not in readme
-    assert "download.pytorch.org/whl/cpu" in readme  # where a CPU-only torch comes from
+    stated = set(re.findall(r"C\+\+(\d+) compiler", readme))
+    assert stated == {standard}, (stated, standard)
 
 
 def test_security_contact_is_in_the_package_metadata():
@@ -69,8 +76,3 @@ def test_security_contact_is_in_the_package_metadata():
     email = re.search(r'author_email="([^"]+)"', setup).group(1)
     assert re.search(r'\bauthor="[^"]+"', setup)
     assert email in (ROOT / "SECURITY.md").read_text(encoding="utf-8")
-
-
-def test_no_comment_promises_srpe_has_no_length_limit():
-    for path in [*ROOT.glob("wiola_kernels/**/*.py"), *ROOT.glob("python/wiola/*.py")]:
-        assert "SRPE itself has no limit" not in path.read_text(encoding="utf-8"), path

@@ -20,7 +20,6 @@ import subprocess
 import sys
 import warnings
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable
 
 import pytest
@@ -35,7 +34,6 @@ from wiola_kernels.validation import INDEX_DTYPES, Limits
 from op_cases import CASES as OP_CASES
 from op_cases import Public
 
-ROOT = Path(__file__).resolve().parents[1]
 CPU = torch.device("cpu")
 HAVE_OPS = wk.ops.have_registered_ops()
 needs_ops = pytest.mark.skipif(not HAVE_OPS, reason="needs the C++ extension (the registered ops)")
@@ -156,15 +154,13 @@ def test_every_registered_op_has_its_public_functions():
     assert all(OP_CASES[op].functions for op in dispatch.ops())
 
 
-def test_functions_are_exported_and_documented():
-    docs = (ROOT / "docs" / "ops.md").read_text() + (ROOT / "CONTRIBUTING.md").read_text()
+def test_functions_are_exported():
+    # Their documentation: tests/test_docs.py's coverage test.
     exported = {n for n in wk.__all__ if n.endswith("Function")}
     assert {c.function.__name__ for c in CASES} <= exported
     for case in CASES:
         assert issubclass(case.function, torch.autograd.Function)
         assert getattr(wk, case.function.__name__) is case.function
-        assert case.function.__name__ in docs, f"{case.function.__name__} missing from docs/ops.md / CONTRIBUTING.md"
-        assert case.function.__doc__ and case.public.__doc__
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)

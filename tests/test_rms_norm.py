@@ -373,6 +373,18 @@ def test_hf_order_matches_hugging_face_within_one_ulp(backend, dtype):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_hf_order_with_shift_matches_the_rounding_oracle(backend):
+    """bf16 with a shift δ large enough to move every row's statistics: the HF-order oracle
+    adds δ before normalising (an oracle that dropped δ is far off, and this test fails on
+    it), and the op rounds as that oracle does, to within one ulp."""
+    x, w, s = make((37, 192), torch.bfloat16, seed=11)
+    s = (s.float() * 10).to(torch.bfloat16)
+    y = run(backend, x, w, s, hf_order=True)[0]
+    assert int(_ulp_distance(y, rms_oracle(x, w, s, 1e-6, hf_order=True)).max()) <= _max_ulp(backend, torch.bfloat16)
+    assert rel_err(rms_oracle(x, w, None, 1e-6, hf_order=True), want(x, w, s)[0]) > 0.1  # δ matters here
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_hf_order_with_shift_and_gradients(backend):
     x, w, s = make((9, 130), torch.float32, seed=9)
     g = torch.randn(9, 130, generator=gen(10))
