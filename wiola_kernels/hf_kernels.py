@@ -58,6 +58,7 @@ Example::
 from __future__ import annotations
 
 import importlib
+import inspect
 import math
 
 import torch
@@ -124,24 +125,31 @@ def _rope_theta(config) -> float | None:
     return float(theta) if theta is not None else getattr(config, "rope_theta", None)
 
 
-def _rope_of(module: nn.Module) -> tuple[float, int] | None:
+def _rope_of(module: nn.Module, check_values: bool = True) -> tuple[float, int] | None:
     """``(θ₀, rotated width)`` when ``module`` (a ``<Family>RotaryEmbedding``) computes
     default RoPE, which ``srpe`` reproduces; None for anything else (other rope types,
     an attention scale, a hand-edited ``inv_freq``): that module keeps HF's forward.
-    With ``srpe``'s given frequencies, ``module.inv_freq`` (recomputed in float64) and
-    ``module.attention_scaling`` would cover the other rope types here."""
+    ``check_values``: also compare ``inv_freq``'s values (not while compiling: a
+    data-dependent branch). With ``srpe``'s given frequencies, ``module.inv_freq``
+    (recomputed in float64) and ``module.attention_scaling`` would cover the other rope
+    types here."""
     inv_freq = getattr(module, "inv_freq", None)
     theta = _rope_theta(getattr(module, "config", None))
     if getattr(module, "rope_type", None) != "default" or getattr(module, "attention_scaling", 1.0) != 1.0 \
             or not isinstance(inv_freq, Tensor) or inv_freq.dim() != 1 or theta is None or theta <= 0:
         return None
     dim = 2 * inv_freq.numel()
-    if not inv_freq.is_meta:  # a meta model's buffer is computed by HF's init later: nothing to compare yet
+    if check_values and not inv_freq.is_meta:  # a meta buffer is computed by HF's init later
         want = 1.0 / theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)
         got = inv_freq.detach().to("cpu", torch.float64)
         if not torch.allclose(got, want, rtol=4 * torch.finfo(inv_freq.dtype).eps, atol=0.0):
             return None
     return theta, dim
+
+
+def _serves_rope(module: nn.Module) -> bool:
+    """The registration's condition (``kernels`` >= 0.17 asks it per instance at kernelize time)."""
+    return _rope_of(module) is not None
 
 
 class layers:  # noqa: N801  (the namespace ``kernels`` reads layers from: ``<kernel>.layers.<name>``)
@@ -166,15 +174,18 @@ class layers:  # noqa: N801  (the namespace ``kernels`` reads layers from: ``<ke
     class RotaryEmbedding(nn.Module):
         """``forward`` of a ``<Family>RotaryEmbedding``: HF's ``(cos, sin)`` tables
         (``(B, T, d)``, the halves repeated, in ``x``'s dtype) from float64 angles, the
-        ``cos`` table carrying the positions for :class:`ApplyRotaryPosEmb`. Only put on
-        modules whose rope is the default one (the registration's condition)."""
+        ``cos`` table carrying the positions for :class:`ApplyRotaryPosEmb`. Put only on
+        modules whose rope is the default one (the registration's condition); where
+        ``kernels`` has no condition (< 0.17), any other rope runs the class's own forward."""
 
         has_backward = True
         can_torch_compile = True
 
         def forward(self, x: Tensor, position_ids: Tensor) -> tuple[Tensor, Tensor]:
-            theta = _rope_theta(self.config)
-            dim = 2 * self.inv_freq.shape[0]
+            rope = _rope_of(self, check_values=not torch.compiler.is_compiling())
+            if rope is None:  # kernels < 0.17 has no per-instance condition: decide here
+                return type(self).forward(self, x, position_ids)
+            theta, dim = rope
             j = torch.arange(0, dim, 2, dtype=torch.float64, device=position_ids.device)
             angle = position_ids[..., None].to(torch.float64) * torch.pow(theta, -j / dim)
             emb = torch.cat((angle, angle), dim=-1)
@@ -265,7 +276,10 @@ def register_rotary_layers(families=None) -> list[type]:
         if cls is None or getattr(apply, "kernel_layer_name", None) != "rotary_pos_emb":
             continue
         if cls.__dict__.get("kernel_layer_name") != ROTARY_LAYER:
-            replace_kernel_forward_from_hub(cls, ROTARY_LAYER, lambda module: _rope_of(module) is not None)
+            if "condition" in inspect.signature(replace_kernel_forward_from_hub).parameters:  # kernels >= 0.17
+                replace_kernel_forward_from_hub(cls, ROTARY_LAYER, condition=_serves_rope)
+            else:  # our forward hands other rope types back to the class's own
+                replace_kernel_forward_from_hub(cls, ROTARY_LAYER)
         marked.append(cls)
     return marked
 
