@@ -12,8 +12,10 @@ from __future__ import annotations
 import collections
 import copy
 import inspect
+import logging
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
@@ -41,6 +43,7 @@ FAMILIES = {
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"norm", "rope"}),  # q/k norms per head too
     "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM", {"norm", "rope"}),  # every 4th layer without RoPE
     "gemma": ("GemmaConfig", "GemmaForCausalLM", {"rope"}),  # its x̂·(1+γ) norm has no kernels hook
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {"rope"}),  # soft-capping and sliding windows stay HF's
 }
 
 
@@ -299,11 +302,37 @@ def test_mapping_shape_and_bad_arguments():
         hf_kernels.Repository("LayerNorm")
     with pytest.raises(ValueError, match="families"):
         hf_kernels.register_rotary_layers(["gpt2"])
+    # Outside our mapping the marked rotary classes keep their forward, without a warning.
+    m = _model("llama", seed=15)
+    with warnings.catch_warnings(record=True) as caught, _LogRecords("kernels") as logged:
+        warnings.simplefilter("always")
+        kernels.kernelize(m, mode=Mode.INFERENCE, device="cpu")
+    assert not _served(m)
+    assert not [w for w in caught if "WiolaRotaryEmbedding" in str(w.message)]
+    assert not [r for r in logged if "WiolaRotaryEmbedding" in r.getMessage()]
     # use_fallback=False: kernels raises rather than keeping a forward it cannot serve.
     m = _model("llama", seed=15)
     with kernels.use_kernel_mapping(wk.kernel_mapping("cuda"), inherit_mapping=False):
         with pytest.raises(ValueError, match="device type"):
             kernels.kernelize(m, mode=Mode.INFERENCE, device="cpu", use_fallback=False)
+
+
+class _LogRecords(logging.Handler):
+    """The records a logger (and its children) emit inside the block."""
+
+    def __init__(self, name: str):
+        super().__init__(logging.DEBUG)
+        self.logger, self.records = logging.getLogger(name), []
+
+    def emit(self, record):
+        self.records.append(record)
+
+    def __enter__(self):
+        self.logger.addHandler(self)
+        return self.records
+
+    def __exit__(self, *exc):
+        self.logger.removeHandler(self)
 
 
 def test_imports_without_kernels():

@@ -246,7 +246,10 @@ def register_rotary_layers(families=None) -> list[type]:
     every one of :data:`ROTARY_FAMILIES`) as the ``kernels`` layer ``"WiolaRotaryEmbedding"``
     (``kernels.replace_kernel_forward_from_hub``), for instances that compute default RoPE.
     Idempotent; :func:`kernel_mapping` calls it. A family whose modeling module or class
-    is missing in the installed transformers is skipped.
+    is missing in the installed transformers is skipped. The name is also registered with
+    ``kernels`` for no device, so ``kernelize`` without our mapping keeps those classes'
+    own ``forward`` silently (with ``use_fallback=False`` it raises, as for any layer with
+    no kernel for the device).
 
     Args:
         families: iterable of model types (keys of :data:`ROTARY_FAMILIES`), or None.
@@ -258,7 +261,7 @@ def register_rotary_layers(families=None) -> list[type]:
         ValueError: a family not in :data:`ROTARY_FAMILIES`.
         ImportError: ``kernels`` is not installed.
     """
-    from kernels import replace_kernel_forward_from_hub
+    from kernels import register_kernel_mapping, replace_kernel_forward_from_hub
 
     families = list(ROTARY_FAMILIES) if families is None else list(families)
     unknown = [f for f in families if f not in ROTARY_FAMILIES]
@@ -281,6 +284,10 @@ def register_rotary_layers(families=None) -> list[type]:
             else:  # our forward hands other rope types back to the class's own
                 replace_kernel_forward_from_hub(cls, ROTARY_LAYER)
         marked.append(cls)
+    if marked:
+        # The name with no device: a kernelize outside our mapping (transformers' from_pretrained
+        # runs one by default) keeps the class's own forward without a "no kernel mapping" warning.
+        register_kernel_mapping({ROTARY_LAYER: {}})
     return marked
 
 
