@@ -250,6 +250,18 @@ def test_other_rope_types_keep_hf_rope_and_still_fuse_the_norms(rope):
     _assert_matches(got, want, rope["rope_type"])
 
 
+def test_default_rope_found_where_float32_inv_freq_is_ulps_off():
+    # θ₀ 1e7 and d_h 30: HF's float32 inv_freq is up to 4 ulp from float64 θ₀^(−2j/d_h), and
+    # a bf16 model holds the buffer in bf16; both are still the default RoPE (served by srpe).
+    for dtype in (torch.float32, torch.bfloat16):
+        m = _model("llama", seed=17, head_dim=30, rope_parameters={"rope_type": "default", "rope_theta": 1e7}).to(dtype)
+        _kernelize(m)
+        assert _served(m)["RotaryEmbedding"] == 1
+        with torch.no_grad(), WiolaOps() as ops:
+            m(input_ids=training_batch("plain", seed=18)["input_ids"])
+        assert ops.calls["srpe"] == 4
+
+
 def test_hand_edited_inv_freq_keeps_hf_rope():
     m = _model("llama", seed=13)
     with torch.no_grad():

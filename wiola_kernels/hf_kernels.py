@@ -140,9 +140,12 @@ def _rope_of(module: nn.Module, check_values: bool = True) -> tuple[float, int] 
         return None
     dim = 2 * inv_freq.numel()
     if check_values and not inv_freq.is_meta:  # a meta buffer is computed by HF's init later
-        want = 1.0 / theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)
-        got = inv_freq.detach().to("cpu", torch.float64)
-        if not torch.allclose(got, want, rtol=4 * torch.finfo(inv_freq.dtype).eps, atol=0.0):
+        # HF's own float32 formula: it is up to ~5 ulp from the float64 θ₀^(−2j/d) (j/d
+        # rounded, then amplified by ln θ₀), so compare with it, not with float64, allowing
+        # another device's pow or a cast of the buffer (model.to(bf16)).
+        want = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+        got = inv_freq.detach().to("cpu", torch.float32)
+        if not torch.allclose(got, want, rtol=2 * torch.finfo(inv_freq.dtype).eps, atol=0.0):
             return None
     return theta, dim
 
