@@ -38,7 +38,8 @@ activation is decorated, which cannot fuse the product) and the causal-LM loss.
 
 Registered for the devices ``cpu`` and ``cuda`` and the modes ``TRAINING``,
 ``INFERENCE`` and both with ``TORCH_COMPILE`` (every layer has a backward and compiles
-without graph breaks). Tested with ``kernels`` 0.19.1 and transformers 5.25.
+without graph breaks). Tested with ``kernels`` 0.19.1 + transformers 5.25 and ``kernels``
+0.16.2 + transformers 5.17 (each transformers release pins the ``kernels`` range it accepts).
 
 Example::
 
