@@ -15,6 +15,10 @@ declared once in C++ with a kernel per device that PyTorch's dispatcher picks:
   the logits tensor (SPEC §10.1)
 * :func:`patch_hf` / :func:`unpatch_hf` — these kernels in Hugging Face Llama / Mistral / Qwen2 models
 
+Hugging Face's own ``kernels`` switch (``kernels.kernelize``, ``from_pretrained(...,
+use_kernels=True)``) reaches our layers through :func:`kernel_mapping` / :func:`kernel_config`
+(:mod:`wiola_kernels.hf_kernels`).
+
 Force a backend (tests, benchmarks) with :func:`use_backend` or ``WIOLA_BACKEND`` (see
 :mod:`wiola_kernels.dispatch`), and see what runs here with :func:`backends`.
 The C++ CPU kernels run AVX-512 loops where the CPU has them; one level for all of them —
@@ -43,6 +47,7 @@ from .ops.linear_cross_entropy import LinearCrossEntropyFunction, linear_cross_e
 from .ops.glu import GLUFunction, glu  # noqa: E402
 from .ops.rms_norm import RMSNormFunction, rms_norm  # noqa: E402
 from .ops.srpe import SRPEFunction, srpe  # noqa: E402
+from .hf_kernels import kernel_config, kernel_mapping  # noqa: E402  (Hugging Face's `kernels`, imported lazily)
 
 __version__ = "0.1.0"
 
@@ -51,3 +56,4 @@ __all__ = ["ATMMergeFunction", "ATMUnmergeFunction", "AddRMSNormFunction", "GCLA
            "WiolaRMSNorm", "add_rms_norm", "atm_merge", "atm_unmerge", "backends", "cpu_isa", "gcla_attention", "glu",
            "is_patched", "kernel_isa", "linear_cross_entropy", "patch_hf", "rms_norm", "set_cpu_isa", "srpe",
            "unpatch_hf", "use_backend"]
+__all__ += ["kernel_config", "kernel_mapping"]
