@@ -3,8 +3,8 @@
 # That machine runs its own image (Python 3.12, torch 2.11 + CUDA 13.0, triton 3.6,
 # transformers 5.17) and cannot install anything, so what it runs is checked here first:
 #
-#   bash scripts/device_env.sh           # triton==3.6.0 and transformers==5.17.0 (and a
-#                                        # huggingface_hub it accepts) into .venv-device/;
+#   bash scripts/device_env.sh           # triton==3.6.0, transformers==5.17.0 (and a
+#                                        # huggingface_hub and kernels it accepts) into .venv-device/;
 #                                        # put that first on PYTHONPATH (prints the path)
 #   bash scripts/device_env.sh --pkgs    # .device-pkgs/: pytest, pytest-benchmark, hypothesis
 #                                        # and ninja for Python 3.12, for a GPU image that has
@@ -19,6 +19,7 @@ PYTHON=${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo pyt
 TRITON_VERSION=3.6.0
 TRANSFORMERS_VERSION=5.17.0
 HUB_SPEC='huggingface_hub>=1.5,<2'  # what transformers 5.17 accepts
+KERNELS_VERSION=0.16.2               # Hugging Face's kernels switch: transformers 5.17 accepts 0.16.x
 
 pip_target() {  # DIR ARGS...: pip install --target DIR ARGS (the store's "ignored" notes dropped)
   local dir=$1; shift
@@ -36,13 +37,14 @@ fresh() {  # DIR STAMP: true (and DIR emptied) unless DIR/.stamp already says ST
 case "${1:-}" in
   ""|--path)
     dir=$PWD/.venv-device
-    stamp="triton==$TRITON_VERSION transformers==$TRANSFORMERS_VERSION $HUB_SPEC"
+    stamp="triton==$TRITON_VERSION transformers==$TRANSFORMERS_VERSION $HUB_SPEC kernels==$KERNELS_VERSION"
     if [ "${1:-}" != "--path" ] && fresh "$dir" "$stamp"; then
       # --no-deps: torch, numpy, tokenizers, safetensors... stay the pinned environment's.
-      pip_target "$dir" --no-deps "triton==$TRITON_VERSION" "transformers==$TRANSFORMERS_VERSION"
+      pip_target "$dir" --no-deps "triton==$TRITON_VERSION" "transformers==$TRANSFORMERS_VERSION" \
+        "kernels==$KERNELS_VERSION" "kernels-data==$KERNELS_VERSION"
       # transformers 5.17 refuses huggingface_hub 2.x: a 1.x, with what it needs.
       pip_target "$dir" "$HUB_SPEC"
-      "$PYTHON" -c "import sys; sys.path.insert(0, '$dir'); import triton, transformers, huggingface_hub" \
+      "$PYTHON" -c "import sys; sys.path.insert(0, '$dir'); import triton, transformers, huggingface_hub, kernels" \
         && echo "$stamp" > "$dir/.stamp"
     fi
     echo "$dir"
