@@ -84,9 +84,18 @@ def cmd_bench_hf(args: argparse.Namespace) -> int:
           f"threads: {torch.get_num_threads()}, torch {torch.__version__}", flush=True)
     if case.sequential:  # rows come one by one (a timeout still leaves the finished ones)
         print(format_hf_header(case, args.repeats, args.backend), flush=True)
+    done: list[dict] = []
+
+    def on_record(r: dict) -> None:  # sequential cases: each row printed (and saved) as it completes
+        done.append(r)
+        print(format_hf_row(r), flush=True)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(done, f, indent=2)
+
     with tqdm(total=len(variants) * args.repeats, desc=f"bench --hf {args.hf}", unit="step", file=sys.stderr) as bar:
         records = run_hf_bench(case, repeats=args.repeats, backend=args.backend, progress=bar, variants=variants,
-                               on_record=(lambda r: print(format_hf_row(r), flush=True)) if case.sequential else None)
+                               on_record=on_record if case.sequential else None)
     if not case.sequential:
         print(format_hf_records(records))
     if args.json:

@@ -36,6 +36,7 @@ run (not installed; not a GPU) those variants give a record with ``skipped`` and
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import ctypes
 import statistics
@@ -86,7 +87,9 @@ class HFStepCase:
 
         config = transformers.LlamaConfig(**self.config_kwargs)
         config._attn_implementation = "sdpa"
-        with torch.random.fork_rng(devices=[] if self.device.type == "cpu" else [self.device]):
+        # A large model is initialised on the device (seconds, not a minute of CPU init).
+        where = torch.device(self.device) if self.sequential else contextlib.nullcontext()
+        with torch.random.fork_rng(devices=[] if self.device.type == "cpu" else [self.device]), where:
             torch.manual_seed(seed)
             model = transformers.LlamaForCausalLM(config)
         return model.to(device=self.device, dtype=self.dtype).train()
@@ -233,8 +236,6 @@ def peak_mb(step, device: torch.device) -> float:
 def _variant(base, v: str):
     """``(model, scope)`` of variant ``v``: a copy of ``base``, patched by :func:`~wiola_kernels.patch_hf`
     or by Liger-Kernel, and a context-manager factory its steps run under (Liger's RoPE)."""
-    import contextlib
-
     from ..hf import patch_hf
 
     model = copy.deepcopy(base)
