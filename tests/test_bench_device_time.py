@@ -207,33 +207,34 @@ def test_time_device_needs_a_cuda_device_or_a_timer():
 
 
 def test_pass_time_runs_the_case_pass_on_fresh_input_sets():
-    """The runner's make_pass on each set of case.make_inputs(): forward and forward+backward run."""
-    from wiola_kernels.bench.cases import all_cases
+    """Each input set from case.make_inputs(); the forward+backward pass runs its forward on
+    leaves that want gradients and returns the input gradients."""
+    from wiola_kernels.bench.cases import BenchCase
     from wiola_kernels.bench.runner import min_bytes
 
-    case = next(c for c in all_cases("cpu", small=True, ops=["rms_norm"]) if c.dtype == torch.float32)
-    made = []
-    original = case.make_inputs
+    made, calls = [], []
 
-    def counting_inputs():
+    def make_inputs():
         made.append(1)
-        return original()
+        g = torch.Generator().manual_seed(len(made))
+        return torch.randn(4, 8, generator=g), torch.rand(8, generator=g) + 0.5
 
-    case.make_inputs = counting_inputs
-    calls = []
+    def fused(x, w):
+        calls.append(x.requires_grad and w.requires_grad)
+        return x * w
 
-    def fused(*args):
-        calls.append(args[0].requires_grad)
-        return case.eager(*args)
-
-    nbytes = min_bytes(case, "fwd+bwd", original())
-    # 9 sets (⌈8⌉ + 1); a slow estimate keeps the replays to one round of them (CPU time).
+    case = BenchCase(op="scale", shape="x (4, 8)", dtype=torch.float32, make_inputs=make_inputs, fused=fused,
+                     eager=lambda x, w: x * w, oracle=None)
+    nbytes = min_bytes(case, "fwd+bwd", make_inputs())
+    made.clear()
+    # 9 sets (⌈8⌉ + 1); a slow estimate keeps the replays to one round of them.
     timer = StubTimer(event_times=[1000.0], l2=4 * nbytes)
     t = dt.pass_time(case, "fwd+bwd", fused, torch.device("cpu"), timer=timer, nbytes=nbytes, replays=1)
-    assert t.sets == 9 and len(made) == 9  # one make_inputs per set (the first also gives the byte count)
-    # Each set's pass ran its forward on leaves that want gradients (the probes for the output
-    # gradients' shapes run without).
-    assert calls.count(True) >= t.sets
+    assert t.sets == 9 and len(made) == 9  # one make_inputs per set
+    # The probes for the output gradients' shapes run without gradients; every timed call with them.
+    assert calls.count(True) >= t.sets and calls.count(False) == t.sets
+    with pytest.raises(ValueError, match="pass_"):
+        dt.device_pass(case, fused, "bwd", make_inputs())
 
 
 def test_the_runner_hook_is_empty_off_cuda():

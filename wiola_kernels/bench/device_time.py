@@ -361,12 +361,55 @@ def copy_time(nbytes: int, device: torch.device | str, *, timer: Timer | None = 
     return time_device(copy_runs(nbytes, device), moved, device=device, timer=timer, replays=replays), moved
 
 
+def _tensors(obj) -> list[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, (tuple, list)):
+        return [t for o in obj for t in _tensors(o)]
+    return []
+
+
+def device_pass(case, fn: Callable[..., object], pass_: str, inputs: tuple, seed: int = 0) -> Callable[[], object]:
+    """A zero-argument callable running ``fn`` for one pass on fixed inputs, as the runner's
+    ``make_pass`` does (``fwd`` under ``no_grad``; ``fwd+bwd`` the forward on leaves and
+    ``torch.autograd.grad`` with random output gradients), with those gradients drawn on the
+    inputs' device (at ≥ 256 MB a pass, drawing them on the CPU took seconds per row)."""
+    if pass_ == "fwd":
+        def run_fwd():
+            with torch.no_grad():
+                return fn(*inputs)
+        return run_fwd
+    if pass_ != "fwd+bwd":
+        raise ValueError(f"device_pass: pass_ must be 'fwd' or 'fwd+bwd', got {pass_!r}")
+    diff = list(case.differentiable) if case.differentiable is not None else \
+        [i for i, t in enumerate(inputs) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    leaves = tuple(t.detach().requires_grad_(i in diff) if isinstance(t, torch.Tensor) and t.is_floating_point()
+                   else t for i, t in enumerate(inputs))
+    with torch.no_grad():
+        probe = _tensors(fn(*inputs))
+    grads = []
+    for k, o in enumerate(probe):
+        if not o.is_floating_point():
+            grads.append(None)
+            continue
+        g = torch.Generator(device=o.device).manual_seed(seed + k)
+        grads.append(torch.randn(o.shape, generator=g, device=o.device, dtype=o.dtype))
+    del probe
+    wrt = [leaves[i] for i in diff]
+
+    def run_fwd_bwd():
+        outs = _tensors(fn(*leaves))
+        pairs = [(o, g) for o, g in zip(outs, grads) if g is not None and o.requires_grad]
+        return torch.autograd.grad([o for o, _ in pairs], wrt, [g for _, g in pairs], allow_unused=True)
+    return run_fwd_bwd
+
+
 def pass_time(case, pass_: str, fn: Callable[..., object], device: torch.device, *, timer: Timer | None = None,
               nbytes: int | None = None, replays: int = REPLAYS) -> DeviceTime:
     """Device time of ``fn`` (a case's fused, eager or a peer callable) for one pass of a
     :class:`~wiola_kernels.bench.cases.BenchCase`: each input set from ``case.make_inputs()``,
-    the pass built by the runner's ``make_pass``."""
-    from .runner import make_pass, min_bytes
+    the pass built by :func:`device_pass`."""
+    from .runner import min_bytes
 
     first = case.make_inputs()
     if nbytes is None:
@@ -374,7 +417,7 @@ def pass_time(case, pass_: str, fn: Callable[..., object], device: torch.device,
     set_bytes = sum(t.numel() * t.element_size() for t in first if isinstance(t, torch.Tensor))
 
     def make_run(i: int) -> Callable[[], object]:
-        return make_pass(case, fn, pass_, first if i == 0 else case.make_inputs())
+        return device_pass(case, fn, pass_, first if i == 0 else case.make_inputs())
 
     return time_device(make_run, nbytes, device=device, timer=timer, set_bytes=set_bytes, replays=replays)
 
