@@ -13,6 +13,8 @@
 #   bash scripts/gpu_perf.sh --dry-run  here, no GPU: the plan, imports under the GPU image's
 #                                       versions (scripts/device_env.sh), every command's --help/--list
 #   bash scripts/gpu_perf.sh --plan     the plan as tab-separated rows (tests/test_gpu_perf.py)
+#   GPU_PERF_ONLY=hf-1b,wiola-360m bash scripts/gpu_perf.sh   only those steps (and the
+#                                       environment and summary): a rerun in what is left of a lease
 #
 # The peers: `bash scripts/device_env.sh --pkgs` (or --peers) puts the Liger-Kernel and Cut
 # Cross-Entropy wheels in .whl/ and installs them into .device-pkgs/peers/; carry
@@ -195,10 +197,11 @@ step_overhead() {
   return "$rc"
 }
 
-hf_run() {  # NAME SIZE VARIANTS: one bench --hf llama run into $OUT/hf-NAME.{txt,json,log}
+hf_run() {  # NAME SIZE VARIANTS [ARGS...]: one bench --hf llama run into $OUT/hf-NAME.{txt,json,log}
   local name=$1 size=$2 variants=$3
-  echo "--- bench --hf llama --size $size --variants $variants"
-  $PY -m wiola_kernels bench --hf llama --device cuda --size "$size" --repeats 5 --variants "$variants" \
+  shift 3
+  echo "--- bench --hf llama --size $size --variants $variants $*"
+  $PY -m wiola_kernels bench --hf llama --device cuda --size "$size" --repeats 5 --variants "$variants" "$@" \
     --json "$OUT/hf-$name.json" 2> "$OUT/hf-$name.log" | tee "$OUT/hf-$name.txt"
   local rc=${PIPESTATUS[0]}
   [ "$rc" = 0 ] || tail -5 "$OUT/hf-$name.log"
@@ -224,8 +227,10 @@ export -f hf_dry
 step_hf_small() {
   [ "$DRY" = 1 ] && { hf_dry default; return; }
   local rc=0
+  # Eager in rotation (the three see the same load); compiled one at a time, each row as it
+  # completes (the compilations take most of the step).
   hf_run small-eager default unpatched_eager,patched_eager,liger_eager || rc=1
-  hf_run small-compile default unpatched_eager,unpatched_compile,patched_compile,liger_compile || rc=1
+  hf_run small-compile default unpatched_eager,unpatched_compile,patched_compile,liger_compile --sequential || rc=1
   return $rc
 }
 
@@ -280,6 +285,11 @@ for entry in "${PLAN[@]}"; do
   used=$(( $(date +%s) - START ))
   reserve=$([ "$name" = summary ] && echo 0 || echo "$SUMMARY_RESERVE")
   left=$(( BUDGET - used - reserve ))
+  if [ -n "${GPU_PERF_ONLY:-}" ] && [ "$name" != summary ] && [ "$name" != environment ] \
+     && ! grep -q -w -- "$name" <<< "${GPU_PERF_ONLY//,/ }"; then  # a rerun of some steps only
+    printf '%s\t%s\t%s\t%s\t%s\n' "$name" SKIPPED 0 "$limit" "$title" >> "$OUT/gpu_perf_steps.tsv"
+    continue
+  fi
   if [ "$DRY" = 0 ] && [ "$name" != summary ]; then  # the summary always runs, in its own time
     if [ "$left" -lt 5 ]; then
       echo; echo "=== [$i/${#PLAN[@]}] $title: OUT-OF-TIME (${used} s of the ${BUDGET} s budget used)"

@@ -118,3 +118,12 @@ def test_dry_run_passes(tmp_path):
     out = subprocess.run(["bash", str(SCRIPT), "--dry-run"], env=env, capture_output=True, text=True, timeout=1800)
     assert out.returncode == 0, out.stdout[-3000:]
     assert "gpu_perf --dry-run: PASSED" in out.stdout
+
+
+def test_a_rerun_of_some_steps_skips_the_others(tmp_path):
+    env = {"PATH": "/usr/bin:/bin", "OUT": str(tmp_path), "GPU_PERF_BUDGET": "0", "PYTHON": sys.executable,
+           "HOME": str(tmp_path), "GPU_PERF_ONLY": "hf-1b,wiola-360m"}
+    subprocess.run(["bash", str(SCRIPT)], env=env, capture_output=True, text=True, timeout=300)
+    status = dict(ln.split("\t")[:2] for ln in (tmp_path / "gpu_perf_steps.tsv").read_text().splitlines())
+    assert status == {"environment": "OUT-OF-TIME", "build": "SKIPPED", "bandwidth": "SKIPPED", "overhead": "SKIPPED",
+                      "hf-small": "SKIPPED", "hf-1b": "OUT-OF-TIME", "wiola-360m": "OUT-OF-TIME", "summary": "PASS"}

@@ -75,6 +75,7 @@ def cmd_bench_hf(args: argparse.Namespace) -> int:
         case = hf_case(args.hf, device, small=args.small, size=args.size)
     except ValueError as exc:
         raise CommandError(str(exc)) from None
+    case.sequential = case.sequential or args.sequential
     variants = [v.strip() for v in args.variants.split(",") if v.strip()] if args.variants else \
         list(DEFAULT_VARIANTS_CUDA if device.type == "cuda" else DEFAULT_VARIANTS)
     unknown = [v for v in variants if v not in VARIANTS]
@@ -250,6 +251,9 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--variants", metavar="V[,V...]",
                        help="with --hf llama: which variants (unpatched_eager, unpatched_compile, patched_eager, "
                             "patched_compile, liger_eager, liger_compile); default: the first four, and Liger's on CUDA")
+    bench.add_argument("--sequential", action="store_true",
+                       help="with --hf llama: the variants one after another, each row printed as it completes "
+                            "(default for --size 1b), instead of in rotation")
     bench.add_argument("--small", action="store_true", help="small shapes (seconds; for smoke tests)")
     bench.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline")
     bench.add_argument("--json", metavar="FILE", help="also write the records as JSON")

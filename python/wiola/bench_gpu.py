@@ -72,6 +72,17 @@ def _progress(line: str) -> None:
     print(f"  [bench] {line}", file=sys.stderr, flush=True)
 
 
+def _on_device(make, device: torch.device):
+    """``make()`` initialised on ``device`` (seconds; a 360 M model's CPU init takes tens of them),
+    or on the CPU where that fails; in bf16, in training mode."""
+    try:
+        with torch.device(device):
+            model = make()
+    except Exception:  # noqa: BLE001 - a constructor that insists on the CPU
+        model = make()
+    return model.to(device=device, dtype=torch.bfloat16).train()
+
+
 def _build(case: tuple, args, device: torch.device, params: int):
     """(model, step callable, label) of one case, in bf16 on ``device``."""
     kind, opt = case
@@ -81,7 +92,7 @@ def _build(case: tuple, args, device: torch.device, params: int):
 
         cfg = transformers.LlamaConfig(**llama_config_like(wiola_config(args.model, seq=args.seq), params))
         cfg._attn_implementation = "sdpa"
-        model = transformers.LlamaForCausalLM(cfg).to(device=device, dtype=torch.bfloat16).train()
+        model = _on_device(lambda: transformers.LlamaForCausalLM(cfg), device)
         run = torch.compile(model) if opt == "compile" else model
         label = f"HF Llama {opt} (I {cfg.intermediate_size})"
 
@@ -91,8 +102,8 @@ def _build(case: tuple, args, device: torch.device, params: int):
         from .modeling_wiola import WiolaForCausalLM
 
         backend = args.fused if kind == "fused" else "reference"
-        model = WiolaForCausalLM(wiola_config(args.model, backend, opt, args.seq)).to(
-            device=device, dtype=torch.bfloat16).train()
+        config = wiola_config(args.model, backend, opt, args.seq)
+        model = _on_device(lambda: WiolaForCausalLM(config), device)
         label = f"{args.model} {kind} ({backend}) ATM {'on' if opt else 'off'}"
 
         def forward(ids):
