@@ -11,9 +11,10 @@
   allocation outside the caching allocator, a CPU tensor copied in) is queued ``calls``
   times behind a spin kernel (``torch.cuda._sleep``) long enough for the host to queue all
   of them first, and timed with events around the queued calls. The record says
-  ``method="backlog"`` and why capture failed; where the host could not queue faster than
-  the device ran (its queueing time per call above the device time per call) it says
-  ``host_bound``: the number is then an upper bound of the device time.
+  ``method="backlog"`` and why capture failed. The spin starts at twice the host's
+  queueing time and doubles in the warm-up while the host needs longer; where a timed backlog
+  still took the host longer to queue than the spin lasted, the device may have waited for
+  launches and the record says ``host_bound``: the number is then an upper bound.
 * **Caches.** The pass's inputs are rotated over ``sets`` copies so that more than
   ``ROTATE_L2_FACTOR`` × the L2 size is moved between two uses of one copy
   (:func:`rotation_sets`), and a buffer of twice the L2 size is written between replays
