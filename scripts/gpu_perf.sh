@@ -46,7 +46,7 @@ PLAN=(
   "build|75|build the extension (sm_\${WIOLA_CUDA_ARCH}) unless built; Triton kernels compiled in parallel"
   "bandwidth|100|device-time table, bf16: ours, eager, Liger, CCE, SDPA-flash, device copy"
   "overhead|35|host time per call (bench --overhead --device cuda)"
-  "hf-small|45|HF Llama step d 512: unpatched, patch_hf, Liger; eager, then compiled"
+  "hf-small|60|HF Llama step d 512: unpatched, patch_hf, Liger; eager, then compiled"
   "hf-1b|75|HF Llama-3.2-1B step, B 4 x T 2048: unpatched, patch_hf, Liger; eager, then compiled"
   "wiola-360m|60|wiola-360m step: fused vs reference, ATM off/on, beside a same-size HF Llama"
   "summary|10|closing table: device, driver, versions, steps, key rows"
