@@ -18,7 +18,7 @@
 #
 # The peers: `bash scripts/device_env.sh --pkgs` (or --peers) puts the Liger-Kernel and Cut
 # Cross-Entropy wheels in .whl/ and installs them into .device-pkgs/peers/; carry
-# [".device-pkgs"] (or [".whl"]: they are then installed offline here, into $OUT/../peers).
+# [".device-pkgs"] (or [".whl"]: they are then installed offline there, into /tmp/wiola-peers).
 # Without them the table says "not installed" on their rows and goes on.
 #
 # With scripts/gpu_check.sh on the same warm machine first, the build step finds the extension
@@ -84,7 +84,7 @@ if [ -f .device-pkgs/peers/.stamp ]; then
   export PYTHONPATH="$PYTHONPATH:$ROOT/.device-pkgs/peers"
   echo "note: Liger-Kernel and Cut Cross-Entropy from .device-pkgs/peers/"
 elif ls .whl/liger_kernel-*.whl .whl/cut_cross_entropy-*.whl > /dev/null 2>&1; then
-  peers_dir="$OUT/../wiola-peers"
+  peers_dir=${TMPDIR:-/tmp}/wiola-peers
   if PYTHON=$PY bash scripts/device_env.sh --install-peers "$peers_dir" > "$OUT/peers_install.log" 2>&1; then
     export PYTHONPATH="$PYTHONPATH:$peers_dir"
     echo "note: Liger-Kernel and Cut Cross-Entropy installed from .whl/ into $peers_dir"
