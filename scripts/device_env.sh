@@ -9,7 +9,16 @@
 #   bash scripts/device_env.sh --pkgs    # .device-pkgs/: pytest, pytest-benchmark, hypothesis
 #                                        # and ninja for Python 3.12, for a GPU image that has
 #                                        # none (gpu_check.sh uses them only where missing;
-#                                        # pass carry=[".device-pkgs"] to the run)
+#                                        # pass carry=[".device-pkgs"] to the run); and the peers
+#                                        # below
+#   bash scripts/device_env.sh --peers   # the benchmark's peers, Liger-Kernel 0.8.5 and Cut
+#                                        # Cross-Entropy 25.1.1 (pure Python + Triton wheels):
+#                                        # downloaded into .whl/ (ignored by git), installed
+#                                        # --no-deps into .device-pkgs/peers/ (gpu_perf.sh puts
+#                                        # that on the path; carry=[".device-pkgs"])
+#   bash scripts/device_env.sh --install-peers DIR   # on the GPU machine, offline: the wheels
+#                                        # carried in .whl/ installed into DIR (gpu_perf.sh does
+#                                        # this when .device-pkgs/peers/ did not come along)
 #
 # Both are idempotent (a stamp file records what was installed) and take seconds from the
 # local package store. CI (.ci/run) uses the first for its device-versions leg.
@@ -20,6 +29,7 @@ TRITON_VERSION=3.6.0
 TRANSFORMERS_VERSION=5.17.0
 HUB_SPEC='huggingface_hub>=1.5,<2'  # what transformers 5.17 accepts
 KERNELS_VERSION=0.16.2               # Hugging Face's kernels switch: transformers 5.17 accepts 0.16.x
+PEER_WHEELS=("liger-kernel==0.8.5" "cut-cross-entropy==25.1.1")  # bench/peers.py's pins
 
 pip_target() {  # DIR ARGS...: pip install --target DIR ARGS (the store's "ignored" notes dropped)
   local dir=$1; shift
@@ -34,7 +44,33 @@ fresh() {  # DIR STAMP: true (and DIR emptied) unless DIR/.stamp already says ST
   rm -rf "$1"
 }
 
+peers() {  # the peer wheels into .whl/, then installed (no dependencies: torch/triton are the image's) into DIR
+  local dir=$1 stamp="${PEER_WHEELS[*]}"
+  mkdir -p .whl
+  if [ ! -f "$dir/.stamp" ] || [ "$(cat "$dir/.stamp")" != "$stamp" ]; then
+    "$PYTHON" -m pip download -q --disable-pip-version-check --no-deps -d .whl "${PEER_WHEELS[@]}" 2>&1 \
+      | grep -v -e "is ignored: it is neither a file nor a directory" >&2 || true
+    rm -rf "$dir"
+    pip_target "$dir" --no-deps --no-index .whl/liger_kernel-0.8.5-*.whl .whl/cut_cross_entropy-25.1.1-*.whl
+    [ -d "$dir/liger_kernel" ] && [ -d "$dir/cut_cross_entropy" ] && echo "$stamp" > "$dir/.stamp"
+  fi
+  [ -f "$dir/.stamp" ] || { echo "device_env.sh: the peer wheels did not install into $dir" >&2; return 1; }
+}
+
 case "${1:-}" in
+  --peers)
+    peers "$PWD/.device-pkgs/peers"
+    ls .whl/*.whl | sed "s|^|wheel: |"
+    echo "$PWD/.device-pkgs/peers"
+    ;;
+  --install-peers)
+    # On the GPU machine (no registry): only the carried wheels, nothing downloaded.
+    dir=${2:?usage: bash scripts/device_env.sh --install-peers DIR}
+    ls .whl/liger_kernel-0.8.5-*.whl .whl/cut_cross_entropy-25.1.1-*.whl > /dev/null || exit 1
+    "$PYTHON" -m pip install -q --disable-pip-version-check --no-deps --no-index --target "$dir" \
+      .whl/liger_kernel-0.8.5-*.whl .whl/cut_cross_entropy-25.1.1-*.whl
+    echo "$dir"
+    ;;
   ""|--path)
     dir=$PWD/.venv-device
     stamp="triton==$TRITON_VERSION transformers==$TRANSFORMERS_VERSION $HUB_SPEC kernels==$KERNELS_VERSION"
@@ -57,10 +93,11 @@ case "${1:-}" in
         --platform manylinux2014_x86_64 pytest pytest-benchmark hypothesis ninja
       echo "$stamp" > "$dir/.stamp"
     fi
+    peers "$dir/peers"  # its own stamp: kept across the test tools' reinstall only if already there
     du -sh "$dir" | cut -f1 | sed "s|^|$dir: |"
     ;;
   *)
-    echo "usage: bash scripts/device_env.sh [--path | --pkgs]" >&2
+    echo "usage: bash scripts/device_env.sh [--path | --pkgs | --peers | --install-peers DIR]" >&2
     exit 2
     ;;
 esac

@@ -3,12 +3,12 @@
 # triton 3.6, transformers 5.17, nvcc 13.0, compute-sanitizer), sized to the time a GPU is
 # lent: the extension built on all cores while the Triton kernels compile in parallel, the
 # GPU tests (all of them, failures summarised), the four compute-sanitizer tools, the CUDA
-# kernels against their CPU emulation, the self-check, the benchmarks, each op's kernels by
-# device time (scripts/gpu_kernel_profile.py), the op-layer overhead and the Hugging Face
-# training step; a short table last. Logs and JSON go to
-# $OUT (default /tmp/wiola-gpu-check).
+# kernels against their CPU emulation, the self-check and each op's kernels by device time
+# (scripts/gpu_kernel_profile.py); a short table last. Logs and JSON go to
+# $OUT (default /tmp/wiola-gpu-check). The benchmarks (device time, host time per call, the
+# Hugging Face and wiola steps) are scripts/gpu_perf.sh, the next command on the same machine.
 #
-#   bash scripts/gpu_check.sh            on the GPU machine (≤ 480 s wall, every step capped)
+#   bash scripts/gpu_check.sh            on the GPU machine (≤ 330 s wall, every step capped)
 #   bash scripts/gpu_check.sh --dry-run  here, no GPU: the plan and its timeouts, imports under
 #                                        the GPU image's package versions (scripts/device_env.sh),
 #                                        and every file, test selection and command it calls
@@ -36,8 +36,10 @@ case "${1:-}" in
 esac
 
 # The plan: name|timeout in seconds|what. tests/test_gpu_check.py reads this table: the
-# timeouts add up to at most 540 s and BUDGET is at most 480 s.
-BUDGET=480           # seconds of wall time for the whole run; no step starts past it
+# timeouts add up to at most 540 s and BUDGET is at most 480 s; with scripts/gpu_perf.sh's
+# BUDGET (the benchmarks: bench, overhead and the HF step moved there) and two machine starts
+# it fits the 15 minutes of GPU time a session is lent (tests/test_gpu_perf.py).
+BUDGET=330           # seconds of wall time for the whole run; no step starts past it
 BUDGET=${GPU_CHECK_BUDGET:-$BUDGET}  # smaller in tests/test_gpu_check.py
 SUMMARY_RESERVE=10   # kept back for the summary
 PLAN=(
@@ -47,10 +49,7 @@ PLAN=(
   "sanitizers|50|compute-sanitizer memcheck, racecheck, synccheck, initcheck; planted bugs caught"
   "cuda-vs-emu|20|CUDA kernels on the GPU vs the same kernels in the CPU emulator"
   "check|25|self-check: every backend vs the float64 oracle"
-  "bench|40|benchmarks of every op (bf16)"
   "kernels|40|where each op's GPU time goes: its kernels by device time, fused and eager (bf16)"
-  "overhead|60|op-layer overhead on CUDA tensors"
-  "hf-llama|70|Hugging Face Llama training step, bf16: patch_hf vs unpatched, eager and compiled"
   "summary|10|summary table"
 )
 
@@ -284,25 +283,6 @@ step_check() {
   return "${PIPESTATUS[0]}"
 }
 
-step_bench() {
-  # The torch.compile baselines (inductor compiles on a cold cache) only with
-  # GPU_CHECK_COMPILE=1: they may not fit the step's time. The HF step compiles anyway.
-  local plot=() compile=(--no-compile)
-  $PY -c "import matplotlib" 2>/dev/null && plot=(--plot "$OUT/bench.png")
-  [ "${GPU_CHECK_COMPILE:-0}" = 1 ] && compile=()
-  if [ "$DRY" = 1 ]; then
-    $PY -m wiola_kernels bench --help > /dev/null || return 1
-    echo "python -m wiola_kernels bench --device cuda --repeats 10 ${compile[*]} --json \$OUT/bench.json ${plot[*]:+--plot \$OUT/bench.png}: ready"
-    return
-  fi
-  $PY -m wiola_kernels bench --device cuda --repeats 10 "${compile[@]}" --json "$OUT/bench.json" "${plot[@]}" \
-    > "$OUT/bench.txt" 2> "$OUT/bench.log"
-  local rc=$?
-  [ $rc -eq 0 ] || tail -5 "$OUT/bench.log"
-  sed -n '/^GCLA attention vs SDPA-flash/,$p' "$OUT/bench.txt"
-  return $rc
-}
-
 step_kernels() {
   if [ "$DRY" = 1 ]; then
     $PY scripts/gpu_kernel_profile.py --dry-run > "$OUT/kernels.txt" 2>&1 || { grep FAILED "$OUT/kernels.txt"; return 1; }
@@ -318,45 +298,11 @@ step_kernels() {
   return $rc
 }
 
-step_overhead() {
-  local help profile=()
-  help=$($PY -m wiola_kernels bench --help 2>/dev/null)
-  if ! grep -q -- "--overhead" <<< "$help"; then
-    echo "bench --overhead: not available in this checkout (skipped)"
-    return 77
-  fi
-  # After the table, where one rms_norm call's host time goes (cProfile, fwd and fwd+bwd).
-  grep -q -- "--profile" <<< "$help" && profile=(--profile rms_norm)
-  if [ "$DRY" = 1 ]; then
-    echo "python -m wiola_kernels bench --overhead --device cuda ${profile[*]} --json \$OUT/overhead.json: ready"
-    return
-  fi
-  $PY -m wiola_kernels bench --overhead --device cuda "${profile[@]}" --json "$OUT/overhead.json" 2> "$OUT/overhead.log" \
-    | tee "$OUT/overhead.txt"
-  local rc=${PIPESTATUS[0]}
-  [ "$rc" = 0 ] || tail -5 "$OUT/overhead.log"
-  return "$rc"
-}
-
-step_hf_llama() {
-  if [ "$DRY" = 1 ]; then
-    $PY -m wiola_kernels bench --help > /dev/null || return 1
-    $PY -c "from transformers.models.llama import modeling_llama; import wiola_kernels as wk; wk.patch_hf" \
-      && echo "python -m wiola_kernels bench --hf llama --device cuda --json \$OUT/bench_hf.json: ready"
-    return
-  fi
-  $PY -m wiola_kernels bench --hf llama --device cuda --json "$OUT/bench_hf.json" 2> "$OUT/bench_hf.log" \
-    | tee "$OUT/bench_hf.txt" | tail -6
-  local rc=${PIPESTATUS[0]}
-  [ "$rc" = 0 ] || tail -5 "$OUT/bench_hf.log"
-  return "$rc"
-}
-
 step_summary() {
   $PY scripts/gpu_check_summary.py "$OUT" $([ "$DRY" = 1 ] && echo --dry-run)
 }
 export -f step_environment step_build step_gpu_tests step_sanitizers step_cuda_vs_emu step_check \
-  step_bench step_kernels step_overhead step_hf_llama step_summary
+  step_kernels step_summary
 
 # ------------------------------------------------------------------------------ runner
 

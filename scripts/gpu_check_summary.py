@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
         rows = _load(args.out / name)
         if rows:
             print(f"\n{name}: {len(rows)} record(s)")
-    if not bench and not args.dry_run:
+    if not bench and not args.dry_run and any(s["name"] == "bench" for s in steps):  # benchmarks: gpu_perf.sh
         print("\nno benchmark records (see bench.log)")
     summary = {"steps": steps, "bench": bench, "overhead": _load(args.out / "overhead.json"),
                "bench_hf": _load(args.out / "bench_hf.json"), "dry_run": args.dry_run}

@@ -6,7 +6,9 @@
 #      Hugging Face patching and the model's transformers glue on transformers 5.17, and the
 #      AOT compile of every Triton kernel for sm_90/sm_80 with Triton 3.6's compiler (no
 #      spills: tests/test_triton_aot.py);
-#   2. bash scripts/gpu_check.sh --dry-run (the plan, imports, files and test selections);
+#   2. bash scripts/gpu_check.sh --dry-run (the plan, imports, files and test selections) and
+#      bash scripts/gpu_perf.sh --dry-run (the plan, every benchmark command's --list/--help, the
+#      HF and wiola step configs; Liger/CCE from .device-pkgs/peers when device_env.sh --pkgs made it);
 #   3. the C++ sources against the GPU image's torch 2.11 headers (scripts/check_device_headers.sh).
 # Each part prints how long it took.
 #   bash scripts/test_device_versions.sh [PYTEST ARGS...]
@@ -52,6 +54,8 @@ part "patch_hf + model tests (transformers 5.17)" "$PYTHON" -m pytest -q -p no:c
 part "AOT spill check (Triton 3.6)" "$PYTHON" -m pytest -q -p no:cacheprovider tests/test_triton_aot.py "$@"
 dry() { OUT=$(mktemp -d) WIOLA_DEVICE_ENV=0 bash scripts/gpu_check.sh --dry-run; }
 part "gpu_check.sh --dry-run" dry
+dry_perf() { OUT=$(mktemp -d) WIOLA_DEVICE_ENV=0 bash scripts/gpu_perf.sh --dry-run; }
+part "gpu_perf.sh --dry-run" dry_perf
 if [ "${WIOLA_DEVICE_HEADERS:-1}" != 0 ]; then
   part "torch 2.11 headers" bash scripts/check_device_headers.sh
 fi

@@ -56,7 +56,8 @@ def cmd_bench_hf(args: argparse.Namespace) -> int:
     """``bench --hf llama``: training step of a Hugging Face model, unpatched and patched, eager and compiled."""
     from tqdm import tqdm
 
-    from .bench.hf import VARIANTS, format_hf_records, hf_case, run_hf_bench
+    from .bench.hf import (DEFAULT_VARIANTS, DEFAULT_VARIANTS_CUDA, VARIANTS, format_hf_header, format_hf_records,
+                           format_hf_row, hf_case, run_hf_bench)
 
     if args.hf == "rope":
         from .hf import format_rope_accuracy, rope_accuracy
@@ -70,12 +71,34 @@ def cmd_bench_hf(args: argparse.Namespace) -> int:
     device = _device(args.device)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    case = hf_case(args.hf, device, small=args.small)
-    with tqdm(total=len(VARIANTS) * args.repeats, desc=f"bench --hf {args.hf}", unit="step", file=sys.stderr) as bar:
-        records = run_hf_bench(case, repeats=args.repeats, backend=args.backend, progress=bar)
+    try:
+        case = hf_case(args.hf, device, small=args.small, size=args.size)
+    except ValueError as exc:
+        raise CommandError(str(exc)) from None
+    case.sequential = case.sequential or args.sequential
+    variants = [v.strip() for v in args.variants.split(",") if v.strip()] if args.variants else \
+        list(DEFAULT_VARIANTS_CUDA if device.type == "cuda" else DEFAULT_VARIANTS)
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown:
+        raise CommandError(f"--variants: unknown {unknown}; choose from {', '.join(VARIANTS)}")
     print(f"device: {device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}), "
-          f"threads: {torch.get_num_threads()}, torch {torch.__version__}")
-    print(format_hf_records(records))
+          f"threads: {torch.get_num_threads()}, torch {torch.__version__}", flush=True)
+    if case.sequential:  # rows come one by one (a timeout still leaves the finished ones)
+        print(format_hf_header(case, args.repeats, args.backend), flush=True)
+    done: list[dict] = []
+
+    def on_record(r: dict) -> None:  # sequential cases: each row printed (and saved) as it completes
+        done.append(r)
+        print(format_hf_row(r), flush=True)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(done, f, indent=2)
+
+    with tqdm(total=len(variants) * args.repeats, desc=f"bench --hf {args.hf}", unit="step", file=sys.stderr) as bar:
+        records = run_hf_bench(case, repeats=args.repeats, backend=args.backend, progress=bar, variants=variants,
+                               on_record=on_record if case.sequential else None)
+    if not case.sequential:
+        print(format_hf_records(records))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(records, f, indent=2)
@@ -222,6 +245,15 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--profile", metavar="OP[,OP...]",
                        help="with --overhead: also a cProfile of each named op's call (fwd, then fwd+bwd), the "
                             "functions with the most own time (where the op layer's host time goes)")
+    bench.add_argument("--size", default="default", choices=("default", "1b"),
+                       help="with --hf llama: the model; 1b = Llama-3.2-1B's shapes (d 2048, L 16, H 32, H_kv 8, "
+                            "V 128256, tied head), B 4 x T 2048, variants one after another")
+    bench.add_argument("--variants", metavar="V[,V...]",
+                       help="with --hf llama: which variants (unpatched_eager, unpatched_compile, patched_eager, "
+                            "patched_compile, liger_eager, liger_compile); default: the first four, and Liger's on CUDA")
+    bench.add_argument("--sequential", action="store_true",
+                       help="with --hf llama: the variants one after another, each row printed as it completes "
+                            "(default for --size 1b), instead of in rotation")
     bench.add_argument("--small", action="store_true", help="small shapes (seconds; for smoke tests)")
     bench.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline")
     bench.add_argument("--json", metavar="FILE", help="also write the records as JSON")

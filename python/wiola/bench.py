@@ -250,7 +250,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
     """``python -m wiola bench``: returns one record per case (see the module docstring)."""
     import sys
 
-    if "--decode" in (sys.argv[1:] if argv is None else argv):  # the decoding benchmark (bench_decode.py)
+    from .bench_gpu import split_device
+
+    device, argv = split_device(sys.argv[1:] if argv is None else list(argv))
+    if device != "cpu":  # --device cuda: the GPU training-step benchmark (bench_gpu.py)
+        from .bench_gpu import main as gpu_main
+
+        return gpu_main([*argv, "--device", device])
+    if "--decode" in argv:  # the decoding benchmark (bench_decode.py)
         from .bench_decode import main as decode_main
 
         return decode_main(argv)

@@ -55,6 +55,7 @@ from typing import Callable, Iterable, Iterator
 import torch
 
 from .. import dispatch
+from . import device_time
 from .cases import BenchCase
 from .hf import peak_mb
 
@@ -346,13 +347,16 @@ def run_case(case: BenchCase, device: torch.device, *, repeats: int = 10, compil
         if case.compute_bound:
             gb["warm"] = (nbytes / (timings["fused"] * 1e-3) / 1e9, None, None)
         fresh = gb.get("fresh")
+        # On CUDA, the fused pass's device time and a same-size copy's (bench/device_time.py):
+        # CUDA events around graph replays; extra record fields device_ms, device_pct_of_copy, ...
+        device_fields = device_time.record_fields(case, pass_, nbytes, device) if device.type == "cuda" else {}
         records.append(Record(
             op=case.op, backend=backend, shape=case.shape, dtype=str(case.dtype).replace("torch.", ""),
             pass_=pass_, ms=timings["fused"], ms_eager=timings["eager"], ms_compile=timings["compile"],
             speedup_vs_eager=timings["eager"] / timings["fused"],
             speedup_vs_compile=None if timings["compile"] is None else timings["compile"] / timings["fused"],
             gbps=gb["warm"][0], copy_gbps=gb["warm"][1], pct_of_copy=gb["warm"][2], bytes=nbytes,
-            extra=dict(case.notes), ms_fresh=vs_copy["fresh"][0] if fresh else None,
+            extra=dict(case.notes, **device_fields), ms_fresh=vs_copy["fresh"][0] if fresh else None,
             gbps_fresh=fresh[0] if fresh else None, copy_gbps_fresh=fresh[1] if fresh else None,
             pct_of_copy_fresh=fresh[2] if fresh else None, peak_mb=peaks.get("fused"),
             peak_mb_eager=peaks.get("eager"), peak_mb_compile=peaks.get("compile")))
