@@ -1,0 +1,212 @@
+// See triton_launch.h.
+#include "triton_launch.h"
+
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAStream.h>
+#include <c10/util/Exception.h>
+#include <cuda.h>
+#include <cuda_runtime_api.h>
+
+#include <array>
+#include <atomic>
+#include <memory>
+#include <mutex>
+#include <unordered_map>
+
+namespace wiola::triton {
+namespace {
+
+// The driver functions used, with cuda.h's types (no link against libcuda).
+struct Driver {
+  CUresult (*module_load_data)(CUmodule*, const void*) = nullptr;
+  CUresult (*module_get_function)(CUfunction*, CUmodule, const char*) = nullptr;
+  CUresult (*func_set_attribute)(CUfunction, CUfunction_attribute, int) = nullptr;
+  CUresult (*launch_kernel)(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, CUstream,
+                            void**, void**) = nullptr;
+  CUresult (*ctx_get_current)(CUcontext*) = nullptr;
+  CUresult (*ctx_set_current)(CUcontext) = nullptr;
+  CUresult (*primary_ctx_retain)(CUcontext*, CUdevice) = nullptr;
+  CUresult (*get_error_string)(CUresult, const char**) = nullptr;
+  std::string error;  // why the driver could not be reached (empty when it was)
+};
+
+template <typename F>
+bool entry_point(const char* name, F& fn, std::string& error) {
+  void* p = nullptr;
+  cudaDriverEntryPointQueryResult found{};
+#if CUDART_VERSION >= 12050
+  const cudaError_t rc = cudaGetDriverEntryPointByVersion(name, &p, 12000, cudaEnableDefault, &found);
+#else
+  const cudaError_t rc = cudaGetDriverEntryPoint(name, &p, cudaEnableDefault, &found);
+#endif
+  if (rc != cudaSuccess || found != cudaDriverEntryPointSuccess || p == nullptr) {
+    if (error.empty()) error = std::string("the CUDA driver has no ") + name + " (" + cudaGetErrorString(rc) + ")";
+    return false;
+  }
+  fn = reinterpret_cast<F>(p);
+  return true;
+}
+
+const Driver& driver() {
+  static const Driver d = [] {
+    Driver r;
+    bool ok = entry_point("cuModuleLoadData", r.module_load_data, r.error);
+    ok = entry_point("cuModuleGetFunction", r.module_get_function, r.error) && ok;
+    ok = entry_point("cuFuncSetAttribute", r.func_set_attribute, r.error) && ok;
+    ok = entry_point("cuLaunchKernel", r.launch_kernel, r.error) && ok;
+    ok = entry_point("cuCtxGetCurrent", r.ctx_get_current, r.error) && ok;
+    ok = entry_point("cuCtxSetCurrent", r.ctx_set_current, r.error) && ok;
+    ok = entry_point("cuDevicePrimaryCtxRetain", r.primary_ctx_retain, r.error) && ok;
+    entry_point("cuGetErrorString", r.get_error_string, r.error);
+    (void)ok;
+    return r;
+  }();
+  return d;
+}
+
+std::string driver_error(CUresult rc) {
+  const char* s = nullptr;
+  if (driver().get_error_string != nullptr) driver().get_error_string(rc, &s);
+  return s != nullptr ? std::string(s) : "CUresult " + std::to_string(static_cast<int>(rc));
+}
+
+constexpr int kMaxDevices = 64;
+
+// Per device: its primary context, SM count and architecture (read once).
+struct DeviceInfo {
+  std::once_flag once;
+  CUcontext ctx = nullptr;
+  int64_t sms = 0;
+  int arch = 0;
+  std::string error;
+};
+
+DeviceInfo& device_info(int device) {
+  static std::array<DeviceInfo, kMaxDevices> infos;
+  TORCH_CHECK(device >= 0 && device < kMaxDevices, "wiola: CUDA device index ", device, " out of range");
+  DeviceInfo& info = infos[device];
+  std::call_once(info.once, [&] {
+    const cudaDeviceProp* prop = at::cuda::getDeviceProperties(device);
+    info.sms = prop->multiProcessorCount;
+    info.arch = prop->major * 10 + prop->minor;
+    const Driver& d = driver();
+    if (!d.error.empty()) {
+      info.error = d.error;
+      return;
+    }
+    const CUresult rc = d.primary_ctx_retain(&info.ctx, static_cast<CUdevice>(device));
+    if (rc != CUDA_SUCCESS) info.error = "cuDevicePrimaryCtxRetain: " + driver_error(rc);
+  });
+  return info;
+}
+
+// The functions loaded so far: per table entry, per device (null until loaded).
+struct Loaded {
+  std::unique_ptr<std::atomic<CUfunction>[]> functions;
+  std::unordered_map<std::string, size_t> index;  // "arch:key" -> entry
+  std::mutex mutex;                                // taken to load
+};
+
+Loaded& loaded() {
+  static Loaded l = [] {
+    Loaded r;
+    const Table& t = table();
+    r.functions.reset(new std::atomic<CUfunction>[t.size * kMaxDevices]);
+    for (size_t i = 0; i < t.size * kMaxDevices; ++i) r.functions[i].store(nullptr);
+    for (size_t i = 0; i < t.size; ++i) {
+      r.index.emplace(std::to_string(t.variants[i].arch) + ":" + t.variants[i].key, i);
+    }
+    return r;
+  }();
+  return l;
+}
+
+CUfunction load(size_t entry, int device, cudaStream_t stream) {
+  Loaded& l = loaded();
+  std::atomic<CUfunction>& slot = l.functions[entry * kMaxDevices + device];
+  CUfunction f = slot.load(std::memory_order_acquire);
+  if (f != nullptr) return f;
+  const Variant& v = table().variants[entry];
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  C10_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
+  TORCH_CHECK(capture == cudaStreamCaptureStatusNone, "wiola: the Triton kernel ", v.key,
+              " is launched for the first time on cuda:", device,
+              " while the stream is being captured into a CUDA graph, and loading its module is not allowed "
+              "during capture: run the op once (eager) before capturing");
+  std::lock_guard<std::mutex> lock(l.mutex);
+  f = slot.load(std::memory_order_acquire);
+  if (f != nullptr) return f;
+  const Driver& d = driver();
+  CUmodule module = nullptr;
+  CUresult rc = d.module_load_data(&module, v.cubin);
+  TORCH_CHECK(rc == CUDA_SUCCESS, "wiola: loading the cubin of ", v.key, " on cuda:", device, " failed: ",
+              driver_error(rc));
+  rc = d.module_get_function(&f, module, v.function);
+  TORCH_CHECK(rc == CUDA_SUCCESS, "wiola: ", v.function, " not found in its cubin: ", driver_error(rc));
+  if (v.shared > 48 * 1024) {
+    rc = d.func_set_attribute(f, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, v.shared);
+    TORCH_CHECK(rc == CUDA_SUCCESS, "wiola: ", v.key, " needs ", v.shared, " bytes of shared memory: ",
+                driver_error(rc));
+  }
+  slot.store(f, std::memory_order_release);
+  return f;
+}
+
+}  // namespace
+
+const char* dtype_name(const at::Tensor& t) {
+  switch (t.scalar_type()) {
+    case at::kFloat: return "fp32";
+    case at::kDouble: return "fp64";
+    case at::kBFloat16: return "bf16";
+    case at::kHalf: return "fp16";
+    case at::kLong: return "i64";
+    case at::kInt: return "i32";
+    default: return "unsupported";
+  }
+}
+
+int64_t sm_count(int device) { return device_info(device).sms; }
+
+int arch(int device) { return device_info(device).arch; }
+
+bool launch(const Launch& l, int device, std::string& why) {
+  const Table& t = table();
+  if (t.missing_reason != nullptr) {
+    why = std::string("this build has no cubin table (") + t.missing_reason + ")";
+    return false;
+  }
+  DeviceInfo& info = device_info(device);
+  if (!info.error.empty()) {
+    why = info.error;
+    return false;
+  }
+  const std::string k = key(l);
+  Loaded& lo = loaded();
+  const auto it = lo.index.find(std::to_string(info.arch) + ":" + k);
+  if (it == lo.index.end()) {
+    why = "the cubin table has no variant " + k + " for sm_" + std::to_string(info.arch);
+    return false;
+  }
+  const Variant& v = t.variants[it->second];
+  Packed packed;
+  pack(v, l.args, packed);
+  TORCH_CHECK(packed.error == nullptr, "wiola: packing the arguments of ", v.key, ": ", packed.error);
+  TORCH_CHECK(v.num_ctas == 1 && !v.cooperative, "wiola: ", v.key, " needs a cluster or cooperative launch");
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream(device).stream();
+  const Driver& d = driver();
+  CUcontext current = nullptr;
+  d.ctx_get_current(&current);
+  if (current != info.ctx) {
+    const CUresult rc = d.ctx_set_current(info.ctx);
+    TORCH_CHECK(rc == CUDA_SUCCESS, "wiola: cuCtxSetCurrent: ", driver_error(rc));
+  }
+  const CUfunction f = load(it->second, device, stream);
+  TORCH_CHECK(l.grid > 0 && l.grid <= INT32_MAX, "wiola: grid of ", l.grid, " programs for ", v.key);
+  const CUresult rc = d.launch_kernel(f, static_cast<unsigned>(l.grid), 1, 1, 32 * v.num_warps, 1, 1, v.shared,
+                                      reinterpret_cast<CUstream>(stream), packed.params, nullptr);
+  TORCH_CHECK(rc == CUDA_SUCCESS, "wiola: launching ", v.key, " failed: ", driver_error(rc));
+  return true;
+}
+
+}  // namespace wiola::triton
