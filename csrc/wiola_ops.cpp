@@ -62,6 +62,12 @@ TORCH_LIBRARY_FRAGMENT(wiola, m) {
         " -> (Tensor y, Tensor rstd)");
   m.def("rms_norm_backward(Tensor grad_y, Tensor x, Tensor weight, Tensor? shift, Tensor rstd)"
         " -> (Tensor grad_x, Tensor grad_weight, Tensor grad_shift)");
+  // The Python Triton launchers (CUDA only, registered from Python), which the C++ CUDA kernel
+  // (csrc/cuda/triton_rms_norm_binding.cpp) runs where the cubin table has no variant for a call.
+  m.def("_triton_rms_norm(Tensor x, Tensor weight, Tensor? shift, float eps=1e-06, bool hf_order=False)"
+        " -> (Tensor y, Tensor rstd)");
+  m.def("_triton_rms_norm_backward(Tensor grad_y, Tensor x, Tensor weight, Tensor? shift, Tensor rstd)"
+        " -> (Tensor grad_x, Tensor grad_weight, Tensor grad_shift)");
 
 }
 
@@ -75,6 +81,11 @@ TORCH_LIBRARY_FRAGMENT(wiola, m) {
   m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, Tensor? shift, float eps=1e-06,"
         " bool hf_order=False) -> (Tensor y, Tensor s, Tensor rstd)");
   m.def("add_rms_norm_backward(Tensor grad_y, Tensor? grad_s, Tensor s, Tensor weight, Tensor? shift,"
+        " Tensor rstd) -> (Tensor grad_x, Tensor grad_weight, Tensor grad_shift)");
+  // The Python Triton launchers, as rms_norm's (csrc/cuda/triton_rms_norm_binding.cpp).
+  m.def("_triton_add_rms_norm(Tensor x, Tensor residual, Tensor weight, Tensor? shift, float eps=1e-06,"
+        " bool hf_order=False) -> (Tensor y, Tensor s, Tensor rstd)");
+  m.def("_triton_add_rms_norm_backward(Tensor grad_y, Tensor? grad_s, Tensor s, Tensor weight, Tensor? shift,"
         " Tensor rstd) -> (Tensor grad_x, Tensor grad_weight, Tensor grad_shift)");
 }
 

@@ -108,15 +108,24 @@ def params_mismatch(packed: list[int], ptx: list[int]) -> str | None:
 
 
 def _line(launch: aot.Launch, arch: int, sms: int) -> str:
-    """The driver's input line for a launch of the glu kernels."""
+    """The driver's input line for a launch (glu's or rms_norm's kernels)."""
     c = launch.constexprs
     dtype = TRITON_DTYPE[launch.args[0].dtype]
     ptrs = [a.data_ptr() for a in launch.args if isinstance(a, aot.DevicePointer)]
     ints = [a for a in launch.args if not isinstance(a, aot.DevicePointer)]
     if launch.name == "_glu_fwd_kernel":
         return " ".join(map(str, ["glu_fwd", dtype, c["ACT"], *ints, *ptrs, sms, arch]))
-    assert launch.name == "_glu_bwd_kernel", launch.name
-    return " ".join(map(str, ["glu_bwd", dtype, c["ACT"], *ints, *ptrs, sms, arch]))
+    if launch.name == "_glu_bwd_kernel":
+        return " ".join(map(str, ["glu_bwd", dtype, c["ACT"], *ints, *ptrs, sms, arch]))
+    typed = [f"{TRITON_DTYPE[a.dtype]}:{a.data_ptr()}" for a in launch.args if isinstance(a, aot.DevicePointer)]
+    flag = {True: 1, False: 0}
+    if launch.name == "_rms_norm_fwd_kernel":
+        rows, d, eps = ints
+        return " ".join(map(str, ["rms_fwd", rows, d, repr(eps), flag[c["IS_FP64"]], flag[c["HAS_SHIFT"]],
+                                  flag[c["HF_ORDER"]], flag[c["HAS_RESIDUAL"]], sms, arch, *typed]))
+    assert launch.name == "_rms_norm_bwd_kernel", launch.name
+    rows, d = ints
+    return " ".join(map(str, ["rms_bwd", rows, d, flag[c["HAS_SHIFT"]], flag[c["HAS_GRAD_S"]], sms, arch, *typed]))
 
 
 def _launches(arch: int):
@@ -206,6 +215,7 @@ def test_every_entry_is_launchable(table):
         assert reqntid in (None, 32 * e["num_warps"]), e["key"]
         assert 0 <= e["shared"] <= limits[e["arch"]], e["key"]
         assert e["num_ctas"] == 1 and e["cluster_dims"] == [1, 1, 1] and not e["cooperative"], e["key"]
+        assert not e["pdl"], e["key"]
         assert e["global_scratch_size"] == 0 and e["profile_scratch_size"] == 0, e["key"]
         assert len(sizes) == len(e["params"]) + e["scratch_pointers"], e["key"]
         assert [p["kind"] for p in e["params"]] == [
@@ -267,6 +277,16 @@ def test_setup_writes_an_empty_table_when_told(tmp_path, monkeypatch):
     assert cmd[-2:] == ["--arch", "8.0;9.0+PTX"] and cubin_table.parse_archs(cmd[-1]) == [80, 90]
 
 
+def test_unlaunchable_metadata_is_refused():
+    entry = {"key": "k", "arch": 90, "global_scratch_size": 0, "profile_scratch_size": 0, "num_ctas": 1,
+             "cluster_dims": [1, 1, 1], "cooperative": False, "pdl": False}
+    cubin_table._check_launchable(entry)
+    for field, value in (("global_scratch_size", 64), ("num_ctas", 2), ("cluster_dims", [2, 1, 1]),
+                         ("cooperative", True), ("pdl", True)):
+        with pytest.raises(ValueError, match="does not provide"):
+            cubin_table._check_launchable(dict(entry, **{field: value}))
+
+
 def test_parse_archs_and_scratch_pointers():
     assert cubin_table.parse_archs(None) == [90, 80]
     assert cubin_table.parse_archs("90,80") == [90, 80]
@@ -289,7 +309,7 @@ def test_no_wired_op_registers_a_python_cuda_kernel():
     ``register_kernel("<op>", "CUDA", ...)`` in the Python sources; its Python launcher is
     only the fallback op ``_triton_<op>``."""
     wired = _cpp_triton_ops()
-    assert {"glu", "glu_backward"} <= wired
+    assert {"glu", "glu_backward", "rms_norm", "rms_norm_backward", "add_rms_norm", "add_rms_norm_backward"} <= wired
     impl = {}
     for path in (ROOT / "csrc" / "cuda").glob("triton_*_binding.cpp"):
         text = path.read_text()

@@ -1,7 +1,7 @@
 // See triton_launch.h.
 #include "triton_launch.h"
 
-#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAStream.h>
 #include <c10/util/Exception.h>
 #include <cuda.h>
@@ -86,9 +86,12 @@ DeviceInfo& device_info(int device) {
   TORCH_CHECK(device >= 0 && device < kMaxDevices, "wiola: CUDA device index ", device, " out of range");
   DeviceInfo& info = infos[device];
   std::call_once(info.once, [&] {
-    const cudaDeviceProp* prop = at::cuda::getDeviceProperties(device);
-    info.sms = prop->multiProcessorCount;
-    info.arch = prop->major * 10 + prop->minor;
+    int sms = 0, major = 0, minor = 0;
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
+    info.sms = sms;
+    info.arch = major * 10 + minor;
     const Driver& d = driver();
     if (!d.error.empty()) {
       info.error = d.error;
@@ -105,19 +108,17 @@ struct Loaded {
   std::unique_ptr<std::atomic<CUfunction>[]> functions;
   std::unordered_map<std::string, size_t> index;  // "arch:key" -> entry
   std::mutex mutex;                                // taken to load
+
+  Loaded() {
+    const Table& t = table();
+    functions.reset(new std::atomic<CUfunction>[t.size * kMaxDevices]);
+    for (size_t i = 0; i < t.size * kMaxDevices; ++i) functions[i].store(nullptr);
+    for (size_t i = 0; i < t.size; ++i) index.emplace(std::to_string(t.variants[i].arch) + ":" + t.variants[i].key, i);
+  }
 };
 
 Loaded& loaded() {
-  static Loaded l = [] {
-    Loaded r;
-    const Table& t = table();
-    r.functions.reset(new std::atomic<CUfunction>[t.size * kMaxDevices]);
-    for (size_t i = 0; i < t.size * kMaxDevices; ++i) r.functions[i].store(nullptr);
-    for (size_t i = 0; i < t.size; ++i) {
-      r.index.emplace(std::to_string(t.variants[i].arch) + ":" + t.variants[i].key, i);
-    }
-    return r;
-  }();
+  static Loaded l;
   return l;
 }
 
@@ -170,30 +171,36 @@ int64_t sm_count(int device) { return device_info(device).sms; }
 
 int arch(int device) { return device_info(device).arch; }
 
-bool launch(const Launch& l, int device, std::string& why) {
+const Variant* lookup(const Launch& l, int device, std::string& why) {
   const Table& t = table();
   if (t.missing_reason != nullptr) {
     why = std::string("this build has no cubin table (") + t.missing_reason + ")";
-    return false;
+    return nullptr;
   }
   DeviceInfo& info = device_info(device);
   if (!info.error.empty()) {
     why = info.error;
-    return false;
+    return nullptr;
   }
-  const std::string k = key(l);
   Loaded& lo = loaded();
+  const std::string k = key(l);
   const auto it = lo.index.find(std::to_string(info.arch) + ":" + k);
   if (it == lo.index.end()) {
-    why = "the cubin table has no variant " + k + " for sm_" + std::to_string(info.arch);
-    return false;
+    why = "the cubin table (Triton " + std::string(t.triton_version) + ") has no variant " + k + " for sm_" +
+          std::to_string(info.arch);
+    return nullptr;
   }
-  const Variant& v = t.variants[it->second];
+  return &t.variants[it->second];
+}
+
+void launch(const Variant& v, const Launch& l, int device) {
+  DeviceInfo& info = device_info(device);
   Packed packed;
   pack(v, l.args, packed);
   TORCH_CHECK(packed.error == nullptr, "wiola: packing the arguments of ", v.key, ": ", packed.error);
   TORCH_CHECK(v.num_ctas == 1 && !v.cooperative, "wiola: ", v.key, " needs a cluster or cooperative launch");
-  const cudaStream_t stream = at::cuda::getCurrentCUDAStream(device).stream();
+  TORCH_CHECK(l.grid > 0 && l.grid <= INT32_MAX, "wiola: grid of ", l.grid, " programs for ", v.key);
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device)).stream();
   const Driver& d = driver();
   CUcontext current = nullptr;
   d.ctx_get_current(&current);
@@ -201,11 +208,16 @@ bool launch(const Launch& l, int device, std::string& why) {
     const CUresult rc = d.ctx_set_current(info.ctx);
     TORCH_CHECK(rc == CUDA_SUCCESS, "wiola: cuCtxSetCurrent: ", driver_error(rc));
   }
-  const CUfunction f = load(it->second, device, stream);
-  TORCH_CHECK(l.grid > 0 && l.grid <= INT32_MAX, "wiola: grid of ", l.grid, " programs for ", v.key);
+  const CUfunction f = load(static_cast<size_t>(&v - table().variants), device, stream);
   const CUresult rc = d.launch_kernel(f, static_cast<unsigned>(l.grid), 1, 1, 32 * v.num_warps, 1, 1, v.shared,
                                       reinterpret_cast<CUstream>(stream), packed.params, nullptr);
   TORCH_CHECK(rc == CUDA_SUCCESS, "wiola: launching ", v.key, " failed: ", driver_error(rc));
+}
+
+bool launch(const Launch& l, int device, std::string& why) {
+  const Variant* v = lookup(l, device, why);
+  if (v == nullptr) return false;
+  launch(*v, l, device);
   return true;
 }
 

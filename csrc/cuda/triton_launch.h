@@ -23,10 +23,16 @@ int64_t sm_count(int device);
 // The compute capability of `device` as a number (90), read once per device.
 int arch(int device);
 
-// Launches `launch` on `device`'s current stream when the table holds its variant for the
-// device's architecture and returns true; returns false (launching nothing) when it does not,
-// with the reason in `why` (the caller then runs the Python Triton launcher). Errors of the
-// launch itself, and a module that must be loaded while the stream captures, raise.
+// The table's variant of `launch` for `device`'s architecture, or nullptr with the reason in
+// `why` (no table in this build, no driver, no such variant).
+const Variant* lookup(const Launch& launch, int device, std::string& why);
+
+// Launches `variant` (lookup's answer for `launch`) on `device`'s current stream. Errors of
+// the launch itself, and a module that must be loaded while the stream captures, raise.
+void launch(const Variant& variant, const Launch& launch, int device);
+
+// lookup, then launch: true when launched; false (nothing launched, the reason in `why`) when
+// the table has no variant (the caller then runs the Python Triton launcher).
 bool launch(const Launch& launch, int device, std::string& why);
 
 }  // namespace wiola::triton

@@ -4,6 +4,8 @@
 //
 //   glu_fwd DTYPE ACT ROWS N STRIDE_A STRIDE_B A B Y SMS ARCH
 //   glu_bwd DTYPE ACT ROWS N STRIDE_G STRIDE_A STRIDE_B STRIDE_D G A B DA DB SMS ARCH
+//   rms_fwd ROWS D EPS FP64 HAS_SHIFT HF_ORDER HAS_RESIDUAL SMS ARCH DT:PTR x7 (x r sum w s y rstd)
+//   rms_bwd ROWS D HAS_SHIFT HAS_GRAD_S SMS ARCH DT:PTR x9 (g gs x w s rstd dx dw_partial ds_partial)
 //   table                        (every entry: index, arch, key, num_warps, shared)
 //
 // (pointers as integers) and prints, per launch, one line: the key the C++ chooser builds,
@@ -17,6 +19,7 @@
 #include <string>
 
 #include "wiola/triton_glu.h"
+#include "wiola/triton_rms_norm.h"
 #include "wiola/triton_table.h"
 
 namespace {
@@ -37,6 +40,21 @@ const char* interned(const std::string& dtype) {
 }
 
 const void* ptr(uint64_t v) { return reinterpret_cast<const void*>(v); }
+
+// "bf16:256" -> a typed pointer.
+wiola::triton::rms_norm::Ptr typed(const std::string& word) {
+  const size_t colon = word.find(':');
+  return {ptr(std::stoull(word.substr(colon + 1))), interned(word.substr(0, colon))};
+}
+
+template <size_t N>
+void read_typed(std::istringstream& in, wiola::triton::rms_norm::Ptr (&out)[N]) {
+  for (auto& p : out) {
+    std::string w;
+    in >> w;
+    p = typed(w);
+  }
+}
 
 void report(const Launch& launch, int arch, bool drop_last) {
   const auto& t = wiola::triton::table();
@@ -96,6 +114,26 @@ int main(int argc, char** argv) {
       wiola::triton::glu::Backward bw{interned(dtype), element_size(dtype), dtype == "fp64", act, ptr(g), ptr(a),
                                       ptr(b), ptr(da), ptr(db), rows, n, sg, sa, sb, sd};
       report(wiola::triton::glu::backward(bw, sms, t.default_num_stages), arch, drop_last);
+    } else if (cmd == "rms_fwd") {
+      int64_t rows, d, sms;
+      double eps;
+      int fp64, has_shift, hf, has_res, arch;
+      in >> rows >> d >> eps >> fp64 >> has_shift >> hf >> has_res >> sms >> arch;
+      wiola::triton::rms_norm::Ptr p[7];
+      read_typed(in, p);
+      wiola::triton::rms_norm::Forward f{p[0], p[1], p[2], p[3], p[4], p[5], p[6],
+                                         element_size(p[0].dtype), rows, d, eps, fp64 != 0, has_shift != 0,
+                                         hf != 0, has_res != 0};
+      report(wiola::triton::rms_norm::forward(f, sms, t.default_num_stages), arch, drop_last);
+    } else if (cmd == "rms_bwd") {
+      int64_t rows, d, sms;
+      int has_shift, has_gs, arch;
+      in >> rows >> d >> has_shift >> has_gs >> sms >> arch;
+      wiola::triton::rms_norm::Ptr p[9];
+      read_typed(in, p);
+      wiola::triton::rms_norm::Backward b{p[0], p[1], p[2], p[3], p[4], p[5], p[6], p[7], p[8],
+                                          element_size(p[0].dtype), rows, d, has_shift != 0, has_gs != 0};
+      report(wiola::triton::rms_norm::backward(b, sms, t.default_num_stages), arch, drop_last);
     } else if (!cmd.empty()) {
       std::cerr << "unknown command: " << cmd << "\n";
       return 2;

@@ -32,7 +32,7 @@ import re
 import sys
 
 #: Kernel modules whose variants the table holds: the ops launched from C++.
-MODULES = ("glu",)
+MODULES = ("glu", "rms_norm", "add_rms_norm")
 
 #: The C++ kind of each compiled-signature type (csrc/include/wiola/triton_table.h ParamKind).
 #: (Narrower scalars would need their own widths: none of the kernels takes one.)
@@ -130,14 +130,30 @@ def entries(archs: list[int], modules=MODULES, with_ptx: bool = False) -> list[d
                     "global_scratch_size": getattr(md, "global_scratch_size", 0),
                     "profile_scratch_size": getattr(md, "profile_scratch_size", 0),
                     "cooperative": bool(getattr(md, "launch_cooperative_grid", False)),
+                    "pdl": bool(getattr(md, "launch_pdl", False)),
                     "cluster_dims": list(getattr(md, "cluster_dims", (1, 1, 1)) or (1, 1, 1)),
                     "params": _params(launch, gpu), "scratch_pointers": scratch,
                     "cubin": compiled.asm["cubin"],
                 }
+                _check_launchable(entry)
                 if with_ptx:
                     entry["ptx"] = compiled.asm["ptx"]
                 out.append(entry)
     return out
+
+
+def _check_launchable(entry: dict) -> None:
+    """Refuse a variant the C++ launcher cannot launch as it stands: scratch memory to
+    allocate, a cluster, a cooperative or programmatic-dependent launch."""
+    needs = [what for what, bad in (("global scratch memory", entry["global_scratch_size"]),
+                                    ("profile scratch memory", entry["profile_scratch_size"]),
+                                    ("more than one CTA", entry["num_ctas"] != 1),
+                                    ("a cluster", entry["cluster_dims"] != [1, 1, 1]),
+                                    ("a cooperative launch", entry["cooperative"]),
+                                    ("a programmatic dependent launch", entry["pdl"])) if bad]
+    if needs:
+        raise ValueError(f"{entry['key']} (sm_{entry['arch']}) needs {', '.join(needs)}, which "
+                         "csrc/cuda/triton_launch.cpp does not provide")
 
 
 def _c_string(data: bytes, width: int = 96) -> str:
