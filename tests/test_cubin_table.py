@@ -326,3 +326,19 @@ def test_no_wired_op_registers_a_python_cuda_kernel():
     for op in wired:
         assert re.search(rf'register_triton_cuda\("{op}"', "".join(
             p.read_text() for p in (ROOT / "wiola_kernels" / "ops").glob("*.py"))), op
+
+
+def test_fallback_op_schemas_parse_and_mirror_the_ops():
+    """Each ``wiola::_triton_<op>`` (csrc/wiola_ops.cpp) parses, and takes and returns what
+    ``wiola::<op>`` does: the C++ kernel hands it the op's own arguments."""
+    src = (ROOT / "csrc" / "wiola_ops.cpp").read_text()
+    defs = {}
+    for m in re.finditer(r'm\.def\(((?:\s*"(?:[^"\\]|\\.)*")+)\)', src):
+        schema = "".join(re.findall(r'"((?:[^"\\]|\\.)*)"', m.group(1))).replace('\\"', '"')
+        parsed = torch._C.parse_schema(f"wiola::{schema}")
+        defs[parsed.name.split("::")[1]] = parsed
+    for op in _cpp_triton_ops():
+        fallback = defs[f"_triton_{op}"]
+        assert [(a.name, str(a.type)) for a in fallback.arguments] == [(a.name, str(a.type))
+                                                                      for a in defs[op].arguments], op
+        assert [str(r.type) for r in fallback.returns] == [str(r.type) for r in defs[op].returns], op

@@ -38,7 +38,8 @@ def register_triton_cuda(name: str, kernel) -> None:
     ``wiola::_triton_<name>``'s CUDA kernel, which the C++ kernel runs where the table has no
     variant for a call; and as ``wiola::<name>``'s own only when this build has no C++ CUDA
     kernel for it (an extension built without CUDA, on a CUDA torch)."""
-    register_kernel(f"_triton_{name}", "CUDA", kernel)
+    if _declared(f"wiola::_triton_{name}"):
+        register_kernel(f"_triton_{name}", "CUDA", kernel)
     if name not in _extension.triton_cuda_ops():
         register_kernel(name, "CUDA", kernel)
 
