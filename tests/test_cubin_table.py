@@ -342,3 +342,55 @@ def test_fallback_op_schemas_parse_and_mirror_the_ops():
         assert [(a.name, str(a.type)) for a in fallback.arguments] == [(a.name, str(a.type))
                                                                       for a in defs[op].arguments], op
         assert [str(r.type) for r in fallback.returns] == [str(r.type) for r in defs[op].returns], op
+
+
+# ---- on a GPU: the C++ launches themselves (skipped without one) -------------------------------
+
+def _gpu_cases():
+    """One call of each op launched from C++, at a test shape the table holds, on CUDA."""
+    import wiola_kernels as wk
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+
+    def t(*shape, dtype=torch.bfloat16):
+        return torch.randn(*shape, generator=g, device="cuda", dtype=torch.float32).to(dtype)
+
+    u, x, r = t(129, 2000), t(37, 192), t(37, 192)
+    w, s = t(192, dtype=torch.float32), t(192, dtype=torch.float32)
+    return {
+        "glu": lambda: wk.glu(u, activation="silu"),
+        "rms_norm": lambda: wk.rms_norm(x, w, s),
+        "add_rms_norm": lambda: wk.add_rms_norm(x, r, w, s),
+    }
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("op", ["glu", "rms_norm", "add_rms_norm"])
+def test_gpu_launch_from_the_table_equals_the_python_launcher(op):
+    """The C++ launch gives the Python Triton launcher's result bit for bit (same cubin, same
+    arguments), without the fallback warning; then a CUDA graph captures and replays it."""
+    import warnings
+
+    import wiola_kernels as wk
+    from wiola_kernels import _extension
+
+    info = _extension.cubin_table()
+    if info is None or not info["entries"]:
+        pytest.skip(f"this build launches no cubin table: {info}")
+    call = _gpu_cases()[op]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # the fallback's warning would fail here
+        got = call()
+    with wk.use_backend("triton"):
+        want = call()
+    for a, b in zip(got if isinstance(got, tuple) else (got,), want if isinstance(want, tuple) else (want,)):
+        assert torch.equal(a, b)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = call()
+    graph.replay()
+    torch.cuda.synchronize()
+    for a, b in zip(captured if isinstance(captured, tuple) else (captured,),
+                    want if isinstance(want, tuple) else (want,)):
+        assert torch.equal(a, b)
