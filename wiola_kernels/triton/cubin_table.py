@@ -4,7 +4,7 @@ time for each target architecture and written as a C++ source embedded in the ex
 ``setup.py`` runs :func:`write` when it builds the CUDA kernels; standalone (no GPU and no
 CUDA torch needed)::
 
-    python -m wiola_kernels.triton.cubin_table --out DIR [--arch 90,80] [--ptx] [--empty REASON]
+    python -m wiola_kernels.triton.cubin_table --out DIR [--arch 90,80] [--ptx] [--jobs N] [--empty REASON]
 
 writes ``DIR/wiola_cubin_table.cpp`` (the table, csrc/include/wiola/triton_table.h's
 ``wiola::triton::table()``), ``DIR/wiola_cubin_table.json`` (the same entries without the
@@ -101,16 +101,12 @@ def _params(launch, gpu) -> list[dict]:
     return out
 
 
-def entries(archs: list[int], modules=MODULES, with_ptx: bool = False) -> list[dict]:
-    """Compile every variant of ``modules`` for each of ``archs``; one dict per (arch,
-    variant) with ``cubin`` bytes (and ``ptx`` text when ``with_ptx``)."""
+def _variants(archs: list[int], modules) -> list[tuple[int, str, str]]:
+    """``(arch, module, key)`` of every distinct variant, in a fixed order."""
     import importlib
 
-    import triton
+    from .aot import module_launches, variant_id
 
-    from .aot import compile_launch, module_launches, variant_id
-
-    scratch = trailing_scratch_pointers(triton.__version__)
     out = []
     for arch in archs:
         gpu = _gpu(arch)
@@ -119,27 +115,61 @@ def entries(archs: list[int], modules=MODULES, with_ptx: bool = False) -> list[d
             mod = importlib.import_module(f"{__package__}.{mod_name}")
             for launch in module_launches(mod, gpu):
                 key = variant_id(launch, gpu)
-                if key in seen:
-                    continue
-                seen.add(key)
-                compiled = compile_launch(launch, gpu)
-                md = compiled.metadata
-                entry = {
-                    "key": key, "module": mod_name, "kernel": launch.name, "function": md.name, "arch": arch,
-                    "num_warps": md.num_warps, "num_ctas": md.num_ctas, "shared": md.shared,
-                    "global_scratch_size": getattr(md, "global_scratch_size", 0),
-                    "profile_scratch_size": getattr(md, "profile_scratch_size", 0),
-                    "cooperative": bool(getattr(md, "launch_cooperative_grid", False)),
-                    "pdl": bool(getattr(md, "launch_pdl", False)),
-                    "cluster_dims": list(getattr(md, "cluster_dims", (1, 1, 1)) or (1, 1, 1)),
-                    "params": _params(launch, gpu), "scratch_pointers": scratch,
-                    "cubin": compiled.asm["cubin"],
-                }
-                _check_launchable(entry)
-                if with_ptx:
-                    entry["ptx"] = compiled.asm["ptx"]
-                out.append(entry)
+                if key not in seen:
+                    seen.add(key)
+                    out.append((arch, mod_name, key))
     return out
+
+
+_WORKER_LAUNCHES: dict[tuple[int, str], dict] = {}  # (arch, module) -> {key: launch}, once per process
+
+
+def _compile_entry(arch: int, mod_name: str, key: str, with_ptx: bool) -> dict:
+    """Compile one variant and describe it (the unit of work spread over processes)."""
+    import importlib
+
+    import triton
+
+    from .aot import compile_launch, module_launches, variant_id
+
+    gpu = _gpu(arch)
+    if (arch, mod_name) not in _WORKER_LAUNCHES:
+        mod = importlib.import_module(f"{__package__}.{mod_name}")
+        _WORKER_LAUNCHES[(arch, mod_name)] = {variant_id(l, gpu): l for l in module_launches(mod, gpu)}
+    launch = _WORKER_LAUNCHES[(arch, mod_name)][key]
+    compiled = compile_launch(launch, gpu)
+    md = compiled.metadata
+    entry = {
+        "key": key, "module": mod_name, "kernel": launch.name, "function": md.name, "arch": arch,
+        "num_warps": md.num_warps, "num_ctas": md.num_ctas, "shared": md.shared,
+        "global_scratch_size": getattr(md, "global_scratch_size", 0),
+        "profile_scratch_size": getattr(md, "profile_scratch_size", 0),
+        "cooperative": bool(getattr(md, "launch_cooperative_grid", False)),
+        "pdl": bool(getattr(md, "launch_pdl", False)),
+        "cluster_dims": list(getattr(md, "cluster_dims", (1, 1, 1)) or (1, 1, 1)),
+        "params": _params(launch, gpu), "scratch_pointers": trailing_scratch_pointers(triton.__version__),
+        "cubin": compiled.asm["cubin"],
+    }
+    _check_launchable(entry)
+    if with_ptx:
+        entry["ptx"] = compiled.asm["ptx"]
+    return entry
+
+
+def entries(archs: list[int], modules=MODULES, with_ptx: bool = False, jobs: int | None = None) -> list[dict]:
+    """Compile every variant of ``modules`` for each of ``archs``; one dict per (arch,
+    variant) with ``cubin`` bytes (and ``ptx`` text when ``with_ptx``). ``jobs`` processes
+    compile them (default: the CPU count; 1: in this process)."""
+    tasks = _variants(archs, modules)
+    jobs = min(len(tasks), jobs or os.cpu_count() or 1)
+    if jobs <= 1:
+        return [_compile_entry(arch, mod, key, with_ptx) for arch, mod, key in tasks]
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    # spawn: a forked child would inherit this process's Triton/CUDA state.
+    with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return list(pool.map(_compile_entry, *zip(*tasks), [with_ptx] * len(tasks), chunksize=4))
 
 
 def _check_launchable(entry: dict) -> None:
@@ -198,7 +228,7 @@ def render_cpp(table: list[dict], triton_version: str | None, missing_reason: st
 
 
 def write(out_dir: str, archs: list[int], *, modules=MODULES, with_ptx: bool = False,
-          missing_reason: str | None = None) -> list[dict]:
+          missing_reason: str | None = None, jobs: int | None = None) -> list[dict]:
     """Write the generated C++ source and JSON manifest (and PTX files) to ``out_dir``; an
     empty table naming ``missing_reason`` when that is given. Returns the entries."""
     os.makedirs(out_dir, exist_ok=True)
@@ -208,7 +238,7 @@ def write(out_dir: str, archs: list[int], *, modules=MODULES, with_ptx: bool = F
         import triton
 
         version = triton.__version__
-        table = entries(archs, modules, with_ptx)
+        table = entries(archs, modules, with_ptx, jobs)
     _write_if_changed(os.path.join(out_dir, GENERATED_CPP), render_cpp(table, version, missing_reason))
     manifest = {"triton_version": version, "archs": archs, "missing_reason": missing_reason,
                 "entries": [{k: v for k, v in e.items() if k not in ("cubin", "ptx")} for e in table]}
@@ -239,9 +269,10 @@ def main(argv=None) -> int:
                         help="architectures, e.g. 90,80 (default: WIOLA_CUDA_ARCH, TORCH_CUDA_ARCH_LIST, else 90,80)")
     parser.add_argument("--ptx", action="store_true", help="also write each entry's PTX to OUT/ptx/")
     parser.add_argument("--empty", metavar="REASON", help="write an empty table naming REASON")
+    parser.add_argument("--jobs", type=int, default=None, help="compiling processes (default: the CPU count)")
     args = parser.parse_args(argv)
     spec = args.arch or os.environ.get("WIOLA_CUDA_ARCH") or os.environ.get("TORCH_CUDA_ARCH_LIST")
-    table = write(args.out, parse_archs(spec), with_ptx=args.ptx, missing_reason=args.empty)
+    table = write(args.out, parse_archs(spec), with_ptx=args.ptx, missing_reason=args.empty, jobs=args.jobs)
     print(f"cubin table: {len(table)} variants written to {args.out}")
     return 0
 
