@@ -108,6 +108,7 @@ struct Loaded {
   std::unique_ptr<std::atomic<CUfunction>[]> functions;
   std::unordered_map<std::string, size_t> index;  // "arch:key" -> entry
   std::mutex mutex;                                // taken to load
+  std::unordered_map<size_t, std::string> failures;  // why a module did not load (entry * devices + device)
 
   Loaded() {
     const Table& t = table();
@@ -122,11 +123,22 @@ Loaded& loaded() {
   return l;
 }
 
-CUfunction load(size_t entry, int device, cudaStream_t stream) {
+// Marks a function whose module failed to load on a device (the reason in Loaded::failures).
+const CUfunction kFailed = reinterpret_cast<CUfunction>(uintptr_t{1});
+
+// The variant's function on `device`, its module loaded on first use; nullptr (the reason in
+// `why`) where the driver refuses the cubin (e.g. a driver older than the Triton that built
+// it), which the caller treats as a missing variant.
+CUfunction load(size_t entry, int device, cudaStream_t stream, std::string& why) {
   Loaded& l = loaded();
   std::atomic<CUfunction>& slot = l.functions[entry * kMaxDevices + device];
   CUfunction f = slot.load(std::memory_order_acquire);
-  if (f != nullptr) return f;
+  if (f != nullptr && f != kFailed) return f;
+  if (f == kFailed) {
+    std::lock_guard<std::mutex> lock(l.mutex);
+    why = l.failures[entry * kMaxDevices + device];
+    return nullptr;
+  }
   const Variant& v = table().variants[entry];
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
   C10_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
@@ -136,18 +148,27 @@ CUfunction load(size_t entry, int device, cudaStream_t stream) {
               "during capture: run the op once (eager) before capturing");
   std::lock_guard<std::mutex> lock(l.mutex);
   f = slot.load(std::memory_order_acquire);
-  if (f != nullptr) return f;
+  if (f == kFailed) why = l.failures[entry * kMaxDevices + device];
+  if (f != nullptr) return f == kFailed ? nullptr : f;
   const Driver& d = driver();
   CUmodule module = nullptr;
+  std::string error;
   CUresult rc = d.module_load_data(&module, v.cubin);
-  TORCH_CHECK(rc == CUDA_SUCCESS, "wiola: loading the cubin of ", v.key, " on cuda:", device, " failed: ",
-              driver_error(rc));
-  rc = d.module_get_function(&f, module, v.function);
-  TORCH_CHECK(rc == CUDA_SUCCESS, "wiola: ", v.function, " not found in its cubin: ", driver_error(rc));
-  if (v.shared > 48 * 1024) {
-    rc = d.func_set_attribute(f, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, v.shared);
-    TORCH_CHECK(rc == CUDA_SUCCESS, "wiola: ", v.key, " needs ", v.shared, " bytes of shared memory: ",
-                driver_error(rc));
+  if (rc != CUDA_SUCCESS) {
+    error = "the driver refuses the cubin of " + std::string(v.key) + " (built by Triton " +
+            table().triton_version + "): " + driver_error(rc);
+  } else if ((rc = d.module_get_function(&f, module, v.function)) != CUDA_SUCCESS) {
+    error = std::string(v.function) + " not found in its cubin: " + driver_error(rc);
+  } else if (v.shared > 48 * 1024 &&
+             (rc = d.func_set_attribute(f, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, v.shared)) !=
+                 CUDA_SUCCESS) {
+    error = std::string(v.key) + " needs " + std::to_string(v.shared) + " bytes of shared memory: " + driver_error(rc);
+  }
+  if (!error.empty()) {
+    l.failures[entry * kMaxDevices + device] = error;
+    slot.store(kFailed, std::memory_order_release);
+    why = error;
+    return nullptr;
   }
   slot.store(f, std::memory_order_release);
   return f;
@@ -193,7 +214,7 @@ const Variant* lookup(const Launch& l, int device, std::string& why) {
   return &t.variants[it->second];
 }
 
-void launch(const Variant& v, const Launch& l, int device) {
+bool launch(const Variant& v, const Launch& l, int device, std::string& why) {
   DeviceInfo& info = device_info(device);
   Packed packed;
   pack(v, l.args, packed);
@@ -208,17 +229,17 @@ void launch(const Variant& v, const Launch& l, int device) {
     const CUresult rc = d.ctx_set_current(info.ctx);
     TORCH_CHECK(rc == CUDA_SUCCESS, "wiola: cuCtxSetCurrent: ", driver_error(rc));
   }
-  const CUfunction f = load(static_cast<size_t>(&v - table().variants), device, stream);
+  const CUfunction f = load(static_cast<size_t>(&v - table().variants), device, stream, why);
+  if (f == nullptr) return false;
   const CUresult rc = d.launch_kernel(f, static_cast<unsigned>(l.grid), 1, 1, 32 * v.num_warps, 1, 1, v.shared,
                                       reinterpret_cast<CUstream>(stream), packed.params, nullptr);
   TORCH_CHECK(rc == CUDA_SUCCESS, "wiola: launching ", v.key, " failed: ", driver_error(rc));
+  return true;
 }
 
 bool launch(const Launch& l, int device, std::string& why) {
   const Variant* v = lookup(l, device, why);
-  if (v == nullptr) return false;
-  launch(*v, l, device);
-  return true;
+  return v != nullptr && launch(*v, l, device, why);
 }
 
 }  // namespace wiola::triton

@@ -27,12 +27,14 @@ int arch(int device);
 // `why` (no table in this build, no driver, no such variant).
 const Variant* lookup(const Launch& launch, int device, std::string& why);
 
-// Launches `variant` (lookup's answer for `launch`) on `device`'s current stream. Errors of
-// the launch itself, and a module that must be loaded while the stream captures, raise.
-void launch(const Variant& variant, const Launch& launch, int device);
+// Launches `variant` (lookup's answer for `launch`) on `device`'s current stream and returns
+// true; false (nothing launched, the reason in `why`) where the driver refuses its cubin.
+// Errors of the launch itself, and a module that must be loaded while the stream captures, raise.
+bool launch(const Variant& variant, const Launch& launch, int device, std::string& why);
 
 // lookup, then launch: true when launched; false (nothing launched, the reason in `why`) when
-// the table has no variant (the caller then runs the Python Triton launcher).
+// the table has no variant or its cubin does not load (the caller then runs the Python Triton
+// launcher).
 bool launch(const Launch& launch, int device, std::string& why);
 
 }  // namespace wiola::triton

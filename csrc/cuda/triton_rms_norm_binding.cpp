@@ -80,8 +80,7 @@ std::optional<std::tuple<at::Tensor, at::Tensor, at::Tensor>> norm_fwd(
   std::optional<at::Tensor> s;
   Launch l;
   const Variant* v = choose_weights(weight, shift, acc, device, w, s, l, make, why);
-  if (v == nullptr) return std::nullopt;
-  launch(*v, l, device);
+  if (v == nullptr || !launch(*v, l, device, why)) return std::nullopt;
   return std::make_tuple(y, sum, rstd);
 }
 
@@ -111,8 +110,7 @@ std::optional<std::tuple<at::Tensor, at::Tensor, at::Tensor>> norm_bwd(
   std::optional<at::Tensor> s;
   Launch l;
   const Variant* v = choose_weights(weight, shift, acc, device, w, s, l, make, why);
-  if (v == nullptr) return std::nullopt;
-  launch(*v, l, device);
+  if (v == nullptr || !launch(*v, l, device, why)) return std::nullopt;
   at::Tensor grad_shift = shift.has_value() ? ds_partial.sum(0).to(shift->scalar_type()) : at::Tensor();
   return std::make_tuple(grad_x, dw_partial.sum(0).to(weight.scalar_type()), grad_shift);
 }
