@@ -13,13 +13,28 @@
 #include <vector>
 
 #include "cpu/isa.h"
+#ifdef WIOLA_WITH_CUDA
+#include "wiola/triton_table.h"
+#endif
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "wiola_kernels compiled kernels (C++ CPU, and CUDA when built with it)";
 #ifdef WIOLA_WITH_CUDA
   m.attr("WITH_CUDA") = true;
+  // The ops whose CUDA kernel is C++ launching the cubin table (csrc/cuda/triton_*_binding.cpp).
+  m.attr("TRITON_CUDA_OPS") = std::vector<std::string>{"glu", "glu_backward", "rms_norm", "rms_norm_backward",
+                                                            "add_rms_norm", "add_rms_norm_backward"};
+  // The cubin table of this build: (Triton version or None, why there is none or None, entries).
+  m.def("cubin_table", [] {
+    const auto& t = wiola::triton::table();
+    pybind11::object version = pybind11::none(), reason = pybind11::none();
+    if (t.triton_version != nullptr) version = pybind11::str(t.triton_version);
+    if (t.missing_reason != nullptr) reason = pybind11::str(t.missing_reason);
+    return pybind11::make_tuple(version, reason, t.size);
+  });
 #else
   m.attr("WITH_CUDA") = false;
+  m.attr("TRITON_CUDA_OPS") = std::vector<std::string>{};
 #endif
   // The run-time ISA level of the CPU kernels' hot loops (csrc/cpu/isa.h).
   using wiola::cpu::Isa;

@@ -4,7 +4,8 @@
 // dispatch key, so PyTorch's dispatcher picks the kernel from the tensors' device as it does
 // for a native op:
 //   CPU  — the C++ kernels, csrc/cpu/<op>.cpp (each validates its inputs at entry, wiola/checks.h);
-//   CUDA — the CUDA C++ kernels (csrc/cuda/<op>_binding.cpp) or the Triton launchers,
+//   CUDA — the CUDA C++ kernels (csrc/cuda/<op>_binding.cpp), the launches of the Triton kernels
+//          compiled ahead of time (csrc/cuda/triton_<op>_binding.cpp), or the Triton launchers
 //          registered from Python (wiola_kernels/ops/<op>.py);
 //   Meta — the fakes, registered from Python (wiola_kernels/ops/<op>.py).
 // The torch.autograd.Function of each op (wiola_kernels/ops/<op>.py) drives the pair; the ops
@@ -61,6 +62,12 @@ TORCH_LIBRARY_FRAGMENT(wiola, m) {
         " -> (Tensor y, Tensor rstd)");
   m.def("rms_norm_backward(Tensor grad_y, Tensor x, Tensor weight, Tensor? shift, Tensor rstd)"
         " -> (Tensor grad_x, Tensor grad_weight, Tensor grad_shift)");
+  // The Python Triton launchers (CUDA only, registered from Python), which the C++ CUDA kernel
+  // (csrc/cuda/triton_rms_norm_binding.cpp) runs where the cubin table has no variant for a call.
+  m.def("_triton_rms_norm(Tensor x, Tensor weight, Tensor? shift, float eps=1e-06, bool hf_order=False)"
+        " -> (Tensor y, Tensor rstd)");
+  m.def("_triton_rms_norm_backward(Tensor grad_y, Tensor x, Tensor weight, Tensor? shift, Tensor rstd)"
+        " -> (Tensor grad_x, Tensor grad_weight, Tensor grad_shift)");
 
 }
 
@@ -75,6 +82,11 @@ TORCH_LIBRARY_FRAGMENT(wiola, m) {
         " bool hf_order=False) -> (Tensor y, Tensor s, Tensor rstd)");
   m.def("add_rms_norm_backward(Tensor grad_y, Tensor? grad_s, Tensor s, Tensor weight, Tensor? shift,"
         " Tensor rstd) -> (Tensor grad_x, Tensor grad_weight, Tensor grad_shift)");
+  // The Python Triton launchers, as rms_norm's (csrc/cuda/triton_rms_norm_binding.cpp).
+  m.def("_triton_add_rms_norm(Tensor x, Tensor residual, Tensor weight, Tensor? shift, float eps=1e-06,"
+        " bool hf_order=False) -> (Tensor y, Tensor s, Tensor rstd)");
+  m.def("_triton_add_rms_norm_backward(Tensor grad_y, Tensor? grad_s, Tensor s, Tensor weight, Tensor? shift,"
+        " Tensor rstd) -> (Tensor grad_x, Tensor grad_weight, Tensor grad_shift)");
 }
 
 TORCH_LIBRARY_FRAGMENT(wiola, m) {
@@ -86,6 +98,10 @@ TORCH_LIBRARY_FRAGMENT(wiola, m) {
   // a's shape, or for b None grad_a (..., 2n) = [∂a | ∂b] and grad_b None.
   m.def("glu(Tensor a, Tensor? b, str activation=\"silu\") -> Tensor");
   m.def("glu_backward(Tensor grad_y, Tensor a, Tensor? b, str activation) -> (Tensor grad_a, Tensor grad_b)");
+  // The Python Triton launchers of glu (CUDA only, registered from Python): where the cubin table
+  // has no variant for a call, the C++ CUDA kernel (csrc/cuda/triton_glu_binding.cpp) runs these.
+  m.def("_triton_glu(Tensor a, Tensor? b, str activation) -> Tensor");
+  m.def("_triton_glu_backward(Tensor grad_y, Tensor a, Tensor? b, str activation) -> (Tensor grad_a, Tensor grad_b)");
 }
 
 TORCH_LIBRARY_FRAGMENT(wiola, m) {

@@ -55,7 +55,17 @@ else
   echo "(no precompiled header: $(grep -m1 error: "$logs/pch.log"))"
 fi
 sources=(csrc/*.cpp csrc/cpu/*.cpp csrc/cuda/emu/*.cpp)
-[ -n "$cuda_include" ] && sources+=(csrc/cuda/*.cpp)
+if [ -n "$cuda_include" ]; then
+  # The CUDA build's C++: the kernels' bindings, the Triton launcher (csrc/cuda/triton_*.cpp),
+  # and the cubin table's source as setup.py writes it (here the empty one, which a build
+  # without Triton links; the generated entries are checked by tests/test_cubin_table.py).
+  "$PYTHON" - "$logs/gen" <<'EOF'
+import importlib.util, sys
+spec = importlib.util.spec_from_file_location("s", "setup.py"); m = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(m); m.HERE = sys.argv[1]; m.write_cubin_table({"WIOLA_NO_CUBIN_TABLE": "1"})
+EOF
+  sources+=(csrc/cuda/*.cpp "$logs/gen/build/generated/wiola_cubin_table.cpp")
+fi
 export logs
 printf '%s\n' "${sources[@]}" | xargs -P "$(nproc)" -I{} sh -c \
   'log="$logs/$(echo {} | tr / _).log"; if c++ "$@" {} > "$log" 2>&1; then echo "OK   {}"; else echo "FAIL {}"; fi' \

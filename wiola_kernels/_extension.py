@@ -59,6 +59,27 @@ def has_cuda_kernels() -> bool:
     return bool(module is not None and getattr(module, "WITH_CUDA", False))
 
 
+def triton_cuda_ops() -> frozenset[str]:
+    """The ops whose CUDA kernel in this build is C++ launching the Triton kernels compiled
+    ahead of time (the cubin table; csrc/cuda/triton_*_binding.cpp). Empty without the
+    extension's CUDA kernels: those ops then register their Python Triton launchers."""
+    module = _load()[0]
+    return frozenset(getattr(module, "TRITON_CUDA_OPS", ()) if module is not None else ())
+
+
+def cubin_table() -> dict | None:
+    """This build's cubin table: ``{"triton_version", "missing_reason", "entries"}`` (the
+    Triton that compiled it, why the build has none, how many variants), or None without the
+    extension's CUDA kernels. Where it is missing, or a call's variant is not in it (another
+    architecture, a shape it was not built for), the op runs its Python Triton launcher and
+    warns once, naming why."""
+    module = _load()[0]
+    if module is None or not hasattr(module, "cubin_table"):
+        return None
+    version, reason, entries = module.cubin_table()
+    return {"triton_version": version, "missing_reason": reason, "entries": entries}
+
+
 @functools.lru_cache(maxsize=None)
 def has_cuda_emu() -> bool:
     """True when the extension holds the CUDA kernels compiled for the CPU SIMT emulator

@@ -32,6 +32,18 @@ def register_kernel(name: str, dispatch_key: str, kernel) -> None:
     _library.impl(name, kernel, dispatch_key)
 
 
+def register_triton_cuda(name: str, kernel) -> None:
+    """``kernel``, the Python Triton launcher of ``wiola::<name>``, for the op whose CUDA kernel
+    is C++ launching the cubin table (csrc/cuda/triton_<op>_binding.cpp): registered as
+    ``wiola::_triton_<name>``'s CUDA kernel, which the C++ kernel runs where the table has no
+    variant for a call; and as ``wiola::<name>``'s own only when this build has no C++ CUDA
+    kernel for it (an extension built without CUDA, on a CUDA torch)."""
+    if _declared(f"wiola::_triton_{name}"):
+        register_kernel(f"_triton_{name}", "CUDA", kernel)
+    if name not in _extension.triton_cuda_ops():
+        register_kernel(name, "CUDA", kernel)
+
+
 def _declared(qualname: str) -> bool:
     namespace, name = qualname.split("::")
     return have_registered_ops() and hasattr(getattr(torch.ops, namespace), name)

@@ -27,7 +27,7 @@ from ..dtypes import compute_dtype
 from ..reference.add_rms_norm import add_rms_norm_backward as _reference_backward
 from ..reference.add_rms_norm import add_rms_norm_forward as _reference_forward
 from ..validation import check_add_rms_norm, check_rms_norm
-from . import distinct, needs_grad, register_fake, register_kernel, registered, registered_ops
+from . import distinct, needs_grad, register_fake, register_triton_cuda, registered, registered_ops
 
 OP = "add_rms_norm"
 _ops = registered_ops("add_rms_norm", "add_rms_norm_backward")
@@ -77,8 +77,10 @@ dispatch.register(OP, "reference", SimpleNamespace(forward=_reference_forward_ch
 dispatch.register(OP, "cpu", SimpleNamespace(forward=registered("wiola", "add_rms_norm", check_add_rms_norm),
                                              backward=registered("wiola", "add_rms_norm_backward", _no_check)))
 dispatch.register(OP, "triton", SimpleNamespace(forward=_triton_forward, backward=_triton_backward))
-register_kernel("add_rms_norm", "CUDA", _triton_forward)
-register_kernel("add_rms_norm_backward", "CUDA", _triton_backward)
+# CUDA: the C++ launch of the compiled kernels (csrc/cuda/triton_rms_norm_binding.cpp), which runs
+# these where its table has no variant.
+register_triton_cuda("add_rms_norm", _triton_forward)
+register_triton_cuda("add_rms_norm_backward", _triton_backward)
 
 
 @register_fake("wiola::add_rms_norm")

@@ -11,8 +11,9 @@ output, the activated half first), and ``grad_a`` is its one ``(..., 2n)`` gradi
 (``grad_b`` None). Outputs and gradients are contiguous; inputs are read through their row
 strides (the two halves of a projection's output are read in place).
 
-Kernels: CPU — csrc/cpu/glu.cpp; CUDA — the Triton kernels (triton/glu.py, registered
-below); Meta — the fakes below. Forced backends (:mod:`wiola_kernels.dispatch`):
+Kernels: CPU — csrc/cpu/glu.cpp; CUDA — the Triton kernels (triton/glu.py) compiled ahead
+of time and launched from C++ (csrc/cuda/triton_glu_binding.cpp; their Python launchers
+below where a call has no compiled variant); Meta — the fakes below. Forced backends (:mod:`wiola_kernels.dispatch`):
 ``reference``, ``cpu``, ``triton``.
 """
 
@@ -27,7 +28,7 @@ from .. import dispatch
 from ..reference.glu import glu_backward as _reference_backward
 from ..reference.glu import glu_forward as _reference_forward
 from ..validation import check_glu
-from . import distinct, needs_grad, register_fake, register_kernel, registered, registered_ops
+from . import distinct, needs_grad, register_fake, register_triton_cuda, registered, registered_ops
 
 OP = "glu"
 _ops = registered_ops("glu", "glu_backward")
@@ -65,8 +66,10 @@ dispatch.register(OP, "reference", SimpleNamespace(forward=_reference_forward_ch
 dispatch.register(OP, "cpu", SimpleNamespace(forward=registered("wiola", "glu", check_glu),
                                              backward=registered("wiola", "glu_backward", _no_check)))
 dispatch.register(OP, "triton", SimpleNamespace(forward=_triton_forward, backward=_triton_backward))
-register_kernel("glu", "CUDA", _triton_forward)
-register_kernel("glu_backward", "CUDA", _triton_backward)
+# CUDA: the C++ launch of the compiled kernels (csrc/cuda/triton_glu_binding.cpp), which runs these
+# where its table has no variant.
+register_triton_cuda("glu", _triton_forward)
+register_triton_cuda("glu_backward", _triton_backward)
 
 
 def _out_shape(a: Tensor, b: Tensor | None) -> tuple[int, ...]:

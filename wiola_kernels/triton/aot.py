@@ -62,12 +62,14 @@ GPUS = {
 class DevicePointer:
     """Stands in for a CUDA tensor argument: its dtype, and an address aligned as the
     CUDA caching allocator aligns fresh tensors (256 bytes), which the JIT sees as
-    divisible by 16."""
+    divisible by 16, plus ``offset`` bytes for a view into such a tensor (the second half
+    of a packed projection: ``n`` elements in)."""
 
     dtype: torch.dtype
+    offset: int = 0
 
     def data_ptr(self) -> int:
-        return 256
+        return 256 + self.offset
 
 
 @dataclass

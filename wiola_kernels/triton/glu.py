@@ -239,11 +239,13 @@ def aot_launches(sms: int):
         acc64 = compute_dtype(dtype) == torch.float64
         element_size = torch.empty((), dtype=dtype).element_size()
         stride = 2 * n if packed else n
+        # The packed form's b (and db) is the second half of a row: n elements in.
+        half = P(dtype, n * element_size) if packed else P(dtype)
         fwd = _launch_config(rows, n, element_size, 2, sms)
-        yield Launch(_glu_fwd_kernel, (P(dtype), P(dtype), P(dtype), rows, n, stride, stride),
+        yield Launch(_glu_fwd_kernel, (P(dtype), half, P(dtype), rows, n, stride, stride),
                      dict(ROWS_PER_STEP=fwd.rows_per_step, BLOCK_N=fwd.block_n, ACT=ACTIVATIONS[act], IS_FP64=acc64),
                      fwd.num_warps, DEFAULT_NUM_STAGES, fwd.programs, case)
         bwd = _launch_config(rows, n, element_size, 3, sms)
-        yield Launch(_glu_bwd_kernel, (P(dtype),) * 5 + (rows, n, n, stride, stride, stride),
+        yield Launch(_glu_bwd_kernel, (P(dtype), P(dtype), half, P(dtype), half, rows, n, n, stride, stride, stride),
                      dict(ROWS_PER_STEP=bwd.rows_per_step, BLOCK_N=bwd.block_n, ACT=ACTIVATIONS[act], IS_FP64=acc64),
                      bwd.num_warps, DEFAULT_NUM_STAGES, bwd.programs, case)
