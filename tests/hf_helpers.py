@@ -30,9 +30,9 @@ _DEFAULT_ROPE = {"rope_type": "default", "rope_theta": 10000.0}
 # Gemma 3 has one sliding and one full layer with their own θ₀; SmolLM3's second layer has
 # no RoPE.
 FAMILY_OVERRIDES = {
-    "gemma2": dict(head_dim=16, query_pre_attn_scalar=16, sliding_window=4, final_logit_softcapping=0.25,
+    "gemma2": dict(head_dim=16, query_pre_attn_scalar=16, sliding_window=8, final_logit_softcapping=0.25,
                    attn_logit_softcapping=5.0, hidden_activation="gelu_pytorch_tanh"),
-    "gemma3_text": dict(head_dim=16, query_pre_attn_scalar=16, sliding_window=4, final_logit_softcapping=0.5,
+    "gemma3_text": dict(head_dim=16, query_pre_attn_scalar=16, sliding_window=8, final_logit_softcapping=0.5,
                         layer_types=["sliding_attention", "full_attention"],
                         rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                                          "full_attention": {"rope_type": "default", "rope_theta": 1e6}},
