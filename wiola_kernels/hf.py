@@ -1,16 +1,21 @@
-"""Drop-in fused kernels for Hugging Face Llama-family models: :func:`patch_hf` / :func:`unpatch_hf`.
+"""Drop-in fused kernels for Hugging Face models: :func:`patch_hf` / :func:`unpatch_hf`.
 
-``patch_hf(model)`` swaps, on that model instance, every RMSNorm module and the
-rotary-embedding application of ``LlamaForCausalLM``, ``MistralForCausalLM`` and
-``Qwen2ForCausalLM`` (or any other model of those families: the bare ``*Model``, the
-classification and QA heads) for this package's fused ops, on whatever backend
+``patch_hf(model)`` swaps, on that model instance, every RMSNorm module, the
+rotary-embedding application, the gated MLP and the causal-LM loss of a model of the
+families in :func:`supported` — Llama, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3 (text:
+``gemma3_text``), Phi-3, OLMo-2 and SmolLM3: the ``*ForCausalLM``, the bare ``*Model``,
+the classification and QA heads — for this package's fused ops, on whatever backend
 :mod:`wiola_kernels.dispatch` picks (C++ on CPU tensors, Triton/CUDA on GPUs), for
-training and inference:
+training and inference. ``supported()`` returns the table of what is swapped per family
+(``model_type`` → norms / q-k norms / RoPE / MLP / loss):
 
-* RMSNorm: each ``<Family>RMSNorm`` becomes a :class:`wiola_kernels.modules.RMSNorm`
-  sharing its ``weight`` Parameter (``state_dict`` keys and optimizer state unchanged),
-  with δ = 0 (no shift) and Hugging Face's rounding order (normalise in float32, round
-  to the input dtype, then multiply by γ), so bf16/fp16 outputs match HF's.
+* RMSNorm: each ``<Family>RMSNorm`` (the layer norms, and the q/k norms of Qwen3, Gemma 3
+  and OLMo-2) becomes a :class:`wiola_kernels.modules.RMSNorm` sharing its ``weight``
+  Parameter (``state_dict`` keys and optimizer state unchanged), with δ = 0 (no shift) and
+  the family's rounding: Hugging Face's Llama order (normalise in float32, round to the
+  input dtype, then multiply by γ), so bf16/fp16 outputs match HF's; OLMo-2's (γ·x̂ in
+  float32, rounded once). Gemma's ``x̂ · (1 + γ)`` in float32 becomes a
+  :class:`FusedOffsetRMSNorm` (the same op with the weight ``1 + γ``).
 * RoPE: WiolaRMSNorm's sibling SRPE with ``k_s = ∞`` and ``a_s = 0`` is rotate-half
   RoPE. The model's ``rotary_emb`` becomes a :class:`FusedRotaryEmbedding`, which still
   returns HF's ``(cos, sin)`` tensors (same shapes and dtype, from float64 angles), so
@@ -23,22 +28,35 @@ training and inference:
   large positions, where HF's float32 ``inv_freq · p`` does not (``python -m
   wiola_kernels bench --hf rope`` prints both errors).
 
+  Gemma 3's rotary module serves each attention layer type (sliding, full) with its own
+  θ₀; SmolLM3's layers without RoPE stay without it (HF's attention decides).
+
 * MLP: each ``<Family>MLP`` (``down(SiLU(gate(x)) ⊙ up(x))``) becomes a
   :class:`FusedGatedMLP` holding the same ``gate_proj``, ``up_proj`` and ``down_proj``
   modules (``state_dict`` keys unchanged) that forms ``SiLU(gate(x)) ⊙ up(x)`` with
   :func:`wiola_kernels.glu` (one pass; the backward recomputes SiLU and saves only the
-  two projections, where eager PyTorch also keeps ``SiLU(gate(x))``). Only where
-  ``config.hidden_act`` is SiLU; another activation keeps HF's MLP, with a warning.
+  two projections, where eager PyTorch also keeps ``SiLU(gate(x))``). Gemma's GeGLU
+  (``gelu_pytorch_tanh``) goes through ``glu(..., "gelu_tanh")``; Phi-3's fused
+  ``gate_up_proj`` through :class:`FusedPackedGatedMLP` (``glu`` reads the two halves in
+  place). Only where the config's activation is the family's (SiLU; Gemma: tanh GELU);
+  another keeps HF's MLP, with a warning.
 
 * Loss: ``<Family>ForCausalLM.forward`` becomes, on that instance, a forward that runs the
   backbone and, when ``labels`` are given in training mode, computes Hugging Face's
   causal-LM loss (labels shifted by one, ``ignore_index``, ``num_items_in_batch``,
   ``shift_labels``) with :func:`wiola_kernels.linear_cross_entropy` on the last hidden
-  states and ``lm_head.weight``: the ``(B·T, V)`` logits (and HF's float32 copy of them)
+  states and ``lm_head.weight`` (Gemma's ``final_logit_softcapping`` as its ``softcap``):
+  the ``(B·T, V)`` logits (and HF's float32 copy of them)
   are never materialised, and ``logits`` is None, as in Liger-Kernel. ``return_logits=True``
   in the call keeps them (HF's own forward runs); in eval mode, without labels, with
   ``logits_to_keep``, or with a custom ``loss_function`` HF's forward runs too, so
-  evaluation, ``generate`` and custom losses are unchanged.
+  evaluation, ``generate`` and custom losses are unchanged. The patched ``forward`` has
+  the original's signature (``inspect.signature``), which ``generate`` checks its
+  keyword arguments (``logits_to_keep``, ...) against.
+
+What stays HF's: attention (soft-capping, sliding windows, Phi-3's fused ``qkv_proj``,
+whose q/k slices srpe reads in place), residual adds and dropouts, embeddings (Gemma's
+scale included).
 
 Each swap is switchable (``rms_norm=``, ``rope=``, ``mlp=``, ``loss=``), on by default. The residual
 adds of HF's decoder layer stay HF's: fusing them with the norm (``add_rms_norm``) would
@@ -68,8 +86,9 @@ HF's RoPE, with a warning). ``unpatch_hf`` hands back the HF modules as they are
 built stay patched until ``unpatch_hf(model)``. ``is_patched`` answers for either form.
 
 Only the default rope type is swapped; other types (``llama3``, ``yarn``, ``dynamic``,
-...) keep HF's rotary embedding, with a warning that names the type (RMSNorm is still
-swapped). Models of other architectures are left untouched, with a warning naming them.
+...) and partial rotary embeddings keep HF's rotary embedding, with a warning that names
+the type (RMSNorm is still swapped). Models of other architectures (Gemma 3's multimodal
+``gemma3`` models included) are left untouched, with a warning naming them.
 
 Transformers is imported lazily: ``wiola_kernels`` itself does not need it.
 """
@@ -371,20 +390,20 @@ class FusedRotaryEmbedding(nn.Module):
         if entry is None or id(self) not in entry[1]:
             _install_apply(sys.modules[self.modeling], self)
         if self.buffer_check == "pending":
-            why = None
-            for layer_type, theta in self.thetas.items():
-                name = _rotary_attr_name("inv_freq", layer_type)
-                inv_freq = getattr(self.hf_rotary, name, None)
-                if not isinstance(inv_freq, Tensor) or inv_freq.is_meta:
-                    return  # not materialised yet (a meta model): decide later
-                why = why or _inv_freq_mismatch(inv_freq, theta, self.head_dim)
+            buffers = {_rotary_attr_name("inv_freq", layer_type): (getattr(self.hf_rotary,
+                       _rotary_attr_name("inv_freq", layer_type), None), theta)
+                       for layer_type, theta in self.thetas.items()}
+            if any(not isinstance(inv_freq, Tensor) or inv_freq.is_meta for inv_freq, _ in buffers.values()):
+                return  # not materialised yet (a meta model): decide later
+            for name, (inv_freq, theta) in buffers.items():
+                why = _inv_freq_mismatch(inv_freq, theta, self.head_dim)
                 if why is not None:
-                    name = f"{type(self.hf_rotary).__name__}.{name}"
-                    break
-            if why is not None:
-                warnings.warn(f"wiola_kernels.patch_hf: {name} holds {why}, which the fused RoPE does not compute; "
-                              f"this model keeps Hugging Face's RoPE", UserWarning, stacklevel=3)
-            self.buffer_check = "fused" if why is None else "hf"
+                    warnings.warn(f"wiola_kernels.patch_hf: {type(self.hf_rotary).__name__}.{name} holds {why}, "
+                                  f"which the fused RoPE does not compute; this model keeps Hugging Face's RoPE",
+                                  UserWarning, stacklevel=3)
+                    self.buffer_check = "hf"
+                    return
+            self.buffer_check = "fused"
 
     def extra_repr(self) -> str:
         theta = self.theta if list(self.thetas) == [None] else self.thetas
@@ -552,23 +571,26 @@ def _check_switches(switches: dict) -> dict:
 def patch_hf(target, *, rms_norm: bool = True, rope: bool = True, mlp: bool = True, loss: bool = True):
     """Swap a Hugging Face model's RMSNorm modules, RoPE, MLP activations and causal-LM loss for this package's fused ops.
 
-    Supported: ``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM`` and the
-    other models of those three families (``config.model_type`` in ``llama``, ``mistral``,
-    ``qwen2``), with the default rope type. All or nothing: on any error the model is left
-    exactly as it was (see the module docstring). Patching an already patched model does
-    nothing.
+    Supported: the models of the families :func:`supported` lists (``config.model_type``
+    in ``llama``, ``mistral``, ``qwen2``, ``qwen3``, ``gemma2``, ``gemma3_text``, ``phi3``,
+    ``olmo2``, ``smollm3``), with the default rope type; ``supported()`` says what is
+    swapped in each. All or nothing: on any error the model is left exactly as it was
+    (see the module docstring). Patching an already patched model does nothing.
 
     Args:
         target: a ``transformers`` model instance (patched in place); or a model class
-            of a supported family, or the family's name (``"llama"``, ``"mistral"``,
-            ``"qwen2"``): the class-level form, which patches every model of that family
-            built from then on (e.g. by ``from_pretrained``) until ``unpatch_hf(target)``.
-        rms_norm: swap every ``<Family>RMSNorm`` for :class:`wiola_kernels.modules.RMSNorm`
-            (shares the ``weight`` Parameter; HF's rounding order).
+            of a supported family, or the family's ``model_type`` (``"llama"``,
+            ``"gemma3_text"``, ...; another string is a ``ValueError``): the class-level
+            form, which patches every model of that family built from then on (e.g. by
+            ``from_pretrained``) until ``unpatch_hf(target)``.
+        rms_norm: swap every ``<Family>RMSNorm`` (q/k norms included) for
+            :class:`wiola_kernels.modules.RMSNorm`, or Gemma's for
+            :class:`FusedOffsetRMSNorm` (sharing the ``weight`` Parameter; the family's
+            rounding order).
         rope: apply rotary embeddings with :func:`wiola_kernels.srpe`
             (``k_s = ∞``, ``a_s = 0``: plain rotate-half RoPE, angles reduced in float64).
-        mlp: form each SiLU-gated MLP's ``SiLU(gate(x)) ⊙ up(x)`` with
-            :func:`wiola_kernels.glu` (:class:`FusedGatedMLP`, sharing the projections).
+        mlp: form each gated MLP's ``act(gate(x)) ⊙ up(x)`` with :func:`wiola_kernels.glu`
+            (:class:`FusedGatedMLP` / :class:`FusedPackedGatedMLP`, sharing the projections).
         loss: compute a ``<Family>ForCausalLM``'s training loss with
             :func:`wiola_kernels.linear_cross_entropy`, without the logits (see the module
             docstring; a call's ``return_logits=True`` keeps them).
@@ -576,7 +598,7 @@ def patch_hf(target, *, rms_norm: bool = True, rope: bool = True, mlp: bool = Tr
     Returns:
         ``target`` itself. Unknown architectures are returned untouched with a
         ``UserWarning`` naming them; unsupported rope types keep HF's RoPE, and MLPs with
-        another activation than SiLU keep HF's MLP, each with a warning naming why.
+        another activation than the family's keep HF's MLP, each with a warning naming why.
     """
     switches = _check_switches({"rms_norm": rms_norm, "rope": rope, "mlp": mlp, "loss": loss})
     if isinstance(target, (str, type)):
