@@ -118,7 +118,8 @@ def test_each_family_swaps_what_the_table_says(family, monkeypatch):
     # Each layer's RoPE runs srpe (only where the layer has RoPE), each MLP one glu call.
     rope_calls, glu_calls = [], []
     apply, glu = hf.RotaryPositions.apply, hf.glu
-    monkeypatch.setattr(hf.RotaryPositions, "apply", lambda self, *a, **kw: rope_calls.append(1) or apply(self, *a, **kw))
+    monkeypatch.setattr(hf.RotaryPositions, "apply",
+                        lambda self, *a, **kw: rope_calls.append(1) or apply(self, *a, **kw))
     monkeypatch.setattr(hf, "glu", lambda *a: glu_calls.append(a[2]) or glu(*a))
     _logits(m, ids())
     assert len(rope_calls) == _rope_layers(m) and (family != "smollm3" or len(rope_calls) < len(m.model.layers))
