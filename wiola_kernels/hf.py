@@ -558,7 +558,24 @@ def is_patched(target) -> bool:
     if isinstance(target, (str, type)):
         found = _class_target(target, strict=False)
         return found is not None and found[0] in _class_patches
-    return getattr(target, _RECORD, None) is not None
+    return getattr(_unwrap_peft(target), _RECORD, None) is not None
+
+
+def _unwrap_peft(model):
+    """The ``transformers`` model inside a PEFT wrapper (``PeftModel`` → its tuner, e.g.
+    ``LoraModel`` → the model), as the HF Trainer unwraps it; anything else as is. Patching
+    the inner model is what patching the wrapper means: the wrapper calls the inner
+    model's (patched) ``forward``, and the adapters PEFT put in place of the projections
+    (``lora.Linear``) stay where they are — the fused MLPs call them."""
+    for _ in range(4):  # PeftModel -> tuner -> model; never loop on a strange object
+        if not type(model).__module__.startswith("peft."):
+            break
+        get_base = getattr(model, "get_base_model", None)
+        inner = get_base() if callable(get_base) else getattr(model, "model", None)
+        if not isinstance(inner, nn.Module) or inner is model:
+            break
+        model = inner
+    return model
 
 
 def _check_switches(switches: dict) -> dict:
@@ -606,14 +623,14 @@ def patch_hf(target, *, rms_norm: bool = True, rope: bool = True, mlp: bool = Tr
     if not isinstance(target, nn.Module):
         raise TypeError(f"target must be a transformers model (a torch.nn.Module), a model class or a family name "
                         f"({', '.join(map(repr, _FAMILIES))}), got {type(target).__name__}")
-    model = target
+    model = _unwrap_peft(target)
     if is_patched(model):
-        return model
+        return target
     model_type, modeling = _family(model)
     if model_type is None:
         warnings.warn(f"wiola_kernels.patch_hf: unsupported architecture {modeling}; model left untouched "
                       f"(supported: {', '.join(_FAMILIES)})", UserWarning, stacklevel=2)
-        return model
+        return target
     norms, rotary, mlps = _plan(model, model_type, modeling, switches)
     loss_args = _loss_plan(model, model_type, modeling) if switches.get("loss", True) else None
     record = _Patch(modeling.__name__, dict(switches))
@@ -636,7 +653,7 @@ def patch_hf(target, *, rms_norm: bool = True, rope: bool = True, mlp: bool = Tr
         _rollback(record, {id(child): fused for *_, child, fused in norms + rotary + mlps}, modeling)
         _unset_loss_forward(model)
         raise
-    return model
+    return target
 
 
 # ---- the causal-LM loss ----------------------------------------------------------------
@@ -821,10 +838,10 @@ def unpatch_hf(target):
     if not isinstance(target, nn.Module):
         raise TypeError(f"target must be a transformers model (a torch.nn.Module), a model class or a family name "
                         f"({', '.join(map(repr, _FAMILIES))}), got {type(target).__name__}")
-    model = target
+    model = _unwrap_peft(target)
     record = getattr(model, _RECORD, None)
     if record is None:
-        return model
+        return target
     for parent, name, original in record.norms:
         fused = getattr(parent, name)
         if isinstance(fused, (RMSNorm, FusedOffsetRMSNorm)):
@@ -850,7 +867,7 @@ def unpatch_hf(target):
         _swap(parent, name, original)
     _unset_loss_forward(model)
     object.__delattr__(model, _RECORD)
-    return model
+    return target
 
 
 # ---- the class-level form ----------------------------------------------------------
