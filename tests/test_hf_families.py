@@ -201,7 +201,8 @@ def test_class_level_patch_by_model_type(family, tmp_path):
     source = model(family, seed=36)
     source.save_pretrained(tmp_path)
     assert wk.patch_hf(family) == family and wk.is_patched(family) and wk.is_patched(CAUSAL_LM[family])
-    m = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    # eager attention, as the reference's (SDPA, transformers 5.17's default for Gemma 2, drops its soft-capping)
+    m = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").eval()
     bare = transformers.AutoModel.from_config(config(family))
     assert wk.is_patched(m) and not wk.is_patched(m.model) and wk.is_patched(bare)
     assert isinstance(m.model.rotary_emb, FusedRotaryEmbedding)
@@ -225,9 +226,13 @@ def test_class_level_gemma3_text_leaves_the_multimodal_gemma3_classes_alone():
         assert hasattr(modeling.Gemma3TextModel.__init__, "_wiola_wrapped")
         for name in ("Gemma3ForConditionalGeneration", "Gemma3Model"):
             assert not hasattr(getattr(modeling, name).__init__, "_wiola_wrapped"), name
+            assert not wk.is_patched(getattr(modeling, name)), name
     finally:
         wk.unpatch_hf("gemma3_text")
     assert not hasattr(modeling.Gemma3ForCausalLM.__init__, "_wiola_wrapped")
+    with pytest.warns(UserWarning, match="Gemma3ForConditionalGeneration"):
+        assert wk.patch_hf(modeling.Gemma3ForConditionalGeneration) is modeling.Gemma3ForConditionalGeneration
+    assert not hf._class_patches
 
 
 @pytest.mark.parametrize("family", NEW_FAMILIES)

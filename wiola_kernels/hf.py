@@ -467,10 +467,12 @@ def _uninstall_apply(modeling, user: nn.Module) -> None:
 
 def _family_of_class(cls) -> tuple[str, object] | None:
     """``(model_type, modeling module)`` of the first class in ``cls``'s MRO that is defined in
-    ``transformers.models.<type>.modeling_<type>`` for a supported type, else None."""
+    the modeling module of a supported type, else None. A class whose config is of another
+    type is not of the family (Gemma 3's module also holds the multimodal ``gemma3`` models)."""
+    config_type = getattr(getattr(cls, "config_class", None), "model_type", None)
     for base in getattr(cls, "__mro__", ()):
         for model_type in _FAMILIES:
-            if base.__module__ == _modeling_name(model_type):
+            if base.__module__ == _modeling_name(model_type) and config_type in (None, "", model_type):
                 modeling = sys.modules.get(base.__module__)
                 if modeling is not None:
                     return model_type, modeling
