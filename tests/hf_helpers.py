@@ -44,8 +44,9 @@ FAMILY_OVERRIDES = {
 def config(family: str, attn: str = "eager", **overrides):
     kw = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=256, rms_norm_eps=1e-6,
-              rope_parameters=dict(_DEFAULT_ROPE), tie_word_embeddings=False, pad_token_id=0,
-              bos_token_id=1, eos_token_id=2)
+              rope_parameters=dict(_DEFAULT_ROPE), tie_word_embeddings=False, pad_token_id=0)
+    if family in NEW_FAMILIES:  # their default special tokens lie outside this vocabulary (HF warns)
+        kw.update(bos_token_id=1, eos_token_id=2)
     kw.update(FAMILY_OVERRIDES.get(family, {}))
     kw.update(overrides)
     cfg = CONFIGS[family](**kw)

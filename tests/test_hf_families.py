@@ -146,6 +146,19 @@ def test_training_batches_match_hf_float64(family, case):
     wk.unpatch_hf(m)
 
 
+@pytest.mark.parametrize("family", ["gemma2", "gemma3_text"])
+def test_tied_head_matches_hf_float64(family):
+    # Gemma checkpoints tie lm_head to the (scaled) embedding: the fused loss's ∂W lands on it.
+    batch = training_batch("ignore_index", seed=53)
+    want = loss_and_grads(model(family, seed=54, tie_word_embeddings=True).double().train(), **batch)
+    m = wk.patch_hf(model(family, seed=54, tie_word_embeddings=True)).train()
+    assert m.lm_head.weight is m.model.embed_tokens.weight
+    got = loss_and_grads(m, **batch)
+    assert got[1] is None and "lm_head.weight" not in got[2]
+    _assert_matches(got, want, "tied")
+    wk.unpatch_hf(m)
+
+
 @pytest.mark.parametrize("family", NEW_FAMILIES)
 def test_float64_and_bf16_runs_match_hf_float64(family):
     batch = training_batch("right_padding", seed=32)
