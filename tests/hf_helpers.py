@@ -1,4 +1,4 @@
-"""Small Hugging Face Llama / Mistral / Qwen2 models and training batches shared by the
+"""Small Hugging Face models of every family patch_hf supports, and training batches, shared by the
 ``patch_hf`` tests (tests/test_hf*.py). The models are built from the families' own
 config classes (the sizes of Hugging Face's model-tester configs: a few layers, d 64),
 seeded, with non-trivial RMSNorm weights; nothing is downloaded."""
@@ -10,18 +10,44 @@ import torch
 transformers = __import__("pytest").importorskip("transformers")
 
 FAMILIES = ["llama", "mistral", "qwen2"]
+# The families added after the first three (tests/test_hf_families.py), by model_type.
+NEW_FAMILIES = ["qwen3", "gemma2", "gemma3_text", "phi3", "olmo2", "smollm3"]
 VOCAB = 101
 CONFIGS = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,
-           "qwen2": transformers.Qwen2Config}
+           "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config,
+           "gemma2": transformers.Gemma2Config, "gemma3_text": transformers.Gemma3TextConfig,
+           "phi3": transformers.Phi3Config, "olmo2": transformers.Olmo2Config,
+           "smollm3": transformers.SmolLM3Config}
 CAUSAL_LM = {"llama": transformers.LlamaForCausalLM, "mistral": transformers.MistralForCausalLM,
-             "qwen2": transformers.Qwen2ForCausalLM}
+             "qwen2": transformers.Qwen2ForCausalLM, "qwen3": transformers.Qwen3ForCausalLM,
+             "gemma2": transformers.Gemma2ForCausalLM, "gemma3_text": transformers.Gemma3ForCausalLM,
+             "phi3": transformers.Phi3ForCausalLM, "olmo2": transformers.Olmo2ForCausalLM,
+             "smollm3": transformers.SmolLM3ForCausalLM}
+_DEFAULT_ROPE = {"rope_type": "default", "rope_theta": 10000.0}
+# What each new family needs to be small and to exercise its own conventions: Gemma's head
+# size is set (its default is 256), its sliding window shorter than the batches (so the two
+# layer types differ), its final-logit soft-cap small enough to bend these small logits;
+# Gemma 3 has one sliding and one full layer with their own θ₀; SmolLM3's second layer has
+# no RoPE.
+FAMILY_OVERRIDES = {
+    "gemma2": dict(head_dim=16, query_pre_attn_scalar=16, sliding_window=8, final_logit_softcapping=0.25,
+                   attn_logit_softcapping=5.0, hidden_activation="gelu_pytorch_tanh"),
+    "gemma3_text": dict(head_dim=16, query_pre_attn_scalar=16, sliding_window=8, final_logit_softcapping=0.5,
+                        layer_types=["sliding_attention", "full_attention"],
+                        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                         "full_attention": {"rope_type": "default", "rope_theta": 1e6}},
+                        hidden_activation="gelu_pytorch_tanh"),
+    "smollm3": dict(no_rope_layers=[1, 0]),
+}
 
 
 def config(family: str, attn: str = "eager", **overrides):
     kw = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=256, rms_norm_eps=1e-6,
-              rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, tie_word_embeddings=False,
-              pad_token_id=0)
+              rope_parameters=dict(_DEFAULT_ROPE), tie_word_embeddings=False, pad_token_id=0)
+    if family in NEW_FAMILIES:  # their default special tokens lie outside this vocabulary (HF warns)
+        kw.update(bos_token_id=1, eos_token_id=2)
+    kw.update(FAMILY_OVERRIDES.get(family, {}))
     kw.update(overrides)
     cfg = CONFIGS[family](**kw)
     cfg._attn_implementation = attn

@@ -1,16 +1,21 @@
-"""Drop-in fused kernels for Hugging Face Llama-family models: :func:`patch_hf` / :func:`unpatch_hf`.
+"""Drop-in fused kernels for Hugging Face models: :func:`patch_hf` / :func:`unpatch_hf`.
 
-``patch_hf(model)`` swaps, on that model instance, every RMSNorm module and the
-rotary-embedding application of ``LlamaForCausalLM``, ``MistralForCausalLM`` and
-``Qwen2ForCausalLM`` (or any other model of those families: the bare ``*Model``, the
-classification and QA heads) for this package's fused ops, on whatever backend
+``patch_hf(model)`` swaps, on that model instance, every RMSNorm module, the
+rotary-embedding application, the gated MLP and the causal-LM loss of a model of the
+families in :func:`supported` — Llama, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3 (text:
+``gemma3_text``), Phi-3, OLMo-2 and SmolLM3: the ``*ForCausalLM``, the bare ``*Model``,
+the classification and QA heads — for this package's fused ops, on whatever backend
 :mod:`wiola_kernels.dispatch` picks (C++ on CPU tensors, Triton/CUDA on GPUs), for
-training and inference:
+training and inference. ``supported()`` returns the table of what is swapped per family
+(``model_type`` → norms / q-k norms / RoPE / MLP / loss):
 
-* RMSNorm: each ``<Family>RMSNorm`` becomes a :class:`wiola_kernels.modules.RMSNorm`
-  sharing its ``weight`` Parameter (``state_dict`` keys and optimizer state unchanged),
-  with δ = 0 (no shift) and Hugging Face's rounding order (normalise in float32, round
-  to the input dtype, then multiply by γ), so bf16/fp16 outputs match HF's.
+* RMSNorm: each ``<Family>RMSNorm`` (the layer norms, and the q/k norms of Qwen3, Gemma 3
+  and OLMo-2) becomes a :class:`wiola_kernels.modules.RMSNorm` sharing its ``weight``
+  Parameter (``state_dict`` keys and optimizer state unchanged), with δ = 0 (no shift) and
+  the family's rounding: Hugging Face's Llama order (normalise in float32, round to the
+  input dtype, then multiply by γ), so bf16/fp16 outputs match HF's; OLMo-2's (γ·x̂ in
+  float32, rounded once). Gemma's ``x̂ · (1 + γ)`` in float32 becomes a
+  :class:`FusedOffsetRMSNorm` (the same op with the weight ``1 + γ``).
 * RoPE: WiolaRMSNorm's sibling SRPE with ``k_s = ∞`` and ``a_s = 0`` is rotate-half
   RoPE. The model's ``rotary_emb`` becomes a :class:`FusedRotaryEmbedding`, which still
   returns HF's ``(cos, sin)`` tensors (same shapes and dtype, from float64 angles), so
@@ -23,22 +28,35 @@ training and inference:
   large positions, where HF's float32 ``inv_freq · p`` does not (``python -m
   wiola_kernels bench --hf rope`` prints both errors).
 
+  Gemma 3's rotary module serves each attention layer type (sliding, full) with its own
+  θ₀; SmolLM3's layers without RoPE stay without it (HF's attention decides).
+
 * MLP: each ``<Family>MLP`` (``down(SiLU(gate(x)) ⊙ up(x))``) becomes a
   :class:`FusedGatedMLP` holding the same ``gate_proj``, ``up_proj`` and ``down_proj``
   modules (``state_dict`` keys unchanged) that forms ``SiLU(gate(x)) ⊙ up(x)`` with
   :func:`wiola_kernels.glu` (one pass; the backward recomputes SiLU and saves only the
-  two projections, where eager PyTorch also keeps ``SiLU(gate(x))``). Only where
-  ``config.hidden_act`` is SiLU; another activation keeps HF's MLP, with a warning.
+  two projections, where eager PyTorch also keeps ``SiLU(gate(x))``). Gemma's GeGLU
+  (``gelu_pytorch_tanh``) goes through ``glu(..., "gelu_tanh")``; Phi-3's fused
+  ``gate_up_proj`` through :class:`FusedPackedGatedMLP` (``glu`` reads the two halves in
+  place). Only where the config's activation is the family's (SiLU; Gemma: tanh GELU);
+  another keeps HF's MLP, with a warning.
 
 * Loss: ``<Family>ForCausalLM.forward`` becomes, on that instance, a forward that runs the
   backbone and, when ``labels`` are given in training mode, computes Hugging Face's
   causal-LM loss (labels shifted by one, ``ignore_index``, ``num_items_in_batch``,
   ``shift_labels``) with :func:`wiola_kernels.linear_cross_entropy` on the last hidden
-  states and ``lm_head.weight``: the ``(B·T, V)`` logits (and HF's float32 copy of them)
+  states and ``lm_head.weight`` (Gemma's ``final_logit_softcapping`` as its ``softcap``):
+  the ``(B·T, V)`` logits (and HF's float32 copy of them)
   are never materialised, and ``logits`` is None, as in Liger-Kernel. ``return_logits=True``
   in the call keeps them (HF's own forward runs); in eval mode, without labels, with
   ``logits_to_keep``, or with a custom ``loss_function`` HF's forward runs too, so
-  evaluation, ``generate`` and custom losses are unchanged.
+  evaluation, ``generate`` and custom losses are unchanged. The patched ``forward`` has
+  the original's signature (``inspect.signature``), which ``generate`` checks its
+  keyword arguments (``logits_to_keep``, ...) against.
+
+What stays HF's: attention (soft-capping, sliding windows, Phi-3's fused ``qkv_proj``,
+whose q/k slices srpe reads in place), residual adds and dropouts, embeddings (Gemma's
+scale included).
 
 Each swap is switchable (``rms_norm=``, ``rope=``, ``mlp=``, ``loss=``), on by default. The residual
 adds of HF's decoder layer stay HF's: fusing them with the norm (``add_rms_norm``) would
@@ -68,8 +86,9 @@ HF's RoPE, with a warning). ``unpatch_hf`` hands back the HF modules as they are
 built stay patched until ``unpatch_hf(model)``. ``is_patched`` answers for either form.
 
 Only the default rope type is swapped; other types (``llama3``, ``yarn``, ``dynamic``,
-...) keep HF's rotary embedding, with a warning that names the type (RMSNorm is still
-swapped). Models of other architectures are left untouched, with a warning naming them.
+...) and partial rotary embeddings keep HF's rotary embedding, with a warning that names
+the type (RMSNorm is still swapped). Models of other architectures (Gemma 3's multimodal
+``gemma3`` models included) are left untouched, with a warning naming them.
 
 Transformers is imported lazily: ``wiola_kernels`` itself does not need it.
 """
@@ -91,15 +110,99 @@ import torch
 from torch import Tensor, nn
 
 from .modules.rms_norm import RMSNorm
+from .ops.rms_norm import rms_norm
 from .ops.glu import glu
 from .ops.linear_cross_entropy import linear_cross_entropy
 from .ops.srpe import srpe
 
-__all__ = ["patch_hf", "unpatch_hf", "is_patched", "FusedGatedMLP", "FusedRotaryEmbedding", "RotaryPositions"]
+__all__ = ["patch_hf", "unpatch_hf", "is_patched", "supported", "FusedGatedMLP", "FusedPackedGatedMLP",
+           "FusedOffsetRMSNorm", "FusedRotaryEmbedding", "RotaryPositions"]
 
-# model_type -> class-name prefix in transformers.models.<type>.modeling_<type>. The three
-# families share LlamaRMSNorm's arithmetic, hence the HF rounding order for all of them.
-_FAMILIES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2"}
+
+
+@dataclass(frozen=True)
+class _Family:
+    """What :func:`patch_hf` swaps in one Hugging Face family (one row of :func:`supported`).
+
+    ``module``: the family's package, ``transformers.models.<module>.modeling_<module>``;
+    ``prefix``: its class names' prefix (``<prefix>RMSNorm``, ``<prefix>MLP``, ...).
+    The other fields are the row's values, documented in :func:`supported`."""
+
+    module: str
+    prefix: str
+    norms: str = "gamma_rounded"
+    qk_norms: str | None = None
+    rope: str = "all_layers"
+    mlp: str = "silu"
+    loss: str = "linear_cross_entropy"
+
+    def row(self) -> dict:
+        return {"classes": f"{self.prefix}*", "norms": self.norms, "qk_norms": self.qk_norms, "rope": self.rope,
+                "mlp": self.mlp, "loss": self.loss}
+
+
+# model_type (config.model_type) -> what is swapped. Llama, Mistral, Qwen2, Qwen3, Phi-3 and
+# SmolLM3 share LlamaRMSNorm's arithmetic (γ times x̂ rounded to the input dtype); OLMo-2
+# multiplies by γ in float32 and rounds once; Gemma multiplies by 1 + γ in float32.
+_FAMILIES: dict[str, _Family] = {
+    "llama": _Family("llama", "Llama"),
+    "mistral": _Family("mistral", "Mistral"),
+    "qwen2": _Family("qwen2", "Qwen2"),
+    "qwen3": _Family("qwen3", "Qwen3", qk_norms="per_head"),
+    "gemma2": _Family("gemma2", "Gemma2", norms="one_plus_gamma_fp32", mlp="gelu_tanh",
+                      loss="linear_cross_entropy_softcap"),
+    "gemma3_text": _Family("gemma3", "Gemma3", norms="one_plus_gamma_fp32", qk_norms="per_head",
+                           rope="per_layer_type", mlp="gelu_tanh", loss="linear_cross_entropy_softcap"),
+    "phi3": _Family("phi3", "Phi3", mlp="packed_silu"),
+    "olmo2": _Family("olmo2", "Olmo2", norms="gamma_fp32", qk_norms="whole_projection"),
+    "smollm3": _Family("smollm3", "SmolLM3", rope="no_rope_layers"),
+}
+
+
+def supported() -> dict[str, dict]:
+    """The families :func:`patch_hf` patches and what it swaps in each: a new dict
+    ``{model_type: row}`` (``model_type`` as in ``config.model_type``; each is also a
+    name ``patch_hf`` takes for the class-level form). Each row:
+
+    * ``classes``: the ``transformers`` classes of the family (``<Prefix>*`` in
+      ``transformers.models.<family>``): every ``<Prefix>RMSNorm``, ``<Prefix>MLP`` and
+      ``<Prefix>RotaryEmbedding`` inside any of its models is swapped, the loss only in
+      ``<Prefix>ForCausalLM``.
+    * ``norms`` — every RMSNorm, onto :func:`wiola_kernels.rms_norm`, statistics in float32:
+      ``"gamma_rounded"``: ``γ · round(x̂)`` (LlamaRMSNorm's rounding order);
+      ``"gamma_fp32"``: ``round(γ · x̂)`` (OLMo-2); ``"one_plus_gamma_fp32"``:
+      ``round((1 + γ) · x̂)`` (Gemma; the weight ``1 + γ`` is formed per call, a ``(d,)``
+      add, next to the norm's ``(N, d)`` pass).
+    * ``qk_norms`` — RMSNorms on the queries and keys before RoPE (swapped as the norms
+      are): ``None`` (none), ``"per_head"`` (over each head's ``d_h``: Qwen3, Gemma 3) or
+      ``"whole_projection"`` (over all heads at once: OLMo-2).
+    * ``rope`` — RoPE through :func:`wiola_kernels.srpe` (the default rope type; other rope
+      types keep Hugging Face's, with a warning): ``"all_layers"``; ``"per_layer_type"``
+      (Gemma 3: one θ₀ per attention layer type, sliding and full); ``"no_rope_layers"``
+      (SmolLM3: the layers ``config.no_rope_layers`` marks 0 apply none, as in HF).
+    * ``mlp`` — the gated MLP's product through :func:`wiola_kernels.glu`: ``"silu"``
+      (``down(SiLU(gate(x)) ⊙ up(x))``), ``"gelu_tanh"`` (GeGLU, Gemma's
+      ``gelu_pytorch_tanh``), ``"packed_silu"`` (Phi-3's fused ``gate_up_proj``, whose two
+      halves ``glu`` reads in place). Another ``hidden_act`` keeps HF's MLP, with a warning.
+    * ``loss`` — the causal-LM training loss through
+      :func:`wiola_kernels.linear_cross_entropy`: ``"linear_cross_entropy"``, or
+      ``"linear_cross_entropy_softcap"`` (Gemma: ``config.final_logit_softcapping``
+      passed as its ``softcap``).
+
+    What stays Hugging Face's everywhere: attention (its soft-capping, sliding windows and
+    the q/k/v projections, Phi-3's fused ``qkv_proj`` included), the residual adds and
+    dropouts, and Gemma's embedding scale.
+
+    Returns:
+        ``{model_type: {"classes", "norms", "qk_norms", "rope", "mlp", "loss"}}``.
+    """
+    return {model_type: family.row() for model_type, family in _FAMILIES.items()}
+
+
+def _modeling_name(model_type: str) -> str:
+    module = _FAMILIES[model_type].module
+    return f"transformers.models.{module}.modeling_{module}"
+
 _RECORD = "_wiola_hf_patch"
 _ROPE_ATTR = "_wiola_rope"  # attribute of the cos table the fused rotary embedding returns
 
@@ -118,24 +221,87 @@ class _Patch:
 
 
 _MLP_PARTS = ("gate_proj", "up_proj", "down_proj")
-_SILU = ("silu", "swish")  # transformers' ACT2FN names of SiLU
+# transformers' ACT2FN names of the activations glu computes, by the name glu takes
+# (gelu_new is the same tanh formula as gelu_pytorch_tanh).
+_ACTIVATIONS = {"silu": ("silu", "swish"), "gelu_tanh": ("gelu_pytorch_tanh", "gelu_new")}
 
 
 class FusedGatedMLP(nn.Module):
-    """Stands in for a model's ``<Family>MLP``: ``down_proj(glu(gate_proj(x), up_proj(x), "silu"))``.
+    """Stands in for a model's ``<Family>MLP``: ``down_proj(glu(gate_proj(x), up_proj(x), activation))``.
 
     ``gate_proj``, ``up_proj`` and ``down_proj`` are the HF module's own ``nn.Linear``
     modules (shared, not copied: same ``state_dict`` keys, parameters and optimizer state,
-    and whatever later wraps them, e.g. a LoRA adapter, is used here too)."""
+    and whatever later wraps them, e.g. a LoRA adapter, is used here too).
 
-    def __init__(self, hf_mlp: nn.Module) -> None:
+    Args:
+        hf_mlp: the HF MLP module.
+        activation: ``"silu"`` (SwiGLU: Llama, Qwen, ...) or ``"gelu_tanh"`` (GeGLU: Gemma).
+    """
+
+    parts = _MLP_PARTS
+
+    def __init__(self, hf_mlp: nn.Module, activation: str = "silu") -> None:
         super().__init__()
         self.gate_proj, self.up_proj, self.down_proj = (getattr(hf_mlp, name) for name in _MLP_PARTS)
         self.hidden_size = getattr(hf_mlp, "hidden_size", None)
         self.intermediate_size = getattr(hf_mlp, "intermediate_size", None)
+        self.activation = activation
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(glu(self.gate_proj(x), self.up_proj(x), "silu"))
+        return self.down_proj(glu(self.gate_proj(x), self.up_proj(x), self.activation))
+
+    def extra_repr(self) -> str:
+        return f"activation={self.activation!r}"
+
+
+class FusedPackedGatedMLP(nn.Module):
+    """Stands in for Phi-3's MLP, whose one ``gate_up_proj`` computes ``[gate | up]``:
+    ``down_proj(glu(gate_up_proj(x), None, activation))`` — :func:`wiola_kernels.glu`'s
+    packed form reads the two halves in place (no ``chunk`` copies; its gradient comes back
+    as one tensor, no ``cat``). The projections are the HF module's own (shared).
+
+    Args:
+        hf_mlp: the HF MLP module (``gate_up_proj``, ``down_proj``).
+        activation: ``"silu"``.
+    """
+
+    parts = ("gate_up_proj", "down_proj")
+
+    def __init__(self, hf_mlp: nn.Module, activation: str = "silu") -> None:
+        super().__init__()
+        self.gate_up_proj, self.down_proj = hf_mlp.gate_up_proj, hf_mlp.down_proj
+        self.activation = activation
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(glu(self.gate_up_proj(x), None, self.activation))
+
+    def extra_repr(self) -> str:
+        return f"activation={self.activation!r}, packed"
+
+
+class FusedOffsetRMSNorm(nn.Module):
+    """Stands in for Gemma's RMSNorm, ``round((1 + γ) · x / sqrt(mean(x²) + ε))`` computed in
+    float32: :func:`wiola_kernels.rms_norm` (statistics in float32, rounded once) with the
+    weight ``1 + γ`` in float32 (float64 for float64 inputs).
+
+    Shares the HF module's ``weight`` Parameter (γ, initialised to 0: ``state_dict`` keys and
+    optimizer state unchanged) and its ``eps`` attribute. Each call forms ``1 + γ``: one
+    ``(d,)`` add (and its ``(d,)`` gradient), next to the norm's own pass over ``(N, d)``.
+    """
+
+    def __init__(self, weight: nn.Parameter, eps: float) -> None:
+        super().__init__()
+        if not isinstance(weight, nn.Parameter) or weight.dim() != 1:
+            raise TypeError(f"weight must be a 1-D nn.Parameter, got {type(weight).__name__}")
+        self.weight = weight
+        self.eps = float(eps)
+
+    def forward(self, x: Tensor) -> Tensor:
+        dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+        return rms_norm(x, self.weight.to(dtype) + 1.0, None, self.eps)
+
+    def extra_repr(self) -> str:
+        return f"{tuple(self.weight.shape)}, eps={self.eps}, weight 1 + γ"
 
 
 class RotaryPositions:
@@ -190,23 +356,31 @@ class FusedRotaryEmbedding(nn.Module):
     The first eager forward that finds ``hf_rotary.inv_freq`` materialised checks it is the
     default RoPE's; if not, this module returns HF's own tables from then on (a warning
     says so), which the patched function hands to HF's original code.
+
+    A rotary module serving several attention layer types (Gemma 3's, called as
+    ``forward(x, position_ids, layer_type)``, with one ``<layer_type>_inv_freq`` buffer and
+    θ₀ per type) is served alike: ``theta`` is then ``{layer_type: θ₀}``.
     """
 
-    def __init__(self, hf_rotary: nn.Module, theta: float, head_dim: int, modeling: str) -> None:
+    def __init__(self, hf_rotary: nn.Module, theta: float | dict, head_dim: int, modeling: str) -> None:
         super().__init__()
         self.hf_rotary = hf_rotary
-        self.theta = float(theta)
+        # layer type -> θ₀; the key None: a rotary module with one type (forward(x, position_ids))
+        self.thetas = {k: float(v) for k, v in theta.items()} if isinstance(theta, dict) else {None: float(theta)}
+        self.theta = self.thetas.get(None)
         self.head_dim = int(head_dim)
         self.modeling = modeling  # name of the transformers modeling module whose RoPE we serve
         self.buffer_check = "pending"  # -> "fused" (default RoPE, verified) or "hf" (differs: HF's RoPE)
 
-    def forward(self, x: Tensor, position_ids: Tensor) -> tuple[Tensor, Tensor]:
+    def forward(self, x: Tensor, position_ids: Tensor, layer_type: str | None = None) -> tuple[Tensor, Tensor]:
         if not torch.compiler.is_compiling():
             self._eager_checks()
         if self.buffer_check == "hf":
-            return self.hf_rotary(x, position_ids)
-        cos, sin = rope_tables(position_ids, self.theta, self.head_dim, x.dtype)
-        setattr(cos, _ROPE_ATTR, RotaryPositions(position_ids, self.theta))
+            return self.hf_rotary(x, position_ids) if layer_type is None else self.hf_rotary(x, position_ids,
+                                                                                              layer_type)
+        theta = self.thetas[layer_type]
+        cos, sin = rope_tables(position_ids, theta, self.head_dim, x.dtype)
+        setattr(cos, _ROPE_ATTR, RotaryPositions(position_ids, theta))
         return cos, sin
 
     def _eager_checks(self) -> None:
@@ -216,18 +390,30 @@ class FusedRotaryEmbedding(nn.Module):
         if entry is None or id(self) not in entry[1]:
             _install_apply(sys.modules[self.modeling], self)
         if self.buffer_check == "pending":
-            inv_freq = getattr(self.hf_rotary, "inv_freq", None)
-            if not isinstance(inv_freq, Tensor) or inv_freq.is_meta:
+            buffers = {_rotary_attr_name("inv_freq", layer_type): (getattr(self.hf_rotary,
+                       _rotary_attr_name("inv_freq", layer_type), None), theta)
+                       for layer_type, theta in self.thetas.items()}
+            if any(not isinstance(inv_freq, Tensor) or inv_freq.is_meta for inv_freq, _ in buffers.values()):
                 return  # not materialised yet (a meta model): decide later
-            why = _inv_freq_mismatch(inv_freq, self.theta, self.head_dim)
-            if why is not None:
-                warnings.warn(f"wiola_kernels.patch_hf: {type(self.hf_rotary).__name__}.inv_freq holds {why}, "
-                              f"which the fused RoPE does not compute; this model keeps Hugging Face's RoPE",
-                              UserWarning, stacklevel=3)
-            self.buffer_check = "fused" if why is None else "hf"
+            for name, (inv_freq, theta) in buffers.items():
+                why = _inv_freq_mismatch(inv_freq, theta, self.head_dim)
+                if why is not None:
+                    warnings.warn(f"wiola_kernels.patch_hf: {type(self.hf_rotary).__name__}.{name} holds {why}, "
+                                  f"which the fused RoPE does not compute; this model keeps Hugging Face's RoPE",
+                                  UserWarning, stacklevel=3)
+                    self.buffer_check = "hf"
+                    return
+            self.buffer_check = "fused"
 
     def extra_repr(self) -> str:
-        return f"theta={self.theta}, head_dim={self.head_dim}"
+        theta = self.theta if list(self.thetas) == [None] else self.thetas
+        return f"theta={theta}, head_dim={self.head_dim}"
+
+
+def _rotary_attr_name(name: str, layer_type: str | None) -> str:
+    """HF's rotary attribute ``name`` (``inv_freq``, ``attention_scaling``, ...) for a layer
+    type: ``<layer_type>_<name>`` in a rotary module serving several (Gemma 3)."""
+    return name if layer_type is None else f"{layer_type}_{name}"
 
 
 # Modeling modules whose apply_rotary_pos_emb we replaced: name -> (original function,
@@ -281,10 +467,12 @@ def _uninstall_apply(modeling, user: nn.Module) -> None:
 
 def _family_of_class(cls) -> tuple[str, object] | None:
     """``(model_type, modeling module)`` of the first class in ``cls``'s MRO that is defined in
-    ``transformers.models.<type>.modeling_<type>`` for a supported type, else None."""
+    the modeling module of a supported type, else None. A class whose config is of another
+    type is not of the family (Gemma 3's module also holds the multimodal ``gemma3`` models)."""
+    config_type = getattr(getattr(cls, "config_class", None), "model_type", None)
     for base in getattr(cls, "__mro__", ()):
         for model_type in _FAMILIES:
-            if base.__module__ == f"transformers.models.{model_type}.modeling_{model_type}":
+            if base.__module__ == _modeling_name(model_type) and config_type in (None, "", model_type):
                 modeling = sys.modules.get(base.__module__)
                 if modeling is not None:
                     return model_type, modeling
@@ -308,26 +496,47 @@ def _head_dim(config) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
-def _rope_theta(config):
+def _rope_theta(config, layer_type: str | None = None):
     params = getattr(config, "rope_parameters", None) or {}
+    if layer_type is not None:
+        params = params.get(layer_type) or {}
     return params.get("rope_theta", getattr(config, "rope_theta", None))
 
 
-def _rope_supported(rotary: nn.Module, config, head_dim: int) -> str | None:
-    """None when ``rotary`` is default RoPE we can reproduce, else why not. Reads only the
-    config and metadata (never tensor values), so meta-device modules are judged alike."""
+def _rope_supported(rotary: nn.Module, config, head_dim: int, layer_type: str | None = None) -> str | None:
+    """None when ``rotary`` is default RoPE we can reproduce (for ``layer_type``, in a rotary
+    module serving several), else why not. Reads only the config and metadata (never tensor
+    values), so meta-device modules are judged alike."""
     rope_type = getattr(rotary, "rope_type", None)
+    if layer_type is not None:
+        rope_type = rope_type.get(layer_type) if isinstance(rope_type, dict) else None
     if rope_type != "default":
-        return f"rope type {rope_type!r}"
-    scaling = getattr(rotary, "attention_scaling", 1.0)
+        return f"rope type {rope_type!r}" + ("" if layer_type is None else f" ({layer_type} layers)")
+    scaling = getattr(rotary, _rotary_attr_name("attention_scaling", layer_type), 1.0)
     if scaling != 1.0:
         return f"attention scaling {scaling}"
-    inv_freq = getattr(rotary, "inv_freq", None)
-    theta = _rope_theta(config)
+    inv_freq = getattr(rotary, _rotary_attr_name("inv_freq", layer_type), None)
+    theta = _rope_theta(config, layer_type)
     if not isinstance(theta, (int, float)) or not theta > 0 or not isinstance(inv_freq, Tensor) \
             or inv_freq.dim() != 1 or inv_freq.shape[0] * 2 != head_dim:
         return "a partial or non-standard rotary embedding"
     return None
+
+
+def _fused_rotary(rotary: nn.Module, config, head_dim: int, modeling, family: _Family):
+    """The :class:`FusedRotaryEmbedding` for HF's ``rotary`` module, or why there is none
+    (a string). The one place where a family's rotary module is turned into srpe's
+    arguments (θ₀ per layer type)."""
+    layer_types = sorted(getattr(rotary, "layer_types", ())) if family.rope == "per_layer_type" else [None]
+    if not layer_types:
+        return "a rotary embedding without layer types"
+    for layer_type in layer_types:
+        why = _rope_supported(rotary, config, head_dim, layer_type)
+        if why is not None:
+            return why
+    thetas = {layer_type: float(_rope_theta(config, layer_type)) for layer_type in layer_types}
+    return FusedRotaryEmbedding(rotary, thetas if layer_types != [None] else thetas[None], head_dim,
+                                modeling.__name__)
 
 
 def _inv_freq_mismatch(inv_freq: Tensor, theta: float, head_dim: int) -> str | None:
@@ -351,7 +560,24 @@ def is_patched(target) -> bool:
     if isinstance(target, (str, type)):
         found = _class_target(target, strict=False)
         return found is not None and found[0] in _class_patches
-    return getattr(target, _RECORD, None) is not None
+    return getattr(_unwrap_peft(target), _RECORD, None) is not None
+
+
+def _unwrap_peft(model):
+    """The ``transformers`` model inside a PEFT wrapper (``PeftModel`` → its tuner, e.g.
+    ``LoraModel`` → the model), as the HF Trainer unwraps it; anything else as is. Patching
+    the inner model is what patching the wrapper means: the wrapper calls the inner
+    model's (patched) ``forward``, and the adapters PEFT put in place of the projections
+    (``lora.Linear``) stay where they are — the fused MLPs call them."""
+    for _ in range(4):  # PeftModel -> tuner -> model; never loop on a strange object
+        if not type(model).__module__.startswith("peft."):
+            break
+        get_base = getattr(model, "get_base_model", None)
+        inner = get_base() if callable(get_base) else getattr(model, "model", None)
+        if not isinstance(inner, nn.Module) or inner is model:
+            break
+        model = inner
+    return model
 
 
 def _check_switches(switches: dict) -> dict:
@@ -364,23 +590,26 @@ def _check_switches(switches: dict) -> dict:
 def patch_hf(target, *, rms_norm: bool = True, rope: bool = True, mlp: bool = True, loss: bool = True):
     """Swap a Hugging Face model's RMSNorm modules, RoPE, MLP activations and causal-LM loss for this package's fused ops.
 
-    Supported: ``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM`` and the
-    other models of those three families (``config.model_type`` in ``llama``, ``mistral``,
-    ``qwen2``), with the default rope type. All or nothing: on any error the model is left
-    exactly as it was (see the module docstring). Patching an already patched model does
-    nothing.
+    Supported: the models of the families :func:`supported` lists (``config.model_type``
+    in ``llama``, ``mistral``, ``qwen2``, ``qwen3``, ``gemma2``, ``gemma3_text``, ``phi3``,
+    ``olmo2``, ``smollm3``), with the default rope type; ``supported()`` says what is
+    swapped in each. All or nothing: on any error the model is left exactly as it was
+    (see the module docstring). Patching an already patched model does nothing.
 
     Args:
         target: a ``transformers`` model instance (patched in place); or a model class
-            of a supported family, or the family's name (``"llama"``, ``"mistral"``,
-            ``"qwen2"``): the class-level form, which patches every model of that family
-            built from then on (e.g. by ``from_pretrained``) until ``unpatch_hf(target)``.
-        rms_norm: swap every ``<Family>RMSNorm`` for :class:`wiola_kernels.modules.RMSNorm`
-            (shares the ``weight`` Parameter; HF's rounding order).
+            of a supported family, or the family's ``model_type`` (``"llama"``,
+            ``"gemma3_text"``, ...; another string is a ``ValueError``): the class-level
+            form, which patches every model of that family built from then on (e.g. by
+            ``from_pretrained``) until ``unpatch_hf(target)``.
+        rms_norm: swap every ``<Family>RMSNorm`` (q/k norms included) for
+            :class:`wiola_kernels.modules.RMSNorm`, or Gemma's for
+            :class:`FusedOffsetRMSNorm` (sharing the ``weight`` Parameter; the family's
+            rounding order).
         rope: apply rotary embeddings with :func:`wiola_kernels.srpe`
             (``k_s = ∞``, ``a_s = 0``: plain rotate-half RoPE, angles reduced in float64).
-        mlp: form each SiLU-gated MLP's ``SiLU(gate(x)) ⊙ up(x)`` with
-            :func:`wiola_kernels.glu` (:class:`FusedGatedMLP`, sharing the projections).
+        mlp: form each gated MLP's ``act(gate(x)) ⊙ up(x)`` with :func:`wiola_kernels.glu`
+            (:class:`FusedGatedMLP` / :class:`FusedPackedGatedMLP`, sharing the projections).
         loss: compute a ``<Family>ForCausalLM``'s training loss with
             :func:`wiola_kernels.linear_cross_entropy`, without the logits (see the module
             docstring; a call's ``return_logits=True`` keeps them).
@@ -388,7 +617,7 @@ def patch_hf(target, *, rms_norm: bool = True, rope: bool = True, mlp: bool = Tr
     Returns:
         ``target`` itself. Unknown architectures are returned untouched with a
         ``UserWarning`` naming them; unsupported rope types keep HF's RoPE, and MLPs with
-        another activation than SiLU keep HF's MLP, each with a warning naming why.
+        another activation than the family's keep HF's MLP, each with a warning naming why.
     """
     switches = _check_switches({"rms_norm": rms_norm, "rope": rope, "mlp": mlp, "loss": loss})
     if isinstance(target, (str, type)):
@@ -396,14 +625,14 @@ def patch_hf(target, *, rms_norm: bool = True, rope: bool = True, mlp: bool = Tr
     if not isinstance(target, nn.Module):
         raise TypeError(f"target must be a transformers model (a torch.nn.Module), a model class or a family name "
                         f"({', '.join(map(repr, _FAMILIES))}), got {type(target).__name__}")
-    model = target
+    model = _unwrap_peft(target)
     if is_patched(model):
-        return model
+        return target
     model_type, modeling = _family(model)
     if model_type is None:
         warnings.warn(f"wiola_kernels.patch_hf: unsupported architecture {modeling}; model left untouched "
                       f"(supported: {', '.join(_FAMILIES)})", UserWarning, stacklevel=2)
-        return model
+        return target
     norms, rotary, mlps = _plan(model, model_type, modeling, switches)
     loss_args = _loss_plan(model, model_type, modeling) if switches.get("loss", True) else None
     record = _Patch(modeling.__name__, dict(switches))
@@ -420,13 +649,13 @@ def patch_hf(target, *, rms_norm: bool = True, rope: bool = True, mlp: bool = Tr
             _swap(parent, name, fused)
         if loss_args is not None:
             record.loss_args, record.cache_field = loss_args
-            object.__setattr__(model, "forward", types.MethodType(_fused_loss_forward, model))
+            object.__setattr__(model, "forward", types.MethodType(_loss_forward_for(type(model).forward), model))
         object.__setattr__(model, _RECORD, record)
     except BaseException:
         _rollback(record, {id(child): fused for *_, child, fused in norms + rotary + mlps}, modeling)
         _unset_loss_forward(model)
         raise
-    return model
+    return target
 
 
 # ---- the causal-LM loss ----------------------------------------------------------------
@@ -434,7 +663,7 @@ def patch_hf(target, *, rms_norm: bool = True, rope: bool = True, mlp: bool = Tr
 def _loss_plan(model: nn.Module, model_type: str, modeling) -> tuple[tuple, str] | None:
     """``(positional parameter names of the forward, the output's cache field)`` when
     ``model`` is the family's ``ForCausalLM`` with a bias-free linear head, else None."""
-    cls = getattr(modeling, f"{_FAMILIES[model_type]}ForCausalLM", None)
+    cls = getattr(modeling, f"{_FAMILIES[model_type].prefix}ForCausalLM", None)
     head = getattr(model, "lm_head", None)
     if cls is None or not isinstance(model, cls) or type(model).forward is not cls.forward \
             or not isinstance(head, nn.Linear) or head.bias is not None:
@@ -482,9 +711,11 @@ def _fused_loss_forward(self, *args, return_logits: bool | None = None, **kwargs
     if torch.is_autocast_enabled(hidden.device.type):  # as autocast runs lm_head's F.linear
         dtype = torch.get_autocast_dtype(hidden.device.type)
         hidden, weight = hidden.to(dtype), weight.to(dtype)
-    # HF's fixed_cross_entropy: a sum ÷ num_items_in_batch when given, else a mean.
+    # HF's fixed_cross_entropy: a sum ÷ num_items_in_batch when given, else a mean; Gemma's
+    # final-logit soft-capping c·tanh(z/c), read from the config at each call as HF does.
+    softcap = getattr(self.config, "final_logit_softcapping", None)
     loss = linear_cross_entropy(hidden, weight.to(hidden.dtype), shift_labels, ignore_index=ignore_index,
-                                num_items=num_items)
+                                softcap=softcap, num_items=num_items)
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
     out = CausalLMOutputWithPast(loss=loss, logits=None, hidden_states=outputs.hidden_states,
@@ -493,16 +724,45 @@ def _fused_loss_forward(self, *args, return_logits: bool | None = None, **kwargs
     return out.to_tuple() if return_dict is False else out
 
 
+_loss_forwards: dict = {}  # a ForCausalLM class's forward -> the fused-loss forward wearing its signature
+
+
+def _loss_forward_for(cls_forward):
+    """:func:`_fused_loss_forward` under ``cls_forward``'s name, docstring and signature
+    (``functools.wraps``: ``inspect.signature`` follows ``__wrapped__``), so the patched
+    ``model.forward`` has the original's signature: HF's ``generate`` checks its keyword
+    arguments (``logits_to_keep``, ...) against it. ``return_logits`` goes through the
+    original's ``**kwargs``. Bound to the instance with ``types.MethodType``, so a deep
+    copy of the model is bound to the copy."""
+    fn = _loss_forwards.get(cls_forward)
+    if fn is None:
+        @functools.wraps(cls_forward)
+        def fn(self, *args, **kwargs):
+            return _fused_loss_forward(self, *args, **kwargs)
+
+        fn._wiola_fused_loss = True
+        _loss_forwards[cls_forward] = fn
+    return fn
+
+
 def _unset_loss_forward(model: nn.Module) -> None:
     bound = model.__dict__.get("forward")
-    if getattr(bound, "__func__", None) is _fused_loss_forward:
+    if getattr(getattr(bound, "__func__", None), "_wiola_fused_loss", False):
         object.__delattr__(model, "forward")
+
+
+def _fused_norm(child: nn.Module, family: _Family) -> nn.Module:
+    """The stand-in for one of the family's RMSNorm modules (sharing its ``weight``)."""
+    if family.norms == "one_plus_gamma_fp32":
+        return FusedOffsetRMSNorm(child.weight, child.eps)
+    return RMSNorm(eps=child.variance_epsilon, hf_order=family.norms == "gamma_rounded", weight=child.weight)
 
 
 def _plan(model: nn.Module, model_type: str, modeling, switches: dict) -> tuple[list, list, list]:
     """Every swap to make, as ``(parent, name, original, replacement)``, built before any is
     made (so a failure here changes nothing)."""
-    prefix = _FAMILIES[model_type]
+    family = _FAMILIES[model_type]
+    prefix = family.prefix
     norm_cls = getattr(modeling, f"{prefix}RMSNorm", None)
     rotary_cls = getattr(modeling, f"{prefix}RotaryEmbedding", None)
     # Collect first, then swap: swapping while iterating named_modules would revisit.
@@ -510,8 +770,8 @@ def _plan(model: nn.Module, model_type: str, modeling, switches: dict) -> tuple[
     norms, rotary = [], []
     if switches["rms_norm"] and norm_cls is not None:
         for parent, name, child in targets:
-            if type(child) is norm_cls:
-                fused = RMSNorm(eps=child.variance_epsilon, hf_order=True, weight=child.weight)
+            if type(child) is norm_cls:  # the layer norms and the q/k norms alike
+                fused = _fused_norm(child, family)
                 fused.train(child.training)
                 norms.append((parent, name, child, fused))
     if switches["rope"] and rotary_cls is not None and callable(getattr(modeling, "apply_rotary_pos_emb", None)):
@@ -520,30 +780,34 @@ def _plan(model: nn.Module, model_type: str, modeling, switches: dict) -> tuple[
         for parent, name, child in targets:
             if type(child) is not rotary_cls:
                 continue
-            why = _rope_supported(child, config, head_dim)
-            if why is not None:
-                warnings.warn(f"wiola_kernels.patch_hf: {type(model).__name__} uses {why}, which the fused RoPE "
+            fused = _fused_rotary(child, config, head_dim, modeling, family)
+            if isinstance(fused, str):
+                warnings.warn(f"wiola_kernels.patch_hf: {type(model).__name__} uses {fused}, which the fused RoPE "
                               f"does not implement; its rotary embedding is left untouched (RMSNorm is still "
                               f"swapped)", UserWarning, stacklevel=3)
                 continue
-            fused = FusedRotaryEmbedding(child, float(_rope_theta(config)), head_dim, modeling.__name__)
             fused.train(child.training)
             rotary.append((parent, name, child, fused))
     mlps = []
     mlp_cls = getattr(modeling, f"{prefix}MLP", None)
     if switches["mlp"] and mlp_cls is not None:
         found = [(parent, name, child) for parent, name, child in targets if type(child) is mlp_cls]
-        act = getattr(model.config, "hidden_act", None)
-        if found and act not in _SILU:
-            warnings.warn(f"wiola_kernels.patch_hf: {type(model).__name__} uses hidden_act={act!r}, not SiLU; its "
-                          f"MLPs are left untouched", UserWarning, stacklevel=3)
+        packed = family.mlp.startswith("packed_")
+        activation = family.mlp.removeprefix("packed_")
+        act_attr = "hidden_activation" if hasattr(model.config, "hidden_activation") else "hidden_act"
+        act = getattr(model.config, act_attr, None)
+        if found and act not in _ACTIVATIONS[activation]:
+            warnings.warn(f"wiola_kernels.patch_hf: {type(model).__name__} uses {act_attr}={act!r}, not "
+                          f"{' or '.join(_ACTIVATIONS[activation])}; its MLPs are left untouched", UserWarning,
+                          stacklevel=3)
             found = []
+        fused_cls = FusedPackedGatedMLP if packed else FusedGatedMLP
         for parent, name, child in found:
-            if not all(isinstance(getattr(child, part, None), nn.Module) for part in _MLP_PARTS):
+            if not all(isinstance(getattr(child, part, None), nn.Module) for part in fused_cls.parts):
                 raise TypeError(f"wiola_kernels.patch_hf: {type(child).__name__} at {name!r} lacks one of "
-                                f"{', '.join(_MLP_PARTS)}; nothing was patched (call patch_hf(model, mlp=False) "
-                                f"to patch the rest)")
-            fused = FusedGatedMLP(child)
+                                f"{', '.join(fused_cls.parts)}; nothing was patched (call patch_hf(model, "
+                                f"mlp=False) to patch the rest)")
+            fused = fused_cls(child, activation)
             fused.train(child.training)
             mlps.append((parent, name, child, fused))
     return norms, rotary, mlps
@@ -576,13 +840,13 @@ def unpatch_hf(target):
     if not isinstance(target, nn.Module):
         raise TypeError(f"target must be a transformers model (a torch.nn.Module), a model class or a family name "
                         f"({', '.join(map(repr, _FAMILIES))}), got {type(target).__name__}")
-    model = target
+    model = _unwrap_peft(target)
     record = getattr(model, _RECORD, None)
     if record is None:
-        return model
+        return target
     for parent, name, original in record.norms:
         fused = getattr(parent, name)
-        if isinstance(fused, RMSNorm):
+        if isinstance(fused, (RMSNorm, FusedOffsetRMSNorm)):
             # model.to()/to_empty()/load_state_dict may have replaced the Parameter: hand back the current one.
             if fused.weight is not original.weight:
                 original.weight = fused.weight
@@ -590,9 +854,9 @@ def unpatch_hf(target):
         _swap(parent, name, original)
     for parent, name, original in record.mlps:
         fused = getattr(parent, name)
-        if isinstance(fused, FusedGatedMLP):
+        if isinstance(fused, (FusedGatedMLP, FusedPackedGatedMLP)):
             # hand back the projections as they are now (an adapter may have wrapped them)
-            for part in _MLP_PARTS:
+            for part in fused.parts:
                 if getattr(fused, part) is not getattr(original, part):
                     setattr(original, part, getattr(fused, part))
             original.train(fused.training)
@@ -605,7 +869,7 @@ def unpatch_hf(target):
         _swap(parent, name, original)
     _unset_loss_forward(model)
     object.__delattr__(model, _RECORD)
-    return model
+    return target
 
 
 # ---- the class-level form ----------------------------------------------------------
@@ -627,7 +891,7 @@ def _class_target(target, strict: bool = True) -> tuple[str, object] | None:
             if not strict:
                 return None
             raise ValueError(f"family must be one of {', '.join(map(repr, _FAMILIES))}, got {target!r}")
-        return target, importlib.import_module(f"transformers.models.{target}.modeling_{target}")
+        return target, importlib.import_module(_modeling_name(target))
     if not isinstance(target, type) or not issubclass(target, nn.Module):
         if not strict:
             return None
@@ -636,10 +900,12 @@ def _class_target(target, strict: bool = True) -> tuple[str, object] | None:
 
 
 def _family_classes(model_type: str, modeling) -> list[type]:
-    """The family's model classes (``<Family>PreTrainedModel`` subclasses of its modeling module)."""
-    base = getattr(modeling, f"{_FAMILIES[model_type]}PreTrainedModel")
+    """The family's model classes (``<Family>PreTrainedModel`` subclasses of its modeling module
+    whose config is the family's: Gemma 3's module also holds the multimodal ``gemma3`` models)."""
+    base = getattr(modeling, f"{_FAMILIES[model_type].prefix}PreTrainedModel")
     return [c for c in vars(modeling).values()
-            if isinstance(c, type) and issubclass(c, base) and c is not base and c.__module__ == modeling.__name__]
+            if isinstance(c, type) and issubclass(c, base) and c is not base and c.__module__ == modeling.__name__
+            and getattr(getattr(c, "config_class", None), "model_type", model_type) == model_type]
 
 
 def _wrap_init(model_type: str, init):
