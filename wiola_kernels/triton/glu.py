@@ -31,7 +31,7 @@ import triton.language as tl
 
 from ..dtypes import compute_dtype
 from ..outputs import empty_output
-from . import cdiv, next_power_of_2
+from . import cdiv, next_power_of_2, sm_count
 
 ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
 _TWO_K = 2.0 * math.sqrt(2.0 / math.pi)
@@ -164,10 +164,6 @@ def _launch_config(rows: int, n: int, element_size: int, loads: int, sms: int | 
     return LaunchConfig(block_n, rows_per_step, num_warps, programs)
 
 
-def _sms(device: torch.device) -> int | None:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else None
-
-
 def _rows(t: torch.Tensor, n: int) -> torch.Tensor:
     """``t`` as ``(rows, n)`` with unit column stride: a view when its leading dimensions
     fold into one row stride (the halves of a projection's output do), else a copy."""
@@ -194,7 +190,7 @@ def glu_fwd(a: torch.Tensor, b: torch.Tensor | None, activation: str) -> torch.T
         return y
     a_rows, b_rows, n = _operands(a, b)
     rows = a_rows.shape[0]
-    cfg = _launch_config(rows, n, a.element_size(), 2, _sms(a.device))
+    cfg = _launch_config(rows, n, a.element_size(), 2, sm_count(a.device))
     _glu_fwd_kernel[(cfg.programs,)](
         a_rows, b_rows, y, rows, n, a_rows.stride(0), b_rows.stride(0),
         ROWS_PER_STEP=cfg.rows_per_step, BLOCK_N=cfg.block_n, ACT=ACTIVATIONS[activation],
@@ -215,7 +211,7 @@ def glu_bwd(grad_y: torch.Tensor, a: torch.Tensor, b: torch.Tensor | None, activ
     g = _rows(grad_y, n)
     da = grad_a.view(rows, a.shape[-1])
     da, db = (da, grad_b.view(rows, n)) if b is not None else (da[:, :n], da[:, n:])
-    cfg = _launch_config(rows, n, a.element_size(), 3, _sms(a.device))
+    cfg = _launch_config(rows, n, a.element_size(), 3, sm_count(a.device))
     _glu_bwd_kernel[(cfg.programs,)](
         g, a_rows, b_rows, da, db, rows, n, g.stride(0), a_rows.stride(0), b_rows.stride(0), da.stride(0),
         ROWS_PER_STEP=cfg.rows_per_step, BLOCK_N=cfg.block_n, ACT=ACTIVATIONS[activation],
