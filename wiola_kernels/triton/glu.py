@@ -22,6 +22,7 @@ rows before computing, so each thread keeps ``_BYTES_PER_THREAD_STEP`` bytes in 
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -151,6 +152,7 @@ class LaunchConfig:
     programs: int
 
 
+@functools.lru_cache(maxsize=4096)  # a launch plan per shape, dtype size and GPU: computed once
 def _launch_config(rows: int, n: int, element_size: int, loads: int, sms: int | None) -> LaunchConfig:
     """The launch for ``rows`` rows of ``n`` elements (``element_size`` bytes) reading
     ``loads`` operands per element (2 forward, 3 backward). ``sms``: the GPU's SM count;

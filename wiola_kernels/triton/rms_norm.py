@@ -41,6 +41,7 @@ HF's).
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -353,6 +354,7 @@ class LaunchConfig:
     wide: bool  # rows walked in block_d chunks
 
 
+@functools.lru_cache(maxsize=4096)  # a launch plan per shape, dtype size and GPU: computed once
 def _launch_config(rows: int, d: int, element_size: int, loads_per_row: int, sms: int | None) -> LaunchConfig:
     """The launch of either kernel for ``rows`` rows of width ``d`` (``element_size``
     bytes each; ``loads_per_row`` row tensors read per row: 1 forward, 2 backward; with
