@@ -217,7 +217,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h: Tensor, W: Tensor, labels: Tensor, ignore_index: int, reduction: str,
                 label_smoothing: float, softcap: float | None, z_loss: float, num_items) -> Tensor:
-        items = _num_items(num_items, h.device)
+        items = _num_items(num_items, h.device if isinstance(h, Tensor) else torch.device("cpu"))
         want = (False, False) if reduction == "none" else (ctx.needs_input_grad[0], ctx.needs_input_grad[1])
         loss, lse, grad_h, grad_W, ctx.backend = _forward(h, W, labels, ignore_index, reduction, label_smoothing,
                                                           softcap, z_loss, items, want)
