@@ -156,6 +156,24 @@ def test_triton_interpreter(dtype):
     assert_close_rel(loss, lce_oracle(h, W, y, label_smoothing=0.1), TOL[dtype], "no-grad loss")
 
 
+@pytest.mark.parametrize("kw", [dict(num_items=23), dict(num_items=torch.tensor(23.5, dtype=torch.float64)),
+                                dict(num_items=torch.tensor([7], dtype=torch.int32)), {}, dict(reduction="sum")],
+                         ids=["number", "float64", "int32", "counted", "sum"])
+def test_triton_reduction_on_the_device(kw):
+    """The mean's divisor and the backward's factor computed by one kernel on the device
+    (_lce_reduce_kernel): num_items as a number (a fill kernel carries it), as tensors of
+    other dtypes, the counted rows (every other row ignored), and "sum"; with gradients and
+    without (the loss-only launch)."""
+    if "triton" not in BACKENDS:
+        pytest.skip("triton backend unavailable")
+    h, W, y = make(9, 8, 21, seed=11, ignored=0.5)
+    grad = loss_grad(9, kw.get("reduction", "mean"))
+    assert_matches(run("triton", h, W, y, grad, **kw), oracle(h, W, y, grad, **kw), TOL[torch.float32], str(kw))
+    with torch.no_grad(), wk.use_backend("triton"):
+        loss = wk.linear_cross_entropy(h, W, y, **kw)
+    assert_close_rel(loss, lce_oracle(h, W, y, **kw), TOL[torch.float32], "no-grad loss")
+
+
 def test_triton_out_of_range_label_is_nan_when_values_are_not_read():
     """On a GPU the labels are not read on the host; a label outside [0, V) gives its row a
     NaN loss (run here by calling the launcher directly, below the CPU value check)."""
@@ -173,12 +191,13 @@ def test_gpu_chunk_rows_follow_the_measuring_override(monkeypatch):
     """WIOLA_LCE_CHUNK_ROWS sets the GPU launcher's rows per chunk too (rounded down to its row
     tile, at least one tile), for measuring other sizes; unset or not a positive int: the default."""
     pytest.importorskip("triton")
-    from wiola_kernels.triton.linear_cross_entropy import _launch_config
+    from wiola_kernels.triton.linear_cross_entropy import _CHUNK_BYTES, _launch_config
 
     monkeypatch.delenv("WIOLA_LCE_CHUNK_ROWS", raising=False)
     default = _launch_config(4096, 32000, 1024, torch.bfloat16, 132)
     tile = default.logits.block_m
-    assert default.chunk % tile == 0 and default.chunk * 32000 * 4 <= 32 << 20
+    # The GPU's byte budget: 1,024 rows at V = 32000, not the 256 of a CPU-cache-sized chunk.
+    assert default.chunk % tile == 0 and default.chunk * 32000 * 4 <= _CHUNK_BYTES and default.chunk >= 1024
     for value, want in (("4096", 4096), (str(tile + 5), tile), ("1", tile), ("0", default.chunk),
                         ("many", default.chunk), ("", default.chunk)):
         monkeypatch.setenv("WIOLA_LCE_CHUNK_ROWS", value)

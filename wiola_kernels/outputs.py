@@ -7,17 +7,26 @@ import os
 import torch
 
 
-def poison_enabled() -> bool:
-    """True when ``WIOLA_POISON_OUTPUTS=1``: outputs are filled with NaN (floats) or -1
-    (integers) before a kernel writes them, so a skipped element cannot pass a test.
-    The C++ extension reads the same variable."""
+def _poison_from_environment() -> bool:
     return os.environ.get("WIOLA_POISON_OUTPUTS", "0") not in ("", "0")
+
+
+# Read once, at import (tests/conftest.py sets it before importing the package): an environment
+# lookup per allocation is host time on every kernel call.
+_POISON = _poison_from_environment()
+
+
+def poison_enabled() -> bool:
+    """True when ``WIOLA_POISON_OUTPUTS=1`` was set when the package was imported: outputs are
+    filled with NaN (floats) or -1 (integers) before a kernel writes them, so a skipped element
+    cannot pass a test. The C++ extension reads the same variable."""
+    return _POISON
 
 
 def empty_output(shape, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """``torch.empty`` for kernel outputs, poisoned when :func:`poison_enabled`."""
     out = torch.empty(shape, dtype=dtype, device=device)
-    if poison_enabled():
+    if _POISON:
         out.fill_(float("nan") if out.is_floating_point() else -1)
     return out
 
@@ -45,7 +54,7 @@ def empty_output_as(x: torch.Tensor) -> torch.Tensor:
     """:func:`empty_output` shaped and laid out like ``x`` (``torch.empty_like``'s strides;
     the C++ kernels' ``empty_output_like`` and the ops' fakes make the same choice)."""
     out = torch.empty_like(x)
-    if poison_enabled():
+    if _POISON:
         out.fill_(float("nan") if out.is_floating_point() else -1)
     return out
 

@@ -24,6 +24,7 @@
 #include <cuda_fp16.h>
 #endif
 
+#include <atomic>
 #include <cmath>
 #include <type_traits>
 
@@ -381,9 +382,30 @@ __global__ void context_sum_kernel(const float* ckv_part, scalar_t* dkc, scalar_
   *dst = from_float<scalar_t>(acc);
 }
 
-template <typename K>
-cudaError_t set_smem(K kernel, size_t bytes) {
-  return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes));
+// The dynamic shared memory limit is an attribute of a function on a device: a driver call
+// that need not run per launch. Each kernel keeps, per device, the most bytes it has been
+// allowed there and calls the driver only when a launch needs more (once per device in
+// practice; thread-safe: a race sets the same attribute twice). cudaGetDevice reads the
+// thread's current device without a driver round trip.
+constexpr int kMaxDevices = 64;
+
+template <auto Kernel>
+cudaError_t set_smem_once(size_t bytes) {
+  static std::atomic<size_t> allowed[kMaxDevices] = {};
+  int device = 0;
+#ifndef WIOLA_CUDA_EMU
+  if (const cudaError_t err = cudaGetDevice(&device); err != cudaSuccess) return err;
+#endif
+  const bool cached = device >= 0 && device < kMaxDevices;
+  if (cached && allowed[device].load(std::memory_order_acquire) >= bytes) return cudaSuccess;
+  const cudaError_t err =
+      cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes));
+  if (err == cudaSuccess && cached) {
+    size_t seen = allowed[device].load(std::memory_order_relaxed);
+    while (seen < bytes && !allowed[device].compare_exchange_weak(seen, bytes, std::memory_order_release)) {
+    }
+  }
+  return err;
 }
 
 template <typename scalar_t, int DH>
@@ -403,7 +425,7 @@ cudaError_t backward_typed(const SummaryBackwardParams& p, cudaStream_t stream) 
   if (BH * nchunks > 0) {
     const size_t smem = summary_backward_smem(p.L, DH, shared_ctx);
     if (smem > kMaxSmem) return cudaErrorInvalidValue;
-    if ((err = set_smem(summary_backward_kernel<scalar_t, DH>, smem)) != cudaSuccess) return err;
+    if ((err = set_smem_once<summary_backward_kernel<scalar_t, DH>>(smem)) != cudaSuccess) return err;
     launch_kernel(summary_backward_kernel<scalar_t, DH>, static_cast<unsigned>(BH * nchunks), kThreads, smem, stream, p);
     if ((err = cudaGetLastError()) != cudaSuccess) return err;
   }

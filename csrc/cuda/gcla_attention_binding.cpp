@@ -189,8 +189,13 @@ gcla_summary_bwd(const at::Tensor& grad_out, const at::Tensor& out, const at::Te
   at::Tensor lse_self = empty_output({s.B, s.H, lse_columns}, f32);
   if (lse_columns > s.T) lse_self.zero_();
   const int64_t nchunks = gcla::backward_chunks(s.T);
-  at::Tensor gate_part = empty_workspace({s.B * s.H * nchunks}, f32);
-  at::Tensor ckv_part = empty_workspace({s.S == 1 ? s.B * s.H * nchunks * 2 * s.L * s.dh : 0}, f32);
+  // The kernels' float32 partials in one workspace: gate's, then (S = 1) the context slots'
+  // (at a 16-byte boundary for the vector loads).
+  const int64_t gate_numel = s.B * s.H * nchunks, ckv_at = (gate_numel + 3) / 4 * 4;
+  const int64_t ckv_numel = s.S == 1 ? s.B * s.H * nchunks * 2 * s.L * s.dh : 0;
+  at::Tensor workspace = empty_workspace({ckv_numel > 0 ? ckv_at + ckv_numel : gate_numel}, f32);
+  at::Tensor gate_part = workspace.narrow(0, 0, gate_numel);
+  at::Tensor ckv_part = workspace.narrow(0, ckv_numel > 0 ? ckv_at : 0, ckv_numel);
 
   gcla::SummaryBackwardParams p{};
   p.grad_out = grad_out_d.const_data_ptr();

@@ -92,8 +92,10 @@ def _warn_once(message: str) -> None:
     warnings.warn(message, RuntimeWarning, stacklevel=4)
 
 
+@functools.lru_cache(maxsize=None)
 def _flash_usable(device: torch.device) -> Optional[str]:
-    """None when FlashAttention-2 runs on ``device``, else why not."""
+    """None when FlashAttention-2 runs on ``device``, else why not (asked once per device: a
+    device query per call is host time)."""
     if not getattr(torch.backends.cuda, "is_flash_attention_available", lambda: True)():
         return "this PyTorch build has no FlashAttention"
     major, minor = torch.cuda.get_device_capability(device)

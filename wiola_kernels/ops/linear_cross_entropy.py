@@ -121,13 +121,8 @@ def _triton_forward(h, W, labels, ignore_index=-100, reduction="mean", label_smo
     want = _check_grad_mask(grad_mask, reduction)
     h2, y = h.reshape(n, h.shape[-1]), labels.reshape(n).to(torch.int64).contiguous()
     rows, lse, gh, gw = tk.lce_forward(h2, W, y, ignore_index, eps, cap, zl, want)
-    if reduction == "none":
-        loss = rows
-    else:
-        loss = rows.sum()
-        if reduction == "mean":
-            den = (y != ignore_index).sum().clamp(min=1) if num_items is None else num_items.to(lse.dtype)
-            loss = (loss / den.to(device=loss.device)).to(lse.dtype)
+    # "mean"/"sum": one launch, the divisor read on the device (no host sync, graph-safe).
+    loss = rows if reduction == "none" else tk.lce_reduce(rows, y, ignore_index, num_items, reduction == "mean")
     return loss, lse, gh if want[0] else h.new_empty((0,)), gw if want[1] else W.new_empty((0,))
 
 
@@ -135,19 +130,20 @@ def _triton_backward(grad_loss, h, W, labels, lse, num_items, grad_h, grad_W, ig
                      label_smoothing, softcap, z_loss, precomputed):
     from ..triton import linear_cross_entropy as tk
 
-    n, eps, cap, zl = check_linear_cross_entropy(h, W, labels, ignore_index, reduction, label_smoothing, softcap,
-                                                 z_loss, num_items)
+    # The arguments come from the forward, which checked them (the Function saves them).
+    n = lse.shape[0]
+    eps, cap, zl = float(label_smoothing), None if softcap is None else float(softcap), float(z_loss)
     none = reduction == "none"
     y = labels.reshape(n).to(torch.int64).contiguous()
     if not precomputed and (grad_h is not None or grad_W is not None):
         tk.lce_forward(h.reshape(n, h.shape[-1]), W, y, ignore_index, eps, cap, zl, lse_in=lse,
                        row_grad=grad_loss.reshape(n).to(lse.dtype).contiguous() if none else None,
                        grad_h=grad_h, grad_W=grad_W)
-    if not none:
-        s = _scale(grad_loss, labels, ignore_index, reduction, num_items)
-        for t in (grad_h, grad_W):
-            if t is not None:
-                t.mul_(s)
+    grads = [t for t in (grad_h, grad_W) if t is not None]
+    if not none and grads:
+        # grad_loss (÷ n) in one launch, applied to both gradients in one more (no host sync).
+        s = tk.lce_reduce(None, y, ignore_index, num_items, reduction == "mean", grad=grad_loss, dtype=lse.dtype)
+        torch._foreach_mul_(grads, s)
 
 
 dispatch.register_default(OP, "cpu", "cpu")
@@ -181,12 +177,14 @@ def _linear_cross_entropy_backward_fake(grad_loss, h, W, labels, lse, num_items,
 
 # --- autograd ------------------------------------------------------------------------------------
 
-def _num_items(num_items):
-    """``num_items`` as the ops take it: None or a tensor (a number becomes a 0-d float64 tensor)."""
+def _num_items(num_items, device: torch.device):
+    """``num_items`` as the ops take it: None or a tensor. A number becomes a 0-d float64 tensor
+    on ``device`` (h's) written by a fill kernel whose launch carries the value: no host-to-device
+    copy, which would wait on the GPU and cannot be captured in a CUDA graph."""
     if num_items is None or isinstance(num_items, Tensor):
         return num_items
     check_num_items(num_items, torch.device("cpu"))
-    return torch.tensor(float(num_items), dtype=torch.float64)
+    return torch.full((), float(num_items), dtype=torch.float64, device=device)
 
 
 def _forward(h, W, labels, ignore_index, reduction, label_smoothing, softcap, z_loss, num_items, grad_mask):
@@ -219,7 +217,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h: Tensor, W: Tensor, labels: Tensor, ignore_index: int, reduction: str,
                 label_smoothing: float, softcap: float | None, z_loss: float, num_items) -> Tensor:
-        items = _num_items(num_items)
+        items = _num_items(num_items, h.device if isinstance(h, Tensor) else torch.device("cpu"))
         want = (False, False) if reduction == "none" else (ctx.needs_input_grad[0], ctx.needs_input_grad[1])
         loss, lse, grad_h, grad_W, ctx.backend = _forward(h, W, labels, ignore_index, reduction, label_smoothing,
                                                           softcap, z_loss, items, want)
@@ -315,5 +313,5 @@ def linear_cross_entropy(h: Tensor, W: Tensor, labels: Tensor, ignore_index: int
     if needs_grad(h, W):
         return LinearCrossEntropyFunction.apply(h, W, labels, ignore_index, reduction, label_smoothing, softcap,
                                                 z_loss, num_items)
-    return _forward(h, W, labels, ignore_index, reduction, label_smoothing, softcap, z_loss, _num_items(num_items),
-                    _NO_GRAD)[0]
+    return _forward(h, W, labels, ignore_index, reduction, label_smoothing, softcap, z_loss,
+                    _num_items(num_items, h.device if isinstance(h, Tensor) else torch.device("cpu")), _NO_GRAD)[0]

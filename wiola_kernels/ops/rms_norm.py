@@ -59,11 +59,8 @@ def _triton_forward(x, weight, shift, eps=1e-6, hf_order=False):
 def _triton_backward(grad_y, x, weight, shift, rstd):
     from ..triton import rms_norm as tk
 
-    check_rms_norm(x, weight, shift, 1.0, False)
+    # No checks: the arguments come from the forward, which checked them (the Function saves them).
     d = x.shape[-1]
-    if grad_y.shape != x.shape or rstd.shape != x.shape[:-1]:
-        raise ValueError(f"grad_y must have the shape of x {tuple(x.shape)} and rstd x.shape[:-1], got "
-                         f"{tuple(grad_y.shape)} and {tuple(rstd.shape)}")
     grad_x, grad_weight, grad_shift = tk.rms_norm_bwd(
         grad_y.reshape(-1, d).contiguous(), x.reshape(-1, d).contiguous(), weight.contiguous(),
         None if shift is None else shift.contiguous(), rstd.reshape(-1).contiguous())

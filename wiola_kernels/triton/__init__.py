@@ -16,6 +16,28 @@ def next_power_of_2(n: int) -> int:
     return 1 << (n - 1).bit_length() if n > 0 else 0
 
 
+_SM_COUNTS: dict[int, int] = {}
+
+
+def sm_count(device) -> int | None:
+    """The SM count of a CUDA ``device`` (a ``torch.device``), read once per device and cached
+    (a device-property query costs host time on every launch otherwise); None for any other
+    device (the interpreter)."""
+    if device.type != "cuda":
+        return None
+    index = device.index
+    if index is None:
+        import torch
+
+        index = torch.cuda.current_device()
+    sms = _SM_COUNTS.get(index)
+    if sms is None:
+        import torch
+
+        sms = _SM_COUNTS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return sms
+
+
 def _fix_interpreter_loop_bounds() -> None:
     """Let Triton's interpreter take runtime loop bounds on every Triton we support.
 

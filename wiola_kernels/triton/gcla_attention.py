@@ -69,6 +69,7 @@ FlashAttention; garbage past ``len_b`` is never read.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Optional
 
@@ -678,8 +679,10 @@ def dkv_split(batch: int, heads: int, kv_heads: int, seq_len: int, block_n: int,
     return max(1, min(heads // kv_heads, cdiv(sms, programs)))
 
 
+@functools.lru_cache(maxsize=None)
 def _device_arch(device: torch.device) -> tuple[Optional[int], Optional[int]]:
-    """(compute capability, SM count) of a CUDA device; (None, None) for the interpreter."""
+    """(compute capability, SM count) of a CUDA device; (None, None) for the interpreter.
+    Asked once per device (a device-property query per launch is host time)."""
     if device.type != "cuda":
         return None, None
     major, minor = torch.cuda.get_device_capability(device)

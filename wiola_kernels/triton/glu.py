@@ -22,6 +22,7 @@ rows before computing, so each thread keeps ``_BYTES_PER_THREAD_STEP`` bytes in 
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -31,7 +32,7 @@ import triton.language as tl
 
 from ..dtypes import compute_dtype
 from ..outputs import empty_output
-from . import cdiv, next_power_of_2
+from . import cdiv, next_power_of_2, sm_count
 
 ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
 _TWO_K = 2.0 * math.sqrt(2.0 / math.pi)
@@ -151,6 +152,7 @@ class LaunchConfig:
     programs: int
 
 
+@functools.lru_cache(maxsize=4096)  # a launch plan per shape, dtype size and GPU: computed once
 def _launch_config(rows: int, n: int, element_size: int, loads: int, sms: int | None) -> LaunchConfig:
     """The launch for ``rows`` rows of ``n`` elements (``element_size`` bytes) reading
     ``loads`` operands per element (2 forward, 3 backward). ``sms``: the GPU's SM count;
@@ -162,10 +164,6 @@ def _launch_config(rows: int, n: int, element_size: int, loads: int, sms: int | 
     tiles = cdiv(rows, rows_per_step) * cdiv(n, block_n)
     programs = max(1, min(4, tiles) if sms is None else min(tiles, sms * _PROGRAMS_PER_SM))
     return LaunchConfig(block_n, rows_per_step, num_warps, programs)
-
-
-def _sms(device: torch.device) -> int | None:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else None
 
 
 def _rows(t: torch.Tensor, n: int) -> torch.Tensor:
@@ -194,7 +192,7 @@ def glu_fwd(a: torch.Tensor, b: torch.Tensor | None, activation: str) -> torch.T
         return y
     a_rows, b_rows, n = _operands(a, b)
     rows = a_rows.shape[0]
-    cfg = _launch_config(rows, n, a.element_size(), 2, _sms(a.device))
+    cfg = _launch_config(rows, n, a.element_size(), 2, sm_count(a.device))
     _glu_fwd_kernel[(cfg.programs,)](
         a_rows, b_rows, y, rows, n, a_rows.stride(0), b_rows.stride(0),
         ROWS_PER_STEP=cfg.rows_per_step, BLOCK_N=cfg.block_n, ACT=ACTIVATIONS[activation],
@@ -215,7 +213,7 @@ def glu_bwd(grad_y: torch.Tensor, a: torch.Tensor, b: torch.Tensor | None, activ
     g = _rows(grad_y, n)
     da = grad_a.view(rows, a.shape[-1])
     da, db = (da, grad_b.view(rows, n)) if b is not None else (da[:, :n], da[:, n:])
-    cfg = _launch_config(rows, n, a.element_size(), 3, _sms(a.device))
+    cfg = _launch_config(rows, n, a.element_size(), 3, sm_count(a.device))
     _glu_bwd_kernel[(cfg.programs,)](
         g, a_rows, b_rows, da, db, rows, n, g.stride(0), a_rows.stride(0), b_rows.stride(0), da.stride(0),
         ROWS_PER_STEP=cfg.rows_per_step, BLOCK_N=cfg.block_n, ACT=ACTIVATIONS[activation],

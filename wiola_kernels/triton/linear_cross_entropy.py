@@ -18,12 +18,18 @@ times ``1 − (s/c)²`` under a softcap.
 * ``_lce_dw_kernel`` — bf16/fp16 only: ``∂W += dzᵀ h_chunk`` into a float32 accumulator
   (``tl.dot``; cuBLAS has no bf16 GEMM with a float32 output that accumulates in place).
 
+* ``_lce_reduce_kernel`` — one program: the ``"mean"``/``"sum"`` loss from the row losses,
+  and the backward's factor ``grad ÷ n``, the divisor (counted rows, or ``num_items``) read on
+  the device: nothing goes through the host, so a call never waits on the GPU and can be
+  captured in a CUDA graph.
+
 No ``(N, V)`` tensor exists: the loss alone (no gradients, or ``"none"``'s forward) is one
 ``_lce_logits_kernel`` launch over all rows with nothing stored. With gradients, rows go in
-chunks (``_chunk_rows``: a float32 logits buffer of ``_CHUNK_BYTES`` plus its ``dz`` in the
-input dtype): logits tile kernel → rows kernel → dlogits kernel → ``∂h_chunk = dz W`` and
+chunks (``LaunchConfig.chunk``: a float32 logits buffer of at most ``_CHUNK_BYTES`` plus its
+``dz`` in the input dtype, one workspace allocated once per call with the per-chunk
+statistics): logits tile kernel → rows kernel → dlogits kernel → ``∂h_chunk = dz W`` and
 (float32/float64) ``∂W += dzᵀ h_chunk`` by cuBLAS through ``torch.mm`` on the chunk buffers,
-or ``_lce_dw_kernel`` for bf16/fp16. As on the CPU, ``"mean"``/``"sum"`` compute the
+or ``_lce_dw_kernel`` for bf16/fp16: five launches a chunk. As on the CPU, ``"mean"``/``"sum"`` compute the
 unscaled gradients in the forward (three GEMMs per step; the backward scales them), and
 ``"none"`` recomputes in the backward with ``g_i = grad_loss[i]`` (docs/ops.md).
 
@@ -44,7 +50,7 @@ import triton.language as tl
 
 from ..dtypes import compute_dtype
 from ..outputs import empty_output
-from . import cdiv
+from . import cdiv, sm_count
 
 
 @triton.jit
@@ -240,11 +246,53 @@ def _lce_dw_kernel(
     tl.store(acc_ptr + offs, acc, mask=mask)
 
 
+@triton.jit
+def _lce_reduce_kernel(
+    rows_ptr,     # (n,) row losses (not BACKWARD)
+    y_ptr,        # (n,) int64 labels (MEAN without HAS_ITEMS: the rows counted)
+    items_ptr,    # (1,) num_items, any real dtype (HAS_ITEMS)
+    g_ptr,        # (1,) the loss's incoming gradient (BACKWARD)
+    out_ptr,      # (1,) out, accumulation dtype: Σ rows ÷ den (forward), g ÷ den (BACKWARD)
+    n, ignore_index,
+    BLOCK: tl.constexpr,
+    MEAN: tl.constexpr,       # den = num_items or max(1, counted rows); else den = 1
+    HAS_ITEMS: tl.constexpr,
+    BACKWARD: tl.constexpr,
+):
+    """``"mean"``/``"sum"`` on the device, in one program (a fixed order: deterministic)."""
+    acc_ty = out_ptr.dtype.element_ty
+    i = tl.arange(0, BLOCK)
+    total = tl.zeros((BLOCK,), acc_ty)
+    count = tl.zeros((BLOCK,), tl.int32)
+    if (not BACKWARD) or (MEAN and not HAS_ITEMS):
+        for r0 in range(0, n, BLOCK):
+            r = r0 + i
+            ok = r < n
+            if not BACKWARD:
+                total += tl.load(rows_ptr + r, mask=ok, other=0.0).to(acc_ty)
+            if MEAN and not HAS_ITEMS:
+                count += (ok & (tl.load(y_ptr + r, mask=ok, other=ignore_index) != ignore_index)).to(tl.int32)
+    if BACKWARD:
+        value = tl.load(g_ptr).to(acc_ty)
+    else:
+        value = tl.sum(total, axis=0)
+    if MEAN:
+        if HAS_ITEMS:
+            den = tl.load(items_ptr).to(acc_ty)
+        else:
+            den = tl.maximum(tl.sum(count, axis=0), 1).to(acc_ty)
+        value = value / den
+    tl.store(out_ptr, value)
+
+
 # ---------------------------------------------------------------------------------------------
 # Launch configuration
 
-#: Bytes of a chunk's float32 logits buffer (its dz in the input dtype comes on top).
-_CHUNK_BYTES = 32 << 20
+#: Bytes of a chunk's float32 logits buffer on a GPU (its dz in the input dtype comes on top):
+#: large enough that each chunk's three GEMMs dwarf its five launches (1,024 rows at V = 32000:
+#: 4 chunks at N = 4096; 256 rows at V = 128256, each GEMM ~130 GFLOP), small beside a GPU's
+#: memory and bounded whatever N is (SPEC §10.1: never an (N, V) tensor).
+_CHUNK_BYTES = 128 << 20
 _MIN_CHUNK_ROWS = 128
 _MAX_CHUNK_ROWS = 4096
 #: Rows per chunk in the interpreter: small, so that small test shapes span several chunks.
@@ -313,10 +361,6 @@ def _splits(rows: int, V: int, tiles: Tiles, sms: int | None) -> tuple[int, int]
     return cdiv(V, per), per
 
 
-def _sms(device: torch.device) -> int | None:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else None
-
-
 # ---------------------------------------------------------------------------------------------
 # Launchers. h2 (n, d) and W (V, d) may have any strides; labels int64 (n,) contiguous.
 
@@ -366,6 +410,44 @@ def _chunk_grads(h2, W, y, lse, g, row0, rows, cfg, buf, dz, grad_h, grad_W, dW_
         num_stages=t.num_stages)
 
 
+def _workspace(rows: int, V: int, dtype: torch.dtype, acc: torch.dtype, stats_numel: int, device):
+    """One allocation per call for the chunks' temporaries: the logits buffer ``(rows, V)`` in
+    the accumulation dtype, its ``dz`` in ``dtype`` (the same tensor when the dtypes agree) and
+    the statistics, each 256-byte aligned (as a fresh tensor would be)."""
+    def nbytes(numel, dt):
+        return (numel * dt.itemsize + 255) // 256 * 256
+
+    sizes = [nbytes(rows * V, acc), 0 if dtype == acc else nbytes(rows * V, dtype), nbytes(stats_numel, acc)]
+    ws = torch.empty(sum(sizes), dtype=torch.uint8, device=device)
+    buf = ws[:rows * V * acc.itemsize].view(acc).view(rows, V)
+    at = sizes[0]
+    dz = buf if dtype == acc else ws[at:at + rows * V * dtype.itemsize].view(dtype).view(rows, V)
+    at += sizes[1]
+    stats = ws[at:at + stats_numel * acc.itemsize].view(acc)
+    return buf, dz, stats
+
+
+_REDUCE_BLOCK = 1024
+
+
+def lce_reduce(rows: torch.Tensor | None, y: torch.Tensor, ignore_index: int, num_items: torch.Tensor | None,
+               mean: bool, grad: torch.Tensor | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """One launch: the forward's ``Σ rows`` (÷ the mean's divisor when ``mean``), or with
+    ``grad`` (the backward's incoming 0-d gradient) ``grad ÷`` that divisor; a 0-d tensor in
+    ``rows``' dtype (the backward: ``dtype``). The divisor is ``num_items`` (one element, any
+    real dtype; a CPU tensor is copied to the device first) or the number of labels ``y (n,)``
+    that are not ``ignore_index`` (at least 1), read on the device, never on the host."""
+    backward = grad is not None
+    out = torch.empty((), dtype=dtype if backward else rows.dtype, device=y.device)
+    if num_items is not None and num_items.device != y.device:
+        num_items = num_items.to(y.device, non_blocking=True)
+    _lce_reduce_kernel[(1,)](
+        y if backward else rows, y, out if num_items is None else num_items, grad if backward else out, out,
+        y.shape[0], ignore_index, BLOCK=_REDUCE_BLOCK, MEAN=bool(mean), HAS_ITEMS=num_items is not None,
+        BACKWARD=backward, num_warps=4)
+    return out
+
+
 def lce_forward(h2: torch.Tensor, W: torch.Tensor, y: torch.Tensor, ignore_index: int, eps: float,
                 cap: float | None, z_loss: float, grad_mask=(False, False), lse_in: torch.Tensor | None = None,
                 row_grad: torch.Tensor | None = None, grad_h: torch.Tensor | None = None,
@@ -381,7 +463,7 @@ def lce_forward(h2: torch.Tensor, W: torch.Tensor, y: torch.Tensor, ignore_index
     V = W.shape[0]
     acc = compute_dtype(h2.dtype)
     device = h2.device
-    sms = _sms(device)
+    sms = sm_count(device)
     cfg = _launch_config(n, V, d, h2.dtype, sms)
     want_h = grad_h is not None or bool(grad_mask[0])
     want_W = grad_W is not None or bool(grad_mask[1])
@@ -404,13 +486,15 @@ def lce_forward(h2: torch.Tensor, W: torch.Tensor, y: torch.Tensor, ignore_index
         _rows_launch(stats, y, lse, loss, 0, n, splits, V, cfg, ignore_index, eps, z_loss)
         return loss, lse, grad_h, grad_W
     rows_max = min(n, cfg.chunk)
-    buf = torch.empty((rows_max, V), dtype=torch.float32 if acc == torch.float32 else acc, device=device)
-    dz = buf if buf.dtype == h2.dtype else torch.empty((rows_max, V), dtype=h2.dtype, device=device)
+    # Every chunk's split (the last, shorter chunk may split the vocabulary more ways).
+    split_of = {rows: _splits(rows, V, cfg.logits, sms) for rows in {rows_max, n - (n - 1) // rows_max * rows_max}}
+    buf, dz, stats_all = _workspace(rows_max, V, h2.dtype, acc, max(4 * sp * r for r, (sp, _) in split_of.items()),
+                                    device)
     dW_acc = torch.empty((V, d), dtype=torch.float32, device=device) if want_W and W.dtype != acc else None
     for row0 in range(0, n, rows_max):
         rows = min(rows_max, n - row0)
-        splits, per = _splits(rows, V, cfg.logits, sms)
-        stats = torch.empty((4, splits, rows), dtype=acc, device=device)
+        splits, per = split_of[rows]
+        stats = stats_all[:4 * splits * rows]
         _logits_launch(h2, W, y, buf, stats, row0, rows, cfg, splits, per, cap, want_sum and not backward)
         if not backward:
             _rows_launch(stats, y, lse, loss, row0, rows, splits, V, cfg, ignore_index, eps, z_loss)
@@ -425,7 +509,7 @@ def aot_launches(sms: int):
     """Every launch of the four kernels at the GPU test and bench shapes on a GPU with ``sms``
     SMs, loss-only and with gradients (see ``wiola_kernels/triton/aot.py``)."""
     from ..shapes import LCE_BENCH, LCE_GPU_TESTS
-    from .aot import DevicePointer as P, Launch
+    from .aot import DEFAULT_NUM_STAGES, DevicePointer as P, Launch
 
     cases = [(f"test (n, d, V) ({n}, {d}, {V}) {dtype}", n, d, V, dtype) for n, d, V, dtype in LCE_GPU_TESTS]
     cases += [(f"bench {size} (n, d, V) {shape} {dtype}", *shape, dtype)
@@ -448,6 +532,13 @@ def aot_launches(sms: int):
             yield Launch(_lce_rows_kernel, (P(acc), P(torch.int64), P(acc), P(acc), 0, rows, splits, V, -100, 0.1, 1e-4),
                          dict(BLOCK_R=cfg.rows_block, F64=f64), 4, 3, cdiv(rows, cfg.rows_block), case,
                          memory_bound=False)
+        for mean, items, backward in ((True, False, False), (True, True, False), (False, False, False),
+                                      (True, False, True), (True, True, True), (False, False, True)):
+            yield Launch(_lce_reduce_kernel,
+                         (P(torch.int64 if backward else acc), P(torch.int64), P(torch.float64 if items else acc), P(acc),
+                          P(acc), n, -100),
+                         dict(BLOCK=_REDUCE_BLOCK, MEAN=mean, HAS_ITEMS=items, BACKWARD=backward), 4,
+                         DEFAULT_NUM_STAGES, 1, case, memory_bound=False)
         rows = min(n, cfg.chunk)
         for row_grad in (False, True):
             yield Launch(_lce_dlogits_kernel,

@@ -15,9 +15,14 @@ so nothing grows with |z|):
     ∂L/∂γ += g ẑ,         ∂L/∂δ += ∂L/∂z    (summed over rows)
 
 The column sums are done in two stages: each program accumulates its rows into a
-float32 partial of shape (d,), stored in a (programs, d) buffer, and one ``.sum(0)``
-reduces the partials. No atomics, so the result is deterministic (the number of
-programs depends only on the shape and the GPU).
+float32 partial of shape (d,), stored in a (programs, d) buffer, and one more kernel
+(``_norm_partials_sum_kernel``) sums the partials of ∂L/∂γ and ∂L/∂δ over programs and
+writes both in γ's and δ's own dtypes. No atomics, so the result is deterministic (the
+number of programs depends only on the shape and the GPU).
+
+γ and δ are read in their stored dtypes and converted in registers, so a launch never
+waits on a cast or a copy: the forward is one launch and the backward two, whatever the
+dtypes (docs/ops.md, *Launches on CUDA*).
 
 Launch (``_launch_config``, also what ``aot_launches`` compiles ahead of time): a
 persistent grid, each program walking tiles of ``ROWS_PER_STEP`` whole rows. A thread
@@ -36,6 +41,7 @@ HF's).
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -45,7 +51,7 @@ import triton.language as tl
 
 from ..outputs import empty_output
 from ..dtypes import compute_dtype
-from . import cdiv, next_power_of_2
+from . import cdiv, next_power_of_2, sm_count
 
 
 @triton.jit
@@ -63,12 +69,13 @@ def _overflow_scale(ss, m, IS_FP64: tl.constexpr):
 
 
 @triton.jit
-def _load_shift(s_ptr, idx, mask, HAS_SHIFT: tl.constexpr):
-    """δ at ``idx``, or zeros (folded away) when the norm has no shift."""
+def _load_shift(s_ptr, idx, mask, acc_ptr, HAS_SHIFT: tl.constexpr):
+    """δ at ``idx`` (read in its stored dtype) in the accumulation dtype (``acc_ptr``'s element
+    type), or zeros (folded away) when the norm has no shift."""
     if HAS_SHIFT:
-        return tl.load(s_ptr + idx, mask=mask, other=0.0)
+        return tl.load(s_ptr + idx, mask=mask, other=0.0).to(acc_ptr.dtype.element_ty)
     else:
-        return (idx * 0).to(s_ptr.dtype.element_ty)
+        return (idx * 0).to(acc_ptr.dtype.element_ty)
 
 
 @triton.jit
@@ -86,13 +93,13 @@ def _load_input(x_ptr, r_ptr, sum_ptr, offs, mask, acc_ptr, HAS_RESIDUAL: tl.con
 
 
 @triton.jit
-def _load_z_chunk(x_ptr, s_ptr, row, row_mask, cols, c0, d, HAS_SHIFT: tl.constexpr):
+def _load_z_chunk(x_ptr, s_ptr, row, row_mask, cols, c0, d, acc_ptr, HAS_SHIFT: tl.constexpr):
     """``z = x + δ`` of the rows ``row`` at columns ``c0 + cols`` (0 where masked), in the
-    accumulation dtype (δ's: ``s_ptr`` is γ when there is no shift, same dtype)."""
+    accumulation dtype (``acc_ptr``'s element type)."""
     mask = row_mask[:, None] & (c0 + cols < d)[None, :]
     offs = row[:, None] * d + (c0 + cols)[None, :]
-    sc = _load_shift(s_ptr, c0 + cols, c0 + cols < d, HAS_SHIFT)[None, :]
-    return tl.where(mask, tl.load(x_ptr + offs, mask=mask, other=0.0).to(s_ptr.dtype.element_ty) + sc, 0.0)
+    sc = _load_shift(s_ptr, c0 + cols, c0 + cols < d, acc_ptr, HAS_SHIFT)[None, :]
+    return tl.where(mask, tl.load(x_ptr + offs, mask=mask, other=0.0).to(acc_ptr.dtype.element_ty) + sc, 0.0)
 
 
 @triton.jit
@@ -100,10 +107,10 @@ def _rms_norm_fwd_kernel(
     x_ptr,        # (rows, d) input, contiguous
     r_ptr,        # (rows, d) residual, contiguous (add_rms_norm; else not read)
     sum_ptr,      # (rows, d) output s = x + residual, dtype of x (add_rms_norm; else not written)
-    w_ptr,        # (d,) γ in the accumulation dtype
-    s_ptr,        # (d,) δ in the accumulation dtype
+    w_ptr,        # (d,) γ in its stored dtype (converted on load: no per-call cast)
+    s_ptr,        # (d,) δ in its stored dtype (not read without HAS_SHIFT)
     y_ptr,        # (rows, d) output, dtype of x
-    rstd_ptr,     # (rows,) 1/r in the accumulation dtype
+    rstd_ptr,     # (rows,) 1/r in the accumulation dtype (float32, float64 for float64 x): sets it
     rows, d, eps,
     ROWS_PER_STEP: tl.constexpr,  # rows per tile, all loaded before the first reduction
     BLOCK_D: tl.constexpr,        # next power of two >= d (a whole row per tile), or the chunk width (WIDE)
@@ -116,11 +123,11 @@ def _rms_norm_fwd_kernel(
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     cols = tl.arange(0, BLOCK_D)
-    acc_ty = w_ptr.dtype.element_ty
+    acc_ty = rstd_ptr.dtype.element_ty
     if not WIDE:
         col_mask = cols < d
-        w = tl.load(w_ptr + cols, mask=col_mask, other=0.0)[None, :]
-        s = _load_shift(s_ptr, cols, col_mask, HAS_SHIFT)[None, :]
+        w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(acc_ty)[None, :]
+        s = _load_shift(s_ptr, cols, col_mask, rstd_ptr, HAS_SHIFT)[None, :]
     for first in range(pid * ROWS_PER_STEP, rows, programs * ROWS_PER_STEP):
         row = tl.arange(0, ROWS_PER_STEP).to(tl.int64) + first  # int64: rows * d can pass 2^31
         row_mask = row < rows
@@ -128,8 +135,8 @@ def _rms_norm_fwd_kernel(
             if HAS_RESIDUAL:  # the sum first; the passes below read it back (from L2) as they read x
                 for c0 in range(0, d, BLOCK_D):
                     mask = row_mask[:, None] & (c0 + cols < d)[None, :]
-                    _load_input(x_ptr, r_ptr, sum_ptr, row[:, None] * d + (c0 + cols)[None, :], mask, w_ptr, True,
-                                True)
+                    _load_input(x_ptr, r_ptr, sum_ptr, row[:, None] * d + (c0 + cols)[None, :], mask, rstd_ptr,
+                                True, True)
                 tl.debug_barrier()  # another thread may read an element this one wrote
                 in_ptr = sum_ptr
             else:
@@ -138,19 +145,19 @@ def _rms_norm_fwd_kernel(
             # after the loop rather than per chunk (one barrier, not one per chunk).
             ss_cols = tl.zeros((ROWS_PER_STEP, BLOCK_D), acc_ty)
             for c0 in range(0, d, BLOCK_D):
-                z = _load_z_chunk(in_ptr, s_ptr, row, row_mask, cols, c0, d, HAS_SHIFT)
+                z = _load_z_chunk(in_ptr, s_ptr, row, row_mask, cols, c0, d, rstd_ptr, HAS_SHIFT)
                 ss_cols += z * z
             ss = tl.sum(ss_cols, axis=1)
             scale = tl.full((ROWS_PER_STEP,), 1.0, acc_ty)
             if tl.max(ss, axis=0) == float("inf"):  # rare: max|z|, then Σ(s·z)² for the rescaled rows
                 m_cols = tl.zeros((ROWS_PER_STEP, BLOCK_D), acc_ty)
                 for c0 in range(0, d, BLOCK_D):
-                    z = _load_z_chunk(in_ptr, s_ptr, row, row_mask, cols, c0, d, HAS_SHIFT)
+                    z = _load_z_chunk(in_ptr, s_ptr, row, row_mask, cols, c0, d, rstd_ptr, HAS_SHIFT)
                     m_cols = tl.maximum(m_cols, tl.abs(z))
                 scale = _overflow_scale(ss, tl.max(m_cols, axis=1), IS_FP64)
                 ss_cols = tl.zeros((ROWS_PER_STEP, BLOCK_D), acc_ty)
                 for c0 in range(0, d, BLOCK_D):
-                    z = _load_z_chunk(in_ptr, s_ptr, row, row_mask, cols, c0, d, HAS_SHIFT)
+                    z = _load_z_chunk(in_ptr, s_ptr, row, row_mask, cols, c0, d, rstd_ptr, HAS_SHIFT)
                     z = z * scale[:, None]
                     ss_cols += z * z
                 ss = tl.where(scale != 1.0, tl.sum(ss_cols, axis=1), ss)
@@ -159,8 +166,8 @@ def _rms_norm_fwd_kernel(
             for c0 in range(0, d, BLOCK_D):  # pass 2 (the row is in L1/L2 now): y
                 mask = row_mask[:, None] & (c0 + cols < d)[None, :]
                 offs = row[:, None] * d + (c0 + cols)[None, :]
-                wc = tl.load(w_ptr + c0 + cols, mask=c0 + cols < d, other=0.0)[None, :]
-                sc = _load_shift(s_ptr, c0 + cols, c0 + cols < d, HAS_SHIFT)[None, :]
+                wc = tl.load(w_ptr + c0 + cols, mask=c0 + cols < d, other=0.0).to(acc_ty)[None, :]
+                sc = _load_shift(s_ptr, c0 + cols, c0 + cols < d, rstd_ptr, HAS_SHIFT)[None, :]
                 z = tl.load(in_ptr + offs, mask=mask, other=0.0).to(acc_ty) + sc
                 n = (z * scale[:, None]) * rstd_s[:, None]
                 if HF_ORDER:
@@ -169,7 +176,8 @@ def _rms_norm_fwd_kernel(
         else:
             mask = row_mask[:, None] & col_mask[None, :]
             offs = row[:, None] * d + cols[None, :]
-            z = tl.where(mask, _load_input(x_ptr, r_ptr, sum_ptr, offs, mask, w_ptr, HAS_RESIDUAL, True) + s, 0.0)
+            z = tl.where(mask, _load_input(x_ptr, r_ptr, sum_ptr, offs, mask, rstd_ptr, HAS_RESIDUAL, True) + s,
+                         0.0)
             ss = tl.sum(z * z, axis=1)
             scale = tl.full((ROWS_PER_STEP,), 1.0, acc_ty)
             if tl.max(ss, axis=0) == float("inf"):  # no NaN in z; rare, so a branch rather than a select
@@ -200,12 +208,12 @@ def _rms_norm_bwd_kernel(
     g_ptr,        # (rows, d) ∂L/∂y, contiguous
     gs_ptr,       # (rows, d) add_rms_norm's ∂L/∂s, added to ∂L/∂x (HAS_GRAD_S; else not read)
     x_ptr,        # (rows, d) input (add_rms_norm: s)
-    w_ptr,        # (d,) γ, accumulation dtype
-    s_ptr,        # (d,) δ, accumulation dtype
-    rstd_ptr,     # (rows,) saved 1/r
+    w_ptr,        # (d,) γ in its stored dtype (converted on load)
+    s_ptr,        # (d,) δ in its stored dtype (not read without HAS_SHIFT)
+    rstd_ptr,     # (rows,) saved 1/r, accumulation dtype: sets it
     dx_ptr,       # (rows, d) ∂L/∂x, dtype of x
-    dw_partial_ptr,  # (programs, d) per-program partial of ∂L/∂γ
-    ds_partial_ptr,  # (programs, d) per-program partial of ∂L/∂δ
+    dw_partial_ptr,  # (programs, d) per-program partial of ∂L/∂γ, accumulation dtype
+    ds_partial_ptr,  # (programs, d) per-program partial of ∂L/∂δ, accumulation dtype
     rows, d,
     ROWS_PER_STEP: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -217,7 +225,7 @@ def _rms_norm_bwd_kernel(
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     cols = tl.arange(0, BLOCK_D)
-    acc_ty = w_ptr.dtype.element_ty
+    acc_ty = rstd_ptr.dtype.element_ty
     part = pid.to(tl.int64) * d  # this program's row of the (programs, d) partials
     if WIDE:
         for c0 in range(0, d, BLOCK_D):
@@ -226,8 +234,8 @@ def _rms_norm_bwd_kernel(
                 tl.store(ds_partial_ptr + part + c0 + cols, tl.zeros((BLOCK_D,), acc_ty), mask=c0 + cols < d)
     else:
         col_mask = cols < d
-        w = tl.load(w_ptr + cols, mask=col_mask, other=0.0)[None, :]
-        s = _load_shift(s_ptr, cols, col_mask, HAS_SHIFT)[None, :]
+        w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(acc_ty)[None, :]
+        s = _load_shift(s_ptr, cols, col_mask, rstd_ptr, HAS_SHIFT)[None, :]
         dw_acc = tl.zeros((BLOCK_D,), acc_ty)
         ds_acc = tl.zeros((BLOCK_D,), acc_ty)
     for first in range(pid * ROWS_PER_STEP, rows, programs * ROWS_PER_STEP):
@@ -240,8 +248,8 @@ def _rms_norm_bwd_kernel(
                 cm = c0 + cols < d
                 mask = row_mask[:, None] & cm[None, :]
                 offs = row[:, None] * d + (c0 + cols)[None, :]
-                wc = tl.load(w_ptr + c0 + cols, mask=cm, other=0.0)[None, :]
-                sc = _load_shift(s_ptr, c0 + cols, cm, HAS_SHIFT)[None, :]
+                wc = tl.load(w_ptr + c0 + cols, mask=cm, other=0.0).to(acc_ty)[None, :]
+                sc = _load_shift(s_ptr, c0 + cols, cm, rstd_ptr, HAS_SHIFT)[None, :]
                 x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(acc_ty)
                 g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(acc_ty)
                 c += tl.sum(g * wc * (tl.where(mask, x + sc, 0.0) * rstd), axis=1)
@@ -250,8 +258,8 @@ def _rms_norm_bwd_kernel(
                 cm = c0 + cols < d
                 mask = row_mask[:, None] & cm[None, :]
                 offs = row[:, None] * d + (c0 + cols)[None, :]
-                wc = tl.load(w_ptr + c0 + cols, mask=cm, other=0.0)[None, :]
-                sc = _load_shift(s_ptr, c0 + cols, cm, HAS_SHIFT)[None, :]
+                wc = tl.load(w_ptr + c0 + cols, mask=cm, other=0.0).to(acc_ty)[None, :]
+                sc = _load_shift(s_ptr, c0 + cols, cm, rstd_ptr, HAS_SHIFT)[None, :]
                 x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(acc_ty)
                 g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(acc_ty)
                 z_hat = tl.where(mask, x + sc, 0.0) * rstd
@@ -283,6 +291,43 @@ def _rms_norm_bwd_kernel(
             tl.store(ds_partial_ptr + part + cols, ds_acc, mask=col_mask)
 
 
+@triton.jit
+def _norm_partials_sum_kernel(
+    dw_partial_ptr,  # (programs, d) partials of ∂L/∂γ, accumulation dtype
+    ds_partial_ptr,  # (programs, d) partials of ∂L/∂δ (HAS_SHIFT; else not read)
+    dw_ptr,          # (d,) ∂L/∂γ, γ's dtype
+    ds_ptr,          # (d,) ∂L/∂δ, δ's dtype (HAS_SHIFT; else not written)
+    programs, d,
+    BLOCK_P: tl.constexpr,  # partial rows summed per step
+    BLOCK_D: tl.constexpr,  # columns per program
+    HAS_SHIFT: tl.constexpr,
+):
+    """The backward's second stage: column sums of the (programs, d) partials, in a fixed
+    order (deterministic), rounded once to the gradients' dtypes."""
+    cols = tl.program_id(0).to(tl.int64) * BLOCK_D + tl.arange(0, BLOCK_D)
+    col_mask = cols < d
+    acc_ty = dw_partial_ptr.dtype.element_ty
+    dw = tl.zeros((BLOCK_P, BLOCK_D), acc_ty)
+    ds = tl.zeros((BLOCK_P, BLOCK_D), acc_ty)
+    for p0 in range(0, programs, BLOCK_P):
+        p = tl.arange(0, BLOCK_P).to(tl.int64) + p0
+        mask = (p < programs)[:, None] & col_mask[None, :]
+        offs = p[:, None] * d + cols[None, :]
+        dw += tl.load(dw_partial_ptr + offs, mask=mask, other=0.0)
+        if HAS_SHIFT:
+            ds += tl.load(ds_partial_ptr + offs, mask=mask, other=0.0)
+    tl.store(dw_ptr + cols, tl.sum(dw, axis=0).to(dw_ptr.dtype.element_ty), mask=col_mask)
+    if HAS_SHIFT:
+        tl.store(ds_ptr + cols, tl.sum(ds, axis=0).to(ds_ptr.dtype.element_ty), mask=col_mask)
+
+
+# The partials' column sums: 32 columns (128 B of float32 per partial row) per program,
+# 64 partial rows per step (16 loads in flight per thread with 4 warps).
+_SUM_BLOCK_D = 32
+_SUM_BLOCK_P = 64
+_SUM_WARPS = 4
+
+
 # Bytes a thread loads from each row per step: one 128-bit access.
 _BYTES_PER_THREAD_ROW = 16
 # Input bytes a thread keeps in flight per step (forward; the backward loads x and g,
@@ -309,6 +354,7 @@ class LaunchConfig:
     wide: bool  # rows walked in block_d chunks
 
 
+@functools.lru_cache(maxsize=4096)  # a launch plan per shape, dtype size and GPU: computed once
 def _launch_config(rows: int, d: int, element_size: int, loads_per_row: int, sms: int | None) -> LaunchConfig:
     """The launch of either kernel for ``rows`` rows of width ``d`` (``element_size``
     bytes each; ``loads_per_row`` row tensors read per row: 1 forward, 2 backward; with
@@ -335,13 +381,10 @@ def _launch_config(rows: int, d: int, element_size: int, loads_per_row: int, sms
     return LaunchConfig(block_d, rows_per_step, num_warps, programs, wide)
 
 
-def _sms(device: torch.device) -> int | None:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else None
-
-
 def norm_fwd(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, shift: torch.Tensor | None,
              eps: float, hf_order: bool = False) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """Launch the forward on contiguous ``x (rows, d)``; returns ``(y, s, rstd)``.
+    """Launch the forward on contiguous ``x (rows, d)``; returns ``(y, s, rstd)``. ``weight``
+    and ``shift`` are contiguous ``(d,)`` tensors of any float dtype (read as they are).
     ``residual`` (contiguous, x's shape; add_rms_norm): the rows normalised are
     ``s = x + residual`` rounded to x's dtype, also returned (else s is None).
     ``shift=None``: δ = 0; ``hf_order``: Hugging Face's rounding order."""
@@ -352,11 +395,10 @@ def norm_fwd(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tenso
     rstd = empty_output((rows,), dtype=acc, device=x.device)
     if rows == 0:
         return y, s, rstd
-    cfg = _launch_config(rows, d, x.element_size(), 1 if residual is None else 2, _sms(x.device))
-    w = weight.to(acc).contiguous()
+    cfg = _launch_config(rows, d, x.element_size(), 1 if residual is None else 2, sm_count(x.device))
     _rms_norm_fwd_kernel[(cfg.programs,)](
-        x, x if residual is None else residual, y if s is None else s, w,
-        w if shift is None else shift.to(acc).contiguous(), y, rstd, rows, d, eps,
+        x, x if residual is None else residual, y if s is None else s, weight,
+        weight if shift is None else shift, y, rstd, rows, d, eps,
         ROWS_PER_STEP=cfg.rows_per_step, BLOCK_D=cfg.block_d, IS_FP64=acc == torch.float64, WIDE=cfg.wide,
         HAS_SHIFT=shift is not None, HF_ORDER=bool(hf_order), HAS_RESIDUAL=residual is not None,
         num_warps=cfg.num_warps)
@@ -364,24 +406,31 @@ def norm_fwd(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tenso
 
 
 def norm_bwd(grad_y, grad_s, x, weight, shift, rstd):
-    """Launch the backward on contiguous rows; returns ``(grad_x, grad_weight, grad_shift)``
-    (``grad_shift`` None when ``shift`` is). ``grad_s`` (add_rms_norm; ``x`` is then s) is
+    """Launch the backward on contiguous rows (two launches: the rows, then the column sums of
+    the partials); returns ``(grad_x, grad_weight, grad_shift)`` in the dtypes of ``x``,
+    ``weight`` and ``shift`` (``grad_shift`` None when ``shift`` is). ``grad_s`` (add_rms_norm; ``x`` is then s) is
     added to ``grad_x``; None: nothing added."""
     rows, d = x.shape
-    acc = compute_dtype(x.dtype)
     grad_x = empty_output((rows, d), dtype=x.dtype, device=x.device)
     if rows == 0:
         return grad_x, torch.zeros_like(weight), None if shift is None else torch.zeros_like(shift)
-    cfg = _launch_config(rows, d, x.element_size(), 2 if grad_s is None else 3, _sms(x.device))
-    dw_partial = empty_output((cfg.programs, d), dtype=acc, device=x.device)
-    ds_partial = dw_partial if shift is None else empty_output((cfg.programs, d), dtype=acc, device=x.device)
-    w = weight.to(acc).contiguous()
+    cfg = _launch_config(rows, d, x.element_size(), 2 if grad_s is None else 3, sm_count(x.device))
+    # One allocation for both partials (rstd's dtype is the accumulation dtype); δ's starts at a
+    # 16-byte boundary, as the compiled variants assume of every pointer.
+    size = cfg.programs * d
+    stride = cdiv(size, 4) * 4
+    partials = empty_output((stride + size if shift is not None else size,), dtype=rstd.dtype, device=x.device)
+    dw_partial, ds_partial = partials[:size], partials[stride:] if shift is not None else partials
     _rms_norm_bwd_kernel[(cfg.programs,)](
-        grad_y, grad_y if grad_s is None else grad_s, x, w, w if shift is None else shift.to(acc).contiguous(), rstd,
+        grad_y, grad_y if grad_s is None else grad_s, x, weight, weight if shift is None else shift, rstd,
         grad_x, dw_partial, ds_partial, rows, d, ROWS_PER_STEP=cfg.rows_per_step, BLOCK_D=cfg.block_d, WIDE=cfg.wide,
         HAS_SHIFT=shift is not None, HAS_GRAD_S=grad_s is not None, num_warps=cfg.num_warps)
-    grad_shift = None if shift is None else ds_partial.sum(0).to(shift.dtype)
-    return grad_x, dw_partial.sum(0).to(weight.dtype), grad_shift
+    grad_weight = empty_output((d,), dtype=weight.dtype, device=x.device)
+    grad_shift = None if shift is None else empty_output((d,), dtype=shift.dtype, device=x.device)
+    _norm_partials_sum_kernel[(cdiv(d, _SUM_BLOCK_D),)](
+        dw_partial, ds_partial, grad_weight, grad_weight if grad_shift is None else grad_shift, cfg.programs, d,
+        BLOCK_P=_SUM_BLOCK_P, BLOCK_D=_SUM_BLOCK_D, HAS_SHIFT=shift is not None, num_warps=_SUM_WARPS)
+    return grad_x, grad_weight, grad_shift
 
 
 def rms_norm_fwd(x: torch.Tensor, weight: torch.Tensor, shift: torch.Tensor | None,
@@ -420,12 +469,16 @@ def norm_launches(case: str, shape: tuple, dtype: torch.dtype, sms: int, *, resi
     acc = compute_dtype(dtype)
     element_size = torch.empty((), dtype=dtype).element_size()
     fwd = _launch_config(rows, d, element_size, 1 + residual, sms)
-    yield Launch(_rms_norm_fwd_kernel, (P(dtype),) * 3 + (P(acc), P(acc), P(dtype), P(acc), rows, d, 1e-6),
+    # γ and δ in x's dtype, as the GPU tests, the bench and the models pass them.
+    yield Launch(_rms_norm_fwd_kernel, (P(dtype),) * 6 + (P(acc), rows, d, 1e-6),
                  dict(ROWS_PER_STEP=fwd.rows_per_step, BLOCK_D=fwd.block_d, IS_FP64=acc == torch.float64,
                       WIDE=fwd.wide, HAS_SHIFT=shift, HF_ORDER=hf_order, HAS_RESIDUAL=residual),
                  fwd.num_warps, DEFAULT_NUM_STAGES, fwd.programs, case)
     bwd = _launch_config(rows, d, element_size, 2 + residual, sms)
-    yield Launch(_rms_norm_bwd_kernel, (P(dtype),) * 3 + (P(acc), P(acc), P(acc), P(dtype), P(acc), P(acc), rows, d),
+    yield Launch(_rms_norm_bwd_kernel, (P(dtype),) * 5 + (P(acc), P(dtype), P(acc), P(acc), rows, d),
                  dict(ROWS_PER_STEP=bwd.rows_per_step, BLOCK_D=bwd.block_d, WIDE=bwd.wide, HAS_SHIFT=shift,
                       HAS_GRAD_S=residual),
                  bwd.num_warps, DEFAULT_NUM_STAGES, bwd.programs, case)
+    yield Launch(_norm_partials_sum_kernel, (P(acc), P(acc), P(dtype), P(dtype), bwd.programs, d),
+                 dict(BLOCK_P=_SUM_BLOCK_P, BLOCK_D=_SUM_BLOCK_D, HAS_SHIFT=shift),
+                 _SUM_WARPS, DEFAULT_NUM_STAGES, cdiv(d, _SUM_BLOCK_D), case, memory_bound=False)
