@@ -289,6 +289,42 @@ def test_cpp_block_equals_the_models_block(dtype, next_norm, slots):
 
 
 @needs_gemv
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("scale", [1.0, 1e20])
+def test_cpp_block_norm_rows_are_the_ops(dtype, scale):
+    # The next norm the C++ block returns, y = WRMSNorm(X''), against the add_rms_norm op on the
+    # same rows (X'' + 0), bit for bit: γ and δ random, so rounding γ·(z·r⁻¹) instead of the op's
+    # (γ·z)·r⁻¹ shows in float32; and rows of magnitude 1e20, whose squares overflow float32
+    # (the op rescales; a plain Σz² gives r⁻¹ = 0).
+    from wiola_kernels import add_rms_norm, decode_block
+
+    model = tiny(dtype, num_key_value_heads=2)
+    g = torch.Generator().manual_seed(28)
+    b, d = 3, model.config.hidden_size
+    with torch.no_grad():
+        cache = model(torch.randint(3, 200, (b, 5), generator=g), use_cache=True).cache
+        block, nxt = model.model.layers[0], model.model.layers[1].attn_norm
+        for norm in (block.ffn_norm, nxt):
+            norm.weight.copy_(torch.rand(d, generator=g) + 0.5)
+            norm.shift.copy_(torch.randn(d, generator=g))
+        x = (randn(g, b, 1, d) * scale).to(dtype)
+        a, f = block.attn, block.ffn
+        weights = [a.q_proj.weight, a.k_proj.weight, a.v_proj.weight, a.o_proj.weight, a.kc_proj.weight,
+                   a.vc_proj.weight, f.w_n1.weight, f.w_n3.weight, f.w_w1.weight, f.w_w3.weight, f.w_n2.weight,
+                   f.w_w2.weight]
+        k_buf, v_buf, past = cache.layers[0].append_buffers(b, a.n_kv_head, a.head_dim, dtype)
+        s = a.srpe
+        out, y, _, _ = decode_block.decode_block(
+            x, block.attn_norm(x), weights, (block.ffn_norm.weight, block.ffn_norm.shift, block.ffn_norm.eps),
+            (nxt.weight, nxt.shift, nxt.eps), f.beta, a.gate, k_buf, v_buf, past, torch.full((b, 1), 5), a.n_head,
+            theta=s.theta, spiral_divisor=s.spiral_divisor, radial_amplitude=s.radial_amplitude,
+            radial_frequency=s.radial_frequency)
+        want, total = add_rms_norm(out, torch.zeros_like(out), nxt.weight, nxt.shift, nxt.eps)
+    assert torch.equal(total, out) and torch.isfinite(want).all() and want.abs().amax() > 0.1
+    assert torch.equal(y, want)
+
+
+@needs_gemv
 @pytest.mark.parametrize("lookback", [0, 1, 2])
 def test_fused_attention_runs_once_per_block(lookback, monkeypatch):
     # Without the C++ block (wiola_kernels.decode_block), a one-position step's attention

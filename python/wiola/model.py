@@ -27,6 +27,11 @@ keys of this forward are real, ``(B, past + T)`` bool, None without padding);
 ``summary(layer, x)`` (the causal summaries of the new positions, continuing that layer's
 running sum, SPEC §5.1); ``append_buffers(layer, B, H_kv, d_h, dtype)`` / ``appended(layer,
 end)`` (room for one position, for ``decode_attention``; None where it has none).
+
+    model = Wiola(WiolaConfig.from_name("wiola-tiny"))
+    hidden = model(ids)                                                  # (B, T, d)
+    logits, _ = logits_and_loss(hidden, model.embed_tokens.weight)       # (B, T, V)
+    _, loss = logits_and_loss(hidden, model.embed_tokens.weight, ids)     # no (B, T, V) tensor formed
 """
 
 from __future__ import annotations
@@ -294,7 +299,7 @@ class Wiola(nn.Module):
     """Embedding, L blocks with the summary context, final norm (``wiola.WiolaModel`` is this
     module with Hugging Face's base class and input checks)."""
 
-    def __init__(self, config: WiolaConfig):
+    def __init__(self, config: WiolaConfig, init: bool = True):
         super().__init__()
         config.check()
         self.config = config
@@ -302,6 +307,22 @@ class Wiola(nn.Module):
         self.layers = nn.ModuleList(WiolaBlock(config, i) for i in range(config.num_hidden_layers))
         self.norm = WiolaRMSNorm(config.hidden_size, config.rms_norm_eps)         # WRMSNorm_final
         self.gradient_checkpointing = False
+        if init:  # (Hugging Face's post_init does it for wiola.WiolaModel)
+            self.init_weights()
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """The initial values: every matrix N(0, initializer_range²), γ = 1, δ = 0, g = g₀, β = 0."""
+        for m in self.modules():
+            if isinstance(m, (nn.Linear, nn.Embedding)):
+                m.weight.normal_(0.0, self.config.initializer_range)
+            elif isinstance(m, WiolaRMSNorm):
+                m.weight.fill_(1.0)
+                m.shift.zero_()
+            elif isinstance(m, WiolaAttention):
+                m.gate.fill_(float(self.config.gcla_gate_init))
+            elif isinstance(m, WiolaDSFF):
+                m.beta.zero_()
 
     def forward(self, input_ids: Tensor | None = None, position_ids: Tensor | None = None, cache=None,
                 lengths: Tensor | None = None, inputs_embeds: Tensor | None = None,
@@ -321,8 +342,8 @@ class Wiola(nn.Module):
             else position_ids                                                        # (B, T)
         if hidden_states is not None:
             hidden_states.append(x)
-        run = [layer for layer in layers]
-        if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
+        run = list(layers)
+        if self.gradient_checkpointing and self.training and torch.is_grad_enabled():  # recomputed in backward
             func = getattr(self, "_gradient_checkpointing_func", partial(checkpoint, use_reentrant=False))
             run = [partial(func, layer.__call__) for layer in layers]
         summaries: list[Tensor] = []  # s⁽ˡ⁾ (B, S, d) of the last Λ layers, oldest first

@@ -24,7 +24,6 @@ import contextlib
 import dataclasses
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers import GenerationMixin, PreTrainedModel
 from transformers import initialization as init
@@ -247,7 +246,7 @@ class WiolaModel(WiolaPreTrainedModel):
 
     def __init__(self, config: WiolaConfig):
         super().__init__(config)
-        core = Wiola(config)  # the same modules, under the same state_dict keys
+        core = Wiola(config, init=False)  # the same modules, under the same state_dict keys; post_init inits
         self.embed_tokens, self.layers, self.norm = core.embed_tokens, core.layers, core.norm
         self.gradient_checkpointing = False
         self.post_init()
