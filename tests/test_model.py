@@ -209,8 +209,17 @@ def test_reference_and_auto_backends_agree(mode, training):
 
 
 def test_gradient_checkpointing_from_the_config():
-    model = WiolaForCausalLM(small(gradient_checkpointing=True))
-    assert model.is_gradient_checkpointing and model.model.layers[0].gradient_checkpointing
+    # The config's flag turns checkpointing on: in training, the backward runs every block's
+    # forward a second time (the recomputation), and not without the flag.
+    for flag in (True, False):
+        model = WiolaForCausalLM(small(gradient_checkpointing=flag)).train()
+        assert model.is_gradient_checkpointing == flag
+        calls = []
+        for layer in model.model.layers:
+            layer.register_forward_pre_hook(lambda *args: calls.append(1))
+        ids = torch.randint(3, 259, (1, 8), generator=torch.Generator().manual_seed(1))
+        model(ids, labels=ids).loss.backward()
+        assert len(calls) == (2 if flag else 1) * len(model.model.layers)
 
 
 def test_gradient_checkpointing_gives_the_same_gradients():

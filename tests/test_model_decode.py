@@ -9,7 +9,7 @@ import torch
 
 from wiola import WiolaConfig, WiolaForCausalLM, decode
 from wiola.decode import GrowingKV, cached_attention
-from wiola.modeling_wiola import WiolaCache, WiolaModel
+from wiola.modeling_wiola import WiolaCache
 from wiola_kernels.reference.gcla_attention import gcla_attention_forward
 from wiola_kernels.testing import assert_close_rel, available_cpu_isas, cpu_isa, tolerance
 
@@ -114,22 +114,18 @@ def decode_logits(model, ids, prompt):
 
 
 @pytest.mark.parametrize("dtype", [F64, torch.float32])
-@pytest.mark.parametrize("packing", [True, False])
-def test_decoding_steps_equal_the_full_forward(dtype, packing, monkeypatch):
-    monkeypatch.setattr(WiolaModel, "decode_packing", packing)
+def test_decoding_steps_equal_the_full_forward(dtype):
     model = tiny(dtype, num_key_value_heads=2)  # H 4, H_kv 2: the h mod H_kv grouping matters
     ids = torch.randint(3, model.config.vocab_size, (2, 14), generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
         full = model(ids, use_cache=False).logits
     got = decode_logits(model, ids, 6)
     assert_close_rel(got, full, tolerance(dtype, "attention"), "decoded logits")
-    assert (model.model._decode_weights is not None) == packing
 
 
-def test_packed_copies_follow_the_weights(monkeypatch):
+def test_decoding_follows_the_weights():
     # An in-place change of a parameter (an optimizer step, load_state_dict) after decoding
     # must reach the next decoding step: oracle, the full forward of the changed model.
-    monkeypatch.setattr(WiolaModel, "decode_packing", True)
     model = tiny()
     ids = torch.randint(3, model.config.vocab_size, (1, 10), generator=torch.Generator().manual_seed(6))
     decode_logits(model, ids, 5)
@@ -140,8 +136,6 @@ def test_packed_copies_follow_the_weights(monkeypatch):
             p.add_(torch.randn(p.shape, generator=g) * 0.05)
         full = model(ids, use_cache=False).logits
     assert_close_rel(decode_logits(model, ids, 5), full, tolerance(torch.float32, "attention"), "after the change")
-    model.train()
-    assert model.model._decode_weights is None  # train() frees the copies
 
 
 def test_padded_batch_decodes_each_row_as_alone():
@@ -164,8 +158,8 @@ needs_gemv = pytest.mark.skipif(not decode.gemv_applies(torch.float32, torch.dev
 
 
 def held_storages(model) -> dict[int, int]:
-    """``{storage address: bytes}`` of every tensor the model holds: parameters, buffers and
-    whatever decoding keeps (``_decode_weights``), walked through containers and objects."""
+    """``{storage address: bytes}`` of every tensor the model holds: its parameters and buffers,
+    and any tensor an attribute of one of its modules keeps, walked through containers and objects."""
     found: dict[int, int] = {}
 
     def walk(obj, depth=0):
@@ -183,7 +177,8 @@ def held_storages(model) -> dict[int, int]:
 
     for t in [*model.parameters(), *model.buffers()]:
         walk(t)
-    walk(model.model._decode_weights)
+    for module in model.modules():
+        walk({k: v for k, v in vars(module).items() if not k.startswith("_")})
     return found
 
 
@@ -192,59 +187,45 @@ def held_storages(model) -> dict[int, int]:
 @pytest.mark.parametrize("step", [1, 3])
 def test_gemv_steps_equal_the_full_forward(isa, step, monkeypatch):
     # Every projection of a step on the GEMV kernel (both ISA paths where the CPU has AVX-512),
-    # B·T_new = 2 and 6 rows; oracle: the full forward, which runs nn.Linear and the fused ops.
-    monkeypatch.setattr(WiolaModel, "decode_packing", True)
+    # B·T_new = 2 and 6 rows; oracle: the full forward, which runs F.linear and the fused ops.
+    from wiola_kernels import decode_gemv
+
+    rows = []
+    gemv = decode_gemv.gemv
+    monkeypatch.setattr(decode_gemv, "gemv", lambda x, *a, **k: rows.append(x.shape[:-1].numel()) or gemv(x, *a, **k))
     model = tiny(num_key_value_heads=2)
     ids = torch.randint(3, model.config.vocab_size, (2, 14), generator=torch.Generator().manual_seed(15))
     with torch.no_grad(), cpu_isa(None if isa == "auto" else isa):
         full = model(ids, use_cache=False).logits
         out = model(ids[:, :5], use_cache=True)
         pieces, cache = [out.logits], out.cache
+        rows.clear()
         for i in range(5, 14, step):
             out = model(ids[:, i:i + step], cache=cache, use_cache=True)
             pieces.append(out.logits)
     assert_close_rel(torch.cat(pieces, 1), full, tolerance(torch.float32, "attention"), "decoded logits")
-    weights = model.model._decode_weights
-    assert not weights.blocks and weights.head is None  # the kernel read the parameters: no copies
+    # B·T_new = 6 rows a product; one-position steps are one C++ call (test_model_decode_step.py)
+    assert set(rows) == ({6} if step == 3 else set())
 
 
-@pytest.mark.parametrize("gemv,fuse,one_call", [(True, True, True), (True, True, False), (True, False, False),
-                                                 (False, True, False), (False, False, False)])
-def test_decoding_steps_run_the_blocks_own_sequence(gemv, fuse, one_call, monkeypatch):
-    # The block's norms, residual adds and their fusion are written once in Python
-    # (WiolaBlock.sequence) and once in C++ (wiola_kernels.decode_block, the same kernels in the
-    # same order): a decoding step on the GEMV kernel with the add-and-norm fusion on runs the
-    # whole step as one C++ call (wiola_kernels.decode_step, which runs the C++ block for every
-    # block) or, without that op, the C++ block from Python for every block; otherwise the
-    # block's own sequence (the packed copies, or the fusion off as the block says). Oracle:
-    # the full forward.
-    from wiola.modeling_wiola import WiolaBlock
+@pytest.mark.parametrize("gemv,one_call", [(True, True), (True, False), (False, False)])
+def test_decoding_steps_run_the_models_blocks(gemv, one_call, monkeypatch):
+    # A decoding step runs each block's own forward (wiola.model), or, where the whole step is
+    # one C++ call (wiola_kernels.decode_step: the GEMV kernel, one unpadded position per row),
+    # that call and no block's Python. Oracle: the full forward.
+    from wiola.model import WiolaBlock
     from wiola_kernels import decode_block, decode_step
 
     if gemv and not decode.gemv_applies(torch.float32, torch.device("cpu")):
         pytest.skip("needs the C++ extension")
-    monkeypatch.setattr(WiolaBlock, "fuse_add_norm", fuse)
     if not one_call:
         monkeypatch.setattr(decode_step, "available", lambda: False)
     model = tiny(torch.float32 if gemv else F64)
-    calls, fused_calls, step_calls = [], [], []
-    sequence, fused, whole = WiolaBlock.sequence, decode_block.decode_block, decode_step.decode_step
-
-    def spy(self, *args, **kwargs):
-        calls.append(self.layer_idx)
-        return sequence(self, *args, **kwargs)
-
-    def fused_spy(*args, **kwargs):
-        fused_calls.append(1)
-        return fused(*args, **kwargs)
-
-    def step_spy(*args, **kwargs):
-        step_calls.append(1)
-        return whole(*args, **kwargs)
-
-    monkeypatch.setattr(WiolaBlock, "sequence", spy)
-    monkeypatch.setattr(decode_block, "decode_block", fused_spy)
-    monkeypatch.setattr(decode_step, "decode_step", step_spy)
+    calls, step_calls = [], []
+    forward, whole = WiolaBlock.forward, decode_step.decode_step
+    monkeypatch.setattr(WiolaBlock, "forward", lambda self, *a, **k: calls.append(self.layer_idx) or forward(self, *a, **k))
+    monkeypatch.setattr(decode_step, "decode_step", lambda *a, **k: step_calls.append(1) or whole(*a, **k))
+    monkeypatch.setattr(decode_block, "decode_block", None)  # never called from Python
     ids = torch.randint(3, model.config.vocab_size, (1, 9), generator=torch.Generator().manual_seed(22))
     with torch.no_grad():
         full = model(ids, use_cache=False).logits
@@ -254,11 +235,8 @@ def test_decoding_steps_run_the_blocks_own_sequence(gemv, fuse, one_call, monkey
         for i in range(6, 9):
             pieces.append(model(ids[:, i:i + 1], cache=cache, use_cache=True).logits)
     layers = model.config.num_hidden_layers
-    in_cpp = gemv and fuse
-    assert calls == ([] if in_cpp else list(range(layers)) * 3)
+    assert calls == ([] if one_call else list(range(layers)) * 3)
     assert len(step_calls) == (3 if one_call else 0)
-    assert len(fused_calls) == (layers * 3 if in_cpp and not one_call else 0)
-    assert (model.model._decode_weights.blocks == {}) == gemv
     dtype = torch.float32 if gemv else F64
     assert_close_rel(torch.cat(pieces, 1), full, tolerance(dtype, "attention"), "decoded logits")
 
@@ -266,33 +244,84 @@ def test_decoding_steps_run_the_blocks_own_sequence(gemv, fuse, one_call, monkey
 @needs_gemv
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("next_norm", [True, False])
-@pytest.mark.parametrize("lookback", [0, 1, 2])
-def test_fused_block_equals_the_python_sequence(dtype, next_norm, lookback, monkeypatch):
-    # The C++ block runs the Python step's GEMV and attention kernels and, between them, its own
-    # loops with the Python step's roundings: the same logits and running summaries to
-    # rounding, with and without the next norm fused into the block (FSDP's sharded norms leave
-    # it to its owner), with no context, one slot and two.
-    from wiola import modeling_wiola
+@pytest.mark.parametrize("slots", [0, 1, 2])
+def test_cpp_block_equals_the_models_block(dtype, next_norm, slots):
+    # wiola_kernels.decode_block (each block of the one-call step) against the model's block
+    # for one new position per row, bit for bit: the output, the next norm of it (or none:
+    # FSDP's sharded norms leave it to their owner), the cached key and value; with no
+    # context, one slot and two.
     from wiola_kernels import decode_block
 
-    if not next_norm:
-        monkeypatch.setattr(modeling_wiola, "holds_its_weights", lambda norm, d: False)
-    model = tiny(dtype, num_key_value_heads=2, gcla_lookback=lookback)
-    ids = torch.randint(3, model.config.vocab_size, (2, 10), generator=torch.Generator().manual_seed(25))
-    runs = {}
-    for fused in (True, False):
-        monkeypatch.setattr(decode_block, "available", lambda fused=fused: fused)
-        with torch.no_grad():
-            out = model(ids[:, :6], use_cache=True)
-            cache, pieces = out.cache, [out.logits]
-            for i in range(6, 10):
-                pieces.append(model(ids[:, i:i + 1], cache=cache, use_cache=True).logits)
-        runs[fused] = torch.cat(pieces, 1), dict(cache.summary_sums)
-    tol = tolerance(dtype, "attention")
-    assert_close_rel(runs[True][0], runs[False][0], tol, "logits")
-    assert runs[True][1].keys() == runs[False][1].keys()
-    for k in runs[True][1]:
-        assert_close_rel(runs[True][1][k], runs[False][1][k], tol, f"summary sum {k}")
+    model = tiny(dtype, num_key_value_heads=2)
+    g = torch.Generator().manual_seed(27 + slots)
+    b, d = 2, model.config.hidden_size
+    ids = torch.randint(3, model.config.vocab_size, (b, 6), generator=g)
+    with torch.no_grad():
+        caches = [model(ids, use_cache=True).cache for _ in range(2)]
+        layer = slots  # layer ℓ reads min(ℓ, Λ = 2) slots
+        block = model.model.layers[layer]
+        x = randn(g, b, 1, d, dtype=dtype)
+        context = randn(g, b, 1, slots, d, dtype=dtype)
+        pos = torch.full((b, 1), 6, dtype=torch.long)
+        nxt = model.model.layers[layer + 1].attn_norm
+        nxt.shift.copy_(randn(g, d, dtype=dtype) * 0.1)
+        normed = block.attn_norm(x)
+        want = block(x, pos, context, normed, None, caches[0], nxt if next_norm else None)
+        a, f = block.attn, block.ffn
+        weights = [a.q_proj.weight, a.k_proj.weight, a.v_proj.weight, a.o_proj.weight, a.kc_proj.weight,
+                   a.vc_proj.weight, f.w_n1.weight, f.w_n3.weight, f.w_w1.weight, f.w_w3.weight, f.w_n2.weight,
+                   f.w_w2.weight]
+        grown = caches[1].layers[layer]
+        k_buf, v_buf, past = grown.append_buffers(b, a.n_kv_head, a.head_dim, dtype)
+        s = a.srpe
+        got = decode_block.decode_block(
+            x, normed, weights, (block.ffn_norm.weight, block.ffn_norm.shift, block.ffn_norm.eps),
+            (nxt.weight, nxt.shift, nxt.eps) if next_norm else None, f.beta, a.gate, k_buf, v_buf, past, pos,
+            a.n_head, theta=s.theta, spiral_divisor=s.spiral_divisor, radial_amplitude=s.radial_amplitude,
+            radial_frequency=s.radial_frequency, context=context if slots else None)
+        grown.appended(past + 1)
+    assert torch.equal(got[0], want[0])
+    assert (got[1] is None) == (want[1] is None) == (not next_norm)
+    if next_norm:
+        assert torch.equal(got[1], want[1])
+    mine, theirs = caches[1].layers[layer], caches[0].layers[layer]
+    assert torch.equal(mine.keys, theirs.keys) and torch.equal(mine.values, theirs.values)
+
+
+@needs_gemv
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("scale", [1.0, 1e20])
+def test_cpp_block_norm_rows_are_the_ops(dtype, scale):
+    # The next norm the C++ block returns, y = WRMSNorm(X''), against the add_rms_norm op on the
+    # same rows (X'' + 0), bit for bit: γ and δ random, so rounding γ·(z·r⁻¹) instead of the op's
+    # (γ·z)·r⁻¹ shows in float32; and rows of magnitude 1e20, whose squares overflow float32
+    # (the op rescales; a plain Σz² gives r⁻¹ = 0).
+    from wiola_kernels import add_rms_norm, decode_block
+
+    model = tiny(dtype, num_key_value_heads=2)
+    g = torch.Generator().manual_seed(28)
+    b, d = 3, model.config.hidden_size
+    with torch.no_grad():
+        cache = model(torch.randint(3, 200, (b, 5), generator=g), use_cache=True).cache
+        block, nxt = model.model.layers[0], model.model.layers[1].attn_norm
+        for norm in (block.ffn_norm, nxt):
+            norm.weight.copy_(torch.rand(d, generator=g) + 0.5)
+            norm.shift.copy_(torch.randn(d, generator=g))
+        x = (randn(g, b, 1, d) * scale).to(dtype)
+        a, f = block.attn, block.ffn
+        weights = [a.q_proj.weight, a.k_proj.weight, a.v_proj.weight, a.o_proj.weight, a.kc_proj.weight,
+                   a.vc_proj.weight, f.w_n1.weight, f.w_n3.weight, f.w_w1.weight, f.w_w3.weight, f.w_n2.weight,
+                   f.w_w2.weight]
+        k_buf, v_buf, past = cache.layers[0].append_buffers(b, a.n_kv_head, a.head_dim, dtype)
+        s = a.srpe
+        out, y, _, _ = decode_block.decode_block(
+            x, block.attn_norm(x), weights, (block.ffn_norm.weight, block.ffn_norm.shift, block.ffn_norm.eps),
+            (nxt.weight, nxt.shift, nxt.eps), f.beta, a.gate, k_buf, v_buf, past, torch.full((b, 1), 5), a.n_head,
+            theta=s.theta, spiral_divisor=s.spiral_divisor, radial_amplitude=s.radial_amplitude,
+            radial_frequency=s.radial_frequency)
+        want, total = add_rms_norm(out, torch.zeros_like(out), nxt.weight, nxt.shift, nxt.eps)
+    assert torch.equal(total, out) and torch.isfinite(want).all() and want.abs().amax() > 0.1
+    assert torch.equal(y, want)
 
 
 @needs_gemv
@@ -346,26 +375,32 @@ def test_fused_attention_leaves_other_cache_layers_to_update(monkeypatch):
     assert_close_rel(torch.cat(pieces, 1), full, tolerance(torch.float32, "attention"), "decoded logits")
 
 
+def without_gemv(monkeypatch) -> None:
+    """Every product of the model on ``F.linear`` (the GEMV kernel said not to apply)."""
+    from wiola_kernels import decode_gemv
+
+    monkeypatch.setattr(decode_gemv, "applies", lambda dtype, device: False)
+
+
 @needs_gemv
-def test_gemv_greedy_tokens_equal_the_unpacked_path(monkeypatch):
+def test_gemv_greedy_tokens_equal_those_of_f_linear(monkeypatch):
     model = tiny()
     prompt = torch.randint(3, model.config.vocab_size, (1, 7), generator=torch.Generator().manual_seed(16))
     runs = {}
-    for packing in (True, False):
-        monkeypatch.setattr(WiolaModel, "decode_packing", packing)
+    for gemv in (True, False):
+        if not gemv:
+            without_gemv(monkeypatch)
         with torch.no_grad():
-            runs[packing] = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=12,
-                                           do_sample=False, pad_token_id=0)
-    assert model.model._decode_weights is None  # packing off drops the copies
+            runs[gemv] = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=12,
+                                        do_sample=False, pad_token_id=0)
     assert torch.equal(runs[True], runs[False])
 
 
 @needs_gemv
-def test_gemv_steps_follow_the_folded_parameters(monkeypatch):
+def test_gemv_steps_follow_the_small_parameters():
     # β (DSFF blend), g (context gate) and the context matrices enter the step through small
     # ops on the kernel's results: changing them in place must reach the next step. Oracle:
     # the full forward of the changed model.
-    monkeypatch.setattr(WiolaModel, "decode_packing", True)
     model = tiny()
     ids = torch.randint(3, model.config.vocab_size, (1, 10), generator=torch.Generator().manual_seed(17))
     decode_logits(model, ids, 5)
@@ -380,10 +415,9 @@ def test_gemv_steps_follow_the_folded_parameters(monkeypatch):
 
 @needs_gemv
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_half_precision_steps_equal_the_models_own_forward(dtype, monkeypatch):
+def test_half_precision_steps_equal_the_models_own_forward(dtype):
     # A bf16/fp16 model decodes on the kernel (16-bit weights widened in registers); oracle:
     # the same model's own forward in that dtype, within SPEC §9's tolerance for it.
-    monkeypatch.setattr(WiolaModel, "decode_packing", True)
     model = tiny(dtype, num_key_value_heads=2)
     assert decode.gemv_applies(dtype, torch.device("cpu"))
     ids = torch.randint(3, model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(19))
@@ -395,10 +429,9 @@ def test_half_precision_steps_equal_the_models_own_forward(dtype, monkeypatch):
 
 
 @needs_gemv
-def test_bf16_greedy_tokens_over_32_steps():
+def test_bf16_greedy_tokens_over_32_steps(monkeypatch):
     # The full wiola-tiny preset in bf16: 32 greedy steps on the kernel, on every ISA path,
-    # give the tokens of the model's own bf16 modules decoding the same prompt (decode_packing
-    # off). bf16 logits tie often in a random model (init 0.02 repeats one token; ties flip on
+    # give the tokens of the model's bf16 products on F.linear decoding the same prompt. bf16 logits tie often in a random model (init 0.02 repeats one token; ties flip on
     # any change of rounding), so the weights are drawn wider (init 0.15, varied tokens) and the
     # prompt is one whose reference keeps every step's top-2 gap above 1% of the top logit
     # (≈ 5 bf16 steps): a real difference in the decoding path flips a token, rounding does not.
@@ -411,12 +444,12 @@ def test_bf16_greedy_tokens_over_32_steps():
             return model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=32,
                                   min_new_tokens=32, do_sample=False, eos_token_id=None, pad_token_id=0)
 
-    model.model.decode_packing = False
-    ref = greedy()
-    with torch.no_grad():
-        top2 = model(ref, use_cache=False).logits[0, 5:-1].float().topk(2, -1).values
+    with monkeypatch.context() as patch:
+        without_gemv(patch)
+        ref = greedy()
+        with torch.no_grad():
+            top2 = model(ref, use_cache=False).logits[0, 5:-1].float().topk(2, -1).values
     assert ((top2[:, 0] - top2[:, 1]) / top2[:, 0].abs()).min() > 0.01 and len(set(ref[0, 6:].tolist())) > 20
-    model.model.decode_packing = True
     for isa in available_cpu_isas("decode_gemv"):
         with cpu_isa(isa):
             got = greedy()
@@ -432,10 +465,12 @@ def test_decoding_holds_no_second_copy_of_the_weights(dtype):
     before = held_storages(model)
     ptrs = [p.data_ptr() for p in model.parameters()]
     prompt = torch.randint(3, model.config.vocab_size, (1, 5), generator=torch.Generator().manual_seed(21))
+    cache_lengths = []
+    model.register_forward_pre_hook(lambda module, args, kwargs: cache_lengths.append(1), with_kwargs=True)
     with torch.no_grad():
         model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=4, do_sample=False,
                        pad_token_id=0)
-    assert model.model._decode_weights is not None  # the decoding path ran
+    assert len(cache_lengths) == 4  # the prompt and three decoding steps
     assert held_storages(model) == before
     assert [p.data_ptr() for p in model.parameters()] == ptrs
     assert all(type(p) is torch.nn.Parameter for p in model.parameters())

@@ -1,6 +1,6 @@
 """A whole cached decoding step in one C++ call (wiola_kernels.decode_step, which the model's
 forward takes through wiola.decode.fused_step): the same logits, running summaries and cache
-as the model's step block by block (bit for bit: the same kernels in the same order), the
+as the model's own step (bit for bit: the same kernels in the same order), the
 float64 full forward as the oracle, the cases that must take the model's own path, and bad
 input."""
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from wiola import WiolaConfig, WiolaForCausalLM
-from wiola.modeling_wiola import WiolaBlock, WiolaCache
+from wiola.modeling_wiola import WiolaCache
 from wiola_kernels import decode_step
 from wiola_kernels.testing import assert_close_rel, tolerance
 
@@ -57,10 +57,10 @@ def run_steps(model, ids, prompt):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("lookback", [0, 1, 2])
 @pytest.mark.parametrize("batch", [1, 3])
-def test_one_call_step_equals_the_step_block_by_block(dtype, lookback, batch, step_calls, monkeypatch):
-    # Oracle: the model's decoding step with each block a C++ call from Python (the op off).
-    # Same kernels in the same order, so the logits, the running summary sums and every
-    # cached key and value are equal bit for bit.
+def test_one_call_step_equals_the_models_own_step(dtype, lookback, batch, step_calls, monkeypatch):
+    # Oracle: the model's own decoding step (wiola.model, the one-call op off): the same
+    # kernels in the same order, the norms' rows those of the add_rms_norm op, so the logits,
+    # the running summary sums and every cached key and value are equal bit for bit.
     model = tiny(dtype, gcla_lookback=lookback)
     ids = ids_for(model, batch, 11, seed=31 + batch)
     runs = {}
@@ -123,18 +123,20 @@ def fallbacks():
         with wiola_kernels.use_backend("reference"):
             return model(ids, cache=cache, use_cache=True)
 
-    def no_fusion(model, ids, cache):  # the test turns WiolaBlock.fuse_add_norm off
+    def sharded_norms(model, ids, cache):  # the test makes the norms look sharded (FSDP)
         return model(ids, cache=cache, use_cache=True)
 
     return [("hidden states", hidden), ("two new tokens", two_tokens), ("inputs_embeds", embeds),
-            ("forced backend", forced_backend), ("add-and-norm fusion off", no_fusion)]
+            ("forced backend", forced_backend), ("sharded norms", sharded_norms)]
 
 
 @pytest.mark.parametrize("name,call", fallbacks(), ids=[f[0] for f in fallbacks()])
 def test_other_forwards_take_the_models_path(name, call, step_calls, monkeypatch):
     # Oracle: the full float32 forward of the whole sequence.
-    if name == "add-and-norm fusion off":
-        monkeypatch.setattr(WiolaBlock, "fuse_add_norm", False)
+    if name == "sharded norms":  # a norm whose parameters another module may not read (FSDP)
+        from wiola import decode, model as wiola_model
+        for module in (decode, wiola_model):
+            monkeypatch.setattr(module, "holds_its_weights", lambda norm, d: False)
     model = tiny()
     ids = ids_for(model, 1, 7, seed=42)
     with torch.no_grad():

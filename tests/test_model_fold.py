@@ -11,7 +11,7 @@ import torch
 from wiola import WiolaConfig
 from wiola import context_fold
 from wiola.context_fold import folded_context_attention
-from wiola.modeling_wiola import WiolaAttention
+from wiola.model import WiolaAttention
 from wiola_kernels.reference.gcla_attention import gcla_attention_forward, gcla_context_kv
 from wiola_kernels.testing import rel_err, tolerance
 
@@ -89,16 +89,14 @@ def test_bad_shapes_are_named():
         folded_context_attention(q, context, w_kc, w_vc, gate[:1])
 
 
-@pytest.mark.parametrize("fold", ["always", "never", "auto"])
 @pytest.mark.parametrize("lengths", [None, [9, 4]])
-def test_attention_layer_with_the_fold_matches_the_spec_reference(lengths, fold):
-    """A whole GCLA layer (causal context S = T, Λ' = 2) against SPEC §5.2–5.4 in float64:
-    the reference attention op fed with the explicitly projected Kᶜ, Vᶜ."""
+def test_attention_layer_matches_the_spec_reference(lengths):
+    """A whole GCLA layer of the model (causal context S = T, Λ' = 2) against SPEC §5.2–5.4 in
+    float64: the reference attention op fed with the explicitly projected Kᶜ, Vᶜ."""
     config = WiolaConfig.from_name("wiola-tiny", hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
                                    head_dim=8)
     torch.manual_seed(0)
     attn = WiolaAttention(config, layer_idx=3).to(F64)
-    attn.fold_context = fold
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():
         attn.gate.copy_(torch.randn(4, generator=g, dtype=F64))
@@ -107,8 +105,7 @@ def test_attention_layer_with_the_fold_matches_the_spec_reference(lengths, fold)
     context = torch.randn(b, t, 2, 32, generator=g, dtype=F64)
     pos = torch.arange(t).expand(b, t)
     lens = None if lengths is None else torch.tensor(lengths)
-    with torch.no_grad():  # "auto" folds here (no gradients, 18 positions)
-        assert attn.folds(context, t, x) == (fold != "never")
+    with torch.no_grad():
         got = attn(x, pos, context, lens)
     q = (x @ attn.q_proj.weight.T).view(b, t, 4, 8).transpose(1, 2)
     k = (x @ attn.k_proj.weight.T).view(b, t, 2, 8).transpose(1, 2)
@@ -118,16 +115,3 @@ def test_attention_layer_with_the_fold_matches_the_spec_reference(lengths, fold)
     out, _ = gcla_attention_forward(q_rot, k_rot, v, q, kc, vc, attn.gate, lens)
     want = out.transpose(1, 2).reshape(b, t, 32) @ attn.o_proj.weight.T
     assert rel_err(got, want) <= tolerance(F64, "attention")
-
-
-def test_auto_folds_only_without_gradients_and_for_short_inputs():
-    config = WiolaConfig.from_name("wiola-tiny", hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
-                                   head_dim=8)
-    attn = WiolaAttention(config, layer_idx=2)
-    x = torch.zeros(1, 4, 32)
-    per_position, shared = torch.zeros(1, 4, 2, 32), torch.zeros(1, 1, 2, 32)
-    assert not attn.folds(per_position, 4, x)  # parameters need gradients: training keeps the fused op
-    with torch.no_grad():
-        assert attn.folds(per_position, 4, x) and not attn.folds(shared, 4, x)
-        assert not attn.folds(torch.zeros(1, 300, 2, 32), 300, torch.zeros(1, 300, 32))
-        assert not attn.folds(torch.zeros(1, 4, 0, 32), 4, x)  # no context slots (layer 0)

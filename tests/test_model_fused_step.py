@@ -1,12 +1,12 @@
-"""The Wiola model's fused training-step pieces (SPEC §10.2, §10.3): DSFF as one up
-projection + :func:`wiola_kernels.glu` per stream + one λ-folded down projection, and every
-norm after the first as :func:`wiola_kernels.add_rms_norm`.
+"""The Wiola model's fused training-step pieces (SPEC §10.2, §10.3): DSFF as the up
+products + :func:`wiola_kernels.glu` per stream + the blended down products, and every norm
+after the first as :func:`wiola_kernels.add_rms_norm`.
 
-The float64 loss and every parameter gradient of the fused model against tests/oracles.py's
-ModelOracle are tests/test_model.py's. Here: the fused model against its own unfused path
-(``WiolaDSFF.fused`` / ``WiolaBlock.fuse_add_norm`` off) in float32; DSFF alone in bf16
-and by float64 ``gradcheck``; a checkpoint written by the model before the fusion loads
-unchanged and gives its logits; a block compiles with ``fullgraph=True``.
+The float64 loss and every parameter gradient of the model against tests/oracles.py's
+ModelOracle are tests/test_model.py's. Here: the float32 model against itself in float64
+(training, ATM on); bf16 autocast against the reference ops' step; DSFF alone in bf16 and by
+float64 ``gradcheck``; a checkpoint written by the model before the fusion loads unchanged
+and gives its logits; a block compiles with ``fullgraph=True``.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 
 import wiola_kernels
 from wiola import WiolaConfig, WiolaForCausalLM
-from wiola.modeling_wiola import StackedLinear, WiolaBlock, WiolaDSFF
+from wiola.model import WiolaDSFF
 from wiola_kernels import WiolaRMSNorm
 from wiola_kernels.reference import dsff as dsff_reference
 from wiola_kernels.testing import rel_err, tolerance
@@ -86,22 +86,20 @@ def test_every_norm_after_the_first_is_add_rms_norm(monkeypatch):
 
 
 @pytest.mark.parametrize("backend", ["auto", "reference"])
-def test_float32_fused_matches_the_unfused_model(backend, monkeypatch):
-    """The same float32 model with and without the fusions (ATM on, training): logits, loss
-    and every parameter gradient, each against the float64 oracle-free unfused path."""
+def test_float32_model_matches_itself_in_float64(backend):
+    """The float32 model in training (ATM on) against the same weights in float64: logits, loss
+    and every parameter gradient."""
     model = make(tiny(kernel_backend=backend, atm_threshold=0.0)).train()
     ids, labels = ids_and_labels(model.config.vocab_size)
 
-    def run():
+    def run(model):
         model.zero_grad(set_to_none=True)
         out = model(ids, labels=labels, use_cache=False, return_logits=True)
         out.loss.backward()
         return out.logits.detach(), out.loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
-    logits, loss, grads = run()
-    monkeypatch.setattr(WiolaDSFF, "fused", False)
-    monkeypatch.setattr(WiolaBlock, "fuse_add_norm", False)
-    ref_logits, ref_loss, ref_grads = run()
+    logits, loss, grads = run(model)
+    ref_logits, ref_loss, ref_grads = run(copy.deepcopy(model).double())
     assert rel_err(logits, ref_logits) <= tolerance(torch.float32)
     assert rel_err(loss, ref_loss) <= tolerance(torch.float32)
     for name, g in ref_grads.items():
@@ -111,12 +109,12 @@ def test_float32_fused_matches_the_unfused_model(backend, monkeypatch):
 DSFF_NAMES = ["w_n1", "w_n3", "w_n2", "w_w1", "w_w3", "w_w2"]
 
 
-def test_bf16_autocast_training_step_is_as_accurate_as_the_unfused_one(monkeypatch):
+def test_bf16_autocast_training_step_is_as_accurate_as_the_reference_ops():
     """CPU bf16 autocast (``python -m wiola train --precision bf16``): the GEMM outputs are
-    bf16 while the residual stream stays float32. Against the float64 model, the fused
-    step's loss is within SPEC §9's bf16 tolerance and each gradient's error is at most
-    twice the unfused step's (both carry bf16 GEMM rounding; tiny gradients, e.g. the first
-    layers' key projections, are dominated by it in either path)."""
+    bf16 while the residual stream stays float32. Against the float64 model, the step's loss
+    is within SPEC §9's bf16 tolerance and each gradient's error is at most twice the same
+    step's on the reference ops (both carry bf16 GEMM rounding; tiny gradients, e.g. the first
+    layers' key projections, are dominated by it in either)."""
     model = make(tiny(atm_enabled=False)).train()
     ids, labels = ids_and_labels(model.config.vocab_size)
     want_loss, want = model_loss_and_grads(copy.deepcopy(model).double(), ids, labels)
@@ -129,9 +127,8 @@ def test_bf16_autocast_training_step_is_as_accurate_as_the_unfused_one(monkeypat
         return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
     loss, grads = run()
-    monkeypatch.setattr(WiolaDSFF, "fused", False)
-    monkeypatch.setattr(WiolaBlock, "fuse_add_norm", False)
-    _, ref_grads = run()
+    with wiola_kernels.use_backend("reference"):
+        _, ref_grads = run()
     assert rel_err(loss, want_loss) <= tolerance(torch.bfloat16)
     for name, g in want.items():
         assert grads[name].dtype == torch.float32, name
@@ -187,20 +184,14 @@ def test_dsff_output_and_gradients_within_spec_tolerance(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("mode", ["no_grad", "inference_mode", "frozen"])
-def test_dsff_without_gradients_makes_no_weight_copy(dtype, mode, monkeypatch):
-    """No gradient wanted (a prompt's forward, evaluation, frozen weights and input): the
-    up projections write their column blocks of ``u`` and the blend scales the outputs —
-    no stacked or λ-scaled weight copy (StackedLinear is not called) — and the output is
-    §7's float64 reference within SPEC tolerance (strided input)."""
+def test_dsff_without_gradients_within_spec_tolerance(dtype, mode):
+    """No gradient wanted (a prompt's forward, evaluation, frozen weights and input; on the CPU
+    a few rows run on the decoding GEMV kernel): §7's float64 reference within SPEC tolerance
+    (strided input)."""
     ffn = _dsff(dtype, d=8, n=8, w=12, seed=3)
     ffn64 = copy.deepcopy(ffn).double()
     x = torch.randn(3, 7, 8, generator=torch.Generator().manual_seed(4)).to(dtype)
     want = dsff_reference(x.double()[:, 1:6], *_params(ffn64))
-
-    def refuse(*args):
-        raise AssertionError("StackedLinear ran without a gradient to compute")
-
-    monkeypatch.setattr(StackedLinear, "apply", refuse)
     out = torch.full((3, 5, 8), float("nan"), dtype=dtype)
     if mode == "frozen":
         ffn.requires_grad_(False)
@@ -212,8 +203,7 @@ def test_dsff_without_gradients_makes_no_weight_copy(dtype, mode, monkeypatch):
 
 
 def test_dsff_without_gradients_compiles_fullgraph():
-    # Under torch.compile the inference path concatenates the four up projections (Dynamo
-    # traces no out= into a view): one graph, §7's float64 reference within tolerance.
+    # Without gradients under torch.compile: one graph, §7's float64 reference within tolerance.
     torch._dynamo.reset()
     ffn = _dsff(torch.float32, seed=5)
     x = torch.randn(2, 5, 8, generator=torch.Generator().manual_seed(6))
@@ -221,18 +211,6 @@ def test_dsff_without_gradients_compiles_fullgraph():
     with torch.no_grad():
         got = torch.compile(ffn, fullgraph=True, backend="inductor")(x)
     assert rel_err(got, want) <= tolerance(torch.float32, "attention")
-
-
-def test_dsff_with_gradients_still_runs_the_stacked_gemm(monkeypatch):
-    # The inference path is only for no gradient: with one wanted, the one stacked GEMM runs.
-    ffn = _dsff(torch.float32)
-    calls = []
-    apply = StackedLinear.apply
-    monkeypatch.setattr(StackedLinear, "apply", lambda *a: calls.append(1) or apply(*a))
-    ffn(torch.randn(2, 8))
-    with torch.no_grad():
-        ffn(torch.randn(2, 8))
-    assert len(calls) == 1
 
 
 def test_checkpoint_saved_before_the_fusion_loads_unchanged():

@@ -8,7 +8,7 @@ dispatch time, about a millisecond per block of wiola-360m. :func:`decode_block`
 block's whole sequence in one C++ call (``torch.ops.wiola._decode_block``,
 ``csrc/cpu/decode_block.cpp``): the GEMVs and the attention through the dispatcher, and the
 work between them as loops over the rows with the roundings of the model's Python decoding
-step (``wiola.decode.DecodeStep``: each op's output rounded to the model's dtype, statistics
+step (``wiola.model``: each op's output rounded to the model's dtype, statistics
 in float32), so the two agree to rounding; only the interpreter and dispatch time goes.
 
 For ``x (B, 1, d)`` (one new position per row) and ``normed = WRMSNorm_ℓ(x)``:

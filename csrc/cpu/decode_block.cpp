@@ -7,22 +7,31 @@
 //   o   = decode_attention(qkv, cache, ctx, gate)           (wiola::_decode_attention)
 //   h', x' = add_rms_norm(W_O o, x, WRMSNorm'_ℓ)             (wiola::_decode_gemv, then here)
 //   u   = [W_n1 | W_n3 | W_w1 | W_w3] h'; a = [SiLU-GLU(u_n) | GELU-GLU(u_w)]   (glu_math.h)
-//   f   = σ(β)·(W_n2 a_n) + (1 − σ(β))·(W_w2 a_w)          (one split-input GEMV, then here)
+//   f   = lerp(W_w2 a_w, W_n2 a_n, σ(β))                   (one split-input GEMV, at::lerp)
 //   y, x'' = add_rms_norm(f, x', next norm)  (or x'' = x' + f without one)
 //   the running causal summary: S ← S + x'', s = S / (past + 1) in x's dtype (SPEC §5.1).
+//
+// The model's step (python/wiola/model.py) runs the same kernels in the same order, so the two
+// are equal bit for bit: both norms are the add_rms_norm op's own rows (rms_norm_rows_forward,
+// rms_norm.h: its rounding order and its overflow guard), and the blend is ATen's lerp and
+// sigmoid, as the model's DSFF calls them (tests/test_model_decode.py,
+// test_model_decode_step.py).
 //
 // Why: at batch 1 each of these is a few microseconds of arithmetic, yet through Python and
 // ATen each cost 10–50 µs: the interpreter, the dispatcher, TensorIterator's setup, and — after
 // every GEMV has streamed tens of MB of weights through the caches — the cold code and
 // metadata of each op (a wiola-360m bf16 step spent ~1 ms a block there, ~20 % of the step).
 // So the GEMVs (called directly, decode_kernels.h) and the attention (through the dispatcher)
-// run their own kernels, and everything between them — both add-and-norms, the two gated
-// activations, the DSFF blend, the summary — is plain vectorised loops over the d-wide rows
-// here, with the roundings of the model's Python step (each op's output rounded to the model's
-// dtype; statistics in float32): the two paths agree to rounding (tests/test_model_decode.py).
+// run their own kernels, and what lies between them — the two gated activations, the
+// summary — is plain vectorised loops over the d-wide rows here, with the roundings of the
+// model's Python step (each op's output rounded to the model's dtype; statistics in float32);
+// the add-and-norms call the op's row code directly, without the dispatcher.
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/ops/add.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/lerp.h>
+#include <ATen/ops/sigmoid.h>
 #include <torch/library.h>
 
 #include <optional>
@@ -32,6 +41,7 @@
 #include "common.h"
 #include "decode_kernels.h"
 #include "glu_math.h"
+#include "rms_norm.h"
 
 namespace wiola::cpu {
 namespace {
@@ -50,48 +60,6 @@ std::vector<float>& scratch(int k, int64_t n) {
 
 using Vf = at::vec::Vectorized<float>;
 using glu_math::GluActivation;
-
-// A (d,) parameter as float32 (norm weights and shifts, β: the model's dtype).
-float* as_float(const at::Tensor& t, std::vector<float>& buf) {
-  const at::Tensor c = t.stride(0) == 1 ? t : t.contiguous();
-  buf.resize(c.numel());
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, c.scalar_type(), "decode_block_param", [&] {
-    const scalar_t* p = c.const_data_ptr<scalar_t>();
-    for (int64_t i = 0; i < c.numel(); ++i) buf[i] = static_cast<float>(p[i]);
-  });
-  return buf.data();
-}
-
-// The residual add and WiolaRMSNorm of one d-wide row (SPEC §3, §10.3): s = a + x rounded to
-// scalar_t (the residual stream), z = s + δ, y = γ ⊙ z / √(mean z² + ε) rounded (y skipped
-// where null). Statistics in float32; `z` is d floats of scratch.
-template <typename scalar_t>
-void add_norm_row(const scalar_t* a, const scalar_t* x, scalar_t* s, scalar_t* y, const float* gamma,
-                  const float* delta, float eps, int64_t d, float* z) {
-  std::vector<float>& xa = scratch(1, d);
-  load_row(a, z, d);
-  load_row(x, xa.data(), d);
-  for (int64_t i = 0; i < d; ++i) z[i] += xa[i];
-  store_row(z, s, d);
-  if (y == nullptr) return;
-  load_row(s, z, d);  // the rounded sum is what the norm reads
-  Vf acc(0.f);
-  int64_t i = 0;
-  for (; i + Vf::size() <= d; i += Vf::size()) {
-    Vf v = Vf::loadu(z + i);
-    if (delta != nullptr) v = v + Vf::loadu(delta + i);
-    v.store(z + i);
-    acc = at::vec::fmadd(v, v, acc);
-  }
-  float sumsq = at::vec::vec_reduce_all<float>([](Vf& p, Vf& q) { return p + q; }, acc);
-  for (; i < d; ++i) {
-    if (delta != nullptr) z[i] += delta[i];
-    sumsq += z[i] * z[i];
-  }
-  const float inv = 1.0f / std::sqrt(sumsq / static_cast<float>(d) + eps);
-  for (i = 0; i < d; ++i) z[i] = gamma[i] * (z[i] * inv);
-  store_row(z, y, d);
-}
 
 // y = act(a) ⊙ b over n elements, rounded to scalar_t (glu_math.h's arithmetic).
 template <GluActivation kAct, typename scalar_t>
@@ -172,61 +140,38 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> decode_block(
                                  radial_amplitude, radial_frequency, context_k, context_v, gate_arg);
   const at::Tensor a = decode_gemv(o.view({b, 1, hd}), weights.slice(kO, 1), false);
   const int64_t n = weights[kN1].size(0), w = weights[kW1].size(0);
-  std::vector<float> gamma1, delta1, gamma2, delta2, beta_f;
-  const float* g1 = as_float(ffn_norm_weight, gamma1);
-  const float* d1 = ffn_norm_shift.has_value() ? as_float(*ffn_norm_shift, delta1) : nullptr;
-  const bool has_next = next_norm_weight.has_value();
-  const float* g2 = has_next ? as_float(*next_norm_weight, gamma2) : nullptr;
-  const float* d2 = has_next && next_norm_shift.has_value() ? as_float(*next_norm_shift, delta2) : nullptr;
-  // λ = σ(β) once per call, with the GLU's exp (glu_math.h)
-  float* lam = as_float(beta, beta_f);
-  {
-    int64_t i = 0;
-    for (; i + Vf::size() <= d; i += Vf::size()) {
-      (Vf(1.0f) / glu_math::one_plus_exp_neg<float>(Vf::loadu(lam + i))).store(lam + i);
-    }
-    for (; i < d; ++i) lam[i] = 1.0f / (1.0f + std::exp(-lam[i]));
-  }
-  const auto opts = x.options().memory_format(at::MemoryFormat::Contiguous);
-  at::Tensor hf = empty_output(x.sizes(), opts), x1 = empty_output(x.sizes(), opts);
-  at::Tensor act = empty_output({b, 1, n + w}, opts);
-  at::Tensor x2 = empty_output(x.sizes(), opts), y = has_next ? empty_output(x.sizes(), opts) : at::empty({0}, opts);
   const at::Tensor xc = x.contiguous();
+  // h', x' = add_rms_norm(A, x, WRMSNorm'_ℓ): the op's rows
+  auto [hf, x1, rstd1] = rms_norm_rows_forward(a, xc, ffn_norm_weight, ffn_norm_shift, ffn_norm_eps, false);
+  const at::Tensor u = decode_gemv(hf, weights.slice(kN1, 4), false);  // [u_n1 | u_n3 | u_w1 | u_w3]
+  const auto opts = x.options().memory_format(at::MemoryFormat::Contiguous);
+  at::Tensor act = empty_output({b, 1, n + w}, opts);
   const int64_t widest = std::max(d, std::max(n, w));
   float* z = scratch(0, widest).data();
   float* z2 = scratch(2, widest).data();
-
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "decode_block", [&] {
     if constexpr (std::is_same_v<scalar_t, double>) {
       TORCH_INTERNAL_ASSERT(false, "decode_block: float64 is not a decoding GEMV dtype");
     } else {
-      const scalar_t* ap = a.const_data_ptr<scalar_t>();
-      for (int64_t r = 0; r < b; ++r) {  // h', x' = add_rms_norm(A, x, WRMSNorm'_ℓ)
-        add_norm_row(ap + r * d, xc.const_data_ptr<scalar_t>() + r * d, x1.mutable_data_ptr<scalar_t>() + r * d,
-                     hf.mutable_data_ptr<scalar_t>() + r * d, g1, d1, static_cast<float>(ffn_norm_eps), d, z);
-      }
-      const at::Tensor u = decode_gemv(hf, weights.slice(kN1, 4), false);  // [u_n1 | u_n3 | u_w1 | u_w3]
       for (int64_t r = 0; r < b; ++r) {
         const scalar_t* ur = u.const_data_ptr<scalar_t>() + r * u.stride(0);
         scalar_t* yr = act.mutable_data_ptr<scalar_t>() + r * (n + w);
         glu_span<GluActivation::kSilu>(ur, ur + n, yr, n, z, z2);
         glu_span<GluActivation::kGeluTanh>(ur + 2 * n, ur + 2 * n + w, yr + n, w, z, z2);
       }
-      const at::Tensor down = decode_gemv(act, weights.slice(kN2, 2), true);  // [narrow | wide]
-      std::vector<scalar_t> f(d);
-      for (int64_t r = 0; r < b; ++r) {
-        // F = λ·narrow + (1 − λ)·wide, λ = σ(β), rounded; then X'' = X' + F and its next norm.
-        const scalar_t* dr = down.const_data_ptr<scalar_t>() + r * down.stride(0);
-        load_row(dr, z, d);
-        load_row(dr + d, z2, d);
-        for (int64_t i = 0; i < d; ++i) z[i] = z2[i] + lam[i] * (z[i] - z2[i]);
-        store_row(z, f.data(), d);
-        add_norm_row(f.data(), x1.const_data_ptr<scalar_t>() + r * d, x2.mutable_data_ptr<scalar_t>() + r * d,
-                     has_next ? y.mutable_data_ptr<scalar_t>() + r * d : nullptr, g2, d2,
-                     static_cast<float>(next_norm_eps), d, z);
-      }
     }
   });
+  const at::Tensor down = decode_gemv(act, weights.slice(kN2, 2), true);  // [narrow | wide]
+  // F = λ·narrow + (1 − λ)·wide as the model's DSFF computes it: lerp(wide, narrow, σ(β))
+  const at::Tensor f = at::lerp(down.narrow(2, d, d), down.narrow(2, 0, d), at::sigmoid(beta));
+  at::Tensor x2, y = at::empty({0}, opts);
+  if (next_norm_weight.has_value()) {  // y, X'' = add_rms_norm(F, X', next norm): the op's rows
+    auto [yn, s2, rstd2] = rms_norm_rows_forward(f, x1, *next_norm_weight, next_norm_shift, next_norm_eps, false);
+    x2 = s2;
+    y = yn;
+  } else {
+    x2 = at::add(x1, f).contiguous();  // X'' = X' + F, as the model adds them
+  }
   at::Tensor sum_out = at::empty({0}, x.options().dtype(at::kFloat)), summary = at::empty({0}, x.options());
   if (summary_sum.has_value()) {  // WiolaCache.summary's one-step form: S + x'' in float32, then S / (past + 1)
     WIOLA_CHECK_ARG(summary_sum->scalar_type() == at::kFloat && summary_sum->sizes() == at::IntArrayRef({b, d}),
