@@ -107,9 +107,12 @@ def _dtypes(device: torch.device, size: str, cpu_bf16: bool = True) -> list[torc
 
 def _shape(op: str, table: dict, device: torch.device, size: str):
     """``table[size]``; the default size is the full shape on CUDA and ``CPU_DEFAULT_BENCH[op]`` on the CPU."""
-    if size == "default":
-        return table["full"] if device.type == "cuda" else CPU_DEFAULT_BENCH[op]
-    return table[size]
+    if size == "default" and device.type == "cpu":
+        if op not in CPU_DEFAULT_BENCH:
+            raise ValueError(f"{op} has no shape for the default CPU bench: add one to CPU_DEFAULT_BENCH in "
+                             "wiola_kernels/shapes.py")
+        return CPU_DEFAULT_BENCH[op]
+    return table["full" if size == "default" else size]
 
 
 @case_factory
@@ -182,10 +185,7 @@ def glu_cases(device: torch.device, size: str) -> list[BenchCase]:
             backward_rereads=(0,),  # ∂a, ∂b recompute act(a) from u
         )
 
-    if size == "default":
-        streams = [GLU_SHAPES["full"][0] if device.type == "cuda" else CPU_DEFAULT_BENCH["glu"]]
-    else:
-        streams = GLU_SHAPES[size]
+    streams = [_shape("glu", {"full": GLU_SHAPES["full"][0]}, device, size)] if size == "default" else GLU_SHAPES[size]
     return [case(*stream) for stream in streams]
 
 

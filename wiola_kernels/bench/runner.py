@@ -155,7 +155,8 @@ def deadline(seconds: float | None) -> Iterator[None]:
     """Raise :class:`_Overrun` in the block once ``seconds`` have passed (None: never).
 
     Uses ``SIGALRM`` (main thread, POSIX; elsewhere a no-op): Python runs the handler between
-    bytecodes, so a run stops at its next PyTorch call. The previous handler is put back.
+    bytecodes, so a run stops at its next PyTorch call. The previous handler is put back, and
+    a timer that was already running is re-armed with what was left of it.
     """
     if seconds is None or not _can_interrupt():
         yield
@@ -164,6 +165,8 @@ def deadline(seconds: float | None) -> Iterator[None]:
     def on_alarm(signum, frame):
         raise _Overrun()
 
+    start = time.monotonic()
+    outer_left, outer_interval = signal.getitimer(signal.ITIMER_REAL)
     previous = signal.signal(signal.SIGALRM, on_alarm)
     signal.setitimer(signal.ITIMER_REAL, max(seconds, 1e-3))
     try:
@@ -171,6 +174,8 @@ def deadline(seconds: float | None) -> Iterator[None]:
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
+        if outer_left > 0:
+            signal.setitimer(signal.ITIMER_REAL, max(outer_left - (time.monotonic() - start), 1e-3), outer_interval)
 
 
 def _seconds(s: float) -> str:
