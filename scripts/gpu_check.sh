@@ -292,10 +292,10 @@ step_bench() {
   [ "${GPU_CHECK_COMPILE:-0}" = 1 ] && compile=()
   if [ "$DRY" = 1 ]; then
     $PY -m wiola_kernels bench --help > /dev/null || return 1
-    echo "python -m wiola_kernels bench --device cuda --repeats 10 ${compile[*]} --json \$OUT/bench.json ${plot[*]:+--plot \$OUT/bench.png}: ready"
+    echo "python -m wiola_kernels bench --full --device cuda --repeats 10 ${compile[*]} --json \$OUT/bench.json ${plot[*]:+--plot \$OUT/bench.png}: ready"
     return
   fi
-  $PY -m wiola_kernels bench --device cuda --repeats 10 "${compile[@]}" --json "$OUT/bench.json" "${plot[@]}" \
+  $PY -m wiola_kernels bench --full --device cuda --repeats 10 "${compile[@]}" --json "$OUT/bench.json" "${plot[@]}" \
     > "$OUT/bench.txt" 2> "$OUT/bench.log"
   local rc=$?
   [ $rc -eq 0 ] || tail -5 "$OUT/bench.log"

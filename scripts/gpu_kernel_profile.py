@@ -1,6 +1,6 @@
 """Where each op's GPU time goes, kernel by kernel: ``torch.profiler`` over a few forward +
 backward passes of the fused op and of eager PyTorch at the benchmark shapes
-(``python -m wiola_kernels bench --device cuda``'s cases, bf16), the kernels that took the most
+(``python -m wiola_kernels bench --full --device cuda``'s cases, bf16), the kernels that took the most
 device time first. ``scripts/gpu_check.sh`` runs it on a lent GPU: the bench step says how
 fast an op is, this says which of its kernels (or which cuBLAS call, or which copy) to fix.
 
