@@ -1,7 +1,7 @@
 """Training-step benchmark: fused vs reference kernels, ATM on vs off.
 
-    python -m wiola bench                     # d 256, L 6, H 8, H_kv 2, T 512, B 4, fp32, CPU; minutes
-    python -m wiola bench --full              # the same, each case's memory in a fresh process
+    python -m wiola bench                     # d 256, L 6, H 8, H_kv 2, T 256, B 4, fp32, CPU; minutes
+    python -m wiola bench --full              # T 512, interleaved, each case's memory in a fresh process
     python -m wiola bench --threads 1 --steps 5 --json out.json
 
 One training step = forward + backward + AdamW on a Wiola model of the size above
@@ -14,9 +14,10 @@ the rows complete.
   over the two steps, after returning freed heap pages: what the step itself needs —
   activations, gradients, AdamW state; these steps are also the warm-up), then times
   ``--steps`` steps; its row is printed. Tokens/s is ``B·T`` over the median step.
-* ``--full``: the four cases run in one (spawned) process, one step of each in turn
-  (round robin, after one warm-up round), so a change in machine load hits all of them
-  alike; then each case runs again in a fresh process (two steps, so AdamW state exists)
+* ``--full`` (and T 512 unless ``--seq`` says otherwise): the four cases run in one
+  (spawned) process, one step of each in turn (round robin, after one warm-up round), so a
+  change in machine load hits all of them alike; then each case runs again in a fresh
+  process (two steps, so AdamW state exists)
   for its memory: the process peak RSS and its growth from just before the first step
   (model and inputs built) to the peak. A row is printed as each memory run ends.
 
@@ -41,6 +42,8 @@ import traceback
 from wiola_kernels.cli import CommandError, HelpFormatter, non_negative_int, positive_int
 
 CASES = (("fused", False), ("reference", False), ("fused", True), ("reference", True))
+#: Tokens per row: the default run's (the four cases in about a minute on 2 cores) and --full's.
+DEFAULT_SEQ, FULL_SEQ = 256, 512
 
 
 def _rss_mb() -> float:
@@ -303,7 +306,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--layers", type=positive_int, default=6, help="decoder layers")
     p.add_argument("--heads", type=positive_int, default=8, help="query heads (must divide --d)")
     p.add_argument("--kv-heads", type=positive_int, default=2, help="key/value heads (must divide --heads)")
-    p.add_argument("--seq", type=positive_int, default=512, help="tokens per row")
+    p.add_argument("--seq", type=positive_int, help=f"tokens per row (default: {DEFAULT_SEQ}; with --full {FULL_SEQ})")
     p.add_argument("--batch", type=positive_int, default=4, help="rows per step")
     p.add_argument("--vocab", type=positive_int, default=259, help="vocabulary size")
     p.add_argument("--steps", type=positive_int, default=3, help="timed steps per case (with --full: rounds of the four, after one warm-up round)")
@@ -317,6 +320,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                    help="instead: batch-1 decoding tokens/s vs the weight-streaming floor and a same-shape Llama "
                         "(python -m wiola bench --decode --help)")
     a = p.parse_args(argv)
+    if a.seq is None:
+        a.seq = FULL_SEQ if a.full else DEFAULT_SEQ
     _validate(a)
     args = dict(d=a.d, layers=a.layers, heads=a.heads, kv_heads=a.kv_heads, seq=a.seq, batch=a.batch,
                 vocab=a.vocab, steps=a.steps, threads=a.threads, fused=a.fused)
