@@ -1,6 +1,6 @@
 """Training-step benchmark: fused vs reference kernels, ATM on vs off.
 
-    python -m wiola bench                     # d 256, L 6, H 8, H_kv 2, T 256, B 4, fp32, CPU; minutes
+    python -m wiola bench                     # d 256, L 6, H 8, H_kv 2, T 128, B 4, fp32, CPU; minutes
     python -m wiola bench --full              # T 512, interleaved, each case's memory in a fresh process
     python -m wiola bench --threads 1 --steps 5 --json out.json
 
@@ -43,7 +43,7 @@ from wiola_kernels.cli import CommandError, HelpFormatter, non_negative_int, pos
 
 CASES = (("fused", False), ("reference", False), ("fused", True), ("reference", True))
 #: Tokens per row: the default run's (the four cases in about a minute on 2 cores) and --full's.
-DEFAULT_SEQ, FULL_SEQ = 256, 512
+DEFAULT_SEQ, FULL_SEQ = 128, 512
 
 
 def _rss_mb() -> float:
@@ -309,7 +309,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--seq", type=positive_int, help=f"tokens per row (default: {DEFAULT_SEQ}; with --full {FULL_SEQ})")
     p.add_argument("--batch", type=positive_int, default=4, help="rows per step")
     p.add_argument("--vocab", type=positive_int, default=259, help="vocabulary size")
-    p.add_argument("--steps", type=positive_int, default=3, help="timed steps per case (with --full: rounds of the four, after one warm-up round)")
+    p.add_argument("--steps", type=positive_int, default=3,
+                   help="timed steps per case (with --full: rounds of the four, after one warm-up round)")
     p.add_argument("--threads", type=non_negative_int, default=0, help="torch intra-op threads (0: torch's default)")
     p.add_argument("--fused", default="auto", choices=KERNEL_BACKENDS, help="backend of the fused runs")
     p.add_argument("--full", action="store_true",
