@@ -241,6 +241,28 @@ def test_a_timing_past_its_budget_is_skipped_and_the_run_goes_on(autograd_warm):
     assert any(r.startswith("slow") and "> 0.3 s, skipped (the first run unfinished at 0.3 s)" in r for r in rows)
 
 
+def test_a_variant_that_raises_is_reported_and_the_run_goes_on(autograd_warm):
+    """An Inductor compile error in a baseline (ATM's reference on AVX2, torch 2.13) fails its
+    cell, not the run; the later pass does not try it again."""
+    from wiola_kernels.bench.runner import BenchPlan, run_plan
+
+    calls = []
+
+    def broken(x):
+        calls.append(1)
+        raise RuntimeError("C++ compile error\nmore lines")
+
+    case = _fake_case("broken")
+    case.eager = broken
+    out = io.StringIO()
+    records = run_plan(BenchPlan(name="small", cases=[case, _fake_case("after")], compile=False, repeats=2,
+                                 budget_s=30), "cpu", out=out)
+    assert [(r.op, r.ms_eager is None) for r in records] == [("broken", True), ("broken", True), ("after", False),
+                                                             ("after", False)]
+    assert records[0].skipped["eager"] == "failed: RuntimeError: C++ compile error" and len(calls) == 2
+    assert records[0].ms is not None and "failed (RuntimeError)" in out.getvalue().splitlines()[2]
+
+
 def test_a_timing_the_warm_up_shows_too_long_is_skipped_before_its_runs(autograd_warm):
     from wiola_kernels.bench.runner import BudgetExceeded, time_pass
 

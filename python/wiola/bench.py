@@ -42,7 +42,7 @@ import traceback
 from wiola_kernels.cli import CommandError, HelpFormatter, non_negative_int, positive_int
 
 CASES = (("fused", False), ("reference", False), ("fused", True), ("reference", True))
-#: Tokens per row: the default run's (the four cases in about a minute on 2 cores) and --full's.
+#: Tokens per row: the default run's (sized for minutes on 2 cores) and --full's.
 DEFAULT_SEQ, FULL_SEQ = 128, 512
 
 

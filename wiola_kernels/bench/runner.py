@@ -496,8 +496,20 @@ def _time_variant(label: str, run: Callable[[], object], device: torch.device, r
     except BudgetExceeded as exc:
         _skip(label, exc, result)
         return exc
+    except Exception as exc:  # noqa: BLE001 - e.g. an Inductor compile error: reported, the run goes on
+        return _failed(label, exc, result)
     result.timings[label], result.cells[label] = ms, f"{ms:.3f}"
     return None
+
+
+def _failed(label: str, exc: Exception, result: _PassResult) -> BudgetExceeded:
+    """Record ``label`` as failed (its cell: ``failed (ErrorType)``, the message in ``skipped``);
+    returned as a first-run overrun, so that a baseline that cannot compile is not tried again."""
+    first_line = (str(exc).strip().splitlines() or [""])[0][:200]
+    result.timings[label] = None
+    result.skipped[label] = f"failed: {type(exc).__name__}: {first_line}"
+    result.cells[label] = f"failed ({type(exc).__name__})"
+    return BudgetExceeded(0, result.skipped[label], first_run=True)
 
 
 def _alternating(runs: dict, device: torch.device, repeats: int, budget_s: float | None,
@@ -513,6 +525,8 @@ def _alternating(runs: dict, device: torch.device, repeats: int, budget_s: float
         except BudgetExceeded as exc:
             _skip(label, exc, result)
             skipped[label] = exc
+        except Exception as exc:  # noqa: BLE001 - reported, the run goes on
+            skipped[label] = _failed(label, exc, result)
     if not kept:
         return skipped
     total = None if budget_s is None else budget_s * len(kept)
@@ -568,7 +582,7 @@ def run_case(case: BenchCase, device: torch.device, *, repeats: int = 10, compil
     backend = dispatch.select(case.op, device) if case.op in dispatch.ops() else "-"
     dtype = str(case.dtype).replace("torch.", "")
     records = []
-    compile_skipped: BudgetExceeded | None = None
+    compile_skipped: tuple[str, str] | None = None  # (cell, reason) for the passes after a failed compile
     for pass_ in passes:
         if table is not None:
             table.begin(case.op, dtype, pass_)
@@ -576,8 +590,9 @@ def run_case(case: BenchCase, device: torch.device, *, repeats: int = 10, compil
         nbytes = min_bytes(case, pass_, inputs)
         variants = {"fused": case.fused, "eager": case.eager, "compile": compiled}
         runs = {label: make_pass(case, fn, pass_, inputs) for label, fn in variants.items() if fn is not None}
-        if compile_skipped is not None:  # compiling an earlier pass ran past the budget: this one would too
-            _skip("compile", compile_skipped, result)
+        if compile_skipped is not None:  # compiling an earlier pass failed or overran: this one would too
+            result.timings["compile"] = None
+            result.cells["compile"], result.skipped["compile"] = compile_skipped
             runs.pop("compile", None)
         alternate = case.compute_bound and device.type == "cpu"
         skipped = _alternating(runs, device, repeats, budget_s, result) if alternate else {}
@@ -588,8 +603,11 @@ def run_case(case: BenchCase, device: torch.device, *, repeats: int = 10, compil
                     _time_vs_copy(runs[label], nbytes, device, policies, max(repeats, copy_pairs), budget_s, result)
             if table is not None:
                 _put_cells(table, label, result, nbytes)
-        if skipped.get("compile") is not None and skipped["compile"].first_run:
-            compile_skipped = BudgetExceeded(budget_s, f"compiling the {pass_} pass ran past the budget")
+        if compile_skipped is None and result.skipped.get("compile", "").startswith("failed"):
+            compile_skipped = ("failed (as in " + pass_ + ")", f"compiling the {pass_} pass failed")
+        elif compile_skipped is None and skipped.get("compile") is not None and skipped["compile"].first_run:
+            why = f"compiling the {pass_} pass ran past the budget"
+            compile_skipped = (str(BudgetExceeded(budget_s, why)), why)
         if case.peak_memory:
             result.peaks = {label: _peak(run, device, budget_s) for label, run in runs.items()
                             if result.timings.get(label) is not None}
