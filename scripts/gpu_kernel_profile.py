@@ -1,6 +1,6 @@
 """Where each op's GPU time goes, kernel by kernel: ``torch.profiler`` over a few forward +
 backward passes of the fused op and of eager PyTorch at the benchmark shapes
-(``python -m wiola_kernels bench --device cuda``'s cases, bf16), the kernels that took the most
+(``python -m wiola_kernels bench --full --device cuda``'s cases, bf16), the kernels that took the most
 device time first. ``scripts/gpu_check.sh`` runs it on a lent GPU: the bench step says how
 fast an op is, this says which of its kernels (or which cuBLAS call, or which copy) to fix.
 
@@ -15,7 +15,12 @@ import sys
 
 import torch
 
-DEFAULT_OPS = ("linear_cross_entropy", "glu", "rms_norm", "add_rms_norm", "srpe", "gcla_attention")
+
+def registered_ops() -> list[str]:
+    """Every op of the registry (:func:`wiola_kernels.dispatch.ops`): the default ``--ops``."""
+    from wiola_kernels import dispatch
+
+    return dispatch.ops()
 
 
 def kernel_table(step, steps: int, top: int) -> str:
@@ -38,7 +43,7 @@ def kernel_table(step, steps: int, top: int) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--ops", default=",".join(DEFAULT_OPS), help="comma-separated bench op names")
+    parser.add_argument("--ops", help="comma-separated bench op names (default: every registered op)")
     parser.add_argument("--steps", type=int, default=3, help="profiled forward + backward passes per variant")
     parser.add_argument("--top", type=int, default=8, help="kernels listed per variant")
     parser.add_argument("--dry-run", action="store_true", help="no GPU: build every case and pass on the CPU")
@@ -47,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     from wiola_kernels.bench import all_cases
     from wiola_kernels.bench.runner import make_pass
 
-    ops = [o.strip() for o in args.ops.split(",") if o.strip()]
+    ops = [o.strip() for o in args.ops.split(",") if o.strip()] if args.ops else registered_ops()
     device = torch.device("cpu" if args.dry_run else "cuda")
     if not args.dry_run and not torch.cuda.is_available():
         print("gpu_kernel_profile: no CUDA device (use --dry-run here)", file=sys.stderr)

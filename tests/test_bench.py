@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import io
 import json
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -147,13 +149,145 @@ def test_check_reports_a_planted_wrong_backend(monkeypatch, capsys, where):
     assert all(ln.startswith("PASS") for ln in lines if ln.split()[2] == "reference")
 
 
-def test_check_compares_with_the_oracle_not_the_eager_baseline(monkeypatch, capsys):
-    from wiola_kernels.bench import cases
+# ---- the plans, budgets and the streaming table ---------------------------------------------
 
-    # `check` never runs the eager baseline (it used to, as its "reference"): a wrong one
-    # changes nothing, and every backend still passes against the oracle.
-    monkeypatch.setattr(cases, "_rms_norm_eager", lambda x, w, s, eps: torch.zeros_like(x))
-    status, lines = _check(capsys, "--ops", "rms_norm")
-    assert status == 0 and len(lines) >= 2 and all(ln.startswith("PASS") for ln in lines)
-    assert all("float64 oracle" in ln for ln in lines)
+def test_the_eager_baselines_are_the_references(monkeypatch):
+    """Every case's eager baseline (also what torch.compile compiles, and check's oracle) runs
+    the op's function of wiola_kernels.reference, not a copy of it in bench/cases.py."""
+    import wiola_kernels.reference as reference
 
+    called: set[str] = set()
+    for name in reference.__all__:
+        fn = getattr(reference, name)
+        monkeypatch.setattr(reference, name, lambda *a, _fn=fn, _name=name, **k: called.add(_name) or _fn(*a, **k))
+    for case in all_cases("cpu", small=True):
+        assert case.baseline_to_compile() is case.eager and case.oracle is case.eager
+        inputs = case.make_inputs()
+        called.clear()
+        with torch.no_grad():
+            case.eager(*inputs)
+        assert {"atm": {"atm_merge", "atm_unmerge"}}.get(case.op, {case.op}) <= called, (case.op, called)
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_default_plan_is_each_registered_op_once_with_both_passes(device):
+    from wiola_kernels import dispatch
+    from wiola_kernels.bench.runner import make_plan
+
+    plan = make_plan(device)
+    assert sorted(c.op for c in plan.cases) == dispatch.ops()  # each op once, none missing
+    assert plan.passes == ("fwd", "fwd+bwd") and plan.compile and plan.budget_s is not None
+    expected = torch.float32 if device == "cpu" else torch.bfloat16
+    assert {c.dtype for c in plan.cases} == {expected}
+    assert f"in {str(expected).replace('torch.', '')};" in plan.describe()  # the header names the dtype
+
+
+def test_full_plan_is_every_case():
+    from wiola_kernels.bench.runner import PAGE_POLICIES, make_plan
+
+    plan = make_plan("cpu", "full")
+    assert [(c.op, c.shape, c.dtype) for c in plan.cases] == [(c.op, c.shape, c.dtype) for c in all_cases("cpu")]
+    assert plan.page_policies == PAGE_POLICIES and plan.repeats == 10
+    assert {c.dtype for c in plan.cases} == {torch.float32, torch.bfloat16}
+
+
+def test_a_registered_op_without_a_case_is_refused(monkeypatch):
+    from wiola_kernels import dispatch
+    from wiola_kernels.bench.runner import make_plan
+
+    monkeypatch.setitem(dispatch._registry, "zz_new_op", {})  # the plan follows the registry
+    with pytest.raises(ValueError, match="zz_new_op.*no benchmark case"):
+        make_plan("cpu")
+
+
+def _fake_case(op: str, eager_sleep: float = 0.0, on_fused=None):
+    from wiola_kernels.bench.cases import BenchCase
+
+    def fused(x):
+        if on_fused is not None:
+            on_fused()
+        return x * 2
+
+    def eager(x):
+        time.sleep(eager_sleep)
+        return x * 2
+
+    return BenchCase(op=op, shape="x (8, 16)", dtype=torch.float32, fused=fused, eager=eager,
+                     make_inputs=lambda: (torch.randn(8, 16, generator=torch.Generator().manual_seed(0)),))
+
+
+@pytest.fixture(scope="module", autouse=False)
+def autograd_warm():
+    """The first autograd call of a process imports sympy (seconds): out of the tiny budgets."""
+    x = torch.ones(2, requires_grad=True)
+    torch.autograd.grad(x * 2, x, torch.ones(2))
+
+
+def test_a_timing_past_its_budget_is_skipped_and_the_run_goes_on(autograd_warm):
+    from wiola_kernels.bench.runner import BenchPlan, run_plan
+
+    out = io.StringIO()
+    # The eager baseline sleeps 30 s a call: the timer stops it at the budget (0.3 s).
+    plan = BenchPlan(name="small", cases=[_fake_case("slow", eager_sleep=30.0), _fake_case("after")],
+                     passes=("fwd",), compile=False, repeats=3, budget_s=0.3)
+    start = time.perf_counter()
+    records = run_plan(plan, "cpu", out=out)
+    assert time.perf_counter() - start < 20
+    slow, after = records
+    assert slow.ms is not None and slow.ms_eager is None and slow.speedup_vs_eager is None
+    assert "unfinished at 0.3 s" in slow.skipped["eager"]
+    assert after.ms is not None and after.ms_eager is not None and after.skipped == {}
+    rows = out.getvalue().splitlines()
+    assert any(r.startswith("slow") and "> 0.3 s, skipped (the first run unfinished at 0.3 s)" in r for r in rows)
+
+
+def test_a_variant_that_raises_is_reported_and_the_run_goes_on(autograd_warm):
+    """An Inductor compile error in a baseline (ATM's reference on AVX2, torch 2.13) fails its
+    cell, not the run; the later pass does not try it again."""
+    from wiola_kernels.bench.runner import BenchPlan, run_plan
+
+    calls = []
+
+    def broken(x):
+        calls.append(1)
+        raise RuntimeError("C++ compile error\nmore lines")
+
+    case = _fake_case("broken")
+    case.eager = broken
+    out = io.StringIO()
+    records = run_plan(BenchPlan(name="small", cases=[case, _fake_case("after")], compile=False, repeats=2,
+                                 budget_s=30), "cpu", out=out)
+    assert [(r.op, r.ms_eager is None) for r in records] == [("broken", True), ("broken", True), ("after", False),
+                                                             ("after", False)]
+    assert records[0].skipped["eager"] == "failed: RuntimeError: C++ compile error" and len(calls) == 2
+    assert records[0].ms is not None and "failed (RuntimeError)" in out.getvalue().splitlines()[2]
+
+
+def test_a_timing_the_warm_up_shows_too_long_is_skipped_before_its_runs(autograd_warm):
+    from wiola_kernels.bench.runner import BudgetExceeded, time_pass
+
+    calls = []
+
+    def run():
+        calls.append(1)
+        time.sleep(0.05)
+
+    with pytest.raises(BudgetExceeded, match=r"> 0.5 s, skipped \(one run takes .*: 20 timed runs would end at"):
+        time_pass(run, torch.device("cpu"), 20, 0.5)
+    assert len(calls) == 2  # the warm-up only
+
+
+def test_rows_are_printed_as_they_are_measured(autograd_warm):
+    from wiola_kernels.bench.runner import BenchPlan, run_plan
+
+    out = io.StringIO()
+    seen_when_second_ran: list[str] = []
+    second = _fake_case("second", on_fused=lambda: seen_when_second_ran.append(out.getvalue()))
+    plan = BenchPlan(name="small", cases=[_fake_case("first"), second], compile=False, repeats=2, budget_s=30)
+    run_plan(plan, "cpu", out=out)
+    before = seen_when_second_ran[0].splitlines()
+    assert [ln.split()[:3] for ln in before if ln.startswith("first")] == [["first", "float32", "fwd"],
+                                                                           ["first", "float32", "fwd+bwd"]]
+    assert before[0].split()[:3] == ["op", "dtype", "pass"] and not any(ln.startswith("second") for ln in before[:-1])
+    first_rows = [ln for ln in before if ln.startswith("first")]
+    assert all(ln.rstrip().endswith("x (8, 16)") for ln in first_rows)  # complete rows, shape last

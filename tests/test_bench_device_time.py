@@ -224,7 +224,7 @@ def test_pass_time_runs_the_case_pass_on_fresh_input_sets():
         return x * w
 
     case = BenchCase(op="scale", shape="x (4, 8)", dtype=torch.float32, make_inputs=make_inputs, fused=fused,
-                     eager=lambda x, w: x * w, oracle=None)
+                     eager=lambda x, w: x * w)
     nbytes = min_bytes(case, "fwd+bwd", make_inputs())
     made.clear()
     # 9 sets (⌈8⌉ + 1); a slow estimate keeps the replays to one round of them.

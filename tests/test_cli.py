@@ -13,6 +13,7 @@ import re
 import subprocess
 import sys
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -22,6 +23,8 @@ import wiola_kernels.__main__ as kernels_cli
 from wiola import bench as wiola_bench
 from wiola import train as wiola_train
 from wiola_kernels.cli import CommandError
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _run(args: list[str], env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
@@ -93,11 +96,30 @@ def test_wiola_mistakes_are_one_line_before_any_work(argv, message, capsys, monk
 
 
 def test_ops_accepts_the_readme_names():
+    from wiola_kernels import dispatch
+
     assert kernels_cli._ops("atm_merge, rms_norm,atm_unmerge") == ["atm", "rms_norm"]
     assert kernels_cli._ops("gcla_attention,srpe") == ["gcla_attention", "srpe"]
     assert kernels_cli._ops(None) is None
-    with pytest.raises(CommandError, match="unknown op 'atm_x'; choose from rms_norm, srpe"):
+    with pytest.raises(CommandError, match=f"unknown op 'atm_x'; choose from {', '.join(dispatch.ops())}, atm_merge"):
         kernels_cli._ops("atm_x")
+
+
+def test_the_op_lists_are_the_registrys(monkeypatch, capsys):
+    """`--ops`, its help and scripts/gpu_kernel_profile.py take the ops from the registry: an op
+    registered there is known to them without another list to edit."""
+    import importlib.util
+
+    from wiola_kernels import dispatch
+
+    spec = importlib.util.spec_from_file_location("gpu_kernel_profile", ROOT / "scripts" / "gpu_kernel_profile.py")
+    profile = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(profile)
+    assert kernels_cli.op_names() == profile.registered_ops() == dispatch.ops()
+    monkeypatch.setitem(dispatch._registry, "zz_new_op", {})
+    assert kernels_cli._ops("zz_new_op,rms") == ["zz_new_op", "rms_norm"]
+    assert "zz_new_op" in profile.registered_ops()
+    assert "zz_new_op" in " ".join(_help(kernels_cli.main, ["bench"], capsys).split())
 
 
 def test_plot_without_matplotlib_is_refused_before_the_run(monkeypatch, capsys, tmp_path):
@@ -169,12 +191,13 @@ def _parsers(main, argv: list[str], monkeypatch) -> list:
 
 
 @pytest.mark.parametrize("main, argv, shown", [
-    (kernels_cli.main, ["bench"], ["{auto,", "(default: auto)", "(default: 10)", "{cpu,cuda}", "atm_merge"]),
+    (kernels_cli.main, ["bench"], ["{auto,", "(default: auto)", "(default: 30.0)", "{cpu,cuda}", "atm_merge",
+                                   "--full"]),
     (kernels_cli.main, ["check"], ["{cpu,cuda}"]),
     (kernels_cli.main, ["backends"], ["{cpu,cuda}"]),
     (wiola_train.main, [], ["{wiola-1.5b,", "(default: wiola-tiny)", "(default: 300)", "{auto,reference,cpu,cuda,triton}"]),
     (wiola_train.generate_main, [], ["(default: 0.8)", "greedy", "{auto,reference,cpu,cuda,triton}"]),
-    (wiola_bench.main, [], ["(default: auto)", "(default: 3)", "{auto,reference,cpu,cuda,triton}"]),
+    (wiola_bench.main, [], ["(default: auto)", "(default: 3)", "{auto,reference,cpu,cuda,triton}", "--full"]),
 ])
 def test_help_is_plain_text_with_defaults_choices_and_a_line_per_option(main, argv, shown, capsys):
     text = " ".join(_help(main, argv, capsys).split())  # argparse wraps lines anywhere
@@ -239,12 +262,46 @@ def test_bench_prints_progress_and_checks_in_the_parent(monkeypatch, capsys):
         return dict(peak_rss_mb=100.0, step_peak_mb=10.0)
 
     monkeypatch.setattr(wiola_bench, "_subprocess", fake_subprocess)
-    wiola_bench.main(["--steps", "1"])
+    wiola_bench.main(["--full", "--steps", "1"])
     captured = capsys.readouterr()
     assert calls == ["_timing"] + ["_memory"] * 4
     assert "[bench] timing" in captured.err and captured.err.count("[bench] memory") == 4
     assert "fused/reference (ATM off)" in captured.out
     assert "3.00 of 4.00 GFLOP, 25.0% saved over all layers (50.0% in the merged layers)" in captured.out
+
+
+def test_wiola_bench_default_runs_in_this_process_and_prints_each_row_when_done(monkeypatch, capsys):
+    """Without --full no process is spawned and each case's row is out before the next case runs."""
+    import wiola_kernels
+
+    monkeypatch.setattr(wiola_kernels.ATMMergeFunction, "apply", wiola_kernels.ATMMergeFunction.apply)  # undo
+    monkeypatch.setattr(wiola_bench, "_subprocess", lambda *a: pytest.fail("a benchmark process was started"))
+    real, printed_before = wiola_bench._in_process, []
+
+    def in_process(args, backend, atm):
+        printed_before.append(capsys.readouterr().out)
+        return real(args, backend, atm)
+
+    monkeypatch.setattr(wiola_bench, "_in_process", in_process)
+    results = wiola_bench.main(["--d", "32", "--layers", "2", "--heads", "4", "--kv-heads", "2", "--seq", "16",
+                                "--batch", "1", "--steps", "1", "--threads", "1"])
+    printed_before.append(capsys.readouterr().out)
+    rows = [[ln for ln in out.splitlines() if re.match(r"\s+(auto|reference)\s+(on|off)\s", ln)]
+            for out in printed_before]
+    assert [len(r) for r in rows] == [0, 1, 1, 1, 1]  # one row out between two cases, the last at the end
+    assert "tok/s" in printed_before[0] and "step +MiB" in printed_before[0]
+    assert [(r["backend"], r["atm"]) for r in results] == [("auto", False), ("reference", False), ("auto", True),
+                                                           ("reference", True)]
+    assert all(r["tokens_per_s"] > 0 and r["step_peak_mb"] >= 0 and r["peak_rss_mb"] is None for r in results)
+    assert "fused/reference (ATM off)" in printed_before[-1]
+
+
+def test_bench_refuses_full_with_small_and_a_zero_budget(capsys):
+    assert kernels_cli.main(["bench", "--full", "--small", "--device", "cpu"]) == 2
+    assert "--full and --small" in _one_line_error(capsys.readouterr().err, "wiola-kernels")
+    with pytest.raises(SystemExit):
+        kernels_cli.main(["bench", "--budget", "0"])
+    assert "argument --budget:" in capsys.readouterr().err
 
 
 def test_a_failing_benchmark_process_is_reported_not_waited_for():

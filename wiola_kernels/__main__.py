@@ -8,13 +8,20 @@ import sys
 
 import torch
 
-from .cli import CommandError, HelpFormatter, positive_int, require_matplotlib, run
+from .cli import CommandError, HelpFormatter, positive_float, positive_int, require_matplotlib, run
 
 DESCRIPTION = "Benchmark, self-check and list the backends of the fused Wiola ops."
-# Names the README and the public API use for an op, mapped to its benchmark case.
+# Names the README and the public API use for an op, mapped to its registry name (the ops
+# themselves come from the registry: wiola_kernels.dispatch.ops()).
 OP_ALIASES = {"atm_merge": "atm", "atm_unmerge": "atm", "rms": "rms_norm", "gcla": "gcla_attention",
               "lce": "linear_cross_entropy"}
-OP_NAMES = ("rms_norm", "srpe", "gcla_attention", "atm", "add_rms_norm", "glu", "linear_cross_entropy")
+
+
+def op_names() -> list[str]:
+    """The registered ops (:func:`wiola_kernels.dispatch.ops`), in the registry's order."""
+    from . import dispatch
+
+    return dispatch.ops()
 
 
 def _device(name: str | None, must_run: bool = True) -> torch.device:
@@ -38,8 +45,8 @@ def _ops(text: str | None) -> list[str] | None:
         if not name:
             continue
         op = OP_ALIASES.get(name, name)
-        if op not in OP_NAMES:
-            raise CommandError(f"--ops: unknown op {name!r}; choose from {', '.join(OP_NAMES + tuple(OP_ALIASES))}")
+        if op not in op_names():
+            raise CommandError(f"--ops: unknown op {name!r}; choose from {', '.join(op_names() + list(OP_ALIASES))}")
         if op not in ops:
             ops.append(op)
     return ops
@@ -71,6 +78,7 @@ def cmd_bench_hf(args: argparse.Namespace) -> int:
     device = _device(args.device)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
+    repeats = args.repeats or 10
     try:
         case = hf_case(args.hf, device, small=args.small, size=args.size)
     except ValueError as exc:
@@ -84,7 +92,7 @@ def cmd_bench_hf(args: argparse.Namespace) -> int:
     print(f"device: {device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}), "
           f"threads: {torch.get_num_threads()}, torch {torch.__version__}", flush=True)
     if case.sequential:  # rows come one by one (a timeout still leaves the finished ones)
-        print(format_hf_header(case, args.repeats, args.backend), flush=True)
+        print(format_hf_header(case, repeats, args.backend), flush=True)
     done: list[dict] = []
 
     def on_record(r: dict) -> None:  # sequential cases: each row printed (and saved) as it completes
@@ -94,8 +102,8 @@ def cmd_bench_hf(args: argparse.Namespace) -> int:
             with open(args.json, "w") as f:
                 json.dump(done, f, indent=2)
 
-    with tqdm(total=len(variants) * args.repeats, desc=f"bench --hf {args.hf}", unit="step", file=sys.stderr) as bar:
-        records = run_hf_bench(case, repeats=args.repeats, backend=args.backend, progress=bar, variants=variants,
+    with tqdm(total=len(variants) * repeats, desc=f"bench --hf {args.hf}", unit="step", file=sys.stderr) as bar:
+        records = run_hf_bench(case, repeats=repeats, backend=args.backend, progress=bar, variants=variants,
                                on_record=on_record if case.sequential else None)
     if not case.sequential:
         print(format_hf_records(records))
@@ -121,11 +129,11 @@ def cmd_bench_overhead(args: argparse.Namespace) -> int:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     with tqdm(total=len(PASSES) * len(cases()), desc="bench --overhead", unit="op", file=sys.stderr) as bar:
-        records = measure(device, calls=max(1000, 100 * args.repeats), progress=bar)
+        records = measure(device, calls=max(1000, 100 * (args.repeats or 10)), progress=bar)
     first = first_calls(device)
     print(f"device: {device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}), "
           f"threads: {torch.get_num_threads()}, torch {torch.__version__}; median of "
-          f"{max(1000, 100 * args.repeats)} calls per row")
+          f"{max(1000, 100 * (args.repeats or 10))} calls per row")
     print(format_overhead(records, first))
     for op in profiled:
         for which in PASSES:
@@ -138,6 +146,24 @@ def cmd_bench_overhead(args: argparse.Namespace) -> int:
     return 0
 
 
+def _device_line(device: torch.device) -> str:
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else (_cpu_name() or "CPU")
+    return (f"device: {device} ({name}), threads: {torch.get_num_threads()}, torch {torch.__version__}"
+            + (f", CPU kernels {torch.backends.cpu.get_cpu_capability()}" if device.type == "cpu" else ""))
+
+
+def _cpu_name() -> str | None:
+    """The CPU's model name from /proc/cpuinfo (Linux), else None."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return None
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     if args.hf:
         return cmd_bench_hf(args)
@@ -145,34 +171,34 @@ def cmd_bench(args: argparse.Namespace) -> int:
         return cmd_bench_overhead(args)
     if args.profile:
         raise CommandError("--profile: profiles the op layer's calls; use it with --overhead")
-    from tqdm import tqdm
+    if args.full and args.small:
+        raise CommandError("--full and --small: choose one")
+    import time
 
     from . import dispatch
-    from .bench import all_cases
-    from .bench.runner import PASSES, format_table, plot, run_case
+    from .bench.runner import format_table, make_plan, plot, run_plan
 
+    start = time.perf_counter()
     device = _device(args.device)
     ops = _ops(args.ops)
     if args.plot:
         require_matplotlib()
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    cases = all_cases(device, small=args.small, ops=ops)
-    passes = [p for p in PASSES if args.passes in ("all", p)]
-    records = []
-    ctx = dispatch.use_backend(args.backend)
-    with ctx, tqdm(total=len(cases) * len(passes) * 3, desc="bench", unit="timing", file=sys.stderr) as bar:
-        for case in cases:
-            records += run_case(case, device, repeats=args.repeats, compile=not args.no_compile, passes=passes,
-                                progress=bar)
-    print(f"device: {device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}), "
-          f"threads: {torch.get_num_threads()}, torch {torch.__version__}")
+    plan = make_plan(device, "full" if args.full else "small" if args.small else "default", ops=ops,
+                     passes=[p for p in ("fwd", "fwd+bwd") if args.passes in ("all", p)],
+                     compile=not args.no_compile, repeats=args.repeats, budget_s=args.budget)
+    print(_device_line(device))
+    print(plan.describe(), flush=True)
+    with dispatch.use_backend(args.backend):
+        records = run_plan(plan, device)
+    print(f"\nsummary ({len(records)} rows in {time.perf_counter() - start:.0f} s):")
     print(format_table(records))
-    if device.type == "cuda" and (ops is None or "gcla_attention" in ops) and not args.small:
+    if device.type == "cuda" and (ops is None or "gcla_attention" in ops) and args.full:
         from .bench.attention import format_rows, gcla_vs_flash
 
         print()
-        print(format_rows(gcla_vs_flash(device, repeats=args.repeats)))
+        print(format_rows(gcla_vs_flash(device, repeats=plan.repeats)))
     if args.json:
         with open(args.json, "w") as f:
             json.dump([r.to_json() for r in records], f, indent=2)
@@ -214,6 +240,7 @@ def cmd_backends(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from .bench.runner import DEFAULT_BUDGET_S
     from .dispatch import BACKEND_NAMES
 
     parser = argparse.ArgumentParser(prog="wiola-kernels", description=DESCRIPTION, formatter_class=HelpFormatter,
@@ -226,15 +253,23 @@ def main(argv: list[str] | None = None) -> int:
         return sub.add_parser(name, help=help_text, description=help_text[0].upper() + help_text[1:] + ".",
                               formatter_class=HelpFormatter)
 
-    bench = command("bench", "time fused ops vs eager PyTorch vs torch.compile(reference)")
+    bench = command("bench", "time fused ops vs eager PyTorch (the reference) vs torch.compile(reference); "
+                             "without options one shape per op, in minutes, each row printed as it is measured")
     bench.add_argument("--ops", metavar="OP[,OP...]",
-                       help=f"comma-separated ops: {', '.join(OP_NAMES)} (aliases: {', '.join(OP_ALIASES)}); "
+                       help=f"comma-separated ops: {', '.join(op_names())} (aliases: {', '.join(OP_ALIASES)}); "
                             "default: all")
+    bench.add_argument("--full", action="store_true",
+                       help="every shape and dtype of each op (also bfloat16 on the CPU) and fresh-page copy "
+                            "ratios, instead of one shape per op (much longer)")
+    bench.add_argument("--budget", type=positive_float, default=DEFAULT_BUDGET_S, metavar="SECONDS",
+                       help="time allowed per timing (one variant of one pass, warm-up and compiling included); "
+                            "a variant that would take longer is reported as '> N s, skipped (reason)'")
     bench.add_argument("--device", choices=("cpu", "cuda"), help=device_help)
     bench.add_argument("--backend", default="auto", choices=("auto", *BACKEND_NAMES),
                        help="force a backend for the fused op (an op without it keeps its default)")
     bench.add_argument("--passes", default="all", choices=["all", "fwd", "fwd+bwd"], help="which passes to time")
-    bench.add_argument("--repeats", type=positive_int, default=10, help="timed runs per measurement (median)")
+    bench.add_argument("--repeats", type=positive_int,
+                       help="timed runs per measurement (median); default: 5, with --full, --hf or --overhead 10")
     bench.add_argument("--threads", type=positive_int, help="CPU threads (torch.set_num_threads); default: torch's")
     bench.add_argument("--hf", choices=["llama", "rope"],
                        help="instead of the ops: llama = a training step of a Hugging Face Llama, unpatched and "
@@ -254,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--sequential", action="store_true",
                        help="with --hf llama: the variants one after another, each row printed as it completes "
                             "(default for --size 1b), instead of in rotation")
-    bench.add_argument("--small", action="store_true", help="small shapes (seconds; for smoke tests)")
+    bench.add_argument("--small", action="store_true", help="small shapes, both dtypes (seconds; for smoke tests)")
     bench.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline")
     bench.add_argument("--json", metavar="FILE", help="also write the records as JSON")
     bench.add_argument("--plot", metavar="FILE.png", help="also draw the speedups (needs matplotlib)")

@@ -88,3 +88,18 @@ LCE_GPU_TEST_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 LCE_GPU_TESTS = tuple(
     [(*shape, dtype) for dtype in LCE_GPU_TEST_DTYPES for shape in LCE_GPU_TEST_SHAPES]
     + [(5, 16, 50, torch.float64)])
+
+# ---- the default `python -m wiola_kernels bench` on the CPU: one shape per op -----------------
+#: What ``python -m wiola_kernels bench`` runs without options on the CPU, in float32: one
+#: shape per op, sized so that the whole run (fused, eager and torch.compile, fwd and
+#: fwd+bwd, compiling included) takes minutes on 2 cores; ``bench --full`` runs the tables
+#: above. (CUDA's default run takes each op's first full shape in GPU_BENCH_DTYPE.)
+CPU_DEFAULT_BENCH = {
+    "rms_norm": (4096, 1024),
+    "add_rms_norm": (4096, 1024),
+    "glu": (1024, 1024, "silu"),
+    "srpe": (1, 16, 4, 1024, 64),
+    "atm": (2, 1024, 1024),
+    "gcla_attention": dict(GCLA_BENCH, B=1, T=256),
+    "linear_cross_entropy": (512, 512, 8192),
+}

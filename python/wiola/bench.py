@@ -1,22 +1,29 @@
 """Training-step benchmark: fused vs reference kernels, ATM on vs off.
 
-    python -m wiola bench                     # d 256, L 6, H 8, H_kv 2, T 512, B 4, fp32, CPU
+    python -m wiola bench                     # d 256, L 6, H 8, H_kv 2, T 128, B 4, fp32, CPU; minutes
+    python -m wiola bench --full              # T 512, interleaved, each case's memory in a fresh process
     python -m wiola bench --threads 1 --steps 5 --json out.json
 
 One training step = forward + backward + AdamW on a Wiola model of the size above
 (vocabulary: the 259 byte-level ids of the demo, so the output head does not dominate).
+Each of the four cases (fused/reference × ATM off/on) is one row of a table printed as
+the rows complete.
 
-* Speed: the four cases (fused/reference × ATM off/on) run in one process, one step of
-  each in turn (round robin), so a change in machine load hits all of them alike.
-  Tokens/s is ``B·T`` over each case's median step time, after one warm-up round.
-* Memory: each case runs again in a fresh process (two steps, so AdamW state exists);
-  we report the process peak RSS and the growth of RSS from just before the first step
-  (model and inputs built) to the peak — what the step itself needs (activations,
-  gradients, AdamW state).
+* Default: the cases run one after the other in this process. Each builds its model,
+  runs two steps under a peak-memory probe (the growth of the process's peak resident set
+  over the two steps, after returning freed heap pages: what the step itself needs —
+  activations, gradients, AdamW state; these steps are also the warm-up), then times
+  ``--steps`` steps; its row is printed. Tokens/s is ``B·T`` over the median step.
+* ``--full`` (and T 512 unless ``--seq`` says otherwise): the four cases run in one
+  (spawned) process, one step of each in turn (round robin, after one warm-up round), so a
+  change in machine load hits all of them alike; then each case runs again in a fresh
+  process (two steps, so AdamW state exists)
+  for its memory: the process peak RSS and its growth from just before the first step
+  (model and inputs built) to the peak. A row is printed as each memory run ends.
 
 Targets on CPU: fused ≥ 1.25× the reference's tokens/s and ≤ 0.9× its peak
-memory. On a shared machine prefer ``--threads 1``: OpenMP threads spin when cores are
-oversubscribed and step times then swing by several times.
+memory. On a shared machine prefer ``--full --threads 1``: OpenMP threads spin when cores
+are oversubscribed and step times then swing by several times.
 """
 
 from __future__ import annotations
@@ -35,6 +42,8 @@ import traceback
 from wiola_kernels.cli import CommandError, HelpFormatter, non_negative_int, positive_int
 
 CASES = (("fused", False), ("reference", False), ("fused", True), ("reference", True))
+#: Tokens per row: the default run's (sized for minutes on 2 cores) and --full's.
+DEFAULT_SEQ, FULL_SEQ = 128, 512
 
 
 def _rss_mb() -> float:
@@ -178,6 +187,39 @@ def _memory(args: dict, backend: str, atm: bool, queue) -> None:
     queue.put(dict(peak_rss_mb=peak, step_peak_mb=peak - baseline))
 
 
+def _in_process(args: dict, backend: str, atm: bool) -> dict:
+    """The default path's case: build, two steps under the peak-memory probe (the warm-up
+    too), ``steps`` timed steps, in this process."""
+    import torch
+
+    import wiola_kernels
+    from wiola_kernels.bench.hf import peak_mb
+
+    from .modeling_wiola import backend_scope
+
+    model, opt, ids = _setup(args, backend, atm)
+    step_peak = peak_mb(lambda: [_step(model, opt, ids) for _ in range(2)], torch.device("cpu"))
+    times = [_step(model, opt, ids) for _ in range(args["steps"])]
+    with backend_scope(backend):
+        ops = {op: wiola_kernels.dispatch.select(op, torch.device("cpu")) for op in wiola_kernels.dispatch.ops()}
+    step = statistics.median(times)
+    return dict(backend=backend, atm=atm, step_s=step, steps_s=times, tokens_per_s=args["batch"] * args["seq"] / step,
+                ops=ops, peak_rss_mb=None, step_peak_mb=step_peak, threads=torch.get_num_threads())
+
+
+ROW_HEADER = (f"  {'backend':>9}  {'ATM':<3}  {'tok/s':>8}  {'step s':>7}  {'step +MiB':>9}  {'peak RSS MiB':>12}  "
+              f"{'ATM merged':>10}  ops")
+
+
+def _row(r: dict, merged_fraction: float | None) -> str:
+    """One case's row under :data:`ROW_HEADER`."""
+    peak = "-" if r["peak_rss_mb"] is None else f"{r['peak_rss_mb']:.1f}"
+    merged = f"{100 * merged_fraction:.1f}%" if r["atm"] and merged_fraction is not None else "-"
+    ops = ", ".join(f"{k}={v}" for k, v in r["ops"].items())
+    return (f"  {r['backend']:>9}  {'on' if r['atm'] else 'off':<3}  {r['tokens_per_s']:8.0f}  {r['step_s']:7.3f}  "
+            f"{r['step_peak_mb']:9.1f}  {peak:>12}  {merged:>10}  {ops}")
+
+
 def _progress(line: str) -> None:
     print(f"  [bench] {line}", file=sys.stderr, flush=True)
 
@@ -271,52 +313,74 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--layers", type=positive_int, default=6, help="decoder layers")
     p.add_argument("--heads", type=positive_int, default=8, help="query heads (must divide --d)")
     p.add_argument("--kv-heads", type=positive_int, default=2, help="key/value heads (must divide --heads)")
-    p.add_argument("--seq", type=positive_int, default=512, help="tokens per row")
+    p.add_argument("--seq", type=positive_int, help=f"tokens per row (default: {DEFAULT_SEQ}; with --full {FULL_SEQ})")
     p.add_argument("--batch", type=positive_int, default=4, help="rows per step")
     p.add_argument("--vocab", type=positive_int, default=259, help="vocabulary size")
-    p.add_argument("--steps", type=positive_int, default=3, help="timed rounds (after one warm-up round)")
+    p.add_argument("--steps", type=positive_int, default=3,
+                   help="timed steps per case (with --full: rounds of the four, after one warm-up round)")
     p.add_argument("--threads", type=non_negative_int, default=0, help="torch intra-op threads (0: torch's default)")
     p.add_argument("--fused", default="auto", choices=KERNEL_BACKENDS, help="backend of the fused runs")
+    p.add_argument("--full", action="store_true",
+                   help="the four cases interleaved in a spawned process and each one's memory in a fresh "
+                        "process (steadier under load; a few minutes more)")
     p.add_argument("--json", default=None, metavar="FILE", help="also write the results here")
     p.add_argument("--decode", action="store_true",
                    help="instead: batch-1 decoding tokens/s vs the weight-streaming floor and a same-shape Llama "
                         "(python -m wiola bench --decode --help)")
     a = p.parse_args(argv)
+    if a.seq is None:
+        a.seq = FULL_SEQ if a.full else DEFAULT_SEQ
     _validate(a)
     args = dict(d=a.d, layers=a.layers, heads=a.heads, kv_heads=a.kv_heads, seq=a.seq, batch=a.batch,
                 vocab=a.vocab, steps=a.steps, threads=a.threads, fused=a.fused)
+    how = ("median of {s} interleaved rounds after 1 warm-up; memory in fresh processes" if a.full else
+           "cases one after the other in this process, median of {s} steps after 2 (the memory probe); "
+           "--full: interleaved, memory in fresh processes").format(s=a.steps)
     print(f"wiola bench: training step (fwd+bwd+AdamW), d {a.d}, L {a.layers}, H {a.heads}, H_kv {a.kv_heads}, "
-          f"T {a.seq}, B {a.batch}, V {a.vocab}, fp32, CPU; median of {a.steps} interleaved rounds after 1 warm-up",
-          flush=True)
-    _progress(f"timing: building 4 models, then {a.steps + 1} rounds of 4 steps in one process")
-    timing = _subprocess(_timing, args)
-    results = timing["results"]
-    for i, r in enumerate(results):
-        _progress(f"memory: {r['backend']} ATM {'on' if r['atm'] else 'off'} in a fresh process ({i + 1}/4)")
-        r.update(_subprocess(_memory, args, r["backend"], r["atm"]))
-        r["threads"] = timing["threads"]
-    for r in results:
-        extra = f", ATM merged {100 * timing['atm_merged_fraction']:.1f}% of tokens" if r["atm"] else ""
-        print(f"  {r['backend']:>9} ATM {'on ' if r['atm'] else 'off'}: {r['tokens_per_s']:8.0f} tok/s  "
-              f"step {r['step_s']:.3f} s  peak RSS {r['peak_rss_mb']:7.1f} MB (step +{r['step_peak_mb']:.1f} MB)"
-              f"{extra}  [ops: {', '.join(f'{k}={v}' for k, v in r['ops'].items())}]", flush=True)
+          f"T {a.seq}, B {a.batch}, V {a.vocab}, fp32, CPU; {how}", flush=True)
+    if a.full:
+        _progress(f"timing: building 4 models, then {a.steps + 1} rounds of 4 steps in one process")
+        timing = _subprocess(_timing, args)
+        results = timing["results"]
+        print(ROW_HEADER, flush=True)
+        for i, r in enumerate(results):
+            _progress(f"memory: {r['backend']} ATM {'on' if r['atm'] else 'off'} in a fresh process ({i + 1}/4)")
+            r.update(_subprocess(_memory, args, r["backend"], r["atm"]))
+            r["threads"] = timing["threads"]
+            print(_row(r, timing["atm_merged_fraction"]), flush=True)
+        threads, merged_fraction, flops = timing["threads"], timing["atm_merged_fraction"], timing["atm_flops"]
+    else:
+        import torch
+
+        import wiola_kernels
+
+        if a.threads:
+            torch.set_num_threads(a.threads)
+        print(ROW_HEADER, flush=True)
+        results = []
+        for backend, atm in ((_backend(args, b), atm) for b, atm in CASES):
+            results.append(_in_process(args, backend, atm))
+            counter = wiola_kernels.ATMMergeFunction.apply
+            merged_fraction = counter.tokens / max(1, counter.rows)
+            print(_row(results[-1], merged_fraction), flush=True)
+        threads, flops = torch.get_num_threads(), _atm_flops(args, counter.lengths)
     fused, ref, fused_atm = results[0], results[1], results[2]
     speed = fused["tokens_per_s"] / ref["tokens_per_s"]
     mem = fused["step_peak_mb"] / max(ref["step_peak_mb"], 1e-9)
-    print(f"threads {timing['threads']}. fused/reference (ATM off): {speed:.2f}x tokens/s "
+    process_peak = "" if fused["peak_rss_mb"] is None else \
+        f", process peak {fused['peak_rss_mb'] / ref['peak_rss_mb']:.2f}x"
+    print(f"threads {threads}. fused/reference (ATM off): {speed:.2f}x tokens/s "
           f"(target >= 1.25x: {'met' if speed >= 1.25 else 'NOT met'}), step memory {mem:.2f}x "
-          f"(target <= 0.9x: {'met' if mem <= 0.9 else 'NOT met'}), process peak "
-          f"{fused['peak_rss_mb'] / ref['peak_rss_mb']:.2f}x")
+          f"(target <= 0.9x: {'met' if mem <= 0.9 else 'NOT met'}){process_peak}")
     print(f"ATM on/off ({a.fused}): {fused_atm['tokens_per_s'] / fused['tokens_per_s']:.2f}x tokens/s, "
           f"step memory {fused_atm['step_peak_mb'] / max(fused['step_peak_mb'], 1e-9):.2f}x")
-    flops = timing["atm_flops"]
     saved = 1 - flops["on"] / flops["off"]
     in_merged = 1 - flops["merged_layers_on"] / flops["merged_layers_off"] if flops["merged_layers_off"] else 0.0
     print(f"ATM attention FLOPs (projections + core, forward; backward alike): {flops['on'] / 1e9:.2f} of "
           f"{flops['off'] / 1e9:.2f} GFLOP, {100 * saved:.1f}% saved over all layers "
           f"({100 * in_merged:.1f}% in the merged layers)")
     for r in results:
-        r["atm_merged_fraction"] = timing["atm_merged_fraction"]
+        r["atm_merged_fraction"] = merged_fraction
         r["attention_gflops"] = (flops["on"] if r["atm"] else flops["off"]) / 1e9
     if a.json:
         with open(a.json, "w") as f:

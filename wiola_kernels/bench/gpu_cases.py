@@ -121,7 +121,7 @@ def rms_norm_case(device: torch.device, shape=RMS_NORM_REAL) -> GpuCase:
 
     case = BenchCase(op="rms_norm", shape=f"x ({rows}, {d})", dtype=DTYPE, make_inputs=make_inputs,
                      fused=lambda x, w: rms_norm(x, w, None, EPS), eager=lambda x, w: F.rms_norm(x, (d,), w, EPS),
-                     oracle=None, backward_rereads=(0, 1))
+                     backward_rereads=(0, 1))
     return GpuCase(case, [
         Impl("wiola", case.fused), Impl("eager", case.eager),
         Impl("wiola+δ", lambda x, w, s: rms_norm(x, w, s, EPS), make_inputs=make_inputs_shift),
@@ -151,15 +151,15 @@ def add_rms_norm_case(device: torch.device, shape=ADD_RMS_NORM_REAL) -> GpuCase:
         return fwd if pass_ == "fwd" else fwd + 4 * row + par
 
     case = BenchCase(op="add_rms_norm", shape=f"x, residual ({rows}, {d})", dtype=DTYPE, make_inputs=make_inputs,
-                     fused=lambda x, r, w: add_rms_norm(x, r, w, None, EPS), eager=eager, oracle=None,
+                     fused=lambda x, r, w: add_rms_norm(x, r, w, None, EPS), eager=eager,
                      min_bytes=min_bytes)
     return GpuCase(case, [Impl("wiola", case.fused), Impl("eager", eager),
                           Impl("liger", lambda x, r, w: peers.liger_add_rms_norm(x, r, w, EPS), peer="liger")])
 
 
 def glu_cases(device: torch.device, shape=GLU_REAL) -> list[GpuCase]:
+    from .. import reference
     from ..ops.glu import glu
-    from .cases import _glu_eager
 
     tokens, n = shape
 
@@ -171,11 +171,11 @@ def glu_cases(device: torch.device, shape=GLU_REAL) -> list[GpuCase]:
         return _randn(tokens, n, g=g, device=device), _randn(tokens, n, g=g, device=device)
 
     swiglu = BenchCase(op="glu", shape=f"u ({tokens}, 2·{n}), silu, packed", dtype=DTYPE, make_inputs=packed,
-                       fused=lambda u: glu(u, None, "silu"), eager=lambda u: _glu_eager(u, "silu"), oracle=None,
+                       fused=lambda u: glu(u, None, "silu"), eager=lambda u: reference.glu(u, None, "silu"),
                        backward_rereads=(0,))
     geglu = BenchCase(op="glu", shape=f"a, b ({tokens}, {n}), gelu_tanh", dtype=DTYPE, make_inputs=halves,
                       fused=lambda a, b: glu(a, b, "gelu_tanh"),
-                      eager=lambda a, b: F.gelu(a, approximate="tanh") * b, oracle=None, backward_rereads=(0, 1))
+                      eager=lambda a, b: F.gelu(a, approximate="tanh") * b, backward_rereads=(0, 1))
     return [
         GpuCase(swiglu, [Impl("wiola", swiglu.fused), Impl("eager", swiglu.eager),
                          Impl("liger", peers.liger_swiglu_packed, peer="liger"),
@@ -233,14 +233,14 @@ def rope_case(device: torch.device, shape=ROPE_REAL) -> GpuCase:
         return 2 * qk if pass_ == "fwd" else 4 * qk
 
     case = BenchCase(op="rope", shape=f"q ({b}, {h}, {t}, {dh}), k ({b}, {h_kv}, {t}, {dh}), HF layout",
-                     dtype=DTYPE, make_inputs=make_inputs, fused=ours, eager=eager, oracle=None, min_bytes=min_bytes)
+                     dtype=DTYPE, make_inputs=make_inputs, fused=ours, eager=eager, min_bytes=min_bytes)
     return GpuCase(case, [Impl("wiola", ours), Impl("eager", eager), Impl("wiola srpe", ours_spiral),
                           Impl("liger", liger, peer="liger")])
 
 
 def linear_cross_entropy_case(device: torch.device, shape=LCE_REAL) -> GpuCase:
+    from .. import reference
     from ..ops.linear_cross_entropy import linear_cross_entropy
-    from .cases import _linear_cross_entropy_eager
 
     n, d, V = shape
 
@@ -254,7 +254,7 @@ def linear_cross_entropy_case(device: torch.device, shape=LCE_REAL) -> GpuCase:
 
     case = BenchCase(op="linear_cross_entropy", shape=f"h ({n}, {d}), W ({V}, {d})", dtype=DTYPE,
                      make_inputs=make_inputs, fused=lambda h, W, y: linear_cross_entropy(h, W, y),
-                     eager=_linear_cross_entropy_eager, oracle=None, differentiable=(0, 1),
+                     eager=lambda h, W, y: reference.linear_cross_entropy(h, W, y), differentiable=(0, 1),
                      backward_rereads=(0, 1, 2), peak_memory=True, compute_bound=True)
     return GpuCase(case, [Impl("wiola", case.fused, peak_memory=True), Impl("eager", case.eager, peak_memory=True),
                           Impl("liger", peers.liger_linear_cross_entropy, peer="liger", peak_memory=True),
@@ -263,9 +263,9 @@ def linear_cross_entropy_case(device: torch.device, shape=LCE_REAL) -> GpuCase:
 
 
 def gcla_cases(device: torch.device, shape=None, head_dims=GCLA_REAL_HEAD_DIMS) -> list[GpuCase]:
+    from .. import reference
     from ..ops.gcla_attention import gcla_attention
     from .attention import _sdpa_flash
-    from .cases import _gcla_eager
 
     s = dict(GCLA_REAL, **(shape or {}))
     b, h, h_kv, t, lam = s["B"], s["H"], s["H_kv"], s["T"], s["L"]
@@ -284,8 +284,8 @@ def gcla_cases(device: torch.device, shape=None, head_dims=GCLA_REAL_HEAD_DIMS) 
             return make_inputs()[:3]
 
         case = BenchCase(op="gcla_attention", shape=f"q ({b}, {h}, {t}, {dh}), kv heads {h_kv}, Λ' {lam} causal",
-                         dtype=DTYPE, make_inputs=make_inputs, fused=gcla_attention, eager=_gcla_eager(h, h_kv),
-                         oracle=None, backward_rereads=tuple(range(7)), compute_bound=True)
+                         dtype=DTYPE, make_inputs=make_inputs, fused=gcla_attention, eager=reference.gcla_attention,
+                         backward_rereads=tuple(range(7)), compute_bound=True)
         out.append(GpuCase(case, [Impl("wiola", gcla_attention), Impl("eager", case.eager),
                                   Impl("sdpa-flash", _sdpa_flash, make_inputs=flash_inputs)], memory_bound=False))
     return out
