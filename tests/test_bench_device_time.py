@@ -227,6 +227,7 @@ def test_pass_time_runs_the_case_pass_on_fresh_input_sets():
                      eager=lambda x, w: x * w)
     nbytes = min_bytes(case, "fwd+bwd", make_inputs())
     made.clear()
+    calls.clear()  # min_bytes's own no-grad call
     # 9 sets (⌈8⌉ + 1); a slow estimate keeps the replays to one round of them.
     timer = StubTimer(event_times=[1000.0], l2=4 * nbytes)
     t = dt.pass_time(case, "fwd+bwd", fused, torch.device("cpu"), timer=timer, nbytes=nbytes, replays=1)

@@ -16,7 +16,7 @@ options) and ``"full"`` (every shape and dtype, ``bench --full``). Shapes live i
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import torch
 
@@ -63,6 +63,40 @@ class BenchCase:
     def baseline_to_compile(self) -> Callable[..., object]:
         """The callable the ``torch.compile`` baseline compiles: the reference, as the eager baseline."""
         return self.eager
+
+
+# ---- what a pass must move ---------------------------------------------------------------
+
+def _tensors(obj) -> tuple[torch.Tensor, ...]:
+    if isinstance(obj, torch.Tensor):
+        return (obj,)
+    if isinstance(obj, (tuple, list)):
+        return tuple(t for o in obj for t in _tensors(o))
+    return ()
+
+
+def _nbytes(ts: Iterable[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in ts)
+
+
+def _differentiable(case: BenchCase, inputs: tuple) -> list[int]:
+    if case.differentiable is not None:
+        return list(case.differentiable)
+    return [i for i, t in enumerate(inputs) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+
+
+def min_bytes(case: BenchCase, pass_: str, inputs: tuple) -> int:
+    """The fewest bytes ``pass_`` must move (see the module docstring)."""
+    with torch.no_grad():
+        outputs = _tensors(case.fused(*inputs))
+    if case.min_bytes is not None:
+        return case.min_bytes(pass_, inputs, outputs, tuple(_differentiable(case, inputs)))
+    total = _nbytes(_tensors(inputs)) + _nbytes(outputs)
+    if pass_ == "fwd+bwd":
+        float_outputs = [o for o in outputs if o.is_floating_point()]
+        total += _nbytes(float_outputs) + _nbytes(inputs[i] for i in _differentiable(case, inputs))
+        total += _nbytes(inputs[i] for i in case.backward_rereads)
+    return total
 
 
 _factories: list[Callable[[torch.device, str], list[BenchCase]]] = []

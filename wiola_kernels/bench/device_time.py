@@ -410,7 +410,7 @@ def pass_time(case, pass_: str, fn: Callable[..., object], device: torch.device,
     """Device time of ``fn`` (a case's fused, eager or a peer callable) for one pass of a
     :class:`~wiola_kernels.bench.cases.BenchCase`: each input set from ``case.make_inputs()``,
     the pass built by :func:`device_pass`."""
-    from .runner import min_bytes
+    from .cases import min_bytes
 
     first = case.make_inputs()
     if nbytes is None:

@@ -365,7 +365,7 @@ def run_group(group: GpuCase, device: torch.device, *, replays: int = 10,
     """
     from . import device_time as dt
     from .hf import peak_mb
-    from .runner import min_bytes
+    from .cases import min_bytes
 
     case = group.case
     rows = []

@@ -80,7 +80,7 @@ import torch
 
 from .. import dispatch
 from . import device_time
-from .cases import BenchCase, all_cases
+from .cases import BenchCase, _differentiable, _nbytes, _tensors, all_cases, min_bytes
 from .hf import peak_mb
 
 PASSES = ("fwd", "fwd+bwd")
@@ -349,24 +349,6 @@ def page_policy(policy: str, device: torch.device) -> Iterator[Callable[[], None
         libc.malloc_trim(0)
 
 
-def _tensors(obj) -> tuple[torch.Tensor, ...]:
-    if isinstance(obj, torch.Tensor):
-        return (obj,)
-    if isinstance(obj, (tuple, list)):
-        return tuple(t for o in obj for t in _tensors(o))
-    return ()
-
-
-def _nbytes(ts: Iterable[torch.Tensor]) -> int:
-    return sum(t.numel() * t.element_size() for t in ts)
-
-
-def _differentiable(case: BenchCase, inputs: tuple) -> list[int]:
-    if case.differentiable is not None:
-        return list(case.differentiable)
-    return [i for i, t in enumerate(inputs) if isinstance(t, torch.Tensor) and t.is_floating_point()]
-
-
 def make_pass(case: BenchCase, fn: Callable[..., object], pass_: str, inputs: tuple) -> Callable[[], object]:
     """A zero-argument callable running ``fn`` (the case's fused op, its eager baseline or a
     compiled baseline) for one pass on fixed inputs. For ``fwd+bwd`` the output gradients
@@ -390,20 +372,6 @@ def make_pass(case: BenchCase, fn: Callable[..., object], pass_: str, inputs: tu
         pairs = [(o, g) for o, g in zip(outs, grad_outputs) if g is not None and o.requires_grad]
         return torch.autograd.grad([o for o, _ in pairs], wrt, [g for _, g in pairs], allow_unused=True)
     return run_fwd_bwd
-
-
-def min_bytes(case: BenchCase, pass_: str, inputs: tuple) -> int:
-    """The fewest bytes ``pass_`` must move (see the module docstring)."""
-    with torch.no_grad():
-        outputs = _tensors(case.fused(*inputs))
-    if case.min_bytes is not None:
-        return case.min_bytes(pass_, inputs, outputs, tuple(_differentiable(case, inputs)))
-    total = _nbytes(_tensors(inputs)) + _nbytes(outputs)
-    if pass_ == "fwd+bwd":
-        float_outputs = [o for o in outputs if o.is_floating_point()]
-        total += _nbytes(float_outputs) + _nbytes(inputs[i] for i in _differentiable(case, inputs))
-        total += _nbytes(inputs[i] for i in case.backward_rereads)
-    return total
 
 
 def copy_baseline(nbytes: int, device: torch.device) -> tuple[Callable[[], object], int]:
