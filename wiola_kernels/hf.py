@@ -67,9 +67,18 @@ HF's RoPE, with a warning). ``unpatch_hf`` hands back the HF modules as they are
 ``unpatch_hf(LlamaForCausalLM)`` / ``unpatch_hf("llama")`` stops that; models already
 built stay patched until ``unpatch_hf(model)``. ``is_patched`` answers for either form.
 
-Only the default rope type is swapped; other types (``llama3``, ``yarn``, ``dynamic``,
-...) keep HF's rotary embedding, with a warning that names the type (RMSNorm is still
-swapped). Models of other architectures are left untouched, with a warning naming them.
+**Rope types.** Every rope type of Hugging Face's ``ROPE_INIT_FUNCTIONS`` that only changes
+the per-pair frequencies and scales the rotated output (``linear``, ``dynamic``,
+``llama3``, ``yarn``, ``longrope``, ``proportional``; :data:`ROPE_TYPES`) is swapped too:
+:func:`rope_srpe_arguments` hands :func:`wiola_kernels.srpe` the rotary module's own
+``inv_freq`` buffer (used in float64) and its ``attention_scaling`` as the output scale
+(SPEC §4, "Given frequencies"). For ``dynamic`` and ``longrope`` it first runs Hugging
+Face's own per-call update (``transformers.modeling_rope_utils.dynamic_rope_update``,
+with its condition on the sequence length ``max(position_ids) + 1``), so the frequencies
+are recomputed, grown, reset or switched exactly when the unpatched model's would be.
+Another rope type keeps HF's rotary embedding, with a warning that names the type
+(RMSNorm is still swapped). Models of other architectures are left untouched, with a
+warning naming them.
 
 Transformers is imported lazily: ``wiola_kernels`` itself does not need it.
 """
@@ -95,7 +104,8 @@ from .ops.glu import glu
 from .ops.linear_cross_entropy import linear_cross_entropy
 from .ops.srpe import srpe
 
-__all__ = ["patch_hf", "unpatch_hf", "is_patched", "FusedGatedMLP", "FusedRotaryEmbedding", "RotaryPositions"]
+__all__ = ["patch_hf", "unpatch_hf", "is_patched", "FusedGatedMLP", "FusedRotaryEmbedding", "RotaryPositions",
+           "ROPE_TYPES", "rope_srpe_arguments"]
 
 # model_type -> class-name prefix in transformers.models.<type>.modeling_<type>. The three
 # families share LlamaRMSNorm's arithmetic, hence the HF rounding order for all of them.
@@ -138,15 +148,79 @@ class FusedGatedMLP(nn.Module):
         return self.down_proj(glu(self.gate_proj(x), self.up_proj(x), "silu"))
 
 
+#: Hugging Face rope types the fused RoPE serves: each changes only the per-pair frequencies
+#: ``inv_freq`` and scales the rotated output by ``attention_scaling`` (SPEC §4).
+ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope", "proportional")
+# Plain rotate-half RoPE in srpe's terms: no spiral stretch (1/k_s = 0), no radial term.
+_ROPE = {"spiral_divisor": math.inf, "radial_amplitude": 0.0, "radial_frequency": 0.0}
+
+
+def _rope_type(rotary: nn.Module, layer_type: str | None = None):
+    rope_type = getattr(rotary, "rope_type", None)
+    return rope_type.get(layer_type) if isinstance(rope_type, dict) else rope_type
+
+
+@functools.cache
+def _hf_frequency_update():
+    """Hugging Face's own per-call frequency update (``dynamic_rope_update``: ``dynamic`` grows
+    or resets ``inv_freq`` with ``max(position_ids) + 1``, ``longrope`` switches between its
+    short and long factors) around a forward that computes nothing."""
+    from transformers.modeling_rope_utils import dynamic_rope_update
+
+    return dynamic_rope_update(lambda self, x, position_ids, **kwargs: None)
+
+
+def rope_srpe_arguments(rotary: nn.Module, x: Tensor, position_ids: Tensor, layer_type: str | None = None) -> dict:
+    """The keyword arguments of :func:`wiola_kernels.srpe` that apply a Hugging Face rotary
+    embedding module's RoPE, of any rope type in :data:`ROPE_TYPES`, at these positions:
+    ``srpe(q, k, position_ids, **rope_srpe_arguments(rotary, x, position_ids))``.
+
+    For the ``default`` type: ``theta = θ₀`` from ``rotary.config`` and no ``inv_freq`` (the
+    kernels form ``θ₀^(−2j/d_h)`` in float64). For the others: the module's own frequencies
+    (its ``inv_freq`` buffer, or ``<layer_type>_inv_freq``, as it is: float32, or whatever
+    dtype ``model.to`` gave it) and its ``attention_scaling`` as ``scale``, after running
+    Hugging Face's per-call update on the module (``dynamic``: recomputed for
+    ``max(position_ids) + 1`` beyond the cached length, reset below the original one;
+    ``longrope``: the long factors beyond ``original_max_position_embeddings``) — the same
+    state change the unpatched module's forward makes.
+
+    Args:
+        rotary: a ``<Family>RotaryEmbedding`` (its ``rope_type``, ``config``, buffers).
+        x: the tensor HF's rotary forward receives (only its device is used).
+        position_ids: ``(B, T)`` positions, as HF's rotary forward receives them.
+        layer_type: for modules with per-layer-type RoPE (``rope_type`` a dict, e.g. Gemma 3).
+
+    Returns:
+        ``{"theta", "spiral_divisor": inf, "radial_amplitude": 0.0, "radial_frequency": 0.0,
+        "inv_freq", "scale"}`` (``theta`` only for the ``default`` type).
+
+    Raises:
+        ValueError: for a rope type outside :data:`ROPE_TYPES`.
+    """
+    rope_type = _rope_type(rotary, layer_type)
+    if rope_type not in ROPE_TYPES:
+        raise ValueError(f"rotary has rope type {rope_type!r}; the fused RoPE serves {', '.join(ROPE_TYPES)}")
+    if rope_type == "default":
+        return dict(_ROPE, theta=float(_rope_theta(rotary.config, layer_type)), inv_freq=None, scale=1.0)
+    _hf_frequency_update()(rotary, x, position_ids, **({"layer_type": layer_type} if layer_type else {}))
+    prefix = f"{layer_type}_" if layer_type else ""
+    return dict(_ROPE, inv_freq=getattr(rotary, f"{prefix}inv_freq"),
+                scale=float(getattr(rotary, f"{prefix}attention_scaling", 1.0)))
+
+
 class RotaryPositions:
-    """The positions and RoPE's θ₀ that the fused rotary embedding attaches to its ``cos``
-    table; :meth:`apply` rotates Q and K with :func:`wiola_kernels.srpe`."""
+    """The positions and RoPE's frequencies (θ₀, or a rope type's ``inv_freq`` and output
+    scale) that the fused rotary embedding attaches to its ``cos`` table; :meth:`apply`
+    rotates Q and K with :func:`wiola_kernels.srpe`."""
 
-    __slots__ = ("position_ids", "theta")
+    __slots__ = ("position_ids", "theta", "inv_freq", "scale")
 
-    def __init__(self, position_ids: Tensor, theta: float) -> None:
+    def __init__(self, position_ids: Tensor, theta: float = 10000.0, inv_freq: Tensor | None = None,
+                 scale: float = 1.0) -> None:
         self.position_ids = position_ids
         self.theta = theta
+        self.inv_freq = inv_freq
+        self.scale = scale
 
     def apply(self, q: Tensor, k: Tensor, unsqueeze_dim: int = 1) -> tuple[Tensor, Tensor]:
         """RoPE of ``q``, ``k`` laid out ``(B, H, T, d_h)`` (``unsqueeze_dim=1``) or
@@ -158,6 +232,7 @@ class RotaryPositions:
             raise ValueError(f"unsqueeze_dim must be 1 (B, H, T, d_h) or 2 (B, T, H, d_h), got {unsqueeze_dim}")
         b, h, t, dh = q.shape
         h_kv = k.shape[1]
+        inv_freq = None if self.inv_freq is None else self.inv_freq.to(q.device)
         if q.dim() == 4 and k.dim() == 4 and q.transpose(1, 2).is_contiguous() and k.transpose(1, 2).is_contiguous():
             # HF's q/k are (B, T, H, d_h) projections viewed as (B, H, T, d_h). As
             # (B·T, H, 1, d_h) they are already in the kernel's layout: no copy in, and the
@@ -165,20 +240,27 @@ class RotaryPositions:
             pos = self.position_ids.to(q.device).expand(b, t).reshape(b * t, 1)
             q_flat = q.transpose(1, 2).reshape(b * t, h, 1, dh)
             k_flat = k.transpose(1, 2).reshape(b * t, h_kv, 1, dh)
-            q_out, k_out = srpe(q_flat, k_flat, pos, self.theta, spiral_divisor=math.inf, radial_amplitude=0.0,
-                                radial_frequency=0.0)
+            q_out, k_out = srpe(q_flat, k_flat, pos, self.theta, **_ROPE, inv_freq=inv_freq, scale=self.scale)
             return q_out.view(b, t, h, dh).transpose(1, 2), k_out.view(b, t, h_kv, dh).transpose(1, 2)
-        return srpe(q, k, self.position_ids, self.theta, spiral_divisor=math.inf, radial_amplitude=0.0,
-                    radial_frequency=0.0)
+        return srpe(q, k, self.position_ids, self.theta, **_ROPE, inv_freq=inv_freq, scale=self.scale)
 
 
-def rope_tables(position_ids: Tensor, theta: float, head_dim: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """HF's ``(cos, sin)`` for default RoPE — ``(B, T, d_h)``, the halves repeated — with the
-    angles ``p·θ₀^(−2j/d_h)`` formed in float64 (accurate at large positions), in ``dtype``."""
-    j = torch.arange(head_dim // 2, dtype=torch.float64, device=position_ids.device)
-    angle = position_ids[..., None].to(torch.float64) * torch.pow(float(theta), -2.0 * j / head_dim)
+def rope_tables(position_ids: Tensor, theta: float, head_dim: int, dtype: torch.dtype, inv_freq: Tensor | None = None,
+                scale: float = 1.0) -> tuple[Tensor, Tensor]:
+    """HF's ``(cos, sin)`` — ``(B, T, d_h)``, the halves repeated, times ``scale`` (a rope type's
+    ``attention_scaling``) — with the angles ``p·ω_j`` formed in float64 (accurate at large
+    positions), in ``dtype``; ``ω_j = θ₀^(−2j/d_h)``, or ``inv_freq`` (taken in float64) when given."""
+    if inv_freq is None:
+        j = torch.arange(head_dim // 2, dtype=torch.float64, device=position_ids.device)
+        omega = torch.pow(float(theta), -2.0 * j / head_dim)
+    else:
+        omega = inv_freq.to(position_ids.device, torch.float64)
+    angle = position_ids[..., None].to(torch.float64) * omega
     emb = torch.cat((angle, angle), dim=-1)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
+    cos, sin = emb.cos(), emb.sin()
+    if scale != 1.0:
+        cos, sin = cos * scale, sin * scale
+    return cos.to(dtype), sin.to(dtype)
 
 
 class FusedRotaryEmbedding(nn.Module):
@@ -187,9 +269,13 @@ class FusedRotaryEmbedding(nn.Module):
     ``forward(x, position_ids)`` returns ``(cos, sin)`` like HF's (shapes ``(B, T, d_h)``,
     dtype of ``x``); ``cos`` carries a :class:`RotaryPositions`, which the patched
     ``apply_rotary_pos_emb`` uses to rotate Q and K with :func:`wiola_kernels.srpe`.
-    The first eager forward that finds ``hf_rotary.inv_freq`` materialised checks it is the
-    default RoPE's; if not, this module returns HF's own tables from then on (a warning
-    says so), which the patched function hands to HF's original code.
+    The frequencies come from :func:`rope_srpe_arguments` (every rope type of
+    :data:`ROPE_TYPES`; ``dynamic`` and ``longrope`` update ``hf_rotary`` per call as HF does).
+    For the ``default`` type, the first eager forward that finds ``hf_rotary.inv_freq``
+    materialised checks it is ``θ₀^(−2j/d_h)``; if not, this module returns HF's own tables
+    from then on (a warning says so), which the patched function hands to HF's original
+    code. The other types use the buffer as it is, so there is nothing to check
+    (``buffer_check`` is ``"given"``).
     """
 
     def __init__(self, hf_rotary: nn.Module, theta: float, head_dim: int, modeling: str) -> None:
@@ -198,15 +284,23 @@ class FusedRotaryEmbedding(nn.Module):
         self.theta = float(theta)
         self.head_dim = int(head_dim)
         self.modeling = modeling  # name of the transformers modeling module whose RoPE we serve
-        self.buffer_check = "pending"  # -> "fused" (default RoPE, verified) or "hf" (differs: HF's RoPE)
+        self.rope_type = _rope_type(hf_rotary)
+        # "pending" -> "fused" (default RoPE, verified) or "hf" (differs: HF's RoPE); "given":
+        # a rope type whose own inv_freq buffer srpe reads.
+        self.buffer_check = "pending" if self.rope_type == "default" else "given"
 
     def forward(self, x: Tensor, position_ids: Tensor) -> tuple[Tensor, Tensor]:
         if not torch.compiler.is_compiling():
             self._eager_checks()
         if self.buffer_check == "hf":
             return self.hf_rotary(x, position_ids)
-        cos, sin = rope_tables(position_ids, self.theta, self.head_dim, x.dtype)
-        setattr(cos, _ROPE_ATTR, RotaryPositions(position_ids, self.theta))
+        if self.rope_type == "default":
+            cos, sin = rope_tables(position_ids, self.theta, self.head_dim, x.dtype)
+            setattr(cos, _ROPE_ATTR, RotaryPositions(position_ids, self.theta))
+            return cos, sin
+        args = rope_srpe_arguments(self.hf_rotary, x, position_ids)
+        cos, sin = rope_tables(position_ids, self.theta, self.head_dim, x.dtype, args["inv_freq"], args["scale"])
+        setattr(cos, _ROPE_ATTR, RotaryPositions(position_ids, self.theta, args["inv_freq"], args["scale"]))
         return cos, sin
 
     def _eager_checks(self) -> None:
@@ -227,7 +321,7 @@ class FusedRotaryEmbedding(nn.Module):
             self.buffer_check = "fused" if why is None else "hf"
 
     def extra_repr(self) -> str:
-        return f"theta={self.theta}, head_dim={self.head_dim}"
+        return f"rope_type={self.rope_type!r}, theta={self.theta}, head_dim={self.head_dim}"
 
 
 # Modeling modules whose apply_rotary_pos_emb we replaced: name -> (original function,
@@ -308,24 +402,30 @@ def _head_dim(config) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
-def _rope_theta(config):
+def _rope_theta(config, layer_type: str | None = None):
     params = getattr(config, "rope_parameters", None) or {}
+    if layer_type is not None:
+        params = params.get(layer_type) or {}
     return params.get("rope_theta", getattr(config, "rope_theta", None))
 
 
 def _rope_supported(rotary: nn.Module, config, head_dim: int) -> str | None:
-    """None when ``rotary`` is default RoPE we can reproduce, else why not. Reads only the
-    config and metadata (never tensor values), so meta-device modules are judged alike."""
-    rope_type = getattr(rotary, "rope_type", None)
-    if rope_type != "default":
+    """None when ``rotary`` is RoPE of a type in :data:`ROPE_TYPES` we can reproduce, else why
+    not. Reads only the config and metadata (never tensor values), so meta-device modules
+    are judged alike."""
+    rope_type = _rope_type(rotary)
+    if rope_type not in ROPE_TYPES:
         return f"rope type {rope_type!r}"
+    inv_freq = getattr(rotary, "inv_freq", None)
+    if not isinstance(inv_freq, Tensor) or inv_freq.dim() != 1 or inv_freq.shape[0] * 2 != head_dim:
+        return "a partial or non-standard rotary embedding"
+    if rope_type != "default":
+        return None  # srpe reads the module's own inv_freq and attention_scaling
     scaling = getattr(rotary, "attention_scaling", 1.0)
     if scaling != 1.0:
         return f"attention scaling {scaling}"
-    inv_freq = getattr(rotary, "inv_freq", None)
     theta = _rope_theta(config)
-    if not isinstance(theta, (int, float)) or not theta > 0 or not isinstance(inv_freq, Tensor) \
-            or inv_freq.dim() != 1 or inv_freq.shape[0] * 2 != head_dim:
+    if not isinstance(theta, (int, float)) or not theta > 0:
         return "a partial or non-standard rotary embedding"
     return None
 
@@ -366,7 +466,7 @@ def patch_hf(target, *, rms_norm: bool = True, rope: bool = True, mlp: bool = Tr
 
     Supported: ``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM`` and the
     other models of those three families (``config.model_type`` in ``llama``, ``mistral``,
-    ``qwen2``), with the default rope type. All or nothing: on any error the model is left
+    ``qwen2``), with any rope type of :data:`ROPE_TYPES`. All or nothing: on any error the model is left
     exactly as it was (see the module docstring). Patching an already patched model does
     nothing.
 
@@ -378,7 +478,8 @@ def patch_hf(target, *, rms_norm: bool = True, rope: bool = True, mlp: bool = Tr
         rms_norm: swap every ``<Family>RMSNorm`` for :class:`wiola_kernels.modules.RMSNorm`
             (shares the ``weight`` Parameter; HF's rounding order).
         rope: apply rotary embeddings with :func:`wiola_kernels.srpe`
-            (``k_s = ∞``, ``a_s = 0``: plain rotate-half RoPE, angles reduced in float64).
+            (``k_s = ∞``, ``a_s = 0``: plain rotate-half RoPE, angles reduced in float64;
+            a rope type's own ``inv_freq`` and attention factor, see :func:`rope_srpe_arguments`).
         mlp: form each SiLU-gated MLP's ``SiLU(gate(x)) ⊙ up(x)`` with
             :func:`wiola_kernels.glu` (:class:`FusedGatedMLP`, sharing the projections).
         loss: compute a ``<Family>ForCausalLM``'s training loss with
@@ -526,7 +627,9 @@ def _plan(model: nn.Module, model_type: str, modeling, switches: dict) -> tuple[
                               f"does not implement; its rotary embedding is left untouched (RMSNorm is still "
                               f"swapped)", UserWarning, stacklevel=3)
                 continue
-            fused = FusedRotaryEmbedding(child, float(_rope_theta(config)), head_dim, modeling.__name__)
+            theta = _rope_theta(config)  # θ₀ of the default type (the others read their inv_freq)
+            theta = float(theta) if isinstance(theta, (int, float)) and theta > 0 else 10000.0
+            fused = FusedRotaryEmbedding(child, theta, head_dim, modeling.__name__)
             fused.train(child.training)
             rotary.append((parent, name, child, fused))
     mlps = []
