@@ -5,7 +5,7 @@ bit-identical outputs; models built on the meta device, with accelerate's
 ``init_empty_weights`` or materialised by ``to_empty`` (before or after patching); a
 hand-edited ``inv_freq`` keeps HF's RoPE; the patched rotary embedding still returns HF's
 ``(cos, sin)`` tensors; the class-level form before ``from_pretrained``; ``torch.compile``
-with no graph break; deep copies, unsupported rope types and architectures. Numbers are
+with no graph break; deep copies and unknown architectures (the rope types: tests/test_hf_rope.py). Numbers are
 checked against the unpatched Hugging Face model in float64 (SPEC §9's float32 tolerance,
 attention class), or bit for bit where nothing should have changed.
 """
@@ -421,27 +421,6 @@ def test_patched_model_compiles_without_graph_breaks():
 
 
 # ---- what is left alone ----------------------------------------------------------------
-
-@pytest.mark.parametrize("rope", [
-    {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-     "original_max_position_embeddings": 64},
-    {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64},
-    {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0},
-])
-def test_unsupported_rope_type_keeps_hf_rope_with_a_warning(rope):
-    m = model("llama", seed=14, rope_parameters=rope)
-    rotary = m.model.rotary_emb
-    modeling = _modeling(m)
-    original_apply = modeling.apply_rotary_pos_emb
-    x = ids(seed=15)
-    want = _logits(copy.deepcopy(m).double(), x)
-    with pytest.warns(UserWarning, match=rope["rope_type"]):
-        wk.patch_hf(m)
-    assert m.model.rotary_emb is rotary and modeling.apply_rotary_pos_emb is original_apply
-    assert isinstance(m.model.norm, wk.RMSNorm)  # the norms are still fused
-    assert rel_err(_logits(m, x), want) <= TOL
-    wk.unpatch_hf(m)
-
 
 def test_unknown_architecture_left_untouched_with_a_warning():
     cfg = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=32)
