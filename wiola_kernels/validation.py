@@ -348,8 +348,8 @@ def check_srpe(q: object, k: object, position_ids: object, theta: object, spiral
     max_frequency = 1.0 if inv_freq is None else check_srpe_inv_freq(inv_freq, dh, q_name, q)
     scale = check_real("scale", scale)
     given = "" if inv_freq is None else f" and max |inv_freq| = {max_frequency!r}"
-    check_position_range(positions, srpe_max_position(spiral_divisor, max_frequency),
-                         f"float32 SRPE outputs lose SPEC accuracy beyond it for spiral_divisor={spiral_divisor}{given}")
+    why = f"float32 SRPE outputs lose SPEC accuracy beyond it for spiral_divisor={spiral_divisor}{given}"
+    check_position_range(positions, srpe_max_position(spiral_divisor, max_frequency), why)
     return positions, params, inv_freq, scale
 
 

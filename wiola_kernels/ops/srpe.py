@@ -93,7 +93,8 @@ register_kernel("srpe_backward", "CUDA", dispatch.kernels(OP, "triton").backward
 def _fake(names):
     def fake(q, k, position_ids, theta=10000.0, spiral_divisor=8.0, radial_amplitude=0.1, radial_frequency=0.01,
              inv_freq=None, scale=1.0):
-        check_srpe(q, k, position_ids, theta, spiral_divisor, radial_amplitude, radial_frequency, inv_freq, scale, names)
+        check_srpe(q, k, position_ids, theta, spiral_divisor, radial_amplitude, radial_frequency, inv_freq, scale,
+                   names)
         return torch.empty_like(unit_last_stride(q)), torch.empty_like(unit_last_stride(k))
 
     return fake
@@ -164,11 +165,11 @@ def srpe(q: Tensor, k: Tensor, position_ids: Tensor, theta: float = 10000.0, spi
 
     For pair ``(j, j + d_h/2)`` at position ``p``: rotation by
     ``Θ_j(p) = p ω_j (1 + 1/k_s)`` scaled by ``r_j(p) = 1 + a_s sin(p f_s ω_j)``, with
-    ``ω_j = θ₀^(−2j/d_h)`` (or ``inv_freq[j]``), times the output scale ``m``. Angles are formed and reduced modulo 2π in float64, so
-    float32 outputs meet SPEC §9's 1e-5 up to ``|p| = max_accurate_position(k_s)``
-    (about 2^35 for ``k_s = 8``; tested up to 2^31). There is no other length limit; on
-    CPU tensors a larger position is a ``ValueError`` (not checked on CUDA: it would cost
-    a device sync per call).
+    ``ω_j = θ₀^(−2j/d_h)`` (or ``inv_freq[j]``), times the output scale ``m``. Angles are
+    formed and reduced modulo 2π in float64, so float32 outputs meet SPEC §9's 1e-5 up to
+    ``|p| = max_accurate_position(k_s)`` (about 2^35 for ``k_s = 8``; tested up to 2^31).
+    There is no other length limit; on CPU tensors a larger position is a ``ValueError``
+    (not checked on CUDA: it would cost a device sync per call).
 
     Args:
         q: queries ``(B, H, T, d_h)``; float32, float64, bfloat16 or float16.
