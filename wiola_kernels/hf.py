@@ -160,14 +160,20 @@ def _rope_type(rotary: nn.Module, layer_type: str | None = None):
     return rope_type.get(layer_type) if isinstance(rope_type, dict) else rope_type
 
 
-@functools.cache
+_frequency_update = None
+
+
 def _hf_frequency_update():
     """Hugging Face's own per-call frequency update (``dynamic_rope_update``: ``dynamic`` grows
     or resets ``inv_freq`` with ``max(position_ids) + 1``, ``longrope`` switches between its
-    short and long factors) around a forward that computes nothing."""
-    from transformers.modeling_rope_utils import dynamic_rope_update
+    short and long factors) around a forward that computes nothing; built once (a plain
+    global, not functools.cache, which Dynamo warns about when tracing)."""
+    global _frequency_update
+    if _frequency_update is None:
+        from transformers.modeling_rope_utils import dynamic_rope_update
 
-    return dynamic_rope_update(lambda self, x, position_ids, **kwargs: None)
+        _frequency_update = dynamic_rope_update(lambda self, x, position_ids, **kwargs: None)
+    return _frequency_update
 
 
 def rope_srpe_arguments(rotary: nn.Module, x: Tensor, position_ids: Tensor, layer_type: str | None = None) -> dict:
