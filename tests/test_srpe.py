@@ -192,6 +192,257 @@ def test_infinite_divisor_is_plain_rope(backend):
             assert_close_rel(gk, oracle(torch.full_like(k, 2.0), -pos, **rope), tol, f"grad k {dtype} {divisor}")
 
 
+# --- given frequencies and an output scale (SPEC §4, "Given frequencies") -----------------------
+
+ROPE = dict(spiral_divisor=math.inf, radial_amplitude=0.0, radial_frequency=0.0)
+
+
+def given_oracle(x, pos, inv_freq, scale=1.0, spiral_divisor=math.inf, radial_amplitude=0.0, radial_frequency=0.0,
+                 grad=None, theta=None):
+    """``m R(p) x`` in float64, one pair at a time, with ``ω_j = inv_freq[j]`` (taken in float64;
+    ``theta`` is not used); with ``grad``: also its vector-Jacobian product (autograd of this loop)."""
+    x = x.detach().double().requires_grad_(grad is not None)
+    b, _, t, dh = x.shape
+    half = dh // 2
+    p = pos.to(torch.int64).expand(b, t).double()
+    lo, hi = [], []
+    for j in range(half):
+        w = float(inv_freq[j].double())
+        ang = p * w * (1.0 + 1.0 / spiral_divisor)
+        r = scale * (1.0 + radial_amplitude * torch.sin(p * radial_frequency * w))
+        c, s = (r * torch.cos(ang))[:, None], (r * torch.sin(ang))[:, None]
+        lo.append(x[..., j] * c - x[..., j + half] * s)
+        hi.append(x[..., j] * s + x[..., j + half] * c)
+    y = torch.stack(lo + hi, dim=-1)
+    if grad is None:
+        return y.detach()
+    return y.detach(), torch.autograd.grad(y, x, grad.double())[0]
+
+
+def llama3_frequencies(dh, theta=500000.0, factor=8.0, low=1.0, high=4.0, original=8192):
+    """Llama 3.1's rope_type "llama3" frequencies, in float32 as Hugging Face keeps them (written
+    here from Meta's published formula: long wavelengths divided by ``factor``, a smooth ramp
+    between)."""
+    omega = 1.0 / theta ** (torch.arange(0, dh, 2, dtype=torch.float64) / dh)
+    wavelen = 2 * math.pi / omega
+    smooth = (original / wavelen - low) / (high - low)
+    ramp = (1 - smooth) * omega / factor + smooth * omega
+    out = torch.where(wavelen > original / low, omega / factor, torch.where(wavelen < original / high, omega, ramp))
+    return out.float()
+
+
+def yarn_like_frequencies(dh, theta=10000.0, factor=4.0):
+    """Frequencies interpolated between ``ω`` and ``ω/factor`` along the pairs (the shape of
+    yarn's), with yarn's attention factor ``0.1 ln(factor) + 1``."""
+    omega = theta ** (-torch.arange(0, dh, 2, dtype=torch.float64) / dh)
+    ramp = torch.linspace(1.0, 0.0, dh // 2, dtype=torch.float64)
+    return omega * ramp + omega / factor * (1 - ramp), 0.1 * math.log(factor) + 1.0
+
+
+def _given_cases(dh):
+    """``(name, inv_freq, scale, params)``: HF-like frequencies (float32 and float64), RoPE and SRPE
+    parameters, scale 1 and not."""
+    llama3 = llama3_frequencies(dh)
+    yarn, attention_factor = yarn_like_frequencies(dh)
+    return [("llama3 float32", llama3, 1.0, ROPE), ("yarn float64", yarn, attention_factor, ROPE),
+            ("llama3 srpe", llama3, 0.75, DEFAULTS), ("yarn bf16 inv_freq", yarn.bfloat16(), attention_factor, ROPE)]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_given_frequencies_and_scale_against_float64(backend):
+    """Forward and backward (``m R(p)ᵀ g``) with HF-like frequencies at positions up to 2^20,
+    float32 per position within 1e-5, bf16 within 1e-2, float64 within the angle's own bound."""
+    shape = (1, 2, 1, 12, 16) if backend == "triton" else (2, 4, 2, 24, 64)
+    b, h, h_kv, t, dh = shape
+    q64, k64, pos = inputs(*shape, dtype=torch.float64, max_pos=2**20, seed=11)
+    pos[0, :4] = torch.tensor([2**20 - 1, 2**20, 65536, 131071])
+    g = [torch.randn_like(x, dtype=torch.float64) for x in (q64, k64)]
+    for name, inv_freq, scale, params in _given_cases(dh):
+        for dtype in (torch.float32, torch.bfloat16, torch.float64):
+            q, k = q64.to(dtype), k64.to(dtype)
+            got = run(backend, q, k, pos, grad=[x.to(dtype) for x in g], inv_freq=inv_freq, scale=scale, **params)
+            (q_ref, gq_ref), (k_ref, gk_ref) = (given_oracle(x, pos, inv_freq, scale, grad=gx.to(dtype), **params)
+                                                for x, gx in zip((q, k), g))
+            tol = srpe_tolerance(dtype, pos, params["spiral_divisor"])
+            for out, ref, what in zip(got, (q_ref, k_ref, gq_ref, gk_ref), ("q", "k", "grad q", "grad k")):
+                assert out.dtype == dtype and out.shape == ref.shape
+                if dtype == torch.float32:  # per position: an error at one must not hide in the average
+                    for i in range(t):
+                        assert_close_rel(out[:, :, i], ref[:, :, i], tol, f"{name} {what} position {pos[:, i]}")
+                assert_close_rel(out, ref, tol, f"{name} {dtype} {what}")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_given_default_frequencies_reproduce_the_default_exactly(backend):
+    """``inv_freq = θ₀^(−2j/d_h)`` (float64, formed as every backend forms it: C's ``pow(θ₀, j·(−2/d_h))``)
+    with ``scale = 1``: the same bits as without them, forward and backward, for SRPE and RoPE
+    parameters, at head widths where torch's vectorised pow would differ by an ulp."""
+    shape = (1, 2, 1, 5, 12) if backend == "triton" else (2, 4, 2, 9, 128)
+    dh = shape[-1]
+    for theta, params in ((10000.0, DEFAULTS), (500000.0, ROPE)):
+        params = dict(params, theta=theta)
+        inv_freq = torch.tensor([theta ** (j * (-2.0 / dh)) for j in range(dh // 2)], dtype=torch.float64)
+        for dtype in (torch.float32, torch.bfloat16, torch.float64):
+            q, k, pos = inputs(*shape, dtype=dtype, max_pos=2**20, seed=12)
+            grad = [torch.randn(x.shape, generator=gen(13)).to(dtype) for x in (q, k)]
+            want = run(backend, q, k, pos, grad=grad, **params)
+            got = run(backend, q, k, pos, grad=grad, inv_freq=inv_freq, scale=1.0, **params)
+            for a, w in zip(got, want):
+                assert torch.equal(a, w), (theta, dtype)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_scale_multiplies_the_output_and_the_gradient(backend):
+    """``y = m R(p) q`` and ``∂q = m R(p)ᵀ g`` for m = 2.5, −0.5 and 0 (all outputs zero)."""
+    q, k, pos = inputs(1, 2, 1, 6, 8, seed=14, max_pos=70000)
+    inv_freq = llama3_frequencies(8)
+    grad = [torch.randn(x.shape, generator=gen(15)) for x in (q, k)]
+    for scale in (2.5, -0.5, 0.0):
+        got = run(backend, q, k, pos, grad=grad, inv_freq=inv_freq, scale=scale)
+        refs = [*(given_oracle(x, pos, inv_freq, scale, grad=gx, **DEFAULTS) for x, gx in zip((q, k), grad))]
+        for out, ref in zip(got, (refs[0][0], refs[1][0], refs[0][1], refs[1][1])):
+            if scale == 0.0:
+                assert torch.equal(out, torch.zeros_like(out))
+            else:
+                assert_close_rel(out, ref, tolerance(torch.float32), f"scale {scale}")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_given_frequencies_are_read_at_every_call(backend):
+    """Strided and non-float64 ``inv_freq`` are read as given; a tensor changed in place (as
+    ``dynamic`` rope does) is read anew: no backend keeps a stale table of it."""
+    q, k, pos = inputs(1, 2, 1, 4, 8, seed=16, max_pos=5000)
+    base = torch.rand(8, generator=gen(17), dtype=torch.float64)
+    for inv_freq in (base[::2], base[::2].half(), base[::2].clone()):
+        for got, x in zip(run(backend, q, k, pos, inv_freq=inv_freq, **ROPE), (q, k)):
+            assert_close_rel(got, given_oracle(x, pos, inv_freq), tolerance(torch.float32), str(inv_freq.dtype))
+    inv_freq = base[:4].clone()
+    run(backend, q, k, pos, inv_freq=inv_freq, **ROPE)
+    inv_freq.mul_(0.5)
+    for got, x in zip(run(backend, q, k, pos, inv_freq=inv_freq, **ROPE), (q, k)):
+        assert_close_rel(got, given_oracle(x, pos, inv_freq), tolerance(torch.float32), "updated in place")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_given_frequencies_gradcheck(backend):
+    """float64 gradcheck in q and k with given frequencies and a scale; no gradient reaches inv_freq."""
+    shape = (1, 2, 1, 3, 6) if backend == "triton" else (2, 4, 2, 5, 10)
+    q, k, pos = inputs(*shape, dtype=torch.float64, max_pos=2**20, seed=18)
+    inv_freq = torch.rand(shape[-1] // 2, generator=gen(19), dtype=torch.float64).requires_grad_()
+    for params in (ROPE, DEFAULTS):
+        def f(a, c):
+            return wk.srpe(a, c, pos, inv_freq=inv_freq, scale=1.3, **params)
+
+        with wk.use_backend(backend):
+            assert torch.autograd.gradcheck(f, (q.clone().requires_grad_(), k.clone().requires_grad_()),
+                                            fast_mode=True)
+            qo, ko = f(q.clone().requires_grad_(), k)
+            (qo.sum() + ko.sum()).backward()
+        assert inv_freq.grad is None
+
+
+@pytest.mark.skipif("cpu" not in BACKENDS, reason="C++ extension not built")
+def test_given_frequencies_opcheck():
+    g = gen(20)
+    q, k, gq, gk = (torch.randn(2, 5, n, 8, generator=g).transpose(1, 2) for n in (4, 2, 4, 2))
+    pos = torch.arange(5)[None].expand(2, 5)
+    inv_freq = llama3_frequencies(8)
+    for params in ((10000.0, 8.0, 0.1, 0.01), (10000.0, math.inf, 0.0, 0.0)):
+        torch.library.opcheck(torch.ops.wiola.srpe.default, (q, k, pos, *params, inv_freq, 1.25))
+        torch.library.opcheck(torch.ops.wiola.srpe_backward.default, (gq, gk, pos, *params, inv_freq, 1.25))
+        torch.library.opcheck(torch.ops.wiola.srpe.default, (q, k, pos, *params, None, 0.5))
+
+
+def test_given_frequencies_compile_fullgraph():
+    """torch.compile of a step with given frequencies and a scale: no graph break, the
+    backward follows, the result is the oracle's; new frequencies do not recompile."""
+    from torch._dynamo.utils import counters
+
+    q, k, pos = inputs(2, 4, 2, 7, 16, seed=21, max_pos=2**20)
+    inv_freq = llama3_frequencies(16)
+
+    def f(a, c, w):
+        qo, ko = wk.srpe(a, c, pos, inv_freq=w, scale=1.2, **ROPE)
+        return (qo * qo).sum() + ko.sum()
+
+    torch._dynamo.reset()
+    assert torch._dynamo.explain(f)(q, k, inv_freq).graph_break_count == 0
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    for w in (inv_freq, inv_freq * 0.5):
+        leaves = (q.clone().requires_grad_(), k.clone().requires_grad_())
+        loss = compiled(*leaves, w)
+        gq, gk = torch.autograd.grad(loss, leaves)
+        q_ref, gq_ref = given_oracle(q, pos, w, 1.2, grad=2 * given_oracle(q, pos, w, 1.2))
+        k_ref, gk_ref = given_oracle(k, pos, w, 1.2, grad=torch.ones(k.shape))
+        want = float((q_ref * q_ref).sum() + k_ref.sum())
+        assert abs(float(loss.detach()) - want) <= tolerance(torch.float32) * abs(want)
+        assert_close_rel(gq, gq_ref, tolerance(torch.float32), "grad q")
+        assert_close_rel(gk, gk_ref, tolerance(torch.float32), "grad k")
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+    assert sum(counters["graph_break"].values()) == 0
+
+
+def _given_bad_cases():
+    return [
+        ("list", dict(inv_freq=[1.0, 0.5, 0.25, 0.1]), TypeError, r"^inv_freq must be a torch.Tensor, got list"),
+        ("int dtype", dict(inv_freq=torch.ones(4, dtype=torch.int64)), TypeError, r"^inv_freq must have dtype in"),
+        ("too long", dict(inv_freq=torch.ones(8)), ValueError,
+         r"^inv_freq must have shape \(d_h/2,\) = \(4,\), got \(8,\)"),
+        ("2-D", dict(inv_freq=torch.ones(1, 4)), ValueError,
+         r"^inv_freq must have shape \(d_h/2,\) = \(4,\), got \(1, 4\)"),
+        ("scalar", dict(inv_freq=torch.tensor(1.0)), ValueError,
+         r"^inv_freq must have shape \(d_h/2,\) = \(4,\), got a 0-d"),
+        ("device", dict(inv_freq=torch.ones(4, device="meta")), ValueError,
+         r"^inv_freq must be on cpu like q, got meta"),
+        ("nan", dict(inv_freq=torch.tensor([1.0, 0.5, float("nan"), 0.1])), ValueError,
+         r"^inv_freq must hold finite frequencies, got nan at pair 2"),
+        ("inf", dict(inv_freq=torch.tensor([float("-inf"), 0.5, 0.2, 0.1])), ValueError,
+         r"^inv_freq must hold finite frequencies, got -inf at pair 0"),
+        ("scale nan", dict(scale=math.nan), ValueError, r"^scale must be finite, got nan"),
+        ("scale str", dict(scale="1"), TypeError, r"^scale must be a real number"),
+        ("positions", dict(inv_freq=torch.tensor([4.0, 0.5, 0.2, 0.1]), position_ids=torch.full((2, 3), 2**34)),
+         ValueError, r"^position_ids must lie within ±\d+ \(float32 SRPE outputs lose SPEC accuracy beyond it for "
+                     r"spiral_divisor=8.0 and max \|inv_freq\| = 4.0\), got \|p\| = 17179869184"),
+    ]
+
+
+@pytest.mark.parametrize("case", _given_bad_cases(), ids=lambda c: c[0])
+def test_bad_given_frequencies_and_scale_raise_the_same_words_everywhere(case):
+    """The C++ checks (the dispatcher's kernel), validation.py (the forced backends) and the fake
+    name ``inv_freq`` / ``scale`` in the same words, with and without autograd."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    _, changes, error, message = case
+    args = dict(dict(q=torch.randn(2, 4, 3, 8), k=torch.randn(2, 2, 3, 8), position_ids=torch.arange(3)), **changes)
+    for backend in ["auto", *BACKENDS]:
+        for grad in (False, True):
+            call = dict(args, q=args["q"].clone().requires_grad_(grad))
+            with wk.use_backend(backend), pytest.raises(error, match=message):
+                wk.srpe(**call)
+    if "finite frequencies" in message or "lie within" in message:
+        return  # values: not read while tracing
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode, pytest.raises(error, match=message):
+        wk.srpe(**{n: mode.from_tensor(v) if isinstance(v, torch.Tensor) and v.device.type != "meta" else v
+                   for n, v in args.items()})
+
+
+def test_accurate_range_follows_the_given_frequencies():
+    """``max_accurate_position(k_s, max_j |ω_j|)``: frequencies at most ½ double the range."""
+    from wiola_kernels.ops.srpe import max_accurate_position
+
+    limit = max_accurate_position(math.inf, 0.5)
+    assert limit == int(1e-5 * 2.0**52 / 0.5) and abs(limit - 2 * max_accurate_position(math.inf)) <= 1
+    q, k = torch.randn(1, 2, 2, 8), torch.randn(1, 1, 2, 8)
+    inv_freq = torch.tensor([0.5, 0.25, 0.1, 0.01])
+    for backend in ["auto", *BACKENDS]:
+        with wk.use_backend(backend):
+            wk.srpe(q, k, torch.tensor([0, limit]), inv_freq=inv_freq, **ROPE)
+            with pytest.raises(ValueError, match="position_ids must lie within"):
+                wk.srpe(q, k, torch.tensor([0, limit + 1]), inv_freq=inv_freq, **ROPE)
+
+
 # --- numerics at the edges ------------------------------------------------------------------
 
 @pytest.mark.parametrize("dtype,scale,a_s", [(torch.float32, 1e30, 0.1), (torch.float32, 1e-30, 0.1),

@@ -6,8 +6,10 @@
 //   r_j(p) = 1 + a_s sin(p · radial_freq_j),    radial_freq_j = f_s ω_j
 //
 // Plain RoPE (Hugging Face models) is k_s = ∞, a_s = 0: angle_freq_j = ω_j (the caller
-// forms 1 + 1/k_s = 1) and r = 1, with the same float64 angle reduction.
-//   c = r cos Θ,  s = r sin Θ
+// forms 1 + 1/k_s = 1) and r = 1, with the same float64 angle reduction. ω_j is θ₀^(−2j/d_h),
+// or given (inv_freq: a rope type's frequencies, read in float64); the output scale m (a
+// rope type's attention factor) multiplies r.
+//   c = m r cos Θ,  s = m r sin Θ
 //   y_j = x_j c − x_{j+h} s,     y_{j+h} = x_j s + x_{j+h} c        (h = d_h/2)
 //
 // transpose=true applies R(p)ᵀ (s → −s): the backward, ∂L/∂x = R(p)ᵀ ∂L/∂y.
@@ -32,6 +34,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <optional>
 #include <vector>
 
 
@@ -54,7 +57,7 @@ struct IoStrides {
 
 template <typename scalar_t>
 void srpe_kernel(const scalar_t* q, const scalar_t* k, const int64_t* positions, int64_t pos_sb, int64_t pos_st,
-                 const double* angle_freq, const double* radial_freq, double amplitude, bool transpose,
+                 const double* angle_freq, const double* radial_freq, double amplitude, double scale, bool transpose,
                  scalar_t* q_out, scalar_t* k_out, const IoStrides& qs, const IoStrides& ks, int64_t B, int64_t H,
                  int64_t H_kv, int64_t T, int64_t dh) {
   using acc_t = acc_type<scalar_t>;
@@ -91,7 +94,7 @@ void srpe_kernel(const scalar_t* q, const scalar_t* k, const int64_t* positions,
       if (nt != table_nt || !std::equal(pos.begin(), pos.begin() + nt, table_pos.begin())) {
         for (int64_t i = 0; i < nt; ++i) {
           position_table<acc_t>(static_cast<double>(pos[i]), af.data(), rf.data(), half, half_padded, amplitude,
-                                transpose, ctab.data() + i * half, stab.data() + i * half, scratch.data());
+                                transpose, ctab.data() + i * half, stab.data() + i * half, scratch.data(), scale);
         }
         std::copy(pos.begin(), pos.begin() + nt, table_pos.begin());
         table_nt = nt;
@@ -134,9 +137,10 @@ void srpe_kernel(const scalar_t* q, const scalar_t* k, const int64_t* positions,
 std::tuple<at::Tensor, at::Tensor> srpe_apply(const char* q_name, const at::Tensor& q_in, const char* k_name,
                                               const at::Tensor& k_in, const at::Tensor& position_ids, double theta,
                                               double spiral_divisor, double radial_amplitude,
-                                              double radial_frequency, bool transpose) {
+                                              double radial_frequency, const std::optional<at::Tensor>& inv_freq,
+                                              double scale, bool transpose) {
   const at::Tensor positions = checks::srpe(q_name, q_in, k_name, k_in, position_ids, theta, spiral_divisor,
-                                            radial_amplitude, radial_frequency);
+                                            radial_amplitude, radial_frequency, inv_freq, scale);
   const at::Tensor q = checks::unit_last_stride(q_in), k = checks::unit_last_stride(k_in);
   const int64_t B = q.size(0), H = q.size(1), T = q.size(2), dh = q.size(3), H_kv = k.size(1);
   at::Tensor q_out = empty_output_like(q);
@@ -144,11 +148,14 @@ std::tuple<at::Tensor, at::Tensor> srpe_apply(const char* q_name, const at::Tens
   if (B * T == 0) return {q_out, k_out};
   // Per-pair frequencies in float64 (SPEC §4): angle ω_j (1 + 1/k_s), radial f_s ω_j.
   std::vector<double> angle_freq, radial_freq;
-  pair_frequencies(dh, theta, spiral_divisor, radial_frequency, dh / 2, angle_freq, radial_freq);
+  at::Tensor omega;  // given frequencies as contiguous float64 (a view when they already are)
+  if (inv_freq.has_value()) omega = inv_freq->to(at::kDouble).contiguous();
+  pair_frequencies(dh, theta, spiral_divisor, radial_frequency, dh / 2, angle_freq, radial_freq,
+                   omega.defined() ? omega.const_data_ptr<double>() : nullptr);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "wiola_srpe", [&] {
     srpe_kernel<scalar_t>(q.const_data_ptr<scalar_t>(), k.const_data_ptr<scalar_t>(),
                           positions.const_data_ptr<int64_t>(), positions.stride(0), positions.stride(1),
-                          angle_freq.data(), radial_freq.data(), radial_amplitude, transpose,
+                          angle_freq.data(), radial_freq.data(), radial_amplitude, scale, transpose,
                           q_out.mutable_data_ptr<scalar_t>(), k_out.mutable_data_ptr<scalar_t>(),
                           IoStrides{RowStrides(q), RowStrides(q_out)}, IoStrides{RowStrides(k), RowStrides(k_out)}, B,
                           H, H_kv, T, dh);
@@ -158,15 +165,18 @@ std::tuple<at::Tensor, at::Tensor> srpe_apply(const char* q_name, const at::Tens
 
 std::tuple<at::Tensor, at::Tensor> srpe_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& position_ids,
                                             double theta, double spiral_divisor, double radial_amplitude,
-                                            double radial_frequency) {
-  return srpe_apply("q", q, "k", k, position_ids, theta, spiral_divisor, radial_amplitude, radial_frequency, false);
+                                            double radial_frequency, const std::optional<at::Tensor>& inv_freq,
+                                            double scale) {
+  return srpe_apply("q", q, "k", k, position_ids, theta, spiral_divisor, radial_amplitude, radial_frequency, inv_freq,
+                    scale, false);
 }
 
 std::tuple<at::Tensor, at::Tensor> srpe_bwd(const at::Tensor& grad_q, const at::Tensor& grad_k,
                                             const at::Tensor& position_ids, double theta, double spiral_divisor,
-                                            double radial_amplitude, double radial_frequency) {
+                                            double radial_amplitude, double radial_frequency,
+                                            const std::optional<at::Tensor>& inv_freq, double scale) {
   return srpe_apply("grad_q", grad_q, "grad_k", grad_k, position_ids, theta, spiral_divisor, radial_amplitude,
-                    radial_frequency, true);
+                    radial_frequency, inv_freq, scale, true);
 }
 
 }  // namespace

@@ -18,15 +18,19 @@
 namespace wiola::cpu::srpe_rotation {
 
 // Per-pair float64 frequencies for pairs j < d_h/2 (SPEC §4): angle ω_j (1 + 1/k_s), radial
-// f_s ω_j, ω_j = θ^(−2j/d_h); k_s = ±inf gives the plain RoPE angle (1/±inf = 0). `padded`:
-// the vectors' length, zero-filled past d_h/2 (position_table reads whole VD lanes).
+// f_s ω_j, with ω_j = omega[j] when given (a rope type's inv_freq, float64), else
+// θ^(−2j/d_h); k_s = ±inf gives the plain RoPE angle (1/±inf = 0). `padded`: the vectors'
+// length, zero-filled past d_h/2 (position_table reads whole VD lanes).
 inline void pair_frequencies(int64_t dh, double theta, double spiral_divisor, double radial_frequency,
-                             int64_t padded, std::vector<double>& angle_freq, std::vector<double>& radial_freq) {
+                             int64_t padded, std::vector<double>& angle_freq, std::vector<double>& radial_freq,
+                             const double* omega_given = nullptr) {
   angle_freq.assign(std::max(padded, dh / 2), 0.0);
   radial_freq.assign(std::max(padded, dh / 2), 0.0);
   const double stretch = 1.0 + 1.0 / spiral_divisor;
   for (int64_t j = 0; j < dh / 2; ++j) {
-    const double omega = std::pow(theta, static_cast<double>(j) * (-2.0 / static_cast<double>(dh)));
+    const double omega = omega_given != nullptr
+                             ? omega_given[j]
+                             : std::pow(theta, static_cast<double>(j) * (-2.0 / static_cast<double>(dh)));
     angle_freq[j] = omega * stretch;
     radial_freq[j] = omega * radial_frequency;
   }
@@ -99,19 +103,21 @@ inline VD sin_vec(const VD& x) {
 }
 
 // (c, s) of one position for every pair, written as acc_t; frequencies padded to a
-// multiple of VD::size() (the padding lanes are computed and dropped).
+// multiple of VD::size() (the padding lanes are computed and dropped). `scale`: the output
+// scale m (SPEC §4, a rope type's attention factor), folded into r in float64.
 template <typename acc_t>
 inline void position_table(double p, const double* angle_freq, const double* radial_freq, int64_t half,
                            int64_t half_padded, double amplitude, bool transpose, acc_t* c_out, acc_t* s_out,
-                           double* scratch /* 2·half_padded */) {
+                           double* scratch /* 2·half_padded */, double scale = 1.0) {
   double* cd = scratch;
   double* sd = scratch + half_padded;
-  const VD vp(p), va(amplitude), one(1.0);
+  const VD vp(p), va(amplitude), vm(scale);
   for (int64_t j = 0; j < half_padded; j += VD::size()) {
     VD sin_t, cos_t;
     sincos_vec(vp * VD::loadu(angle_freq + j), sin_t, cos_t);
-    // a_s = 0 (plain RoPE): r = 1 exactly, without the radial sine.
-    const VD radius = amplitude == 0.0 ? one : at::vec::fmadd(va, sin_vec(vp * VD::loadu(radial_freq + j)), one);
+    // a_s = 0 (plain RoPE): r = m exactly, without the radial sine.
+    const VD radius =
+        amplitude == 0.0 ? vm : vm * at::vec::fmadd(va, sin_vec(vp * VD::loadu(radial_freq + j)), VD(1.0));
     (radius * cos_t).store(cd + j);
     (transpose ? (radius * sin_t).neg() : radius * sin_t).store(sd + j);
   }

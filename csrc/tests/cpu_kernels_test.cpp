@@ -195,9 +195,9 @@ void test_rms_norm() {
 // ---- SRPE (SPEC §4) -----------------------------------------------------------------------
 
 // Naive SRPE in double: pair (j, j + half) rotated by Θ = p·af_j and scaled by r = 1 + a·sin(p·rf_j);
-// `transpose` rotates by −Θ (the backward).
+// `transpose` rotates by −Θ (the backward); `scale` multiplies the output.
 at::Tensor naive_srpe(const at::Tensor& x, const at::Tensor& pos, const std::vector<double>& af,
-                      const std::vector<double>& rf, double amp, bool transpose) {
+                      const std::vector<double>& rf, double amp, bool transpose, double scale = 1.0) {
   const at::Tensor xd = x.to(at::kDouble).contiguous();
   at::Tensor y = at::empty_like(xd);
   auto X = xd.accessor<double, 4>();
@@ -209,7 +209,7 @@ at::Tensor naive_srpe(const at::Tensor& x, const at::Tensor& pos, const std::vec
       for (int64_t t = 0; t < xd.size(2); ++t)
         for (int64_t j = 0; j < half; ++j) {
           const double p = static_cast<double>(P[b][t]);
-          const double r = 1.0 + amp * std::sin(p * rf[j]);
+          const double r = scale * (1.0 + amp * std::sin(p * rf[j]));
           const double c = r * std::cos(p * af[j]), s = (transpose ? -r : r) * std::sin(p * af[j]);
           const double a = X[b][h][t][j], e = X[b][h][t][j + half];
           Y[b][h][t][j] = a * c - e * s;
@@ -220,7 +220,7 @@ at::Tensor naive_srpe(const at::Tensor& x, const at::Tensor& pos, const std::vec
 
 void test_srpe() {
   using Fn = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&, double, double,
-                                                double, double);
+                                                double, double, const std::optional<at::Tensor>&, double);
   auto srpe_fwd = op("wiola::srpe").typed<Fn>();
   auto srpe_bwd = op("wiola::srpe_backward").typed<Fn>();  // applies R(p)ᵀ
   const double theta = 10000.0, k_s = 8.0, f_s = 0.01, amp = 0.1;
@@ -236,7 +236,7 @@ void test_srpe() {
         const int64_t B = 2, H = 4, Hkv = 2, T = 19;
         const at::Tensor q = at::randn({B, H, T, dh}).to(dtype), k = at::randn({B, Hkv, T, dh}).to(dtype);
         const at::Tensor pos = at::randint(0, 1 << 20, {B, T}, at::kLong);
-        auto [qo, ko] = (transpose ? srpe_bwd : srpe_fwd).call(q, k, pos, theta, k_s, amp, f_s);
+        auto [qo, ko] = (transpose ? srpe_bwd : srpe_fwd).call(q, k, pos, theta, k_s, amp, f_s, std::nullopt, 1.0);
         // SPEC §9: float64 is held to max(1e-12, 8·max|p·ω_0·(1 + 1/k_s)|·2^-52), the rounding
         // of the angle itself in any float64 evaluation (ω_0 = 1, positions below 2^20).
         const double tol64 = std::max(1e-12, 8.0 * std::ldexp(1.0, 20) * (1.0 + 1.0 / k_s) * std::ldexp(1.0, -52));
@@ -248,20 +248,42 @@ void test_srpe() {
                    " rel err q " + std::to_string(eq) + " k " + std::to_string(ek));
       }
     }
+    // Given frequencies (a rope type's inv_freq, float32 here: read in float64) and an output scale.
+    const at::Tensor inv_freq = at::rand({dh / 2}, at::kFloat) * 0.9 + 0.01;
+    std::vector<double> gaf(dh / 2), grf(dh / 2);
+    for (int64_t j = 0; j < dh / 2; ++j) {
+      const double omega = static_cast<double>(inv_freq[j].item<float>());
+      gaf[j] = omega * (1.0 + 1.0 / k_s);
+      grf[j] = omega * f_s;
+    }
+    for (bool transpose : {false, true}) {
+      const at::Tensor q = at::randn({2, 4, 7, dh}), k = at::randn({2, 2, 7, dh});
+      const at::Tensor pos = at::randint(0, 1 << 20, {2, 7}, at::kLong);
+      auto [qo, ko] = (transpose ? srpe_bwd : srpe_fwd).call(q, k, pos, theta, k_s, amp, f_s, inv_freq, 1.25);
+      const double eq = rel_err(qo, naive_srpe(q, pos, gaf, grf, amp, transpose, 1.25));
+      const double ek = rel_err(ko, naive_srpe(k, pos, gaf, grf, amp, transpose, 1.25));
+      expect(eq <= 1e-5 && ek <= 1e-5, "srpe inv_freq dh=" + std::to_string(dh) + (transpose ? " transpose" : "") +
+                                           " rel err q " + std::to_string(eq) + " k " + std::to_string(ek));
+    }
   }
   expect(throws_value_error([&] {
+           srpe_fwd.call(at::randn({1, 2, 3, 6}), at::randn({1, 2, 3, 6}), at::zeros({1, 3}, at::kLong), theta, k_s,
+                         amp, f_s, at::ones({4}), 1.0);
+         }),
+         "srpe rejects inv_freq of the wrong length with ValueError");
+  expect(throws_value_error([&] {
            srpe_fwd.call(at::randn({1, 2, 3, 5}), at::randn({1, 2, 3, 5}), at::zeros({1, 3}, at::kLong), theta, k_s,
-                         amp, f_s);
+                         amp, f_s, std::nullopt, 1.0);
          }),
          "srpe rejects an odd head dim with ValueError");
   expect(throws_value_error([&] {
            srpe_fwd.call(at::randn({1, 3, 3, 6}), at::randn({1, 2, 3, 6}), at::zeros({1, 3}, at::kLong), theta, k_s,
-                         amp, f_s);
+                         amp, f_s, std::nullopt, 1.0);
          }),
          "srpe rejects H not a multiple of H_kv with ValueError");
   expect(throws_value_error([&] {
            srpe_fwd.call(at::randn({1, 2, 3, 6}), at::randn({1, 2, 3, 6}), at::full({1, 3}, int64_t(1) << 40, at::kLong),
-                         theta, k_s, amp, f_s);
+                         theta, k_s, amp, f_s, std::nullopt, 1.0);
          }),
          "srpe rejects positions beyond the accurate range with ValueError");
 }

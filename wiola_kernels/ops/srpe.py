@@ -3,9 +3,12 @@ their kernels written in Python.
 
 Registered ops (declared in csrc/wiola_ops.cpp):
 
-* ``wiola::srpe(q, k, position_ids, theta, spiral_divisor, radial_amplitude, radial_frequency)
-  -> (R(p) q, R(p) k)``
-* ``wiola::srpe_backward(grad_q, grad_k, position_ids, ...) -> (R(p)ᵀ grad_q, R(p)ᵀ grad_k)``
+* ``wiola::srpe(q, k, position_ids, theta, spiral_divisor, radial_amplitude, radial_frequency,
+  inv_freq=None, scale=1.0) -> (m R(p) q, m R(p) k)``
+* ``wiola::srpe_backward(grad_q, grad_k, position_ids, ...) -> (m R(p)ᵀ grad_q, m R(p)ᵀ grad_k)``
+
+``inv_freq`` (``(d_h/2,)``, any float dtype, taken in float64) replaces ``θ₀^(−2j/d_h)`` when
+given; ``scale`` is the output scale ``m`` (SPEC §4, "Given frequencies").
 
 ``q (B, H, T, d_h)``, ``k (B, H_kv, T, d_h)`` with any strides (the model's transposed
 ``(B, T, H, d_h)`` views are read in place; only a last dimension with stride ≠ 1 is copied);
@@ -47,21 +50,23 @@ max_accurate_position = srpe_max_position
 def _python_kernel(apply, names):
     """``(q, k, position_ids, *params) -> (q_out, k_out)`` from ``apply(q, k, positions int64
     (B, T), *params)``, checked and with outputs in the inputs' layouts."""
-    def kernel(q, k, position_ids, theta=10000.0, spiral_divisor=8.0, radial_amplitude=0.1, radial_frequency=0.01):
-        positions, params = check_srpe(q, k, position_ids, theta, spiral_divisor, radial_amplitude, radial_frequency,
-                                       names)
+    def kernel(q, k, position_ids, theta=10000.0, spiral_divisor=8.0, radial_amplitude=0.1, radial_frequency=0.01,
+               inv_freq=None, scale=1.0):
+        positions, params, inv_freq, scale = check_srpe(q, k, position_ids, theta, spiral_divisor, radial_amplitude,
+                                                        radial_frequency, inv_freq, scale, names)
         q, k = unit_last_stride(q), unit_last_stride(k)
-        q_out, k_out = apply(q, k, positions, *params)
+        q_out, k_out = apply(q, k, positions, *params, inv_freq, scale)
         return in_layout_of(q_out, q), in_layout_of(k_out, k)
 
     return kernel
 
 
 def _triton(transpose: bool):
-    def apply(q, k, positions, *params):
+    def apply(q, k, positions, theta, spiral_divisor, radial_amplitude, radial_frequency, inv_freq, scale):
         from ..triton import srpe as tk
 
-        return tk.srpe_apply(q, k, positions, *params, transpose)
+        return tk.srpe_apply(q, k, positions, theta, spiral_divisor, radial_amplitude, radial_frequency, transpose,
+                             inv_freq=inv_freq, scale=scale)
 
     return apply
 
@@ -86,8 +91,10 @@ register_kernel("srpe_backward", "CUDA", dispatch.kernels(OP, "triton").backward
 
 
 def _fake(names):
-    def fake(q, k, position_ids, theta=10000.0, spiral_divisor=8.0, radial_amplitude=0.1, radial_frequency=0.01):
-        check_srpe(q, k, position_ids, theta, spiral_divisor, radial_amplitude, radial_frequency, names)
+    def fake(q, k, position_ids, theta=10000.0, spiral_divisor=8.0, radial_amplitude=0.1, radial_frequency=0.01,
+             inv_freq=None, scale=1.0):
+        check_srpe(q, k, position_ids, theta, spiral_divisor, radial_amplitude, radial_frequency, inv_freq, scale,
+                   names)
         return torch.empty_like(unit_last_stride(q)), torch.empty_like(unit_last_stride(k))
 
     return fake
@@ -99,51 +106,54 @@ register_fake("wiola::srpe_backward")(_fake(_BACKWARD_NAMES))
 
 # --- autograd --------------------------------------------------------------------------------------
 
-def _forward(q, k, position_ids, theta, spiral_divisor, radial_amplitude, radial_frequency):
+def _forward(q, k, position_ids, theta, spiral_divisor, radial_amplitude, radial_frequency, inv_freq, scale):
     """``(q_out, k_out, backend)``: the dispatcher's kernel (backend None), or the forced one."""
     backend = dispatch.forced_backend()
+    params = (theta, spiral_divisor, radial_amplitude, radial_frequency, inv_freq, scale)
     if backend is None:
         try:
-            return (*_ops.srpe(q, k, position_ids, theta, spiral_divisor, radial_amplitude,
-                                          radial_frequency), None)
+            return (*_ops.srpe(q, k, position_ids, *params), None)
         except RuntimeError:  # the schema's argument parser: name the argument instead
-            check_srpe(q, k, position_ids, theta, spiral_divisor, radial_amplitude, radial_frequency)
+            check_srpe(q, k, position_ids, *params)
             raise
     if not isinstance(q, Tensor):
-        check_srpe(q, k, position_ids, theta, spiral_divisor, radial_amplitude, radial_frequency)
+        check_srpe(q, k, position_ids, *params)
     backend = dispatch.resolve(OP, backend, q.device, q.dtype)
-    return (*dispatch.kernels(OP, backend).forward(q, k, position_ids, theta, spiral_divisor, radial_amplitude,
-                                                   radial_frequency), backend)
+    return (*dispatch.kernels(OP, backend).forward(q, k, position_ids, *params), backend)
 
 
 class SRPEFunction(torch.autograd.Function):
     """Autograd for :func:`srpe`: ``SRPEFunction.apply(q, k, position_ids, theta, spiral_divisor,
-    radial_amplitude, radial_frequency)`` (every argument positional; see :func:`srpe`). Calls
-    ``wiola::srpe`` and, in the backward, ``wiola::srpe_backward`` — or the forced backend's
-    kernels, kept on ``ctx`` so that the backward runs where the forward ran."""
+    radial_amplitude, radial_frequency, inv_freq, scale)`` (every argument positional; see
+    :func:`srpe`). Calls ``wiola::srpe`` and, in the backward, ``wiola::srpe_backward`` — or the
+    forced backend's kernels, kept on ``ctx`` so that the backward runs where the forward ran.
+    Gradients flow to ``q`` and ``k`` only (none to ``inv_freq``)."""
 
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, position_ids: Tensor, theta: float, spiral_divisor: float,
-                radial_amplitude: float, radial_frequency: float) -> tuple[Tensor, Tensor]:
+                radial_amplitude: float, radial_frequency: float, inv_freq: Tensor | None = None,
+                scale: float = 1.0) -> tuple[Tensor, Tensor]:
         q_out, k_out, ctx.backend = _forward(q, k, position_ids, theta, spiral_divisor, radial_amplitude,
-                                             radial_frequency)
-        ctx.save_for_backward(position_ids)
+                                             radial_frequency, inv_freq, scale)
+        ctx.save_for_backward(position_ids, inv_freq)
         ctx.params = (theta, spiral_divisor, radial_amplitude, radial_frequency)
+        ctx.scale = scale
         return q_out, k_out
 
     @staticmethod
     def backward(ctx, grad_q: Tensor, grad_k: Tensor):
-        (position_ids,) = ctx.saved_tensors
+        position_ids, inv_freq = ctx.saved_tensors
         if ctx.backend is None:
-            grad_q_in, grad_k_in = _ops.srpe_backward(grad_q, grad_k, position_ids, *ctx.params)
+            grad_q_in, grad_k_in = _ops.srpe_backward(grad_q, grad_k, position_ids, *ctx.params, inv_freq, ctx.scale)
         else:
             grad_q_in, grad_k_in = dispatch.kernels(OP, ctx.backend).backward(grad_q, grad_k, position_ids,
-                                                                               *ctx.params)
-        return grad_q_in, grad_k_in, None, None, None, None, None
+                                                                               *ctx.params, inv_freq, ctx.scale)
+        return grad_q_in, grad_k_in, None, None, None, None, None, None, None
 
 
 def srpe(q: Tensor, k: Tensor, position_ids: Tensor, theta: float = 10000.0, spiral_divisor: float = 8.0,
-         radial_amplitude: float = 0.1, radial_frequency: float = 0.01) -> tuple[Tensor, Tensor]:
+         radial_amplitude: float = 0.1, radial_frequency: float = 0.01, *, inv_freq: Tensor | None = None,
+         scale: float = 1.0) -> tuple[Tensor, Tensor]:
     """Spiral rotary position encoding of queries and keys (SPEC §4), in one launch.
 
     Layout: ``q (B, H, T, d_h)``, ``k (B, H_kv, T, d_h)`` — heads before time. Projections
@@ -155,11 +165,11 @@ def srpe(q: Tensor, k: Tensor, position_ids: Tensor, theta: float = 10000.0, spi
 
     For pair ``(j, j + d_h/2)`` at position ``p``: rotation by
     ``Θ_j(p) = p ω_j (1 + 1/k_s)`` scaled by ``r_j(p) = 1 + a_s sin(p f_s ω_j)``, with
-    ``ω_j = θ₀^(−2j/d_h)``. Angles are formed and reduced modulo 2π in float64, so
-    float32 outputs meet SPEC §9's 1e-5 up to ``|p| = max_accurate_position(k_s)``
-    (about 2^35 for ``k_s = 8``; tested up to 2^31). There is no other length limit; on
-    CPU tensors a larger position is a ``ValueError`` (not checked on CUDA: it would cost
-    a device sync per call).
+    ``ω_j = θ₀^(−2j/d_h)`` (or ``inv_freq[j]``), times the output scale ``m``. Angles are
+    formed and reduced modulo 2π in float64, so float32 outputs meet SPEC §9's 1e-5 up to
+    ``|p| = max_accurate_position(k_s)`` (about 2^35 for ``k_s = 8``; tested up to 2^31).
+    There is no other length limit; on CPU tensors a larger position is a ``ValueError``
+    (not checked on CUDA: it would cost a device sync per call).
 
     Args:
         q: queries ``(B, H, T, d_h)``; float32, float64, bfloat16 or float16.
@@ -169,6 +179,14 @@ def srpe(q: Tensor, k: Tensor, position_ids: Tensor, theta: float = 10000.0, spi
         radial_amplitude: a_s.  radial_frequency: f_s.
         ``spiral_divisor=math.inf, radial_amplitude=0`` is plain rotary embedding (RoPE,
         rotate-half layout, as in Llama), with the same float64 angle reduction.
+        inv_freq: given per-pair frequencies ``ω_j``, a ``(d_h/2,)`` floating tensor on the
+            inputs' device (any float dtype; taken in float64), used in place of
+            ``θ₀^(−2j/d_h)`` in the angle and the radial term — a Hugging Face rope type's
+            ``inv_freq`` (``linear``, ``dynamic``, ``llama3``, ``yarn``, ``longrope``). The
+            accurate range scales with it: ``max_accurate_position(k_s, max_j |ω_j|)``. On CPU
+            its values must be finite. No gradient flows to it.
+        scale: output scale ``m`` (default 1): ``y = m R(p) q``, backward ``m R(p)ᵀ g`` (the
+            attention factor of ``yarn`` / ``longrope``).
 
     Returns:
         ``(q_out, k_out)``: new tensors with the shapes, dtype and layout (strides, as
@@ -184,7 +202,9 @@ def srpe(q: Tensor, k: Tensor, position_ids: Tensor, theta: float = 10000.0, spi
     """
     if torch.compiler.is_compiling():
         return SRPEFunction.apply(*distinct(q, k, position_ids), theta, spiral_divisor, radial_amplitude,
-                                  radial_frequency)
+                                  radial_frequency, inv_freq, scale)
     if needs_grad(q, k):
-        return SRPEFunction.apply(q, k, position_ids, theta, spiral_divisor, radial_amplitude, radial_frequency)
-    return _forward(q, k, position_ids, theta, spiral_divisor, radial_amplitude, radial_frequency)[:2]
+        return SRPEFunction.apply(q, k, position_ids, theta, spiral_divisor, radial_amplitude, radial_frequency,
+                                  inv_freq, scale)
+    return _forward(q, k, position_ids, theta, spiral_divisor, radial_amplitude, radial_frequency, inv_freq,
+                    scale)[:2]

@@ -3,10 +3,10 @@
 For position ``p`` (from ``positions``, not the row index) and pair ``j ∈ [0, d_h/2)``
 (rotate-half layout: pairs ``(j, j + d_h/2)``)::
 
-    ω_j    = θ₀^(−2j/d_h)
+    ω_j    = θ₀^(−2j/d_h)   (or given: a rope type's inv_freq, in float64)
     Θ_j(p) = p · ω_j (1 + 1/k_s)          = p · angle_freq_j
     r_j(p) = 1 + a_s sin(p · f_s ω_j)     = 1 + a_s sin(p · radial_freq_j)
-    c = r cos Θ,   s = r sin Θ
+    c = m r cos Θ,   s = m r sin Θ        (m: the output scale, default 1)
     y_j       = x_j c − x_{j+d_h/2} s
     y_{j+d_h/2} = x_j s + x_{j+d_h/2} c
 
@@ -40,7 +40,7 @@ import triton
 import triton.language as tl
 
 from ..outputs import empty_output_as
-from ..srpe_tables import kernel_frequencies
+from ..srpe_tables import kernel_omega
 from . import cdiv, next_power_of_2
 
 _TWO_PI = 2.0 * math.pi
@@ -70,8 +70,9 @@ def _srpe_kernel(
     q_ptr,        # (B, H, T, d_h) queries (or ∂L/∂q_out for the backward), d_h contiguous
     k_ptr,        # (B, H_kv, T, d_h) keys (or ∂L/∂k_out), d_h contiguous
     pos_ptr,      # (B, T) int64 positions (strides pos_sb, pos_st: an expanded (1, T) has pos_sb 0)
-    freq_ptr,     # (5, d_h/2) float64 rows: angle_freq, radial_freq, a_s, 2π, 1/(2π) (float64
-                  # scalars cannot be arguments: Triton types a Python float as float32)
+    omega_ptr,    # (d_h/2,) float64 frequencies ω_j (θ₀^(−2j/d_h), or given), contiguous
+    const_ptr,    # 6 float64 scalars: 1 + 1/k_s, f_s, a_s, 2π, 1/(2π), m (float64 scalars cannot
+                  # be arguments: Triton types a Python float as float32)
     q_out_ptr,    # (B, H, T, d_h) output, dtype of q, d_h contiguous
     k_out_ptr,    # (B, H_kv, T, d_h) output, dtype of k, d_h contiguous
     BT,           # B·T: number of positions
@@ -101,21 +102,23 @@ def _srpe_kernel(
     b = rows // T
     t = rows - b * T
     p = tl.load(pos_ptr + b * pos_sb + t * pos_st, mask=row_mask, other=0).to(tl.float64)
-    angle_freq = tl.load(freq_ptr + j, mask=col_mask, other=0.0)
-    radial_freq = tl.load(freq_ptr + HALF + j, mask=col_mask, other=0.0)
-    amplitude = tl.load(freq_ptr + 2 * HALF + j, mask=col_mask, other=0.0)
-    two_pi = tl.load(freq_ptr + 3 * HALF + j, mask=col_mask, other=0.0)[None, :]
-    inv_two_pi = tl.load(freq_ptr + 4 * HALF + j, mask=col_mask, other=0.0)[None, :]
+    omega = tl.load(omega_ptr + j, mask=col_mask, other=0.0)
+    angle_freq = omega * tl.load(const_ptr)        # ω_j (1 + 1/k_s), rounded once as in the oracle
+    radial_freq = omega * tl.load(const_ptr + 1)   # f_s ω_j
+    amplitude = tl.load(const_ptr + 2)
+    two_pi = tl.load(const_ptr + 3)
+    inv_two_pi = tl.load(const_ptr + 4)
+    out_scale = tl.load(const_ptr + 5)
     angle = p[:, None] * angle_freq[None, :]
     angle = angle - two_pi * tl.floor(angle * inv_two_pi + 0.5)  # no float64 division
     radial = p[:, None] * radial_freq[None, :]
     radial = radial - two_pi * tl.floor(radial * inv_two_pi + 0.5)
     if F64:
-        radius = 1.0 + amplitude[None, :] * tl.sin(radial)
+        radius = out_scale * (1.0 + amplitude * tl.sin(radial))
         c = radius * tl.cos(angle)
         s = radius * tl.sin(angle)
     else:
-        radius = 1.0 + amplitude.to(tl.float32)[None, :] * tl.sin(radial.to(tl.float32))
+        radius = out_scale.to(tl.float32) * (1.0 + amplitude.to(tl.float32) * tl.sin(radial.to(tl.float32)))
         angle32 = angle.to(tl.float32)
         c = radius * tl.cos(angle32)
         s = radius * tl.sin(angle32)
@@ -129,24 +132,32 @@ def _srpe_kernel(
                   HEADS_PER_STEP)
 
 
-def _build_frequency_table(head_dim: int, theta: float, spiral_divisor: float, radial_amplitude: float,
-                           radial_frequency: float, device: torch.device) -> torch.Tensor:
-    """The kernel's ``(5, d_h/2)`` float64 table."""
-    angle_freq, radial_freq = kernel_frequencies(head_dim, theta, spiral_divisor, radial_frequency, device)
-    constants = [torch.full_like(angle_freq, v) for v in (radial_amplitude, _TWO_PI, 1.0 / _TWO_PI)]
-    return torch.stack((angle_freq, radial_freq, *constants)).contiguous()
+def _build_constants(spiral_divisor: float, radial_frequency: float, radial_amplitude: float, scale: float,
+                     device: torch.device) -> torch.Tensor:
+    """The kernel's 6 float64 scalars (``const_ptr``)."""
+    values = (1.0 + 1.0 / spiral_divisor, radial_frequency, radial_amplitude, _TWO_PI, 1.0 / _TWO_PI, scale)
+    return torch.tensor(values, dtype=torch.float64, device=device)
 
 
-_cached_frequency_table = functools.lru_cache(maxsize=64)(_build_frequency_table)
+_cached_omega = functools.lru_cache(maxsize=64)(kernel_omega)
+_cached_constants = functools.lru_cache(maxsize=64)(_build_constants)
 
 
-def _frequency_table(head_dim, theta, spiral_divisor, radial_amplitude, radial_frequency, device):
-    """The table, built once per configuration and device (it costs a handful of tiny
-    launches) and never written afterwards. Not cached while a CUDA graph is being
-    captured: captured kernels do not run, so the cached tensor would stay unwritten."""
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        return _build_frequency_table(head_dim, theta, spiral_divisor, radial_amplitude, radial_frequency, device)
-    return _cached_frequency_table(head_dim, theta, spiral_divisor, radial_amplitude, radial_frequency, device)
+def _kernel_tables(head_dim, theta, spiral_divisor, radial_amplitude, radial_frequency, inv_freq, scale, device):
+    """``(ω, constants)`` for the kernel. The default ``ω`` and the constants are built once per
+    configuration and device (each costs a tiny launch) and never written afterwards; not
+    cached while a CUDA graph is being captured (captured kernels do not run, so a cached
+    tensor would stay unwritten). A given ``inv_freq`` is never cached: it is read at every
+    call (cast to contiguous float64, a no-op when it already is), so a frequency tensor
+    recomputed or updated in place (``dynamic`` rope) is always the one used."""
+    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    if inv_freq is not None:
+        omega = inv_freq.to(device=device, dtype=torch.float64).contiguous()
+    else:
+        omega = (kernel_omega if capturing else _cached_omega)(head_dim, theta, device)
+    constants = (_build_constants if capturing else _cached_constants)(spiral_divisor, radial_frequency,
+                                                                      radial_amplitude, scale, device)
+    return omega, constants
 
 
 # Heads per step: a thread's loads in flight per step are HEADS_PER_STEP · 2 halves · 16 B
@@ -188,11 +199,12 @@ def _sms(device: torch.device) -> int | None:
 
 
 def srpe_apply(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, theta: float, spiral_divisor: float,
-               radial_amplitude: float, radial_frequency: float,
-               transpose: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(R q, R k)`` (``Rᵀ`` when ``transpose``) on ``q (B, H, T, d_h)``, ``k (B, H_kv, T, d_h)``
-    (any strides, ``d_h`` contiguous) and int64 ``positions (B, T)`` (any strides); new
-    outputs laid out like ``q`` and ``k`` (``torch.empty_like``)."""
+               radial_amplitude: float, radial_frequency: float, transpose: bool, *,
+               inv_freq: torch.Tensor | None = None, scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(m R q, m R k)`` (``Rᵀ`` when ``transpose``) on ``q (B, H, T, d_h)``, ``k (B, H_kv, T, d_h)``
+    (any strides, ``d_h`` contiguous) and int64 ``positions (B, T)`` (any strides), with the
+    frequencies ``inv_freq (d_h/2,)`` when given (else ``θ₀^(−2j/d_h)``) and the output scale
+    ``m = scale``; new outputs laid out like ``q`` and ``k`` (``torch.empty_like``)."""
     b, h, t, dh = q.shape
     h_kv = k.shape[1]
     half = dh // 2
@@ -200,10 +212,11 @@ def srpe_apply(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, theta:
     k_out = empty_output_as(k)
     if b * t == 0 or half == 0:
         return q_out, k_out
-    freqs = _frequency_table(dh, theta, spiral_divisor, radial_amplitude, radial_frequency, q.device)
+    omega, constants = _kernel_tables(dh, theta, spiral_divisor, radial_amplitude, radial_frequency, inv_freq,
+                                      scale, q.device)
     cfg = _launch_config(b * t, half, q.element_size(), _sms(q.device))
     _srpe_kernel[(cfg.programs,)](
-        q, k, positions, freqs, q_out, k_out, b * t, t, h, h_kv, half, *positions.stride(), *q.stride()[:3],
+        q, k, positions, omega, constants, q_out, k_out, b * t, t, h, h_kv, half, *positions.stride(), *q.stride()[:3],
         *k.stride()[:3], *q_out.stride()[:3], *k_out.stride()[:3],
         BLOCK_T=cfg.block_t, BLOCK_HALF=cfg.block_half, TRANSPOSE=bool(transpose), F64=q.dtype == torch.float64,
         HEADS_PER_STEP=cfg.heads_per_step, num_warps=cfg.num_warps)
@@ -227,7 +240,8 @@ def aot_launches(sms: int):
         q_st, k_st = ((t * h * dh, dh, h * dh), (t * h_kv * dh, dh, h_kv * dh)) if model else \
             ((h * t * dh, t * dh, dh), (h_kv * t * dh, t * dh, dh))
         for transpose in (False, True):
-            yield Launch(_srpe_kernel, (P(dtype), P(dtype), P(torch.int64), P(torch.float64), P(dtype), P(dtype),
+            yield Launch(_srpe_kernel, (P(dtype), P(dtype), P(torch.int64), P(torch.float64), P(torch.float64),
+                                        P(dtype), P(dtype),
                                         b * t, t, h, h_kv, dh // 2, t, 1, *q_st, *k_st, *q_st, *k_st),
                          dict(BLOCK_T=cfg.block_t, BLOCK_HALF=cfg.block_half, TRANSPOSE=transpose,
                               F64=dtype == torch.float64, HEADS_PER_STEP=cfg.heads_per_step),

@@ -284,19 +284,45 @@ inline GluActivation glu(const at::Tensor& a, const std::optional<at::Tensor>& b
 }
 
 // Largest |p| at which float32 SRPE outputs still meet SPEC §9's 1e-5: the float64 angle
-// p·ω_j·(1 + 1/k_s) carries ~p·|1 + 1/k_s|·2^-52 rad of rounding (wiola_kernels.srpe_max_position).
-inline int64_t srpe_max_position(double spiral_divisor) {
-  const double factor = std::abs(1.0 + 1.0 / spiral_divisor);
+// p·ω_j·(1 + 1/k_s) carries ~p·max_j ω_j·|1 + 1/k_s|·2^-52 rad of rounding
+// (wiola_kernels.srpe_max_position). max_frequency: max_j |ω_j| (1 for θ₀^(−2j/d_h)).
+inline int64_t srpe_max_position(double spiral_divisor, double max_frequency = 1.0) {
+  const double factor = std::abs(1.0 + 1.0 / spiral_divisor) * max_frequency;
   constexpr double kExact = 9007199254740992.0;  // 2^53: int64 -> float64 exact below it
   return factor == 0.0 ? int64_t(kExact) : int64_t(std::min(kExact, std::floor(1e-5 * 4503599627370496.0 / factor)));
 }
 
+// SRPE's given frequencies (SPEC §4): a floating (d_h/2,) tensor on q's device; on CPU its
+// values are read: finite. Returns max_j |ω_j| (1.0 when the values are not read).
+inline double srpe_inv_freq(const at::Tensor& inv_freq, int64_t dh, const char* q_name, const at::Tensor& q) {
+  float_tensor("inv_freq", inv_freq);
+  TORCH_CHECK_VALUE(inv_freq.dim() == 1 && inv_freq.size(0) == dh / 2, "inv_freq must have shape (d_h/2,) = (",
+                    dh / 2, ",), got ", got(inv_freq));
+  same_device("inv_freq", inv_freq, q_name, q);
+  double largest = 1.0;
+  if (reads_values(inv_freq)) {
+    const at::Tensor w = inv_freq.scalar_type() == at::kDouble ? inv_freq : inv_freq.to(at::kDouble);
+    const double* p = w.const_data_ptr<double>();
+    const int64_t stride = w.stride(0);
+    largest = 0.0;
+    for (int64_t j = 0; j < w.size(0); ++j) {
+      const double v = p[j * stride];
+      TORCH_CHECK_VALUE(std::isfinite(v), "inv_freq must hold finite frequencies, got ", float_repr(v), " at pair ",
+                        j);
+      largest = std::max(largest, std::abs(v));
+    }
+  }
+  return largest;
+}
+
 // wiola::srpe: q (B, H, T, d_h), k (B, H_kv, T, d_h) of one dtype and device, position_ids
 // (B, T) / (1, T) / (T,) within srpe_max_position, theta > 0, spiral_divisor finite and ≠ 0
-// or ±inf, radial terms finite. Returns int64 (B, T) positions (a view when shared).
+// or ±inf, radial terms finite; inv_freq None or (d_h/2,) finite frequencies, scale finite.
+// Returns int64 (B, T) positions (a view when shared).
 inline at::Tensor srpe(const char* q_name, const at::Tensor& q, const char* k_name, const at::Tensor& k,
                        const at::Tensor& position_ids, double theta, double spiral_divisor, double radial_amplitude,
-                       double radial_frequency) {
+                       double radial_frequency, const std::optional<at::Tensor>& inv_freq = std::nullopt,
+                       double scale = 1.0) {
   float_tensor(q_name, q);
   float_tensor(k_name, k);
   same_dtype(k_name, k, q_name, q);
@@ -311,14 +337,17 @@ inline at::Tensor srpe(const char* q_name, const at::Tensor& q, const char* k_na
   TORCH_CHECK_VALUE(spiral_divisor != 0.0, "spiral_divisor must be non-zero (the angle uses 1 + 1/k_s)");
   finite("radial_amplitude", radial_amplitude);
   finite("radial_frequency", radial_frequency);
+  const double max_frequency = inv_freq.has_value() ? srpe_inv_freq(*inv_freq, d.dh, q_name, q) : 1.0;
+  finite("scale", scale);
   if (reads_values(positions)) {
     const auto [lo, hi] = min_max(positions);
     const auto magnitude = [](int64_t p) { return p < 0 ? uint64_t(0) - uint64_t(p) : uint64_t(p); };
     const uint64_t largest = std::max(magnitude(lo), magnitude(hi));
-    const int64_t limit = srpe_max_position(spiral_divisor);
+    const int64_t limit = srpe_max_position(spiral_divisor, max_frequency);
     TORCH_CHECK_VALUE(largest <= uint64_t(limit), "position_ids must lie within ±", limit,
                       " (float32 SRPE outputs lose SPEC accuracy beyond it for spiral_divisor=",
-                      float_repr(spiral_divisor), "), got |p| = ", largest);
+                      float_repr(spiral_divisor), inv_freq.has_value() ? " and max |inv_freq| = " : "",
+                      inv_freq.has_value() ? float_repr(max_frequency) : "", "), got |p| = ", largest);
   }
   return positions;
 }
