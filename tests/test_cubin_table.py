@@ -123,9 +123,13 @@ def _line(launch: aot.Launch, arch: int, sms: int) -> str:
         rows, d, eps = ints
         return " ".join(map(str, ["rms_fwd", rows, d, repr(eps), flag[c["IS_FP64"]], flag[c["HAS_SHIFT"]],
                                   flag[c["HF_ORDER"]], flag[c["HAS_RESIDUAL"]], sms, arch, *typed]))
-    assert launch.name == "_rms_norm_bwd_kernel", launch.name
-    rows, d = ints
-    return " ".join(map(str, ["rms_bwd", rows, d, flag[c["HAS_SHIFT"]], flag[c["HAS_GRAD_S"]], sms, arch, *typed]))
+    if launch.name == "_rms_norm_bwd_kernel":
+        rows, d = ints
+        return " ".join(map(str, ["rms_bwd", rows, d, flag[c["HAS_SHIFT"]], flag[c["HAS_GRAD_S"]], sms, arch,
+                                  *typed]))
+    assert launch.name == "_norm_partials_sum_kernel", launch.name
+    programs, d = ints
+    return " ".join(map(str, ["rms_sum", programs, d, flag[c["HAS_SHIFT"]], arch, *typed]))
 
 
 def _launches(arch: int):
@@ -220,6 +224,50 @@ def test_every_entry_is_launchable(table):
         assert len(sizes) == len(e["params"]) + e["scratch_pointers"], e["key"]
         assert [p["kind"] for p in e["params"]] == [
             "PTR" if p["type"].startswith("*") else cubin_table._KINDS[p["type"]] for p in e["params"]]
+
+
+class _Recorder:
+    """Stands in for a Triton kernel: ``kernel[grid](*args, **constexprs)`` records the call."""
+
+    def __init__(self, calls: list):
+        self.calls = calls
+
+    def __getitem__(self, grid):
+        return lambda *args, **kw: self.calls.append((grid[0], args, kw))
+
+
+@pytest.mark.parametrize("rows, d, shift, grad_s", [
+    (37, 192, True, False), (37, 192, False, True), (1, 3, True, True), (5, 33, True, False), (2, 8193, True, True),
+])
+def test_cpp_partials_layout_is_the_python_launchers(table, monkeypatch, rows, d, shift, grad_s):
+    """The backward's one partials buffer as norm_bwd allocates and slices it (its kernels
+    recorded, not run): the C++ layout's size, δ's offset and total, and the second launch
+    reading those partials (its grid = the first's programs)."""
+    from wiola_kernels.triton import rms_norm as rn
+
+    _, _, exe = table
+    calls = []
+    monkeypatch.setattr(rn, "_rms_norm_bwd_kernel", _Recorder(calls))
+    monkeypatch.setattr(rn, "_norm_partials_sum_kernel", _Recorder(calls))
+    monkeypatch.setattr(rn, "sm_count", lambda device: aot.GPUS["sm_90"].sms)
+    x = torch.ones(rows, d, dtype=torch.bfloat16)
+    w, s = torch.ones(d, dtype=torch.bfloat16), torch.ones(d, dtype=torch.float16) if shift else None
+    rn.norm_bwd(x, x if grad_s else None, x, w, s, torch.ones(rows))
+    (programs, bwd, _), (sum_grid, sums, _) = calls
+    dw_partial, ds_partial = bwd[7], bwd[8]
+    (out,) = _run(exe, [f"rms_layout {programs} {d} {int(shift)}"])
+    size, ds_offset, total = map(int, out.split())
+    assert dw_partial.untyped_storage().nbytes() == total * 4 and dw_partial.dtype == torch.float32
+    assert (dw_partial.storage_offset(), dw_partial.numel()) == (0, size)
+    assert ds_partial.untyped_storage().data_ptr() == dw_partial.untyped_storage().data_ptr()
+    assert ds_partial.storage_offset() == ds_offset and ds_offset % 4 == 0
+    assert sums[0] is dw_partial and sums[1] is ds_partial and sums[4:] == (programs, d)
+    assert sums[2].dtype == w.dtype and (sums[3].dtype == s.dtype if shift else sums[3] is sums[2])
+    # The second launch's config, as the C++ builds it.
+    typed = " ".join(f"{TRITON_DTYPE[t.dtype]}:{4096 * (i + 1)}" for i, t in enumerate(sums[:4]))
+    (out,) = _run(exe, [f"rms_sum {programs} {d} {int(shift)} 90 {typed}"])
+    got = _parse(out)
+    assert (got["grid"], got["warps"]) == (sum_grid, 4)
 
 
 @pytest.mark.parametrize("rows, n, stride, offset", [
@@ -347,7 +395,9 @@ def test_fallback_op_schemas_parse_and_mirror_the_ops():
 # ---- on a GPU: the C++ launches themselves (skipped without one) -------------------------------
 
 def _gpu_cases():
-    """One call of each op launched from C++, at a test shape the table holds, on CUDA."""
+    """``{op: (C++ call, Python launcher's call)}``: one call of each op launched from C++, at a
+    test shape the table holds (γ and δ in x's dtype, as the tests, the bench and the models pass
+    them), on CUDA."""
     import wiola_kernels as wk
 
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -355,42 +405,66 @@ def _gpu_cases():
     def t(*shape, dtype=torch.bfloat16):
         return torch.randn(*shape, generator=g, device="cuda", dtype=torch.float32).to(dtype)
 
-    u, x, r = t(129, 2000), t(37, 192), t(37, 192)
-    w, s = t(192, dtype=torch.float32), t(192, dtype=torch.float32)
-    return {
+    u, x, r, gy, gs = t(129, 2000), t(37, 192), t(37, 192), t(37, 192), t(37, 192)
+    w, s = t(192), t(192)
+    ops = torch.ops.wiola
+    _, rstd = ops._triton_rms_norm(x, w, s, 1e-6, False)
+
+    def python(call):
+        def run():
+            with wk.use_backend("triton"):
+                return call()
+        return run
+
+    cases = {
         "glu": lambda: wk.glu(u, activation="silu"),
         "rms_norm": lambda: wk.rms_norm(x, w, s),
         "add_rms_norm": lambda: wk.add_rms_norm(x, r, w, s),
     }
+    out = {op: (call, python(call)) for op, call in cases.items()}
+    out["rms_norm_backward"] = (lambda: ops.rms_norm_backward(gy, x, w, s, rstd),
+                                lambda: ops._triton_rms_norm_backward(gy, x, w, s, rstd))
+    # Without δ: the bench shape, whose Hugging Face variant (no δ) the table holds.
+    xb, gyb, wb = t(256, 1024), t(256, 1024), t(1024)
+    _, rstd_b = ops._triton_rms_norm(xb, wb, None, 1e-6, True)
+    out["rms_norm_backward no shift"] = (lambda: ops.rms_norm_backward(gyb, xb, wb, None, rstd_b),
+                                         lambda: ops._triton_rms_norm_backward(gyb, xb, wb, None, rstd_b))
+    out["add_rms_norm_backward"] = (lambda: ops.add_rms_norm_backward(gy, gs, x, w, s, rstd),
+                                    lambda: ops._triton_add_rms_norm_backward(gy, gs, x, w, s, rstd))
+    return out
+
+
+def _tensors(out) -> list:
+    return [t for t in (out if isinstance(out, (tuple, list)) else (out,)) if t is not None]
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("op", ["glu", "rms_norm", "add_rms_norm"])
+@pytest.mark.parametrize("op", ["glu", "rms_norm", "add_rms_norm", "rms_norm_backward", "rms_norm_backward no shift",
+                                "add_rms_norm_backward"])
 def test_gpu_launch_from_the_table_equals_the_python_launcher(op):
-    """The C++ launch gives the Python Triton launcher's result bit for bit (same cubin, same
-    arguments), without the fallback warning; then a CUDA graph captures and replays it."""
+    """The C++ launches give the Python Triton launcher's result bit for bit (same cubins, same
+    arguments; the backward's two launches and their partials buffer), without the fallback
+    warning; then a CUDA graph captures and replays them."""
     import warnings
 
-    import wiola_kernels as wk
     from wiola_kernels import _extension
 
     info = _extension.cubin_table()
     if info is None or not info["entries"]:
         pytest.skip(f"this build launches no cubin table: {info}")
-    call = _gpu_cases()[op]
+    call, python_call = _gpu_cases()[op]
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)  # the fallback's warning would fail here
         got = call()
-    with wk.use_backend("triton"):
-        want = call()
-    for a, b in zip(got if isinstance(got, tuple) else (got,), want if isinstance(want, tuple) else (want,)):
-        assert torch.equal(a, b)
+    want = python_call()
+    assert len(_tensors(got)) == len(_tensors(want))
+    for a, b in zip(_tensors(got), _tensors(want)):
+        assert a.dtype == b.dtype and torch.equal(a, b)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         captured = call()
     graph.replay()
     torch.cuda.synchronize()
-    for a, b in zip(captured if isinstance(captured, tuple) else (captured,),
-                    want if isinstance(want, tuple) else (want,)):
+    for a, b in zip(_tensors(captured), _tensors(want)):
         assert torch.equal(a, b)

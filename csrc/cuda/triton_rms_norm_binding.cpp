@@ -1,11 +1,11 @@
 // wiola::rms_norm, wiola::add_rms_norm and their backwards on CUDA: the op's checks
-// (wiola/checks.h, as the CPU kernels'), outputs from at::empty, and a launch of the Triton
-// kernels compiled ahead of time (the cubin table, triton_launch.h), chosen as the Python
-// launchers (wiola_kernels/triton/rms_norm.py norm_fwd / norm_bwd) choose them. γ and δ are
-// passed in their stored dtype when the table has that variant (kernels that read them so),
-// else cast to the accumulation dtype (kernels that take them so): the variant is looked up
-// by the dtype of every pointer, never assumed. Where the table has neither, the op runs the
-// Python Triton launcher (wiola::_triton_<op>) with a one-time warning naming why.
+// (wiola/checks.h, as the CPU kernels'), outputs from at::empty, and the launches of the Triton
+// kernels compiled ahead of time (the cubin table, triton_launch.h), made as the Python launchers
+// (wiola_kernels/triton/rms_norm.py norm_fwd / norm_bwd) make them: γ and δ passed as stored (the
+// kernels convert them in registers), the forward one launch, the backward two (the rows into one
+// buffer of per-program partials, then their column sums into ∂γ and ∂δ in γ's and δ's dtypes).
+// The variants are looked up by the dtype of every pointer; where the table lacks one, the op
+// runs the Python Triton launcher (wiola::_triton_<op>) with a one-time warning naming why.
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros_like.h>
@@ -36,26 +36,6 @@ void warn_fallback(std::once_flag& once, const char* op, const std::string& why)
   });
 }
 
-// γ and δ as the kernel variant in the table takes them: `make(w, s)` builds the launch for a
-// choice of the two tensors; the stored dtype first, then the accumulation dtype. Returns the
-// variant (nullptr: neither is in the table, `why` says so) and leaves in `w`, `s` the tensors
-// to pass (kept alive by the caller until the launch).
-template <typename Make>
-const Variant* choose_weights(const at::Tensor& weight, const std::optional<at::Tensor>& shift, at::ScalarType acc,
-                              int device, at::Tensor& w, std::optional<at::Tensor>& s, Launch& out, Make&& make,
-                              std::string& why) {
-  w = weight.contiguous();
-  s = shift.has_value() ? std::optional<at::Tensor>(shift->contiguous()) : std::nullopt;
-  out = make(w, s);
-  if (const Variant* v = lookup(out, device, why)) return v;
-  if (w.scalar_type() == acc && (!s.has_value() || s->scalar_type() == acc)) return nullptr;
-  std::string why_acc;
-  w = weight.to(acc).contiguous();
-  if (s.has_value()) s = shift->to(acc).contiguous();
-  out = make(w, s);
-  return lookup(out, device, why_acc);
-}
-
 // norm_fwd: (y, sum, rstd) of x (rows, d), contiguous; residual for add_rms_norm. Returns
 // nullopt when the table has no variant (the reason in `why`).
 std::optional<std::tuple<at::Tensor, at::Tensor, at::Tensor>> norm_fwd(
@@ -68,28 +48,23 @@ std::optional<std::tuple<at::Tensor, at::Tensor, at::Tensor>> norm_fwd(
   at::Tensor rstd = empty_output({rows}, x.options().dtype(acc));
   if (rows == 0) return std::make_tuple(y, sum, rstd);
   const int device = x.get_device();
-  const int64_t sms = sm_count(device);
-  const int stages = table().default_num_stages;
-  auto make = [&](const at::Tensor& w, const std::optional<at::Tensor>& s) {
-    rms_norm::Forward f{ptr(x), residual.has_value() ? ptr(*residual) : ptr(x), ptr(residual.has_value() ? sum : y),
-                        ptr(w), s.has_value() ? ptr(*s) : ptr(w), ptr(y), ptr(rstd), x.element_size(), rows, d, eps,
-                        acc == at::kDouble, s.has_value(), hf_order, residual.has_value()};
-    return rms_norm::forward(f, sms, stages);
-  };
-  at::Tensor w;
-  std::optional<at::Tensor> s;
-  Launch l;
-  const Variant* v = choose_weights(weight, shift, acc, device, w, s, l, make, why);
-  if (v == nullptr || !launch(*v, l, device, why)) return std::nullopt;
+  const at::Tensor w = weight.contiguous();
+  const std::optional<at::Tensor> s =
+      shift.has_value() ? std::optional<at::Tensor>(shift->contiguous()) : std::nullopt;
+  rms_norm::Forward f{ptr(x), residual.has_value() ? ptr(*residual) : ptr(x), ptr(residual.has_value() ? sum : y),
+                      ptr(w), s.has_value() ? ptr(*s) : ptr(w), ptr(y), ptr(rstd), x.element_size(), rows, d, eps,
+                      acc == at::kDouble, s.has_value(), hf_order, residual.has_value()};
+  if (!launch(rms_norm::forward(f, sm_count(device), table().default_num_stages), device, why)) return std::nullopt;
   return std::make_tuple(y, sum, rstd);
 }
 
-// norm_bwd: (grad_x, grad_weight, grad_shift) on contiguous rows.
+// norm_bwd: (grad_x, grad_weight, grad_shift) on contiguous rows, in the dtypes of x, weight
+// and shift. Both variants are looked up before either kernel runs, so a missing one launches
+// nothing (nullopt, the reason in `why`; the caller runs the Python launcher).
 std::optional<std::tuple<at::Tensor, at::Tensor, at::Tensor>> norm_bwd(
     const at::Tensor& grad_y, const std::optional<at::Tensor>& grad_s, const at::Tensor& x, const at::Tensor& weight,
     const std::optional<at::Tensor>& shift, const at::Tensor& rstd, std::string& why) {
   const int64_t rows = x.size(0), d = x.size(1);
-  const at::ScalarType acc = acc_type(x);
   at::Tensor grad_x = empty_output({rows, d}, x.options());
   if (rows == 0) {
     return std::make_tuple(grad_x, at::zeros_like(weight), shift.has_value() ? at::zeros_like(*shift) : at::Tensor());
@@ -97,22 +72,36 @@ std::optional<std::tuple<at::Tensor, at::Tensor, at::Tensor>> norm_bwd(
   const int device = x.get_device();
   const int64_t sms = sm_count(device);
   const int stages = table().default_num_stages;
+  const at::Tensor w = weight.contiguous();
+  const std::optional<at::Tensor> s =
+      shift.has_value() ? std::optional<at::Tensor>(shift->contiguous()) : std::nullopt;
   const int64_t programs = rms_norm::backward_config(rows, d, x.element_size(), grad_s.has_value(), sms).programs;
-  at::Tensor dw_partial = empty_output({programs, d}, x.options().dtype(acc));
-  at::Tensor ds_partial = shift.has_value() ? empty_output({programs, d}, x.options().dtype(acc)) : dw_partial;
-  auto make = [&](const at::Tensor& w, const std::optional<at::Tensor>& s) {
-    rms_norm::Backward b{ptr(grad_y), grad_s.has_value() ? ptr(*grad_s) : ptr(grad_y), ptr(x), ptr(w),
-                         s.has_value() ? ptr(*s) : ptr(w), ptr(rstd), ptr(grad_x), ptr(dw_partial), ptr(ds_partial),
-                         x.element_size(), rows, d, s.has_value(), grad_s.has_value()};
-    return rms_norm::backward(b, sms, stages);
-  };
-  at::Tensor w;
-  std::optional<at::Tensor> s;
-  Launch l;
-  const Variant* v = choose_weights(weight, shift, acc, device, w, s, l, make, why);
-  if (v == nullptr || !launch(*v, l, device, why)) return std::nullopt;
-  at::Tensor grad_shift = shift.has_value() ? ds_partial.sum(0).to(shift->scalar_type()) : at::Tensor();
-  return std::make_tuple(grad_x, dw_partial.sum(0).to(weight.scalar_type()), grad_shift);
+  // One buffer for both partials, in rstd's (the accumulation) dtype, laid out as norm_bwd's.
+  const rms_norm::Partials layout = rms_norm::partials_layout(programs, d, s.has_value());
+  at::Tensor partials = empty_output({layout.total}, x.options().dtype(rstd.scalar_type()));
+  const char* acc = dtype_name(partials);
+  const auto* base = static_cast<const char*>(partials.const_data_ptr());
+  const Ptr dw_partial{base, acc};
+  const Ptr ds_partial{base + layout.ds_offset * partials.element_size(), acc};
+  at::Tensor grad_w = empty_output({d}, w.options());
+  at::Tensor grad_shift = s.has_value() ? empty_output({d}, s->options()) : at::Tensor();
+  rms_norm::Backward b{ptr(grad_y), grad_s.has_value() ? ptr(*grad_s) : ptr(grad_y), ptr(x), ptr(w),
+                       s.has_value() ? ptr(*s) : ptr(w), ptr(rstd), ptr(grad_x), dw_partial, ds_partial,
+                       x.element_size(), rows, d, s.has_value(), grad_s.has_value()};
+  const Launch rows_launch = rms_norm::backward(b, sms, stages);
+  rms_norm::PartialsSum p{dw_partial, ds_partial, ptr(grad_w), s.has_value() ? ptr(grad_shift) : ptr(grad_w),
+                          programs, d, s.has_value()};
+  const Launch sum_launch = rms_norm::partials_sum(p, stages);
+  const Variant* rows_variant = lookup(rows_launch, device, why);
+  if (rows_variant == nullptr) return std::nullopt;
+  const Variant* sum_variant = lookup(sum_launch, device, why);
+  if (sum_variant == nullptr) return std::nullopt;
+  // A cubin the driver refuses (false) after the first launch: the fallback recomputes every
+  // output from the inputs, so the first launch's work is only wasted.
+  if (!launch(*rows_variant, rows_launch, device, why) || !launch(*sum_variant, sum_launch, device, why)) {
+    return std::nullopt;
+  }
+  return std::make_tuple(grad_x, grad_w, grad_shift);
 }
 
 std::vector<int64_t> leading(const at::Tensor& x) { return {x.sizes().begin(), x.sizes().end() - 1}; }

@@ -6,6 +6,8 @@
 //   glu_bwd DTYPE ACT ROWS N STRIDE_G STRIDE_A STRIDE_B STRIDE_D G A B DA DB SMS ARCH
 //   rms_fwd ROWS D EPS FP64 HAS_SHIFT HF_ORDER HAS_RESIDUAL SMS ARCH DT:PTR x7 (x r sum w s y rstd)
 //   rms_bwd ROWS D HAS_SHIFT HAS_GRAD_S SMS ARCH DT:PTR x9 (g gs x w s rstd dx dw_partial ds_partial)
+//   rms_sum PROGRAMS D HAS_SHIFT ARCH DT:PTR x4  (dw_partial ds_partial dw ds)
+//   rms_layout PROGRAMS D HAS_SHIFT  (prints the partials' size, ds_offset and total)
 //   table                        (every entry: index, arch, key, num_warps, shared)
 //
 // (pointers as integers) and prints, per launch, one line: the key the C++ chooser builds,
@@ -134,6 +136,20 @@ int main(int argc, char** argv) {
       wiola::triton::rms_norm::Backward b{p[0], p[1], p[2], p[3], p[4], p[5], p[6], p[7], p[8],
                                           element_size(p[0].dtype), rows, d, has_shift != 0, has_gs != 0};
       report(wiola::triton::rms_norm::backward(b, sms, t.default_num_stages), arch, drop_last);
+    } else if (cmd == "rms_sum") {
+      int64_t programs, d;
+      int has_shift, arch;
+      in >> programs >> d >> has_shift >> arch;
+      wiola::triton::rms_norm::Ptr p[4];
+      read_typed(in, p);
+      wiola::triton::rms_norm::PartialsSum ps{p[0], p[1], p[2], p[3], programs, d, has_shift != 0};
+      report(wiola::triton::rms_norm::partials_sum(ps, t.default_num_stages), arch, drop_last);
+    } else if (cmd == "rms_layout") {
+      int64_t programs, d;
+      int has_shift;
+      in >> programs >> d >> has_shift;
+      const auto l = wiola::triton::rms_norm::partials_layout(programs, d, has_shift != 0);
+      std::cout << l.size << " " << l.ds_offset << " " << l.total << "\n";
     } else if (!cmd.empty()) {
       std::cerr << "unknown command: " << cmd << "\n";
       return 2;

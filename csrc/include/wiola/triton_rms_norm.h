@@ -1,8 +1,10 @@
 // The launches of rms_norm's and add_rms_norm's Triton kernels (wiola_kernels/triton/rms_norm.py),
 // torch-free: the same launch configuration (_launch_config) and arguments as the Python
 // launchers norm_fwd / norm_bwd, for the C++ CUDA kernels (csrc/cuda/triton_rms_norm_binding.cpp)
-// and the test binary. Every pointer carries its own dtype: γ and δ are passed in whatever dtype
-// the caller chose (the variant is looked up by it), never assumed to be the accumulation dtype.
+// and the test binary. Every pointer carries its own dtype: the kernels read γ and δ in their
+// stored dtypes (the variant is looked up by them) and take the accumulation dtype from
+// rstd_ptr's. The forward is one launch; the backward two: _rms_norm_bwd_kernel into per-program
+// partials, then _norm_partials_sum_kernel writing ∂γ and ∂δ in γ's and δ's dtypes.
 #pragma once
 
 #include <algorithm>
@@ -22,6 +24,11 @@ constexpr int64_t kBytesPerThreadStep = 64;
 constexpr int64_t kProgramsPerSm = 4;
 constexpr int64_t kMaxWarps = 16;
 constexpr int64_t kMaxRowBytesPerThread = 32;
+// _norm_partials_sum_kernel's launch: _SUM_BLOCK_D columns per program, _SUM_BLOCK_P partial
+// rows per step, _SUM_WARPS warps.
+constexpr int64_t kSumBlockD = 32;
+constexpr int64_t kSumBlockP = 64;
+constexpr int kSumWarps = 4;
 
 struct Config {
   int64_t block_d, rows_per_step, num_warps, programs;
@@ -75,8 +82,8 @@ inline Launch forward(const Forward& f, int64_t sms, int num_stages) {
                 static_cast<int>(c.num_warps), num_stages, c.programs};
 }
 
-// norm_bwd's launch: the partials (programs, d) are allocated by the caller from
-// backward_programs(); grad_s absent: g stands in; shift absent: w and dw_partial stand in.
+// norm_bwd's first launch: the partials are slices of one buffer laid out by partials_layout;
+// grad_s absent: g stands in; shift absent: w and dw_partial stand in.
 struct Backward {
   Ptr g, grad_s, x, w, shift, rstd, dx, dw_partial, ds_partial;
   int64_t element_size, rows, d;
@@ -85,6 +92,19 @@ struct Backward {
 
 inline Config backward_config(int64_t rows, int64_t d, int64_t element_size, bool has_grad_s, int64_t sms) {
   return launch_config(rows, d, element_size, has_grad_s ? 3 : 2, sms);
+}
+
+// norm_bwd's one accumulation-dtype buffer for both partials, in elements: ∂γ's (programs, d) at
+// 0, δ's at ds_offset = cdiv(programs·d, 4)·4 (a 16-byte boundary, as the compiled variants
+// assume of every pointer); without δ only ∂γ's (ds_offset 0: ds_partial = dw_partial).
+struct Partials {
+  int64_t size, ds_offset, total;
+};
+
+inline Partials partials_layout(int64_t programs, int64_t d, bool has_shift) {
+  const int64_t size = programs * d;
+  const int64_t stride = cdiv(size, 4) * 4;
+  return has_shift ? Partials{size, stride, stride + size} : Partials{size, 0, size};
 }
 
 inline Launch backward(const Backward& b, int64_t sms, int num_stages) {
@@ -100,6 +120,25 @@ inline Launch backward(const Backward& b, int64_t sms, int num_stages) {
                  Arg::constexpr_int("BLOCK_D", c.block_d), Arg::constexpr_bool("WIDE", c.wide),
                  Arg::constexpr_bool("HAS_SHIFT", b.has_shift), Arg::constexpr_bool("HAS_GRAD_S", b.has_grad_s)},
                 static_cast<int>(c.num_warps), num_stages, c.programs};
+}
+
+// norm_bwd's second launch: the column sums of the partials of `programs` (the first launch's
+// grid) rows into dw (γ's dtype) and ds (δ's dtype); shift absent: dw stands in for ds.
+struct PartialsSum {
+  Ptr dw_partial, ds_partial, dw, ds;
+  int64_t programs, d;
+  bool has_shift;
+};
+
+inline Launch partials_sum(const PartialsSum& p, int num_stages) {
+  return Launch{"_norm_partials_sum_kernel",
+                {Arg::pointer("dw_partial_ptr", p.dw_partial.dtype, p.dw_partial.p),
+                 Arg::pointer("ds_partial_ptr", p.ds_partial.dtype, p.ds_partial.p),
+                 Arg::pointer("dw_ptr", p.dw.dtype, p.dw.p), Arg::pointer("ds_ptr", p.ds.dtype, p.ds.p),
+                 Arg::integer("programs", p.programs), Arg::integer("d", p.d),
+                 Arg::constexpr_int("BLOCK_P", kSumBlockP), Arg::constexpr_int("BLOCK_D", kSumBlockD),
+                 Arg::constexpr_bool("HAS_SHIFT", p.has_shift)},
+                kSumWarps, num_stages, cdiv(p.d, kSumBlockD)};
 }
 
 }  // namespace wiola::triton::rms_norm
