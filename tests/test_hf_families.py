@@ -325,17 +325,62 @@ def test_gemma_mlp_with_another_activation_keeps_hf_mlp_with_a_warning():
     wk.unpatch_hf(m)
 
 
-def test_gemma3_scaled_rope_on_full_layers_keeps_hf_rope_with_a_warning():
-    rope = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
-            "full_attention": {"rope_type": "linear", "rope_theta": 1e6, "factor": 8.0}}
-    m = model("gemma3_text", seed=47, rope_parameters=rope)
+# ---- scaled rope types, through the families' one rotary hook-up -----------------------------
+
+_SCALED_ROPES = {
+    # Gemma 3: each layer type its own rope type (sliding default, full scaled: the released models' setup).
+    "gemma3_linear": ("gemma3_text", dict(rope_parameters={
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        "full_attention": {"rope_type": "linear", "rope_theta": 1e6, "factor": 8.0}})),
+    "gemma3_yarn": ("gemma3_text", dict(rope_parameters={
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        "full_attention": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0,
+                           "original_max_position_embeddings": 4}})),
+    # Phi-3's long-context checkpoints use longrope (factor 4: an attention factor ≠ 1).
+    "phi3_longrope": ("phi3", dict(max_position_embeddings=16, rope_parameters={
+        "rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 4,
+        "short_factor": [1.0, 1.2, 1.5, 2.0, 2.5, 3.0, 3.5, 4.0],
+        "long_factor": [1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0]})),
+    "qwen3_dynamic": ("qwen3", dict(max_position_embeddings=4, rope_parameters={
+        "rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0})),
+}
+
+
+@pytest.mark.parametrize("case", list(_SCALED_ROPES))
+def test_scaled_rope_types_are_swapped_in_the_families(case, monkeypatch, recwarn):
+    """Another rope type than ``default`` is swapped too (per layer type in Gemma 3): srpe gets
+    the module's own frequencies and attention factor (rope_srpe_arguments), and the patched
+    float32 model matches the unpatched one in float64, with positions past the original length."""
+    family, overrides = _SCALED_ROPES[case]
+    m = model(family, seed=47, **overrides).train()
+    reference = copy.deepcopy(m).double()
+    wk.patch_hf(m)
+    assert not [w for w in recwarn if "wiola" in str(w.message)], [str(w.message) for w in recwarn]
     rotary = m.model.rotary_emb
-    x = ids(seed=48)
-    want = _logits(copy.deepcopy(m).double(), x)
-    with pytest.warns(UserWarning, match="'linear' \\(full_attention layers\\)"):
-        wk.patch_hf(m)
-    assert m.model.rotary_emb is rotary and isinstance(m.model.norm, FusedOffsetRMSNorm)
-    assert rel_err(_logits(m, x), want) <= TOL
+    assert isinstance(rotary, FusedRotaryEmbedding)
+    if family == "gemma3_text":
+        assert rotary.rope_types == {"sliding_attention": "default",
+                                     "full_attention": overrides["rope_parameters"]["full_attention"]["rope_type"]}
+        assert rotary.buffer_check == "pending"  # the default (sliding) buffer is still checked
+    else:
+        assert rotary.rope_type == overrides["rope_parameters"]["rope_type"] and rotary.buffer_check == "given"
+    calls = []
+    srpe = hf.srpe
+    monkeypatch.setattr(hf, "srpe", lambda *a, **kw: calls.append(kw.get("inv_freq")) or srpe(*a, **kw))
+    for case_name in ("ignore_index", "right_padding"):  # 10 positions: past the original 4
+        calls.clear()
+        data = training_batch(case_name, seed=48)
+        _assert_matches(loss_and_grads(m, **data), loss_and_grads(reference, **data), f"{case} {case_name}")
+        given = [f for f in calls if f is not None]
+        if family == "gemma3_text":
+            n_full = m.config.layer_types.count("full_attention")
+            assert len(given) == n_full and len(calls) == len(m.model.layers)
+            assert all(f is rotary.hf_rotary.full_attention_inv_freq for f in given)
+        else:
+            assert len(given) == len(calls) == len(m.model.layers)
+            assert all(torch.equal(f, reference.model.rotary_emb.inv_freq.float()) for f in given)
+    if family == "gemma3_text":
+        assert rotary.buffer_check == "fused"
     wk.unpatch_hf(m)
 
 

@@ -28,8 +28,10 @@ training and inference. ``supported()`` returns the table of what is swapped per
   large positions, where HF's float32 ``inv_freq · p`` does not (``python -m
   wiola_kernels bench --hf rope`` prints both errors).
 
-  Gemma 3's rotary module serves each attention layer type (sliding, full) with its own
-  θ₀; SmolLM3's layers without RoPE stay without it (HF's attention decides).
+  Every rope type of Hugging Face's ``ROPE_INIT_FUNCTIONS`` is swapped (:data:`ROPE_TYPES`;
+  see "Rope types" below). Gemma 3's rotary module serves each attention layer type
+  (sliding, full) with its own θ₀ or rope type; SmolLM3's layers without RoPE stay without
+  it (HF's attention decides).
 
 * MLP: each ``<Family>MLP`` (``down(SiLU(gate(x)) ⊙ up(x))``) becomes a
   :class:`FusedGatedMLP` holding the same ``gate_proj``, ``up_proj`` and ``down_proj``
@@ -73,9 +75,10 @@ tensor values, so a model built on the meta device (``torch.device("meta")``,
 accelerate's ``init_empty_weights``, FSDP's meta init) patches like any other. The HF
 rotary module stays inside the fused one (``rotary_emb.hf_rotary``), so ``to_empty``,
 ``.to()`` and HF's weight initialisation reach its ``inv_freq`` buffer; the first eager
-forward that finds that buffer materialised checks it against the default
+forward that finds that buffer materialised checks it, for the default rope type, against
 ``θ₀^(−2j/d_h)`` (a hand-edited buffer is not what we compute: that module then keeps
-HF's RoPE, with a warning). ``unpatch_hf`` hands back the HF modules as they are then.
+HF's RoPE, with a warning; the other rope types use the buffer as it is). ``unpatch_hf``
+hands back the HF modules as they are then.
 
 **Class-level form.** ``patch_hf(LlamaForCausalLM)`` (any model class of a family) or
 ``patch_hf("llama")`` patches the family: every model of it built afterwards —
@@ -85,10 +88,20 @@ HF's RoPE, with a warning). ``unpatch_hf`` hands back the HF modules as they are
 ``unpatch_hf(LlamaForCausalLM)`` / ``unpatch_hf("llama")`` stops that; models already
 built stay patched until ``unpatch_hf(model)``. ``is_patched`` answers for either form.
 
-Only the default rope type is swapped; other types (``llama3``, ``yarn``, ``dynamic``,
-...) and partial rotary embeddings keep HF's rotary embedding, with a warning that names
-the type (RMSNorm is still swapped). Models of other architectures (Gemma 3's multimodal
-``gemma3`` models included) are left untouched, with a warning naming them.
+**Rope types.** Every rope type of Hugging Face's ``ROPE_INIT_FUNCTIONS`` that only changes
+the per-pair frequencies and scales the rotated output (``linear``, ``dynamic``,
+``llama3``, ``yarn``, ``longrope``, ``proportional``; :data:`ROPE_TYPES`) is swapped too, in
+every family (per layer type in Gemma 3): :func:`rope_srpe_arguments` hands
+:func:`wiola_kernels.srpe` the rotary module's own ``inv_freq`` buffer (or
+``<layer_type>_inv_freq``; used in float64) and its ``attention_scaling`` as the output
+scale (SPEC §4, "Given frequencies"). For ``dynamic`` and ``longrope`` it first runs Hugging
+Face's own per-call update (``transformers.modeling_rope_utils.dynamic_rope_update``,
+with its condition on the sequence length ``max(position_ids) + 1``), so the frequencies
+are recomputed, grown, reset or switched exactly when the unpatched model's would be.
+Another rope type, and partial rotary embeddings, keep HF's rotary embedding, with a
+warning that names the type (RMSNorm is still swapped). Models of other architectures
+(Gemma 3's multimodal ``gemma3`` models included) are left untouched, with a warning
+naming them.
 
 Transformers is imported lazily: ``wiola_kernels`` itself does not need it.
 """
@@ -116,7 +129,7 @@ from .ops.linear_cross_entropy import linear_cross_entropy
 from .ops.srpe import srpe
 
 __all__ = ["patch_hf", "unpatch_hf", "is_patched", "supported", "FusedGatedMLP", "FusedPackedGatedMLP",
-           "FusedOffsetRMSNorm", "FusedRotaryEmbedding", "RotaryPositions"]
+           "FusedOffsetRMSNorm", "FusedRotaryEmbedding", "RotaryPositions", "ROPE_TYPES", "rope_srpe_arguments"]
 
 
 
@@ -176,9 +189,10 @@ def supported() -> dict[str, dict]:
     * ``qk_norms`` — RMSNorms on the queries and keys before RoPE (swapped as the norms
       are): ``None`` (none), ``"per_head"`` (over each head's ``d_h``: Qwen3, Gemma 3) or
       ``"whole_projection"`` (over all heads at once: OLMo-2).
-    * ``rope`` — RoPE through :func:`wiola_kernels.srpe` (the default rope type; other rope
-      types keep Hugging Face's, with a warning): ``"all_layers"``; ``"per_layer_type"``
-      (Gemma 3: one θ₀ per attention layer type, sliding and full); ``"no_rope_layers"``
+    * ``rope`` — RoPE through :func:`wiola_kernels.srpe` (every rope type of
+      :data:`ROPE_TYPES`, see :func:`rope_srpe_arguments`; another type keeps Hugging
+      Face's, with a warning): ``"all_layers"``; ``"per_layer_type"`` (Gemma 3: one θ₀ or
+      rope type per attention layer type, sliding and full); ``"no_rope_layers"``
       (SmolLM3: the layers ``config.no_rope_layers`` marks 0 apply none, as in HF).
     * ``mlp`` — the gated MLP's product through :func:`wiola_kernels.glu`: ``"silu"``
       (``down(SiLU(gate(x)) ⊙ up(x))``), ``"gelu_tanh"`` (GeGLU, Gemma's
@@ -304,15 +318,90 @@ class FusedOffsetRMSNorm(nn.Module):
         return f"{tuple(self.weight.shape)}, eps={self.eps}, weight 1 + γ"
 
 
+#: Hugging Face rope types the fused RoPE serves: each changes only the per-pair frequencies
+#: ``inv_freq`` and scales the rotated output by ``attention_scaling`` (SPEC §4).
+ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope", "proportional")
+# Plain rotate-half RoPE in srpe's terms: no spiral stretch (1/k_s = 0), no radial term.
+_ROPE = {"spiral_divisor": math.inf, "radial_amplitude": 0.0, "radial_frequency": 0.0}
+
+
+def _rope_type(rotary: nn.Module, layer_type: str | None = None):
+    """``rotary``'s rope type (for ``layer_type``, in a module serving several: Gemma 3's
+    ``rope_type`` is a dict), or None."""
+    rope_type = getattr(rotary, "rope_type", None)
+    if isinstance(rope_type, dict):
+        return rope_type.get(layer_type)
+    return rope_type if layer_type is None else None
+
+
+_frequency_update = None
+
+
+def _hf_frequency_update():
+    """Hugging Face's own per-call frequency update (``dynamic_rope_update``: ``dynamic`` grows
+    or resets ``inv_freq`` with ``max(position_ids) + 1``, ``longrope`` switches between its
+    short and long factors) around a forward that computes nothing; built once (a plain
+    global, not functools.cache, which Dynamo warns about when tracing)."""
+    global _frequency_update
+    if _frequency_update is None:
+        from transformers.modeling_rope_utils import dynamic_rope_update
+
+        _frequency_update = dynamic_rope_update(lambda self, x, position_ids, **kwargs: None)
+    return _frequency_update
+
+
+def rope_srpe_arguments(rotary: nn.Module, x: Tensor, position_ids: Tensor, layer_type: str | None = None) -> dict:
+    """The keyword arguments of :func:`wiola_kernels.srpe` that apply a Hugging Face rotary
+    embedding module's RoPE, of any rope type in :data:`ROPE_TYPES`, at these positions:
+    ``srpe(q, k, position_ids, **rope_srpe_arguments(rotary, x, position_ids))``.
+
+    For the ``default`` type: ``theta = θ₀`` from ``rotary.config`` and no ``inv_freq`` (the
+    kernels form ``θ₀^(−2j/d_h)`` in float64). For the others: the module's own frequencies
+    (its ``inv_freq`` buffer, or ``<layer_type>_inv_freq``, as it is: float32, or whatever
+    dtype ``model.to`` gave it) and its ``attention_scaling`` (``<layer_type>_attention_scaling``)
+    as ``scale``, after running Hugging Face's per-call update on the module (``dynamic``:
+    recomputed for ``max(position_ids) + 1`` beyond the cached length, reset below the
+    original one; ``longrope``: the long factors beyond ``original_max_position_embeddings``)
+    — the same state change the unpatched module's forward makes.
+
+    Args:
+        rotary: a ``<Family>RotaryEmbedding`` (its ``rope_type``, ``config``, buffers).
+        x: the tensor HF's rotary forward receives (only its device is used).
+        position_ids: ``(B, T)`` positions, as HF's rotary forward receives them.
+        layer_type: for modules with per-layer-type RoPE (``rope_type`` a dict, e.g. Gemma 3's
+            ``"sliding_attention"`` / ``"full_attention"``); None for the others.
+
+    Returns:
+        ``{"theta", "spiral_divisor": inf, "radial_amplitude": 0.0, "radial_frequency": 0.0,
+        "inv_freq", "scale"}`` (``theta`` only for the ``default`` type).
+
+    Raises:
+        ValueError: for a rope type outside :data:`ROPE_TYPES`.
+    """
+    rope_type = _rope_type(rotary, layer_type)
+    if rope_type not in ROPE_TYPES:
+        where = "" if layer_type is None else f" for layer type {layer_type!r}"
+        raise ValueError(f"rotary has rope type {rope_type!r}{where}; the fused RoPE serves {', '.join(ROPE_TYPES)}")
+    if rope_type == "default":
+        return dict(_ROPE, theta=float(_rope_theta(rotary.config, layer_type)), inv_freq=None, scale=1.0)
+    _hf_frequency_update()(rotary, x, position_ids, **({} if layer_type is None else {"layer_type": layer_type}))
+    return dict(_ROPE, inv_freq=getattr(rotary, _rotary_attr_name("inv_freq", layer_type)),
+                scale=float(getattr(rotary, _rotary_attr_name("attention_scaling", layer_type), 1.0)))
+
+
 class RotaryPositions:
-    """The positions and RoPE's θ₀ that the fused rotary embedding attaches to its ``cos``
-    table; :meth:`apply` rotates Q and K with :func:`wiola_kernels.srpe`."""
+    """The positions and RoPE's frequencies (θ₀, or a rope type's ``inv_freq`` and output
+    scale) that the fused rotary embedding attaches to its ``cos`` table; :meth:`apply`
+    rotates Q and K with :func:`wiola_kernels.srpe`."""
 
-    __slots__ = ("position_ids", "theta")
+    __slots__ = ("position_ids", "theta", "inv_freq", "scale")
 
-    def __init__(self, position_ids: Tensor, theta: float) -> None:
+    def __init__(self, position_ids: Tensor, theta: float = 10000.0, inv_freq: Tensor | None = None,
+                 scale: float = 1.0) -> None:
         self.position_ids = position_ids
         self.theta = theta
+        self.inv_freq = inv_freq
+        self.scale = scale
 
     def apply(self, q: Tensor, k: Tensor, unsqueeze_dim: int = 1) -> tuple[Tensor, Tensor]:
         """RoPE of ``q``, ``k`` laid out ``(B, H, T, d_h)`` (``unsqueeze_dim=1``) or
@@ -324,6 +413,7 @@ class RotaryPositions:
             raise ValueError(f"unsqueeze_dim must be 1 (B, H, T, d_h) or 2 (B, T, H, d_h), got {unsqueeze_dim}")
         b, h, t, dh = q.shape
         h_kv = k.shape[1]
+        inv_freq = None if self.inv_freq is None else self.inv_freq.to(q.device)
         if q.dim() == 4 and k.dim() == 4 and q.transpose(1, 2).is_contiguous() and k.transpose(1, 2).is_contiguous():
             # HF's q/k are (B, T, H, d_h) projections viewed as (B, H, T, d_h). As
             # (B·T, H, 1, d_h) they are already in the kernel's layout: no copy in, and the
@@ -331,20 +421,27 @@ class RotaryPositions:
             pos = self.position_ids.to(q.device).expand(b, t).reshape(b * t, 1)
             q_flat = q.transpose(1, 2).reshape(b * t, h, 1, dh)
             k_flat = k.transpose(1, 2).reshape(b * t, h_kv, 1, dh)
-            q_out, k_out = srpe(q_flat, k_flat, pos, self.theta, spiral_divisor=math.inf, radial_amplitude=0.0,
-                                radial_frequency=0.0)
+            q_out, k_out = srpe(q_flat, k_flat, pos, self.theta, **_ROPE, inv_freq=inv_freq, scale=self.scale)
             return q_out.view(b, t, h, dh).transpose(1, 2), k_out.view(b, t, h_kv, dh).transpose(1, 2)
-        return srpe(q, k, self.position_ids, self.theta, spiral_divisor=math.inf, radial_amplitude=0.0,
-                    radial_frequency=0.0)
+        return srpe(q, k, self.position_ids, self.theta, **_ROPE, inv_freq=inv_freq, scale=self.scale)
 
 
-def rope_tables(position_ids: Tensor, theta: float, head_dim: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """HF's ``(cos, sin)`` for default RoPE — ``(B, T, d_h)``, the halves repeated — with the
-    angles ``p·θ₀^(−2j/d_h)`` formed in float64 (accurate at large positions), in ``dtype``."""
-    j = torch.arange(head_dim // 2, dtype=torch.float64, device=position_ids.device)
-    angle = position_ids[..., None].to(torch.float64) * torch.pow(float(theta), -2.0 * j / head_dim)
+def rope_tables(position_ids: Tensor, theta: float, head_dim: int, dtype: torch.dtype, inv_freq: Tensor | None = None,
+                scale: float = 1.0) -> tuple[Tensor, Tensor]:
+    """HF's ``(cos, sin)`` — ``(B, T, d_h)``, the halves repeated, times ``scale`` (a rope type's
+    ``attention_scaling``) — with the angles ``p·ω_j`` formed in float64 (accurate at large
+    positions), in ``dtype``; ``ω_j = θ₀^(−2j/d_h)``, or ``inv_freq`` (taken in float64) when given."""
+    if inv_freq is None:
+        j = torch.arange(head_dim // 2, dtype=torch.float64, device=position_ids.device)
+        omega = torch.pow(float(theta), -2.0 * j / head_dim)
+    else:
+        omega = inv_freq.to(position_ids.device, torch.float64)
+    angle = position_ids[..., None].to(torch.float64) * omega
     emb = torch.cat((angle, angle), dim=-1)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
+    cos, sin = emb.cos(), emb.sin()
+    if scale != 1.0:
+        cos, sin = cos * scale, sin * scale
+    return cos.to(dtype), sin.to(dtype)
 
 
 class FusedRotaryEmbedding(nn.Module):
@@ -353,13 +450,18 @@ class FusedRotaryEmbedding(nn.Module):
     ``forward(x, position_ids)`` returns ``(cos, sin)`` like HF's (shapes ``(B, T, d_h)``,
     dtype of ``x``); ``cos`` carries a :class:`RotaryPositions`, which the patched
     ``apply_rotary_pos_emb`` uses to rotate Q and K with :func:`wiola_kernels.srpe`.
-    The first eager forward that finds ``hf_rotary.inv_freq`` materialised checks it is the
-    default RoPE's; if not, this module returns HF's own tables from then on (a warning
-    says so), which the patched function hands to HF's original code.
+    The frequencies come from :func:`rope_srpe_arguments` (every rope type of
+    :data:`ROPE_TYPES`; ``dynamic`` and ``longrope`` update ``hf_rotary`` per call as HF does).
+    For the ``default`` type, the first eager forward that finds ``hf_rotary.inv_freq``
+    materialised checks it is ``θ₀^(−2j/d_h)``; if not, this module returns HF's own tables
+    from then on (a warning says so), which the patched function hands to HF's original
+    code. The other types use the buffer as it is, so there is nothing to check
+    (``buffer_check`` is ``"given"`` when no layer type is ``default``).
 
     A rotary module serving several attention layer types (Gemma 3's, called as
-    ``forward(x, position_ids, layer_type)``, with one ``<layer_type>_inv_freq`` buffer and
-    θ₀ per type) is served alike: ``theta`` is then ``{layer_type: θ₀}``.
+    ``forward(x, position_ids, layer_type)``, with one ``<layer_type>_inv_freq`` buffer,
+    θ₀ and rope type per type) is served alike: ``theta`` is then ``{layer_type: θ₀}``
+    (θ₀ is used only by the layer types whose rope type is ``default``).
     """
 
     def __init__(self, hf_rotary: nn.Module, theta: float | dict, head_dim: int, modeling: str) -> None:
@@ -370,7 +472,11 @@ class FusedRotaryEmbedding(nn.Module):
         self.theta = self.thetas.get(None)
         self.head_dim = int(head_dim)
         self.modeling = modeling  # name of the transformers modeling module whose RoPE we serve
-        self.buffer_check = "pending"  # -> "fused" (default RoPE, verified) or "hf" (differs: HF's RoPE)
+        self.rope_types = {layer_type: _rope_type(hf_rotary, layer_type) for layer_type in self.thetas}
+        self.rope_type = self.rope_types.get(None)
+        # "pending" -> "fused" (default RoPE, verified) or "hf" (differs: HF's RoPE); "given":
+        # only rope types whose own inv_freq buffer srpe reads, nothing to verify.
+        self.buffer_check = "pending" if "default" in self.rope_types.values() else "given"
 
     def forward(self, x: Tensor, position_ids: Tensor, layer_type: str | None = None) -> tuple[Tensor, Tensor]:
         if not torch.compiler.is_compiling():
@@ -379,8 +485,13 @@ class FusedRotaryEmbedding(nn.Module):
             return self.hf_rotary(x, position_ids) if layer_type is None else self.hf_rotary(x, position_ids,
                                                                                               layer_type)
         theta = self.thetas[layer_type]
-        cos, sin = rope_tables(position_ids, theta, self.head_dim, x.dtype)
-        setattr(cos, _ROPE_ATTR, RotaryPositions(position_ids, theta))
+        if self.rope_types[layer_type] == "default":
+            cos, sin = rope_tables(position_ids, theta, self.head_dim, x.dtype)
+            setattr(cos, _ROPE_ATTR, RotaryPositions(position_ids, theta))
+            return cos, sin
+        args = rope_srpe_arguments(self.hf_rotary, x, position_ids, layer_type)
+        cos, sin = rope_tables(position_ids, theta, self.head_dim, x.dtype, args["inv_freq"], args["scale"])
+        setattr(cos, _ROPE_ATTR, RotaryPositions(position_ids, theta, args["inv_freq"], args["scale"]))
         return cos, sin
 
     def _eager_checks(self) -> None:
@@ -392,7 +503,7 @@ class FusedRotaryEmbedding(nn.Module):
         if self.buffer_check == "pending":
             buffers = {_rotary_attr_name("inv_freq", layer_type): (getattr(self.hf_rotary,
                        _rotary_attr_name("inv_freq", layer_type), None), theta)
-                       for layer_type, theta in self.thetas.items()}
+                       for layer_type, theta in self.thetas.items() if self.rope_types[layer_type] == "default"}
             if any(not isinstance(inv_freq, Tensor) or inv_freq.is_meta for inv_freq, _ in buffers.values()):
                 return  # not materialised yet (a meta model): decide later
             for name, (inv_freq, theta) in buffers.items():
@@ -406,8 +517,9 @@ class FusedRotaryEmbedding(nn.Module):
             self.buffer_check = "fused"
 
     def extra_repr(self) -> str:
-        theta = self.theta if list(self.thetas) == [None] else self.thetas
-        return f"theta={theta}, head_dim={self.head_dim}"
+        if list(self.thetas) == [None]:
+            return f"rope_type={self.rope_type!r}, theta={self.theta}, head_dim={self.head_dim}"
+        return f"rope_type={self.rope_types}, theta={self.thetas}, head_dim={self.head_dim}"
 
 
 def _rotary_attr_name(name: str, layer_type: str | None) -> str:
@@ -504,21 +616,22 @@ def _rope_theta(config, layer_type: str | None = None):
 
 
 def _rope_supported(rotary: nn.Module, config, head_dim: int, layer_type: str | None = None) -> str | None:
-    """None when ``rotary`` is default RoPE we can reproduce (for ``layer_type``, in a rotary
-    module serving several), else why not. Reads only the config and metadata (never tensor
-    values), so meta-device modules are judged alike."""
-    rope_type = getattr(rotary, "rope_type", None)
-    if layer_type is not None:
-        rope_type = rope_type.get(layer_type) if isinstance(rope_type, dict) else None
-    if rope_type != "default":
+    """None when ``rotary`` is RoPE of a type in :data:`ROPE_TYPES` we can reproduce (for
+    ``layer_type``, in a rotary module serving several), else why not. Reads only the config
+    and metadata (never tensor values), so meta-device modules are judged alike."""
+    rope_type = _rope_type(rotary, layer_type)
+    if rope_type not in ROPE_TYPES:
         return f"rope type {rope_type!r}" + ("" if layer_type is None else f" ({layer_type} layers)")
+    inv_freq = getattr(rotary, _rotary_attr_name("inv_freq", layer_type), None)
+    if not isinstance(inv_freq, Tensor) or inv_freq.dim() != 1 or inv_freq.shape[0] * 2 != head_dim:
+        return "a partial or non-standard rotary embedding"
+    if rope_type != "default":
+        return None  # srpe reads the module's own inv_freq and attention_scaling
     scaling = getattr(rotary, _rotary_attr_name("attention_scaling", layer_type), 1.0)
     if scaling != 1.0:
         return f"attention scaling {scaling}"
-    inv_freq = getattr(rotary, _rotary_attr_name("inv_freq", layer_type), None)
     theta = _rope_theta(config, layer_type)
-    if not isinstance(theta, (int, float)) or not theta > 0 or not isinstance(inv_freq, Tensor) \
-            or inv_freq.dim() != 1 or inv_freq.shape[0] * 2 != head_dim:
+    if not isinstance(theta, (int, float)) or not theta > 0:
         return "a partial or non-standard rotary embedding"
     return None
 
@@ -526,7 +639,8 @@ def _rope_supported(rotary: nn.Module, config, head_dim: int, layer_type: str | 
 def _fused_rotary(rotary: nn.Module, config, head_dim: int, modeling, family: _Family):
     """The :class:`FusedRotaryEmbedding` for HF's ``rotary`` module, or why there is none
     (a string). The one place where a family's rotary module is turned into srpe's
-    arguments (θ₀ per layer type)."""
+    arguments (θ₀ and rope type per layer type; a type other than ``default`` reads its
+    frequencies per call through :func:`rope_srpe_arguments`)."""
     layer_types = sorted(getattr(rotary, "layer_types", ())) if family.rope == "per_layer_type" else [None]
     if not layer_types:
         return "a rotary embedding without layer types"
@@ -534,24 +648,34 @@ def _fused_rotary(rotary: nn.Module, config, head_dim: int, modeling, family: _F
         why = _rope_supported(rotary, config, head_dim, layer_type)
         if why is not None:
             return why
-    thetas = {layer_type: float(_rope_theta(config, layer_type)) for layer_type in layer_types}
+    thetas = {layer_type: _rope_theta(config, layer_type) for layer_type in layer_types}
+    # θ₀ of the default type (checked above); the other types read their inv_freq instead.
+    thetas = {layer_type: float(theta) if isinstance(theta, (int, float)) and theta > 0 else 10000.0
+              for layer_type, theta in thetas.items()}
     return FusedRotaryEmbedding(rotary, thetas if layer_types != [None] else thetas[None], head_dim,
                                 modeling.__name__)
 
 
 def _inv_freq_mismatch(inv_freq: Tensor, theta: float, head_dim: int) -> str | None:
-    """None when the materialised buffer is the default θ₀^(−2j/d_h) rounded to its dtype
-    (float32, or bf16 after ``model.to(bf16)``), else what it holds. The fused RoPE uses the
-    float64 ω_j, not the rounded buffer."""
-    j = torch.arange(head_dim // 2, dtype=torch.float64)
-    omega = float(theta) ** (-2.0 * j / head_dim)
+    """None when the materialised buffer is the default θ₀^(−2j/d_h) as Hugging Face computes
+    it (in float32, then possibly cast: bf16 after ``model.to(bf16)``), else what it holds.
+    The fused RoPE uses the float64 ω_j, not the rounded buffer."""
     if not inv_freq.is_floating_point():
         return f"a {inv_freq.dtype} tensor"
     values = inv_freq.detach().to("cpu", torch.float64)
-    rtol = max(2e-7, torch.finfo(inv_freq.dtype).eps)
-    if not torch.allclose(values, omega, rtol=rtol, atol=0.0):
-        return "inverse frequencies that differ from the default θ₀^(−2j/d_h)"
-    return None
+    # HF's own float32 formula is up to ~5 ulp from the float64 θ₀^(−2j/d_h) when d_h is not
+    # a power of two (2j/d_h rounded, then amplified by ln θ₀): compare with that formula,
+    # within 2 ulp of the buffer's dtype (another device's pow, or a cast of the buffer);
+    # a buffer formed in float64 and rounded is accepted too.
+    hf = 1.0 / (float(theta) ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    eps = max(torch.finfo(inv_freq.dtype).eps, torch.finfo(torch.float32).eps)
+    if torch.allclose(values, hf.to(torch.float64), rtol=2 * eps, atol=0.0):
+        return None
+    j = torch.arange(head_dim // 2, dtype=torch.float64)
+    omega = float(theta) ** (-2.0 * j / head_dim)
+    if torch.allclose(values, omega, rtol=max(2e-7, torch.finfo(inv_freq.dtype).eps), atol=0.0):
+        return None
+    return "inverse frequencies that differ from the default θ₀^(−2j/d_h)"
 
 
 def is_patched(target) -> bool:
@@ -592,7 +716,7 @@ def patch_hf(target, *, rms_norm: bool = True, rope: bool = True, mlp: bool = Tr
 
     Supported: the models of the families :func:`supported` lists (``config.model_type``
     in ``llama``, ``mistral``, ``qwen2``, ``qwen3``, ``gemma2``, ``gemma3_text``, ``phi3``,
-    ``olmo2``, ``smollm3``), with the default rope type; ``supported()`` says what is
+    ``olmo2``, ``smollm3``), with any rope type of :data:`ROPE_TYPES`; ``supported()`` says what is
     swapped in each. All or nothing: on any error the model is left exactly as it was
     (see the module docstring). Patching an already patched model does nothing.
 
@@ -607,7 +731,8 @@ def patch_hf(target, *, rms_norm: bool = True, rope: bool = True, mlp: bool = Tr
             :class:`FusedOffsetRMSNorm` (sharing the ``weight`` Parameter; the family's
             rounding order).
         rope: apply rotary embeddings with :func:`wiola_kernels.srpe`
-            (``k_s = ∞``, ``a_s = 0``: plain rotate-half RoPE, angles reduced in float64).
+            (``k_s = ∞``, ``a_s = 0``: plain rotate-half RoPE, angles reduced in float64;
+            a rope type's own ``inv_freq`` and attention factor, see :func:`rope_srpe_arguments`).
         mlp: form each gated MLP's ``act(gate(x)) ⊙ up(x)`` with :func:`wiola_kernels.glu`
             (:class:`FusedGatedMLP` / :class:`FusedPackedGatedMLP`, sharing the projections).
         loss: compute a ``<Family>ForCausalLM``'s training loss with
