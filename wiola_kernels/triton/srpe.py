@@ -41,7 +41,7 @@ import triton.language as tl
 
 from ..outputs import empty_output_as
 from ..srpe_tables import kernel_omega
-from . import cdiv, next_power_of_2
+from . import cdiv, next_power_of_2, sm_count
 
 _TWO_PI = 2.0 * math.pi
 
@@ -194,10 +194,6 @@ def _launch_config(bt: int, half: int, element_size: int, sms: int | None) -> La
     return LaunchConfig(block_t, block_half, _HEADS_PER_STEP, num_warps, cdiv(bt, block_t))
 
 
-def _sms(device: torch.device) -> int | None:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else None
-
-
 def srpe_apply(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, theta: float, spiral_divisor: float,
                radial_amplitude: float, radial_frequency: float, transpose: bool, *,
                inv_freq: torch.Tensor | None = None, scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -214,7 +210,7 @@ def srpe_apply(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, theta:
         return q_out, k_out
     omega, constants = _kernel_tables(dh, theta, spiral_divisor, radial_amplitude, radial_frequency, inv_freq,
                                       scale, q.device)
-    cfg = _launch_config(b * t, half, q.element_size(), _sms(q.device))
+    cfg = _launch_config(b * t, half, q.element_size(), sm_count(q.device))
     _srpe_kernel[(cfg.programs,)](
         q, k, positions, omega, constants, q_out, k_out, b * t, t, h, h_kv, half, *positions.stride(), *q.stride()[:3],
         *k.stride()[:3], *q_out.stride()[:3], *k_out.stride()[:3],
