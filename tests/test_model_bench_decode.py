@@ -15,7 +15,7 @@ import wiola_kernels
 from wiola import WiolaConfig, WiolaForCausalLM
 from wiola.bench import main as bench_main
 from wiola.bench_decode import decode_rate, llama_like, weight_bytes
-from wiola_kernels import decode_gemv
+from wiola_kernels.decode import gemv as decode_gemv
 
 
 def test_weight_bytes_count_the_tied_matrix_once():

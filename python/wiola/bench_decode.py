@@ -173,7 +173,7 @@ def _weight_reads(model) -> None:
     """The products of one decoding step of ``model`` (a WiolaForCausalLM, batch 1) on its own
     weights, grouped as the step groups them (decode.py), on constant activations: only the
     weight reads."""
-    from wiola_kernels.decode_gemv import gemv
+    from wiola_kernels.decode.gemv import gemv
 
     from .decode import gemv_applies
 
