@@ -248,7 +248,7 @@ step_wiola_360m() {
     $PY -m wiola bench --device cuda --help > /dev/null || return 1
     $PY -c "
 import torch
-from wiola.bench_gpu import llama_config_like, llama_parameters, wiola_config
+from wiola.bench.gpu import llama_config_like, llama_parameters, wiola_config
 from wiola.modeling_wiola import WiolaForCausalLM
 with torch.device('meta'):
     n = sum(p.numel() for p in WiolaForCausalLM(wiola_config()).parameters())

@@ -1,7 +1,7 @@
 """The GPU benchmark's logic, checked without a GPU: device time (bench/device_time.py) through a
 stub timer, the device-time table's rows (bench/gpu_cases.py), the peers' status when they are
 missing (bench/peers.py), the Llama-3.2-1B case of ``bench --hf llama --size 1b`` and the
-wiola-360m GPU step's same-size Llama (python/wiola/bench_gpu.py)."""
+wiola-360m GPU step's same-size Llama (python/wiola/bench/gpu.py)."""
 
 from __future__ import annotations
 
@@ -388,7 +388,7 @@ def test_liger_variants_are_skipped_with_the_reason_where_liger_cannot_run():
 
 
 def test_wiola_gpu_step_compares_with_a_llama_of_the_same_size():
-    from wiola.bench_gpu import llama_config_like, llama_parameters, split_device, wiola_config
+    from wiola.bench.gpu import llama_config_like, llama_parameters, split_device, wiola_config
     from wiola.modeling_wiola import WiolaForCausalLM
     import transformers
 

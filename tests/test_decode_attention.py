@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from wiola_kernels import decode_attention as da
+from wiola_kernels.decode import attention as da
 from wiola_kernels.reference.srpe import srpe as srpe_reference
 from wiola_kernels.testing import assert_close_rel, tolerance
 
@@ -188,12 +188,12 @@ def test_bad_inputs_name_the_argument():
         call(context_v=ctx["context_v"][..., :-1])
 
 
-# ---- the whole block (wiola_kernels.decode_block) ---------------------------------------------------------
+# ---- the whole block (wiola_kernels.decode.block) ---------------------------------------------------------
 # Its results are checked in the model (tests/test_model_decode.py: against the Python step and the
 # full forward); here, what it refuses.
 
 def test_block_bad_inputs_name_the_argument():
-    from wiola_kernels import decode_block as db  # the extension's, like decode_attention (pytestmark)
+    from wiola_kernels.decode import block as db  # the extension's, like decode_attention (pytestmark)
 
     g = torch.Generator().manual_seed(0)
     d, h, h_kv, dh, n, w = 16, 4, 2, 4, 8, 12

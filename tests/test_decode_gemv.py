@@ -14,7 +14,7 @@ import torch
 
 import wiola_kernels as wk
 from wiola_kernels import _extension
-from wiola_kernels import decode_gemv as dg
+from wiola_kernels.decode import gemv as dg
 from wiola_kernels.testing import assert_close_rel, available_cpu_isas, cpu_isa, fake_cpu, tolerance
 
 pytestmark = [pytest.mark.skipif(not dg.available(), reason="needs the C++ extension"),

@@ -1,13 +1,13 @@
 """The package's import layers: every import of ``wiola_kernels`` (module level or inside a
 function: the AST of every module) goes down a layer or stays in its own, never up.
 
-    0 leaves    shapes, dtypes, outputs, validation, srpe_tables, _extension, compiled_lint, cli
+    0 leaves    shapes, dtypes, outputs, validation, srpe_tables, _extension, cli
     1 dispatch  dispatch
     2 kernels   triton/*, reference/*
-    3 ops       ops/*, decode_gemv, decode_attention, decode_block, decode_step
+    3 ops       ops/*, decode/*
     4 modules   modules/*, hf
     5 package   wiola_kernels (its __init__)
-    6 tools     bench/*, testing, gpu_report, devtools/*, __main__
+    6 tools     bench/*, testing, devtools/*, __main__
 
 So a kernel module (``triton/*``, ``ops/*``, ``reference/*``) never imports ``bench/`` or
 ``testing``, and nothing below the tools imports the package root (which imports everything).
@@ -25,13 +25,13 @@ PACKAGE = ROOT / "wiola_kernels"
 
 LAYERS = {
     "shapes": 0, "dtypes": 0, "outputs": 0, "validation": 0, "srpe_tables": 0, "_extension": 0,
-    "compiled_lint": 0, "cli": 0,
+    "cli": 0,
     "dispatch": 1,
     "triton": 2, "reference": 2,
-    "ops": 3, "decode_gemv": 3, "decode_attention": 3, "decode_block": 3, "decode_step": 3,
+    "ops": 3, "decode": 3,
     "modules": 4, "hf": 4,
     "": 5,
-    "bench": 6, "testing": 6, "gpu_report": 6, "devtools": 6, "__main__": 6,
+    "bench": 6, "testing": 6, "devtools": 6, "__main__": 6,
 }
 
 

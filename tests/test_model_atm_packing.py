@@ -1,4 +1,4 @@
-"""The model bench's count of GCLA's work in ATM-merged layers (python/wiola/bench.py).
+"""The model bench's count of GCLA's work in ATM-merged layers (python/wiola/bench/__init__.py).
 
 The model's merged layers keep ATM's static shapes (SPEC §6.2: the attention op skips the
 rows past each T'_b); ATM against the float64 oracle is tests/test_model.py's."""

@@ -14,8 +14,8 @@ import torch
 import wiola_kernels
 from wiola import WiolaConfig, WiolaForCausalLM
 from wiola.bench import main as bench_main
-from wiola.bench_decode import decode_rate, llama_like, weight_bytes
-from wiola_kernels import decode_gemv
+from wiola.bench.decode import decode_rate, llama_like, weight_bytes
+from wiola_kernels.decode import gemv as decode_gemv
 
 
 def test_weight_bytes_count_the_tied_matrix_once():
@@ -75,7 +75,7 @@ def test_bench_decode_alternates_several_dtypes(tmp_path, monkeypatch, capsys):
     # --dtype float32,bfloat16: both dtypes' models in every round, one record each; the second
     # is reported against the first as the median of the rounds' own ratios (a fake decode_rate
     # gives each run a known rate, so the median is of pairs, not a ratio of medians).
-    from wiola import bench_decode
+    from wiola.bench import decode as bench_decode
 
     rates = iter([10.0, 20.0, 12.0, 30.0, 8.0, 10.0])  # rounds: (fp32, bf16) × 3 → ratios 2, 2.5, 1.25
     calls = []
@@ -108,7 +108,7 @@ def test_bench_decode_refuses_a_bad_dtype_list(bad, capsys):
     assert "--dtype" in capsys.readouterr().err
 
 
-# llama.cpp (wiola/llama_cpp.py): the GGUF file read back with gguf's own reader, llama-bench faked.
+# llama.cpp (wiola/bench/llama_cpp.py): the GGUF file read back with gguf's own reader, llama-bench faked.
 
 GGUF_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
 
@@ -133,7 +133,7 @@ def _rotary_order(w: torch.Tensor, n_head: int) -> torch.Tensor:
 @pytest.mark.parametrize("dtype", list(GGUF_DTYPES), ids=lambda d: str(d).removeprefix("torch."))
 def test_gguf_file_is_the_llama_twin(tmp_path, dtype):
     gguf = pytest.importorskip("gguf")
-    from wiola.llama_cpp import write_gguf
+    from wiola.bench.llama_cpp import write_gguf
 
     config = WiolaConfig.from_name("wiola-tiny", vocab_size=262)  # three filler tokens after the 259 required
     llama = llama_like(config)
@@ -181,7 +181,7 @@ def test_gguf_file_is_the_llama_twin(tmp_path, dtype):
 
 def test_gguf_needs_a_sentencepiece_sized_vocabulary(tmp_path):
     pytest.importorskip("gguf")
-    from wiola.llama_cpp import write_gguf
+    from wiola.bench.llama_cpp import write_gguf
 
     llama = llama_like(WiolaConfig.from_name("wiola-tiny", vocab_size=258))
     with pytest.raises(ValueError, match="at least 259"):
@@ -213,7 +213,7 @@ def _fake_llama_bench(tmp_path, body: str) -> str:
 
 
 def test_run_llama_bench_passes_the_decode_test_and_reads_its_json(tmp_path):
-    from wiola.llama_cpp import run_llama_bench
+    from wiola.bench.llama_cpp import run_llama_bench
 
     fake = _fake_llama_bench(tmp_path, f"print(json.dumps([{FAKE_RECORD!r}]))")
     got = run_llama_bench(fake, tmp_path / "m.gguf", threads=2, prompt=4, new_tokens=3, repeats=5)
@@ -224,7 +224,7 @@ def test_run_llama_bench_passes_the_decode_test_and_reads_its_json(tmp_path):
 
 
 def test_run_llama_bench_refuses_what_it_cannot_use(tmp_path):
-    from wiola.llama_cpp import run_llama_bench
+    from wiola.bench.llama_cpp import run_llama_bench
 
     with pytest.raises(ValueError, match="--llama-cpp"):
         run_llama_bench(str(tmp_path / "missing"), "m.gguf", 1, 4, 3)

@@ -151,7 +151,7 @@ def test_padded_batch_decodes_each_row_as_alone():
     assert torch.equal(batch[1, 9:], alone[0, 6:])
 
 
-# ---- the GEMV kernel (CPU float32/bfloat16/float16; wiola_kernels.decode_gemv) ----------------------
+# ---- the GEMV kernel (CPU float32/bfloat16/float16; wiola_kernels.decode.gemv) ----------------------
 
 needs_gemv = pytest.mark.skipif(not decode.gemv_applies(torch.float32, torch.device("cpu")),
                                 reason="needs the C++ extension")
@@ -188,7 +188,7 @@ def held_storages(model) -> dict[int, int]:
 def test_gemv_steps_equal_the_full_forward(isa, step, monkeypatch):
     # Every projection of a step on the GEMV kernel (both ISA paths where the CPU has AVX-512),
     # B·T_new = 2 and 6 rows; oracle: the full forward, which runs F.linear and the fused ops.
-    from wiola_kernels import decode_gemv
+    from wiola_kernels.decode import gemv as decode_gemv
 
     rows = []
     gemv = decode_gemv.gemv
@@ -211,10 +211,10 @@ def test_gemv_steps_equal_the_full_forward(isa, step, monkeypatch):
 @pytest.mark.parametrize("gemv,one_call", [(True, True), (True, False), (False, False)])
 def test_decoding_steps_run_the_models_blocks(gemv, one_call, monkeypatch):
     # A decoding step runs each block's own forward (wiola.model), or, where the whole step is
-    # one C++ call (wiola_kernels.decode_step: the GEMV kernel, one unpadded position per row),
+    # one C++ call (wiola_kernels.decode.step: the GEMV kernel, one unpadded position per row),
     # that call and no block's Python. Oracle: the full forward.
     from wiola.model import WiolaBlock
-    from wiola_kernels import decode_block, decode_step
+    from wiola_kernels.decode import block as decode_block, step as decode_step
 
     if gemv and not decode.gemv_applies(torch.float32, torch.device("cpu")):
         pytest.skip("needs the C++ extension")
@@ -246,11 +246,11 @@ def test_decoding_steps_run_the_models_blocks(gemv, one_call, monkeypatch):
 @pytest.mark.parametrize("next_norm", [True, False])
 @pytest.mark.parametrize("slots", [0, 1, 2])
 def test_cpp_block_equals_the_models_block(dtype, next_norm, slots):
-    # wiola_kernels.decode_block (each block of the one-call step) against the model's block
+    # wiola_kernels.decode.block (each block of the one-call step) against the model's block
     # for one new position per row, bit for bit: the output, the next norm of it (or none:
     # FSDP's sharded norms leave it to their owner), the cached key and value; with no
     # context, one slot and two.
-    from wiola_kernels import decode_block
+    from wiola_kernels.decode import block as decode_block
 
     model = tiny(dtype, num_key_value_heads=2)
     g = torch.Generator().manual_seed(27 + slots)
@@ -296,7 +296,8 @@ def test_cpp_block_norm_rows_are_the_ops(dtype, scale):
     # same rows (X'' + 0), bit for bit: γ and δ random, so rounding γ·(z·r⁻¹) instead of the op's
     # (γ·z)·r⁻¹ shows in float32; and rows of magnitude 1e20, whose squares overflow float32
     # (the op rescales; a plain Σz² gives r⁻¹ = 0).
-    from wiola_kernels import add_rms_norm, decode_block
+    from wiola_kernels import add_rms_norm
+    from wiola_kernels.decode import block as decode_block
 
     model = tiny(dtype, num_key_value_heads=2)
     g = torch.Generator().manual_seed(28)
@@ -327,11 +328,11 @@ def test_cpp_block_norm_rows_are_the_ops(dtype, scale):
 @needs_gemv
 @pytest.mark.parametrize("lookback", [0, 1, 2])
 def test_fused_attention_runs_once_per_block(lookback, monkeypatch):
-    # Without the C++ block (wiola_kernels.decode_block), a one-position step's attention
+    # Without the C++ block (wiola_kernels.decode.block), a one-position step's attention
     # (SRPE, cache append, softmax over the cache, the Λ' context slots: none, one without
     # keys, two) is one decode_attention call per block, and the steps equal the full forward.
     # Oracle: the full forward (nn.Linear and the fused op).
-    from wiola_kernels import decode_attention, decode_block
+    from wiola_kernels.decode import attention as decode_attention, block as decode_block
 
     monkeypatch.setattr(decode_block, "available", lambda: False)
     model = tiny(num_key_value_heads=2, gcla_lookback=lookback)
@@ -377,7 +378,7 @@ def test_fused_attention_leaves_other_cache_layers_to_update(monkeypatch):
 
 def without_gemv(monkeypatch) -> None:
     """Every product of the model on ``F.linear`` (the GEMV kernel said not to apply)."""
-    from wiola_kernels import decode_gemv
+    from wiola_kernels.decode import gemv as decode_gemv
 
     monkeypatch.setattr(decode_gemv, "applies", lambda dtype, device: False)
 

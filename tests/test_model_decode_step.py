@@ -1,4 +1,4 @@
-"""A whole cached decoding step in one C++ call (wiola_kernels.decode_step, which the model's
+"""A whole cached decoding step in one C++ call (wiola_kernels.decode.step, which the model's
 forward takes through wiola.decode.fused_step): the same logits, running summaries and cache
 as the model's own step (bit for bit: the same kernels in the same order), the
 float64 full forward as the oracle, the cases that must take the model's own path, and bad
@@ -11,7 +11,7 @@ import torch
 
 from wiola import WiolaConfig, WiolaForCausalLM
 from wiola.modeling_wiola import WiolaCache
-from wiola_kernels import decode_step
+from wiola_kernels.decode import step as decode_step
 from wiola_kernels.testing import assert_close_rel, tolerance
 
 F64 = torch.float64
@@ -255,7 +255,7 @@ def test_fused_step_leaves_a_cache_it_cannot_append_to(step_calls):
 def test_the_op_declares_what_it_mutates():
     # torch.library's schema check: the op writes the cache buffers (declared Tensor(a!)[] /
     # Tensor(b!)[]) and nothing else it is given (the summary sums come back as new tensors).
-    import wiola_kernels.decode_step as ds
+    import wiola_kernels.decode.step as ds
 
     model = tiny(gcla_lookback=2)
     ids = ids_for(model, 2, 7, seed=48)

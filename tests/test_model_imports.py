@@ -82,14 +82,8 @@ def cycles(top_level: bool) -> list[list[str]]:
     return found
 
 
-#: Cycles known outside the model, each to go with its fix (issue 39, "rooms": gpu_report and
-#: devtools/cuda_report import each other). Remove an entry when its branch lands.
-KNOWN_CYCLES = [{"wiola_kernels.gpu_report", "wiola_kernels.devtools.cuda_report"}]
-
-
 def test_no_import_cycle_between_the_modules():
-    found = [c for c in cycles(top_level=False) if set(c) not in KNOWN_CYCLES]
-    assert found == []
+    assert cycles(top_level=False) == []
 
 
 def test_the_scan_sees_imports_and_would_see_a_cycle(tmp_path, monkeypatch):

@@ -22,12 +22,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from wiola_kernels import compiled_lint, gpu_report, shapes
-from wiola_kernels.devtools import cuda_report
+from wiola_kernels import shapes
+from wiola_kernels.devtools import compiled_lint, cubin, cuda_report
 from wiola_kernels.triton import aot
 
 ROOT = Path(__file__).resolve().parent.parent
-HAVE_NVCC = gpu_report.tool("nvcc") is not None
+HAVE_NVCC = cubin.tool("nvcc") is not None
 VARIANTS = [(arch, key) for arch, gpu in aot.GPUS.items() for key in aot.launches(gpu)]
 # Findings in CUDA kernels, kept visible rather than silently allowed: (arch, kernel prefix)
 # -> spill bytes ptxas reports / lint findings (their text starts so). An entry fails the test
@@ -97,7 +97,7 @@ def test_memory_bound_triton_kernels_meet_the_h200_targets(report):
                                                             "_srpe_kernel", "_glu_fwd_kernel", "_glu_bwd_kernel"}
     for r in bench:
         assert r["global_access_bits"] == 128, r["kernel"]
-        assert r["bytes_in_flight_per_sm"] >= gpu_report.LITTLE_LAW_TARGET_BYTES, r["kernel"]
+        assert r["bytes_in_flight_per_sm"] >= cubin.LITTLE_LAW_TARGET_BYTES, r["kernel"]
 
 
 #: ATM's CUDA kernels that meet the memory-bound targets (the rest are below them, listed
@@ -116,7 +116,7 @@ def test_memory_bound_atm_row_kernels_meet_the_h200_targets(report):
     for name in ATM_KERNELS_AT_TARGET:
         r = records[f"atm::{name}<__nv_bfloat16>"]
         assert r["global_access_bits"] == 128, name
-        assert r["bytes_in_flight_per_sm"] >= gpu_report.LITTLE_LAW_TARGET_BYTES, name
+        assert r["bytes_in_flight_per_sm"] >= cubin.LITTLE_LAW_TARGET_BYTES, name
 
 
 def test_every_triton_kernel_module_registers_its_launches():
@@ -196,15 +196,15 @@ def test_specialisation_matches_the_jit():
 
 def test_blocks_per_sm_follows_the_occupancy_rules():
     h200 = aot.GPUS["sm_90"]
-    assert gpu_report.blocks_per_sm(h200, registers=32, threads=128, shared_bytes=0) == 16  # thread limit
-    assert gpu_report.blocks_per_sm(h200, registers=32, threads=32, shared_bytes=0) == 32   # block limit
-    assert gpu_report.blocks_per_sm(h200, registers=128, threads=256, shared_bytes=0) == 2  # registers
-    assert gpu_report.blocks_per_sm(h200, registers=33, threads=256, shared_bytes=0) == 6   # 40 per thread
-    assert gpu_report.blocks_per_sm(h200, registers=32, threads=128, shared_bytes=100 * 1024) == 2  # smem
-    assert gpu_report.blocks_per_sm(h200, registers=32, threads=128, shared_bytes=228 * 1024) == 0
-    assert gpu_report.occupancy(h200, registers=128, threads=256, shared_bytes=0) == (2, "registers")
-    assert gpu_report.occupancy(h200, registers=32, threads=128, shared_bytes=100 * 1024) == (2, "shared memory")
-    assert gpu_report.occupancy(h200, registers=32, threads=128, shared_bytes=0) == (16, "threads")
+    assert cubin.blocks_per_sm(h200, registers=32, threads=128, shared_bytes=0) == 16  # thread limit
+    assert cubin.blocks_per_sm(h200, registers=32, threads=32, shared_bytes=0) == 32   # block limit
+    assert cubin.blocks_per_sm(h200, registers=128, threads=256, shared_bytes=0) == 2  # registers
+    assert cubin.blocks_per_sm(h200, registers=33, threads=256, shared_bytes=0) == 6   # 40 per thread
+    assert cubin.blocks_per_sm(h200, registers=32, threads=128, shared_bytes=100 * 1024) == 2  # smem
+    assert cubin.blocks_per_sm(h200, registers=32, threads=128, shared_bytes=228 * 1024) == 0
+    assert cubin.occupancy(h200, registers=128, threads=256, shared_bytes=0) == (2, "registers")
+    assert cubin.occupancy(h200, registers=32, threads=128, shared_bytes=100 * 1024) == (2, "shared memory")
+    assert cubin.occupancy(h200, registers=32, threads=128, shared_bytes=0) == (16, "threads")
 
 
 def test_sass_analysis_finds_the_main_loop():
@@ -219,10 +219,10 @@ def test_sass_analysis_finds_the_main_loop():
         (0x70, "BRA", "0x60"),
         (0x80, "BRA", "0x80"),                              # the trailing self-loop: not a loop
     ]
-    got = gpu_report.analyse_sass(sass)
+    got = cubin.analyse_sass(sass)
     assert got == {"tensor_core": True, "global_access_bits": 128, "load_bytes": 32, "async_load_bytes": 0,
                    "in_loop": True, "load_bits": 128, "store_bits": [64], "split_stores": []}
-    no_loop = gpu_report.analyse_sass([(0x0, "LDG.E.U16", "R1, [R2.64]"), (0x10, "STG.E", "[R2.64], R1")])
+    no_loop = cubin.analyse_sass([(0x0, "LDG.E.U16", "R1, [R2.64]"), (0x10, "STG.E", "[R2.64], R1")])
     assert no_loop["global_access_bits"] == 32 and no_loop["load_bytes"] == 2 and not no_loop["tensor_core"]
 
 
@@ -258,8 +258,8 @@ def test_sass_lint_finds_split_stores():
         (0xc0, "STG.E", "desc[UR6][R14.64], R1"),             # two addresses
         (0xd0, "STG.E", "desc[UR6][R16.64+0x4], R1"),
     ]
-    assert gpu_report.split_stores(sass) == [[0x00, 4, 16], [0x70, 4, 32]]
-    findings = [str(f) for f in gpu_report.narrow_store_findings(gpu_report.analyse_sass(sass))]
+    assert cubin.split_stores(sass) == [[0x00, 4, 16], [0x70, 4, 32]]
+    findings = [str(f) for f in cubin.narrow_store_findings(cubin.analyse_sass(sass))]
     assert findings == ["SASS 0x0000: 4 stores of 16 bits to consecutive bytes of one address: one STG.E.64 when "
                         "aligned (a thread's elements stored as one vector, wiola/cuda_vector.cuh)",
                         "SASS 0x0070: 4 stores of 32 bits to consecutive bytes of one address: one STG.E.128 when "
@@ -362,7 +362,7 @@ _LINT_SCRIPT = r"""
 import json, sys, torch
 sys.path.insert(0, sys.argv[1])
 from lint_kernel import _rows_kernel
-from wiola_kernels import compiled_lint
+from wiola_kernels.devtools import compiled_lint
 from wiola_kernels.triton import aot
 
 out = {}

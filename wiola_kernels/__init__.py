@@ -23,11 +23,11 @@ Force a backend (tests, benchmarks) with :func:`use_backend` or ``WIOLA_BACKEND`
 :mod:`wiola_kernels.dispatch`), and see what runs here with :func:`backends`.
 The C++ CPU kernels run AVX-512 loops where the CPU has them; one level for all of them —
 generic, avx2, avx512, avx512_bf16 — says which (:func:`cpu_isa`, :func:`set_cpu_isa`,
-``WIOLA_CPU_ISA``, :func:`kernel_isa`). :mod:`wiola_kernels.decode_gemv` is the batch-1
+``WIOLA_CPU_ISA``, :func:`kernel_isa`). :mod:`wiola_kernels.decode.gemv` is the batch-1
 decoding GEMV (CPU, float32/bfloat16/float16 weights read in place) and
-:mod:`wiola_kernels.decode_attention` a decoding step's attention over a KV cache in one call,
-:mod:`wiola_kernels.decode_block` a whole Wiola block of such a step in one call, and
-:mod:`wiola_kernels.decode_step` the whole step (every block and the head) in one call.
+:mod:`wiola_kernels.decode.attention` a decoding step's attention over a KV cache in one call,
+:mod:`wiola_kernels.decode.block` a whole Wiola block of such a step in one call, and
+:mod:`wiola_kernels.decode.step` the whole step (every block and the head) in one call.
 """
 
 from . import _extension

@@ -1,13 +1,13 @@
 """Cached decoding: the KV cache layer and the one-call decoding step.
 
 The model's own decoding path is :mod:`wiola.model` (its products on the GEMV kernel,
-``wiola_kernels.decode_gemv``, which streams the parameters in place, and a one-position
-step's attention on ``wiola_kernels.decode_attention``). Here:
+``wiola_kernels.decode.gemv``, which streams the parameters in place, and a one-position
+step's attention on ``wiola_kernels.decode.attention``). Here:
 
 * :class:`GrowingKV`, the cache layer: keys and values are written into a buffer with spare
   capacity (doubling), instead of ``torch.cat`` copying the whole cache on every token;
 * :func:`fused_step`, a whole cached decoding step of one new token per row, unpadded, as one
-  C++ call (:func:`wiola_kernels.decode_step.decode_step`: the same kernels as the model's
+  C++ call (:func:`wiola_kernels.decode.step.decode_step`: the same kernels as the model's
   path, in the same order, with the norms' rows those of the ``add_rms_norm`` op), which
   ``WiolaForCausalLM.forward`` takes where it applies: at batch 1 the interpreter and
   dispatch time between the kernels was a fifth of a bf16 step.
@@ -22,7 +22,8 @@ import torch
 from torch import Tensor
 from transformers.cache_utils import DynamicLayer
 
-from wiola_kernels import SpiralRotaryEmbedding, decode_block, decode_gemv, decode_step, dispatch
+from wiola_kernels import SpiralRotaryEmbedding, dispatch
+from wiola_kernels.decode import block as decode_block, gemv as decode_gemv, step as decode_step
 from wiola_kernels.validation import srpe_max_position
 
 from .model import cached_attention, holds_its_weights  # noqa: F401  (cached_attention: the old name's home)
@@ -90,7 +91,7 @@ class GrowingKV(DynamicLayer):
                        ) -> tuple[Tensor, Tensor, int] | None:
         """``(key buffer, value buffer, past)``: the ``(B, H_kv, capacity, d_h)`` buffers, with
         room for one more position at index ``past``, for a kernel that writes the new key and
-        value itself (:func:`wiola_kernels.decode_attention.decode_attention`); call
+        value itself (:func:`wiola_kernels.decode.attention.decode_attention`); call
         :meth:`appended` ``(past + 1)`` after it. None where this layer holds no cache yet or
         one of another shape or dtype (the caller then uses :meth:`update`)."""
         views = self._views
@@ -133,7 +134,7 @@ def _weight(linear) -> Tensor:
 
 def fused_step(model, head: Tensor, input_ids: Tensor, position_ids: Tensor | None, cache) -> Tensor | None:
     """The logits ``(B, 1, V)`` of a cached decoding step of ``model`` (a :class:`WiolaModel`)
-    with the output head ``head (V, d)``, by one :func:`wiola_kernels.decode_step.decode_step`
+    with the output head ``head (V, d)``, by one :func:`wiola_kernels.decode.step.decode_step`
     call; the cache advances by one position. None (nothing done) where that call does not
     apply and the step must take the model's own forward: any padding (the caller checks the
     mask; here the cache's), a layer the block op does not take (a sharded norm, SRPE not the

@@ -45,7 +45,8 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 import wiola_kernels as wk
-from wiola_kernels import SpiralRotaryEmbedding, WiolaRMSNorm, decode_attention, decode_gemv
+from wiola_kernels import SpiralRotaryEmbedding, WiolaRMSNorm
+from wiola_kernels.decode import attention as decode_attention, gemv as decode_gemv
 from wiola_kernels.dtypes import compute_dtype
 from wiola_kernels.reference.gcla_attention import gcla_context_kv, gcla_cross_attention, gcla_summary
 from wiola_kernels.validation import srpe_max_position
@@ -181,7 +182,7 @@ class WiolaAttention(nn.Module):
 
     def decode_step(self, qkv: Tensor, position_ids: Tensor, context: Tensor, cache) -> Tensor | None:
         """``(B, H·d_h)`` for one new unpadded position per row by one
-        :func:`~wiola_kernels.decode_attention.decode_attention` call (SRPE, the cache append,
+        :func:`~wiola_kernels.decode.attention.decode_attention` call (SRPE, the cache append,
         the softmax over the cache and the context slots); None where it does not apply."""
         b, dh = qkv.shape[0], self.head_dim
         if torch.compiler.is_compiling() or cache.key_mask is not None or not no_grad_wanted(qkv, self.q_proj.weight) \

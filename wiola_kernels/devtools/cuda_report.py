@@ -22,7 +22,8 @@ import subprocess
 from pathlib import Path
 
 from .. import shapes
-from ..gpu_report import GPUS, analyse_cubin, cubin_cache, narrow_store_findings, record, tool
+from ..triton.aot import GPUS
+from .cubin import analyse_cubin, cubin_cache, narrow_store_findings, record, tool
 from . import checkout
 
 NVCC_FLAGS = ("-std=c++17", "-O3", "--use_fast_math", "--expt-relaxed-constexpr")  # as setup.py builds

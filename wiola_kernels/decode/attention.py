@@ -6,7 +6,7 @@ a few hundred cached keys — but done op by op it took ~15 calls per block (SRP
 update, two ``scaled_dot_product_attention`` calls, the gate), whose dispatch cost more than
 the work. :func:`decode_attention` does it in one C++ call (``torch.ops.wiola._decode_attention``,
 ``csrc/cpu/decode_attention.cpp``) from the step's ``[q | k | v]`` projection (the
-:mod:`~wiola_kernels.decode_gemv` output), for a batch of rows each at one new position:
+:mod:`~wiola_kernels.decode.gemv` output), for a batch of rows each at one new position:
 
 * ``q̃, k̃ = SRPE(q, k)`` at each row's position, with the srpe op's own table and rotation
   (rounded to the input dtype, as that op's outputs are);
@@ -28,14 +28,14 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from . import _extension
+from .. import _extension
 
 #: The dtypes the kernel reads (the decoding GEMV's).
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _kernel():
-    return _extension.cpu_op("_decode_attention", "wiola_kernels.decode_attention")
+    return _extension.cpu_op("_decode_attention", "wiola_kernels.decode.attention")
 
 
 def available() -> bool:

@@ -54,7 +54,7 @@ def _rss_mb() -> float:
 
 def _config(args: dict, backend: str, atm: bool):
     """The WiolaConfig of one case (built in the parent first, to check the sizes)."""
-    from .configuration_wiola import WiolaConfig
+    from ..configuration_wiola import WiolaConfig
 
     return WiolaConfig.from_name(
         "wiola-tiny", hidden_size=args["d"], num_hidden_layers=args["layers"], num_attention_heads=args["heads"],
@@ -69,7 +69,7 @@ def _setup(args: dict, backend: str, atm: bool):
 
     import wiola_kernels
 
-    from .modeling_wiola import WiolaForCausalLM
+    from ..modeling_wiola import WiolaForCausalLM
 
     config = _config(args, backend, atm)
     torch.manual_seed(0)
@@ -132,7 +132,7 @@ def _timing(args: dict, queue) -> None:
 
     import wiola_kernels
 
-    from .modeling_wiola import backend_scope
+    from ..modeling_wiola import backend_scope
 
     if args["threads"]:
         torch.set_num_threads(args["threads"])
@@ -195,7 +195,7 @@ def _in_process(args: dict, backend: str, atm: bool) -> dict:
     import wiola_kernels
     from wiola_kernels.bench.hf import peak_mb
 
-    from .modeling_wiola import backend_scope
+    from ..modeling_wiola import backend_scope
 
     model, opt, ids = _setup(args, backend, atm)
     step_peak = peak_mb(lambda: [_step(model, opt, ids) for _ in range(2)], torch.device("cpu"))
@@ -292,18 +292,18 @@ def main(argv: list[str] | None = None) -> list[dict]:
     """``python -m wiola bench``: returns one record per case (see the module docstring)."""
     import sys
 
-    from .bench_gpu import split_device
+    from .gpu import split_device
 
     device, argv = split_device(sys.argv[1:] if argv is None else list(argv))
-    if device != "cpu":  # --device cuda: the GPU training-step benchmark (bench_gpu.py)
-        from .bench_gpu import main as gpu_main
+    if device != "cpu":  # --device cuda: the GPU training-step benchmark (bench/gpu.py)
+        from .gpu import main as gpu_main
 
         return gpu_main([*argv, "--device", device])
-    if "--decode" in argv:  # the decoding benchmark (bench_decode.py)
-        from .bench_decode import main as decode_main
+    if "--decode" in argv:  # the decoding benchmark (bench/decode.py)
+        from .decode import main as decode_main
 
         return decode_main(argv)
-    from .configuration_wiola import KERNEL_BACKENDS
+    from ..configuration_wiola import KERNEL_BACKENDS
 
 
     p = argparse.ArgumentParser(prog="python -m wiola bench", formatter_class=HelpFormatter,

@@ -73,7 +73,7 @@ def filler_vocab(size: int) -> tuple[list[str], list[float], list[int]]:
 
 
 def write_gguf(model, path, dtype: torch.dtype) -> None:
-    """Write ``model`` (the ``LlamaForCausalLM`` of :func:`wiola.bench_decode.llama_like`) to
+    """Write ``model`` (the ``LlamaForCausalLM`` of :func:`wiola.bench.decode.llama_like`) to
     ``path`` as a GGUF file llama.cpp runs, its matrices in ``dtype`` (float32, float16 or
     bfloat16; norms stay F32, as llama.cpp's converter keeps them). The values are the
     model's, rounded to ``dtype`` as torch rounds; the tied output head is not written

@@ -1,6 +1,6 @@
 """A whole cached decoding step of a Wiola model on the CPU, in one call (SPEC §2, §5.1).
 
-:func:`~wiola_kernels.decode_block.decode_block` made each block one C++ call; what remained
+:func:`~wiola_kernels.decode.block.decode_block` made each block one C++ call; what remained
 between the blocks was the model's Python — the loop over the layers, the context slots'
 stack, the cache bookkeeping, each block's dozen-weight argument list — and it ran cold, after
 every block had streamed tens of MB of weights through the caches: ~5 ms of a 45 ms
@@ -9,7 +9,7 @@ step in one call (``torch.ops.wiola._decode_step``, ``csrc/cpu/decode_step.cpp``
 kernels the model's Python step calls, in the same order, so the two agree bit for bit:
 
 * ``x = E[input_ids]``, ``normed = WRMSNorm_0(x)`` (the rms_norm op);
-* per layer ℓ, :func:`~wiola_kernels.decode_block.decode_block` with the context slots
+* per layer ℓ, :func:`~wiola_kernels.decode.block.decode_block` with the context slots
   ``stack(the last Λ' layers' causal summaries)``, the next norm (``WRMSNorm_ℓ₊₁``, or the
   final norm after the last layer) and the layer's running summary sum;
 * ``logits = normed · W_headᵀ`` (the decoding GEMV).
@@ -33,12 +33,12 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from . import _extension
-from .decode_block import WEIGHTS
+from .. import _extension
+from .block import WEIGHTS
 
 
 def _kernel():
-    return _extension.cpu_op("_decode_step", "wiola_kernels.decode_step")
+    return _extension.cpu_op("_decode_step", "wiola_kernels.decode.step")
 
 
 def available() -> bool:
@@ -58,7 +58,7 @@ def decode_step(input_ids: Tensor, embed_weight: Tensor, weights: Sequence[Tenso
         input_ids: ``(B, 1)`` int64, ids in ``[0, V)``; CPU.
         embed_weight: the token embedding ``E (V, d)``: float32, bfloat16 or float16.
         weights: ``12·L`` matrices, layer by layer in the order of
-            :data:`wiola_kernels.decode_block.WEIGHTS`, ``nn.Linear`` layout, read in place.
+            :data:`wiola_kernels.decode.block.WEIGHTS`, ``nn.Linear`` layout, read in place.
         norms: ``2·L + 1`` triples ``(weight, shift or None, eps)``: ``WRMSNorm_ℓ`` and
             ``WRMSNorm'_ℓ`` of each layer, then the final norm.
         betas: DSFF's blend logits, ``(d,)`` per layer.  gates: GCLA's gate logits ``(H,)``.
@@ -68,7 +68,7 @@ def decode_step(input_ids: Tensor, embed_weight: Tensor, weights: Sequence[Tenso
         position_ids: ``(B, 1)`` int64, the new positions (SRPE).
         n_head, theta, spiral_divisor, radial_amplitude, radial_frequency: the attention's
             heads and SRPE's parameters (SPEC §4), as for
-            :func:`~wiola_kernels.decode_attention.decode_attention`.
+            :func:`~wiola_kernels.decode.attention.decode_attention`.
         lookback: ``Λ'``, how many earlier layers' summaries each layer attends to (0: none).
         summary_sums: with ``lookback > 0``, the ``L − 1`` running sums ``(B, d)`` float32 of
             every layer's outputs but the last's; empty otherwise.

@@ -40,7 +40,7 @@ weight-streaming floor, a Hugging Face Llama of the same shape and, optionally, 
 * ``--llama-cpp BIN``: llama.cpp's ``llama-bench`` (a build of the machine's own, e.g.
   ``llama.cpp/build/bin/llama-bench``) on the same Llama — the same random weights (seed 0),
   written as a GGUF file in the run's dtype (F32, F16 or BF16 matrices, F32 norms, as
-  llama.cpp's converter writes them; :mod:`wiola.llama_cpp`) into ``--gguf-dir`` or a
+  llama.cpp's converter writes them; :mod:`wiola.bench.llama_cpp`) into ``--gguf-dir`` or a
   temporary directory. Once per round, beside our runs, it decodes ``--new-tokens`` after a
   context of ``--prompt`` tokens (``-d``; its warm-up and the context's fill are not timed),
   with the same thread count in its own thread pool, timed by its wall clock whatever
@@ -173,9 +173,9 @@ def _weight_reads(model) -> None:
     """The products of one decoding step of ``model`` (a WiolaForCausalLM, batch 1) on its own
     weights, grouped as the step groups them (decode.py), on constant activations: only the
     weight reads."""
-    from wiola_kernels.decode_gemv import gemv
+    from wiola_kernels.decode.gemv import gemv
 
-    from .decode import gemv_applies
+    from ..decode import gemv_applies
 
     inner = model.model
     dtype = inner.embed_tokens.weight.dtype
@@ -276,7 +276,7 @@ def gemv_isa(model) -> str:
     """The level the decoding GEMV runs at for ``model`` (a WiolaForCausalLM), or ``"none"``."""
     import wiola_kernels
 
-    from .decode import gemv_applies
+    from ..decode import gemv_applies
 
     weight = model.model.embed_tokens.weight
     if not (model.model.decode_packing and gemv_applies(weight.dtype, weight.device)):
@@ -343,8 +343,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                                "pip install gguf (it is in requirements.txt)")
     if a.threads:
         torch.set_num_threads(a.threads)
-    from .configuration_wiola import WiolaConfig
-    from .modeling_wiola import WiolaForCausalLM
+    from ..configuration_wiola import WiolaConfig
+    from ..modeling_wiola import WiolaForCausalLM
 
     config = WiolaConfig.from_name(a.preset)
     prompt = torch.randint(3, config.vocab_size, (1, a.prompt), generator=torch.Generator().manual_seed(0))

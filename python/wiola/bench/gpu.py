@@ -37,7 +37,7 @@ CASES = (("fused", False), ("reference", False), ("llama", "eager"), ("llama", "
 
 def wiola_config(name: str = "wiola-360m", backend: str = "auto", atm: bool = False, seq: int = 2048):
     """The WiolaConfig of one case."""
-    from .configuration_wiola import WiolaConfig
+    from ..configuration_wiola import WiolaConfig
 
     return WiolaConfig.from_name(name, kernel_backend=backend, atm_enabled=atm,
                                  max_position_embeddings=max(2048, seq))
@@ -99,7 +99,7 @@ def _build(case: tuple, args, device: torch.device, params: int):
         def forward(ids):
             return run(input_ids=ids, labels=ids).loss
     else:
-        from .modeling_wiola import WiolaForCausalLM
+        from ..modeling_wiola import WiolaForCausalLM
 
         backend = args.fused if kind == "fused" else "reference"
         config = wiola_config(args.model, backend, opt, args.seq)
@@ -200,7 +200,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     """``python -m wiola bench --device cuda``: one record per case (see the module docstring)."""
     from wiola_kernels.cli import CommandError, HelpFormatter, positive_int
 
-    from .configuration_wiola import KERNEL_BACKENDS
+    from ..configuration_wiola import KERNEL_BACKENDS
 
     p = argparse.ArgumentParser(prog="python -m wiola bench --device cuda", formatter_class=HelpFormatter,
                                 description="Training-step benchmark on a GPU: wiola-360m fused vs reference, ATM "
@@ -231,7 +231,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         cases = [c for c in CASES if c in wanted]
     else:
         cases = list(CASES)
-    from .modeling_wiola import WiolaForCausalLM
+    from ..modeling_wiola import WiolaForCausalLM
 
     with torch.device("meta"):
         params = sum(p.numel() for p in WiolaForCausalLM(wiola_config(a.model, seq=a.seq)).parameters())

@@ -1,6 +1,6 @@
 """One Wiola block of a cached decoding step on the CPU, in one call (SPEC §2, §5, §7).
 
-At batch 1 a decoding step is a chain of GEMVs (:mod:`~wiola_kernels.decode_gemv`) with a
+At batch 1 a decoding step is a chain of GEMVs (:mod:`~wiola_kernels.decode.gemv`) with a
 dozen small operations between them per block — the attention over the cache, two residual
 adds with their norms, the DSFF activations and blend, the running causal summary. Each is a
 few microseconds of arithmetic; called from Python each cost ~10–30 µs of interpreter and
@@ -14,7 +14,7 @@ in float32), so the two agree to rounding; only the interpreter and dispatch tim
 For ``x (B, 1, d)`` (one new position per row) and ``normed = WRMSNorm_ℓ(x)``:
 
 * ``A = W_O · decode_attention([W_Q | W_K | W_V] normed, cache, [W_Kc | W_Vc] context, gate)``
-  (:func:`wiola_kernels.decode_attention.decode_attention`, which appends the new key and value);
+  (:func:`wiola_kernels.decode.attention.decode_attention`, which appends the new key and value);
 * ``H', X' = add_rms_norm(A, x, ffn_norm)``;
 * ``F = lerp(W_w2 GELU-GLU(u_w), W_n2 SiLU-GLU(u_n), σ(β))`` with
   ``u = [W_n1 | W_n3 | W_w1 | W_w3] H'``;
@@ -32,14 +32,14 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from . import _extension
+from .. import _extension
 
 #: The order of :func:`decode_block`'s ``weights``.
 WEIGHTS = ("W_Q", "W_K", "W_V", "W_O", "W_Kc", "W_Vc", "W_n1", "W_n3", "W_w1", "W_w3", "W_n2", "W_w2")
 
 
 def _kernel():
-    return _extension.cpu_op("_decode_block", "wiola_kernels.decode_block")
+    return _extension.cpu_op("_decode_block", "wiola_kernels.decode.block")
 
 
 def available() -> bool:
@@ -64,7 +64,7 @@ def decode_block(x: Tensor, normed: Tensor, weights: Sequence[Tensor], ffn_norm:
         beta: DSFF's blend logits ``(d,)``.  gate: GCLA's gate logits ``(H,)``.
         k_cache, v_cache, past, position_ids, n_head, theta, spiral_divisor,
             radial_amplitude, radial_frequency: as for
-            :func:`~wiola_kernels.decode_attention.decode_attention`.
+            :func:`~wiola_kernels.decode.attention.decode_attention`.
         context: ``(B, 1, Λ', d)`` context slots (at most 16 rows ``B·Λ'``), or None.
         summary_sum: ``(B, d)`` float32 running sum of this layer's outputs, or None.
 

@@ -34,7 +34,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from . import _extension
+from .. import _extension
 
 #: Most rows of ``x`` per call (the C++ kernel's ``kMaxRows``; a decoding step's ``B·T_new``).
 MAX_ROWS = 16
@@ -43,7 +43,7 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _kernel():
-    return _extension.cpu_op("_decode_gemv", "wiola_kernels.decode_gemv")
+    return _extension.cpu_op("_decode_gemv", "wiola_kernels.decode.gemv")
 
 
 def available() -> bool:
