@@ -29,7 +29,7 @@ LAYERS = {
     "dispatch": 1,
     "triton": 2, "reference": 2,
     "ops": 3, "decode": 3,
-    "modules": 4, "hf": 4,
+    "modules": 4, "hf": 4, "hf_kernels": 4,
     "": 5,
     "bench": 6, "testing": 6, "devtools": 6, "__main__": 6,
 }
