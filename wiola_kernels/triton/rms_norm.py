@@ -304,18 +304,24 @@ def _norm_partials_sum_kernel(
 ):
     """The backward's second stage: column sums of the (programs, d) partials, in a fixed
     order (deterministic), rounded once to the gradients' dtypes."""
-    cols = tl.program_id(0).to(tl.int64) * BLOCK_D + tl.arange(0, BLOCK_D)
+    cols = tl.program_id(0) * BLOCK_D + tl.arange(0, BLOCK_D)
     col_mask = cols < d
+    p = tl.arange(0, BLOCK_P)
+    # The tile's offsets stay 32-bit (BLOCK_P · d < 2^31) and loop-invariant; the row
+    # pointers move in 64 bits. Int64 offsets per element spilled on sm_90 (Triton 3.6).
+    tile = p[:, None] * d + cols[None, :]
     acc_ty = dw_partial_ptr.dtype.element_ty
     dw = tl.zeros((BLOCK_P, BLOCK_D), acc_ty)
     ds = tl.zeros((BLOCK_P, BLOCK_D), acc_ty)
+    dw_rows = dw_partial_ptr
+    ds_rows = ds_partial_ptr
     for p0 in range(0, programs, BLOCK_P):
-        p = tl.arange(0, BLOCK_P).to(tl.int64) + p0
-        mask = (p < programs)[:, None] & col_mask[None, :]
-        offs = p[:, None] * d + cols[None, :]
-        dw += tl.load(dw_partial_ptr + offs, mask=mask, other=0.0)
+        mask = (p + p0 < programs)[:, None] & col_mask[None, :]
+        dw += tl.load(dw_rows + tile, mask=mask, other=0.0)
         if HAS_SHIFT:
-            ds += tl.load(ds_partial_ptr + offs, mask=mask, other=0.0)
+            ds += tl.load(ds_rows + tile, mask=mask, other=0.0)
+        dw_rows += BLOCK_P * d
+        ds_rows += BLOCK_P * d
     tl.store(dw_ptr + cols, tl.sum(dw, axis=0).to(dw_ptr.dtype.element_ty), mask=col_mask)
     if HAS_SHIFT:
         tl.store(ds_ptr + cols, tl.sum(ds, axis=0).to(ds_ptr.dtype.element_ty), mask=col_mask)
@@ -341,6 +347,9 @@ _MAX_WARPS = 16
 # Row bytes per thread beyond which a row does not fit in registers (ptxas spills at
 # 64: d = 8193 in fp32 or bf16): such rows are walked in chunks (WIDE).
 _MAX_ROW_BYTES_PER_THREAD = 32
+# Warps walking a wide row: at 16, ptxas (Triton 3.6) held the forward to 64 registers for two
+# 512-thread blocks per SM and spilled; at 8 it needs 48, and all four programs per SM fit.
+_MAX_WIDE_WARPS = 8
 
 
 @dataclass(frozen=True)
@@ -370,6 +379,7 @@ def _launch_config(rows: int, d: int, element_size: int, loads_per_row: int, sms
     row_bytes_per_thread = max(_BYTES_PER_THREAD_ROW, block_d * element_size // (32 * num_warps))
     wide = row_bytes_per_thread > _MAX_ROW_BYTES_PER_THREAD
     if wide:  # chunks of 16 B per thread per row
+        num_warps = min(num_warps, _MAX_WIDE_WARPS)
         block_d = 32 * num_warps * per_thread
         row_bytes_per_thread = _BYTES_PER_THREAD_ROW
     # At least _BYTES_PER_THREAD_STEP: add_rms_norm's backward loads three row tensors, two rows (96 B).
