@@ -12,6 +12,8 @@
 #   bash scripts/gpu_check.sh --dry-run  here, no GPU: the plan and its timeouts, imports under
 #                                        the GPU image's package versions (scripts/device_env.sh),
 #                                        and every file, test selection and command it calls
+#   bash scripts/gpu_check.sh --plan     the plan as tab-separated rows (tests/test_gpu_check.py)
+# The steps run under scripts/lib/run_plan.sh (shared with gpu_perf.sh; tests/test_gpu_runner.py).
 #
 # If the GPU image lacks pytest, pytest-benchmark, hypothesis or ninja, `bash
 # scripts/device_env.sh --pkgs` makes .device-pkgs/ (Python 3.12 wheels, ~25 MB): carry it
@@ -28,11 +30,12 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
 
-DRY=0
+DRY=0 PLAN_ONLY=0
 case "${1:-}" in
   "") ;;
   --dry-run) DRY=1 ;;
-  *) echo "usage: bash scripts/gpu_check.sh [--dry-run]" >&2; exit 2 ;;
+  --plan) PLAN_ONLY=1 ;;
+  *) echo "usage: bash scripts/gpu_check.sh [--dry-run | --plan]" >&2; exit 2 ;;
 esac
 
 # The plan: name|timeout in seconds|what. tests/test_gpu_check.py reads this table: the
@@ -52,6 +55,9 @@ PLAN=(
   "kernels|40|where each op's GPU time goes: its kernels by device time, fused and eager (bf16)"
   "summary|10|summary table"
 )
+
+source scripts/lib/run_plan.sh
+if [ "$PLAN_ONLY" = 1 ]; then print_plan; exit 0; fi
 
 export PYTHONUNBUFFERED=1 ROOT DRY
 export NPROC=${NPROC:-$(nproc)}
@@ -306,46 +312,5 @@ export -f step_environment step_build step_gpu_tests step_sanitizers step_cuda_v
 
 # ------------------------------------------------------------------------------ runner
 
-START=$(date +%s)
-: > "$OUT/gpu_check_steps.tsv"
 rm -f "$OUT/gpu-tests.ids"
-total=0
-for entry in "${PLAN[@]}"; do total=$((total + $(cut -d'|' -f2 <<< "$entry"))); done
-echo "gpu_check$([ "$DRY" = 1 ] && echo ' --dry-run'): ${#PLAN[@]} steps, timeouts add up to ${total} s," \
-     "wall budget ${BUDGET} s; logs in $OUT"
-i=0
-for entry in "${PLAN[@]}"; do
-  IFS='|' read -r name limit title <<< "$entry"
-  title=${title//\$\{WIOLA_CUDA_ARCH\}/$WIOLA_CUDA_ARCH}
-  i=$((i + 1))
-  used=$(( $(date +%s) - START ))
-  reserve=$([ "$name" = summary ] && echo 0 || echo "$SUMMARY_RESERVE")
-  left=$(( BUDGET - used - reserve ))
-  if [ "$DRY" = 0 ] && [ "$name" != summary ]; then  # the summary always runs, in its own time
-    if [ "$left" -lt 5 ]; then
-      echo; echo "=== [$i/${#PLAN[@]}] $title: OUT-OF-TIME (${used} s of the ${BUDGET} s budget used)"
-      printf '%s\t%s\t%s\t%s\t%s\n' "$name" OUT-OF-TIME 0 "$limit" "$title" >> "$OUT/gpu_check_steps.tsv"
-      continue
-    fi
-    [ "$limit" -gt "$left" ] && limit=$left
-  fi
-  echo; echo "=== [$i/${#PLAN[@]}] $title (timeout ${limit} s, $(date +%T))"
-  t0=$(date +%s)
-  # Dry runs are not timed against the GPU budget (this machine is slower); 5 minutes each at most.
-  timeout -k 10 "$([ "$DRY" = 1 ] && echo 300 || echo "$limit")" bash -c "step_${name//-/_}" 2>&1 \
-    | tee "$OUT/step-$name.log"
-  rc=${PIPESTATUS[0]}
-  dt=$(( $(date +%s) - t0 ))
-  case $rc in
-    0) status=PASS ;;
-    77) status=SKIPPED ;;
-    124|137) status=TIMEOUT ;;
-    *) status=FAIL ;;
-  esac
-  echo "--- $name: $status in ${dt} s (timeout ${limit} s)"
-  printf '%s\t%s\t%s\t%s\t%s\n' "$name" "$status" "$dt" "$limit" "$title" >> "$OUT/gpu_check_steps.tsv"
-done
-bad=$(cut -f2 "$OUT/gpu_check_steps.tsv" | grep -c -E "FAIL|TIMEOUT|OUT-OF-TIME")
-echo "gpu_check$([ "$DRY" = 1 ] && echo ' --dry-run'): $([ "$bad" = 0 ] && echo PASSED || echo "FAILED ($bad step(s))")" \
-     "in $(( $(date +%s) - START )) s"
-[ "$bad" = 0 ]
+run_plan gpu_check "$OUT/gpu_check_steps.tsv" 1

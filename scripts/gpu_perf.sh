@@ -13,6 +13,7 @@
 #   bash scripts/gpu_perf.sh --dry-run  here, no GPU: the plan, imports under the GPU image's
 #                                       versions (scripts/device_env.sh), every command's --help/--list
 #   bash scripts/gpu_perf.sh --plan     the plan as tab-separated rows (tests/test_gpu_perf.py)
+#   (the steps run under scripts/lib/run_plan.sh, shared with gpu_check.sh: tests/test_gpu_runner.py)
 #   GPU_PERF_ONLY=hf-1b,wiola-360m bash scripts/gpu_perf.sh   only those steps (and the
 #                                       environment and summary): a rerun in what is left of a lease
 #
@@ -52,15 +53,8 @@ PLAN=(
   "summary|10|closing table: device, driver, versions, steps, key rows"
 )
 
-if [ "$PLAN_ONLY" = 1 ]; then
-  printf 'BUDGET\t%s\n' "$BUDGET"
-  printf 'SUMMARY_RESERVE\t%s\n' "$SUMMARY_RESERVE"
-  for entry in "${PLAN[@]}"; do
-    IFS='|' read -r name limit title <<< "$entry"
-    printf 'step\t%s\t%s\t%s\n' "$name" "$limit" "$title"
-  done
-  exit 0
-fi
+source scripts/lib/run_plan.sh
+if [ "$PLAN_ONLY" = 1 ]; then print_plan; exit 0; fi
 
 export PYTHONUNBUFFERED=1 ROOT DRY
 export NPROC=${NPROC:-$(nproc)}
@@ -271,51 +265,4 @@ export -f step_environment step_build step_bandwidth step_overhead step_hf_small
 
 # ------------------------------------------------------------------------------ runner
 
-START=$(date +%s)
-: > "$OUT/gpu_perf_steps.tsv"
-total=0
-for entry in "${PLAN[@]}"; do total=$((total + $(cut -d'|' -f2 <<< "$entry"))); done
-echo "gpu_perf$([ "$DRY" = 1 ] && echo ' --dry-run'): ${#PLAN[@]} steps, timeouts add up to ${total} s," \
-     "wall budget ${BUDGET} s; logs in $OUT"
-i=0
-for entry in "${PLAN[@]}"; do
-  IFS='|' read -r name limit title <<< "$entry"
-  title=${title//\$\{WIOLA_CUDA_ARCH\}/$WIOLA_CUDA_ARCH}
-  i=$((i + 1))
-  used=$(( $(date +%s) - START ))
-  reserve=$([ "$name" = summary ] && echo 0 || echo "$SUMMARY_RESERVE")
-  left=$(( BUDGET - used - reserve ))
-  if [ -n "${GPU_PERF_ONLY:-}" ] && [ "$name" != summary ] && [ "$name" != environment ] \
-     && ! grep -q -w -- "$name" <<< "${GPU_PERF_ONLY//,/ }"; then  # a rerun of some steps only
-    printf '%s\t%s\t%s\t%s\t%s\n' "$name" SKIPPED 0 "$limit" "$title" >> "$OUT/gpu_perf_steps.tsv"
-    continue
-  fi
-  if [ "$DRY" = 0 ] && [ "$name" != summary ]; then  # the summary always runs, in its own time
-    if [ "$left" -lt 5 ]; then
-      echo; echo "=== [$i/${#PLAN[@]}] $title: OUT-OF-TIME (${used} s of the ${BUDGET} s budget used)"
-      printf '%s\t%s\t%s\t%s\t%s\n' "$name" OUT-OF-TIME 0 "$limit" "$title" >> "$OUT/gpu_perf_steps.tsv"
-      continue
-    fi
-    [ "$limit" -gt "$left" ] && limit=$left
-  fi
-  echo; echo "=== [$i/${#PLAN[@]}] $title (timeout ${limit} s, $(date +%T))"
-  t0=$(date +%s)
-  # Dry runs are not timed against the GPU budget (this machine is slower); 5 minutes each at most.
-  timeout -k 10 "$([ "$DRY" = 1 ] && echo 300 || echo "$limit")" bash -c "step_${name//-/_}" 2>&1 \
-    | tee "$OUT/step-$name.log"
-  rc=${PIPESTATUS[0]}
-  dt=$(( $(date +%s) - t0 ))
-  case $rc in
-    0) status=PASS ;;
-    77) status=SKIPPED ;;
-    124|137) status=TIMEOUT ;;
-    *) status=FAIL ;;
-  esac
-  echo "--- $name: $status in ${dt} s (timeout ${limit} s)"
-  printf '%s\t%s\t%s\t%s\t%s\n' "$name" "$status" "$dt" "$limit" "$title" >> "$OUT/gpu_perf_steps.tsv"
-done
-bad=$(cut -f2 "$OUT/gpu_perf_steps.tsv" | grep -c -E "FAIL|OUT-OF-TIME")
-timeouts=$(cut -f2 "$OUT/gpu_perf_steps.tsv" | grep -c TIMEOUT)
-echo "gpu_perf$([ "$DRY" = 1 ] && echo ' --dry-run'): $([ "$bad" = 0 ] && echo PASSED || echo "FAILED ($bad step(s))")" \
-     "in $(( $(date +%s) - START )) s$([ "$timeouts" -gt 0 ] && echo "; $timeouts step(s) cut short by their timeout (rows they finished are in $OUT)")"
-[ "$bad" = 0 ]
+run_plan gpu_perf "$OUT/gpu_perf_steps.tsv" 0 "${GPU_PERF_ONLY:-}"

@@ -30,7 +30,9 @@ def plan(env: dict | None = None) -> dict:
 
 
 def gpu_check_budget() -> int:
-    return int(re.search(r"^BUDGET=(\d+)", (ROOT / "scripts" / "gpu_check.sh").read_text(), re.M).group(1))
+    out = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--plan"], capture_output=True, text=True,
+                         timeout=60, check=True).stdout
+    return next(int(ln.split("\t")[1]) for ln in out.splitlines() if ln.startswith("BUDGET\t"))
 
 
 def test_the_plan_fits_one_command():
