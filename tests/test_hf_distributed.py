@@ -1,7 +1,9 @@
 """A ``patch_hf``-patched Hugging Face Llama under FSDP2 (``fully_shard``, gloo, 2 processes on
 CPU): the fused loss (``linear_cross_entropy`` on ``lm_head.weight``, sharded with the root)
 gives the loss and every parameter gradient of the single-process run on the same global
-batch, and both match the unpatched model run in float64."""
+batch, and both match the unpatched model run in float64 — with the head sharded in the root
+unit, and as its own unit (torchtitan's recipe: the fused loss then runs as a method of the
+head registered with FSDP, which gathers its weight as for ``lm_head(...)``)."""
 
 from __future__ import annotations
 
@@ -66,15 +68,16 @@ def _worker(rank: int, port: int, out: str, head_unit: bool) -> None:
         dist.all_reduce(loss)
         grads = {n: p.grad.full_tensor().detach().clone() for n, p in m.named_parameters() if p.grad is not None}
         torch.save({"loss": loss, "grads": grads, "calls": dict(ops.calls)}, f"{out}/rank{rank}.pt")
+        import wiola_kernels as wk
+
+        wk.unpatch_hf(m)  # takes the head's registered loss method with it
+        assert not [k for k in vars(m.lm_head) if k.startswith("wiola")], vars(m.lm_head).keys()
     finally:
         dist.destroy_process_group()
 
 
 @pytest.mark.skipif(not fsdp2_available(), reason="needs torch.distributed with gloo and FSDP2 (torch >= 2.6)")
-@pytest.mark.parametrize("head_unit", [False, pytest.param(True, marks=pytest.mark.xfail(
-    strict=True, raises=mp.ProcessRaisedException,
-    reason="patch_hf's fused loss reads lm_head.weight without calling lm_head, so FSDP2 never unshards a head "
-           "sharded as its own unit (linear_cross_entropy gets a DTensor)"))], ids=["head_in_root", "head_unit"])
+@pytest.mark.parametrize("head_unit", [False, True], ids=["head_in_root", "head_unit"])
 def test_fsdp2_fused_loss_on_a_sharded_head_matches_one_process(tmp_path, head_unit):
     from wiola_kernels.testing import rel_err, tolerance
 
