@@ -140,8 +140,9 @@ PYBIND11_MODULE(_C, m) {
 #ifdef WIOLA_WITH_CUDA
   m.attr("WITH_CUDA") = true;
   // The ops whose CUDA kernel is C++ launching the cubin table (csrc/cuda/triton_*_binding.cpp).
-  m.attr("TRITON_CUDA_OPS") = std::vector<std::string>{"glu", "glu_backward", "rms_norm", "rms_norm_backward",
-                                                            "add_rms_norm", "add_rms_norm_backward"};
+  m.attr("TRITON_CUDA_OPS") = std::vector<std::string>{"glu",          "glu_backward",          "rms_norm",
+                                                            "rms_norm_backward", "add_rms_norm", "add_rms_norm_backward",
+                                                            "srpe",         "srpe_backward"};
   // The cubin table of this build: (Triton version or None, why there is none or None, entries).
   m.def("cubin_table", [] {
     const auto& t = wiola::triton::table();

@@ -51,7 +51,8 @@ pytestmark = pytest.mark.skipif(CXX is None, reason="no C++ compiler")
 ARCHS = (90, 80)
 
 #: Triton's element type names (the C++ dtype_name) of the dtypes the kernels take.
-TRITON_DTYPE = {torch.float32: "fp32", torch.float64: "fp64", torch.bfloat16: "bf16", torch.float16: "fp16"}
+TRITON_DTYPE = {torch.float32: "fp32", torch.float64: "fp64", torch.bfloat16: "bf16", torch.float16: "fp16",
+                torch.int64: "i64"}
 #: PTX parameter types by size in bytes.
 PTX_SIZES = {"u8": 1, "s8": 1, "b8": 1, "u16": 2, "s16": 2, "b16": 2, "f16": 2, "u32": 4, "s32": 4, "b32": 4,
              "f32": 4, "u64": 8, "s64": 8, "b64": 8, "f64": 8}
@@ -124,7 +125,7 @@ def _is_pointer(a) -> bool:
 
 
 def _line(launch: aot.Launch, arch: int, sms: int) -> str:
-    """The driver's input line for a launch (glu's or rms_norm's kernels; pointers as
+    """The driver's input line for a launch (glu's, rms_norm's or srpe's kernels; pointers as
     DevicePointer stand-ins or the tensors a launcher passed)."""
     c = launch.constexprs
     dtype = TRITON_DTYPE[launch.args[0].dtype]
@@ -136,6 +137,10 @@ def _line(launch: aot.Launch, arch: int, sms: int) -> str:
         return " ".join(map(str, ["glu_bwd", dtype, c["ACT"], *ints, *ptrs, sms, arch]))
     typed = [f"{TRITON_DTYPE[a.dtype]}:{a.data_ptr()}" for a in launch.args if _is_pointer(a)]
     flag = {True: 1, False: 0}
+    if launch.name == "_srpe_kernel":
+        bt, t, h, h_kv, half, *strides = ints
+        return " ".join(map(str, ["srpe", dtype, flag[c["TRANSPOSE"]], bt // t, t, h, h_kv, half, *strides, sms, arch,
+                                  *ptrs]))
     if launch.name == "_rms_norm_fwd_kernel":
         rows, d, eps = ints
         return " ".join(map(str, ["rms_fwd", rows, d, repr(eps), flag[c["IS_FP64"]], flag[c["HAS_SHIFT"]],
@@ -374,7 +379,8 @@ def test_no_wired_op_registers_a_python_cuda_kernel():
     ``register_kernel("<op>", "CUDA", ...)`` in the Python sources; its Python launcher is
     only the fallback op ``_triton_<op>``."""
     wired = _cpp_triton_ops()
-    assert {"glu", "glu_backward", "rms_norm", "rms_norm_backward", "add_rms_norm", "add_rms_norm_backward"} <= wired
+    assert {"glu", "glu_backward", "rms_norm", "rms_norm_backward", "add_rms_norm", "add_rms_norm_backward", "srpe",
+            "srpe_backward"} <= wired
     impl = {}
     for path in (ROOT / "csrc" / "cuda").glob("triton_*_binding.cpp"):
         text = path.read_text()
@@ -427,6 +433,7 @@ def _extension_hooks():
 def _outside_cases() -> dict:
     """Calls of the ops' Python launchers (what ``wiola::_triton_<op>`` runs) at shapes and dtypes
     the test and bench lists do not hold: odd widths, bf16 x with float32 γ/δ, a misaligned half."""
+    from wiola_kernels import dispatch
     from wiola_kernels.ops import add_rms_norm as oa
     from wiola_kernels.ops import glu as og
     from wiola_kernels.ops import rms_norm as orn
@@ -442,6 +449,11 @@ def _outside_cases() -> dict:
     x, r, gy = t(7, 777), t(7, 777), t(7, 777)
     w32, s32, rstd = t(777, dtype=torch.float32), t(777, dtype=torch.float32), torch.ones(7)
     xf, wb = t(1, 5000, dtype=torch.float32), t(5000)
+    qv, kv = t(2, 37, 6, 96).transpose(1, 2), t(2, 37, 2, 96).transpose(1, 2)
+    q4, k4, freq = t(1, 4, 9, 40, dtype=torch.float32), t(1, 4, 9, 40, dtype=torch.float32), torch.rand(20, generator=g)
+    q16, k16 = t(3, 2, 5, 256, dtype=torch.float16), t(3, 1, 5, 256, dtype=torch.float16)
+    pos = torch.arange(15, dtype=torch.int32).view(3, 5)
+    srpe_fwd, srpe_bwd = dispatch.kernels("srpe", "triton").forward, dispatch.kernels("srpe", "triton").backward
     return {
         "glu packed bf16 n=333": lambda: og._triton_forward(u, None, "silu"),
         "glu_backward packed bf16 n=333": lambda: og._triton_backward(gu, u, None, "silu"),
@@ -454,6 +466,10 @@ def _outside_cases() -> dict:
         "rms_norm_backward bf16 x, fp32 weight and shift": lambda: orn._triton_backward(gy, x, w32, s32, rstd),
         "add_rms_norm bf16 x, fp32 weight": lambda: oa._triton_forward(x, r, w32, None, 1e-6, False),
         "add_rms_norm_backward with grad_s": lambda: oa._triton_backward(gy, gy, x, w32, s32, rstd),
+        "srpe bf16 (B, T, H, d_h) views, d_h = 96": lambda: srpe_fwd(qv, kv, torch.arange(37)),
+        "srpe_backward fp32, given inv_freq and scale": lambda: srpe_bwd(q4, k4, torch.arange(9), 10000.0, 8.0, 0.1,
+                                                                          0.01, freq, 0.5),
+        "srpe fp16 d_h = 256, int32 (B, T) positions": lambda: srpe_fwd(q16, k16, pos),
     }
 
 
@@ -462,13 +478,14 @@ def _recorded(call, setattr_) -> list[aot.Launch]:
     real tensors, on an H200 (its SM count)."""
     from wiola_kernels.triton import glu as tg
     from wiola_kernels.triton import rms_norm as tr
+    from wiola_kernels.triton import srpe as ts
 
     launches = []
 
     def record(kernel, grid, *args, num_warps, **constexprs):
         launches.append(aot.Launch(kernel, args, constexprs, num_warps, aot.DEFAULT_NUM_STAGES, grid, "runtime"))
 
-    for mod in (tg, tr):
+    for mod in (tg, tr, ts):
         setattr_(mod, "run", record)
         setattr_(mod, "sm_count", lambda device: aot.GPUS["sm_90"].sms)
     call()
@@ -517,7 +534,8 @@ gpu = aot.GPUS["sm_90"]
 launches = {}
 for _, launch in T._launches(gpu.capability):   # one static-table variant of each kernel
     launches.setdefault("static " + launch.name, launch)
-for case in ("glu packed bf16 n=333", "rms_norm_backward bf16 x, fp32 weight and shift"):
+for case in ("glu packed bf16 n=333", "rms_norm_backward bf16 x, fp32 weight and shift",
+             "srpe bf16 (B, T, H, d_h) views, d_h = 96"):
     for i, launch in enumerate(T._recorded(T._outside_cases()[case], setattr)):
         launches[f"{case} #{i}"] = launch
 out = {}
@@ -584,7 +602,7 @@ def test_registered_variant_is_found_and_packs_as_the_static_generator(table, re
         else:
             assert before["key"] not in {k for _, k in static} or name.endswith("#1"), name
     assert kernels == {"_glu_fwd_kernel", "_glu_bwd_kernel", "_rms_norm_fwd_kernel", "_rms_norm_bwd_kernel",
-                       "_norm_partials_sum_kernel"}
+                       "_norm_partials_sum_kernel", "_srpe_kernel"}
 
 
 def test_runtime_table_is_thread_safe_and_refuses_what_it_cannot_launch(table):
@@ -684,6 +702,13 @@ def _gpu_cases():
                                          lambda: ops._triton_rms_norm_backward(gyb, xb, wb, None, rstd_b))
     out["add_rms_norm_backward"] = (lambda: ops.add_rms_norm_backward(gy, gs, x, w, s, rstd),
                                     lambda: ops._triton_add_rms_norm_backward(gy, gs, x, w, s, rstd))
+    # srpe at a test shape, (B, H, T, d_h)-contiguous with (B, T) positions, as the table holds it.
+    q, k = t(3, 16, 257, 64), t(3, 4, 257, 64)
+    pos = torch.arange(3 * 257, device="cuda").view(3, 257)
+    params = (10000.0, 8.0, 0.1, 0.01, None, 1.0)
+    out["srpe"] = (lambda: ops.srpe(q, k, pos, *params), lambda: ops._triton_srpe(q, k, pos, *params))
+    out["srpe_backward"] = (lambda: ops.srpe_backward(q, k, pos, *params),
+                            lambda: ops._triton_srpe_backward(q, k, pos, *params))
     return out
 
 
@@ -694,7 +719,7 @@ def _tensors(out) -> list:
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("op", ["glu", "rms_norm", "add_rms_norm", "rms_norm_backward", "rms_norm_backward no shift",
-                                "add_rms_norm_backward"])
+                                "add_rms_norm_backward", "srpe", "srpe_backward"])
 def test_gpu_launch_from_the_table_equals_the_python_launcher(op):
     """The C++ launches give the Python Triton launcher's result bit for bit (same cubins, same
     arguments; the backward's two launches and their partials buffer), without the fallback
@@ -726,7 +751,8 @@ def test_gpu_launch_from_the_table_equals_the_python_launcher(op):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_gpu_runtime_table_launches_shapes_outside_the_table_from_cpp(monkeypatch):
-    """Calls outside the table (bf16 x with float32 γ/δ at d = 777, a packed glu at n = 333):
+    """Calls outside the table (bf16 x with float32 γ/δ at d = 777, a packed glu at n = 333, srpe
+    on transposed views with given frequencies):
     the first runs the Python launcher, which registers its variants without a warning; the next
     launches from C++ (the Python launcher is not called) with its result bit for bit; a CUDA
     graph then captures the C++ launches and replays them."""
@@ -735,6 +761,7 @@ def test_gpu_runtime_table_launches_shapes_outside_the_table_from_cpp(monkeypatc
     from wiola_kernels import _extension
     from wiola_kernels.triton import glu as tg
     from wiola_kernels.triton import rms_norm as tr
+    from wiola_kernels.triton import srpe as ts
 
     if _extension.cubin_table() is None:
         pytest.skip("this build has no C++ CUDA kernels")
@@ -742,6 +769,11 @@ def test_gpu_runtime_table_launches_shapes_outside_the_table_from_cpp(monkeypatc
     x, gy = (torch.randn(7, 777, generator=g, device="cuda").to(torch.bfloat16) for _ in range(2))
     w, s = (torch.randn(777, generator=g, device="cuda") for _ in range(2))
     u = torch.randn(5, 666, generator=g, device="cuda").to(torch.bfloat16)
+    # (B, T, H, d_h) views with positions shared by the batch, d_h = 96, given frequencies.
+    qv = torch.randn(2, 37, 6, 96, generator=g, device="cuda").to(torch.bfloat16).transpose(1, 2)
+    kv = torch.randn(2, 37, 2, 96, generator=g, device="cuda").to(torch.bfloat16).transpose(1, 2)
+    tpos = torch.arange(37, device="cuda")
+    params = (10000.0, 8.0, 0.1, 0.01, torch.rand(48, generator=g, device="cuda"), 0.5)
     ops = torch.ops.wiola
     _, rstd = ops._triton_rms_norm(x, w, s, 1e-6, False)
     cases = {
@@ -749,6 +781,7 @@ def test_gpu_runtime_table_launches_shapes_outside_the_table_from_cpp(monkeypatc
         "rms_norm_backward": (lambda: ops.rms_norm_backward(gy, x, w, s, rstd),
                               lambda: ops._triton_rms_norm_backward(gy, x, w, s, rstd)),
         "glu": (lambda: ops.glu(u, None, "silu"), lambda: ops._triton_glu(u, None, "silu")),
+        "srpe": (lambda: ops.srpe(qv, kv, tpos, *params), lambda: ops._triton_srpe(qv, kv, tpos, *params)),
     }
     for op, (call, python_call) in cases.items():
         registered = _extension.cubin_table()["registered"]
@@ -758,7 +791,7 @@ def test_gpu_runtime_table_launches_shapes_outside_the_table_from_cpp(monkeypatc
             call()
         assert _extension.cubin_table()["registered"] > registered, op
         python_runs = []
-        for mod in (tg, tr):
+        for mod in (tg, tr, ts):
             monkeypatch.setattr(mod, "run", lambda *a, **kw: python_runs.append(a[0]))
         got = call()
         monkeypatch.undo()

@@ -9,6 +9,8 @@
 //   rms_bwd ROWS D HAS_SHIFT HAS_GRAD_S SMS ARCH DT:PTR x9 (g gs x w s rstd dx dw_partial ds_partial)
 //   rms_sum PROGRAMS D HAS_SHIFT ARCH DT:PTR x4  (dw_partial ds_partial dw ds)
 //   rms_layout PROGRAMS D HAS_SHIFT  (prints the partials' size, ds_offset and total)
+//   srpe DTYPE TRANSPOSE B T H H_KV HALF POS_SB POS_ST Q_S x3 K_S x3 QO_S x3 KO_S x3 SMS ARCH
+//        Q K POSITIONS OMEGA CONSTANTS Q_OUT K_OUT
 //   table                        (every entry: index, arch, key, num_warps, shared)
 //
 // (pointers as integers). The answer to a launch is one line: the key the C++ chooser builds,
@@ -24,6 +26,7 @@
 
 #include "wiola/triton_glu.h"
 #include "wiola/triton_rms_norm.h"
+#include "wiola/triton_srpe.h"
 #include "wiola/triton_table.h"
 
 namespace wiola::triton::plan {
@@ -151,6 +154,23 @@ inline std::string answer(const std::string& line, bool drop_last, bool& ok) {
     read_typed(in, p);
     rms_norm::PartialsSum ps{p[0], p[1], p[2], p[3], programs, d, has_shift != 0};
     return report(rms_norm::partials_sum(ps, default_num_stages()), arch, drop_last);
+  }
+  if (cmd == "srpe") {
+    int transpose, arch;
+    int64_t sms;
+    srpe::Call c{};
+    in >> dtype >> transpose >> c.B >> c.T >> c.H >> c.H_kv >> c.half >> c.pos_sb >> c.pos_st;
+    for (int64_t* s : {c.q_s, c.k_s, c.qo_s, c.ko_s}) in >> s[0] >> s[1] >> s[2];
+    in >> sms >> arch;
+    uint64_t p[7];
+    for (auto& v : p) in >> v;
+    c.dtype = interned(dtype);
+    c.element_size = element_size(dtype);
+    c.fp64 = dtype == "fp64";
+    c.transpose = transpose != 0;
+    c.q = ptr(p[0]), c.k = ptr(p[1]), c.positions = ptr(p[2]), c.omega = ptr(p[3]), c.constants = ptr(p[4]);
+    c.q_out = ptr(p[5]), c.k_out = ptr(p[6]);
+    return report(srpe::launch(c, sms, default_num_stages()), arch, drop_last);
   }
   if (cmd == "rms_layout") {
     int64_t programs, d;
