@@ -65,6 +65,12 @@ void def_runtime_table(py::module_& m) {
     for (const auto& p : wiola::triton::pending()) out.emplace_back(p.kernel, p.key, p.arch, p.device);
     return out;
   });
+  // For tests without a GPU: sets this thread's pending misses as a C++ kernel's lookups would.
+  m.def("_triton_set_pending", [](const std::vector<std::tuple<std::string, std::string, int, int>>& misses) {
+    auto& list = wiola::triton::pending();
+    list.clear();
+    for (const auto& [kernel, key, arch, device] : misses) list.push_back({kernel, key, arch, device});
+  });
   // Registers a kernel the Python launcher's JIT compiled (an entry as cubin_table.describe makes
   // it) under `key` for `arch`, and loads it on `device` (>= 0) unless its stream captures. Returns
   // None, or why the variant cannot be registered.

@@ -553,6 +553,25 @@ for name, launch in launches.items():
     out[name] = {"before": before, "after": after, "refused": refused, "wrong": wrong, "reason": reason,
                  "again": again, "ptx_sizes": sizes, "cubin_size": len(compiled.asm["cubin"]),
                  "function": compiled.metadata.name}
+# The path a C++ miss takes: pending misses set as the C++ lookup sets them, then the Python
+# launcher's run() (its kernel launch standing in: it returns the compiled kernel).
+class Launched:
+    def __init__(self, launch, compiled):
+        self.fn, self.compiled = launch.kernel.fn, compiled
+    def __getitem__(self, grid):
+        return lambda *args, **kw: self.compiled
+(launch,) = T._recorded(T._outside_cases()["glu fp32 separate gelu_tanh"], setattr)
+line = T._line(launch, gpu.capability, gpu.sms)
+miss = T._parse(cpp._triton_plan(line))
+kernel = Launched(launch, aot.compile_launch(launch, gpu))
+runtime_table._pending = cpp._triton_pending  # the CUDA build's choice (this build has no CUDA kernels)
+cpp._triton_set_pending([(launch.name, miss["key"], gpu.capability, -1)])
+runtime_table.run(kernel, launch.grid, *launch.args, num_warps=launch.num_warps, **launch.constexprs)
+count = len(cpp._triton_registered())
+runtime_table.run(kernel, launch.grid, *launch.args, num_warps=launch.num_warps, **launch.constexprs)
+cpp._triton_set_pending([])
+out["run"] = {"before": miss, "after": T._parse(cpp._triton_plan(line)),
+              "registered_twice": len(cpp._triton_registered()) != count}
 print(json.dumps({"launches": out, "registered": cpp._triton_registered()}))
 """
 
@@ -575,11 +594,15 @@ def test_registered_variant_is_found_and_packs_as_the_static_generator(table, re
     parameters, and what the runtime table stores for a variant the static generator also
     compiled is the static entry: function, warps, shared memory, parameter layout, scratch
     pointers. A key Triton's specialisation does not give is refused, and registering twice
-    keeps the first."""
+    keeps the first. A miss left pending as the C++ lookup leaves it reaches the same
+    registration through runtime_table.run and the extension's pending list, once."""
     _, manifest, _ = table
     static = {(e["arch"], e["key"]): e for e in manifest["entries"]}
     stored = {(r["arch"], r["key"]): r for r in registered["registered"]}
     assert len(stored) == len(registered["registered"])
+    run = registered["launches"].pop("run")  # a pending miss through runtime_table.run
+    assert not run["before"]["runtime"] and run["after"]["runtime"] and not run["registered_twice"]
+    assert run["after"]["key"] == run["before"]["key"] and run["after"]["error"] is None
     kernels = set()
     for name, got in registered["launches"].items():
         before, after = got["before"], got["after"]
