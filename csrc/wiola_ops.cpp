@@ -118,6 +118,14 @@ TORCH_LIBRARY_FRAGMENT(wiola, m) {
   m.def("srpe_backward(Tensor grad_q, Tensor grad_k, Tensor position_ids, float theta, float spiral_divisor,"
         " float radial_amplitude, float radial_frequency, Tensor? inv_freq=None, float scale=1.0)"
         " -> (Tensor grad_q_in, Tensor grad_k_in)");
+  // The Python Triton launchers of srpe (CUDA only, registered from Python): where the cubin tables
+  // have no variant for a call, the C++ CUDA kernel (csrc/cuda/triton_srpe_binding.cpp) runs these.
+  m.def("_triton_srpe(Tensor q, Tensor k, Tensor position_ids, float theta=10000.0, float spiral_divisor=8.0,"
+        " float radial_amplitude=0.1, float radial_frequency=0.01, Tensor? inv_freq=None, float scale=1.0)"
+        " -> (Tensor q_out, Tensor k_out)");
+  m.def("_triton_srpe_backward(Tensor grad_q, Tensor grad_k, Tensor position_ids, float theta, float spiral_divisor,"
+        " float radial_amplitude, float radial_frequency, Tensor? inv_freq=None, float scale=1.0)"
+        " -> (Tensor grad_q_in, Tensor grad_k_in)");
 
 }
 
