@@ -6,7 +6,9 @@ compiled-code lint (32-bit ``index × stride`` address products, narrow stores w
 layout allows 128-bit ones) fails.
 
 The compiles run in one subprocess without TRITON_INTERPRET (``gpu-report --json``);
-Triton's cache and the cubin cache make later runs fast."""
+Triton's cache and the cubin cache make later runs fast. ``WIOLA_AOT_ARCHS=sm_90`` checks
+one architecture only (CI's device-versions leg: the other is compiled there by
+scripts/triton_warmup.py, which fails on a compile error, without the per-kernel analysis)."""
 
 from __future__ import annotations
 
@@ -28,7 +30,8 @@ from wiola_kernels.triton import aot
 
 ROOT = Path(__file__).resolve().parent.parent
 HAVE_NVCC = cubin.tool("nvcc") is not None
-VARIANTS = [(arch, key) for arch, gpu in aot.GPUS.items() for key in aot.launches(gpu)]
+ARCHS = tuple(a for a in os.environ.get("WIOLA_AOT_ARCHS", "").split(",") if a) or tuple(aot.GPUS)
+VARIANTS = [(arch, key) for arch in ARCHS for key in aot.launches(aot.GPUS[arch])]
 # Findings in CUDA kernels, kept visible rather than silently allowed: (arch, kernel prefix)
 # -> spill bytes ptxas reports / lint findings (their text starts so). An entry fails the test
 # when the finding changes or when it is gone (then delete the entry).
@@ -42,7 +45,7 @@ def report(tmp_path_factory):
     out = tmp_path_factory.mktemp("gpu_report") / "report.json"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "python"), env.get("PYTHONPATH", "")])
-    cmd = [sys.executable, "-m", "wiola_kernels", "gpu-report", "--json", str(out)]
+    cmd = [sys.executable, "-m", "wiola_kernels", "gpu-report", "--json", str(out), "--arch", ",".join(ARCHS)]
     if not HAVE_NVCC:
         cmd.append("--no-cuda")
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=ROOT)
@@ -70,7 +73,7 @@ def test_triton_kernel_compiles_without_spills_or_lint(report, arch, key):
 def test_cuda_kernels_compile_without_spills_or_lint(report):
     cuda = [r for r in report.values() if r["source"] == "cuda"]
     for cu in cuda_report.cuda_sources():
-        for arch in aot.GPUS:
+        for arch in ARCHS:
             assert any(r["kernel"].startswith(f"{cu.stem}::") and r["arch"] == arch for r in cuda), (cu.stem, arch)
     for r in cuda:
         spill = [v for (arch, prefix), v in KNOWN_CUDA_SPILLS.items()
@@ -91,6 +94,8 @@ def test_gcla_triton_kernels_use_tensor_cores(report):
 
 def test_memory_bound_triton_kernels_meet_the_h200_targets(report):
     """At the bench shapes (bf16) on sm_90: 128-bit accesses, ≥ 32 KB in flight per SM."""
+    if "sm_90" not in ARCHS:
+        pytest.skip("WIOLA_AOT_ARCHS leaves out sm_90")
     bench = [r for r in report.values() if r["source"] == "triton" and r["arch"] == "sm_90"
              and r["bytes_in_flight_per_sm"] is not None]
     assert {r["kernel"].split("[")[0] for r in bench} == {"_rms_norm_fwd_kernel", "_rms_norm_bwd_kernel",
@@ -111,6 +116,8 @@ def test_memory_bound_atm_row_kernels_meet_the_h200_targets(report):
     """ATM's memory-bound kernels at the bench shape (bf16) on sm_90: 128-bit accesses in
     the main loop, ≥ 32 KB in flight per SM (16-byte chunks; several loaded before any is
     used: kRowChunks, norms_and_dots' 9 tokens, unmerge_backward's kUnmergeBatch)."""
+    if "sm_90" not in ARCHS:
+        pytest.skip("WIOLA_AOT_ARCHS leaves out sm_90")
     records = {r["kernel"]: r for r in report.values() if r["source"] == "cuda" and r["arch"] == "sm_90"
                and r["kernel"].startswith("atm::")}
     for name in ATM_KERNELS_AT_TARGET:
@@ -233,7 +240,7 @@ def test_gcla_s1_backward_shared_memory_leaves_eight_blocks_resident(report):
     not grow with d_h (per-warp [Λ'][d_h] sums took 9.3 KB at d_h 128 and left 6 blocks per SM
     on sm_90) and ≥ 8 blocks are resident on sm_90 and sm_80."""
     rows = [r for r in report.values() if r["kernel"].startswith("gcla_attention::summary_backward_kernel<")]
-    assert len(rows) == 12
+    assert len(rows) == 6 * len(ARCHS)  # 3 dtypes x 2 head widths per architecture
     for r in rows:
         assert r["shared_bytes"] <= 5 * 1024 and r["blocks_per_sm"] >= 8, r
 

@@ -312,6 +312,8 @@ def main(argv: list[str] | None = None) -> int:
     report.add_argument("--no-triton", action="store_true", help="skip the Triton kernels")
     report.add_argument("--jobs", type=positive_int, metavar="N",
                         help="processes compiling and reading the Triton kernels (default: one per core)")
+    report.add_argument("--arch", metavar="ARCHS",
+                        help="comma-separated architectures to compile for (default: all, sm_90,sm_80)")
     report.set_defaults(func=lambda a: __import__("wiola_kernels.devtools.gpu_report", fromlist=["main"]).main(a))
 
     args = parser.parse_args(argv)

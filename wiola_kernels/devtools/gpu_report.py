@@ -140,8 +140,9 @@ def triton_records(archs=tuple(GPUS), jobs: int | None = None) -> list[dict]:
 
 # --------------------------------------------------------------------------- report
 
-def collect(cuda: bool = True, triton: bool = True, jobs: int | None = None) -> list[dict]:
-    """Every record. The CUDA part needs a source checkout
+def collect(cuda: bool = True, triton: bool = True, jobs: int | None = None,
+            archs: tuple[str, ...] = tuple(GPUS)) -> list[dict]:
+    """Every record, for the architectures ``archs``. The CUDA part needs a source checkout
     (:class:`~wiola_kernels.devtools.NoCheckout` without one). When this process runs
     Triton's interpreter, the Triton part runs in a subprocess without
     ``TRITON_INTERPRET`` (compiling needs the real JIT functions)."""
@@ -149,22 +150,23 @@ def collect(cuda: bool = True, triton: bool = True, jobs: int | None = None) -> 
     if cuda:
         from .cuda_report import cuda_records
 
-        records += cuda_records()
+        records += cuda_records(archs)
     if triton:
         from ..dispatch import triton_interpret_mode
 
         if triton_interpret_mode():
-            records += _triton_records_subprocess(jobs)
+            records += _triton_records_subprocess(jobs, archs)
         else:
-            records += triton_records(jobs=jobs)
+            records += triton_records(archs, jobs=jobs)
     return records
 
 
-def _triton_records_subprocess(jobs: int | None = None) -> list[dict]:
+def _triton_records_subprocess(jobs: int | None, archs: tuple[str, ...]) -> list[dict]:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "triton.json"
-        cmd = [sys.executable, "-m", "wiola_kernels", "gpu-report", "--no-cuda", "--json", str(out)]
+        cmd = [sys.executable, "-m", "wiola_kernels", "gpu-report", "--no-cuda", "--json", str(out),
+               "--arch", ",".join(archs)]
         subprocess.run(cmd + ([f"--jobs={jobs}"] if jobs else []),
                        env=env, check=False, capture_output=True, text=True)
         if not out.exists():
@@ -214,6 +216,17 @@ def format_table(records: list[dict]) -> str:
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows)
 
 
+def parse_archs(text: str | None) -> tuple[str, ...]:
+    """``"sm_90,sm_80"`` → ``("sm_90", "sm_80")``; None or empty: every architecture."""
+    from ..cli import CommandError
+
+    archs = tuple(a.strip() for a in (text or "").split(",") if a.strip()) or tuple(GPUS)
+    unknown = [a for a in archs if a not in GPUS]
+    if unknown:
+        raise CommandError(f"--arch: unknown architecture {', '.join(unknown)} (known: {', '.join(GPUS)})")
+    return archs
+
+
 def main(args) -> int:
     """The ``gpu-report`` subcommand."""
     from . import REPO
@@ -223,7 +236,7 @@ def main(args) -> int:
         print("gpu-report: no source checkout (csrc/ next to the package): the CUDA kernels are not reported, "
               "only the Triton ones", file=sys.stderr)
         cuda = False
-    records = collect(cuda=cuda, triton=not args.no_triton, jobs=args.jobs)
+    records = collect(cuda=cuda, triton=not args.no_triton, jobs=args.jobs, archs=parse_archs(args.arch))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(records, f, indent=1)
