@@ -45,50 +45,48 @@ def _step(m, ids, labels, n_items, scale: float = 1.0):
     return out.loss.detach()
 
 
-def _worker(rank: int, port: int, out: str, head_unit: bool) -> None:
+HEAD_UNITS = {"head_in_root": False, "head_unit": True}
+
+
+def _worker(rank: int, port: int, out: str) -> None:
     from torch.distributed.fsdp import fully_shard
+
+    import wiola_kernels as wk
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
     try:
-        m = _model(patched=True)
-        for layer in m.model.layers:
-            fully_shard(layer)
-        if head_unit:
-            fully_shard(m.lm_head)  # the head its own unit (torchtitan's recipe)
-        fully_shard(m)  # the root group: embeddings, final norm (and the head), sharded across ranks
-        assert type(m.lm_head.weight).__name__ == "DTensor"
-        ids, labels, n_items = _batch()
-        rows = slice(rank * BATCH // WORLD, (rank + 1) * BATCH // WORLD)
-        # Each rank's loss is its sum ÷ the global count; FSDP averages gradients over the
-        # ranks, so the loss is scaled by the world size (what HF's Trainer does).
-        with WiolaOpCalls() as ops:
-            loss = _step(m, ids[rows], labels[rows], n_items, scale=WORLD)
-        dist.all_reduce(loss)
-        grads = {n: p.grad.full_tensor().detach().clone() for n, p in m.named_parameters() if p.grad is not None}
-        torch.save({"loss": loss, "grads": grads, "calls": dict(ops.calls)}, f"{out}/rank{rank}.pt")
-        import wiola_kernels as wk
-
-        wk.unpatch_hf(m)  # takes the head's registered loss method with it
-        assert not [k for k in vars(m.lm_head) if k.startswith("wiola")], vars(m.lm_head).keys()
+        for name, head_unit in HEAD_UNITS.items():  # one process group for both: a spawn is seconds of imports
+            m = _model(patched=True)
+            for layer in m.model.layers:
+                fully_shard(layer)
+            if head_unit:
+                fully_shard(m.lm_head)  # the head its own unit (torchtitan's recipe)
+            fully_shard(m)  # the root group: embeddings, final norm (and the head), sharded across ranks
+            assert type(m.lm_head.weight).__name__ == "DTensor"
+            ids, labels, n_items = _batch()
+            rows = slice(rank * BATCH // WORLD, (rank + 1) * BATCH // WORLD)
+            # Each rank's loss is its sum ÷ the global count; FSDP averages gradients over the
+            # ranks, so the loss is scaled by the world size (what HF's Trainer does).
+            with WiolaOpCalls() as ops:
+                loss = _step(m, ids[rows], labels[rows], n_items, scale=WORLD)
+            dist.all_reduce(loss)
+            grads = {n: p.grad.full_tensor().detach().clone() for n, p in m.named_parameters() if p.grad is not None}
+            wk.unpatch_hf(m)  # takes the head's registered loss method with it
+            leftover = [k for k in vars(m.lm_head) if k.startswith("wiola")]
+            torch.save({"loss": loss, "grads": grads, "calls": dict(ops.calls), "leftover": leftover},
+                       f"{out}/{name}-rank{rank}.pt")
     finally:
         dist.destroy_process_group()
 
 
-@pytest.mark.skipif(not fsdp2_available(), reason="needs torch.distributed with gloo and FSDP2 (torch >= 2.6)")
-@pytest.mark.parametrize("head_unit", [False, True], ids=["head_in_root", "head_unit"])
-def test_fsdp2_fused_loss_on_a_sharded_head_matches_one_process(tmp_path, head_unit):
-    from wiola_kernels.testing import rel_err, tolerance
-
-    mp.start_processes(_worker, args=(free_port(), str(tmp_path), head_unit), nprocs=WORLD, join=True,
-                       start_method="spawn")
-    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD))
-    # The fused loss ran on every rank (the head's logits never made), forward and backward.
-    for r in (r0, r1):
-        assert r["calls"]["linear_cross_entropy"] == 1 and r["calls"]["linear_cross_entropy_backward"] == 1
-        assert r["calls"]["rms_norm"] == 5 and r["calls"]["srpe"] == 2 and r["calls"]["glu"] == 2
-    assert torch.equal(r0["loss"], r1["loss"])
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """``(two-rank results by head placement, single-process loss and grads, float64 ones)``."""
+    out = tmp_path_factory.mktemp("fsdp")
+    mp.start_processes(_worker, args=(free_port(), str(out)), nprocs=WORLD, join=True, start_method="spawn")
+    ranks = {name: [torch.load(out / f"{name}-rank{r}.pt") for r in range(WORLD)] for name in HEAD_UNITS}
     ids, labels, n_items = _batch()
     before = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -101,6 +99,21 @@ def test_fsdp2_fused_loss_on_a_sharded_head_matches_one_process(tmp_path, head_u
         ref = {n: p.grad for n, p in ref64.named_parameters() if p.grad is not None}
     finally:
         torch.set_num_threads(before)
+    return ranks, (want_loss, want), (ref_loss, ref)
+
+
+@pytest.mark.skipif(not fsdp2_available(), reason="needs torch.distributed with gloo and FSDP2 (torch >= 2.6)")
+@pytest.mark.parametrize("placement", list(HEAD_UNITS))
+def test_fsdp2_fused_loss_on_a_sharded_head_matches_one_process(runs, placement):
+    from wiola_kernels.testing import rel_err, tolerance
+
+    (r0, r1), (want_loss, want), (ref_loss, ref) = runs[0][placement], runs[1], runs[2]
+    # The fused loss ran on every rank (the head's logits never made), forward and backward.
+    for r in (r0, r1):
+        assert r["calls"]["linear_cross_entropy"] == 1 and r["calls"]["linear_cross_entropy_backward"] == 1
+        assert r["calls"]["rms_norm"] == 5 and r["calls"]["srpe"] == 2 and r["calls"]["glu"] == 2
+        assert r["leftover"] == []  # unpatch_hf took the head's registered loss method away
+    assert torch.equal(r0["loss"], r1["loss"])
     # Two ranks = one process on the whole batch (float32 sums in another order) ...
     assert rel_err(r0["loss"], want_loss) <= 1e-6, (r0["loss"], want_loss)
     assert r0["grads"].keys() == want.keys() == ref.keys() and "lm_head.weight" in want

@@ -36,31 +36,42 @@ def _run(rank: int, world: int, mode: str | None) -> tuple[list[float], dict[str
     return losses, {k: v.detach().clone() for k, v in state.items()}
 
 
-def _worker(rank: int, world: int, port: int, mode: str, out: str) -> None:
+MODES = ["ddp"] + (["fsdp"] if fsdp2_available() else [])
+
+
+def _worker(rank: int, world: int, port: int, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        losses, state = _run(rank, world, mode)
-        torch.save({"losses": losses, "state": state}, f"{out}/rank{rank}.pt")
+        for mode in MODES:  # one process group for every mode: a spawn is seconds of imports
+            losses, state = _run(rank, world, mode)
+            torch.save({"losses": losses, "state": state}, f"{out}/{mode}-rank{rank}.pt")
     finally:
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("mode", ["ddp", pytest.param("fsdp", marks=pytest.mark.skipif(
-    not fsdp2_available(), reason="FSDP2 fully_shard needs torch >= 2.6"))])
-def test_two_ranks_match_one_process(mode, tmp_path):
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """``(two-rank results by mode, the single-process run)``: the ranks spawned once."""
     if not dist.is_gloo_available():
         pytest.skip("gloo backend not built into this torch")
-    mp.start_processes(_worker, args=(2, free_port(), mode, str(tmp_path)), nprocs=2, join=True,
-                       start_method="spawn")
-    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1))
+    out = tmp_path_factory.mktemp("distributed")
+    mp.start_processes(_worker, args=(2, free_port(), str(out)), nprocs=2, join=True, start_method="spawn")
+    ranks = {mode: [torch.load(out / f"{mode}-rank{r}.pt") for r in (0, 1)] for mode in MODES}
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        single_losses, single_state = _run(0, 1, None)
+        single = _run(0, 1, None)
     finally:
         torch.set_num_threads(before)
+    return ranks, single
+
+
+@pytest.mark.parametrize("mode", ["ddp", pytest.param("fsdp", marks=pytest.mark.skipif(
+    not fsdp2_available(), reason="FSDP2 fully_shard needs torch >= 2.6"))])
+def test_two_ranks_match_one_process(mode, runs):
+    (r0, r1), (single_losses, single_state) = runs[0][mode], runs[1]
     # Ranks agree exactly: same all-reduced gradients, same optimizer steps.
     assert r0["losses"] == r1["losses"]
     for name, value in r0["state"].items():
