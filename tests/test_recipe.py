@@ -1,6 +1,6 @@
 """CONTRIBUTING.md's "Adding an op" is true: every registered op is in every place its table
-names, and the table names no place this test does not check. The ops come from the
-registry (``dispatch.ops()``) and their public functions from ``wiola_kernels.__all__``."""
+names, and the table names no place this test does not check. The ops come from the registry (``dispatch.ops()``) and their public
+functions from ``wiola_kernels.__all__``."""
 
 from __future__ import annotations
 
@@ -28,12 +28,20 @@ def public_functions(op: str) -> list[str]:
     return sorted(n for n in wk.__all__ if inspect.isfunction(getattr(wk, n)) and getattr(wk, n).__module__ == module)
 
 
-def _schemas(op, fns):
-    assert f'm.set_python_module("wiola_kernels.ops.{op}")' in _read("csrc/wiola_ops.cpp"), op
+def _schemas_and_cpu_kernel(op, fns):
+    text = _read(f"csrc/cpu/{op}.cpp")
+    assert text.count('m.set_python_module("wiola_kernels.ops.') == 1, f"csrc/cpu/{op}.cpp: one schema block"
+    assert f'm.set_python_module("wiola_kernels.ops.{op}")' in text, op
+    assert not re.search(r"set_python_module\(\"wiola_kernels\.ops\.(?!gcla_attention_cuda\b)",
+                         _read("csrc/wiola_ops.cpp")), "a public op's schemas in csrc/wiola_ops.cpp"
     if wk.ops.have_registered_ops():
         for fn in fns:
             for name in (fn, f"{fn}_backward"):
                 assert hasattr(torch.ops.wiola, name), f"wiola::{name} is not declared"
+    if "cpu" in dispatch.implemented(op):
+        assert "TORCH_LIBRARY_IMPL(wiola, CPU, m)" in text
+        for fn in fns:
+            assert f'm.impl("{fn}"' in text and f'm.impl("{fn}_backward"' in text, fn
 
 
 def _cpp_checks(op, fns):
@@ -46,15 +54,6 @@ def _python_checks(op, fns):
     text = _read("wiola_kernels/validation.py")
     for fn in fns:
         assert f"def check_{fn}(" in text, f"validation.check_{fn} missing"
-
-
-def _cpu_kernel(op, fns):
-    if "cpu" not in dispatch.implemented(op):
-        return
-    text = _read(f"csrc/cpu/{op}.cpp")
-    assert "TORCH_LIBRARY_IMPL(wiola, CPU, m)" in text
-    for fn in fns:
-        assert f'm.impl("{fn}"' in text and f'm.impl("{fn}_backward"' in text, fn
 
 
 def _triton(op, fns):
@@ -117,10 +116,9 @@ def _overhead_case(op, fns):
 
 
 CHECKS = {
-    "csrc/wiola_ops.cpp": _schemas,
+    "csrc/cpu/<op>.cpp": _schemas_and_cpu_kernel,
     "csrc/include/wiola/checks.h": _cpp_checks,
     "wiola_kernels/validation.py": _python_checks,
-    "csrc/cpu/<op>.cpp": _cpu_kernel,
     "wiola_kernels/triton/<op>.py": _triton,
     "wiola_kernels/reference/<op>.py": _reference,
     "wiola_kernels/ops/<op>.py": _op_module,

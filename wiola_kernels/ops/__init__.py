@@ -1,5 +1,5 @@
 """The op layer (CONTRIBUTING.md, "The op pattern"): per op, the Python half of its registered
-ops ``wiola::<op>`` / ``wiola::<op>_backward`` (declared in csrc/wiola_ops.cpp: the fakes and
+ops ``wiola::<op>`` / ``wiola::<op>_backward`` (declared in csrc/cpu/<op>.cpp: the fakes and
 the CUDA kernels written in Python), the ``torch.autograd.Function`` that drives them, and the
 public function. Shared helpers for those files live here."""
 
@@ -51,7 +51,7 @@ def _declared(qualname: str) -> bool:
 
 def register_fake(qualname: str):
     """``torch.library.register_fake(qualname)`` as a decorator, to be applied in the op module
-    that csrc/wiola_ops.cpp names in ``set_python_module`` (torch checks that the fake comes
+    that csrc/cpu/<op>.cpp names in ``set_python_module`` (torch checks that the fake comes
     from there); nothing when the op is not declared (no extension, no emulation)."""
     def decorate(fn):
         if _declared(qualname):

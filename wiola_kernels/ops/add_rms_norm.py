@@ -1,7 +1,7 @@
 """Residual add + WiolaRMSNorm (SPEC §10.3): :func:`add_rms_norm`, the
 :class:`AddRMSNormFunction` that drives its registered ops, and their kernels written in Python.
 
-Registered ops (declared in csrc/wiola_ops.cpp):
+Registered ops (declared in csrc/cpu/add_rms_norm.cpp):
 
 * ``wiola::add_rms_norm(x, residual, weight, shift | None, eps, hf_order) -> (y, s, rstd)``
 * ``wiola::add_rms_norm_backward(grad_y, grad_s | None, s, weight, shift, rstd) -> (grad_x, grad_weight, grad_shift)``

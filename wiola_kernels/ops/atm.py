@@ -2,7 +2,7 @@
 :class:`ATMMergeFunction` / :class:`ATMUnmergeFunction` that drive their registered ops, and
 their kernels written in Python.
 
-Registered ops (declared in csrc/wiola_ops.cpp from wiola/cuda_schemas.h):
+Registered ops (declared in csrc/cpu/atm.cpp from wiola/cuda_schemas.h):
 
 * ``wiola::atm_merge(x, position_ids, threshold, lengths) -> (merged, merged_position_ids,
   merged_lengths, index_map)`` and ``wiola::atm_merge_backward(grad_merged, index_map,

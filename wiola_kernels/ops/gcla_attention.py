@@ -4,7 +4,7 @@
 ``O = softmax_causal(q̃ k̃ᵀ/√d_h) v + σ(g) · softmax_λ(q kcᵀ/√d_h) vc`` per head, with kv
 group ``h mod H_kv``; see :mod:`wiola_kernels.reference.gcla_attention` for the maths.
 
-Registered ops (declared in csrc/wiola_ops.cpp):
+Registered ops (declared in csrc/cpu/gcla_attention.cpp):
 
 * ``wiola::gcla_attention(q_rot, k_rot, v, q, kc, vc, gate, lengths) -> (out, lse)``
 * ``wiola::gcla_attention_backward(grad_out, q_rot, k_rot, v, q, kc, vc, gate, lengths, out, lse)

@@ -1,7 +1,7 @@
 """Gated activations (SPEC §10.2): :func:`glu`, the :class:`GLUFunction` that drives its
 registered ops, and their kernels written in Python.
 
-Registered ops (declared in csrc/wiola_ops.cpp):
+Registered ops (declared in csrc/cpu/glu.cpp):
 
 * ``wiola::glu(a (..., n), b (..., n) | None, activation) -> y (..., n)``
 * ``wiola::glu_backward(grad_y, a, b, activation) -> (grad_a, grad_b)``

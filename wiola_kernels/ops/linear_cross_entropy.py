@@ -2,7 +2,7 @@
 :class:`LinearCrossEntropyFunction` that drives its registered ops, and their kernels written
 in Python.
 
-Registered ops (declared in csrc/wiola_ops.cpp):
+Registered ops (declared in csrc/cpu/linear_cross_entropy.cpp):
 
 * ``wiola::linear_cross_entropy(h, W, labels, ignore_index, reduction, label_smoothing,
   softcap, z_loss, num_items, grad_mask) -> (loss, lse, grad_h, grad_W)``

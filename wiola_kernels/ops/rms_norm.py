@@ -1,7 +1,7 @@
 """WiolaRMSNorm (SPEC §3): :func:`rms_norm`, the :class:`RMSNormFunction` that drives its
 registered ops, and their kernels written in Python.
 
-Registered ops (declared in csrc/wiola_ops.cpp):
+Registered ops (declared in csrc/cpu/rms_norm.cpp):
 
 * ``wiola::rms_norm(x (..., d), weight (d,), shift (d,) | None, eps, hf_order) -> (y, rstd)``
 * ``wiola::rms_norm_backward(grad_y, x, weight, shift, rstd) -> (grad_x, grad_weight, grad_shift)``

@@ -1,7 +1,7 @@
 """SRPE (SPEC §4): :func:`srpe`, the :class:`SRPEFunction` that drives its registered ops, and
 their kernels written in Python.
 
-Registered ops (declared in csrc/wiola_ops.cpp):
+Registered ops (declared in csrc/cpu/srpe.cpp):
 
 * ``wiola::srpe(q, k, position_ids, theta, spiral_divisor, radial_amplitude, radial_frequency,
   inv_freq=None, scale=1.0) -> (m R(p) q, m R(p) k)``
