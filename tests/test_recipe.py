@@ -50,12 +50,6 @@ def _cpp_checks(op, fns):
         assert re.search(rf"\binline [\w:<>]+ {fn}\(", text), f"checks::{fn} missing from checks.h"
 
 
-def _python_checks(op, fns):
-    text = _read("wiola_kernels/validation.py")
-    for fn in fns:
-        assert f"def check_{fn}(" in text, f"validation.check_{fn} missing"
-
-
 def _triton(op, fns):
     if "triton" not in dispatch.implemented(op):
         return
@@ -75,6 +69,8 @@ def _op_module(op, fns):
     assert getattr(module, "OP", None) == op
     for fn in fns:
         assert callable(getattr(module, fn)), fn
+        check = getattr(module, f"check_{fn}", None)
+        assert callable(check) and check.__module__ == module.__name__, f"check_{fn} not defined in ops/{op}.py"
 
 
 def _exports(op, fns):
@@ -118,7 +114,6 @@ def _overhead_case(op, fns):
 CHECKS = {
     "csrc/cpu/<op>.cpp": _schemas_and_cpu_kernel,
     "csrc/include/wiola/checks.h": _cpp_checks,
-    "wiola_kernels/validation.py": _python_checks,
     "wiola_kernels/triton/<op>.py": _triton,
     "wiola_kernels/reference/<op>.py": _reference,
     "wiola_kernels/ops/<op>.py": _op_module,

@@ -72,7 +72,7 @@ def registered_ops(*names: str) -> SimpleNamespace:
 def registered(namespace: str, name: str, check):
     """``torch.ops.<namespace>.<name>`` as a plain function, looked up when called (a forced
     backend's kernel). A call the schema's argument parser refuses (a list for a tensor, a str
-    for a float) is re-checked by ``check`` (the op's validation.py function) so the error names
+    for a float) is re-checked by ``check`` (the op's ``check_<op>``) so the error names
     the argument as every other path does."""
     def call(*args):
         try:

@@ -26,11 +26,29 @@ from .. import dispatch
 from ..dtypes import compute_dtype
 from ..reference.add_rms_norm import add_rms_norm_backward as _reference_backward
 from ..reference.add_rms_norm import add_rms_norm_forward as _reference_forward
-from ..validation import check_add_rms_norm
+from ..validation import check_rank, check_same_device, check_same_dtype, check_tensor
 from . import distinct, needs_grad, register_fake, register_triton_cuda, registered, registered_ops
+from .rms_norm import check_rms_norm
 
 OP = "add_rms_norm"
 _ops = registered_ops("add_rms_norm", "add_rms_norm_backward")
+
+
+# --- argument checks ------------------------------------------------------------------------------
+# What the kernels written in Python and the fakes check at entry, in the words of the C++
+# kernels' checks::add_rms_norm (csrc/include/wiola/checks.h).
+
+def check_add_rms_norm(x: object, residual: object, weight: object, shift: object, eps: object,
+                       hf_order: object) -> float:
+    """Arguments of :func:`wiola_kernels.add_rms_norm`; returns ``eps`` as a float."""
+    check_tensor("x", x)
+    check_tensor("residual", residual)
+    check_rank("x", x, range(1, 64), "(..., d)")
+    if tuple(residual.shape) != tuple(x.shape):
+        raise ValueError(f"residual must have the shape of x (..., d) = {tuple(x.shape)}, got {tuple(residual.shape)}")
+    check_same_dtype(x=x, residual=residual)
+    check_same_device(x=x, residual=residual)
+    return check_rms_norm(x, weight, shift, eps, hf_order)
 
 
 # --- kernels written in Python (the registry's backends; Triton is also the CUDA kernel) ---------
@@ -166,3 +184,4 @@ def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, shift: Tensor | No
         return AddRMSNormFunction.apply(x, residual, weight, shift, eps, hf_order)
     y, s, _, _ = _forward(x, residual, weight, shift, eps, hf_order)
     return y, s
+

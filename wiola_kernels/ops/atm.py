@@ -30,7 +30,8 @@ from torch import Tensor
 
 from .. import dispatch
 from ..reference import atm as ref
-from ..validation import CUDA_KERNEL_DTYPES, Limits, check_atm_merge, check_atm_tokens, check_atm_unmerge
+from ..validation import (CUDA_KERNEL_DTYPES, Limits, can_read_values, check_lengths, check_position_ids,
+                          check_rank, check_real, check_same_device, check_tensor)
 from . import distinct, needs_grad, register_fake, registered, registered_ops
 
 
@@ -38,6 +39,61 @@ OP = "atm"
 # The registered ops' overloads, looked up once: a call skips the overload resolution of
 # ``torch.ops.wiola.<name>(...)``.
 _ops = registered_ops("atm_merge", "atm_merge_backward", "atm_unmerge", "atm_unmerge_backward")
+
+
+# --- argument checks ------------------------------------------------------------------------------
+# What the kernels written in Python and the fakes check at entry, in the words of the C++
+# kernels' checks::atm (csrc/include/wiola/checks.h).
+
+def check_index_map(index_map: object, b: int, t: int, *, like: str) -> torch.Tensor:
+    """An ATM ``index_map``: int64 ``(B, T)`` matching ``like``'s first two dims, values in ``[0, T)``."""
+    check_tensor("index_map", index_map, dtypes=(torch.int64,))
+    if tuple(index_map.shape) != (b, t):
+        raise ValueError(f"index_map must have shape (B, T) = ({b}, {t}) to match {like}, "
+                         f"got {tuple(index_map.shape)}")
+    check_index_map_values(index_map, t)
+    return index_map
+
+
+def check_index_map_values(index_map: torch.Tensor, t: int) -> None:
+    """``index_map`` values lie in ``[0, T)`` (checked on CPU tensors only)."""
+    if can_read_values(index_map):
+        lo, hi = int(index_map.min()), int(index_map.max())
+        if lo < 0 or hi >= t:
+            raise ValueError(f"index_map values must lie in [0, T) = [0, {t}), got values in [{lo}, {hi}]")
+
+
+def check_atm_tokens(name: str, x: object) -> tuple[int, int, int]:
+    """ATM's ``(B, T, d)`` tokens (``x``, ``y`` or a gradient: ``name``) with ``d > 0``."""
+    check_tensor(name, x)
+    check_rank(name, x, 3, "(B, T, d)")
+    b, t, d = x.shape
+    if d == 0:
+        raise ValueError(f"{name} must have a non-empty last dimension d, got shape {tuple(x.shape)}")
+    return b, t, d
+
+
+def check_atm_merge(x: object, position_ids: object, threshold: object, lengths: object
+                    ) -> tuple[torch.Tensor, float, torch.Tensor]:
+    """Arguments of :func:`wiola_kernels.atm_merge`; returns int64 ``(B, T)`` positions, the
+    threshold as a float and int64 ``(B,)`` lengths (``T`` for every row when None)."""
+    b, t, _ = check_atm_tokens("x", x)
+    check_same_device(x=x, position_ids=position_ids, lengths=lengths)
+    positions = check_position_ids(position_ids, b, t)
+    threshold = check_real("threshold", threshold)
+    if not -1.0 <= threshold <= 1.0:
+        raise ValueError(f"threshold must lie in [-1, 1] (a cosine similarity), got {threshold!r}")
+    lengths = check_lengths(lengths, b, t)
+    if lengths is None:
+        lengths = torch.full((b,), t, dtype=torch.int64, device=x.device)
+    return positions, threshold, lengths
+
+
+def check_atm_unmerge(y: object, index_map: object, name: str = "y") -> None:
+    """Arguments of :func:`wiola_kernels.atm_unmerge` (``name``: what to call ``y``)."""
+    b, t, _ = check_atm_tokens(name, y)
+    check_index_map(index_map, b, t, like=name)
+    check_same_device(**{name: y}, index_map=index_map)
 
 
 # --- kernels ---------------------------------------------------------------------------------------
@@ -252,3 +308,4 @@ def atm_unmerge(y: Tensor, index_map: Tensor) -> Tensor:
     if needs_grad(y):
         return ATMUnmergeFunction.apply(y, index_map)
     return _unmerge(y, index_map)[0]
+

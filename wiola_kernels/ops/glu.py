@@ -27,11 +27,40 @@ from torch import Tensor
 from .. import dispatch
 from ..reference.glu import glu_backward as _reference_backward
 from ..reference.glu import glu_forward as _reference_forward
-from ..validation import check_glu
+from ..validation import check_rank, check_same_device, check_same_dtype, check_tensor
 from . import distinct, needs_grad, register_fake, register_triton_cuda, registered, registered_ops
 
 OP = "glu"
 _ops = registered_ops("glu", "glu_backward")
+
+
+# --- argument checks ------------------------------------------------------------------------------
+# What the kernels written in Python and the fakes check at entry, in the words of the C++
+# kernels' checks::glu (csrc/include/wiola/checks.h).
+
+#: The activations of :func:`wiola_kernels.glu`.
+GLU_ACTIVATIONS = ("silu", "gelu_tanh")
+
+
+def check_glu(a: object, b: object, activation: object) -> str:
+    """Arguments of :func:`wiola_kernels.glu` (``b`` None: ``a`` holds ``[a | b]``); returns
+    the activation."""
+    check_tensor("a", a)
+    if b is not None:
+        check_tensor("b", b)
+    check_rank("a", a, range(1, 64), "(..., n)" if b is not None else "(..., 2n)")
+    if b is not None:
+        if tuple(b.shape) != tuple(a.shape):
+            raise ValueError(f"b must have the shape of a (..., n) = {tuple(a.shape)}, got {tuple(b.shape)}")
+        check_same_dtype(a=a, b=b)
+        check_same_device(a=a, b=b)
+    elif a.shape[-1] % 2:
+        raise ValueError(f"a must have an even last dimension 2n when b is None (a holds [a | b]), got {a.shape[-1]}")
+    if not isinstance(activation, str):
+        raise TypeError(f"activation must be a str, got {type(activation).__name__}")
+    if activation not in GLU_ACTIVATIONS:
+        raise ValueError(f"activation must be 'silu' or 'gelu_tanh', got {activation!r}")
+    return activation
 
 
 # --- kernels written in Python (the registry's backends; Triton is also the CUDA kernel) ---------
@@ -155,3 +184,4 @@ def glu(a: Tensor, b: Tensor | None = None, activation: str = "silu") -> Tensor:
     if needs_grad(a, b):
         return GLUFunction.apply(a, b, activation)
     return _forward(a, b, activation)[0]
+

@@ -26,7 +26,7 @@ from .. import dispatch
 from ..dtypes import compute_dtype
 from ..reference.rms_norm import rms_norm_backward as _reference_backward
 from ..reference.rms_norm import rms_norm_forward as _reference_forward
-from ..validation import check_rms_norm
+from ..validation import check_positive, check_rank, check_same_device, check_shape, check_tensor
 from . import distinct, needs_grad, register_fake, register_triton_cuda, registered, registered_ops
 
 
@@ -34,6 +34,30 @@ OP = "rms_norm"
 # The registered ops' overloads, looked up once: a call skips the overload resolution of
 # ``torch.ops.wiola.<name>(...)``.
 _ops = registered_ops("rms_norm", "rms_norm_backward")
+
+
+# --- argument checks ------------------------------------------------------------------------------
+# What the kernels written in Python and the fakes check at entry, in the words of the C++
+# kernels' checks::rms_norm (csrc/include/wiola/checks.h).
+
+def check_rms_norm(x: object, weight: object, shift: object, eps: object, hf_order: object) -> float:
+    """Arguments of :func:`wiola_kernels.rms_norm`; returns ``eps`` as a float."""
+    check_tensor("x", x)
+    check_tensor("weight", weight)
+    if shift is not None:
+        check_tensor("shift", shift)
+    check_rank("x", x, range(1, 64), "(..., d)")
+    d = x.shape[-1]
+    check_shape("weight", weight, (d,), "(d,)")
+    if shift is not None:
+        check_shape("shift", shift, (d,), "(d,)")
+    check_same_device(x=x, weight=weight, shift=shift)
+    eps = check_positive("eps", eps)
+    if not isinstance(hf_order, bool):
+        raise TypeError(f"hf_order must be a bool, got {type(hf_order).__name__}")
+    if d == 0:
+        raise ValueError("x must have a non-empty last dimension d, got d = 0")
+    return eps
 
 
 # --- kernels written in Python (the registry's backends; Triton is also the CUDA kernel) ---------
@@ -162,3 +186,4 @@ def rms_norm(x: Tensor, weight: Tensor, shift: Tensor | None = None, eps: float 
     if needs_grad(x, weight, shift):
         return RMSNormFunction.apply(x, weight, shift, eps, hf_order)
     return _forward(x, weight, shift, eps, hf_order)[0]
+
