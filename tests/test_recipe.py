@@ -57,11 +57,11 @@ def _triton(op, fns):
 
 
 def _reference(op, fns):
-    assert (ROOT / f"wiola_kernels/reference/{op}.py").exists()
+    module = importlib.import_module(f"wiola_kernels.reference.{op}")
     from wiola_kernels import reference
 
     for fn in fns:
-        assert fn in reference.__all__, f"reference.{fn} not exported"
+        assert fn in module.__all__ and fn in reference.__all__, f"reference.{fn} not exported"
 
 
 def _op_module(op, fns):
@@ -71,11 +71,10 @@ def _op_module(op, fns):
         assert callable(getattr(module, fn)), fn
         check = getattr(module, f"check_{fn}", None)
         assert callable(check) and check.__module__ == module.__name__, f"check_{fn} not defined in ops/{op}.py"
-
-
-def _exports(op, fns):
     assert fns, f"no public function of {op} is exported"
-    functions = [n for n in wk.__all__ if n.endswith("Function") and getattr(wk, n).__module__ == f"wiola_kernels.ops.{op}"]
+    assert set(module.__all__) <= set(wk.__all__), (op, module.__all__)
+    functions = [n for n in module.__all__ if n.endswith("Function")]
+    assert sorted(n for n in module.__all__ if n not in functions) == fns, (op, module.__all__, fns)
     assert len(functions) == len(fns), (op, functions, fns)
 
 
@@ -117,7 +116,6 @@ CHECKS = {
     "wiola_kernels/triton/<op>.py": _triton,
     "wiola_kernels/reference/<op>.py": _reference,
     "wiola_kernels/ops/<op>.py": _op_module,
-    "wiola_kernels/__init__.py": _exports,
     "docs/ops.md": _docs,
     "tests/test_<op>.py": _tests,
     "tests/op_cases.py": _op_case,

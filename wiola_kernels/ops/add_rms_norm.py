@@ -1,4 +1,4 @@
-"""Residual add + WiolaRMSNorm (SPEC §10.3): :func:`add_rms_norm`, the
+"""Residual add + WiolaRMSNorm in one pass (SPEC §10.3): :func:`add_rms_norm`, the
 :class:`AddRMSNormFunction` that drives its registered ops, and their kernels written in Python.
 
 Registered ops (declared in csrc/cpu/add_rms_norm.cpp):
@@ -29,6 +29,8 @@ from ..reference.add_rms_norm import add_rms_norm_forward as _reference_forward
 from ..validation import check_rank, check_same_device, check_same_dtype, check_tensor
 from . import distinct, needs_grad, register_fake, register_triton_cuda, registered, registered_ops
 from .rms_norm import check_rms_norm
+
+__all__ = ["AddRMSNormFunction", "add_rms_norm"]  # exported by wiola_kernels
 
 OP = "add_rms_norm"
 _ops = registered_ops("add_rms_norm", "add_rms_norm_backward")

@@ -1,6 +1,6 @@
-"""ATM greedy adjacent merge / unmerge (SPEC §6): :func:`atm_merge` / :func:`atm_unmerge`, the
-:class:`ATMMergeFunction` / :class:`ATMUnmergeFunction` that drive their registered ops, and
-their kernels written in Python.
+"""ATM greedy adjacent token merging, merge / unmerge (SPEC §6): :func:`atm_merge` /
+:func:`atm_unmerge`, the :class:`ATMMergeFunction` / :class:`ATMUnmergeFunction` that drive their
+registered ops, and their kernels written in Python.
 
 Registered ops (declared in csrc/cpu/atm.cpp from wiola/cuda_schemas.h):
 
@@ -34,6 +34,8 @@ from ..validation import (CUDA_KERNEL_DTYPES, Limits, can_read_values, check_len
                           check_rank, check_real, check_same_device, check_tensor)
 from . import distinct, needs_grad, register_fake, registered, registered_ops
 
+
+__all__ = ["ATMMergeFunction", "ATMUnmergeFunction", "atm_merge", "atm_unmerge"]  # exported by wiola_kernels
 
 OP = "atm"
 # The registered ops' overloads, looked up once: a call skips the overload resolution of

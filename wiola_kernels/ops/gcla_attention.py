@@ -1,5 +1,6 @@
-"""GCLA summary-augmented attention (SPEC §5.5): :func:`gcla_attention`, the
-:class:`GCLAAttentionFunction` that drives its registered ops, and their kernels written in Python.
+"""GCLA summary-augmented causal attention (SPEC §5.5): :func:`gcla_attention`, the
+:class:`GCLAAttentionFunction` that drives its registered ops, and their kernels written in
+Python.
 
 ``O = softmax_causal(q̃ k̃ᵀ/√d_h) v + σ(g) · softmax_λ(q kcᵀ/√d_h) vc`` per head, with kv
 group ``h mod H_kv``; see :mod:`wiola_kernels.reference.gcla_attention` for the maths.
@@ -47,6 +48,8 @@ from ..validation import (CUDA_KERNEL_DTYPES, INDEX_DTYPES, TRITON_GCLA_FP32_MAX
                           check_rank, check_same_device, check_same_dtype, check_shape, check_tensor)
 from . import distinct, gcla_attention_cuda, needs_grad, register_kernel, register_fake, registered, registered_ops
 
+
+__all__ = ["GCLAAttentionFunction", "gcla_attention"]  # exported by wiola_kernels
 
 OP = "gcla_attention"
 # The registered ops' overloads, looked up once: a call skips the overload resolution of

@@ -1,5 +1,5 @@
-"""Gated activations (SPEC §10.2): :func:`glu`, the :class:`GLUFunction` that drives its
-registered ops, and their kernels written in Python.
+"""Gated activations SiLU / GELU_tanh, DSFF's streams (SPEC §10.2): :func:`glu`, the
+:class:`GLUFunction` that drives its registered ops, and their kernels written in Python.
 
 Registered ops (declared in csrc/cpu/glu.cpp):
 
@@ -29,6 +29,8 @@ from ..reference.glu import glu_backward as _reference_backward
 from ..reference.glu import glu_forward as _reference_forward
 from ..validation import check_rank, check_same_device, check_same_dtype, check_tensor
 from . import distinct, needs_grad, register_fake, register_triton_cuda, registered, registered_ops
+
+__all__ = ["GLUFunction", "glu"]  # exported by wiola_kernels
 
 OP = "glu"
 _ops = registered_ops("glu", "glu_backward")

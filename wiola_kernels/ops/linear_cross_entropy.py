@@ -1,6 +1,6 @@
-"""Linear cross-entropy (SPEC §10.1): :func:`linear_cross_entropy`, the
-:class:`LinearCrossEntropyFunction` that drives its registered ops, and their kernels written
-in Python.
+"""Linear cross-entropy, the head's loss without the logits tensor (SPEC §10.1):
+:func:`linear_cross_entropy`, the :class:`LinearCrossEntropyFunction` that drives its registered
+ops, and their kernels written in Python.
 
 Registered ops (declared in csrc/cpu/linear_cross_entropy.cpp):
 
@@ -39,6 +39,8 @@ from ..validation import (INDEX_DTYPES, can_read_values, check_positive, check_r
                           check_same_device, check_same_dtype, check_tensor, dtype_name)
 from . import distinct, needs_grad, register_fake, register_kernel, registered, registered_ops
 
+
+__all__ = ["LinearCrossEntropyFunction", "linear_cross_entropy"]  # exported by wiola_kernels
 
 OP = "linear_cross_entropy"
 # The registered ops' overloads, looked up once: a call skips the overload resolution of

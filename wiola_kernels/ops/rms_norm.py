@@ -30,6 +30,8 @@ from ..validation import check_positive, check_rank, check_same_device, check_sh
 from . import distinct, needs_grad, register_fake, register_triton_cuda, registered, registered_ops
 
 
+__all__ = ["RMSNormFunction", "rms_norm"]  # exported by wiola_kernels
+
 OP = "rms_norm"
 # The registered ops' overloads, looked up once: a call skips the overload resolution of
 # ``torch.ops.wiola.<name>(...)``.

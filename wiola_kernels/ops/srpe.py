@@ -1,5 +1,5 @@
-"""SRPE (SPEC §4): :func:`srpe`, the :class:`SRPEFunction` that drives its registered ops, and
-their kernels written in Python.
+"""SRPE, the spiral rotary position encoding of Q and K (SPEC §4): :func:`srpe`, the
+:class:`SRPEFunction` that drives its registered ops, and their kernels written in Python.
 
 Registered ops (declared in csrc/cpu/srpe.cpp):
 
@@ -36,6 +36,8 @@ from ..validation import (bthd_hint, can_read_values, check_position_ids, check_
                           check_real, check_same_device, check_same_dtype, check_tensor)
 from . import distinct, needs_grad, register_kernel, register_fake, registered, registered_ops
 
+
+__all__ = ["SRPEFunction", "srpe"]  # exported by wiola_kernels
 
 OP = "srpe"
 # The registered ops' overloads, looked up once: a call skips the overload resolution of
