@@ -56,6 +56,13 @@ def _triton(op, fns):
     assert "def aot_launches(" in _read(f"wiola_kernels/triton/{op}.py"), op
 
 
+def _shapes(op, fns):
+    from wiola_kernels import shapes
+
+    assert op in shapes.CPU_DEFAULT_BENCH, f"{op}: no shape in shapes.CPU_DEFAULT_BENCH"
+    assert op in shapes.TINY_BENCH, f"{op}: no shape in shapes.TINY_BENCH"
+
+
 def _reference(op, fns):
     module = importlib.import_module(f"wiola_kernels.reference.{op}")
     from wiola_kernels import reference
@@ -65,6 +72,8 @@ def _reference(op, fns):
 
 
 def _op_module(op, fns):
+    """The op's module: its checks, registration, Function and public function, its exports (the
+    package's ``__all__`` is theirs) and its benchmark cases (bench and ``bench --overhead``)."""
     module = importlib.import_module(f"wiola_kernels.ops.{op}")
     assert getattr(module, "OP", None) == op
     for fn in fns:
@@ -76,6 +85,13 @@ def _op_module(op, fns):
     functions = [n for n in module.__all__ if n.endswith("Function")]
     assert sorted(n for n in module.__all__ if n not in functions) == fns, (op, module.__all__, fns)
     assert len(functions) == len(fns), (op, functions, fns)
+    from wiola_kernels.bench import all_cases
+    from wiola_kernels.bench.overhead import cases
+
+    assert op in {c.op for c in all_cases(torch.device("cpu"), small=True)}, op
+    names = {c.op for c in cases()}
+    for fn in fns:
+        assert fn in names, fn
 
 
 def _docs(op, fns):
@@ -96,31 +112,16 @@ def _op_case(op, fns):
     assert sorted(f.name for f in CASES[op].functions) == fns, (op, fns)
 
 
-def _bench_case(op, fns):
-    from wiola_kernels.bench import all_cases
-
-    assert op in {c.op for c in all_cases(torch.device("cpu"), small=True)}, op
-
-
-def _overhead_case(op, fns):
-    from wiola_kernels.bench.overhead import cases
-
-    names = {c.op for c in cases()}
-    for fn in fns:
-        assert fn in names, fn
-
-
 CHECKS = {
     "csrc/cpu/<op>.cpp": _schemas_and_cpu_kernel,
     "csrc/include/wiola/checks.h": _cpp_checks,
     "wiola_kernels/triton/<op>.py": _triton,
+    "wiola_kernels/shapes.py": _shapes,
     "wiola_kernels/reference/<op>.py": _reference,
     "wiola_kernels/ops/<op>.py": _op_module,
     "docs/ops.md": _docs,
     "tests/test_<op>.py": _tests,
     "tests/op_cases.py": _op_case,
-    "wiola_kernels/bench/cases.py": _bench_case,
-    "wiola_kernels/bench/overhead.py": _overhead_case,
 }
 
 

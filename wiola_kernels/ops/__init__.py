@@ -1,8 +1,8 @@
 """The op layer (CONTRIBUTING.md, "The op pattern"): per op, a module ``ops/<op>.py`` with the
 Python half of its registered ops ``wiola::<op>`` / ``wiola::<op>_backward`` (declared beside
 its CPU kernels in csrc/cpu/<op>.cpp: the fakes and the CUDA kernels written in Python), its
-argument checks ``check_<op>``, the ``torch.autograd.Function`` that drives them, and the
-public function. Shared helpers for those files live here; :func:`op_modules`
+argument checks ``check_<op>``, the ``torch.autograd.Function`` that drives them, the public
+function, and its benchmark cases. Shared helpers for those files live here; :func:`op_modules`
 finds them (the package and the bench read the op list from there, not from a list of names)."""
 
 from __future__ import annotations

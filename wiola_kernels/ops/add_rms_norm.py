@@ -22,7 +22,7 @@ from types import SimpleNamespace
 import torch
 from torch import Tensor
 
-from .. import dispatch
+from .. import dispatch, reference, shapes
 from ..dtypes import compute_dtype
 from ..reference.add_rms_norm import add_rms_norm_backward as _reference_backward
 from ..reference.add_rms_norm import add_rms_norm_forward as _reference_forward
@@ -187,3 +187,35 @@ def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, shift: Tensor | No
     y, s, _, _ = _forward(x, residual, weight, shift, eps, hf_order)
     return y, s
 
+
+# --- benchmark cases (wiola_kernels.bench: python -m wiola_kernels bench [--overhead]) -------------
+
+def bench_cases(device: torch.device, size: str) -> list[dict]:
+    """This op's benchmark cases at ``size`` (:data:`~wiola_kernels.shapes.BENCH_SIZES`; shapes
+    in :mod:`wiola_kernels.shapes`), as keyword arguments of ``wiola_kernels.bench.BenchCase``:
+    the residual add before each norm of a layer (x: the attention or DSFF output), as
+    rms_norm's; ``"tiny"`` (one decoding step's rows) is what ``bench --overhead`` times."""
+    rows, d = shapes.bench_shape(OP, shapes.ADD_RMS_NORM_BENCH, device, size)
+
+    def min_bytes(pass_, inputs, outputs, diff):
+        # Read x, residual, γ, δ; write y, s. The backward reads ∂L/∂y, ∂L/∂s and s again and
+        # writes one tensor, ∂L/∂x = ∂L/∂residual, plus ∂γ, ∂δ.
+        x, residual, weight, shift = inputs
+        row_tensor, params = x.numel() * x.element_size(), 2 * weight.numel() * weight.element_size()
+        fwd = 4 * row_tensor + params
+        return fwd if pass_ == "fwd" else fwd + 4 * row_tensor + params
+
+    def case(dtype: torch.dtype) -> dict:
+        def make_inputs():
+            g = torch.Generator(device="cpu").manual_seed(0)
+            x = torch.randn(rows, d, generator=g).to(device=device, dtype=dtype)
+            residual = torch.randn(rows, d, generator=g).to(device=device, dtype=dtype)
+            weight = (torch.rand(d, generator=g) + 0.5).to(device=device, dtype=dtype)
+            shift = (0.1 * torch.randn(d, generator=g)).to(device=device, dtype=dtype)
+            return x, residual, weight, shift
+
+        return dict(op=OP, shape=f"x, residual ({rows}, {d})", dtype=dtype, make_inputs=make_inputs,
+                    fused=lambda x, r, w, s: add_rms_norm(x, r, w, s, 1e-6),
+                    eager=lambda x, r, w, s: reference.add_rms_norm(x, r, w, s, 1e-6), min_bytes=min_bytes)
+
+    return [case(dtype) for dtype in shapes.bench_dtypes(device, size)]

@@ -28,7 +28,7 @@ from types import SimpleNamespace
 import torch
 from torch import Tensor
 
-from .. import dispatch
+from .. import dispatch, reference, shapes
 from ..reference import atm as ref
 from ..validation import (CUDA_KERNEL_DTYPES, Limits, can_read_values, check_lengths, check_position_ids,
                           check_rank, check_real, check_same_device, check_tensor)
@@ -311,3 +311,55 @@ def atm_unmerge(y: Tensor, index_map: Tensor) -> Tensor:
         return ATMUnmergeFunction.apply(y, index_map)
     return _unmerge(y, index_map)[0]
 
+
+# --- benchmark cases (wiola_kernels.bench: python -m wiola_kernels bench [--overhead]) -------------
+
+def bench_cases(device: torch.device, size: str) -> list[dict]:
+    """This op's benchmark cases at ``size`` (:data:`~wiola_kernels.shapes.BENCH_SIZES`; shapes
+    in :mod:`wiola_kernels.shapes`), as keyword arguments of ``wiola_kernels.bench.BenchCase``:
+    merge + unmerge at τ = 0.92 on random tokens with ~10% of adjacent pairs planted as
+    near-duplicates (cos ≈ 0.998; unplanted pairs have |cos| ≈ 0.03 at d = 1024). ``"tiny"``
+    (8 tokens) is what ``bench --overhead`` times call by call: one case per public function,
+    named after it."""
+    b, t, d = shapes.bench_shape(OP, shapes.ATM_BENCH, device, size)
+    dtype = torch.float32 if device.type == "cpu" else shapes.bench_dtype(device, size)
+    tau, planted = 0.92, 0.10
+    notes: dict = {"tau": tau, "planted_pair_rate": planted}
+
+    def tokens():
+        g = torch.Generator(device="cpu").manual_seed(0)
+        copy_prev = torch.rand(b, t, generator=g) < planted           # token t repeats token t-1
+        copy_prev[:, 0] = False
+        group = torch.cumsum(~copy_prev, dim=1) - 1                    # (B, T) source token
+        base = torch.randn(b, t, d, generator=g)
+        x = base.gather(1, group.unsqueeze(-1).expand(b, t, d)) + 0.05 * torch.randn(b, t, d, generator=g)
+        return x.to(device=device, dtype=dtype), torch.arange(t, device=device).expand(b, t).contiguous()
+
+    def make_inputs():
+        x, positions = tokens()
+        with torch.no_grad():
+            merged_len = reference.atm_merge(x, positions, tau)[2].double()
+        # Attention FLOPs scale with T² per row (a causal mask halves both sides alike).
+        notes["merged_token_pct"] = round(100.0 * float(1 - merged_len.sum() / (b * t)), 2)
+        notes["attention_flops_saved_pct"] = round(100.0 * float(1 - (merged_len ** 2).sum() / (b * t * t)), 2)
+        return x, positions
+
+    def fused(x, positions):
+        merged, _, _, index_map = atm_merge(x, positions, tau)
+        return atm_unmerge(merged, index_map)
+
+    def eager(x, positions):
+        merged, _, _, index_map = reference.atm_merge(x, positions, tau)
+        return reference.atm_unmerge(merged, index_map)
+
+    if size == "tiny":
+        def unmerge_inputs():
+            x, positions = tokens()
+            return x, reference.atm_merge(x, positions, tau)[3]
+
+        return [dict(op="atm_merge", shape=f"x ({b}, {t}, {d})", dtype=dtype, make_inputs=tokens,
+                     fused=lambda x, p: atm_merge(x, p, tau), eager=lambda x, p: reference.atm_merge(x, p, tau)),
+                dict(op="atm_unmerge", shape=f"y ({b}, {t}, {d})", dtype=dtype, make_inputs=unmerge_inputs,
+                     fused=atm_unmerge, eager=reference.atm_unmerge)]
+    return [dict(op=OP, shape=f"x ({b}, {t}, {d}), merge+unmerge", dtype=dtype, make_inputs=make_inputs,
+                 fused=fused, eager=eager, differentiable=(0,), notes=notes)]

@@ -38,7 +38,7 @@ from types import SimpleNamespace
 import torch
 from torch import Tensor
 
-from .. import dispatch
+from .. import dispatch, reference, shapes
 from ..dtypes import compute_dtype
 from ..outputs import in_layout_of, unit_last_stride
 from ..reference.gcla_attention import gcla_attention_backward as _reference_backward
@@ -293,3 +293,31 @@ def gcla_attention(q_rot: Tensor, k_rot: Tensor, v: Tensor, q: Tensor, kc: Tenso
         return GCLAAttentionFunction.apply(q_rot, k_rot, v, q, kc, vc, gate, lengths)
     return _forward(q_rot, k_rot, v, q, kc, vc, gate, lengths)[0]
 
+
+# --- benchmark cases (wiola_kernels.bench: python -m wiola_kernels bench [--overhead]) -------------
+
+def bench_cases(device: torch.device, size: str) -> list[dict]:
+    """This op's benchmark cases at ``size`` (:data:`~wiola_kernels.shapes.BENCH_SIZES`; shapes
+    in :mod:`wiola_kernels.shapes`), as keyword arguments of ``wiola_kernels.bench.BenchCase``:
+    wiola-360m attention (H 16, H_kv 4, d_h 64) with Λ' = 2 causal (prefix-mean) summaries;
+    ``"tiny"`` (one decoding token, one slot) is what ``bench --overhead`` times call by call."""
+    full = shapes.GCLA_BENCH if device.type == "cuda" else shapes.GCLA_BENCH_CPU
+    shape = shapes.bench_shape(OP, {"small": shapes.GCLA_BENCH_SMALL, "full": full}, device, size)
+    b, h, h_kv, t, lam = (shape[k] for k in ("B", "H", "H_kv", "T", "L"))
+    dh = shapes.GCLA_BENCH_HEAD_DIMS[0]
+    dtype = shapes.bench_dtype(device, size)
+
+    def make_inputs():
+        g = torch.Generator(device="cpu").manual_seed(0)
+
+        def r(*shape):
+            return torch.randn(*shape, generator=g).to(device=device, dtype=dtype)
+
+        gate = (-3.0 + 0.5 * torch.randn(h, generator=g)).to(device)
+        return r(b, h, t, dh), r(b, h_kv, t, dh), r(b, h_kv, t, dh), r(b, h, t, dh), r(b, h, t, lam, dh), \
+            r(b, h, t, lam, dh), gate
+
+    return [dict(op=OP, shape=f"q ({b}, {h}, {t}, {dh}), kv heads {h_kv}, Λ' {lam} causal", dtype=dtype,
+                 make_inputs=make_inputs, fused=gcla_attention, eager=reference.gcla_attention,
+                 tolerance_kind="attention",
+                 backward_rereads=tuple(range(7)))]  # attention's backward recomputes from every input

@@ -24,7 +24,7 @@ from types import SimpleNamespace
 import torch
 from torch import Tensor
 
-from .. import dispatch
+from .. import dispatch, reference, shapes
 from ..reference.glu import glu_backward as _reference_backward
 from ..reference.glu import glu_forward as _reference_forward
 from ..validation import check_rank, check_same_device, check_same_dtype, check_tensor
@@ -187,3 +187,28 @@ def glu(a: Tensor, b: Tensor | None = None, activation: str = "silu") -> Tensor:
         return GLUFunction.apply(a, b, activation)
     return _forward(a, b, activation)[0]
 
+
+# --- benchmark cases (wiola_kernels.bench: python -m wiola_kernels bench [--overhead]) -------------
+
+def bench_cases(device: torch.device, size: str) -> list[dict]:
+    """This op's benchmark cases at ``size`` (:data:`~wiola_kernels.shapes.BENCH_SIZES`; shapes
+    in :mod:`wiola_kernels.shapes`), as keyword arguments of ``wiola_kernels.bench.BenchCase``:
+    DSFF's narrow (SiLU, n) and wide (GELU_tanh, w) streams, u = x·[W1; W3]ᵀ of width 2n, one
+    projection's output, given to glu whole (the packed form: its gradient is one tensor);
+    ``"tiny"`` (one decoding token's) is what ``bench --overhead`` times call by call."""
+    dtype = shapes.bench_dtype(device, size)
+
+    def case(tokens: int, n: int, activation: str) -> dict:
+        def make_inputs():
+            g = torch.Generator(device="cpu").manual_seed(0)
+            return (torch.randn(tokens, 2 * n, generator=g).to(device=device, dtype=dtype),)
+
+        return dict(op=OP, shape=f"u ({tokens}, 2·{n}), {activation}", dtype=dtype, make_inputs=make_inputs,
+                    fused=lambda u: glu(u, None, activation), eager=lambda u: reference.glu(u, None, activation),
+                    backward_rereads=(0,))  # ∂a, ∂b recompute act(a) from u
+
+    if size in ("default", "tiny"):  # one stream: the narrow one
+        streams = [shapes.bench_shape(OP, {"full": shapes.GLU_BENCH["full"][0]}, device, size)]
+    else:
+        streams = shapes.GLU_BENCH[size]
+    return [case(*stream) for stream in streams]

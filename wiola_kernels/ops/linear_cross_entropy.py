@@ -29,7 +29,7 @@ from types import SimpleNamespace
 import torch
 from torch import Tensor
 
-from .. import dispatch
+from .. import dispatch, reference, shapes
 from ..dtypes import compute_dtype
 from ..outputs import empty_output
 from ..reference.linear_cross_entropy import denominator as _denominator
@@ -391,3 +391,30 @@ def linear_cross_entropy(h: Tensor, W: Tensor, labels: Tensor, ignore_index: int
     return _forward(h, W, labels, ignore_index, reduction, label_smoothing, softcap, z_loss,
                     _num_items(num_items, h.device if isinstance(h, Tensor) else torch.device("cpu")), _NO_GRAD)[0]
 
+
+# --- benchmark cases (wiola_kernels.bench: python -m wiola_kernels bench [--overhead]) -------------
+
+def bench_cases(device: torch.device, size: str) -> list[dict]:
+    """This op's benchmark cases at ``size`` (:data:`~wiola_kernels.shapes.BENCH_SIZES`; shapes
+    in :mod:`wiola_kernels.shapes`), as keyword arguments of ``wiola_kernels.bench.BenchCase``:
+    the wiola-360m head (tied embedding, V = 32000, d = 1024) on N = 4096 tokens, 5% of them
+    padding (ignore_index), float32 and bfloat16 on the CPU; ``"tiny"`` (one decoding step's
+    loss: 4 tokens, a 128-word head) is what ``bench --overhead`` times call by call."""
+    n, d, V = shapes.bench_shape(OP, shapes.LCE_BENCH, device, size)
+
+    def case(dtype: torch.dtype) -> dict:
+        def make_inputs():
+            g = torch.Generator(device="cpu").manual_seed(0)
+            h = torch.randn(n, d, generator=g).to(device=device, dtype=dtype)
+            W = (torch.randn(V, d, generator=g) * d ** -0.5).to(device=device, dtype=dtype)
+            labels = torch.randint(0, V, (n,), generator=g)
+            labels[torch.rand(n, generator=g) < 0.05] = -100
+            return h, W, labels.to(device)
+
+        return dict(op=OP, shape=f"h ({n}, {d}), W ({V}, {d})", dtype=dtype, make_inputs=make_inputs,
+                    fused=lambda h, W, y: linear_cross_entropy(h, W, y),
+                    eager=lambda h, W, y: reference.linear_cross_entropy(h, W, y),
+                    differentiable=(0, 1), backward_rereads=(0, 1, 2), tolerance_kind="attention",
+                    peak_memory=True, compute_bound=True)
+
+    return [case(dtype) for dtype in shapes.bench_dtypes(device, size)]

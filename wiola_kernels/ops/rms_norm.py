@@ -22,7 +22,7 @@ from types import SimpleNamespace
 import torch
 from torch import Tensor
 
-from .. import dispatch
+from .. import dispatch, reference, shapes
 from ..dtypes import compute_dtype
 from ..reference.rms_norm import rms_norm_backward as _reference_backward
 from ..reference.rms_norm import rms_norm_forward as _reference_forward
@@ -189,3 +189,26 @@ def rms_norm(x: Tensor, weight: Tensor, shift: Tensor | None = None, eps: float 
         return RMSNormFunction.apply(x, weight, shift, eps, hf_order)
     return _forward(x, weight, shift, eps, hf_order)[0]
 
+
+# --- benchmark cases (wiola_kernels.bench: python -m wiola_kernels bench [--overhead]) -------------
+
+def bench_cases(device: torch.device, size: str) -> list[dict]:
+    """This op's benchmark cases at ``size`` (:data:`~wiola_kernels.shapes.BENCH_SIZES`; shapes
+    in :mod:`wiola_kernels.shapes`), as keyword arguments of ``wiola_kernels.bench.BenchCase``;
+    ``"tiny"`` (one decoding step's rows) is what ``bench --overhead`` times call by call."""
+    rows, d = shapes.bench_shape(OP, shapes.RMS_NORM_BENCH, device, size)
+
+    def case(dtype: torch.dtype) -> dict:
+        def make_inputs():
+            g = torch.Generator(device="cpu").manual_seed(0)
+            x = torch.randn(rows, d, generator=g).to(device=device, dtype=dtype)
+            weight = (torch.rand(d, generator=g) + 0.5).to(device=device, dtype=dtype)
+            shift = (0.1 * torch.randn(d, generator=g)).to(device=device, dtype=dtype)
+            return x, weight, shift
+
+        return dict(op=OP, shape=f"x ({rows}, {d})", dtype=dtype, make_inputs=make_inputs,
+                    fused=lambda x, w, s: rms_norm(x, w, s, 1e-6),
+                    eager=lambda x, w, s: reference.rms_norm(x, w, s, 1e-6),
+                    backward_rereads=(0, 1, 2))  # ∂x needs z = x + δ and γ
+
+    return [case(dtype) for dtype in shapes.bench_dtypes(device, size)]

@@ -28,7 +28,7 @@ from types import SimpleNamespace
 import torch
 from torch import Tensor
 
-from .. import dispatch
+from .. import dispatch, reference, shapes
 from ..outputs import in_layout_of, unit_last_stride
 from ..reference.srpe import srpe as _reference_srpe
 from ..reference.srpe import srpe_backward as _reference_srpe_backward
@@ -290,3 +290,25 @@ def srpe(q: Tensor, k: Tensor, position_ids: Tensor, theta: float = 10000.0, spi
     return _forward(q, k, position_ids, theta, spiral_divisor, radial_amplitude, radial_frequency, inv_freq,
                     scale)[:2]
 
+
+# --- benchmark cases (wiola_kernels.bench: python -m wiola_kernels bench [--overhead]) -------------
+
+def bench_cases(device: torch.device, size: str) -> list[dict]:
+    """This op's benchmark cases at ``size`` (:data:`~wiola_kernels.shapes.BENCH_SIZES`; shapes
+    in :mod:`wiola_kernels.shapes`), as keyword arguments of ``wiola_kernels.bench.BenchCase``:
+    wiola-360m attention shapes (H = 16, H_kv = 4, d_h = 64); ``"tiny"`` (one decoding token)
+    is what ``bench --overhead`` times call by call."""
+    b, h, h_kv, t, dh = shapes.bench_shape(OP, shapes.SRPE_BENCH, device, size)
+    dtype = shapes.bench_dtype(device, size)
+
+    def make_inputs():
+        g = torch.Generator(device="cpu").manual_seed(0)
+        q = torch.randn(b, h, t, dh, generator=g).to(device=device, dtype=dtype)
+        k = torch.randn(b, h_kv, t, dh, generator=g).to(device=device, dtype=dtype)
+        positions = torch.arange(t, device=device).expand(b, t).contiguous()
+        return q, k, positions
+
+    return [dict(op=OP, shape=f"q ({b}, {h}, {t}, {dh}), k ({b}, {h_kv}, {t}, {dh})", dtype=dtype,
+                 make_inputs=make_inputs, fused=lambda q, k, p: srpe(q, k, p),
+                 eager=lambda q, k, p: reference.srpe(q, k, p),
+                 backward_rereads=(2,))]  # the rotation is linear: its backward needs the positions, not q or k
