@@ -5,11 +5,14 @@ kernels, and GPU-only marks."""
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import math
+import socket
 
 import pytest
 import torch
+import torch.utils._python_dispatch
 
 import wiola_kernels as wk
 from wiola_kernels._extension import cpu_kernel_isas
@@ -200,3 +203,35 @@ def randomise(model, seed=0):
                 v = r / math.sqrt(p.shape[1])
             p.copy_(v.to(p.dtype))
     return model
+
+
+class WiolaOpCalls(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the calls of the registered ops ``torch.ops.wiola.*`` (forward and backward) in
+    ``.calls``, by op name, while active."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "wiola":
+            self.calls[func._opname] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (for a test's process group)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def fsdp2_available() -> bool:
+    """torch.distributed with gloo and FSDP2's ``fully_shard`` (torch >= 2.6)."""
+    import torch.distributed as dist
+
+    try:
+        from torch.distributed.fsdp import fully_shard  # noqa: F401
+    except ImportError:
+        return False
+    return dist.is_available() and dist.is_gloo_available()

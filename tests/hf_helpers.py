@@ -131,6 +131,45 @@ def loss_and_grads(m, **batch):
     return out.loss.detach(), None if out.logits is None else out.logits.detach(), grads
 
 
+def recording_backend():
+    """``(backend, graphs)``: a ``torch.compile`` backend (``aot_eager``) that appends to
+    ``graphs`` the set of ops of each graph it compiles, its autograd bodies included."""
+    graphs: list[set[str]] = []
+    aot_eager = torch._dynamo.lookup_backend("aot_eager")
+
+    def backend(gm, example_inputs):
+        graphs.append({str(node.target) for sub in gm.modules() if isinstance(sub, torch.fx.GraphModule)
+                       for node in sub.graph.nodes if node.op == "call_function"})
+        return aot_eager(gm, example_inputs)
+
+    return backend, graphs
+
+
+#: The fused ops a patched model's training step runs (patch_hf swaps all four).
+FUSED_STEP_OPS = {"wiola.srpe.default", "wiola.rms_norm.default", "wiola.glu.default",
+                  "wiola.linear_cross_entropy.default"}
+
+
+def assert_compiled_step_matches_eager(m, batch: dict) -> None:
+    """``torch.compile(m, fullgraph=True)``'s training step on ``batch`` is one graph that runs
+    the fused ops, and its loss and gradients match the eager patched model's."""
+    from wiola_kernels.testing import rel_err
+
+    torch._dynamo.reset()
+    want = loss_and_grads(m, **batch)
+    backend, graphs = recording_backend()
+    compiled = torch.compile(m, fullgraph=True, backend=backend)
+    loss, logits, grads = loss_and_grads(compiled, **batch)
+    assert len(graphs) == 1 and FUSED_STEP_OPS <= graphs[0]  # fused, one graph
+    assert rel_err(loss, want[0]) <= 1e-6 and logits is None and want[1] is None
+    grads = {name.removeprefix("_orig_mod."): g for name, g in grads.items()}
+    assert grads.keys() == want[2].keys()
+    for name, grad in grads.items():
+        assert rel_err(grad, want[2][name]) <= 1e-5, name
+    del compiled
+    torch._dynamo.reset()
+
+
 def model_tester_case(family: str, seed: int = 0):
     """The model and inputs of Hugging Face's own ``<Family>ModelTester`` (its test suite's
     tiny config: d 32, 4 heads of 8, no GQA, MLP width 37, vocabulary 99, batch 13 × 7

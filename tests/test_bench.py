@@ -291,3 +291,28 @@ def test_rows_are_printed_as_they_are_measured(autograd_warm):
     assert before[0].split()[:3] == ["op", "dtype", "pass"] and not any(ln.startswith("second") for ln in before[:-1])
     first_rows = [ln for ln in before if ln.startswith("first")]
     assert all(ln.rstrip().endswith("x (8, 16)") for ln in first_rows)  # complete rows, shape last
+
+
+def test_time_alternating_times_what_fits_and_says_why_for_the_rest():
+    """The public face of the alternating timing (python -m wiola bench --full uses it): a run
+    past its budget is stopped, one that raises is reported, the others are timed."""
+    from wiola_kernels.bench.runner import time_alternating
+
+    calls = {"fast": 0, "slow": 0, "slow done": 0}
+
+    def fast():
+        calls["fast"] += 1
+
+    def slow():
+        calls["slow"] += 1
+        time.sleep(30)
+        calls["slow done"] += 1
+
+    def broken():
+        raise ValueError("boom\nsecond line")
+
+    ms, skipped = time_alternating({"fast": fast, "slow": slow, "broken": broken}, torch.device("cpu"), 3, 0.3)
+    assert set(ms) == {"fast"} and ms["fast"] >= 0 and calls["fast"] == 2 + 3  # 2 warm-up runs, 3 rounds
+    assert skipped["slow"] == "> 0.3 s, skipped (the first run unfinished at 0.3 s)"
+    assert calls == {"fast": 5, "slow": 1, "slow done": 0}  # stopped, not left to run
+    assert skipped["broken"] == "failed: ValueError: boom"

@@ -252,17 +252,19 @@ def test_generate_streams_tokens_as_they_come():
 def test_bench_prints_progress_and_checks_in_the_parent(monkeypatch, capsys):
     calls = []
 
-    def fake_subprocess(target, args, *rest):
+    def fake_subprocess(target, args, *rest, limit_s=None):
         calls.append(target.__name__)
         if target is wiola_bench._timing:
-            results = [dict(backend=b, atm=atm, step_s=0.1, steps_s=[0.1], tokens_per_s=100.0, ops={})
+            results = [dict(backend=b, atm=atm, step_s=0.1, steps_s=[0.1], tokens_per_s=100.0, ops={},
+                            peak_rss_mb=None, step_peak_mb=None, skipped=None)
                        for b, atm in (("auto", False), ("reference", False), ("auto", True), ("reference", True))]
-            return dict(results=results, threads=1, atm_merged_fraction=0.25,
-                        atm_flops=dict(off=4e9, on=3e9, merged_layers_off=2e9, merged_layers_on=1e9))
+            return dict(results=results, threads=1, atm_merged_fraction=0.25, atm_lengths=[[8, 6], [4, 4]])
         return dict(peak_rss_mb=100.0, step_peak_mb=10.0)
 
     monkeypatch.setattr(wiola_bench, "_subprocess", fake_subprocess)
-    wiola_bench.main(["--full", "--steps", "1"])
+    flops = dict(off=4e9, on=3e9, merged_layers_off=2e9, merged_layers_on=1e9)
+    monkeypatch.setattr(wiola_bench, "_atm_flops", lambda args, lengths: flops if lengths == [[8, 6], [4, 4]] else {})
+    wiola_bench.main(["--full", "--steps", "1", "--threads", "1"])
     captured = capsys.readouterr()
     assert calls == ["_timing"] + ["_memory"] * 4
     assert "[bench] timing" in captured.err and captured.err.count("[bench] memory") == 4
@@ -271,16 +273,17 @@ def test_bench_prints_progress_and_checks_in_the_parent(monkeypatch, capsys):
 
 
 def test_wiola_bench_default_runs_in_this_process_and_prints_each_row_when_done(monkeypatch, capsys):
-    """Without --full no process is spawned and each case's row is out before the next case runs."""
+    """Without --full no process is spawned and each case's row is out before the next case runs
+    (the three cases of the default: fused vs reference with ATM off, fused with ATM on)."""
     import wiola_kernels
 
     monkeypatch.setattr(wiola_kernels.ATMMergeFunction, "apply", wiola_kernels.ATMMergeFunction.apply)  # undo
     monkeypatch.setattr(wiola_bench, "_subprocess", lambda *a: pytest.fail("a benchmark process was started"))
     real, printed_before = wiola_bench._in_process, []
 
-    def in_process(args, backend, atm):
+    def in_process(args, backend, atm, budget_s):
         printed_before.append(capsys.readouterr().out)
-        return real(args, backend, atm)
+        return real(args, backend, atm, budget_s)
 
     monkeypatch.setattr(wiola_bench, "_in_process", in_process)
     results = wiola_bench.main(["--d", "32", "--layers", "2", "--heads", "4", "--kv-heads", "2", "--seq", "16",
@@ -288,11 +291,11 @@ def test_wiola_bench_default_runs_in_this_process_and_prints_each_row_when_done(
     printed_before.append(capsys.readouterr().out)
     rows = [[ln for ln in out.splitlines() if re.match(r"\s+(auto|reference)\s+(on|off)\s", ln)]
             for out in printed_before]
-    assert [len(r) for r in rows] == [0, 1, 1, 1, 1]  # one row out between two cases, the last at the end
+    assert [len(r) for r in rows] == [0, 1, 1, 1]  # one row out between two cases, the last at the end
     assert "tok/s" in printed_before[0] and "step +MiB" in printed_before[0]
-    assert [(r["backend"], r["atm"]) for r in results] == [("auto", False), ("reference", False), ("auto", True),
-                                                           ("reference", True)]
+    assert [(r["backend"], r["atm"]) for r in results] == [("auto", False), ("reference", False), ("auto", True)]
     assert all(r["tokens_per_s"] > 0 and r["step_peak_mb"] >= 0 and r["peak_rss_mb"] is None for r in results)
+    assert all(r["skipped"] is None and len(r["steps_s"]) == 1 for r in results)
     assert "fused/reference (ATM off)" in printed_before[-1]
 
 
@@ -311,7 +314,7 @@ def test_a_failing_benchmark_process_is_reported_not_waited_for():
 
     def call():
         try:
-            wiola_bench._subprocess(wiola_bench._memory, bad, "reference", False)
+            wiola_bench._subprocess(wiola_bench._memory, bad, "reference", False, 60.0)
         except RuntimeError as exc:
             outcome["error"] = str(exc)
 

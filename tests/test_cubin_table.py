@@ -13,6 +13,17 @@ Python launchers make at the GPU test and bench shapes (``aot_launches``):
 * every entry's metadata is launchable: num_warps, ``.reqntid``, shared memory within the
   architecture's limit, one CTA, no scratch memory, no cooperative launch.
 
+The runtime table (``wiola_kernels/triton/runtime_table.py``: what the Python launcher compiles
+for a call the table lacks, registered for C++ to launch next time), through the extension:
+
+* at shapes and dtypes outside the table, the key the Python launcher registers under (Triton's
+  binder on its real arguments) is the key C++ builds for the same arguments;
+* a kernel compiled for sm_90 and registered under that key is found by the next lookup and
+  packs as its PTX says; for a variant the static generator also compiled, what the runtime
+  table stores is the static entry; a key Triton's specialisation does not give is refused;
+* ``run`` registers each pending miss once and warns once per kernel when it cannot; the C++
+  table is safe under concurrent registration (the driver's ``--runtime`` checks).
+
 Also: Triton's specialisation rules at edge values (1, multiples of 16, past int32,
 misaligned pointers), the table without Triton (the fallback build), and that no op the C++
 launches registers a Python function for its CUDA dispatch key.
@@ -27,6 +38,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -39,7 +51,8 @@ pytestmark = pytest.mark.skipif(CXX is None, reason="no C++ compiler")
 ARCHS = (90, 80)
 
 #: Triton's element type names (the C++ dtype_name) of the dtypes the kernels take.
-TRITON_DTYPE = {torch.float32: "fp32", torch.float64: "fp64", torch.bfloat16: "bf16", torch.float16: "fp16"}
+TRITON_DTYPE = {torch.float32: "fp32", torch.float64: "fp64", torch.bfloat16: "bf16", torch.float16: "fp16",
+                torch.int64: "i64"}
 #: PTX parameter types by size in bytes.
 PTX_SIZES = {"u8": 1, "s8": 1, "b8": 1, "u16": 2, "s16": 2, "b16": 2, "f16": 2, "u32": 4, "s32": 4, "b32": 4,
              "f32": 4, "u64": 8, "s64": 8, "b64": 8, "f64": 8}
@@ -61,7 +74,7 @@ def _generate(out: Path, *extra: str) -> None:
 
 def _build(table_dir: Path) -> Path:
     exe = table_dir / "triton_table_test"
-    cmd = [CXX, "-std=c++20", "-O1", "-Wall", "-Werror", f"-I{ROOT / 'csrc' / 'include'}",
+    cmd = [CXX, "-std=c++20", "-O1", "-Wall", "-Werror", "-pthread", f"-I{ROOT / 'csrc' / 'include'}",
            str(ROOT / "csrc" / "tests" / "triton_table_test.cpp"), str(table_dir / cubin_table.GENERATED_CPP),
            "-o", str(exe)]
     proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -107,18 +120,27 @@ def params_mismatch(packed: list[int], ptx: list[int]) -> str | None:
     return None
 
 
+def _is_pointer(a) -> bool:
+    return isinstance(a, (aot.DevicePointer, torch.Tensor))
+
+
 def _line(launch: aot.Launch, arch: int, sms: int) -> str:
-    """The driver's input line for a launch (glu's or rms_norm's kernels)."""
+    """The driver's input line for a launch (glu's, rms_norm's or srpe's kernels; pointers as
+    DevicePointer stand-ins or the tensors a launcher passed)."""
     c = launch.constexprs
     dtype = TRITON_DTYPE[launch.args[0].dtype]
-    ptrs = [a.data_ptr() for a in launch.args if isinstance(a, aot.DevicePointer)]
-    ints = [a for a in launch.args if not isinstance(a, aot.DevicePointer)]
+    ptrs = [a.data_ptr() for a in launch.args if _is_pointer(a)]
+    ints = [a for a in launch.args if not _is_pointer(a)]
     if launch.name == "_glu_fwd_kernel":
         return " ".join(map(str, ["glu_fwd", dtype, c["ACT"], *ints, *ptrs, sms, arch]))
     if launch.name == "_glu_bwd_kernel":
         return " ".join(map(str, ["glu_bwd", dtype, c["ACT"], *ints, *ptrs, sms, arch]))
-    typed = [f"{TRITON_DTYPE[a.dtype]}:{a.data_ptr()}" for a in launch.args if isinstance(a, aot.DevicePointer)]
+    typed = [f"{TRITON_DTYPE[a.dtype]}:{a.data_ptr()}" for a in launch.args if _is_pointer(a)]
     flag = {True: 1, False: 0}
+    if launch.name == "_srpe_kernel":
+        bt, t, h, h_kv, half, *strides = ints
+        return " ".join(map(str, ["srpe", dtype, flag[c["TRANSPOSE"]], bt // t, t, h, h_kv, half, *strides, sms, arch,
+                                  *ptrs]))
     if launch.name == "_rms_norm_fwd_kernel":
         rows, d, eps = ints
         return " ".join(map(str, ["rms_fwd", rows, d, repr(eps), flag[c["IS_FP64"]], flag[c["HAS_SHIFT"]],
@@ -145,7 +167,7 @@ def _parse(out: str) -> dict:
     fields = dict(f.split("=", 1) for f in rest)
     sizes = [int(s) for s in fields["sizes"].split(",")] if fields.get("sizes") else []
     return {"key": key, "index": int(index), "grid": int(fields["grid"]), "warps": int(fields["warps"]),
-            "sizes": sizes, "error": fields.get("error")}
+            "sizes": sizes, "error": fields.get("error"), "runtime": fields.get("runtime") == "1"}
 
 
 def _choices(exe: Path, *flags: str):
@@ -357,7 +379,8 @@ def test_no_wired_op_registers_a_python_cuda_kernel():
     ``register_kernel("<op>", "CUDA", ...)`` in the Python sources; its Python launcher is
     only the fallback op ``_triton_<op>``."""
     wired = _cpp_triton_ops()
-    assert {"glu", "glu_backward", "rms_norm", "rms_norm_backward", "add_rms_norm", "add_rms_norm_backward"} <= wired
+    assert {"glu", "glu_backward", "rms_norm", "rms_norm_backward", "add_rms_norm", "add_rms_norm_backward", "srpe",
+            "srpe_backward"} <= wired
     impl = {}
     for path in (ROOT / "csrc" / "cuda").glob("triton_*_binding.cpp"):
         text = path.read_text()
@@ -390,6 +413,277 @@ def test_fallback_op_schemas_parse_and_mirror_the_ops():
         assert [(a.name, str(a.type)) for a in fallback.arguments] == [(a.name, str(a.type))
                                                                       for a in defs[op].arguments], op
         assert [str(r.type) for r in fallback.returns] == [str(r.type) for r in defs[op].returns], op
+
+
+# ---- the runtime table: what the Python launcher compiles for a call the table lacks --------------
+
+def _extension_hooks():
+    """The extension's runtime-table hooks, its keys named with this Triton's num_stages where the
+    build has no table (as the Python launcher reports them on the first miss)."""
+    from wiola_kernels import _extension
+
+    module = _extension._load()[0]
+    if module is None or not hasattr(module, "_triton_plan"):
+        pytest.skip("needs the C++ extension with the runtime table's hooks")
+    if module._triton_num_stages() == 0:
+        module._triton_report_num_stages(aot.DEFAULT_NUM_STAGES)
+    return module
+
+
+def _outside_cases() -> dict:
+    """Calls of the ops' Python launchers (what ``wiola::_triton_<op>`` runs) at shapes and dtypes
+    the test and bench lists do not hold: odd widths, bf16 x with float32 γ/δ, a misaligned half."""
+    from wiola_kernels import dispatch
+    from wiola_kernels.ops import add_rms_norm as oa
+    from wiola_kernels.ops import glu as og
+    from wiola_kernels.ops import rms_norm as orn
+
+    g = torch.Generator().manual_seed(0)
+
+    def t(*shape, dtype=torch.bfloat16):
+        return torch.randn(*shape, generator=g).to(dtype)
+
+    u, gu = t(5, 666), t(5, 333)                      # packed, n = 333: b is 666 bytes in
+    a, b, ga = t(3, 40, dtype=torch.float32), t(3, 40, dtype=torch.float32), t(3, 40, dtype=torch.float32)
+    h, gh = t(2, 2002, dtype=torch.float16), t(2, 1001, dtype=torch.float16)  # packed, n odd
+    x, r, gy = t(7, 777), t(7, 777), t(7, 777)
+    w32, s32, rstd = t(777, dtype=torch.float32), t(777, dtype=torch.float32), torch.ones(7)
+    xf, wb = t(1, 5000, dtype=torch.float32), t(5000)
+    qv, kv = t(2, 37, 6, 96).transpose(1, 2), t(2, 37, 2, 96).transpose(1, 2)
+    q4, k4, freq = t(1, 4, 9, 40, dtype=torch.float32), t(1, 4, 9, 40, dtype=torch.float32), torch.rand(20, generator=g)
+    q16, k16 = t(3, 2, 5, 256, dtype=torch.float16), t(3, 1, 5, 256, dtype=torch.float16)
+    pos = torch.arange(15, dtype=torch.int32).view(3, 5)
+    srpe_fwd, srpe_bwd = dispatch.kernels("srpe", "triton").forward, dispatch.kernels("srpe", "triton").backward
+    return {
+        "glu packed bf16 n=333": lambda: og._triton_forward(u, None, "silu"),
+        "glu_backward packed bf16 n=333": lambda: og._triton_backward(gu, u, None, "silu"),
+        "glu fp32 separate gelu_tanh": lambda: og._triton_forward(a, b, "gelu_tanh"),
+        "glu_backward fp32 separate": lambda: og._triton_backward(ga, a, b, "gelu_tanh"),
+        "glu_backward packed fp16 n=1001": lambda: og._triton_backward(gh, h, None, "silu"),
+        "rms_norm bf16 x, fp32 weight and shift": lambda: orn._triton_forward(x, w32, s32, 1e-6, False),
+        "rms_norm hf_order, no shift": lambda: orn._triton_forward(x, w32, None, 1e-6, True),
+        "rms_norm fp32 x, bf16 weight, one wide row": lambda: orn._triton_forward(xf, wb, None, 1e-6, False),
+        "rms_norm_backward bf16 x, fp32 weight and shift": lambda: orn._triton_backward(gy, x, w32, s32, rstd),
+        "add_rms_norm bf16 x, fp32 weight": lambda: oa._triton_forward(x, r, w32, None, 1e-6, False),
+        "add_rms_norm_backward with grad_s": lambda: oa._triton_backward(gy, gy, x, w32, s32, rstd),
+        "srpe bf16 (B, T, H, d_h) views, d_h = 96": lambda: srpe_fwd(qv, kv, torch.arange(37)),
+        "srpe_backward fp32, given inv_freq and scale": lambda: srpe_bwd(q4, k4, torch.arange(9), 10000.0, 8.0, 0.1,
+                                                                          0.01, freq, 0.5),
+        "srpe fp16 d_h = 256, int32 (B, T) positions": lambda: srpe_fwd(q16, k16, pos),
+    }
+
+
+def _recorded(call, setattr_) -> list[aot.Launch]:
+    """The launches ``call`` makes through ``runtime_table.run`` (recorded, not run), with their
+    real tensors, on an H200 (its SM count)."""
+    from wiola_kernels.triton import glu as tg
+    from wiola_kernels.triton import rms_norm as tr
+    from wiola_kernels.triton import srpe as ts
+
+    launches = []
+
+    def record(kernel, grid, *args, num_warps, **constexprs):
+        launches.append(aot.Launch(kernel, args, constexprs, num_warps, aot.DEFAULT_NUM_STAGES, grid, "runtime"))
+
+    for mod in (tg, tr, ts):
+        setattr_(mod, "run", record)
+        setattr_(mod, "sm_count", lambda device: aot.GPUS["sm_90"].sms)
+    call()
+    return launches
+
+
+@pytest.mark.parametrize("case", list(_outside_cases()))
+def test_runtime_keys_match_cpp_outside_the_table(table, monkeypatch, case):
+    """For calls whose variants the table lacks, the key the Python launcher registers under
+    (Triton's binder on the launcher's real arguments, runtime_table.launch_key) is the key C++
+    builds for the same arguments (the binding's launch builders and key(), through the extension),
+    with the same grid and warps."""
+    from wiola_kernels.triton import runtime_table
+
+    _, manifest, _ = table
+    cpp = _extension_hooks()
+    gpu = aot.GPUS["sm_90"]
+    static = {e["key"] for e in manifest["entries"] if e["arch"] == gpu.capability}
+    launches = _recorded(_outside_cases()[case], monkeypatch.setattr)
+    assert launches
+    assert launches[0].name != "_norm_partials_sum_kernel"
+    for launch in launches:
+        _, _, key = runtime_table.launch_key(launch.kernel, launch.args, launch.constexprs, launch.num_warps,
+                                             gpu.capability)
+        got = _parse(cpp._triton_plan(_line(launch, gpu.capability, gpu.sms)))
+        assert got["key"] == key, case
+        assert (got["grid"], got["warps"]) == (launch.grid, launch.num_warps), case
+    # The call's first kernel is outside the table (its sums kernel may share a variant with one in it).
+    _, _, first = runtime_table.launch_key(launches[0].kernel, launches[0].args, launches[0].constexprs,
+                                           launches[0].num_warps, gpu.capability)
+    assert first not in static, f"{case}: {first} is in the table; pick a shape outside it"
+
+
+# Runs without TRITON_INTERPRET (compiling needs the real JITFunctions) and with the extension:
+# compiles kernels for sm_90 as the Python launcher's JIT would, registers them as run() does,
+# and reports what C++ then finds and packs.
+_REGISTER_PROBE = r"""
+import json, sys
+sys.path.insert(0, sys.argv[1])
+import test_cubin_table as T
+from wiola_kernels import _extension
+from wiola_kernels.triton import aot, runtime_table
+
+cpp = T._extension_hooks()
+gpu = aot.GPUS["sm_90"]
+launches = {}
+for _, launch in T._launches(gpu.capability):   # one static-table variant of each kernel
+    launches.setdefault("static " + launch.name, launch)
+for case in ("glu packed bf16 n=333", "rms_norm_backward bf16 x, fp32 weight and shift",
+             "srpe bf16 (B, T, H, d_h) views, d_h = 96"):
+    for i, launch in enumerate(T._recorded(T._outside_cases()[case], setattr)):
+        launches[f"{case} #{i}"] = launch
+out = {}
+for name, launch in launches.items():
+    line = T._line(launch, gpu.capability, gpu.sms)
+    before = T._parse(cpp._triton_plan(line))
+    compiled = aot.compile_launch(launch, gpu)
+    args = (launch.kernel, compiled, launch.args, launch.constexprs, launch.num_warps)
+    wrong = before["key"].replace("/16", "", 1) if "/16" in before["key"] else before["key"].replace("]", ",x]")
+    refused = runtime_table.register(*args, wrong, gpu.capability)
+    reason = runtime_table.register(*args, before["key"], gpu.capability)
+    again = runtime_table.register(*args, before["key"], gpu.capability)
+    after = T._parse(cpp._triton_plan(line))
+    _, sizes, _ = T._ptx_entry(compiled.asm["ptx"])
+    out[name] = {"before": before, "after": after, "refused": refused, "wrong": wrong, "reason": reason,
+                 "again": again, "ptx_sizes": sizes, "cubin_size": len(compiled.asm["cubin"]),
+                 "function": compiled.metadata.name}
+# The path a C++ miss takes: pending misses set as the C++ lookup sets them, then the Python
+# launcher's run() (its kernel launch standing in: it returns the compiled kernel).
+class Launched:
+    def __init__(self, launch, compiled):
+        self.fn, self.compiled = launch.kernel.fn, compiled
+    def __getitem__(self, grid):
+        return lambda *args, **kw: self.compiled
+(launch,) = T._recorded(T._outside_cases()["glu fp32 separate gelu_tanh"], setattr)
+line = T._line(launch, gpu.capability, gpu.sms)
+miss = T._parse(cpp._triton_plan(line))
+kernel = Launched(launch, aot.compile_launch(launch, gpu))
+runtime_table._pending = cpp._triton_pending  # the CUDA build's choice (this build has no CUDA kernels)
+cpp._triton_set_pending([(launch.name, miss["key"], gpu.capability, -1)])
+runtime_table.run(kernel, launch.grid, *launch.args, num_warps=launch.num_warps, **launch.constexprs)
+count = len(cpp._triton_registered())
+runtime_table.run(kernel, launch.grid, *launch.args, num_warps=launch.num_warps, **launch.constexprs)
+cpp._triton_set_pending([])
+out["run"] = {"before": miss, "after": T._parse(cpp._triton_plan(line)),
+              "registered_twice": len(cpp._triton_registered()) != count}
+print(json.dumps({"launches": out, "registered": cpp._triton_registered()}))
+"""
+
+
+@pytest.fixture(scope="module")
+def registered(table):
+    """The probe's answer (see _REGISTER_PROBE)."""
+    env = {k: v for k, v in _env().items() if k != "WIOLA_DISABLE_EXTENSION"}
+    proc = subprocess.run([sys.executable, "-W", "ignore", "-c", _REGISTER_PROBE, str(ROOT / "tests")], env=env,
+                          capture_output=True, text=True, cwd=ROOT)
+    if proc.returncode != 0 and "needs the C++ extension" in proc.stderr:
+        pytest.skip("needs the C++ extension with the runtime table's hooks")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_registered_variant_is_found_and_packs_as_the_static_generator(table, registered):
+    """A kernel registered at run time under the key C++ built is found by the next lookup (where
+    the static table does not have it first), its packed arguments are its PTX ``.entry``
+    parameters, and what the runtime table stores for a variant the static generator also
+    compiled is the static entry: function, warps, shared memory, parameter layout, scratch
+    pointers. A key Triton's specialisation does not give is refused, and registering twice
+    keeps the first. A miss left pending as the C++ lookup leaves it reaches the same
+    registration through runtime_table.run and the extension's pending list, once."""
+    _, manifest, _ = table
+    static = {(e["arch"], e["key"]): e for e in manifest["entries"]}
+    stored = {(r["arch"], r["key"]): r for r in registered["registered"]}
+    assert len(stored) == len(registered["registered"])
+    run = registered["launches"].pop("run")  # a pending miss through runtime_table.run
+    assert not run["before"]["runtime"] and run["after"]["runtime"] and not run["registered_twice"]
+    assert run["after"]["key"] == run["before"]["key"] and run["after"]["error"] is None
+    kernels = set()
+    for name, got in registered["launches"].items():
+        before, after = got["before"], got["after"]
+        assert not before["runtime"], name
+        assert got["reason"] is None and got["again"] is None, (name, got["reason"])
+        assert got["refused"] is not None and "specialises it as" in got["refused"], name
+        assert (90, got["wrong"]) not in stored, name
+        if before["index"] < 0:  # the extension's own table lacks it: now the runtime table has it
+            assert after["runtime"] and after["error"] is None, name
+            assert params_mismatch(after["sizes"], got["ptx_sizes"]) is None, (name, after["sizes"], got["ptx_sizes"])
+        r = stored[(90, before["key"])]
+        assert (r["function"], r["cubin_size"]) == (got["function"], got["cubin_size"]), name
+        if name.startswith("static "):
+            e = static[(90, before["key"])]
+            assert r["function"] == e["function"] and r["num_warps"] == e["num_warps"], name
+            assert (r["shared"], r["num_ctas"], r["scratch_pointers"]) == (e["shared"], e["num_ctas"],
+                                                                           e["scratch_pointers"]), name
+            assert [tuple(p) for p in r["params"]] == [(p["kind"], p["arg"]) for p in e["params"]], name
+            kernels.add(r["kernel"])
+        else:
+            assert before["key"] not in {k for _, k in static} or name.endswith("#1"), name
+    assert kernels == {"_glu_fwd_kernel", "_glu_bwd_kernel", "_rms_norm_fwd_kernel", "_rms_norm_bwd_kernel",
+                       "_norm_partials_sum_kernel", "_srpe_kernel"}
+
+
+def test_runtime_table_is_thread_safe_and_refuses_what_it_cannot_launch(table):
+    """The driver's --runtime checks: concurrent registrations and lookups, each key stored once
+    with its own cubin and packed as its layout says; scratch memory or clusters refused; the
+    pending misses scoped to one op call (a nested call keeps its own)."""
+    _, _, exe = table
+    assert _run(exe, [], "--runtime") == ["ok"]
+
+
+class _Compiled:
+    """Stands in for the kernel Triton's JIT returns."""
+
+
+class _FakeKernel:
+    """``kernel[grid](...)`` returning a fixed compiled kernel; named as a real kernel."""
+
+    def __init__(self, name):
+        self.fn = SimpleNamespace(__name__=name)
+        self.compiled = _Compiled()
+
+    def __getitem__(self, grid):
+        return lambda *args, **kw: self.compiled
+
+
+def test_run_registers_each_pending_miss_once_and_warns_once_when_it_cannot(monkeypatch):
+    """runtime_table.run: a launch whose kernel the C++ missed on this call is registered under
+    the key C++ built (once: a key tried is not tried again); a kernel C++ did not miss is not;
+    a registration refused warns once per kernel and does not fail the launch."""
+    import warnings
+
+    from wiola_kernels.triton import runtime_table
+
+    calls = []
+    answers = {"K1": None, "K2": "Triton 9 specialises it as other", "K3": "again"}
+    monkeypatch.setattr(runtime_table, "_done", set())
+    monkeypatch.setattr(runtime_table, "_warned", set())
+    monkeypatch.setattr(runtime_table, "register", lambda kernel, compiled, args, constexprs, num_warps, key, arch,
+                        device: calls.append((kernel.fn.__name__, compiled, key, arch, device)) or answers[key])
+    misses = []
+    monkeypatch.setattr(runtime_table, "_pending_misses", lambda: misses)
+    fwd, bwd = _FakeKernel("_glu_fwd_kernel"), _FakeKernel("_glu_bwd_kernel")
+    assert runtime_table.run(fwd, 4, 1, 2, num_warps=4, BLOCK=8) is fwd.compiled  # nothing pending
+    misses[:] = [("_glu_bwd_kernel", "K1", 90, 0)]
+    runtime_table.run(fwd, 4, num_warps=4)                                          # another kernel's miss
+    assert calls == []
+    runtime_table.run(bwd, 4, num_warps=4)
+    runtime_table.run(bwd, 4, num_warps=4)                                          # tried already
+    assert calls == [("_glu_bwd_kernel", bwd.compiled, "K1", 90, 0)]
+    misses[:] = [("_glu_fwd_kernel", "K2", 80, 1)]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        runtime_table.run(fwd, 4, num_warps=4)
+        misses[:] = [("_glu_fwd_kernel", "K3", 80, 1)]
+        runtime_table.run(fwd, 4, num_warps=4)
+    assert [c[2] for c in calls] == ["K1", "K2", "K3"]
+    assert len(caught) == 1 and "cannot be launched from C++" in str(caught[0].message)
+    assert "Triton 9 specialises it as other" in str(caught[0].message)
 
 
 # ---- on a GPU: the C++ launches themselves (skipped without one) -------------------------------
@@ -431,6 +725,13 @@ def _gpu_cases():
                                          lambda: ops._triton_rms_norm_backward(gyb, xb, wb, None, rstd_b))
     out["add_rms_norm_backward"] = (lambda: ops.add_rms_norm_backward(gy, gs, x, w, s, rstd),
                                     lambda: ops._triton_add_rms_norm_backward(gy, gs, x, w, s, rstd))
+    # srpe at a test shape, (B, H, T, d_h)-contiguous with (B, T) positions, as the table holds it.
+    q, k = t(3, 16, 257, 64), t(3, 4, 257, 64)
+    pos = torch.arange(3 * 257, device="cuda").view(3, 257)
+    params = (10000.0, 8.0, 0.1, 0.01, None, 1.0)
+    out["srpe"] = (lambda: ops.srpe(q, k, pos, *params), lambda: ops._triton_srpe(q, k, pos, *params))
+    out["srpe_backward"] = (lambda: ops.srpe_backward(q, k, pos, *params),
+                            lambda: ops._triton_srpe_backward(q, k, pos, *params))
     return out
 
 
@@ -441,7 +742,7 @@ def _tensors(out) -> list:
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("op", ["glu", "rms_norm", "add_rms_norm", "rms_norm_backward", "rms_norm_backward no shift",
-                                "add_rms_norm_backward"])
+                                "add_rms_norm_backward", "srpe", "srpe_backward"])
 def test_gpu_launch_from_the_table_equals_the_python_launcher(op):
     """The C++ launches give the Python Triton launcher's result bit for bit (same cubins, same
     arguments; the backward's two launches and their partials buffer), without the fallback
@@ -468,3 +769,63 @@ def test_gpu_launch_from_the_table_equals_the_python_launcher(op):
     torch.cuda.synchronize()
     for a, b in zip(_tensors(captured), _tensors(want)):
         assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_runtime_table_launches_shapes_outside_the_table_from_cpp(monkeypatch):
+    """Calls outside the table (bf16 x with float32 γ/δ at d = 777, a packed glu at n = 333, srpe
+    on transposed views with given frequencies):
+    the first runs the Python launcher, which registers its variants without a warning; the next
+    launches from C++ (the Python launcher is not called) with its result bit for bit; a CUDA
+    graph then captures the C++ launches and replays them."""
+    import warnings
+
+    from wiola_kernels import _extension
+    from wiola_kernels.triton import glu as tg
+    from wiola_kernels.triton import rms_norm as tr
+    from wiola_kernels.triton import srpe as ts
+
+    if _extension.cubin_table() is None:
+        pytest.skip("this build has no C++ CUDA kernels")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x, gy = (torch.randn(7, 777, generator=g, device="cuda").to(torch.bfloat16) for _ in range(2))
+    w, s = (torch.randn(777, generator=g, device="cuda") for _ in range(2))
+    u = torch.randn(5, 666, generator=g, device="cuda").to(torch.bfloat16)
+    # (B, T, H, d_h) views with positions shared by the batch, d_h = 96, given frequencies.
+    qv = torch.randn(2, 37, 6, 96, generator=g, device="cuda").to(torch.bfloat16).transpose(1, 2)
+    kv = torch.randn(2, 37, 2, 96, generator=g, device="cuda").to(torch.bfloat16).transpose(1, 2)
+    tpos = torch.arange(37, device="cuda")
+    params = (10000.0, 8.0, 0.1, 0.01, torch.rand(48, generator=g, device="cuda"), 0.5)
+    ops = torch.ops.wiola
+    _, rstd = ops._triton_rms_norm(x, w, s, 1e-6, False)
+    cases = {
+        "rms_norm": (lambda: ops.rms_norm(x, w, s, 1e-6, False), lambda: ops._triton_rms_norm(x, w, s, 1e-6, False)),
+        "rms_norm_backward": (lambda: ops.rms_norm_backward(gy, x, w, s, rstd),
+                              lambda: ops._triton_rms_norm_backward(gy, x, w, s, rstd)),
+        "glu": (lambda: ops.glu(u, None, "silu"), lambda: ops._triton_glu(u, None, "silu")),
+        "srpe": (lambda: ops.srpe(qv, kv, tpos, *params), lambda: ops._triton_srpe(qv, kv, tpos, *params)),
+    }
+    for op, (call, python_call) in cases.items():
+        registered = _extension.cubin_table()["registered"]
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", UserWarning)
+            call()  # compiles and registers (a build without the table: the second call registers)
+            call()
+        assert _extension.cubin_table()["registered"] > registered, op
+        python_runs = []
+        for mod in (tg, tr, ts):
+            monkeypatch.setattr(mod, "run", lambda *a, **kw: python_runs.append(a[0]))
+        got = call()
+        monkeypatch.undo()
+        assert python_runs == [], op
+        want = python_call()
+        for a, b in zip(_tensors(got), _tensors(want), strict=True):
+            assert a.dtype == b.dtype and torch.equal(a, b), op
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = call()
+        graph.replay()
+        torch.cuda.synchronize()
+        for a, b in zip(_tensors(captured), _tensors(want), strict=True):
+            assert torch.equal(a, b), op

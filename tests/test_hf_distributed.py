@@ -1,20 +1,20 @@
 """A ``patch_hf``-patched Hugging Face Llama under FSDP2 (``fully_shard``, gloo, 2 processes on
 CPU): the fused loss (``linear_cross_entropy`` on ``lm_head.weight``, sharded with the root)
 gives the loss and every parameter gradient of the single-process run on the same global
-batch, and both match the unpatched model run in float64."""
+batch, and both match the unpatched model run in float64 — with the head sharded in the root
+unit, and as its own unit (torchtitan's recipe: the fused loss then runs as a method of the
+head registered with FSDP, which gathers its weight as for ``lm_head(...)``)."""
 
 from __future__ import annotations
 
-import collections
 import os
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from helpers import WiolaOpCalls, free_port, fsdp2_available
 from hf_helpers import VOCAB, model  # noqa: E402  (skips without transformers)
 
 WORLD, BATCH, SEQ = 2, 4, 10
@@ -45,17 +45,6 @@ def _step(m, ids, labels, n_items, scale: float = 1.0):
     return out.loss.detach()
 
 
-class _WiolaOps(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.calls = collections.Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.namespace == "wiola":
-            self.calls[func._opname] += 1
-        return func(*args, **(kwargs or {}))
-
-
 def _worker(rank: int, port: int, out: str, head_unit: bool) -> None:
     from torch.distributed.fsdp import fully_shard
 
@@ -74,38 +63,25 @@ def _worker(rank: int, port: int, out: str, head_unit: bool) -> None:
         rows = slice(rank * BATCH // WORLD, (rank + 1) * BATCH // WORLD)
         # Each rank's loss is its sum ÷ the global count; FSDP averages gradients over the
         # ranks, so the loss is scaled by the world size (what HF's Trainer does).
-        with _WiolaOps() as ops:
+        with WiolaOpCalls() as ops:
             loss = _step(m, ids[rows], labels[rows], n_items, scale=WORLD)
         dist.all_reduce(loss)
         grads = {n: p.grad.full_tensor().detach().clone() for n, p in m.named_parameters() if p.grad is not None}
         torch.save({"loss": loss, "grads": grads, "calls": dict(ops.calls)}, f"{out}/rank{rank}.pt")
+        import wiola_kernels as wk
+
+        wk.unpatch_hf(m)  # takes the head's registered loss method with it
+        assert not [k for k in vars(m.lm_head) if k.startswith("wiola")], vars(m.lm_head).keys()
     finally:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _fsdp2_available() -> bool:
-    try:
-        from torch.distributed.fsdp import fully_shard  # noqa: F401
-    except ImportError:
-        return False
-    return dist.is_available() and dist.is_gloo_available()
-
-
-@pytest.mark.skipif(not _fsdp2_available(), reason="needs torch.distributed with gloo and FSDP2 (torch >= 2.6)")
-@pytest.mark.parametrize("head_unit", [False, pytest.param(True, marks=pytest.mark.xfail(
-    strict=True, raises=mp.ProcessRaisedException,
-    reason="patch_hf's fused loss reads lm_head.weight without calling lm_head, so FSDP2 never unshards a head "
-           "sharded as its own unit (linear_cross_entropy gets a DTensor)"))], ids=["head_in_root", "head_unit"])
+@pytest.mark.skipif(not fsdp2_available(), reason="needs torch.distributed with gloo and FSDP2 (torch >= 2.6)")
+@pytest.mark.parametrize("head_unit", [False, True], ids=["head_in_root", "head_unit"])
 def test_fsdp2_fused_loss_on_a_sharded_head_matches_one_process(tmp_path, head_unit):
     from wiola_kernels.testing import rel_err, tolerance
 
-    mp.start_processes(_worker, args=(_free_port(), str(tmp_path), head_unit), nprocs=WORLD, join=True,
+    mp.start_processes(_worker, args=(free_port(), str(tmp_path), head_unit), nprocs=WORLD, join=True,
                        start_method="spawn")
     r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD))
     # The fused loss ran on every rank (the head's logits never made), forward and backward.

@@ -25,8 +25,8 @@ from wiola_kernels import hf
 from wiola_kernels.hf import FusedGatedMLP, FusedOffsetRMSNorm, FusedPackedGatedMLP, FusedRotaryEmbedding
 from wiola_kernels.testing import rel_err, tolerance
 
-from hf_helpers import (ATTENTION, CAUSAL_LM, FAMILIES, NEW_FAMILIES, config, ids, loss_and_grads, model,  # noqa: E402
-                        module_ids, training_batch, transformers)
+from hf_helpers import (ATTENTION, CAUSAL_LM, FAMILIES, NEW_FAMILIES, assert_compiled_step_matches_eager, config, ids,  # noqa: E402
+                        loss_and_grads, model, module_ids, training_batch, transformers)
 
 TOL = tolerance(torch.float32, "attention")
 
@@ -410,27 +410,6 @@ def test_generate_with_logits_to_keep_same_tokens(family):
 @pytest.mark.slow
 @pytest.mark.parametrize("family", NEW_FAMILIES)
 def test_patched_training_step_compiles_without_graph_breaks(family):
-    torch._dynamo.reset()
     m = wk.patch_hf(model(family, seed=51)).train()
-    batch = training_batch("num_items_in_batch", seed=52)  # -100 labels and num_items_in_batch
-    want = loss_and_grads(m, **batch)
-    graphs = []
-    aot_eager = torch._dynamo.lookup_backend("aot_eager")
-
-    def backend(gm, example_inputs):  # records the ops of the graph and of its autograd bodies
-        graphs.append({str(node.target) for sub in gm.modules() if isinstance(sub, torch.fx.GraphModule)
-                       for node in sub.graph.nodes if node.op == "call_function"})
-        return aot_eager(gm, example_inputs)
-
-    compiled = torch.compile(m, fullgraph=True, backend=backend)
-    loss, logits, grads = loss_and_grads(compiled, **batch)
-    assert len(graphs) == 1 and {"wiola.srpe.default", "wiola.rms_norm.default", "wiola.glu.default",
-                                 "wiola.linear_cross_entropy.default"} <= graphs[0]  # fused, one graph
-    assert rel_err(loss, want[0]) <= 1e-6 and logits is None and want[1] is None
-    grads = {name.removeprefix("_orig_mod."): g for name, g in grads.items()}
-    assert grads.keys() == want[2].keys()
-    for name, grad in grads.items():
-        assert rel_err(grad, want[2][name]) <= 1e-5, name
-    del compiled
-    torch._dynamo.reset()
+    assert_compiled_step_matches_eager(m, training_batch("num_items_in_batch", seed=52))  # -100 labels, num_items
     wk.unpatch_hf(m)

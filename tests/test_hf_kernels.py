@@ -19,7 +19,6 @@ import warnings
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 kernels = pytest.importorskip("kernels", reason="Hugging Face's `kernels` package is not installed "
                                                 "(pip install 'kernels>=0.19.1,<0.20')")
@@ -28,7 +27,8 @@ import wiola_kernels as wk  # noqa: E402
 from wiola_kernels import hf_kernels  # noqa: E402
 from wiola_kernels.testing import rel_err, tolerance  # noqa: E402
 
-from hf_helpers import VOCAB, randomise_norms, training_batch, transformers  # noqa: E402
+from helpers import WiolaOpCalls  # noqa: E402
+from hf_helpers import VOCAB, randomise_norms, recording_backend, training_batch, transformers  # noqa: E402
 
 TOL = tolerance(torch.float32, "attention")
 Mode = kernels.Mode
@@ -64,19 +64,6 @@ def _model(family: str, seed: int = 0, attn: str = "eager", **overrides):
         m = getattr(transformers, model_cls)(cfg)
     randomise_norms(m, seed + 1)
     return m.eval()
-
-
-class WiolaOps(TorchDispatchMode):
-    """Counts the calls of the registered ops ``torch.ops.wiola.*`` (forward and backward)."""
-
-    def __init__(self):
-        super().__init__()
-        self.calls = collections.Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.namespace == "wiola":
-            self.calls[func._opname] += 1
-        return func(*args, **(kwargs or {}))
 
 
 def _kernelize(m, mode=Mode.TRAINING, device="cpu"):
@@ -132,7 +119,7 @@ def _assert_matches(got, want, what: str) -> None:
 def _check_step(m, ref64, family: str, batch: dict, what: str) -> None:
     """One training step of ``m`` runs our ops (counted) and matches ``ref64`` (float64, unpatched)."""
     want = _loss_and_grads(ref64, {k: v for k, v in batch.items()})
-    with WiolaOps() as ops:
+    with WiolaOpCalls() as ops:
         got = _loss_and_grads(m, batch)
     expected = _expected_calls(m, family)
     for op, n in expected.items():
@@ -168,7 +155,7 @@ def test_kernelize_with_per_row_positions_and_inference_mode():
     batch = training_batch("plain", seed=6)
     with torch.no_grad():
         want = ref64(**batch).logits
-        with WiolaOps() as ops:
+        with WiolaOpCalls() as ops:
             got = m(**batch).logits
     assert ops.calls == collections.Counter(_expected_calls(m, "qwen3"))
     assert rel_err(got, want) <= TOL
@@ -183,7 +170,7 @@ def test_from_pretrained_use_kernels_with_our_kernel_config(tmp_path):
     assert not m.training and m.use_kernels and getattr(m, "kernels_mode", Mode.INFERENCE) == Mode.INFERENCE
     assert _served(m) == {"RMSNorm": 9, "ApplyRotaryPosEmb": 4, "RotaryEmbedding": 1}
     batch = training_batch("ignore_index", seed=8)
-    with torch.no_grad(), WiolaOps() as ops:
+    with torch.no_grad(), WiolaOpCalls() as ops:
         logits = m(input_ids=batch["input_ids"]).logits
     assert ops.calls == {"rms_norm": 9, "srpe": 4}
     with torch.no_grad():
@@ -197,7 +184,7 @@ def test_from_pretrained_use_kernels_with_our_kernel_config(tmp_path):
     # transformers' off switch puts HF's forwards back.
     m.use_kernels = False
     assert not _served(m)
-    with torch.no_grad(), WiolaOps() as ops:
+    with torch.no_grad(), WiolaOpCalls() as ops:
         m(input_ids=batch["input_ids"])
     assert not ops.calls
 
@@ -209,14 +196,7 @@ def test_torch_compile_mode_is_one_graph_with_our_ops():
     _kernelize(m, mode=Mode.TRAINING | Mode.TORCH_COMPILE)
     batch = training_batch("right_padding", seed=10)
     eager = _loss_and_grads(m, batch)
-    graphs = []
-    aot_eager = torch._dynamo.lookup_backend("aot_eager")
-
-    def backend(gm, example_inputs):  # records the ops of the graph and of its autograd bodies
-        graphs.append({str(node.target) for sub in gm.modules() if isinstance(sub, torch.fx.GraphModule)
-                       for node in sub.graph.nodes if node.op == "call_function"})
-        return aot_eager(gm, example_inputs)
-
+    backend, graphs = recording_backend()
     compiled = torch.compile(m, fullgraph=True, backend=backend)
     loss, logits, grads = _loss_and_grads(compiled, batch)
     assert len(graphs) == 1 and {"wiola.rms_norm.default", "wiola.srpe.default", "wiola.rms_norm_backward.default",
@@ -244,7 +224,7 @@ def test_other_rope_types_keep_hf_rope_and_still_fuse_the_norms(rope):
     assert _served(m)["ApplyRotaryPosEmb"] == 4  # ... which rotates HF's tables itself
     batch = training_batch("plain", seed=12)
     want = _loss_and_grads(ref64, batch)
-    with WiolaOps() as ops:
+    with WiolaOpCalls() as ops:
         got = _loss_and_grads(m, batch)
     assert ops.calls == {"rms_norm": 9, "rms_norm_backward": 9}
     _assert_matches(got, want, rope["rope_type"])
@@ -257,7 +237,7 @@ def test_default_rope_found_where_float32_inv_freq_is_ulps_off():
         m = _model("llama", seed=17, head_dim=30, rope_parameters={"rope_type": "default", "rope_theta": 1e7}).to(dtype)
         _kernelize(m)
         assert _served(m)["RotaryEmbedding"] == 1
-        with torch.no_grad(), WiolaOps() as ops:
+        with torch.no_grad(), WiolaOpCalls() as ops:
             m(input_ids=training_batch("plain", seed=18)["input_ids"])
         assert ops.calls["srpe"] == 4
 
@@ -271,7 +251,7 @@ def test_hand_edited_inv_freq_keeps_hf_rope():
     if CONDITIONS:
         assert _served(m)["RotaryEmbedding"] == 0
     x = training_batch("plain", seed=14)["input_ids"]
-    with torch.no_grad(), WiolaOps() as ops:
+    with torch.no_grad(), WiolaOpCalls() as ops:
         got = m(input_ids=x).logits
     assert ops.calls == {"rms_norm": 9} and rel_err(got, ref64(input_ids=x).logits) <= TOL
 
@@ -292,7 +272,7 @@ def test_rms_norm_layer_keeps_hf_dtype_rules(dtype):
         truth = LlamaRMSNorm.forward(copy.deepcopy(norm).double(), x.double())
         with kernels.use_kernel_mapping(wk.kernel_mapping()):
             kernels.kernelize(norm, mode=Mode.INFERENCE, device="cpu")
-        with WiolaOps() as ops:
+        with WiolaOpCalls() as ops:
             got = norm(x)
         assert ops.calls == {"rms_norm": 1}
         assert got.dtype == want.dtype

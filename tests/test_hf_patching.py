@@ -26,8 +26,8 @@ from wiola_kernels import hf
 from wiola_kernels.hf import FusedGatedMLP, FusedRotaryEmbedding
 from wiola_kernels.testing import rel_err, tolerance
 
-from hf_helpers import (CAUSAL_LM, FAMILIES, config, ids, loss_and_grads, model, module_ids,  # noqa: E402
-                        randomise_norms, training_batch, transformers)
+from hf_helpers import (CAUSAL_LM, FAMILIES, assert_compiled_step_matches_eager, config, ids, loss_and_grads, model,  # noqa: E402
+                        module_ids, randomise_norms, training_batch, transformers)
 
 TOL = tolerance(torch.float32, "attention")
 
@@ -409,29 +409,8 @@ def test_class_level_patch_by_name_with_switches(tmp_path):
 # ---- torch.compile ---------------------------------------------------------------------
 
 def test_patched_model_compiles_without_graph_breaks():
-    torch._dynamo.reset()
     m = wk.patch_hf(model("llama", seed=39)).train()
-    batch = training_batch("right_padding", seed=40)
-    want = loss_and_grads(m, **batch)
-    graphs = []
-    aot_eager = torch._dynamo.lookup_backend("aot_eager")
-
-    def backend(gm, example_inputs):  # records the ops of the graph and of its autograd bodies
-        graphs.append({str(node.target) for sub in gm.modules() if isinstance(sub, torch.fx.GraphModule)
-                       for node in sub.graph.nodes if node.op == "call_function"})
-        return aot_eager(gm, example_inputs)
-
-    compiled = torch.compile(m, fullgraph=True, backend=backend)
-    loss, logits, grads = loss_and_grads(compiled, **batch)
-    assert len(graphs) == 1 and {"wiola.srpe.default", "wiola.rms_norm.default", "wiola.glu.default",
-                                 "wiola.linear_cross_entropy.default"} <= graphs[0]  # fused, one graph
-    assert rel_err(loss, want[0]) <= 1e-6 and logits is None and want[1] is None
-    grads = {name.removeprefix("_orig_mod."): g for name, g in grads.items()}
-    assert grads.keys() == want[2].keys()
-    for name, grad in grads.items():
-        assert rel_err(grad, want[2][name]) <= 1e-5, name
-    del compiled
-    torch._dynamo.reset()
+    assert_compiled_step_matches_eager(m, training_batch("right_padding", seed=40))
     wk.unpatch_hf(m)
 
 

@@ -5,12 +5,13 @@ global batch (python/wiola/train.py)."""
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from helpers import free_port, fsdp2_available
 
 STEPS, BATCH, SEQ = 4, 4, 32
 
@@ -46,26 +47,12 @@ def _worker(rank: int, world: int, port: int, mode: str, out: str) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _fsdp2_available() -> bool:
-    try:
-        from torch.distributed.fsdp import fully_shard  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 @pytest.mark.parametrize("mode", ["ddp", pytest.param("fsdp", marks=pytest.mark.skipif(
-    not _fsdp2_available(), reason="FSDP2 fully_shard needs torch >= 2.6"))])
+    not fsdp2_available(), reason="FSDP2 fully_shard needs torch >= 2.6"))])
 def test_two_ranks_match_one_process(mode, tmp_path):
     if not dist.is_gloo_available():
         pytest.skip("gloo backend not built into this torch")
-    mp.start_processes(_worker, args=(2, _free_port(), mode, str(tmp_path)), nprocs=2, join=True,
+    mp.start_processes(_worker, args=(2, free_port(), mode, str(tmp_path)), nprocs=2, join=True,
                        start_method="spawn")
     r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1))
     before = torch.get_num_threads()

@@ -68,16 +68,18 @@ def triton_cuda_ops() -> frozenset[str]:
 
 
 def cubin_table() -> dict | None:
-    """This build's cubin table: ``{"triton_version", "missing_reason", "entries"}`` (the
-    Triton that compiled it, why the build has none, how many variants), or None without the
-    extension's CUDA kernels. Where it is missing, or a call's variant is not in it (another
-    architecture, a shape it was not built for), the op runs its Python Triton launcher and
-    warns once, naming why."""
+    """This build's cubin table: ``{"triton_version", "missing_reason", "entries",
+    "registered"}`` (the Triton that compiled it, why the build has none, how many variants, and
+    how many the Python launcher has compiled and registered since: the runtime table), or None
+    without the extension's CUDA kernels. Where a call's variant is in neither (another
+    architecture, a shape the table was not built for, no table), the op runs its Python Triton
+    launcher, which registers the variant it compiles so that the next such call launches from
+    C++ (``wiola_kernels/triton/runtime_table.py``), or warns once why it cannot."""
     module = _load()[0]
     if module is None or not hasattr(module, "cubin_table"):
         return None
-    version, reason, entries = module.cubin_table()
-    return {"triton_version": version, "missing_reason": reason, "entries": entries}
+    version, reason, entries, registered = module.cubin_table()
+    return {"triton_version": version, "missing_reason": reason, "entries": entries, "registered": registered}
 
 
 @functools.lru_cache(maxsize=None)

@@ -832,21 +832,44 @@ def _fused_loss_forward(self, *args, return_logits: bool | None = None, **kwargs
         # HF's shift: position t predicts token t + 1; the last position has no target.
         shift_labels = nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
     shift_labels = shift_labels.to(hidden.device)
-    weight = self.lm_head.weight
-    if torch.is_autocast_enabled(hidden.device.type):  # as autocast runs lm_head's F.linear
-        dtype = torch.get_autocast_dtype(hidden.device.type)
-        hidden, weight = hidden.to(dtype), weight.to(dtype)
-    # HF's fixed_cross_entropy: a sum ÷ num_items_in_batch when given, else a mean; Gemma's
-    # final-logit soft-capping c·tanh(z/c), read from the config at each call as HF does.
+    # Gemma's final-logit soft-capping c·tanh(z/c), read from the config at each call as HF does.
     softcap = getattr(self.config, "final_logit_softcapping", None)
-    loss = linear_cross_entropy(hidden, weight.to(hidden.dtype), shift_labels, ignore_index=ignore_index,
-                                softcap=softcap, num_items=num_items)
+    head_loss = _fsdp_head_loss(self.lm_head) or functools.partial(_head_loss, self.lm_head)
+    loss = head_loss(hidden, shift_labels, ignore_index, softcap, num_items)
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
     out = CausalLMOutputWithPast(loss=loss, logits=None, hidden_states=outputs.hidden_states,
                                  attentions=outputs.attentions,
                                  **{record.cache_field: getattr(outputs, record.cache_field, None)})
     return out.to_tuple() if return_dict is False else out
+
+
+def _head_loss(head: nn.Linear, hidden, shift_labels, ignore_index, softcap, num_items):
+    """HF's causal-LM loss over ``head``'s logits, without them: a sum ÷ ``num_items`` when
+    given, else a mean (HF's fixed_cross_entropy)."""
+    weight = head.weight
+    if torch.is_autocast_enabled(hidden.device.type):  # as autocast runs lm_head's F.linear
+        dtype = torch.get_autocast_dtype(hidden.device.type)
+        hidden, weight = hidden.to(dtype), weight.to(dtype)
+    return linear_cross_entropy(hidden, weight.to(hidden.dtype), shift_labels, ignore_index=ignore_index,
+                                softcap=softcap, num_items=num_items)
+
+
+_FSDP_HEAD_METHOD = "wiola_causal_lm_loss"
+
+
+def _fsdp_head_loss(head: nn.Module):
+    """For a head sharded by FSDP2 as its own unit: :func:`_head_loss` as a method of the head
+    registered with ``register_fsdp_forward_method``, so FSDP gathers the weight before the
+    fused loss reads it and reduces its gradient after, as around ``head(...)`` (the fused
+    loss never calls the head). None for any other head (the root unit gathers it)."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    if fsdp is None or not isinstance(head, getattr(fsdp, "FSDPModule", ())):
+        return None
+    if _FSDP_HEAD_METHOD not in head.__dict__:
+        object.__setattr__(head, _FSDP_HEAD_METHOD, types.MethodType(_head_loss, head))
+        fsdp.register_fsdp_forward_method(head, _FSDP_HEAD_METHOD)
+    return getattr(head, _FSDP_HEAD_METHOD)
 
 
 _loss_forwards: dict = {}  # a ForCausalLM class's forward -> the fused-loss forward wearing its signature
@@ -993,6 +1016,9 @@ def unpatch_hf(target):
             original = fused.hf_rotary  # the same module, moved and initialised with the model
         _swap(parent, name, original)
     _unset_loss_forward(model)
+    head = getattr(model, "lm_head", None)
+    if isinstance(head, nn.Module) and _FSDP_HEAD_METHOD in head.__dict__:
+        object.__delattr__(head, _FSDP_HEAD_METHOD)
     object.__delattr__(model, _RECORD)
     return target
 

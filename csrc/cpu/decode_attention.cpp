@@ -12,8 +12,8 @@
 //
 // Why one op: a decoding step did this in ~15 small calls per block (SRPE, the cache update,
 // two SDPA calls, the sigmoid and the gated add, views and copies between them), whose
-// dispatch and Python cost more than their arithmetic: SDPA alone measured ~130 µs a call in a
-// wiola-360m step (16 heads, ~160 keys), this whole op ~57 µs called alone (docs/performance.md).
+// dispatch and Python cost more than their arithmetic: one SDPA call took longer than this
+// whole op (docs/history.md, "Decoding: a block's attention as one C++ call").
 //
 // Work split: one task per (b, g); its R = H / H_kv query heads share every key and value row
 // it reads (converted to float once per row). Every sum is one task's, in a fixed order, so the

@@ -20,7 +20,7 @@
 // Why: at batch 1 each of these is a few microseconds of arithmetic, yet through Python and
 // ATen each cost 10–50 µs: the interpreter, the dispatcher, TensorIterator's setup, and — after
 // every GEMV has streamed tens of MB of weights through the caches — the cold code and
-// metadata of each op (a wiola-360m bf16 step spent ~1 ms a block there, ~20 % of the step).
+// metadata of each op (a fifth of a wiola-360m bf16 step: docs/history.md).
 // So the GEMVs (called directly, decode_kernels.h) and the attention (through the dispatcher)
 // run their own kernels, and what lies between them — the two gated activations, the
 // summary — is plain vectorised loops over the d-wide rows here, with the roundings of the

@@ -68,12 +68,12 @@ constexpr int64_t kMinThreadBytes = 1 << 16;  // weight bytes below which a call
 constexpr int64_t kAlignFloats = 16;       // 64 bytes: prepared x starts on a cache line
 // AVX2, one row of x: weight rows read at once, accumulator vectors per row (sets × parts:
 // four streams of two fill 8 of the 16 registers), and how far ahead of its reads each stream
-// is prefetched (measured 512–2048 on Zen 3: 768–1024 best, docs/performance.md).
+// is prefetched (the sweeps behind these: docs/history.md, "Decoding GEMV").
 constexpr int kStreamsAvx2 = 4;
 constexpr int kStreamSets = 2;
 constexpr int64_t kPrefetchBytes = 1024;
 // AVX-512, one row of x: weight rows read at once, and accumulator vectors per row (sets ×
-// parts), measured on Sapphire Rapids (1–4 streams, 0–4 KiB prefetch; docs/performance.md).
+// parts), from a sweep of 1–4 streams and 0–4 KiB prefetch (docs/history.md).
 constexpr int kStreams512 = 4;
 constexpr int kStreamSets512 = 2;
 
@@ -161,8 +161,7 @@ __attribute__((target("avx2,fma,f16c"), always_inline)) inline void step_avx2(__
 }
 
 // One weight row against B rows of x (prepared, ldx apart): y[b·ldy] = Σ_k x[b, k] w[k],
-// prefetched kPrefetchBytes ahead (two rows of bf16 x: 4.1–4.8 → 5.0–5.8 GB/s on one core of
-// the AVX-512 machine run at the AVX2 level).
+// prefetched kPrefetchBytes ahead (faster than without for several rows of x: docs/history.md).
 template <WType T, int B, typename O>
 __attribute__((target("avx2,fma,f16c"), always_inline)) inline void row_avx2(const Elem<T>* w, int64_t k,
                                                                             const float* x, int64_t ldx, O* y,
@@ -320,10 +319,9 @@ WIOLA_TARGET_AVX512 __attribute__((always_inline)) inline void step_avx512(__m51
 // R weight rows (R = 1, 2 or 4, read as concurrent streams, each prefetched) against B rows of
 // x (prepared, ldx apart): y[r][b·ldy] = Σ_k x[b, k] w[r][k], one accumulator per (weight row,
 // x row, part) — the streams, not extra sets, keep the FMAs independent — so a row's sums do
-// not depend on the rows read beside it (which follow the thread split). A step's context
-// slots (2 rows of x against W_Kc and W_Vc, 8 % of wiola-360m's weights) read 6.3 → 10.1 GB/s
-// of bf16 on one Sapphire Rapids core and 9.9 → 16.5 on two, as fast as one row of x
-// (10.2 / 17.5), where one stream without prefetch left them at the rates before the arrows.
+// not depend on the rows read beside it (which follow the thread split). Several prefetched
+// streams read a step's context slots (2 rows of x against W_Kc and W_Vc) as fast as one row
+// of x reads, where one stream without prefetch was ~40 % slower (docs/history.md).
 template <WType T, int R, int B, typename O>
 WIOLA_TARGET_AVX512 __attribute__((always_inline)) inline void row_avx512(const Elem<T>* const (&w)[R], int64_t k,
                                                                          const float* x, int64_t ldx,
@@ -450,9 +448,8 @@ WIOLA_TARGET_AVX512 void groups_avx512(const Elem<T>* w, int64_t ldw, int64_t k,
 
 // The rows of one thread's range. One row of x (a decoding step): the range's four quarters
 // are read side by side, rows j, j + q, j + 2q and j + 3q together (q = nrows / 4; the last
-// nrows mod 4 rows alone), each stream prefetched: on a Sapphire Rapids core this reads
-// 12.4 GB/s of float32 (bf16 12.2) where one stream without prefetch read 8.1 (7.2) and
-// torch.sum over the same bytes ~10; two threads 23 against 14–16 (docs/performance.md).
+// nrows mod 4 rows alone), each stream prefetched: more reads in flight than one stream keeps,
+// and faster than torch.sum over the same bytes (docs/performance.md, docs/history.md).
 // More rows of x: groups_avx512, each weight row read once.
 template <WType T, typename O>
 WIOLA_TARGET_AVX512 void rows_avx512(const Elem<T>* w, int64_t ldw, int64_t k, int64_t nrows, const float* x,

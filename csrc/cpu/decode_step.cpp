@@ -11,7 +11,7 @@
 //
 // Why one call: between the blocks the model's Python (the loop, the context stack, the cache
 // bookkeeping, each block's argument list) ran cold after every block had streamed ~40 MB of
-// weights through the caches — ~5 ms of a 45 ms wiola-360m bf16 step (docs/performance.md).
+// weights through the caches — a tenth of a wiola-360m bf16 step (docs/history.md).
 // Every kernel here is the one the Python step calls (the block and the GEMV directly,
 // decode_kernels.h), so the two paths agree bit for bit (tests/test_model_decode_step.py).
 #include <ATen/core/Tensor.h>

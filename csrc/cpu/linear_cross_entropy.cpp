@@ -29,9 +29,9 @@
 // reduction "mean" or "sum" every row's gradient is grad_loss (÷ n) times a row gradient the
 // forward already has in L, so the forward computes the unscaled ∂h and ∂W in passing (3
 // GEMMs per step), and the backward only scales them in place. Recomputing the logits in the
-// backward (Cut Cross-Entropy) costs a 4th GEMM of the same size: measured at the bench shape
-// (N 4096, d 1024, V 32000) the GEMMs are ~97% of the time, so that is ~30% slower, and the
-// torch.compile'd reference (3 GEMMs + elementwise passes over (N, V)) would win. "none"
+// backward (Cut Cross-Entropy) costs a 4th GEMM of the same size, and the GEMMs are nearly
+// all of the time, so the torch.compile'd reference (3 GEMMs + elementwise passes over (N, V))
+// would win (docs/ops.md, linear_cross_entropy). "none"
 // weights rows by grad_loss[i], which only the backward knows: there the backward recomputes
 // (phases 1, 3, 4 with the saved lse). The backward recomputes too when the forward's
 // gradients were already used (autograd called twice on the graph, e.g. gradcheck): the same
@@ -60,37 +60,31 @@ namespace wiola::cpu {
 namespace {
 
 // Bytes of one (R, C) logits block: it stays in L2 from its GEMM to its epilogue, and from its
-// dz to its ∂W GEMM. Half the core's L2 (block_bytes): 256 KiB on Zen 3 (512 KiB L2, where
-// 256 KiB was measured), 1 MiB on Sapphire Rapids (2 MiB, where 1–2 MiB blocks measured faster
-// than 256 KiB ones); Zen 4's 512 KiB is not measured.
+// dz to its ∂W GEMM: half the core's L2 (block_bytes; 256 KiB where the L2 is unknown).
 constexpr int64_t kDefaultBlockBytes = int64_t(256) << 10;
 // Bytes of the chunk's logits (R, V), the op's working memory: R = this / (V · element size),
 // at least kMinChunkRows (GEMMs with fewer rows lose efficiency), at most kMaxChunkRows.
 // Every chunk streams all of W twice (logits, ∂h) and reads and writes all of ∂W (V, d) once,
-// so fewer, larger chunks move less: at the bench shape (V 32000, d 1024) 64 MiB is 512 rows
-// in float32 and in bf16 (8 chunks of N 4096). In float32 on one Sapphire Rapids core, 512-row
-// chunks took 9.3–9.6 s a fwd+bwd where 262-row ones (32 MiB) took 10.8–11.4 (docs/ops.md);
-// 64 MiB is 4.3 % of the eager loss's 1.5 GB.
+// so fewer, larger chunks move less (docs/ops.md, linear_cross_entropy): at the bench shape
+// (V 32000, d 1024) 64 MiB is 512 rows, a few percent of the eager loss's logits.
 // Independent of the thread count, so that the results are too.
 constexpr int64_t kChunkBytes = int64_t(64) << 20;
 constexpr int64_t kMinChunkRows = 32;
 constexpr int64_t kMaxChunkRows = 512;
 // Vocabulary columns per GEMM (whole blocks) for the logits and, in float/double, for ∂W:
 // fewer, wider calls than the L2-sized blocks the epilogues walk, because every call packs
-// h_c again (MKL's packing was 11 % of a float32 fwd+bwd with a call per 512-column block).
-// At the bench shape (512 rows) 4096-column logits GEMMs ran as fast as one (4096, 32000)
-// GEMM, 512-column ones 7 % slower (one Sapphire Rapids core). 8 tasks at V = 32000. The
+// h_c again (with a call per 512-column block, packing was a tenth of a float32 fwd+bwd;
+// 4096-column calls run as fast as one GEMM over all of V). 8 tasks at V = 32000. The
 // block epilogues then read the span from L3/memory rather than L2: one more read of it.
 constexpr int64_t kSpanCols = 4096;
 // Columns of ∂h per phase-4 task: 2 tasks at d = 1024 (one per thread on 2 cores); each task
-// reads all of the chunk's dz, so fewer, wider slabs read it fewer times (8 slabs of 128
-// columns measured ~10 % slower at 1 thread).
+// reads all of the chunk's dz, so fewer, wider slabs read it fewer times.
 constexpr int64_t kGradHCols = 512;
 // The widened path's phase 3-4 tasks: ∂h_c = Σ_g dz[:, group g] W[group g] over this many
 // fixed groups of vocabulary blocks, each into its own (R, d) float partial, summed in group
 // order (so the bits do not depend on which thread ran a group); each W block is widened
-// once for its ∂h product and its share of ∂W. (On float32 inputs the column slabs above
-// measured ~4 % faster at 1 thread: one long-K GEMM per slab instead of K = 192 ones.)
+// once for its ∂h product and its share of ∂W. (Float32 inputs keep the column slabs above:
+// one long-K GEMM per slab instead of short-K ones.)
 constexpr int64_t kGradHGroups = 8;
 
 template <typename acc_t>
@@ -297,10 +291,9 @@ struct Problem {
 
 // bf16/fp16 GEMMs run as float32 GEMMs on widened operands ("the widened path": h a chunk at
 // a time, W a block at a time, float32 logits) unless the CPU multiplies bf16 natively
-// (AVX512_BF16 and up, where oneDNN's bf16 GEMM is the fast one). Measured on an AVX2-only
-// Zen 3 core (N 4096, d 1024, V 32000): ATen's bf16 GEMM 8 GFLOP/s against MKL's float32
-// 60–74, so the widened path is ~7× faster there; with the widening, a bf16 fwd+bwd takes
-// the float32 time within the run-to-run spread (14.6–14.9 s vs 13.5–15.2 s, 1 thread).
+// (AVX512_BF16 and up, where oneDNN's bf16 GEMM is the fast one): without native bf16,
+// ATen's bf16 GEMM is several times slower than MKL's float32 one, and a widened bf16
+// fwd+bwd takes the float32 time (docs/ops.md, linear_cross_entropy).
 // fp16 always widens: ATen's fp16 GEMM is fast only with AVX512-FP16 or AMX-FP16, which the
 // ISA levels here (isa.h) do not name.
 inline bool widened_bf16_gemms() { return kernel_isa(kLinearCrossEntropyIsas) < Isa::kAvx512Bf16; }

@@ -695,8 +695,7 @@ void backward_rows(const scalar_t* g_in, const scalar_t* x, const acc_type<scala
   const int64_t row_bytes = d * int64_t(sizeof(scalar_t));
   const SplitWeights split = split_weights(w, s, d, /*eligible=*/std::is_same_v<scalar_t, at::BFloat16>);
   // At least kMinBackwardElemsPerThread elements per thread: waking a second thread for a
-  // small input costs more than it saves, and far more on a loaded machine (measured: a
-  // (128, 64) backward took ~19 ms instead of ~0.02 ms with 2 threads on 2 busy cores).
+  // small input costs more than it saves, and far more on a loaded machine (docs/performance.md).
   // The chunks, hence the bits of the result, do not depend on this.
   const int64_t chunk_elems = std::max<int64_t>(1, rows_per_chunk * d);
   const int64_t grain = std::max<int64_t>(1, (kMinBackwardElemsPerThread + chunk_elems - 1) / chunk_elems);

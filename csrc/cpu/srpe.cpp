@@ -76,8 +76,7 @@ void srpe_kernel(const scalar_t* q, const scalar_t* k, const int64_t* positions,
                       use_streaming_stores(k_out, kStreamMinBytes, dh);
   // Each task moves (H + H_kv)·kTileT·d_h elements. A thread gets at least
   // kMinElemsPerThread of them (~1 MB read + written in fp32, ~0.1 ms): below that, waking
-  // another thread costs more than it saves, and on a busy machine far more (measured:
-  // 24 ms instead of 0.04 ms for 86K elements with 2 threads on 2 loaded cores).
+  // another thread costs more than it saves, and on a busy machine far more (docs/performance.md).
   const int64_t task_elems = std::max<int64_t>(1, (H + H_kv) * std::min(kTileT, T) * dh);
   const int64_t grain = std::max<int64_t>(1, kMinElemsPerThread / task_elems);
   at::parallel_for(0, tiles * B, grain, [&](int64_t task_begin, int64_t task_end) {
@@ -194,6 +193,14 @@ TORCH_LIBRARY_FRAGMENT(wiola, m) {
         " float radial_amplitude=0.1, float radial_frequency=0.01, Tensor? inv_freq=None, float scale=1.0)"
         " -> (Tensor q_out, Tensor k_out)");
   m.def("srpe_backward(Tensor grad_q, Tensor grad_k, Tensor position_ids, float theta, float spiral_divisor,"
+        " float radial_amplitude, float radial_frequency, Tensor? inv_freq=None, float scale=1.0)"
+        " -> (Tensor grad_q_in, Tensor grad_k_in)");
+  // The Python Triton launchers of srpe (CUDA only, registered from Python): where the cubin tables
+  // have no variant for a call, the C++ CUDA kernel (csrc/cuda/triton_srpe_binding.cpp) runs these.
+  m.def("_triton_srpe(Tensor q, Tensor k, Tensor position_ids, float theta=10000.0, float spiral_divisor=8.0,"
+        " float radial_amplitude=0.1, float radial_frequency=0.01, Tensor? inv_freq=None, float scale=1.0)"
+        " -> (Tensor q_out, Tensor k_out)");
+  m.def("_triton_srpe_backward(Tensor grad_q, Tensor grad_k, Tensor position_ids, float theta, float spiral_divisor,"
         " float radial_amplitude, float radial_frequency, Tensor? inv_freq=None, float scale=1.0)"
         " -> (Tensor grad_q_in, Tensor grad_k_in)");
 }

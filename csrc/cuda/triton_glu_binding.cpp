@@ -3,8 +3,9 @@
 // (the cubin table, triton_launch.h) chosen exactly as the Python launcher
 // (wiola_kernels/triton/glu.py) chooses it. Where the table has no such variant (another
 // architecture, a shape the table was not built for, a build without the table) the op runs
-// the Python Triton launcher, registered as wiola::_triton_glu(_backward), with a one-time
-// warning naming why.
+// the Python Triton launcher, registered as wiola::_triton_glu(_backward), which compiles the
+// variant and registers it in the runtime table (the next such call launches from C++), or
+// warns once why it cannot.
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -28,14 +29,9 @@ at::Tensor as_rows(const at::Tensor& t, int64_t n) {
   return r.reshape({-1, n});
 }
 
-void warn_fallback(std::once_flag& once, const char* op, const std::string& why) {
-  std::call_once(once, [&] {
-    TORCH_WARN("wiola::", op, " on CUDA runs the Python Triton launcher instead of the precompiled kernel: ", why);
-  });
-}
-
 at::Tensor glu_fwd(const at::Tensor& a, const std::optional<at::Tensor>& b, c10::string_view activation) {
   const checks::GluActivation act = checks::glu(a, b, activation);
+  const PendingScope pending_misses;
   const int64_t width = a.size(-1);
   const int64_t n = b.has_value() ? width : width / 2;
   std::vector<int64_t> out_shape(a.sizes().begin(), a.sizes().end());
@@ -53,7 +49,7 @@ at::Tensor glu_fwd(const at::Tensor& a, const std::optional<at::Tensor>& b, c10:
                  a_rows.stride(0), b_rows.stride(0)};
   const int device = a.get_device();
   std::string why;
-  if (launch(glu::forward(f, sm_count(device), table().default_num_stages), device, why)) return y;
+  if (launch(glu::forward(f, sm_count(device), default_num_stages()), device, why)) return y;
   static std::once_flag once;
   warn_fallback(once, "glu", why);
   static const auto fallback = c10::Dispatcher::singleton()
@@ -66,6 +62,7 @@ at::Tensor glu_fwd(const at::Tensor& a, const std::optional<at::Tensor>& b, c10:
 std::tuple<at::Tensor, at::Tensor> glu_bwd(const at::Tensor& grad_y, const at::Tensor& a,
                                            const std::optional<at::Tensor>& b, c10::string_view activation) {
   const checks::GluActivation act = checks::glu(a, b, activation);
+  const PendingScope pending_misses;
   const int64_t width = a.size(-1);
   const int64_t n = b.has_value() ? width : width / 2;
   std::vector<int64_t> y_shape(a.sizes().begin(), a.sizes().end());
@@ -93,7 +90,7 @@ std::tuple<at::Tensor, at::Tensor> glu_bwd(const at::Tensor& grad_y, const at::T
                    da, db, rows, n, g.stride(0), a_rows.stride(0), b_rows.stride(0), width};
   const int device = a.get_device();
   std::string why;
-  if (launch(glu::backward(bw, sm_count(device), table().default_num_stages), device, why)) return {grad_a, grad_b};
+  if (launch(glu::backward(bw, sm_count(device), default_num_stages()), device, why)) return {grad_a, grad_b};
   static std::once_flag once;
   warn_fallback(once, "glu_backward", why);
   static const auto fallback =

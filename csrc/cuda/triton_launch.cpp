@@ -103,52 +103,87 @@ DeviceInfo& device_info(int device) {
   return info;
 }
 
-// The functions loaded so far: per table entry, per device (null until loaded).
-struct Loaded {
-  std::unique_ptr<std::atomic<CUfunction>[]> functions;
-  std::unordered_map<std::string, size_t> index;  // "arch:key" -> entry
-  std::mutex mutex;                                // taken to load
-  std::unordered_map<size_t, std::string> failures;  // why a module did not load (entry * devices + device)
+}  // namespace
 
-  Loaded() {
+// A variant (of the static or the runtime table) and its function on each device, loaded on the
+// first launch there.
+struct Kernel {
+  const Variant* variant = nullptr;
+  bool runtime = false;  // registered at run time by the Python launcher
+  std::array<std::atomic<CUfunction>, kMaxDevices> functions{};
+  std::unordered_map<int, std::string> failures;  // why a module did not load, per device (under load_mutex)
+};
+
+namespace {
+
+std::mutex& load_mutex() {
+  static std::mutex m;
+  return m;
+}
+
+// The static table's kernels, indexed by "arch:key".
+struct StaticKernels {
+  std::unique_ptr<Kernel[]> kernels;
+  std::unordered_map<std::string, const Kernel*> index;
+
+  StaticKernels() {
     const Table& t = table();
-    functions.reset(new std::atomic<CUfunction>[t.size * kMaxDevices]);
-    for (size_t i = 0; i < t.size * kMaxDevices; ++i) functions[i].store(nullptr);
-    for (size_t i = 0; i < t.size; ++i) index.emplace(std::to_string(t.variants[i].arch) + ":" + t.variants[i].key, i);
+    kernels.reset(new Kernel[t.size]);
+    for (size_t i = 0; i < t.size; ++i) {
+      kernels[i].variant = &t.variants[i];
+      index.emplace(std::to_string(t.variants[i].arch) + ":" + t.variants[i].key, &kernels[i]);
+    }
   }
 };
 
-Loaded& loaded() {
-  static Loaded l;
-  return l;
+const StaticKernels& static_kernels() {
+  static const StaticKernels k;
+  return k;
 }
 
-// Marks a function whose module failed to load on a device (the reason in Loaded::failures).
+// The Kernel of a runtime-table variant (made once, kept for the process like the variant).
+Kernel* runtime_kernel(const RuntimeVariant& r) {
+  if (void* state = r.state.load(std::memory_order_acquire)) return static_cast<Kernel*>(state);
+  auto k = std::make_unique<Kernel>();
+  k->variant = &r.variant;
+  k->runtime = true;
+  void* state = RuntimeTable::attach(r, k.get());
+  if (state == k.get()) return k.release();
+  return static_cast<Kernel*>(state);
+}
+
+// Marks a function whose module failed to load on a device (the reason in Kernel::failures).
 const CUfunction kFailed = reinterpret_cast<CUfunction>(uintptr_t{1});
 
-// The variant's function on `device`, its module loaded on first use; nullptr (the reason in
-// `why`) where the driver refuses the cubin (e.g. a driver older than the Triton that built
-// it), which the caller treats as a missing variant.
-CUfunction load(size_t entry, int device, cudaStream_t stream, std::string& why) {
-  Loaded& l = loaded();
-  std::atomic<CUfunction>& slot = l.functions[entry * kMaxDevices + device];
+// The kernel's function on `device`, its module loaded on first use; nullptr (the reason in
+// `why`) where the driver refuses the cubin (e.g. a driver older than the Triton that built it),
+// which the caller treats as a missing variant. A first use while `stream` is captured into a
+// CUDA graph raises for a static variant (documented: run the op once before capturing) and
+// answers nullptr for a runtime one (its Python launcher, which compiled it, runs instead).
+CUfunction load(const Kernel& kernel, int device, cudaStream_t stream, std::string& why) {
+  auto& slot = const_cast<Kernel&>(kernel).functions[device];
   CUfunction f = slot.load(std::memory_order_acquire);
   if (f != nullptr && f != kFailed) return f;
+  std::lock_guard<std::mutex> lock(load_mutex());
   if (f == kFailed) {
-    std::lock_guard<std::mutex> lock(l.mutex);
-    why = l.failures[entry * kMaxDevices + device];
+    why = kernel.failures.at(device);
     return nullptr;
   }
-  const Variant& v = table().variants[entry];
+  const Variant& v = *kernel.variant;
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
   C10_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
-  TORCH_CHECK(capture == cudaStreamCaptureStatusNone, "wiola: the Triton kernel ", v.key,
-              " is launched for the first time on cuda:", device,
-              " while the stream is being captured into a CUDA graph, and loading its module is not allowed "
-              "during capture: run the op once (eager) before capturing");
-  std::lock_guard<std::mutex> lock(l.mutex);
+  if (capture != cudaStreamCaptureStatusNone && slot.load(std::memory_order_acquire) == nullptr) {
+    if (kernel.runtime) {
+      why = "the Triton kernel " + std::string(v.key) + ", compiled at run time, is not loaded on cuda:" +
+            std::to_string(device) + " and the stream is being captured into a CUDA graph (no module loads then)";
+      return nullptr;
+    }
+    TORCH_CHECK(false, "wiola: the Triton kernel ", v.key, " is launched for the first time on cuda:", device,
+                " while the stream is being captured into a CUDA graph, and loading its module is not allowed "
+                "during capture: run the op once (eager) before capturing");
+  }
   f = slot.load(std::memory_order_acquire);
-  if (f == kFailed) why = l.failures[entry * kMaxDevices + device];
+  if (f == kFailed) why = kernel.failures.at(device);
   if (f != nullptr) return f == kFailed ? nullptr : f;
   const Driver& d = driver();
   CUmodule module = nullptr;
@@ -156,7 +191,7 @@ CUfunction load(size_t entry, int device, cudaStream_t stream, std::string& why)
   CUresult rc = d.module_load_data(&module, v.cubin);
   if (rc != CUDA_SUCCESS) {
     error = "the driver refuses the cubin of " + std::string(v.key) + " (built by Triton " +
-            table().triton_version + "): " + driver_error(rc);
+            (kernel.runtime ? "at run time" : std::string(table().triton_version)) + "): " + driver_error(rc);
   } else if ((rc = d.module_get_function(&f, module, v.function)) != CUDA_SUCCESS) {
     error = std::string(v.function) + " not found in its cubin: " + driver_error(rc);
   } else if (v.shared > 48 * 1024 &&
@@ -165,13 +200,23 @@ CUfunction load(size_t entry, int device, cudaStream_t stream, std::string& why)
     error = std::string(v.key) + " needs " + std::to_string(v.shared) + " bytes of shared memory: " + driver_error(rc);
   }
   if (!error.empty()) {
-    l.failures[entry * kMaxDevices + device] = error;
+    const_cast<Kernel&>(kernel).failures[device] = error;
     slot.store(kFailed, std::memory_order_release);
     why = error;
     return nullptr;
   }
   slot.store(f, std::memory_order_release);
   return f;
+}
+
+// Makes the device's primary context current (the Python launcher may leave another).
+void set_context(const Driver& d, const DeviceInfo& info) {
+  CUcontext current = nullptr;
+  d.ctx_get_current(&current);
+  if (current != info.ctx) {
+    const CUresult rc = d.ctx_set_current(info.ctx);
+    TORCH_CHECK(rc == CUDA_SUCCESS, "wiola: cuCtxSetCurrent: ", driver_error(rc));
+  }
 }
 
 }  // namespace
@@ -192,29 +237,29 @@ int64_t sm_count(int device) { return device_info(device).sms; }
 
 int arch(int device) { return device_info(device).arch; }
 
-const Variant* lookup(const Launch& l, int device, std::string& why) {
+const Kernel* lookup(const Launch& l, int device, std::string& why) {
   const Table& t = table();
-  if (t.missing_reason != nullptr) {
-    why = std::string("this build has no cubin table (") + t.missing_reason + ")";
-    return nullptr;
-  }
   DeviceInfo& info = device_info(device);
   if (!info.error.empty()) {
     why = info.error;
     return nullptr;
   }
-  Loaded& lo = loaded();
   const std::string k = key(l);
-  const auto it = lo.index.find(std::to_string(info.arch) + ":" + k);
-  if (it == lo.index.end()) {
-    why = "the cubin table (Triton " + std::string(t.triton_version) + ") has no variant " + k + " for sm_" +
-          std::to_string(info.arch);
-    return nullptr;
-  }
-  return &t.variants[it->second];
+  const std::string id = std::to_string(info.arch) + ":" + k;
+  const StaticKernels& s = static_kernels();
+  if (const auto it = s.index.find(id); it != s.index.end()) return it->second;
+  if (const RuntimeVariant* r = runtime_table().find(info.arch, k)) return runtime_kernel(*r);
+  // Missed: the Python launcher that runs instead registers what its JIT compiles under this key.
+  pending().push_back({l.kernel, k, info.arch, device});
+  why = t.missing_reason != nullptr
+            ? std::string("this build has no cubin table (") + t.missing_reason + ")"
+            : "the cubin table (Triton " + std::string(t.triton_version) + ") has no variant " + k + " for sm_" +
+                  std::to_string(info.arch);
+  return nullptr;
 }
 
-bool launch(const Variant& v, const Launch& l, int device, std::string& why) {
+bool launch(const Kernel& kernel, const Launch& l, int device, std::string& why) {
+  const Variant& v = *kernel.variant;
   DeviceInfo& info = device_info(device);
   Packed packed;
   pack(v, l.args, packed);
@@ -223,13 +268,8 @@ bool launch(const Variant& v, const Launch& l, int device, std::string& why) {
   TORCH_CHECK(l.grid > 0 && l.grid <= INT32_MAX, "wiola: grid of ", l.grid, " programs for ", v.key);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device)).stream();
   const Driver& d = driver();
-  CUcontext current = nullptr;
-  d.ctx_get_current(&current);
-  if (current != info.ctx) {
-    const CUresult rc = d.ctx_set_current(info.ctx);
-    TORCH_CHECK(rc == CUDA_SUCCESS, "wiola: cuCtxSetCurrent: ", driver_error(rc));
-  }
-  const CUfunction f = load(static_cast<size_t>(&v - table().variants), device, stream, why);
+  set_context(d, info);
+  const CUfunction f = load(kernel, device, stream, why);
   if (f == nullptr) return false;
   const CUresult rc = d.launch_kernel(f, static_cast<unsigned>(l.grid), 1, 1, 32 * v.num_warps, 1, 1, v.shared,
                                       reinterpret_cast<CUstream>(stream), packed.params, nullptr);
@@ -238,8 +278,29 @@ bool launch(const Variant& v, const Launch& l, int device, std::string& why) {
 }
 
 bool launch(const Launch& l, int device, std::string& why) {
-  const Variant* v = lookup(l, device, why);
-  return v != nullptr && launch(*v, l, device, why);
+  const Kernel* k = lookup(l, device, why);
+  return k != nullptr && launch(*k, l, device, why);
+}
+
+void warn_fallback(std::once_flag& once, const char* op, const std::string& why) {
+  // A miss the Python launcher registers (pending) is silent: the launcher warns if it cannot.
+  if (!pending().empty()) return;
+  std::call_once(once, [&] {
+    TORCH_WARN("wiola::", op, " on CUDA runs the Python Triton launcher instead of the precompiled kernel: ", why);
+  });
+}
+
+void preload(const RuntimeVariant& r, int device) {
+  if (device < 0 || device >= kMaxDevices) return;
+  DeviceInfo& info = device_info(device);
+  if (!info.error.empty()) return;
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device)).stream();
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  C10_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
+  if (capture != cudaStreamCaptureStatusNone) return;  // loaded on its first launch outside a capture
+  set_context(driver(), info);
+  std::string why;
+  load(*runtime_kernel(r), device, stream, why);  // a refusal is kept: its launches run Python
 }
 
 }  // namespace wiola::triton

@@ -4,8 +4,9 @@
 // (wiola_kernels/triton/rms_norm.py norm_fwd / norm_bwd) make them: γ and δ passed as stored (the
 // kernels convert them in registers), the forward one launch, the backward two (the rows into one
 // buffer of per-program partials, then their column sums into ∂γ and ∂δ in γ's and δ's dtypes).
-// The variants are looked up by the dtype of every pointer; where the table lacks one, the op
-// runs the Python Triton launcher (wiola::_triton_<op>) with a one-time warning naming why.
+// The variants are looked up by the dtype of every pointer; where neither the table nor the
+// runtime table has one, the op runs the Python Triton launcher (wiola::_triton_<op>), which
+// registers what it compiles (the next such call launches from C++) or warns once why it cannot.
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros_like.h>
@@ -30,12 +31,6 @@ Ptr ptr(const at::Tensor& t) { return {t.const_data_ptr(), dtype_name(t)}; }
 
 at::ScalarType acc_type(const at::Tensor& x) { return x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat; }
 
-void warn_fallback(std::once_flag& once, const char* op, const std::string& why) {
-  std::call_once(once, [&] {
-    TORCH_WARN("wiola::", op, " on CUDA runs the Python Triton launcher instead of the precompiled kernel: ", why);
-  });
-}
-
 // norm_fwd: (y, sum, rstd) of x (rows, d), contiguous; residual for add_rms_norm. Returns
 // nullopt when the table has no variant (the reason in `why`).
 std::optional<std::tuple<at::Tensor, at::Tensor, at::Tensor>> norm_fwd(
@@ -54,7 +49,7 @@ std::optional<std::tuple<at::Tensor, at::Tensor, at::Tensor>> norm_fwd(
   rms_norm::Forward f{ptr(x), residual.has_value() ? ptr(*residual) : ptr(x), ptr(residual.has_value() ? sum : y),
                       ptr(w), s.has_value() ? ptr(*s) : ptr(w), ptr(y), ptr(rstd), x.element_size(), rows, d, eps,
                       acc == at::kDouble, s.has_value(), hf_order, residual.has_value()};
-  if (!launch(rms_norm::forward(f, sm_count(device), table().default_num_stages), device, why)) return std::nullopt;
+  if (!launch(rms_norm::forward(f, sm_count(device), default_num_stages()), device, why)) return std::nullopt;
   return std::make_tuple(y, sum, rstd);
 }
 
@@ -71,7 +66,7 @@ std::optional<std::tuple<at::Tensor, at::Tensor, at::Tensor>> norm_bwd(
   }
   const int device = x.get_device();
   const int64_t sms = sm_count(device);
-  const int stages = table().default_num_stages;
+  const int stages = default_num_stages();
   const at::Tensor w = weight.contiguous();
   const std::optional<at::Tensor> s =
       shift.has_value() ? std::optional<at::Tensor>(shift->contiguous()) : std::nullopt;
@@ -92,13 +87,18 @@ std::optional<std::tuple<at::Tensor, at::Tensor, at::Tensor>> norm_bwd(
   rms_norm::PartialsSum p{dw_partial, ds_partial, ptr(grad_w), s.has_value() ? ptr(grad_shift) : ptr(grad_w),
                           programs, d, s.has_value()};
   const Launch sum_launch = rms_norm::partials_sum(p, stages);
-  const Variant* rows_variant = lookup(rows_launch, device, why);
-  if (rows_variant == nullptr) return std::nullopt;
-  const Variant* sum_variant = lookup(sum_launch, device, why);
-  if (sum_variant == nullptr) return std::nullopt;
+  // Both looked up before either returns: each miss is pending, for the Python launcher to register.
+  std::string why_sum;
+  const Kernel* rows_kernel = lookup(rows_launch, device, why);
+  const Kernel* sum_kernel = lookup(sum_launch, device, why_sum);
+  if (rows_kernel == nullptr) return std::nullopt;
+  if (sum_kernel == nullptr) {
+    why = why_sum;
+    return std::nullopt;
+  }
   // A cubin the driver refuses (false) after the first launch: the fallback recomputes every
   // output from the inputs, so the first launch's work is only wasted.
-  if (!launch(*rows_variant, rows_launch, device, why) || !launch(*sum_variant, sum_launch, device, why)) {
+  if (!launch(*rows_kernel, rows_launch, device, why) || !launch(*sum_kernel, sum_launch, device, why)) {
     return std::nullopt;
   }
   return std::make_tuple(grad_x, grad_w, grad_shift);
@@ -146,6 +146,7 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_fwd(const at::Tensor& x, const at::T
                                                 const std::optional<at::Tensor>& shift, double eps, bool hf_order) {
   checks::rms_norm(x, weight, shift);
   checks::positive("eps", eps);
+  const PendingScope pending_misses;
   const c10::cuda::CUDAGuard guard(x.device());
   const int64_t d = x.size(-1);
   std::string why;
@@ -170,6 +171,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> rms_norm_bwd(const at::Tensor& gr
                                                             const at::Tensor& rstd) {
   checks::rms_norm(x, weight, shift);
   check_backward("x", grad_y, std::nullopt, x, rstd);
+  const PendingScope pending_misses;
   const c10::cuda::CUDAGuard guard(x.device());
   const int64_t d = x.size(-1);
   std::string why = "d = 0";
@@ -192,6 +194,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> add_rms_norm_fwd(const at::Tensor
                                                                 bool hf_order) {
   checks::add_rms_norm(x, residual, weight, shift);
   checks::positive("eps", eps);
+  const PendingScope pending_misses;
   const c10::cuda::CUDAGuard guard(x.device());
   const int64_t d = x.size(-1);
   std::string why = "d = 0";
@@ -215,6 +218,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> add_rms_norm_bwd(const at::Tensor
                                                                 const at::Tensor& rstd) {
   checks::rms_norm(s, weight, shift);
   check_backward("s", grad_y, grad_s, s, rstd);
+  const PendingScope pending_misses;
   const c10::cuda::CUDAGuard guard(s.device());
   const int64_t d = s.size(-1);
   std::string why = "d = 0";

@@ -1,159 +1,93 @@
 // Test driver of the cubin table's C++ side, torch-free and without a GPU
 // (tests/test_cubin_table.py compiles it with a generated table and feeds it every test and
-// bench launch). Reads one launch per line from stdin:
-//
-//   glu_fwd DTYPE ACT ROWS N STRIDE_A STRIDE_B A B Y SMS ARCH
-//   glu_bwd DTYPE ACT ROWS N STRIDE_G STRIDE_A STRIDE_B STRIDE_D G A B DA DB SMS ARCH
-//   rms_fwd ROWS D EPS FP64 HAS_SHIFT HF_ORDER HAS_RESIDUAL SMS ARCH DT:PTR x7 (x r sum w s y rstd)
-//   rms_bwd ROWS D HAS_SHIFT HAS_GRAD_S SMS ARCH DT:PTR x9 (g gs x w s rstd dx dw_partial ds_partial)
-//   rms_sum PROGRAMS D HAS_SHIFT ARCH DT:PTR x4  (dw_partial ds_partial dw ds)
-//   rms_layout PROGRAMS D HAS_SHIFT  (prints the partials' size, ds_offset and total)
-//   table                        (every entry: index, arch, key, num_warps, shared)
-//
-// (pointers as integers) and prints, per launch, one line: the key the C++ chooser builds,
-// the index of the table entry it finds (-1 for none), the grid, num_warps, and the byte
-// size of each packed parameter ("sizes=8,8,8,4,4,8,8"). With --drop-last, the packing
-// leaves out the last kernel parameter (the planted mismatch the test must catch).
-#include <cstdio>
+// bench launch). Reads one launch per line from stdin, in the format of wiola/triton_plan.h,
+// and prints its answer. With --drop-last, the packing leaves out the last kernel parameter
+// (the planted mismatch the test must catch). With --runtime, checks the runtime table and the
+// pending list instead (threads registering and looking up at once) and prints "ok".
+#include <atomic>
 #include <cstring>
 #include <iostream>
-#include <sstream>
 #include <string>
+#include <thread>
+#include <vector>
 
-#include "wiola/triton_glu.h"
-#include "wiola/triton_rms_norm.h"
-#include "wiola/triton_table.h"
+#include "wiola/triton_plan.h"
 
 namespace {
 
-using wiola::triton::Launch;
+using namespace wiola::triton;
 
-int element_size(const std::string& dtype) {
-  if (dtype == "fp64") return 8;
-  if (dtype == "fp32") return 4;
-  return 2;  // bf16, fp16
-}
-
-const char* interned(const std::string& dtype) {
-  for (const char* d : {"fp64", "fp32", "bf16", "fp16"}) {
-    if (dtype == d) return d;
+// 8 threads each register 200 variants over 100 keys (every key several times, from several
+// threads) and look each up at once; then the table holds each key once, with its own cubin,
+// and refuses variants the launcher cannot launch.
+int runtime_checks() {
+  static const Param params[] = {{ParamKind::kPtr, 0}, {ParamKind::kI32, 1}, {ParamKind::kF32, 2}};
+  std::atomic<int> failures{0};
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 8; ++t) {
+    threads.emplace_back([&failures, t] {
+      for (int i = 0; i < 200; ++i) {
+        const int n = (i * 7 + t) % 100;
+        const std::string key = "_k[*bf16/16,i32," + std::to_string(n) + ",w4,s3]";
+        const std::string cubin = "cubin of " + std::to_string(n);
+        const Variant v{key.c_str(), "_k", "fn", 90, cubin.data(), cubin.size(), 4, 1, 0, params, 3, 2, 0, 0, 0};
+        std::string why;
+        const RuntimeVariant* r = runtime_table().add(v, why);
+        if (r == nullptr || r->key != key || std::string(r->variant.cubin, r->variant.cubin_size) != cubin ||
+            r->variant.params == params || r->variant.num_params != 3) {
+          ++failures;
+          continue;
+        }
+        if (runtime_table().find(90, key) != r || runtime_table().find(80, key) != nullptr) ++failures;
+        Packed packed;
+        pack(r->variant, {Arg::pointer("p", "bf16", reinterpret_cast<const void*>(256)), Arg::integer("n", 7),
+                          Arg::real("eps", 0.5)}, packed);
+        if (packed.error != nullptr || packed.count != 5 || packed.sizes[0] != 8 || packed.sizes[1] != 4 ||
+            packed.sizes[2] != 4 || packed.sizes[3] != 8 || packed.sizes[4] != 8) {
+          ++failures;
+        }
+      }
+    });
   }
-  return "unknown";
-}
-
-const void* ptr(uint64_t v) { return reinterpret_cast<const void*>(v); }
-
-// "bf16:256" -> a typed pointer.
-wiola::triton::rms_norm::Ptr typed(const std::string& word) {
-  const size_t colon = word.find(':');
-  return {ptr(std::stoull(word.substr(colon + 1))), interned(word.substr(0, colon))};
-}
-
-template <size_t N>
-void read_typed(std::istringstream& in, wiola::triton::rms_norm::Ptr (&out)[N]) {
-  for (auto& p : out) {
-    std::string w;
-    in >> w;
-    p = typed(w);
-  }
-}
-
-void report(const Launch& launch, int arch, bool drop_last) {
-  const auto& t = wiola::triton::table();
-  const std::string k = wiola::triton::key(launch);
-  const wiola::triton::Variant* v = wiola::triton::find(t, arch, k);
-  std::cout << k << " " << (v ? static_cast<long>(v - t.variants) : -1L) << " grid=" << launch.grid
-            << " warps=" << launch.num_warps;
-  if (v != nullptr) {
-    wiola::triton::Packed packed;
-    wiola::triton::pack(*v, launch.args, packed);
-    if (packed.error != nullptr) {
-      std::cout << " error=" << '"' << packed.error << '"' << "\n";
-      return;
+  for (auto& th : threads) th.join();
+  if (failures != 0) return std::cerr << failures << " failures\n", 1;
+  if (runtime_table().entries().size() != 100) return std::cerr << runtime_table().entries().size() << " entries\n", 1;
+  const std::string cubin = "c";
+  std::string why;
+  Variant scratch{"s", "_k", "fn", 90, cubin.data(), cubin.size(), 4, 1, 0, params, 3, 2, 64, 0, 0};
+  if (runtime_table().add(scratch, why) != nullptr || why.empty()) return std::cerr << "scratch accepted\n", 1;
+  Variant cluster{"c", "_k", "fn", 90, cubin.data(), cubin.size(), 4, 2, 0, params, 3, 2, 0, 0, 0};
+  if (runtime_table().add(cluster, why) != nullptr) return std::cerr << "cluster accepted\n", 1;
+  // Pending misses are scoped to an op call; a nested call keeps its own and restores the caller's.
+  {
+    const PendingScope outer;
+    pending().push_back({"_a", "A", 90, 0});
+    {
+      const PendingScope inner;
+      if (!pending().empty()) return std::cerr << "inner scope inherited\n", 1;
+      pending().push_back({"_b", "B", 90, 0});
     }
-    std::cout << " sizes=";
-    for (int i = 0; i < packed.count; ++i) {
-      if (drop_last && i == v->num_params - 1) continue;
-      std::cout << (i ? "," : "") << static_cast<int>(packed.sizes[i]);
-    }
+    if (pending().size() != 1 || pending()[0].key != "A") return std::cerr << "outer scope lost\n", 1;
   }
-  std::cout << "\n";
+  if (!pending().empty()) return std::cerr << "pending outlived its scope\n", 1;
+  std::cout << "ok\n";
+  return 0;
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
+  if (argc > 1 && std::strcmp(argv[1], "--runtime") == 0) return runtime_checks();
   const bool drop_last = argc > 1 && std::strcmp(argv[1], "--drop-last") == 0;
-  const auto& t = wiola::triton::table();
   std::string line;
   while (std::getline(std::cin, line)) {
-    std::istringstream in(line);
-    std::string cmd, dtype;
-    in >> cmd;
-    if (cmd == "table") {
-      std::cout << "triton " << (t.triton_version ? t.triton_version : "none") << " stages "
-                << t.default_num_stages << " entries " << t.size << "\n";
-      for (size_t i = 0; i < t.size; ++i) {
-        const auto& v = t.variants[i];
-        std::cout << i << " " << v.arch << " " << v.key << " " << v.num_warps << " " << v.shared << " "
-                  << v.cubin_size << "\n";
-      }
-      continue;
-    }
-    if (cmd == "glu_fwd") {
-      int act, arch;
-      int64_t rows, n, sa, sb, sms;
-      uint64_t a, b, y;
-      in >> dtype >> act >> rows >> n >> sa >> sb >> a >> b >> y >> sms >> arch;
-      wiola::triton::glu::Forward f{interned(dtype), element_size(dtype), dtype == "fp64", act, ptr(a), ptr(b),
-                                    ptr(y), rows, n, sa, sb};
-      report(wiola::triton::glu::forward(f, sms, t.default_num_stages), arch, drop_last);
-    } else if (cmd == "glu_bwd") {
-      int act, arch;
-      int64_t rows, n, sg, sa, sb, sd, sms;
-      uint64_t g, a, b, da, db;
-      in >> dtype >> act >> rows >> n >> sg >> sa >> sb >> sd >> g >> a >> b >> da >> db >> sms >> arch;
-      wiola::triton::glu::Backward bw{interned(dtype), element_size(dtype), dtype == "fp64", act, ptr(g), ptr(a),
-                                      ptr(b), ptr(da), ptr(db), rows, n, sg, sa, sb, sd};
-      report(wiola::triton::glu::backward(bw, sms, t.default_num_stages), arch, drop_last);
-    } else if (cmd == "rms_fwd") {
-      int64_t rows, d, sms;
-      double eps;
-      int fp64, has_shift, hf, has_res, arch;
-      in >> rows >> d >> eps >> fp64 >> has_shift >> hf >> has_res >> sms >> arch;
-      wiola::triton::rms_norm::Ptr p[7];
-      read_typed(in, p);
-      wiola::triton::rms_norm::Forward f{p[0], p[1], p[2], p[3], p[4], p[5], p[6],
-                                         element_size(p[0].dtype), rows, d, eps, fp64 != 0, has_shift != 0,
-                                         hf != 0, has_res != 0};
-      report(wiola::triton::rms_norm::forward(f, sms, t.default_num_stages), arch, drop_last);
-    } else if (cmd == "rms_bwd") {
-      int64_t rows, d, sms;
-      int has_shift, has_gs, arch;
-      in >> rows >> d >> has_shift >> has_gs >> sms >> arch;
-      wiola::triton::rms_norm::Ptr p[9];
-      read_typed(in, p);
-      wiola::triton::rms_norm::Backward b{p[0], p[1], p[2], p[3], p[4], p[5], p[6], p[7], p[8],
-                                          element_size(p[0].dtype), rows, d, has_shift != 0, has_gs != 0};
-      report(wiola::triton::rms_norm::backward(b, sms, t.default_num_stages), arch, drop_last);
-    } else if (cmd == "rms_sum") {
-      int64_t programs, d;
-      int has_shift, arch;
-      in >> programs >> d >> has_shift >> arch;
-      wiola::triton::rms_norm::Ptr p[4];
-      read_typed(in, p);
-      wiola::triton::rms_norm::PartialsSum ps{p[0], p[1], p[2], p[3], programs, d, has_shift != 0};
-      report(wiola::triton::rms_norm::partials_sum(ps, t.default_num_stages), arch, drop_last);
-    } else if (cmd == "rms_layout") {
-      int64_t programs, d;
-      int has_shift;
-      in >> programs >> d >> has_shift;
-      const auto l = wiola::triton::rms_norm::partials_layout(programs, d, has_shift != 0);
-      std::cout << l.size << " " << l.ds_offset << " " << l.total << "\n";
-    } else if (!cmd.empty()) {
-      std::cerr << "unknown command: " << cmd << "\n";
+    bool ok = true;
+    const std::string out = wiola::triton::plan::answer(line, drop_last, ok);
+    if (!ok) {
+      std::cerr << "unknown command: " << line << "\n";
       return 2;
     }
+    if (!out.empty()) std::cout << out << "\n";
   }
   return 0;
 }

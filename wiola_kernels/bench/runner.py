@@ -512,6 +512,26 @@ def _alternating(runs: dict, device: torch.device, repeats: int, budget_s: float
     return skipped
 
 
+def time_alternating(runs: dict[str, Callable[[], object]], device: torch.device, repeats: int,
+                     budget_s: float | None) -> tuple[dict[str, float], dict[str, str]]:
+    """Time ``runs`` in alternation within budgets, as :func:`run_case` times a compute-bound
+    case on the CPU: each run warmed up alone (two runs, within ``budget_s``, and skipped when
+    ``repeats`` more would end past it), then the ones that fit run ``repeats`` rounds in
+    alternation (the order flipped every round, freed memory kept: :func:`page_policy`
+    ``warm``) within ``budget_s`` times their number.
+
+    Returns ``(ms, skipped)``: the median milliseconds of each run timed, and for each other
+    one why not: its table cell ``> N s, skipped (reason)``, or ``failed: Error: message``
+    when it raised. (Used by ``python -m wiola bench --full`` for its model steps.)
+    """
+    result = _PassResult()
+    _alternating(runs, device, repeats, budget_s, result)
+    ms = {label: t for label, t in result.timings.items() if t is not None}
+    skipped = {label: result.cells[label] if not why.startswith("failed") else why
+               for label, why in result.skipped.items()}
+    return ms, skipped
+
+
 def _peak(run: Callable[[], object], device: torch.device, budget_s: float | None) -> float | None:
     try:
         with deadline(budget_s):

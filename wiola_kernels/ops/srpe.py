@@ -17,8 +17,9 @@ layout of ``torch.empty_like(q)`` / ``empty_like(k)`` — the C++ and Triton ker
 so, the reference's are copied into it. One kernel serves both directions: ``R(p)ᵀ`` is the
 rotation by ``−Θ`` scaled by ``r``.
 
-Kernels: CPU — csrc/cpu/srpe.cpp; CUDA — the Triton kernel (triton/srpe.py, registered
-below); Meta — the fakes below. Forced backends: ``reference``, ``cpu``, ``triton``.
+Kernels: CPU — csrc/cpu/srpe.cpp; CUDA — the Triton kernel (triton/srpe.py) compiled ahead of
+time and launched from C++ (csrc/cuda/triton_srpe_binding.cpp; its Python launcher below where a
+call has no compiled variant); Meta — the fakes below. Forced backends: ``reference``, ``cpu``, ``triton``.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from ..reference.srpe import srpe as _reference_srpe
 from ..reference.srpe import srpe_backward as _reference_srpe_backward
 from ..validation import (bthd_hint, can_read_values, check_position_ids, check_positive, check_query_key,
                           check_real, check_same_device, check_same_dtype, check_tensor)
-from . import distinct, needs_grad, register_kernel, register_fake, registered, registered_ops
+from . import distinct, needs_grad, register_fake, register_triton_cuda, registered, registered_ops
 
 
 __all__ = ["SRPEFunction", "srpe"]  # exported by wiola_kernels
@@ -167,8 +168,10 @@ dispatch.register(OP, "cpu", SimpleNamespace(forward=registered("wiola", "srpe",
                                              backward=registered("wiola", "srpe_backward", _check_backward)))
 dispatch.register(OP, "triton", SimpleNamespace(forward=_python_kernel(_triton(False), _FORWARD_NAMES),
                                                 backward=_python_kernel(_triton(True), _BACKWARD_NAMES)))
-register_kernel("srpe", "CUDA", dispatch.kernels(OP, "triton").forward)
-register_kernel("srpe_backward", "CUDA", dispatch.kernels(OP, "triton").backward)
+# CUDA: the C++ launch of the compiled kernel (csrc/cuda/triton_srpe_binding.cpp), which runs these
+# where its tables have no variant.
+register_triton_cuda("srpe", dispatch.kernels(OP, "triton").forward)
+register_triton_cuda("srpe_backward", dispatch.kernels(OP, "triton").backward)
 
 
 def _fake(names):

@@ -14,8 +14,9 @@ What is compiled: :func:`wiola_kernels.triton.aot.launches` of the modules in
 :data:`MODULES` (the ops whose CUDA kernel is C++), i.e. exactly the variants the Python
 launchers' JIT compiles at the test and bench shapes, each keyed by
 :func:`~wiola_kernels.triton.aot.variant_id`. The C++ chooser builds the same key from a
-call's arguments (csrc/include/wiola/triton_pack.h); a call whose key is not in the table
-runs the Python launcher instead.
+call's arguments (csrc/include/wiola/triton_table.h); a call whose key is not in the table
+runs the Python launcher instead, which registers what its JIT compiles, described by
+:func:`describe` as the entries here are (``runtime_table.py``).
 
 Per entry: the cubin, the function's (mangled) name, ``num_warps``, ``num_ctas``, shared
 memory, the compiled signature's runtime parameters (constexprs and integers specialised to
@@ -32,7 +33,7 @@ import re
 import sys
 
 #: Kernel modules whose variants the table holds: the ops launched from C++.
-MODULES = ("glu", "rms_norm", "add_rms_norm")
+MODULES = ("glu", "rms_norm", "add_rms_norm", "srpe")
 
 #: The C++ kind of each compiled-signature type (csrc/include/wiola/triton_table.h ParamKind).
 #: (Narrower scalars would need their own widths: none of the kernels takes one.)
@@ -128,8 +129,6 @@ def _compile_entry(arch: int, mod_name: str, key: str, with_ptx: bool) -> dict:
     """Compile one variant and describe it (the unit of work spread over processes)."""
     import importlib
 
-    import triton
-
     from .aot import compile_launch, module_launches, variant_id
 
     gpu = _gpu(arch)
@@ -138,12 +137,25 @@ def _compile_entry(arch: int, mod_name: str, key: str, with_ptx: bool) -> dict:
         _WORKER_LAUNCHES[(arch, mod_name)] = {variant_id(l, gpu): l for l in module_launches(mod, gpu)}
     launch = _WORKER_LAUNCHES[(arch, mod_name)][key]
     compiled = compile_launch(launch, gpu)
+    entry = describe(launch, gpu, compiled, key, mod_name)
+    if with_ptx:
+        entry["ptx"] = compiled.asm["ptx"]
+    return entry
+
+
+def describe(launch, gpu, compiled, key: str, mod_name: str) -> dict:
+    """The table entry of ``compiled`` (Triton's compiled kernel of ``launch`` for ``gpu``) under
+    ``key``, with its ``cubin`` bytes: the static table's entries (compiled ahead of time) and the
+    runtime table's (compiled by the Python launcher's JIT, ``runtime_table.py``) both come from
+    here. ValueError for a kernel the C++ launcher cannot launch."""
+    import triton
+
     md = compiled.metadata
     entry = {
-        "key": key, "module": mod_name, "kernel": launch.name, "function": md.name, "arch": arch,
+        "key": key, "module": mod_name, "kernel": launch.name, "function": md.name, "arch": gpu.capability,
         "num_warps": md.num_warps, "num_ctas": md.num_ctas, "shared": md.shared,
-        "global_scratch_size": getattr(md, "global_scratch_size", 0),
-        "profile_scratch_size": getattr(md, "profile_scratch_size", 0),
+        "global_scratch_size": getattr(md, "global_scratch_size", 0) or 0,
+        "profile_scratch_size": getattr(md, "profile_scratch_size", 0) or 0,
         "cooperative": bool(getattr(md, "launch_cooperative_grid", False)),
         "pdl": bool(getattr(md, "launch_pdl", False)),
         "cluster_dims": list(getattr(md, "cluster_dims", (1, 1, 1)) or (1, 1, 1)),
@@ -151,8 +163,6 @@ def _compile_entry(arch: int, mod_name: str, key: str, with_ptx: bool) -> dict:
         "cubin": compiled.asm["cubin"],
     }
     _check_launchable(entry)
-    if with_ptx:
-        entry["ptx"] = compiled.asm["ptx"]
     return entry
 
 

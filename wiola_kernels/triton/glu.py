@@ -33,6 +33,7 @@ import triton.language as tl
 from ..dtypes import compute_dtype
 from ..outputs import empty_output
 from . import cdiv, next_power_of_2, sm_count
+from .runtime_table import run
 
 ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
 _TWO_K = 2.0 * math.sqrt(2.0 / math.pi)
@@ -193,7 +194,7 @@ def glu_fwd(a: torch.Tensor, b: torch.Tensor | None, activation: str) -> torch.T
     a_rows, b_rows, n = _operands(a, b)
     rows = a_rows.shape[0]
     cfg = _launch_config(rows, n, a.element_size(), 2, sm_count(a.device))
-    _glu_fwd_kernel[(cfg.programs,)](
+    run(_glu_fwd_kernel, cfg.programs,
         a_rows, b_rows, y, rows, n, a_rows.stride(0), b_rows.stride(0),
         ROWS_PER_STEP=cfg.rows_per_step, BLOCK_N=cfg.block_n, ACT=ACTIVATIONS[activation],
         IS_FP64=compute_dtype(a.dtype) == torch.float64, num_warps=cfg.num_warps)
@@ -214,7 +215,7 @@ def glu_bwd(grad_y: torch.Tensor, a: torch.Tensor, b: torch.Tensor | None, activ
     da = grad_a.view(rows, a.shape[-1])
     da, db = (da, grad_b.view(rows, n)) if b is not None else (da[:, :n], da[:, n:])
     cfg = _launch_config(rows, n, a.element_size(), 3, sm_count(a.device))
-    _glu_bwd_kernel[(cfg.programs,)](
+    run(_glu_bwd_kernel, cfg.programs,
         g, a_rows, b_rows, da, db, rows, n, g.stride(0), a_rows.stride(0), b_rows.stride(0), da.stride(0),
         ROWS_PER_STEP=cfg.rows_per_step, BLOCK_N=cfg.block_n, ACT=ACTIVATIONS[activation],
         IS_FP64=compute_dtype(a.dtype) == torch.float64, num_warps=cfg.num_warps)

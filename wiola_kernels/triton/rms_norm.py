@@ -52,6 +52,7 @@ import triton.language as tl
 from ..outputs import empty_output
 from ..dtypes import compute_dtype
 from . import cdiv, next_power_of_2, sm_count
+from .runtime_table import run
 
 
 @triton.jit
@@ -406,7 +407,7 @@ def norm_fwd(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tenso
     if rows == 0:
         return y, s, rstd
     cfg = _launch_config(rows, d, x.element_size(), 1 if residual is None else 2, sm_count(x.device))
-    _rms_norm_fwd_kernel[(cfg.programs,)](
+    run(_rms_norm_fwd_kernel, cfg.programs,
         x, x if residual is None else residual, y if s is None else s, weight,
         weight if shift is None else shift, y, rstd, rows, d, eps,
         ROWS_PER_STEP=cfg.rows_per_step, BLOCK_D=cfg.block_d, IS_FP64=acc == torch.float64, WIDE=cfg.wide,
@@ -431,13 +432,13 @@ def norm_bwd(grad_y, grad_s, x, weight, shift, rstd):
     stride = cdiv(size, 4) * 4
     partials = empty_output((stride + size if shift is not None else size,), dtype=rstd.dtype, device=x.device)
     dw_partial, ds_partial = partials[:size], partials[stride:] if shift is not None else partials
-    _rms_norm_bwd_kernel[(cfg.programs,)](
+    run(_rms_norm_bwd_kernel, cfg.programs,
         grad_y, grad_y if grad_s is None else grad_s, x, weight, weight if shift is None else shift, rstd,
         grad_x, dw_partial, ds_partial, rows, d, ROWS_PER_STEP=cfg.rows_per_step, BLOCK_D=cfg.block_d, WIDE=cfg.wide,
         HAS_SHIFT=shift is not None, HAS_GRAD_S=grad_s is not None, num_warps=cfg.num_warps)
     grad_weight = empty_output((d,), dtype=weight.dtype, device=x.device)
     grad_shift = None if shift is None else empty_output((d,), dtype=shift.dtype, device=x.device)
-    _norm_partials_sum_kernel[(cdiv(d, _SUM_BLOCK_D),)](
+    run(_norm_partials_sum_kernel, cdiv(d, _SUM_BLOCK_D),
         dw_partial, ds_partial, grad_weight, grad_weight if grad_shift is None else grad_shift, cfg.programs, d,
         BLOCK_P=_SUM_BLOCK_P, BLOCK_D=_SUM_BLOCK_D, HAS_SHIFT=shift is not None, num_warps=_SUM_WARPS)
     return grad_x, grad_weight, grad_shift

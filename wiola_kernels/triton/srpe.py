@@ -42,6 +42,7 @@ import triton.language as tl
 from ..outputs import empty_output_as
 from ..srpe_tables import kernel_omega
 from . import cdiv, next_power_of_2, sm_count
+from .runtime_table import run
 
 _TWO_PI = 2.0 * math.pi
 
@@ -211,7 +212,7 @@ def srpe_apply(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, theta:
     omega, constants = _kernel_tables(dh, theta, spiral_divisor, radial_amplitude, radial_frequency, inv_freq,
                                       scale, q.device)
     cfg = _launch_config(b * t, half, q.element_size(), sm_count(q.device))
-    _srpe_kernel[(cfg.programs,)](
+    run(_srpe_kernel, cfg.programs,
         q, k, positions, omega, constants, q_out, k_out, b * t, t, h, h_kv, half, *positions.stride(), *q.stride()[:3],
         *k.stride()[:3], *q_out.stride()[:3], *k_out.stride()[:3],
         BLOCK_T=cfg.block_t, BLOCK_HALF=cfg.block_half, TRANSPOSE=bool(transpose), F64=q.dtype == torch.float64,

@@ -19,8 +19,7 @@
 namespace wiola {
 
 // Large CPU outputs are freshly mapped memory whose first-touch page faults can cost more
-// than the writes themselves (measured on the 2-core CI VM: a 64 MiB clone took 165 ms
-// with 4 KiB pages, 53 ms with huge pages). Ask for transparent huge pages before the
+// than the writes themselves (docs/performance.md). Ask for transparent huge pages before the
 // kernel's first write. Only a hint: ignored where THP is off; 2 MiB-aligned interior only.
 inline void advise_huge_pages(const at::Tensor& t) {
 #if defined(__linux__) && defined(MADV_HUGEPAGE)

@@ -24,6 +24,7 @@ constexpr int64_t kBytesPerThreadStep = 64;
 constexpr int64_t kProgramsPerSm = 4;
 constexpr int64_t kMaxWarps = 16;
 constexpr int64_t kMaxRowBytesPerThread = 32;
+constexpr int64_t kMaxWideWarps = 8;  // warps walking a wide row (_MAX_WIDE_WARPS)
 // _norm_partials_sum_kernel's launch: _SUM_BLOCK_D columns per program, _SUM_BLOCK_P partial
 // rows per step, _SUM_WARPS warps.
 constexpr int64_t kSumBlockD = 32;
@@ -39,10 +40,11 @@ struct Config {
 inline Config launch_config(int64_t rows, int64_t d, int64_t element_size, int64_t loads_per_row, int64_t sms) {
   int64_t block_d = next_power_of_2(d);
   const int64_t per_thread = std::max<int64_t>(1, kBytesPerThreadRow / element_size);
-  const int64_t num_warps = std::min(kMaxWarps, std::max<int64_t>(1, block_d / (32 * per_thread)));
+  int64_t num_warps = std::min(kMaxWarps, std::max<int64_t>(1, block_d / (32 * per_thread)));
   int64_t row_bytes_per_thread = std::max(kBytesPerThreadRow, block_d * element_size / (32 * num_warps));
   const bool wide = row_bytes_per_thread > kMaxRowBytesPerThread;
   if (wide) {
+    num_warps = std::min(num_warps, kMaxWideWarps);
     block_d = 32 * num_warps * per_thread;
     row_bytes_per_thread = kBytesPerThreadRow;
   }

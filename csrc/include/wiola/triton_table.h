@@ -12,10 +12,17 @@
 // signature expects them.
 #pragma once
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <shared_mutex>
 #include <string>
+#include <unordered_map>
+#include <utility>
 #include <vector>
 
 namespace wiola::triton {
@@ -209,6 +216,134 @@ inline void pack(const Variant& v, const std::vector<Arg>& args, Packed& out) {
   }
   const uint64_t null = 0;
   for (int i = 0; i < v.scratch_pointers; ++i) put(&null, 8);
+}
+
+// ---- the runtime table: variants the Python launcher compiled for a call the table missed ----
+//
+// Where a call's variant is in neither table, the C++ kernel runs the op's Python Triton launcher
+// (wiola::_triton_<op>). lookup() leaves the keys it missed, per kernel, in this thread's
+// pending list; the launcher's Triton JIT compiles and launches each kernel as always, then
+// (wiola_kernels/triton/runtime_table.py) checks that Triton's specialisation of its arguments
+// gives the same key and registers the compiled kernel under it: cubin, function, warps, shared
+// memory and the parameter layout wiola_kernels/triton/cubin_table.py derives for static entries.
+// The next call with that specialisation launches from C++.
+
+// A launch the tables missed: the kernel, the key C++ built, the device's architecture.
+struct Pending {
+  std::string kernel, key;
+  int arch;
+  int device;
+};
+
+// This thread's misses since the op's C++ kernel began (PendingScope), read by the Python launcher.
+inline std::vector<Pending>& pending() {
+  thread_local std::vector<Pending> list;
+  return list;
+}
+
+// Scopes the pending list to one op call: empty on entry, the caller's restored on exit (an op
+// whose Python launcher calls another wiola op keeps its own list).
+class PendingScope {
+ public:
+  PendingScope() { saved_.swap(pending()); }
+  ~PendingScope() { saved_.swap(pending()); }
+  PendingScope(const PendingScope&) = delete;
+  PendingScope& operator=(const PendingScope&) = delete;
+
+ private:
+  std::vector<Pending> saved_;
+};
+
+// A variant registered at run time, owning what its Variant points to.
+struct RuntimeVariant {
+  std::string key, kernel, function, cubin;
+  std::vector<Param> params;
+  Variant variant{};
+  // The launcher's per-device state (csrc/cuda/triton_launch.cpp), set once by attach().
+  mutable std::atomic<void*> state{nullptr};
+};
+
+class RuntimeTable {
+ public:
+  // Registers `v` (its pointers are copied into owned storage) under v.arch:v.key; returns the
+  // stored variant (the one already there, for a key registered before) or nullptr with `why`.
+  const RuntimeVariant* add(const Variant& v, std::string& why) {
+    if (v.key == nullptr || v.kernel == nullptr || v.function == nullptr || v.cubin == nullptr || v.cubin_size == 0) {
+      why = "incomplete variant";
+      return nullptr;
+    }
+    if (v.num_ctas != 1 || v.cooperative || v.global_scratch_size != 0 || v.profile_scratch_size != 0) {
+      why = "the variant needs a launch the C++ launcher does not make (clusters, cooperative, scratch memory)";
+      return nullptr;
+    }
+    if (v.num_params < 0 || v.num_params + v.scratch_pointers > Packed::kMax) {
+      why = "too many parameters";
+      return nullptr;
+    }
+    std::unique_lock<std::shared_mutex> lock(mutex_);
+    const std::string id = std::to_string(v.arch) + ":" + v.key;
+    if (const auto it = index_.find(id); it != index_.end()) return it->second;
+    auto r = std::make_unique<RuntimeVariant>();
+    r->key = v.key;
+    r->kernel = v.kernel;
+    r->function = v.function;
+    r->cubin.assign(v.cubin, v.cubin_size);
+    r->params.assign(v.params, v.params + v.num_params);
+    r->variant = v;
+    r->variant.key = r->key.c_str();
+    r->variant.kernel = r->kernel.c_str();
+    r->variant.function = r->function.c_str();
+    r->variant.cubin = r->cubin.data();
+    r->variant.params = r->params.data();
+    RuntimeVariant* stored = r.get();
+    entries_.push_back(std::move(r));
+    index_.emplace(id, stored);
+    return stored;
+  }
+
+  const RuntimeVariant* find(int arch, const std::string& k) const {
+    std::shared_lock<std::shared_mutex> lock(mutex_);
+    const auto it = index_.find(std::to_string(arch) + ":" + k);
+    return it == index_.end() ? nullptr : it->second;
+  }
+
+  // Every registered variant, in registration order (a snapshot).
+  std::vector<const RuntimeVariant*> entries() const {
+    std::shared_lock<std::shared_mutex> lock(mutex_);
+    std::vector<const RuntimeVariant*> out;
+    for (const auto& e : entries_) out.push_back(e.get());
+    return out;
+  }
+
+  // Sets r's launcher state to `state` unless one is set already; returns the one in place.
+  static void* attach(const RuntimeVariant& r, void* state) {
+    void* expected = nullptr;
+    return r.state.compare_exchange_strong(expected, state, std::memory_order_acq_rel) ? state : expected;
+  }
+
+ private:
+  mutable std::shared_mutex mutex_;
+  std::deque<std::unique_ptr<RuntimeVariant>> entries_;  // never erased: Variant pointers stay valid
+  std::unordered_map<std::string, RuntimeVariant*> index_;
+};
+
+// The num_stages every key names: the cubin table's (the default of the Triton that compiled it),
+// else, in a build without a table, the one the Python launcher reports from the installed
+// Triton (0 until then: the first miss is keyed with it and registers nothing).
+inline std::atomic<int>& reported_num_stages() {
+  static std::atomic<int> stages{0};
+  return stages;
+}
+
+inline int default_num_stages() {
+  const int stages = table().default_num_stages;
+  return stages > 0 ? stages : reported_num_stages().load(std::memory_order_relaxed);
+}
+
+// The process's runtime table (one per extension library).
+inline RuntimeTable& runtime_table() {
+  static RuntimeTable t;
+  return t;
 }
 
 }  // namespace wiola::triton

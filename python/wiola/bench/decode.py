@@ -206,7 +206,7 @@ def _weight_reads(model) -> None:
         else:
             a.q_proj(x), a.k_proj(x), a.v_proj(x), f.w_n1(x), f.w_n3(x), f.w_w1(x), f.w_w3(x)
         h, dh = a.n_head, a.head_dim
-        q = torch.ones(1, h, dh, dtype=dtype)  # the folded context part (context_fold.py) reads W_Kc and W_Vc by heads
+        q = torch.ones(1, h, dh, dtype=dtype)  # the context slots' part reads W_Kc and W_Vc by heads
         q_hat = torch.einsum("nhe,hed->nhd", q, a.kc_proj.weight.view(h, dh, d))
         torch.einsum("nhd,hed->nhe", q_hat, a.vc_proj.weight.view(h, dh, d))
         a.o_proj(x), f.w_n2(torch.ones(1, 1, f.w_n2.in_features, dtype=dtype))
