@@ -1,6 +1,6 @@
 // The Python module `wiola_kernels._C`. Importing it loads this library, whose static
-// initialisers register every wiola:: kernel with the dispatcher (csrc/wiola_ops.cpp
-// declares the schemas; csrc/cpu and csrc/cuda implement them).
+// initialisers register every wiola:: kernel with the dispatcher (csrc/cpu/<op>.cpp declares
+// each op's schemas, csrc/wiola_ops.cpp the library's others; csrc/cpu and csrc/cuda implement them).
 // pybind11 and c10's checks, not <torch/extension.h> (all of torch's C++ API: ~30 s of a
 // compile for nothing this file uses). torch._C registers the translation of c10 errors to
 // Python's (c10::ValueError → ValueError) with the pybind11 both modules share.

@@ -1,4 +1,6 @@
-// Every wiola:: op schema, declared once (the Python module is csrc/python_module.cpp).
+// The wiola:: library and the schemas that belong to no public op (the Python module is
+// csrc/python_module.cpp). Each public op declares its own schemas beside its CPU kernels, in a
+// TORCH_LIBRARY_FRAGMENT(wiola, m) of csrc/cpu/<op>.cpp, so a new op edits no shared C++ file.
 //
 // Each public op is `wiola::<op>` (forward) and `wiola::<op>_backward`, with one kernel per
 // dispatch key, so PyTorch's dispatcher picks the kernel from the tensors' device as it does
@@ -9,7 +11,7 @@
 //          registered from Python (wiola_kernels/ops/<op>.py);
 //   Meta — the fakes, registered from Python (wiola_kernels/ops/<op>.py).
 // The torch.autograd.Function of each op (wiola_kernels/ops/<op>.py) drives the pair; the ops
-// have no autograd kernel of their own. One block per op: its set_python_module names the
+// have no autograd kernel of their own. Each op's block names, with set_python_module, the
 // module that registers the op's Python half (torch imports it when a fake is needed first,
 // and requires the fakes to come from there).
 #include <torch/library.h>
@@ -53,97 +55,6 @@ TORCH_LIBRARY(wiola, m) {
 }
 
 TORCH_LIBRARY_FRAGMENT(wiola, m) {
-  // --- WiolaRMSNorm (SPEC §3) ---
-  m.set_python_module("wiola_kernels.ops.rms_norm");
-  // x (..., d), any strides; weight, shift (d,) any float dtype, shift None: δ = 0 (no add,
-  // grad_shift None); hf_order: Hugging Face's rounding order (z/r rounded to x's dtype, then
-  // times weight). y like x (contiguous); rstd x.shape[:-1], float32 (float64 for double x).
-  m.def("rms_norm(Tensor x, Tensor weight, Tensor? shift, float eps=1e-06, bool hf_order=False)"
-        " -> (Tensor y, Tensor rstd)");
-  m.def("rms_norm_backward(Tensor grad_y, Tensor x, Tensor weight, Tensor? shift, Tensor rstd)"
-        " -> (Tensor grad_x, Tensor grad_weight, Tensor grad_shift)");
-  // The Python Triton launchers (CUDA only, registered from Python), which the C++ CUDA kernel
-  // (csrc/cuda/triton_rms_norm_binding.cpp) runs where the cubin table has no variant for a call.
-  m.def("_triton_rms_norm(Tensor x, Tensor weight, Tensor? shift, float eps=1e-06, bool hf_order=False)"
-        " -> (Tensor y, Tensor rstd)");
-  m.def("_triton_rms_norm_backward(Tensor grad_y, Tensor x, Tensor weight, Tensor? shift, Tensor rstd)"
-        " -> (Tensor grad_x, Tensor grad_weight, Tensor grad_shift)");
-
-}
-
-TORCH_LIBRARY_FRAGMENT(wiola, m) {
-  // --- Residual add + WiolaRMSNorm (SPEC §10.3) ---
-  m.set_python_module("wiola_kernels.ops.add_rms_norm");
-  // x, residual (..., d) of one dtype, any strides; weight, shift, eps, hf_order as for rms_norm.
-  // s = x + residual rounded to x's dtype, y = rms_norm(s): y, s contiguous like x; rstd as for
-  // rms_norm. The backward takes grad_s None when no gradient reached s; grad_x is the gradient
-  // of x and of residual alike.
-  m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, Tensor? shift, float eps=1e-06,"
-        " bool hf_order=False) -> (Tensor y, Tensor s, Tensor rstd)");
-  m.def("add_rms_norm_backward(Tensor grad_y, Tensor? grad_s, Tensor s, Tensor weight, Tensor? shift,"
-        " Tensor rstd) -> (Tensor grad_x, Tensor grad_weight, Tensor grad_shift)");
-  // The Python Triton launchers, as rms_norm's (csrc/cuda/triton_rms_norm_binding.cpp).
-  m.def("_triton_add_rms_norm(Tensor x, Tensor residual, Tensor weight, Tensor? shift, float eps=1e-06,"
-        " bool hf_order=False) -> (Tensor y, Tensor s, Tensor rstd)");
-  m.def("_triton_add_rms_norm_backward(Tensor grad_y, Tensor? grad_s, Tensor s, Tensor weight, Tensor? shift,"
-        " Tensor rstd) -> (Tensor grad_x, Tensor grad_weight, Tensor grad_shift)");
-}
-
-TORCH_LIBRARY_FRAGMENT(wiola, m) {
-  // --- Gated activations (SPEC §10.2) ---
-  m.set_python_module("wiola_kernels.ops.glu");
-  // y = act(a) ⊙ b, activation "silu" or "gelu_tanh". a, b (..., n), one dtype, any strides with
-  // a unit last stride (the halves of one projection's output are read in place); or b None and
-  // a (..., 2n) holding [a | b]. y (..., n) contiguous. Gradients contiguous: grad_a, grad_b of
-  // a's shape, or for b None grad_a (..., 2n) = [∂a | ∂b] and grad_b None.
-  m.def("glu(Tensor a, Tensor? b, str activation=\"silu\") -> Tensor");
-  m.def("glu_backward(Tensor grad_y, Tensor a, Tensor? b, str activation) -> (Tensor grad_a, Tensor grad_b)");
-  // The Python Triton launchers of glu (CUDA only, registered from Python): where the cubin table
-  // has no variant for a call, the C++ CUDA kernel (csrc/cuda/triton_glu_binding.cpp) runs these.
-  m.def("_triton_glu(Tensor a, Tensor? b, str activation) -> Tensor");
-  m.def("_triton_glu_backward(Tensor grad_y, Tensor a, Tensor? b, str activation) -> (Tensor grad_a, Tensor grad_b)");
-}
-
-TORCH_LIBRARY_FRAGMENT(wiola, m) {
-  // --- SRPE (SPEC §4) ---
-  m.set_python_module("wiola_kernels.ops.srpe");
-  // q (B, H, T, d_h), k (B, H_kv, T, d_h), any strides; position_ids (B, T) / (1, T) / (T,) of
-  // an index dtype. Outputs laid out like torch.empty_like(q) / (k). The backward applies
-  // R(p)ᵀ to the incoming gradients (rotation by −Θ scaled by r).
-  // inv_freq: given per-pair frequencies ω_j (d_h/2,), used in float64 in place of
-  // θ₀^(−2j/d_h) (a Hugging Face rope type's); scale: the output scale m (y = m R(p) q).
-  m.def("srpe(Tensor q, Tensor k, Tensor position_ids, float theta=10000.0, float spiral_divisor=8.0,"
-        " float radial_amplitude=0.1, float radial_frequency=0.01, Tensor? inv_freq=None, float scale=1.0)"
-        " -> (Tensor q_out, Tensor k_out)");
-  m.def("srpe_backward(Tensor grad_q, Tensor grad_k, Tensor position_ids, float theta, float spiral_divisor,"
-        " float radial_amplitude, float radial_frequency, Tensor? inv_freq=None, float scale=1.0)"
-        " -> (Tensor grad_q_in, Tensor grad_k_in)");
-  // The Python Triton launchers of srpe (CUDA only, registered from Python): where the cubin tables
-  // have no variant for a call, the C++ CUDA kernel (csrc/cuda/triton_srpe_binding.cpp) runs these.
-  m.def("_triton_srpe(Tensor q, Tensor k, Tensor position_ids, float theta=10000.0, float spiral_divisor=8.0,"
-        " float radial_amplitude=0.1, float radial_frequency=0.01, Tensor? inv_freq=None, float scale=1.0)"
-        " -> (Tensor q_out, Tensor k_out)");
-  m.def("_triton_srpe_backward(Tensor grad_q, Tensor grad_k, Tensor position_ids, float theta, float spiral_divisor,"
-        " float radial_amplitude, float radial_frequency, Tensor? inv_freq=None, float scale=1.0)"
-        " -> (Tensor grad_q_in, Tensor grad_k_in)");
-
-}
-
-TORCH_LIBRARY_FRAGMENT(wiola, m) {
-  // --- GCLA summary-augmented attention (SPEC §5.5) ---
-  m.set_python_module("wiola_kernels.ops.gcla_attention");
-  // q_rot, q (B, H, T, d_h); k_rot, v (B, H_kv, T, d_h); kc, vc (B, H, S, Λ', d_h), S in {1, T};
-  // gate (H,); lengths (B,) or None. out like q_rot; lse (B, H, T) float32 (float64 for double).
-  // Gradients in their inputs' layouts (d kc, d vc contiguous for S = 1).
-  m.def("gcla_attention(Tensor q_rot, Tensor k_rot, Tensor v, Tensor q, Tensor kc, Tensor vc, Tensor gate,"
-        " Tensor? lengths=None) -> (Tensor out, Tensor lse)");
-  m.def("gcla_attention_backward(Tensor grad_out, Tensor q_rot, Tensor k_rot, Tensor v, Tensor q, Tensor kc,"
-        " Tensor vc, Tensor gate, Tensor? lengths, Tensor out, Tensor lse) -> (Tensor grad_q_rot,"
-        " Tensor grad_k_rot, Tensor grad_v, Tensor grad_q, Tensor grad_kc, Tensor grad_vc, Tensor grad_gate)");
-
-}
-
-TORCH_LIBRARY_FRAGMENT(wiola, m) {
   // The cuda backend of GCLA: summary kernels around PyTorch's fused self-attention
   // (CUDA, and emulated as wiola_cuda_emu); not a public op.
   m.set_python_module("wiola_kernels.ops.gcla_attention_cuda");
@@ -151,33 +62,3 @@ TORCH_LIBRARY_FRAGMENT(wiola, m) {
   m.def(wiola::schema::kGclaSummaryBwd);
 }
 
-TORCH_LIBRARY_FRAGMENT(wiola, m) {
-  // --- Linear cross-entropy (SPEC §10.1) ---
-  m.set_python_module("wiola_kernels.ops.linear_cross_entropy");
-  // h (..., d), W (V, d) any strides, labels h.shape[:-1] or (N,) of an index dtype; num_items
-  // None or a one-element tensor. loss: (N,) ("none") or () in float32 (float64 for double
-  // inputs); lse (N,), same dtype. grad_mask = (∂h, ∂W) wanted, only with "mean"/"sum": the
-  // gradients of the row sum Σ ℓ_i (not yet scaled by grad_loss or 1/n) come back in h's
-  // layout (N, d) / (V, d) in the dtypes of h / W, else (0,) tensors. No (N, V) tensor is
-  // ever held: rows are processed in chunks.
-  m.def("linear_cross_entropy(Tensor h, Tensor W, Tensor labels, int ignore_index=-100, str reduction=\"mean\","
-        " float label_smoothing=0.0, float? softcap=None, float z_loss=0.0, Tensor? num_items=None,"
-        " bool[2] grad_mask=[False, False]) -> (Tensor loss, Tensor lse, Tensor grad_h, Tensor grad_W)");
-  // Writes ∂L/∂h into grad_h (N, d) and ∂L/∂W into grad_W (V, d) (either may be None: not
-  // wanted). precomputed: they hold the forward's unscaled gradients ("mean"/"sum"), scaled
-  // here in place by grad_loss (÷ n for "mean"); else they are overwritten with the gradients
-  // recomputed from h, W and lse (every reduction).
-  m.def("linear_cross_entropy_backward(Tensor grad_loss, Tensor h, Tensor W, Tensor labels, Tensor lse,"
-        " Tensor? num_items, Tensor(a!)? grad_h, Tensor(b!)? grad_W, int ignore_index, str reduction,"
-        " float label_smoothing, float? softcap, float z_loss, bool precomputed) -> ()");
-}
-
-// --- ATM greedy adjacent merge / unmerge (SPEC §6): wiola/cuda_schemas.h, shared with the
-// SIMT emulation's bindings (csrc/cuda/emu/bindings_emu.cpp) ---
-TORCH_LIBRARY_FRAGMENT(wiola, m) {
-  m.set_python_module("wiola_kernels.ops.atm");
-  m.def(wiola::schema::kAtmMerge);
-  m.def(wiola::schema::kAtmMergeBackward);
-  m.def(wiola::schema::kAtmUnmerge);
-  m.def(wiola::schema::kAtmUnmergeBackward);
-}

@@ -16,6 +16,7 @@ from wiola_kernels.testing import (CopyCounter, assert_close_rel, available_back
                                    tolerance)
 
 from helpers import forward_backward, gen, gpu_only
+from op_cases import F64, OpCase, Public, randn64
 from oracles import add_rms_norm_oracle, rms_oracle
 
 BACKENDS = available_backends("add_rms_norm", "cpu")
@@ -197,3 +198,61 @@ def test_add_rms_norm_triton_vs_float64(shape, dtype):
                                       rounded, [g.to(dtype).double() for g in grads])
     for a, b in zip(outs + got, ref_outs + want):
         assert_close_rel(a.cpu(), b, tolerance(dtype))
+
+
+# --- this op in the shared suites: its OpCase (tests/op_cases.py collects CASE for
+# tests/test_all_ops.py and tests/test_op_layer.py) -------------------------------------------
+
+def _add_make(shape, dtype, seed, shift=True):
+    """x, γ, δ drawn as rms_norm's OpCase draws them (``shift=False``: no δ), and a residual
+    twice x's scale."""
+    g = gen(seed)
+    d = shape[-1]
+    x, w, s = randn64(*shape, g=g), torch.rand(d, generator=g, dtype=F64) + 0.5, randn64(d, g=g, scale=0.3)
+    return dict(x=x.to(dtype), weight=w.to(dtype), shift=s.to(dtype) if shift else None, eps=1e-6,
+                residual=randn64(*shape, g=gen(seed + 1), scale=2.0).to(dtype))
+
+
+def _add_views(shape, dtype, seed, residual="transposed"):
+    """x a half of a (rows, 2d) tensor (row stride 2d); the residual its other half
+    (``residual="half"``) or transposed; γ every other element, no δ; the output gradients
+    transposed."""
+    g = gen(seed)
+    rows, d = shape
+    both = randn64(rows, 2 * d, g=g)
+    residual = both[:, d:] if residual == "half" else randn64(d, rows, g=g).t()
+    wd = torch.rand(2 * d, generator=g, dtype=F64) + 0.5
+    grads = [randn64(d, rows, g=g).t().to(dtype) for _ in range(2)]
+    return dict(x=both[:, :d].to(dtype), residual=residual.to(dtype), weight=wd[::2].to(dtype), shift=None,
+                eps=1e-6), grads
+
+
+def _add_calls(a, ops):
+    fwd = (a["x"], a["residual"], a["weight"], a["shift"], a["eps"], a["hf_order"])
+    _, s, rstd = ops.add_rms_norm(*fwd)
+    return [(ops.add_rms_norm.default, fwd),
+            (ops.add_rms_norm_backward.default,
+             (torch.randn_like(a["x"]), torch.randn_like(a["x"]), s, a["weight"], a["shift"], rstd))]
+
+
+def _add_bad(a):
+    return [
+        (dict(residual=a["residual"][..., :7]), ValueError, r"^residual must have the shape of x \(\.\.\., d\) = \(3, 5, 8\), got \(3, 5, 7\)"),
+        (dict(residual=a["residual"].double()), TypeError, r"^residual must have dtype torch.float32 like x, got torch.float64"),
+        (dict(shift=a["shift"][:4]), ValueError, r"^shift must have shape \(d,\) = \(8,\), got \(4,\)"),
+        (dict(eps=0.0), ValueError, r"^eps must be a finite number > 0, got 0.0"),
+        (dict(weight=a["weight"][:7]), ValueError, r"^weight must have shape \(d,\) = \(8,\), got \(7,\)"),
+        (dict(residual=[0.0] * 8), TypeError, r"^residual must be a torch.Tensor"),
+    ]
+
+
+CASE = OpCase(
+    _add_make, lambda a: wk.add_rms_norm(**a),
+    dict(default=[(1, 3), (37, 192), (2, 3, 50), (7,)], triton=[(3, 37), (2, 5)], gradcheck=[(2, 5), (2, 3, 4)],
+         threads=[(601, 96)], views=[(30, 20), (7, 33)], dynamic=[(2, 3, 16), (2, 5, 16)],
+         concurrent=[(64, 200)], gpu=[(5, 33)], layer=[(3, 5, 8)]),
+    (Public("add_rms_norm", wk.AddRMSNormFunction, _add_calls, _add_bad),),
+    variants=(dict(shift=True), dict(shift=False)),
+    view_variants=(dict(residual="transposed"), dict(residual="half")),
+    oracle=lambda a: add_rms_norm_oracle(a["x"], a["residual"], a["weight"], a["shift"], a["eps"]),
+    views=_add_views)

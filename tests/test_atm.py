@@ -23,11 +23,12 @@ import torch
 from hypothesis import given, strategies as st
 
 import wiola_kernels as wk
-from wiola_kernels import dispatch
+from wiola_kernels import dispatch, reference
 from wiola_kernels.testing import assert_close_rel, available_backends, tolerance
 
 from cuda_targets import DEVICE, targets, with_cases
 from helpers import gen, gpu_only, threads
+from op_cases import F64, OpCase, Public, randn64
 from oracles import atm_oracle, atm_unmerge_oracle
 
 CUDA_DTYPES = [torch.float32, torch.bfloat16, torch.float16]  # the CUDA kernels' (others fall back)
@@ -538,3 +539,104 @@ def test_cuda_opcheck_and_torch_compile_fullgraph():
     torch._dynamo.reset()
     with wk.use_backend("cuda"):
         torch.testing.assert_close(torch.compile(layer, fullgraph=True)(xg, pos), layer(xg, pos))
+
+
+# --- this op in the shared suites: its OpCase (tests/op_cases.py collects CASE for
+# tests/test_all_ops.py and tests/test_op_layer.py) -------------------------------------------
+
+def _atm_make(shape, dtype, seed):
+    """Runs of repeated tokens (cosine 1) of every length among random neighbours (cosine far
+    below τ = 0.9 for d ≥ 16), so the greedy rule decides; per-row lengths (row 0 full, the
+    others anything in [0, T]) and positions of any order."""
+    b, t, d = shape
+    g = gen(seed)
+    x = randn64(b, t, d, g=g)
+    repeat = torch.rand(b, t, generator=g) < 0.6
+    for j in range(1, t):
+        x[:, j] = torch.where(repeat[:, j, None], x[:, j - 1], x[:, j])
+    lengths = torch.randint(0, t + 1, (b,), generator=g)
+    lengths[:1] = t
+    return dict(x=x.to(dtype), position_ids=torch.randint(0, 2**20, (b, t), generator=g), threshold=0.9,
+                lengths=lengths)
+
+
+def _atm_views(shape, dtype, seed):
+    """x every other column of a (T, B, 2d) buffer, positions expanded from (1, T) (stride 0
+    over the batch), lengths every other element; the output gradients: merged's expanded
+    from one row (stride 0), restored's transposed."""
+    b, t, d = shape
+    args = _atm_make(shape, dtype, seed)
+    wide = torch.zeros(t, b, 2 * d, dtype=dtype)
+    wide[..., ::2] = args["x"].transpose(0, 1)
+    g = gen(seed + 1)
+    grads = [randn64(1, t, d, g=g).to(dtype).expand(b, t, d), randn64(b, d, t, g=g).to(dtype).transpose(1, 2)]
+    return dict(args, x=wide.transpose(0, 1)[..., ::2], position_ids=args["position_ids"][:1].expand(b, t),
+                lengths=torch.stack([args["lengths"], args["lengths"]], 1).flatten()[::2]), grads
+
+
+def _atm_call(a):
+    merged, merged_positions, merged_lengths, index_map = wk.atm_merge(**a)
+    return merged, merged_positions, merged_lengths, index_map, wk.atm_unmerge(merged * 2, index_map)
+
+
+def _atm_oracle(a):
+    merged, merged_positions, merged_lengths, index_map = atm_oracle(**a)
+    return merged, merged_positions, merged_lengths, index_map, atm_unmerge_oracle(merged * 2, index_map)
+
+
+def _atm_tokens(dtype, seed):
+    """(2, 6, 4) tokens whose neighbour cosines are 1 (repeats) or at most ~0.1: far from τ."""
+    basis = torch.tensor([[0, 0, 1, 2, 2, 3], [1, 1, 1, 0, 3, 3]])
+    x = torch.nn.functional.one_hot(basis, 4).to(F64) * (1 + torch.rand(2, 6, 1, generator=gen(seed)))
+    return (x + 0.01 * torch.randn(2, 6, 4, generator=gen(seed + 1), dtype=F64)).to(dtype)
+
+
+def _merge_make(dtype):
+    return dict(x=_atm_tokens(dtype, 20), position_ids=torch.arange(6).expand(2, 6) + 3, threshold=0.5,
+                lengths=torch.tensor([6, 4]))
+
+
+def _merge_calls(a, ops):
+    fwd = (a["x"], a["position_ids"], a["threshold"], a["lengths"])
+    merged, _, merged_lengths, index_map = ops.atm_merge(*fwd)
+    return [(ops.atm_merge.default, fwd),
+            (ops.atm_merge_backward.default, (torch.randn_like(merged), index_map, merged_lengths))]
+
+
+def _merge_bad(a):
+    return [
+        (dict(x=a["x"][0]), ValueError, r"^x must have shape \(B, T, d\) \(3-D\), got \(6, 4\)"),
+        (dict(threshold=1.5), ValueError, r"^threshold must lie in \[-1, 1\] \(a cosine similarity\), got 1.5"),
+        (dict(x=a["x"][..., :0]), ValueError, r"^x must have a non-empty last dimension d, got shape \(2, 6, 0\)"),
+    ]
+
+
+def _unmerge_make(dtype):
+    index_map = reference.atm_merge(_atm_tokens(F64, 20), torch.arange(6), 0.5)[3]
+    return dict(y=randn64(2, 6, 4, g=gen(30)).to(dtype), index_map=index_map)
+
+
+def _unmerge_calls(a, ops):
+    return [(ops.atm_unmerge.default, (a["y"], a["index_map"])),
+            (ops.atm_unmerge_backward.default, (torch.randn_like(a["y"]), a["index_map"]))]
+
+
+def _unmerge_bad(a):
+    return [
+        (dict(index_map=a["index_map"].int()), TypeError, r"^index_map must have dtype in \(int64\), got int32"),
+        (dict(index_map=a["index_map"][:, :4]), ValueError, r"^index_map must have shape \(B, T\) = \(2, 6\) to match y, got \(2, 4\)"),
+        (dict(index_map=a["index_map"] + 6), ValueError, r"^index_map values must lie in \[0, T\) = \[0, 6\), got values in"),
+    ]
+
+
+CASE = OpCase(
+    _atm_make, _atm_call,
+    # (B, T, d): T = 1, B = 0, odd B; T across the CUDA kernels' 8-token and 16-token blocks, d odd
+    # (their element-wise path) and across the C++ unmerge backward's 512-column blocks
+    dict(default=[(1, 1, 16), (0, 4, 16), (3, 7, 16), (2, 37, 24), (5, 20, 33), (2, 9, 520)],
+         threads=[(1, 257, 48)],  # one row: 1 thread streams it, 2 threads run the phased steps
+         views=[(3, 19, 16)], dynamic=[(2, 6, 16), (2, 9, 16)],
+         concurrent=[(2, 50, 24)], gpu=[(3, 21, 48)]),
+    (Public("atm_merge", wk.ATMMergeFunction, _merge_calls, _merge_bad, make=_merge_make),
+     Public("atm_unmerge", wk.ATMUnmergeFunction, _unmerge_calls, _unmerge_bad, make=_unmerge_make)),
+    oracle=_atm_oracle, views=_atm_views)

@@ -153,7 +153,7 @@ def test_check_reports_a_planted_wrong_backend(monkeypatch, capsys, where):
 
 def test_the_eager_baselines_are_the_references(monkeypatch):
     """Every case's eager baseline (also what torch.compile compiles, and check's oracle) runs
-    the op's function of wiola_kernels.reference, not a copy of it in bench/cases.py."""
+    the op's function of wiola_kernels.reference, not a copy of it beside the case."""
     import wiola_kernels.reference as reference
 
     called: set[str] = set()

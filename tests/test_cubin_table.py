@@ -400,9 +400,9 @@ def test_no_wired_op_registers_a_python_cuda_kernel():
 
 
 def test_fallback_op_schemas_parse_and_mirror_the_ops():
-    """Each ``wiola::_triton_<op>`` (csrc/wiola_ops.cpp) parses, and takes and returns what
-    ``wiola::<op>`` does: the C++ kernel hands it the op's own arguments."""
-    src = (ROOT / "csrc" / "wiola_ops.cpp").read_text()
+    """Each ``wiola::_triton_<op>`` (declared with the op's schemas, csrc/cpu/<op>.cpp) parses,
+    and takes and returns what ``wiola::<op>`` does: the C++ kernel hands it the op's own arguments."""
+    src = "".join(p.read_text() for p in [ROOT / "csrc" / "wiola_ops.cpp", *sorted((ROOT / "csrc" / "cpu").glob("*.cpp"))])
     defs = {}
     for m in re.finditer(r'm\.def\(((?:\s*"(?:[^"\\]|\\.)*")+)\)', src):
         schema = "".join(re.findall(r'"((?:[^"\\]|\\.)*)"', m.group(1))).replace('\\"', '"')

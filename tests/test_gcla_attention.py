@@ -28,6 +28,7 @@ from wiola_kernels.reference.gcla_attention import gcla_context_kv, gcla_summary
 from wiola_kernels.testing import CopyCounter, assert_close_rel, available_backends, tolerance
 
 from helpers import close_floored, finite, gen, lengths_of_kind, needs_cpu_extension, threads, view_as
+from op_cases import F64, OpCase, Public, randn64
 from oracles import gcla_oracle, raises_naming
 
 NAMES = ("q_rot", "k_rot", "v", "q", "kc", "vc", "gate")
@@ -1148,3 +1149,75 @@ def test_cuda_emu_misaligned_views_through_the_public_op():
     check_against_oracle(out, lse, grads, ins, None, grad, torch.bfloat16)
 
 
+# --- this op in the shared suites: its OpCase (tests/op_cases.py collects CASE for
+# tests/test_all_ops.py and tests/test_op_layer.py) -------------------------------------------
+
+def _gcla_make(shape, dtype, seed):
+    """(B, H, H_kv, T, d_h, S, Λ', lengths or None): S = 1 (one summary per sequence) or T."""
+    b, h, h_kv, t, dh, s, lam, lens = shape
+    g = gen(seed)
+    sizes = ((b, h, t, dh), (b, h_kv, t, dh), (b, h_kv, t, dh), (b, h, t, dh), (b, h, s, lam, dh), (b, h, s, lam, dh),
+             (h,))
+    args = {n: randn64(*size, g=g).to(dtype) for n, size in zip(NAMES, sizes)}
+    return dict(args, lengths=None if lens is None else torch.tensor(lens))
+
+
+def _gcla_views(shape, dtype, seed, broadcast_grad=False):
+    """The model's views (S = T): q_rot, q, k_rot, v transposed from (B, T, heads, d_h), kc, vc
+    permuted from the context projection's (B, T, Λ', H, d_h), a float32 gate (a parameter;
+    float64 beside float64), the output gradient transposed alike (``broadcast_grad``: stride 0
+    over the batch, the gradient of a sum). S = 1's layouts: tests/test_gcla_attention.py."""
+    b, h, h_kv, t, dh, s, lam, lens = shape
+    g = gen(seed)
+    args = dict(_gcla_make(shape, dtype, seed), gate=randn64(h, g=g).to(F64 if dtype == F64 else torch.float32))
+    for n, n_h in (("q_rot", h), ("k_rot", h_kv), ("v", h_kv), ("q", h)):
+        args[n] = randn64(b, t, n_h, dh, g=g).to(dtype).transpose(1, 2)
+    for n in ("kc", "vc"):
+        args[n] = randn64(b, s, lam, h, dh, g=g).to(dtype).permute(0, 3, 1, 2, 4)
+    grad = randn64(1 if broadcast_grad else b, t, h, dh, g=g).to(dtype).transpose(1, 2).expand(b, h, t, dh)
+    return args, [grad]
+
+
+def _gcla_oracle(a):
+    return (gcla_oracle(*(a[n] for n in NAMES), lengths=a["lengths"]),)
+
+
+def _gcla_calls(a, ops):
+    ins = [a[n] for n in ("q_rot", "k_rot", "v", "q", "kc", "vc", "gate")]
+    out, lse = ops.gcla_attention(*ins, a["lengths"])
+    return [(ops.gcla_attention.default, (*ins, a["lengths"])),
+            (ops.gcla_attention_backward.default, (torch.randn_like(out), *ins, a["lengths"], out, lse))]
+
+
+def _gcla_bad(a):
+    return [
+        (dict(v=a["v"][:, :1]), ValueError, r"^v must have shape \(B, H_kv, T, d_h\) = \(2, 2, 5, 64\), got \(2, 1, 5, 64\)"),
+        (dict(kc=a["kc"][:, :, :2]), ValueError, r"^kc must have shape \(B, H, S, Λ', d_h\) = \(2, 4, S, Λ', 64\) with S in \{1, T = 5\}, got \(2, 4, 2, 2, 64\)"),
+        (dict(vc=a["vc"][..., :1, :]), ValueError, r"^vc must have the shape of kc"),
+        (dict(gate=a["gate"][:3]), ValueError, r"^gate must have shape \(H,\) = \(4,\), got \(3,\)"),
+        (dict(q=a["q"].double()), TypeError, r"^q must have dtype torch.float32 like q_rot, got torch.float64"),
+        (dict(kc=a["kc"][0]), ValueError, r"^kc must have shape \(B, H, S, Λ', d_h\) \(5-D\), got \(4, 5, 2, 64\)"),
+    ]
+
+
+CASE = OpCase(
+    _gcla_make, lambda a: (wk.gcla_attention(**a),),
+    # (B, H, H_kv, T, d_h, S, Λ', lengths): odd B, rows of length 0 and 1, Λ' ∈ {0, 1, 2}, GQA
+    # pairs where h mod H_kv and h // (H/H_kv) differ ((6, 3), (4, 2)), d_h not a power of two
+    # (T = 1, where dq̃ = dk̃ = 0 exactly: tests/test_gcla_attention.py).
+    # The C++ kernel's blocks are 64 query × 128 key rows (T = 257: five and three, lengths off
+    # their edges); the interpreter's are 32 × 16 (dk/dv: 16 × 32); cuda_emu takes d_h 64, 128.
+    dict(default=[(3, 4, 1, 2, 16, 1, 1, (2, 0, 1)), (3, 6, 3, 7, 24, 7, 2, (7, 3, 0)),
+                  (2, 4, 2, 7, 10, 1, 0, None), (2, 4, 2, 40, 64, 1, 2, (37, 40)), (2, 4, 4, 64, 16, 64, 1, (64, 23)),
+                  (2, 4, 1, 257, 8, 257, 2, (250, 100)), (1, 6, 3, 257, 8, 1, 2, None)],
+         triton=[(3, 6, 3, 20, 16, 1, 2, (20, 9, 0)), (2, 4, 2, 7, 64, 7, 0, None), (2, 6, 3, 33, 16, 1, 2, (33, 20)),
+                 (2, 4, 1, 40, 8, 40, 1, (17, 40)), (1, 2, 2, 20, 24, 20, 2, None)],
+         cuda_emu=[(2, 4, 1, 2, 64, 1, 1, (2, 0)), (2, 6, 3, 7, 128, 1, 2, (7, 4)), (2, 4, 2, 257, 64, 257, 2, (254, 86)),
+                   (1, 6, 3, 257, 64, 1, 0, None)],
+         gradcheck=[(2, 2, 1, 5, 4, 1, 2, (5, 2))], threads=[(2, 4, 2, 200, 24, 1, 3, (200, 77))],
+         views=[(2, 6, 3, 21, 64, 21, 2, (21, 0)), (2, 4, 2, 9, 64, 9, 2, None)],
+         dynamic=[(2, 2, 1, 3, 4, 3, 2, (3, 1)), (2, 2, 1, 5, 4, 5, 2, (5, 2))],
+         concurrent=[(1, 4, 2, 40, 16, 40, 2, None)], gpu=[(2, 4, 2, 19, 64, 19, 2, (19, 14))], layer=[(2, 4, 2, 5, 64, 5, 2, (5, 2))]),
+    (Public("gcla_attention", wk.GCLAAttentionFunction, _gcla_calls, _gcla_bad),),
+    view_variants=(dict(), dict(broadcast_grad=True)),
+    oracle=_gcla_oracle, views=_gcla_views, in_place=("cpu", "triton"), kind="attention")

@@ -18,6 +18,7 @@ from wiola_kernels.testing import (CopyCounter, assert_close_rel, available_back
                                    tolerance)
 
 from helpers import forward_backward, gen, gpu_only
+from op_cases import F64, OpCase, Public, randn64
 from oracles import glu_oracle
 
 BACKENDS = available_backends("glu", "cpu")
@@ -219,3 +220,53 @@ def test_glu_triton_vs_float64(rows, n, dtype, activation, packed):
     ref_outs, ref_grads = forward_backward(lambda v: glu_oracle(v, None, activation), [uc.cpu().double()], [g])
     for got, ref in zip(outs + grads, ref_outs + ref_grads):
         assert_close_rel(got.cpu(), ref, tolerance(dtype))
+
+
+# --- this op in the shared suites: its OpCase (tests/op_cases.py collects CASE for
+# tests/test_all_ops.py and tests/test_op_layer.py) -------------------------------------------
+
+_GLU_LAYOUTS = ("halves", "separate", "packed")
+
+
+def _glu_make(shape, dtype, seed, activation="gelu_tanh", layout="halves"):
+    """``layout``: the two halves of one projection's output (row stride 2n, read in place),
+    two tensors (``separate``), or that output itself (``packed``: b None)."""
+    n = shape[-1]
+    u = randn64(*shape[:-1], 2 * n, g=gen(seed), scale=2.0).to(dtype)
+    if layout == "packed":
+        return dict(a=u, b=None, activation=activation)
+    a, b = u[..., :n], u[..., n:]
+    if layout == "separate":
+        a, b = a.contiguous(), b.contiguous()
+    return dict(a=a, b=b, activation=activation)
+
+
+def _glu_calls(a, ops):
+    fwd = (a["a"], a["b"], a["activation"])
+    return [(ops.glu.default, fwd), (ops.glu_backward.default, (torch.randn_like(a["a"]), *fwd))]
+
+
+def _glu_bad(a):
+    return [
+        (dict(b=a["b"][..., :7]), ValueError, r"^b must have the shape of a \(\.\.\., n\) = \(3, 5, 8\), got \(3, 5, 7\)"),
+        (dict(b=a["b"].double()), TypeError, r"^b must have dtype torch.float32 like a, got torch.float64"),
+        (dict(a=a["a"][..., :7].contiguous(), b=None), ValueError, r"^a must have an even last dimension 2n when b is None"),
+        (dict(activation="gelu"), ValueError, r"^activation must be 'silu' or 'gelu_tanh', got 'gelu'"),
+        (dict(a=a["a"].long()), TypeError, r"^a must have dtype in \(float32, float64, bfloat16, float16\), got int64"),
+        (dict(a=torch.randn(()), b=torch.randn(())), ValueError, r"^a must have shape \(\.\.\., n\) \(at least 1 dimension\)"),
+        (dict(a=[1.0, 2.0], b=None), TypeError, r"^a must be a torch.Tensor"),
+        (dict(activation=3), TypeError, r"^activation must be a str, got int"),
+    ]
+
+
+CASE = OpCase(
+    _glu_make, lambda a: (wk.glu(**a),),
+    # six shapes: the six (activation, layout) pairs; n not a multiple of any vector width;
+    # Triton's n = 1100: more than one column tile in every dtype (BLOCK_N ≤ 1024)
+    dict(default=[(1, 3), (37, 40), (2, 5, 130), (7,), (3, 2, 17), (5, 33)],
+         triton=[(3, 37), (1, 3), (2, 5), (5,), (2, 2, 9), (4, 6), (3, 1100)], gradcheck=[(2, 3)] * 6,
+         threads=[(301, 100)], dynamic=[(2, 3, 16), (2, 5, 16)], concurrent=[(64, 200)], gpu=[(5, 33)],
+         layer=[(3, 5, 8)]),
+    (Public("glu", wk.GLUFunction, _glu_calls, _glu_bad),),
+    variants=tuple(dict(activation=act, layout=layout) for layout in _GLU_LAYOUTS for act in ("gelu_tanh", "silu")),
+    oracle=lambda a: (glu_oracle(a["a"], a["b"], a["activation"]),))

@@ -19,6 +19,7 @@ from wiola_kernels import reference, shapes
 from wiola_kernels.testing import assert_close_rel, available_backends, available_cpu_isas, cpu_isa, tolerance
 
 from helpers import gen, gpu_only, needs_cpu_extension, threads
+from op_cases import F64, OpCase, Public, randn64
 from oracles import lce_oracle
 
 BACKENDS = available_backends("linear_cross_entropy", "cpu")
@@ -484,3 +485,72 @@ def test_triton_on_gpu(n, d, V, dtype):
         got = run("triton", h.cuda(), W.cuda(), y.cuda(), grad=loss_grad(n, kw.get("reduction", "mean")).cuda(), **kw)
         want = oracle(h, W, y, loss_grad(n, kw.get("reduction", "mean")), **kw)
         assert_matches(tuple(t.cpu() for t in got), want, TOL[dtype], f"gpu {dtype}")
+
+
+# --- this op in the shared suites: its OpCase (tests/op_cases.py collects CASE for
+# tests/test_all_ops.py and tests/test_op_layer.py) -------------------------------------------
+
+def _lce_make(shape, dtype, seed, reduction="mean", options=False):
+    """(N, d, V): hidden rows, the head, labels with every fourth row ignored (from row 1:
+    N = 1 still counts a row). ``options``: label smoothing, softcap and z-loss all on."""
+    n, d, vocab = shape
+    g = gen(seed)
+    labels = torch.randint(0, vocab, (n,), generator=g)
+    labels[1::4] = -100
+    args = dict(h=randn64(n, d, g=g).to(dtype), W=randn64(vocab, d, g=g, scale=0.5).to(dtype), labels=labels)
+    if reduction != "mean":
+        args["reduction"] = reduction
+    if options:
+        args.update(label_smoothing=0.1, softcap=4.0, z_loss=1e-2)
+    return args
+
+
+def _lce_oracle(a):
+    return (lce_oracle(a["h"], a["W"], a["labels"], **{n: v for n, v in a.items() if n not in ("h", "W", "labels")}),)
+
+
+def _lce_calls(a, ops):
+    opts = (a["ignore_index"], a["reduction"], a["label_smoothing"], a["softcap"], a["z_loss"], a["num_items"])
+    fwd = (a["h"], a["W"], a["labels"], *opts, [True, True])
+    loss, lse, grad_h, grad_W = ops.linear_cross_entropy(*fwd)
+    bwd = (torch.randn_like(loss), a["h"], a["W"], a["labels"], lse, a["num_items"], grad_h, grad_W, *opts[:5], True)
+    return [(ops.linear_cross_entropy.default, fwd), (ops.linear_cross_entropy_backward.default, bwd)]
+
+
+def _lce_bad(a):
+    return [
+        (dict(W=a["W"][:, :5]), ValueError, r"^W must have shape \(V, d\) = \(V, 6\) to match h, got \(13, 5\)"),
+        (dict(h=a["h"][0]), ValueError, r"^h must have shape \(\.\.\., d\) \(at least 2 dimensions\), got \(6,\)"),
+        (dict(W=a["W"].double()), TypeError, r"^W must have dtype torch.float32 like h, got torch.float64"),
+        (dict(labels=a["labels"].float()), TypeError, r"^labels must have dtype in \(int64, int32, int16, uint8\), got float32"),
+        (dict(labels=a["labels"][:5]), ValueError, r"^labels must have shape h.shape\[:-1\] = \(7,\) or \(N,\) = \(7,\), got \(5,\)"),
+        (dict(reduction="avg"), ValueError, r"^reduction must be one of 'mean', 'sum', 'none', got 'avg'"),
+        (dict(label_smoothing=1.5), ValueError, r"^label_smoothing must lie in \[0, 1\], got 1.5"),
+        (dict(softcap=0.0), ValueError, r"^softcap must be a finite number > 0, got 0.0"),
+        (dict(z_loss=-0.5), ValueError, r"^z_loss must be a finite number >= 0, got -0.5"),
+        (dict(num_items=torch.ones(3)), ValueError, r"^num_items must be a number > 0 or a real tensor of one element"),
+        (dict(labels=torch.full((7,), 13)), ValueError, r"^labels must lie in \[0, V\) = \[0, 13\) or equal ignore_index = -100, got 13"),
+        (dict(labels=torch.full((7,), -3)), ValueError, r"^labels must lie in \[0, V\) .* got -3"),
+        (dict(W=a["W"][None]), ValueError, r"^W must have shape \(V, d\) \(2-D\), got \(1, 13, 6\)"),
+        (dict(h=a["h"].long()), TypeError, r"^h must have dtype in \(float32, float64, bfloat16, float16\), got int64"),
+        (dict(label_smoothing=-0.1), ValueError, r"^label_smoothing must lie in \[0, 1\], got -0.1"),
+        (dict(label_smoothing=float("nan")), ValueError, r"^label_smoothing must be finite, got nan"),
+        (dict(softcap=-2.0), ValueError, r"^softcap must be a finite number > 0, got -2.0"),
+        (dict(num_items=0), ValueError, r"^num_items must be a finite number > 0, got 0"),
+        (dict(num_items=torch.tensor(0.0)), ValueError, r"^num_items must be a finite number > 0, got 0.0"),
+        (dict(num_items="4"), TypeError, r"^num_items must be a real number, got str"),
+    ]
+
+
+CASE = OpCase(
+    _lce_make, lambda a: (wk.linear_cross_entropy(**a),),
+    # (N, d, V); the lists cycle the variants
+    dict(default=[(7, 6, 13), (37, 16, 75), (1, 8, 5), (64, 32, 300), (9, 3, 1000), (2, 1, 2)],
+         triton=[(7, 6, 13), (5, 4, 9), (9, 8, 37)], gradcheck=[(6, 4, 7)] * 6,
+         dynamic=[(6, 8, 11), (9, 8, 11)], concurrent=[(64, 32, 300)], gpu=[(33, 64, 1000)], threads=[(300, 64, 1000)], layer=[(7, 6, 13)]),
+    (Public("linear_cross_entropy", wk.LinearCrossEntropyFunction, _lce_calls, _lce_bad),),
+    variants=(dict(), dict(options=True), dict(reduction="none"), dict(options=True), dict(),
+              dict(reduction="none", options=True)),
+    layer_variant=dict(options=True),
+    oracle=_lce_oracle, kind="attention",
+    out_dtype=lambda dtype: torch.float64 if dtype == F64 else torch.float32)

@@ -20,6 +20,7 @@ from wiola_kernels.testing import (assert_close_rel, available_backends, availab
                                    tolerance)
 
 from helpers import backend_variants, finite, forward_backward, gen, gpu_only, on_backend, strided_view
+from op_cases import F64, OpCase, Public, randn64
 from oracles import rms_oracle
 
 BACKENDS = available_backends("rms_norm", "cpu")
@@ -501,3 +502,55 @@ def test_gpu_backwards_are_bitwise_reproducible():
     runs = [forward_backward(wk.rms_norm, [x, w, s], [g])[1] for _ in range(3)]
     for other in runs[1:]:
         assert all(torch.equal(a, b) for a, b in zip(runs[0], other))
+
+
+# --- this op in the shared suites: its OpCase (tests/op_cases.py collects CASE for
+# tests/test_all_ops.py and tests/test_op_layer.py) -------------------------------------------
+
+def _rms_make(shape, dtype, seed, shift=True):
+    """``shift=False``: no δ (its own kernel path)."""
+    g = gen(seed)
+    d = shape[-1]
+    x, w, s = randn64(*shape, g=g), torch.rand(d, generator=g, dtype=F64) + 0.5, randn64(d, g=g, scale=0.3)
+    return dict(x=x.to(dtype), weight=w.to(dtype), shift=s.to(dtype) if shift else None, eps=1e-6)
+
+
+def _rms_views(shape, dtype, seed):
+    """x a strided view both ways (transposed, every other column), γ and δ every other
+    element of one tensor, the output gradient transposed."""
+    g = gen(seed)
+    rows, d = shape
+    x = randn64(2 * d, rows, g=g).t()[:, ::2]
+    wd = torch.rand(2 * d, generator=g, dtype=F64) + 0.5
+    grad = randn64(d, rows, g=g).t()
+    return dict(x=x.to(dtype), weight=wd[::2].to(dtype), shift=(0.1 * wd[1::2]).to(dtype), eps=1e-6), [grad.to(dtype)]
+
+
+def _rms_calls(a, ops):
+    fwd = (a["x"], a["weight"], a["shift"], a["eps"], a["hf_order"])
+    _, rstd = ops.rms_norm(*fwd)
+    return [(ops.rms_norm.default, fwd),
+            (ops.rms_norm_backward.default, (torch.randn_like(a["x"]), a["x"], a["weight"], a["shift"], rstd))]
+
+
+def _rms_bad(a):
+    return [
+        (dict(x=a["x"].long()), TypeError, r"^x must have dtype in \(float32, float64, bfloat16, float16\), got int64"),
+        (dict(weight=a["weight"][:4]), ValueError, r"^weight must have shape \(d,\) = \(8,\), got \(4,\)"),
+        (dict(shift=a["shift"][None]), ValueError, r"^shift must have shape \(d,\) = \(8,\), got \(1, 8\)"),
+        (dict(x=torch.tensor(1.0)), ValueError, r"^x must have shape \(\.\.\., d\) \(at least 1 dimension\), got a 0-d tensor"),
+        (dict(x=torch.zeros(3, 0), weight=torch.ones(0), shift=torch.zeros(0)), ValueError, r"^x must have a non-empty last dimension d, got d = 0"),
+        (dict(eps=-1e-6), ValueError, r"^eps must be a finite number > 0, got -1e-06"),
+        (dict(eps=float("nan")), ValueError, r"^eps must be a finite number > 0, got nan"),
+    ]
+
+
+CASE = OpCase(
+    _rms_make, lambda a: (wk.rms_norm(**a),),
+    dict(default=[(1, 3), (7,), (37, 192), (5, 760), (2, 3, 50), (1151, 33)],
+         triton=[(1, 3), (3, 7), (9, 130), (2, 3, 50)], gradcheck=[(2, 3, 9)], threads=[(3001, 320)],
+         views=[(30, 20)], dynamic=[(2, 3, 16), (2, 5, 16)], concurrent=[(64, 200)], gpu=[(5, 33)],
+         layer=[(3, 5, 8)]),
+    (Public("rms_norm", wk.RMSNormFunction, _rms_calls, _rms_bad),),
+    variants=(dict(shift=True), dict(shift=False)),
+    oracle=lambda a: (rms_oracle(a["x"], a["weight"], a["shift"], a["eps"]),), views=_rms_views)

@@ -30,6 +30,7 @@ from wiola_kernels import SpiralRotaryEmbedding, shapes
 from wiola_kernels.testing import assert_close_rel, available_backends, rel_err, srpe_tolerance, tolerance
 
 from helpers import finite, forward_backward, gen, gpu_only, strided_view
+from op_cases import F64, OpCase, Public, randn64
 from oracles import srpe_oracle
 
 BACKENDS = available_backends("srpe")
@@ -708,3 +709,74 @@ def test_srpe_triton_vs_float64(b, h, h_kv, t, dh, dtype):
     (q_ref, dq), (k_ref, dk) = oracle(q, pos, gq), oracle(k, pos, gk)
     for got, ref in zip(outs + grads, (q_ref, k_ref, dq, dk)):
         assert_close_rel(got.cpu(), ref, tolerance(dtype))
+
+
+# --- this op in the shared suites: its OpCase (tests/op_cases.py collects CASE for
+# tests/test_all_ops.py and tests/test_op_layer.py) -------------------------------------------
+
+SRPE_SPEC_PARAMS = (10000.0, 8.0, 0.1, 0.01)
+
+
+def _srpe_make(shape, dtype, seed, max_position=2**20, params=SRPE_SPEC_PARAMS):
+    """Positions in ``[0, max_position)`` (below 256, float64 is within 1e-12 and every index
+    dtype, uint8 too, holds them); ``params``: (θ₀, k_s, a_s, f_s)."""
+    b, h, h_kv, t, dh = shape
+    g = gen(seed)
+    q, k = randn64(b, h, t, dh, g=g), randn64(b, h_kv, t, dh, g=g)
+    pos = torch.randint(0, max_position, (b, t), generator=g)  # not monotonic, may repeat
+    return dict(q=q.to(dtype), k=k.to(dtype), position_ids=pos,
+                **dict(zip(("theta", "spiral_divisor", "radial_amplitude", "radial_frequency"), params)))
+
+
+def _srpe_views(shape, dtype, seed):
+    """q, k as the model makes them: ``Linear(x).view(B, T, H, d_h).transpose(1, 2)``, int64
+    positions expanded from (1, T) (stride 0 over the batch), output gradients alike."""
+    b, h, h_kv, t, dh = shape
+    args = _srpe_make(shape, dtype, seed)
+    g = gen(seed + 1)
+    view = {n: randn64(b, t, n_h, dh, g=g).to(dtype).transpose(1, 2) for n, n_h in (("q", h), ("k", h_kv))}
+    pos = torch.randperm(4 * t, generator=g)[:t].sort().values[None].expand(b, t)
+    grads = [randn64(b, t, n_h, dh, g=g).to(dtype).transpose(1, 2) for n_h in (h, h_kv)]
+    return dict(args, **view, position_ids=pos), grads
+
+
+def _srpe_oracle(a):
+    params = (a["theta"], a["spiral_divisor"], a["radial_amplitude"], a["radial_frequency"])
+    return srpe_oracle(a["q"], a["position_ids"], *params), srpe_oracle(a["k"], a["position_ids"], *params)
+
+
+def _srpe_calls(a, ops):
+    params = (a["theta"], a["spiral_divisor"], a["radial_amplitude"], a["radial_frequency"])
+    return [(ops.srpe.default, (a["q"], a["k"], a["position_ids"], *params)),
+            (ops.srpe_backward.default, (torch.randn_like(a["q"]), torch.randn_like(a["k"]), a["position_ids"], *params))]
+
+
+def _srpe_bad(a):
+    return [
+        (dict(k=a["k"][:, :, :3]), ValueError, r"^k must have shape \(B, H_kv, T, d_h\) = \(2, H_kv, 5, 8\) to match q, got \(2, 2, 3, 8\)"),
+        (dict(k=a["k"].double()), TypeError, r"^k must have dtype torch.float32 like q, got torch.float64"),
+        (dict(q=a["q"][..., :7], k=a["k"][..., :7]), ValueError, r"^q must have an even, non-zero head dim d_h \(last dim\), got d_h = 7"),
+        (dict(k=torch.randn(2, 3, 5, 8)), ValueError, r"^q's heads H = 4 \(dim 1\) must be a multiple of k's heads H_kv = 3 \(dim 1\)"),
+        (dict(q=a["q"].transpose(1, 2).contiguous(), k=a["k"].transpose(1, 2).contiguous()),
+         ValueError, r"these look like \(B, T, H, d_h\) = \(2, 5, 4, 8\), but the layout is \(B, H, T, d_h\)"),
+        (dict(theta=0.0), ValueError, r"^theta must be a finite number > 0, got 0.0"),
+        (dict(spiral_divisor=0.0), ValueError, r"^spiral_divisor must be non-zero"),
+        (dict(radial_amplitude=float("inf")), ValueError, r"^radial_amplitude must be finite, got inf"),
+        (dict(position_ids=torch.full((2, 5), 2**40)), ValueError, r"^position_ids must lie within ±\d+ \(float32 SRPE outputs lose SPEC accuracy beyond it for spiral_divisor=8.0\), got \|p\| = 1099511627776"),
+    ]
+
+
+CASE = OpCase(
+    _srpe_make, lambda a: wk.srpe(**a),
+    # (B, H, H_kv, T, d_h): T = 1, odd B, H/H_kv in {1, 4}, d_h not a power of two, 64, 128
+    dict(default=[(1, 1, 1, 1, 6), (3, 4, 1, 7, 10), (3, 4, 4, 5, 66), (2, 4, 1, 9, 64), (1, 2, 2, 3, 128)],
+         triton=[(1, 1, 1, 1, 6), (3, 4, 1, 7, 10), (1, 2, 2, 3, 128)], gradcheck=[(3, 2, 1, 3, 4)],
+         threads=[(2, 4, 2, 300, 64)], views=[(2, 4, 2, 37, 16), (3, 2, 1, 5, 66), (1, 4, 4, 1, 64)],
+         dynamic=[(2, 2, 1, 3, 4), (2, 2, 1, 5, 4)], concurrent=[(2, 4, 2, 33, 16)], gpu=[(2, 4, 2, 7, 16)],
+         layer=[(2, 4, 2, 5, 8)]),
+    (Public("srpe", wk.SRPEFunction, _srpe_calls, _srpe_bad),),
+    variants=(dict(), dict(max_position=256), dict(params=(500.0, 3.0, 0.3, 0.05))),
+    layer_variant=dict(max_position=256),
+    oracle=_srpe_oracle, views=_srpe_views, in_place=("cpu", "triton"),
+    # float64 at positions ~2^20: the angle p·ω itself carries ~1e-10 of rounding (SPEC §9)
+    tol=lambda dtype, a: srpe_tolerance(dtype, a["position_ids"], a["spiral_divisor"]))

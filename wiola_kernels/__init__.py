@@ -2,17 +2,10 @@
 
 Public ops, each a function over one ``torch.autograd.Function`` that drives the registered
 ops ``torch.ops.wiola.<name>`` (forward) and ``torch.ops.wiola.<name>_backward`` (backward),
-declared once in C++ with a kernel per device that PyTorch's dispatcher picks:
+declared once in C++ with a kernel per device that PyTorch's dispatcher picks. They are
+listed at the end: one line per registered op, from its module ``wiola_kernels/ops/<op>.py``,
+whose ``__all__`` this package exports. Besides them:
 
-* :func:`rms_norm` / :class:`RMSNormFunction` — WiolaRMSNorm (SPEC §3)
-* :func:`add_rms_norm` / :class:`AddRMSNormFunction` — residual add + WiolaRMSNorm in one pass (SPEC §10.3)
-* :func:`glu` / :class:`GLUFunction` — gated activations SiLU / GELU_tanh, DSFF's streams (SPEC §10.2)
-* :func:`srpe` / :class:`SRPEFunction` — spiral rotary position encoding of Q and K (SPEC §4)
-* :func:`gcla_attention` / :class:`GCLAAttentionFunction` — GCLA summary-augmented causal attention (SPEC §5.5)
-* :func:`atm_merge` / :class:`ATMMergeFunction`, :func:`atm_unmerge` / :class:`ATMUnmergeFunction` —
-  ATM greedy adjacent token merging (SPEC §6)
-* :func:`linear_cross_entropy` / :class:`LinearCrossEntropyFunction` — the head's cross-entropy without
-  the logits tensor (SPEC §10.1)
 * :func:`patch_hf` / :func:`unpatch_hf` — these kernels in Hugging Face Llama / Mistral / Qwen2 models
 
 Hugging Face's own ``kernels`` switch (``kernels.kernelize``, ``from_pretrained(...,
@@ -30,6 +23,8 @@ decoding GEMV (CPU, float32/bfloat16/float16 weights read in place) and
 :mod:`wiola_kernels.decode.step` the whole step (every block and the head) in one call.
 """
 
+import re
+
 from . import _extension
 from ._extension import cpu_isa, kernel_isa, set_cpu_isa
 from . import dispatch
@@ -40,20 +35,31 @@ dispatch.reload_environment()  # WIOLA_BACKEND, and whether the ops were declare
 
 from .hf import is_patched, patch_hf, unpatch_hf  # noqa: E402  (Hugging Face models; transformers not needed to import)
 from .modules import RMSNorm, SpiralRotaryEmbedding, WiolaRMSNorm  # noqa: E402
-from .ops.add_rms_norm import AddRMSNormFunction, add_rms_norm  # noqa: E402
-from .ops.atm import ATMMergeFunction, ATMUnmergeFunction, atm_merge, atm_unmerge  # noqa: E402
-from .ops.gcla_attention import GCLAAttentionFunction, gcla_attention  # noqa: E402
-from .ops.linear_cross_entropy import LinearCrossEntropyFunction, linear_cross_entropy  # noqa: E402
-from .ops.glu import GLUFunction, glu  # noqa: E402
-from .ops.rms_norm import RMSNormFunction, rms_norm  # noqa: E402
-from .ops.srpe import SRPEFunction, srpe  # noqa: E402
+from .ops import op_modules as _op_modules  # noqa: E402
 from .hf_kernels import kernel_config, kernel_mapping  # noqa: E402  (Hugging Face's `kernels`, imported lazily)
 
 __version__ = "0.1.0"
 
-__all__ = ["ATMMergeFunction", "ATMUnmergeFunction", "AddRMSNormFunction", "GCLAAttentionFunction", "GLUFunction",
-           "LinearCrossEntropyFunction", "RMSNorm", "RMSNormFunction", "SRPEFunction", "SpiralRotaryEmbedding",
-           "WiolaRMSNorm", "add_rms_norm", "atm_merge", "atm_unmerge", "backends", "cpu_isa", "gcla_attention", "glu",
-           "is_patched", "kernel_isa", "linear_cross_entropy", "patch_hf", "rms_norm", "set_cpu_isa", "srpe",
-           "unpatch_hf", "use_backend"]
+
+def _export_ops() -> tuple[list[str], str]:
+    """Bind each registered op's public names (its module's ``__all__``) here; returns them
+    and the docstring's list of the ops (one line each, titled by its module's docstring)."""
+    names, lines = [], []
+    for module in _op_modules().values():
+        for name in module.__all__:
+            globals()[name] = getattr(module, name)
+        names += module.__all__
+        functions = ", ".join(f":func:`{n}`" for n in module.__all__ if not n[0].isupper())
+        classes = ", ".join(f":class:`{n}`" for n in module.__all__ if n[0].isupper())
+        title = " ".join(re.split(r":\s", module.__doc__ or module.OP, maxsplit=1)[0].split())  # -OO: no docstring
+        lines.append(f"* {functions} / {classes} — {title}")
+    return names, "\n".join(lines)
+
+
+_op_names, _op_lines = _export_ops()
+if __doc__:
+    __doc__ += f"\nPublic ops:\n\n{_op_lines}\n"
+
+__all__ = sorted(["RMSNorm", "SpiralRotaryEmbedding", "WiolaRMSNorm", "backends", "cpu_isa", "is_patched",
+                  "kernel_isa", "patch_hf", "set_cpu_isa", "unpatch_hf", "use_backend", *_op_names])
 __all__ += ["kernel_config", "kernel_mapping"]

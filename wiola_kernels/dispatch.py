@@ -1,7 +1,7 @@
 """Which kernel runs an op.
 
-**By default, PyTorch's dispatcher chooses.** Every op is declared once in C++
-(``csrc/wiola_ops.cpp``) as ``wiola::<op>`` and ``wiola::<op>_backward``, with one kernel per
+**By default, PyTorch's dispatcher chooses.** Every op is declared once in C++ (beside its CPU
+kernels, ``csrc/cpu/<op>.cpp``) as ``wiola::<op>`` and ``wiola::<op>_backward``, with one kernel per
 dispatch key: the C++ kernels for CPU tensors, the CUDA kernels or Triton launchers for CUDA
 tensors, a fake for tracing. An op's ``torch.autograd.Function`` calls
 ``torch.ops.wiola.<op>``, so a call costs one dispatcher lookup, as a native op does, and

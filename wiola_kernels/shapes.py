@@ -1,11 +1,12 @@
 """Every shape the kernels are benchmarked, GPU-tested and compiled ahead of time at: one table.
 
-Read by the benchmark cases (``bench/cases.py``, ``bench/attention.py``), each Triton kernel
+Read by the benchmark cases (each op's ``bench_cases`` in ``ops/<op>.py``, through
+:func:`bench_shape`; ``bench/attention.py``), each Triton kernel
 module's ``aot_launches`` (what ``gpu-report`` and ``scripts/triton_warmup.py`` compile), the
 CUDA half of ``gpu-report``, and the GPU tests of ``tests/test_<op>.py`` (which parametrize
 from here, so the compiled list covers them by construction). A leaf module: it imports
-torch and nothing from this package, so kernel modules can read it without reaching up into
-``bench/``.
+torch and nothing from this package, so kernel and op modules can read it without reaching up
+into ``bench/``.
 """
 
 from __future__ import annotations
@@ -103,3 +104,50 @@ CPU_DEFAULT_BENCH = {
     "gcla_attention": dict(GCLA_BENCH, B=1, T=256),
     "linear_cross_entropy": (512, 512, 8192),
 }
+
+
+# ---- `python -m wiola_kernels bench --overhead`: one call on the smallest input -------------------
+#: What ``bench --overhead`` times call by call, in float32 on every device: per op, the
+#: smallest input a model passes it (a decoding step's one token), where the kernel is nothing
+#: and the op layer everything.
+TINY_BENCH = {
+    "rms_norm": (4, 64),
+    "add_rms_norm": (4, 64),
+    "glu": (1, 64, "silu"),                   # one token's up projection, [a | b] of width 2·64
+    "srpe": (1, 4, 1, 1, 64),                 # 4 query heads, 1 kv head
+    "atm": (1, 8, 64),
+    "gcla_attention": dict(B=1, H=4, H_kv=1, T=1, L=1),
+    "linear_cross_entropy": (4, 64, 128),     # 4 tokens, a 128-word head
+}
+
+#: The sizes a benchmark case is declared at: ``"small"`` (seconds; smoke tests, CI, ``check``),
+#: ``"default"`` (one case per op: what ``python -m wiola_kernels bench`` runs without options),
+#: ``"full"`` (every shape and dtype, ``bench --full``) and ``"tiny"`` (:data:`TINY_BENCH`).
+BENCH_SIZES = ("small", "default", "full", "tiny")
+
+
+def bench_dtype(device: torch.device, size: str) -> torch.dtype:
+    """The dtype of a benchmark on ``device``: :data:`GPU_BENCH_DTYPE` on CUDA, float32 on the
+    CPU and at size ``"tiny"``."""
+    return GPU_BENCH_DTYPE if device.type == "cuda" and size != "tiny" else torch.float32
+
+
+def bench_dtypes(device: torch.device, size: str, cpu_bf16: bool = True) -> list[torch.dtype]:
+    """:func:`bench_dtype`; small and full runs add bf16 on the CPU (the model's training dtype,
+    whose kernels convert on the fly) where ``cpu_bf16``."""
+    extra = cpu_bf16 and size in ("small", "full") and device.type == "cpu"
+    return [bench_dtype(device, size)] + ([torch.bfloat16] if extra else [])
+
+
+def bench_shape(op: str, table: dict, device: torch.device, size: str):
+    """``table[size]`` (``size`` one of :data:`BENCH_SIZES`); the default size is the full shape
+    on CUDA and ``CPU_DEFAULT_BENCH[op]`` on the CPU, the tiny one ``TINY_BENCH[op]``."""
+    if size not in BENCH_SIZES:
+        raise ValueError(f"size must be one of {BENCH_SIZES}, got {size!r}")
+    if size == "tiny" or (size == "default" and device.type == "cpu"):
+        name, sizes = ("TINY_BENCH", TINY_BENCH) if size == "tiny" else ("CPU_DEFAULT_BENCH", CPU_DEFAULT_BENCH)
+        if op not in sizes:
+            raise ValueError(f"{op} has no shape for the {size} bench{' on the CPU' if size == 'default' else ''}: "
+                             f"add one to {name} in wiola_kernels/shapes.py")
+        return sizes[op]
+    return table["full" if size == "default" else size]

@@ -1,10 +1,13 @@
-"""Argument checks shared by every op: each raises ``TypeError``/``ValueError`` that
-names the argument and what was expected (SPEC §9), before any kernel runs.
+"""The argument checks several ops share: each raises ``TypeError``/``ValueError`` that names
+the argument and what was expected (SPEC §9), before any kernel runs.
 
-Everything an op checks lives here, so that the ops agree: tensor types and float dtypes,
-ranks and shapes, devices, ``position_ids`` (``(B, T)``, ``(1, T)`` or ``(T,)``, any of
-:data:`INDEX_DTYPES`), ``lengths``, ATM index maps, head widths, and the limits of each
-backend (:class:`Limits`: which dtypes and head widths its kernels take)."""
+Each op's own check, ``check_<op>`` (the words of ``checks::<op>`` in
+csrc/include/wiola/checks.h), lives in its module ``wiola_kernels/ops/<op>.py``, beside the
+kernels written in Python and the fakes that call it. It is built from the pieces here, so
+that the ops agree: tensor types and float dtypes, ranks and shapes, devices,
+``position_ids`` (``(B, T)``, ``(1, T)`` or ``(T,)``, any of :data:`INDEX_DTYPES`),
+``lengths``, attention tensors' heads and head widths; and the limits of each backend
+(:class:`Limits`: which dtypes and head widths its kernels take)."""
 
 from __future__ import annotations
 
@@ -106,7 +109,7 @@ def check_real(name: str, value: object) -> float:
     return v
 
 
-# --- integer inputs: position ids, lengths, index maps ------------------------------------
+# --- integer inputs: position ids, lengths ------------------------------------------------
 
 #: Integer dtypes every op accepts for ``position_ids`` and ``lengths`` (converted to int64).
 INDEX_DTYPES = (torch.int64, torch.int32, torch.int16, torch.uint8)
@@ -125,7 +128,8 @@ def check_position_ids(position_ids: object, b: int, t: int, *, hint: str = "") 
     return position_ids.to(torch.int64).expand(b, t)
 
 
-def _checks_values(t: torch.Tensor) -> bool:
+def can_read_values(t: torch.Tensor) -> bool:
+    """Whether a check may read ``t``'s values: a CPU tensor with data, outside ``torch.compile``."""
     # Reading values needs the data: on a GPU that is a device sync per call, and under
     # torch.compile a graph break. There the kernels clamp instead (docs/ops.md, bad input).
     if t.device.type != "cpu" or t.numel() == 0 or torch.compiler.is_compiling():
@@ -148,36 +152,10 @@ def check_lengths(lengths: object, b: int, t: int) -> torch.Tensor | None:
 
 def check_lengths_values(lengths: torch.Tensor, t: int) -> None:
     """``lengths`` values lie in ``[0, T]`` (checked on CPU tensors only, see :func:`check_lengths`)."""
-    if _checks_values(lengths):
+    if can_read_values(lengths):
         lo, hi = int(lengths.min()), int(lengths.max())
         if lo < 0 or hi > t:
             raise ValueError(f"lengths must lie in [0, T] = [0, {t}], got values in [{lo}, {hi}]")
-
-
-def check_index_map(index_map: object, b: int, t: int, *, like: str) -> torch.Tensor:
-    """An ATM ``index_map``: int64 ``(B, T)`` matching ``like``'s first two dims, values in ``[0, T)``."""
-    check_tensor("index_map", index_map, dtypes=(torch.int64,))
-    if tuple(index_map.shape) != (b, t):
-        raise ValueError(f"index_map must have shape (B, T) = ({b}, {t}) to match {like}, "
-                         f"got {tuple(index_map.shape)}")
-    check_index_map_values(index_map, t)
-    return index_map
-
-
-def check_index_map_values(index_map: torch.Tensor, t: int) -> None:
-    """``index_map`` values lie in ``[0, T)`` (checked on CPU tensors only)."""
-    if _checks_values(index_map):
-        lo, hi = int(index_map.min()), int(index_map.max())
-        if lo < 0 or hi >= t:
-            raise ValueError(f"index_map values must lie in [0, T) = [0, {t}), got values in [{lo}, {hi}]")
-
-
-def check_position_range(positions: torch.Tensor, limit: int, why: str) -> None:
-    """``|position_ids| ≤ limit`` (checked on CPU tensors only); ``why`` says what breaks beyond."""
-    if _checks_values(positions):
-        largest = int(positions.abs().max())
-        if largest > limit:
-            raise ValueError(f"position_ids must lie within ±{limit} ({why}), got |p| = {largest}")
 
 
 # --- attention tensors: heads and head dims ------------------------------------------------
@@ -208,7 +186,7 @@ def check_query_key(q_name: str, q: torch.Tensor, k_name: str, k: torch.Tensor) 
 
 # --- what a backend takes -------------------------------------------------------------------
 
-def _dtype_name(dtype: torch.dtype) -> str:
+def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
@@ -226,14 +204,14 @@ class Limits:
     def reason(self, dtype: torch.dtype | None, head_dim: int | None) -> str | None:
         """None when the backend takes ``dtype`` / ``head_dim``, else why not."""
         if dtype is not None and self.dtypes is not None and dtype not in self.dtypes:
-            return f"dtype {_dtype_name(dtype)} (it takes {', '.join(map(_dtype_name, self.dtypes))})"
+            return f"dtype {dtype_name(dtype)} (it takes {', '.join(map(dtype_name, self.dtypes))})"
         if head_dim is not None and self.head_dims is not None and head_dim not in self.head_dims:
             return f"d_h = {head_dim} (it has kernels for d_h in {{{', '.join(map(str, self.head_dims))}}})"
         if head_dim is not None and self.max_head_dim is not None and head_dim > self.max_head_dim:
             return f"d_h = {head_dim} (it takes even head widths d_h in [2, {self.max_head_dim}])"
         for limited, widest in self.dtype_max_head_dims or ():
             if dtype == limited and head_dim is not None and head_dim > widest:
-                name = _dtype_name(dtype)
+                name = dtype_name(dtype)
                 return f"{name} with d_h = {head_dim} (it takes {name} only up to d_h {widest})"
         return None
 
@@ -241,282 +219,22 @@ class Limits:
         """One line, e.g. ``"dtypes float32, float16, bfloat16; d_h in {64, 128}"``; ``"any input"``."""
         parts = []
         if self.dtypes is not None:
-            parts.append("dtypes " + ", ".join(map(_dtype_name, self.dtypes)))
+            parts.append("dtypes " + ", ".join(map(dtype_name, self.dtypes)))
         if self.head_dims is not None:
             parts.append("d_h in {" + ", ".join(map(str, self.head_dims)) + "}")
         if self.max_head_dim is not None:
             parts.append(f"even d_h in [2, {self.max_head_dim}]")
-        parts += [f"{_dtype_name(dt)} up to d_h {widest}" for dt, widest in self.dtype_max_head_dims or ()]
+        parts += [f"{dtype_name(dt)} up to d_h {widest}" for dt, widest in self.dtype_max_head_dims or ()]
         return "; ".join(parts) or "any input"
 
 
 NO_LIMITS = Limits()
 #: The CUDA C++ kernels (GCLA summary kernels, ATM) are instantiated for these dtypes only.
 CUDA_KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-#: Head widths the CUDA GCLA summary kernels are instantiated for (csrc/cuda/gcla_attention.cu).
-CUDA_GCLA_HEAD_DIMS = (64, 128)
+# GCLA's Triton limits, here because two layers read them: the kernels (triton/gcla_attention.py,
+# which import nothing of the op layer) and the op's Limits (ops/gcla_attention.py).
 #: Widest head the Triton GCLA kernels tile (16 … 256 columns; triton/gcla_attention.py).
 TRITON_GCLA_MAX_HEAD_DIM = 256
 #: Widest float32 head they take on a GPU: float32's exact (FMA) products hold d_h-long operand
 #: rows in registers, and spill beyond (the cuda backend takes float32 at d_h 128).
 TRITON_GCLA_FP32_MAX_HEAD_DIM = 64
-
-
-# --- one function per public op: what its kernels written in Python check at entry ---------
-#
-# The C++ kernels make the same checks with the same words (csrc/include/wiola/checks.h); the
-# ops' Functions call these only when a backend is forced (the dispatcher's kernels check
-# their own inputs), and the fakes call them while tracing.
-
-def check_rms_norm(x: object, weight: object, shift: object, eps: object, hf_order: object) -> float:
-    """Arguments of :func:`wiola_kernels.rms_norm`; returns ``eps`` as a float."""
-    check_tensor("x", x)
-    check_tensor("weight", weight)
-    if shift is not None:
-        check_tensor("shift", shift)
-    check_rank("x", x, range(1, 64), "(..., d)")
-    d = x.shape[-1]
-    check_shape("weight", weight, (d,), "(d,)")
-    if shift is not None:
-        check_shape("shift", shift, (d,), "(d,)")
-    check_same_device(x=x, weight=weight, shift=shift)
-    eps = check_positive("eps", eps)
-    if not isinstance(hf_order, bool):
-        raise TypeError(f"hf_order must be a bool, got {type(hf_order).__name__}")
-    if d == 0:
-        raise ValueError("x must have a non-empty last dimension d, got d = 0")
-    return eps
-
-
-def srpe_max_position(spiral_divisor: float, max_frequency: float = 1.0) -> int:
-    """Largest ``|p|`` at which float32 SRPE outputs still meet SPEC §9's 1e-5.
-
-    Every backend forms ``p·ω_j·(1 + 1/k_s)`` in float64, whose rounding error is about
-    ``p·ω_j·(1 + 1/k_s)·2^-52`` radians; a pair rotated by a wrong angle δ has relative
-    error ≈ δ. With ``max_frequency = max_j |ω_j|`` (1 for ``θ₀^(−2j/d_h)``, ``ω_0 = 1``; a
-    given ``inv_freq``'s largest value otherwise) that is ``p ≤ 1e-5·2^52/(|1 + 1/k_s|·max_j|ω_j|)``:
-    about 2^35 for the default ``k_s = 8``, 2^34 for any ``k_s ≥ 1`` (derivation and mpmath
-    checks in tests/test_srpe.py). Capped at 2^53, where int64 → float64 stops being exact.
-    """
-    factor = abs(1.0 + 1.0 / spiral_divisor) * max_frequency
-    return 2**53 if factor == 0.0 else min(2**53, int(1e-5 * 2.0**52 / factor))
-
-
-def check_srpe_inv_freq(inv_freq: object, dh: int, q_name: str, q: torch.Tensor) -> float:
-    """SRPE's given frequencies (SPEC §4): a floating ``(d_h/2,)`` tensor on ``q``'s device,
-    finite (values read on CPU tensors only). Returns ``max_j |ω_j|`` (1.0 when the values are
-    not read)."""
-    check_tensor("inv_freq", inv_freq)
-    if tuple(inv_freq.shape) != (dh // 2,):
-        got = "a 0-d tensor (a scalar)" if inv_freq.dim() == 0 else str(tuple(inv_freq.shape))
-        raise ValueError(f"inv_freq must have shape (d_h/2,) = ({dh // 2},), got {got}")
-    check_same_device(**{q_name: q, "inv_freq": inv_freq})
-    if not _checks_values(inv_freq):
-        return 1.0
-    w = inv_freq.double()
-    bad = (~torch.isfinite(w)).nonzero()
-    if len(bad):
-        j = int(bad[0, 0])
-        raise ValueError(f"inv_freq must hold finite frequencies, got {float(w[j])!r} at pair {j}")
-    return float(w.abs().max())
-
-
-def check_srpe(q: object, k: object, position_ids: object, theta: object, spiral_divisor: object,
-               radial_amplitude: object, radial_frequency: object, inv_freq: object = None, scale: object = 1.0,
-               names: tuple[str, str] = ("q", "k")
-               ) -> tuple[torch.Tensor, tuple[float, float, float, float], torch.Tensor | None, float]:
-    """Arguments of :func:`wiola_kernels.srpe` (``names``: what to call q and k); returns the
-    int64 ``(B, T)`` positions, the four parameters as floats, ``inv_freq`` (or None) and
-    ``scale`` as a float."""
-    q_name, k_name = names
-    check_tensor(q_name, q)
-    check_tensor(k_name, k)
-    check_same_dtype(**{q_name: q, k_name: k})
-    b, _h, _h_kv, t, dh = check_query_key(q_name, q, k_name, k)
-    check_same_device(**{q_name: q, k_name: k}, position_ids=position_ids)
-    hint = bthd_hint(q, k, t=position_ids.shape[-1]) if position_ids.dim() in (1, 2) else ""
-    positions = check_position_ids(position_ids, b, t, hint=hint)
-    theta = check_positive("theta", theta)
-    if isinstance(spiral_divisor, float) and spiral_divisor in (float("inf"), float("-inf")):
-        spiral_divisor = float(spiral_divisor)  # 1/k_s = 0: the plain RoPE angle p·ω_j
-    else:
-        spiral_divisor = check_real("spiral_divisor", spiral_divisor)
-    if spiral_divisor == 0.0:
-        raise ValueError("spiral_divisor must be non-zero (the angle uses 1 + 1/k_s)")
-    params = (theta, spiral_divisor, check_real("radial_amplitude", radial_amplitude),
-              check_real("radial_frequency", radial_frequency))
-    max_frequency = 1.0 if inv_freq is None else check_srpe_inv_freq(inv_freq, dh, q_name, q)
-    scale = check_real("scale", scale)
-    given = "" if inv_freq is None else f" and max |inv_freq| = {max_frequency!r}"
-    why = f"float32 SRPE outputs lose SPEC accuracy beyond it for spiral_divisor={spiral_divisor}{given}"
-    check_position_range(positions, srpe_max_position(spiral_divisor, max_frequency), why)
-    return positions, params, inv_freq, scale
-
-
-def check_gcla_attention(q_rot: object, k_rot: object, v: object, q: object, kc: object, vc: object, gate: object,
-                         lengths: object) -> torch.Tensor | None:
-    """Arguments of :func:`wiola_kernels.gcla_attention`; returns ``lengths`` as int64 (or None)."""
-    for name, t in (("q_rot", q_rot), ("k_rot", k_rot), ("v", v), ("q", q), ("kc", kc), ("vc", vc),
-                    ("gate", gate)):
-        check_tensor(name, t)
-    B, H, H_kv, T, dh = check_query_key("q_rot", q_rot, "k_rot", k_rot)
-    # With H = H_kv the four tensors agree in either layout; kc/gate give a transposed call away.
-    transposed = bthd_hint(q_rot, k_rot, v, q)
-    check_shape("v", v, (B, H_kv, T, dh), "(B, H_kv, T, d_h)")
-    check_shape("q", q, (B, H, T, dh), "(B, H, T, d_h)")
-    check_rank("kc", kc, 5, "(B, H, S, Λ', d_h)")
-    if kc.shape[0] != B or kc.shape[1] != H or kc.shape[4] != dh or kc.shape[2] not in (1, T):
-        hint = transposed if kc.shape[1] == T and kc.shape[2] in (1, H) else ""
-        raise ValueError(f"kc must have shape (B, H, S, Λ', d_h) = ({B}, {H}, S, Λ', {dh}) with S in "
-                         f"{{1, T = {T}}}, got {tuple(kc.shape)}{hint}")
-    check_rank("vc", vc, 5, "(B, H, S, Λ', d_h)")
-    if tuple(vc.shape) != tuple(kc.shape):
-        raise ValueError(f"vc must have the shape of kc (B, H, S, Λ', d_h) = {tuple(kc.shape)} (same S and Λ'), "
-                         f"got {tuple(vc.shape)}")
-    if tuple(gate.shape) != (H,):
-        hint = transposed if tuple(gate.shape) == (T,) else ""
-        raise ValueError(f"gate must have shape (H,) = ({H},), got {tuple(gate.shape)}{hint}")
-    check_same_dtype(q_rot=q_rot, k_rot=k_rot, v=v, q=q, kc=kc, vc=vc)
-    if lengths is not None:
-        check_tensor("lengths", lengths, dtypes=INDEX_DTYPES)
-    check_same_device(q_rot=q_rot, k_rot=k_rot, v=v, q=q, kc=kc, vc=vc, gate=gate, lengths=lengths)
-    return check_lengths(lengths, B, T)
-
-
-def check_atm_tokens(name: str, x: object) -> tuple[int, int, int]:
-    """ATM's ``(B, T, d)`` tokens (``x``, ``y`` or a gradient: ``name``) with ``d > 0``."""
-    check_tensor(name, x)
-    check_rank(name, x, 3, "(B, T, d)")
-    b, t, d = x.shape
-    if d == 0:
-        raise ValueError(f"{name} must have a non-empty last dimension d, got shape {tuple(x.shape)}")
-    return b, t, d
-
-
-def check_atm_merge(x: object, position_ids: object, threshold: object, lengths: object
-                    ) -> tuple[torch.Tensor, float, torch.Tensor]:
-    """Arguments of :func:`wiola_kernels.atm_merge`; returns int64 ``(B, T)`` positions, the
-    threshold as a float and int64 ``(B,)`` lengths (``T`` for every row when None)."""
-    b, t, _ = check_atm_tokens("x", x)
-    check_same_device(x=x, position_ids=position_ids, lengths=lengths)
-    positions = check_position_ids(position_ids, b, t)
-    threshold = check_real("threshold", threshold)
-    if not -1.0 <= threshold <= 1.0:
-        raise ValueError(f"threshold must lie in [-1, 1] (a cosine similarity), got {threshold!r}")
-    lengths = check_lengths(lengths, b, t)
-    if lengths is None:
-        lengths = torch.full((b,), t, dtype=torch.int64, device=x.device)
-    return positions, threshold, lengths
-
-
-def check_atm_unmerge(y: object, index_map: object, name: str = "y") -> None:
-    """Arguments of :func:`wiola_kernels.atm_unmerge` (``name``: what to call ``y``)."""
-    b, t, _ = check_atm_tokens(name, y)
-    check_index_map(index_map, b, t, like=name)
-    check_same_device(**{name: y}, index_map=index_map)
-
-
-def check_add_rms_norm(x: object, residual: object, weight: object, shift: object, eps: object,
-                       hf_order: object) -> float:
-    """Arguments of :func:`wiola_kernels.add_rms_norm`; returns ``eps`` as a float."""
-    check_tensor("x", x)
-    check_tensor("residual", residual)
-    check_rank("x", x, range(1, 64), "(..., d)")
-    if tuple(residual.shape) != tuple(x.shape):
-        raise ValueError(f"residual must have the shape of x (..., d) = {tuple(x.shape)}, got {tuple(residual.shape)}")
-    check_same_dtype(x=x, residual=residual)
-    check_same_device(x=x, residual=residual)
-    return check_rms_norm(x, weight, shift, eps, hf_order)
-
-
-#: The activations of :func:`wiola_kernels.glu`.
-GLU_ACTIVATIONS = ("silu", "gelu_tanh")
-
-
-def check_glu(a: object, b: object, activation: object) -> str:
-    """Arguments of :func:`wiola_kernels.glu` (``b`` None: ``a`` holds ``[a | b]``); returns
-    the activation."""
-    check_tensor("a", a)
-    if b is not None:
-        check_tensor("b", b)
-    check_rank("a", a, range(1, 64), "(..., n)" if b is not None else "(..., 2n)")
-    if b is not None:
-        if tuple(b.shape) != tuple(a.shape):
-            raise ValueError(f"b must have the shape of a (..., n) = {tuple(a.shape)}, got {tuple(b.shape)}")
-        check_same_dtype(a=a, b=b)
-        check_same_device(a=a, b=b)
-    elif a.shape[-1] % 2:
-        raise ValueError(f"a must have an even last dimension 2n when b is None (a holds [a | b]), got {a.shape[-1]}")
-    if not isinstance(activation, str):
-        raise TypeError(f"activation must be a str, got {type(activation).__name__}")
-    if activation not in GLU_ACTIVATIONS:
-        raise ValueError(f"activation must be 'silu' or 'gelu_tanh', got {activation!r}")
-    return activation
-
-
-#: ``reduction`` values of :func:`wiola_kernels.linear_cross_entropy`.
-LCE_REDUCTIONS = ("mean", "sum", "none")
-
-
-def check_linear_cross_entropy(h: object, W: object, labels: object, ignore_index: object, reduction: object,
-                               label_smoothing: object, softcap: object, z_loss: object, num_items: object
-                               ) -> tuple[int, float, float | None, float]:
-    """Arguments of :func:`wiola_kernels.linear_cross_entropy`; returns ``(N, label_smoothing,
-    softcap, z_loss)`` with the numbers as floats. Label values (in ``[0, V)`` or
-    ``ignore_index``) and a ``num_items`` tensor's value (> 0) are checked on CPU tensors."""
-    check_tensor("h", h)
-    check_tensor("W", W)
-    check_rank("h", h, range(2, 64), "(..., d)")
-    d = h.shape[-1]
-    check_rank("W", W, 2, "(V, d)")
-    if W.shape[1] != d:
-        raise ValueError(f"W must have shape (V, d) = (V, {d}) to match h, got {tuple(W.shape)}")
-    if d == 0:
-        raise ValueError("h must have a non-empty last dimension d, got d = 0")
-    if W.shape[0] == 0:
-        raise ValueError(f"W must have at least one row (V >= 1), got shape {tuple(W.shape)}")
-    check_same_dtype(h=h, W=W)
-    check_tensor("labels", labels, dtypes=INDEX_DTYPES)
-    n = h.numel() // d
-    if tuple(labels.shape) not in (tuple(h.shape[:-1]), (n,)):
-        raise ValueError(f"labels must have shape h.shape[:-1] = {tuple(h.shape[:-1])} or (N,) = ({n},), "
-                         f"got {tuple(labels.shape)}")
-    check_same_device(h=h, W=W, labels=labels)
-    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
-        raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
-    if reduction not in LCE_REDUCTIONS:
-        raise ValueError(f"reduction must be one of 'mean', 'sum', 'none', got {reduction!r}")
-    label_smoothing = check_real("label_smoothing", label_smoothing)
-    if not 0.0 <= label_smoothing <= 1.0:
-        raise ValueError(f"label_smoothing must lie in [0, 1], got {label_smoothing!r}")
-    softcap = None if softcap is None else check_positive("softcap", softcap)
-    z_loss = check_positive("z_loss", z_loss, allow_zero=True)
-    check_num_items(num_items, h.device)
-    if _checks_values(labels):
-        counted = labels[labels != ignore_index]
-        if counted.numel():
-            lo, hi = int(counted.min()), int(counted.max())
-            if lo < 0 or hi >= W.shape[0]:
-                bad = lo if lo < 0 else hi
-                raise ValueError(f"labels must lie in [0, V) = [0, {W.shape[0]}) or equal ignore_index = "
-                                 f"{ignore_index}, got {bad}")
-    return n, label_smoothing, softcap, z_loss
-
-
-def check_num_items(num_items: object, device: torch.device) -> None:
-    """``num_items`` of a mean: None, a number > 0, or a tensor of one element on ``device``
-    or the CPU (its value, > 0, checked on the CPU)."""
-    if num_items is None:
-        return
-    if isinstance(num_items, torch.Tensor):
-        if num_items.numel() != 1 or num_items.dtype == torch.bool or num_items.is_complex():
-            raise ValueError(f"num_items must be a number > 0 or a real tensor of one element, got a tensor of "
-                             f"shape {tuple(num_items.shape)} and dtype {_dtype_name(num_items.dtype)}")
-        if num_items.device != device and num_items.device.type != "cpu":
-            raise ValueError(f"num_items must be on {device} like h (or on the CPU), got {num_items.device}")
-        if _checks_values(num_items):
-            value = float(num_items)
-            if not value > 0.0 or value == float("inf"):
-                raise ValueError(f"num_items must be a finite number > 0, got {value!r}")
-        return
-    check_positive("num_items", num_items)

@@ -35,6 +35,25 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> add_rms_norm_bwd(const at::Tensor
 
 }  // namespace
 
+// The op's schemas, declared once, here beside its CPU kernels: every build of the op compiles this file.
+// set_python_module names the module that registers the op's fakes and Python kernels.
+TORCH_LIBRARY_FRAGMENT(wiola, m) {
+  m.set_python_module("wiola_kernels.ops.add_rms_norm");
+  // x, residual (..., d) of one dtype, any strides; weight, shift, eps, hf_order as for rms_norm.
+  // s = x + residual rounded to x's dtype, y = rms_norm(s): y, s contiguous like x; rstd as for
+  // rms_norm. The backward takes grad_s None when no gradient reached s; grad_x is the gradient
+  // of x and of residual alike.
+  m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, Tensor? shift, float eps=1e-06,"
+        " bool hf_order=False) -> (Tensor y, Tensor s, Tensor rstd)");
+  m.def("add_rms_norm_backward(Tensor grad_y, Tensor? grad_s, Tensor s, Tensor weight, Tensor? shift,"
+        " Tensor rstd) -> (Tensor grad_x, Tensor grad_weight, Tensor grad_shift)");
+  // The Python Triton launchers, as rms_norm's (csrc/cuda/triton_rms_norm_binding.cpp).
+  m.def("_triton_add_rms_norm(Tensor x, Tensor residual, Tensor weight, Tensor? shift, float eps=1e-06,"
+        " bool hf_order=False) -> (Tensor y, Tensor s, Tensor rstd)");
+  m.def("_triton_add_rms_norm_backward(Tensor grad_y, Tensor? grad_s, Tensor s, Tensor weight, Tensor? shift,"
+        " Tensor rstd) -> (Tensor grad_x, Tensor grad_weight, Tensor grad_shift)");
+}
+
 TORCH_LIBRARY_IMPL(wiola, CPU, m) {
   m.impl("add_rms_norm", &add_rms_norm_fwd);
   m.impl("add_rms_norm_backward", &add_rms_norm_bwd);

@@ -24,6 +24,7 @@
 
 #include "common.h"
 #include "wiola/checks.h"
+#include "wiola/cuda_schemas.h"
 
 namespace wiola::cpu {
 namespace {
@@ -482,6 +483,18 @@ at::Tensor atm_unmerge_bwd(const at::Tensor& grad_in, const at::Tensor& map_in) 
 }
 
 }  // namespace
+
+// The op's schemas, declared once, here beside its CPU kernels: every build of the op compiles this file.
+// set_python_module names the module that registers the op's fakes and Python kernels.
+// The schemas' text is wiola/cuda_schemas.h's, shared with the SIMT emulation's bindings
+// (csrc/cuda/emu/bindings_emu.cpp), so the two cannot drift apart.
+TORCH_LIBRARY_FRAGMENT(wiola, m) {
+  m.set_python_module("wiola_kernels.ops.atm");
+  m.def(wiola::schema::kAtmMerge);
+  m.def(wiola::schema::kAtmMergeBackward);
+  m.def(wiola::schema::kAtmUnmerge);
+  m.def(wiola::schema::kAtmUnmergeBackward);
+}
 
 TORCH_LIBRARY_IMPL(wiola, CPU, m) {
   m.impl("atm_merge", &atm_merge);

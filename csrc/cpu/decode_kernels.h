@@ -1,7 +1,7 @@
 // The decoding kernels one decoding kernel calls from another (decode_block runs the GEMV,
 // decode_step runs the block and the GEMV): plain C++ calls, each defined in its own file
 // and registered there as the op of the same name. The argument meanings are the ops'
-// schemas (csrc/wiola_ops.cpp).
+// schemas (csrc/wiola_ops.cpp, with the other schemas of no public op).
 #pragma once
 
 #include <ATen/core/Tensor.h>

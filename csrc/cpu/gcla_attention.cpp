@@ -1050,6 +1050,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
 
 }  // namespace
 
+// The op's schemas, declared once, here beside its CPU kernels: every build of the op compiles this file.
+// set_python_module names the module that registers the op's fakes and Python kernels.
+TORCH_LIBRARY_FRAGMENT(wiola, m) {
+  m.set_python_module("wiola_kernels.ops.gcla_attention");
+  // q_rot, q (B, H, T, d_h); k_rot, v (B, H_kv, T, d_h); kc, vc (B, H, S, Λ', d_h), S in {1, T};
+  // gate (H,); lengths (B,) or None. out like q_rot; lse (B, H, T) float32 (float64 for double).
+  // Gradients in their inputs' layouts (d kc, d vc contiguous for S = 1).
+  m.def("gcla_attention(Tensor q_rot, Tensor k_rot, Tensor v, Tensor q, Tensor kc, Tensor vc, Tensor gate,"
+        " Tensor? lengths=None) -> (Tensor out, Tensor lse)");
+  m.def("gcla_attention_backward(Tensor grad_out, Tensor q_rot, Tensor k_rot, Tensor v, Tensor q, Tensor kc,"
+        " Tensor vc, Tensor gate, Tensor? lengths, Tensor out, Tensor lse) -> (Tensor grad_q_rot,"
+        " Tensor grad_k_rot, Tensor grad_v, Tensor grad_q, Tensor grad_kc, Tensor grad_vc, Tensor grad_gate)");
+}
+
 TORCH_LIBRARY_IMPL(wiola, CPU, m) {
   m.impl("gcla_attention", &gcla_attention_fwd);
   m.impl("gcla_attention_backward", &gcla_attention_bwd);

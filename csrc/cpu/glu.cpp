@@ -468,6 +468,22 @@ std::tuple<at::Tensor, at::Tensor> glu_bwd(const at::Tensor& grad_y, const at::T
 
 }  // namespace
 
+// The op's schemas, declared once, here beside its CPU kernels: every build of the op compiles this file.
+// set_python_module names the module that registers the op's fakes and Python kernels.
+TORCH_LIBRARY_FRAGMENT(wiola, m) {
+  m.set_python_module("wiola_kernels.ops.glu");
+  // y = act(a) ⊙ b, activation "silu" or "gelu_tanh". a, b (..., n), one dtype, any strides with
+  // a unit last stride (the halves of one projection's output are read in place); or b None and
+  // a (..., 2n) holding [a | b]. y (..., n) contiguous. Gradients contiguous: grad_a, grad_b of
+  // a's shape, or for b None grad_a (..., 2n) = [∂a | ∂b] and grad_b None.
+  m.def("glu(Tensor a, Tensor? b, str activation=\"silu\") -> Tensor");
+  m.def("glu_backward(Tensor grad_y, Tensor a, Tensor? b, str activation) -> (Tensor grad_a, Tensor grad_b)");
+  // The Python Triton launchers of glu (CUDA only, registered from Python): where the cubin table
+  // has no variant for a call, the C++ CUDA kernel (csrc/cuda/triton_glu_binding.cpp) runs these.
+  m.def("_triton_glu(Tensor a, Tensor? b, str activation) -> Tensor");
+  m.def("_triton_glu_backward(Tensor grad_y, Tensor a, Tensor? b, str activation) -> (Tensor grad_a, Tensor grad_b)");
+}
+
 TORCH_LIBRARY_IMPL(wiola, CPU, m) {
   m.impl("glu", &glu_fwd);
   m.impl("glu_backward", &glu_bwd);

@@ -735,6 +735,28 @@ void lce_bwd(const at::Tensor& grad_loss, const at::Tensor& h, const at::Tensor&
 
 }  // namespace
 
+// The op's schemas, declared once, here beside its CPU kernels: every build of the op compiles this file.
+// set_python_module names the module that registers the op's fakes and Python kernels.
+TORCH_LIBRARY_FRAGMENT(wiola, m) {
+  m.set_python_module("wiola_kernels.ops.linear_cross_entropy");
+  // h (..., d), W (V, d) any strides, labels h.shape[:-1] or (N,) of an index dtype; num_items
+  // None or a one-element tensor. loss: (N,) ("none") or () in float32 (float64 for double
+  // inputs); lse (N,), same dtype. grad_mask = (∂h, ∂W) wanted, only with "mean"/"sum": the
+  // gradients of the row sum Σ ℓ_i (not yet scaled by grad_loss or 1/n) come back in h's
+  // layout (N, d) / (V, d) in the dtypes of h / W, else (0,) tensors. No (N, V) tensor is
+  // ever held: rows are processed in chunks.
+  m.def("linear_cross_entropy(Tensor h, Tensor W, Tensor labels, int ignore_index=-100, str reduction=\"mean\","
+        " float label_smoothing=0.0, float? softcap=None, float z_loss=0.0, Tensor? num_items=None,"
+        " bool[2] grad_mask=[False, False]) -> (Tensor loss, Tensor lse, Tensor grad_h, Tensor grad_W)");
+  // Writes ∂L/∂h into grad_h (N, d) and ∂L/∂W into grad_W (V, d) (either may be None: not
+  // wanted). precomputed: they hold the forward's unscaled gradients ("mean"/"sum"), scaled
+  // here in place by grad_loss (÷ n for "mean"); else they are overwritten with the gradients
+  // recomputed from h, W and lse (every reduction).
+  m.def("linear_cross_entropy_backward(Tensor grad_loss, Tensor h, Tensor W, Tensor labels, Tensor lse,"
+        " Tensor? num_items, Tensor(a!)? grad_h, Tensor(b!)? grad_W, int ignore_index, str reduction,"
+        " float label_smoothing, float? softcap, float z_loss, bool precomputed) -> ()");
+}
+
 TORCH_LIBRARY_IMPL(wiola, CPU, m) {
   m.impl("linear_cross_entropy", &lce_fwd);
   m.impl("linear_cross_entropy_backward", &lce_bwd);

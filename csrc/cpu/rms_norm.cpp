@@ -843,6 +843,25 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> rms_norm_bwd(const at::Tensor& gr
 
 }  // namespace
 
+// The op's schemas, declared once, here beside its CPU kernels: every build of the op compiles this file.
+// set_python_module names the module that registers the op's fakes and Python kernels.
+TORCH_LIBRARY_FRAGMENT(wiola, m) {
+  m.set_python_module("wiola_kernels.ops.rms_norm");
+  // x (..., d), any strides; weight, shift (d,) any float dtype, shift None: δ = 0 (no add,
+  // grad_shift None); hf_order: Hugging Face's rounding order (z/r rounded to x's dtype, then
+  // times weight). y like x (contiguous); rstd x.shape[:-1], float32 (float64 for double x).
+  m.def("rms_norm(Tensor x, Tensor weight, Tensor? shift, float eps=1e-06, bool hf_order=False)"
+        " -> (Tensor y, Tensor rstd)");
+  m.def("rms_norm_backward(Tensor grad_y, Tensor x, Tensor weight, Tensor? shift, Tensor rstd)"
+        " -> (Tensor grad_x, Tensor grad_weight, Tensor grad_shift)");
+  // The Python Triton launchers (CUDA only, registered from Python), which the C++ CUDA kernel
+  // (csrc/cuda/triton_rms_norm_binding.cpp) runs where the cubin table has no variant for a call.
+  m.def("_triton_rms_norm(Tensor x, Tensor weight, Tensor? shift, float eps=1e-06, bool hf_order=False)"
+        " -> (Tensor y, Tensor rstd)");
+  m.def("_triton_rms_norm_backward(Tensor grad_y, Tensor x, Tensor weight, Tensor? shift, Tensor rstd)"
+        " -> (Tensor grad_x, Tensor grad_weight, Tensor grad_shift)");
+}
+
 TORCH_LIBRARY_IMPL(wiola, CPU, m) {
   m.impl("rms_norm", &rms_norm_fwd);
   m.impl("rms_norm_backward", &rms_norm_bwd);

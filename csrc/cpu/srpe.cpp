@@ -180,6 +180,31 @@ std::tuple<at::Tensor, at::Tensor> srpe_bwd(const at::Tensor& grad_q, const at::
 
 }  // namespace
 
+// The op's schemas, declared once, here beside its CPU kernels: every build of the op compiles this file.
+// set_python_module names the module that registers the op's fakes and Python kernels.
+TORCH_LIBRARY_FRAGMENT(wiola, m) {
+  m.set_python_module("wiola_kernels.ops.srpe");
+  // q (B, H, T, d_h), k (B, H_kv, T, d_h), any strides; position_ids (B, T) / (1, T) / (T,) of
+  // an index dtype. Outputs laid out like torch.empty_like(q) / (k). The backward applies
+  // R(p)ᵀ to the incoming gradients (rotation by −Θ scaled by r).
+  // inv_freq: given per-pair frequencies ω_j (d_h/2,), used in float64 in place of
+  // θ₀^(−2j/d_h) (a Hugging Face rope type's); scale: the output scale m (y = m R(p) q).
+  m.def("srpe(Tensor q, Tensor k, Tensor position_ids, float theta=10000.0, float spiral_divisor=8.0,"
+        " float radial_amplitude=0.1, float radial_frequency=0.01, Tensor? inv_freq=None, float scale=1.0)"
+        " -> (Tensor q_out, Tensor k_out)");
+  m.def("srpe_backward(Tensor grad_q, Tensor grad_k, Tensor position_ids, float theta, float spiral_divisor,"
+        " float radial_amplitude, float radial_frequency, Tensor? inv_freq=None, float scale=1.0)"
+        " -> (Tensor grad_q_in, Tensor grad_k_in)");
+  // The Python Triton launchers of srpe (CUDA only, registered from Python): where the cubin tables
+  // have no variant for a call, the C++ CUDA kernel (csrc/cuda/triton_srpe_binding.cpp) runs these.
+  m.def("_triton_srpe(Tensor q, Tensor k, Tensor position_ids, float theta=10000.0, float spiral_divisor=8.0,"
+        " float radial_amplitude=0.1, float radial_frequency=0.01, Tensor? inv_freq=None, float scale=1.0)"
+        " -> (Tensor q_out, Tensor k_out)");
+  m.def("_triton_srpe_backward(Tensor grad_q, Tensor grad_k, Tensor position_ids, float theta, float spiral_divisor,"
+        " float radial_amplitude, float radial_frequency, Tensor? inv_freq=None, float scale=1.0)"
+        " -> (Tensor grad_q_in, Tensor grad_k_in)");
+}
+
 TORCH_LIBRARY_IMPL(wiola, CPU, m) {
   m.impl("srpe", &srpe_fwd);
   m.impl("srpe_backward", &srpe_bwd);

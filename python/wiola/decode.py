@@ -24,7 +24,7 @@ from transformers.cache_utils import DynamicLayer
 
 from wiola_kernels import SpiralRotaryEmbedding, dispatch
 from wiola_kernels.decode import block as decode_block, gemv as decode_gemv, step as decode_step
-from wiola_kernels.validation import srpe_max_position
+from wiola_kernels.ops.srpe import srpe_max_position
 
 from .model import cached_attention, holds_its_weights  # noqa: F401  (cached_attention: the old name's home)
 

@@ -49,7 +49,7 @@ from wiola_kernels import SpiralRotaryEmbedding, WiolaRMSNorm
 from wiola_kernels.decode import attention as decode_attention, gemv as decode_gemv
 from wiola_kernels.dtypes import compute_dtype
 from wiola_kernels.reference.gcla_attention import gcla_context_kv, gcla_cross_attention, gcla_summary
-from wiola_kernels.validation import srpe_max_position
+from wiola_kernels.ops.srpe import srpe_max_position
 
 from .configuration_wiola import WiolaConfig
 

@@ -1,10 +1,12 @@
 """``python -m wiola_kernels bench --overhead``: what one call of each public op costs on a tiny
 input, where the kernel is nothing and the op layer is everything, beside a native op.
 
-Each op runs on the smallest input a model would pass it (a decoding step's one token), forward
-alone (no gradient wanted) and forward + backward, and is timed call by call: the median of
-``calls`` calls after a warm-up. The yardstick is ``torch.nn.functional.rms_norm`` on the same
-``(4, 64)`` tensor as our rms_norm case, timed the same way in the same process. A fresh
+Each public function runs on the smallest input a model would pass it (a decoding step's one
+token: its op's benchmark case at size ``"tiny"``, ``bench_cases`` of ``ops/<op>.py``, shapes in
+``wiola_kernels.shapes.TINY_BENCH``), forward alone (no gradient wanted) and forward + backward,
+and is timed call by call: the median of ``calls`` calls after a warm-up. The yardstick is
+``torch.nn.functional.rms_norm`` on a ``(4, 64)`` tensor, rms_norm's tiny shape, timed the same
+way in the same process. A fresh
 process measures the first call of each op after ``import wiola_kernels`` (what every script
 pays once), against the first ``F.rms_norm``, and whether ``torch._dynamo`` got imported.
 """
@@ -26,72 +28,39 @@ PASSES = ("fwd", "fwd+bwd")
 
 @dataclass
 class OverheadCase:
-    """One public op on a tiny input: ``call(*inputs)`` returns its differentiable outputs."""
+    """One public function on a tiny input: ``call(*inputs)`` calls it (its floating-point
+    outputs are what the backward of ``fwd+bwd`` starts from)."""
 
     op: str
-    call: Callable[..., tuple[torch.Tensor, ...]]
+    call: Callable[..., object]
     inputs: Callable[[torch.device], list]   # fresh inputs (floats become leaves for fwd+bwd)
 
 
-def _gen() -> torch.Generator:
-    return torch.Generator().manual_seed(0)
+def _native_inputs(device: torch.device) -> list:
+    g = torch.Generator().manual_seed(0)
+    return [torch.randn(4, 64, generator=g).to(device), torch.ones(64, device=device), torch.zeros(64, device=device)]
 
 
-def _randn(*shape, g) -> torch.Tensor:
-    return torch.randn(*shape, generator=g)
+def _tiny_inputs(name: str) -> Callable[[torch.device], list]:
+    """Fresh inputs of the tiny case named ``name`` on a device."""
+    from .cases import op_cases
+
+    def inputs(device: torch.device) -> list:
+        case = next(c for c in op_cases(device, "tiny") if c.op == name)
+        return list(case.make_inputs())
+
+    return inputs
 
 
 def cases() -> list[OverheadCase]:
-    """The tiny inputs of every public op (and the native yardstick as ``"F.rms_norm"``)."""
-    import wiola_kernels as wk
+    """The tiny inputs of every public function of the registered ops (their cases at size
+    ``"tiny"``): the native yardstick as ``"F.rms_norm"``, its counterpart ``rms_norm``, then
+    the others in registry order."""
+    from .cases import op_cases
 
-    def rms_inputs(device):
-        g = _gen()
-        return [_randn(4, 64, g=g).to(device), torch.ones(64, device=device), torch.zeros(64, device=device)]
-
-    def add_inputs(device):
-        g = _gen()
-        return [_randn(4, 64, g=g).to(device), _randn(4, 64, g=g).to(device), torch.ones(64, device=device),
-                torch.zeros(64, device=device)]
-
-    def glu_inputs(device):  # one decoding token's up projection, [a | b] of width 2·64
-        g = _gen()
-        return [_randn(1, 128, g=g).to(device)]
-
-    def srpe_inputs(device):  # one decoding token, 4 query heads and 1 kv head
-        g = _gen()
-        return [_randn(1, 4, 1, 64, g=g).to(device), _randn(1, 1, 1, 64, g=g).to(device),
-                torch.tensor([[37]], device=device)]
-
-    def gcla_inputs(device):  # T = 1 with one summary slot
-        g = _gen()
-        shapes = [(1, 4, 1, 64), (1, 1, 1, 64), (1, 1, 1, 64), (1, 4, 1, 64), (1, 4, 1, 1, 64), (1, 4, 1, 1, 64), (4,)]
-        return [_randn(*s, g=g).to(device) for s in shapes]
-
-    def merge_inputs(device):
-        g = _gen()
-        return [_randn(1, 8, 64, g=g).to(device), torch.arange(8, device=device)]
-
-    def unmerge_inputs(device):
-        g = _gen()
-        return [_randn(1, 8, 64, g=g).to(device), torch.tensor([[0, 0, 1, 2, 3, 3, 4, 5]], device=device)]
-
-    def lce_inputs(device):  # one decoding step's loss: 4 tokens, a 128-word head
-        g = _gen()
-        return [_randn(4, 64, g=g).to(device), _randn(128, 64, g=g).to(device),
-                torch.tensor([3, 17, -100, 90], device=device)]
-
-    return [
-        OverheadCase("F.rms_norm", lambda x, w, s: (F.rms_norm(x, (64,), w, 1e-6),), rms_inputs),
-        OverheadCase("rms_norm", lambda x, w, s: (wk.rms_norm(x, w, s, 1e-6),), rms_inputs),
-        OverheadCase("add_rms_norm", lambda x, r, w, s: wk.add_rms_norm(x, r, w, s, 1e-6), add_inputs),
-        OverheadCase("glu", lambda u: (wk.glu(u, None, "silu"),), glu_inputs),
-        OverheadCase("srpe", lambda q, k, p: wk.srpe(q, k, p), srpe_inputs),
-        OverheadCase("gcla_attention", lambda *a: (wk.gcla_attention(*a),), gcla_inputs),
-        OverheadCase("atm_merge", lambda x, p: wk.atm_merge(x, p, 0.9)[:1], merge_inputs),
-        OverheadCase("atm_unmerge", lambda y, m: (wk.atm_unmerge(y, m),), unmerge_inputs),
-        OverheadCase("linear_cross_entropy", lambda h, w, y: (wk.linear_cross_entropy(h, w, y),), lce_inputs),
-    ]
+    native = OverheadCase("F.rms_norm", lambda x, w, s: F.rms_norm(x, (64,), w, 1e-6), _native_inputs)
+    ours = [OverheadCase(c.op, c.fused, _tiny_inputs(c.op)) for c in op_cases("cpu", "tiny")]
+    return [native] + sorted(ours, key=lambda c: c.op != "rms_norm")  # stable: the others keep their order
 
 
 def _median_us(fn: Callable[[], object], calls: int, warmup: int) -> float:
@@ -112,11 +81,20 @@ def _runner(case: OverheadCase, device: torch.device, which: str) -> Callable[[]
     if which == "fwd":
         return lambda: case.call(*inputs)
     leaves = [t.requires_grad_() if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in inputs]
-    outs = case.call(*leaves)
-    grads = [torch.ones_like(o) for o in outs]
+    out = case.call(*leaves)
+    if isinstance(out, torch.Tensor):
+        def floats(out):
+            return out
+        grads = torch.ones_like(out)
+    else:  # a tuple: the backward starts from its floating-point outputs (not ATM's index map)
+        keep = [i for i, o in enumerate(out) if o.is_floating_point()]
+
+        def floats(out):
+            return [out[i] for i in keep]
+        grads = [torch.ones_like(out[i]) for i in keep]
 
     def step():
-        torch.autograd.backward(case.call(*leaves), grads)
+        torch.autograd.backward(floats(case.call(*leaves)), grads)
 
     return step
 

@@ -709,7 +709,7 @@ def make_plan(device: torch.device | str, plan: str = "default", *, ops: Iterabl
     cases = all_cases(device, size=plan, ops=ops)
     missing = sorted(set(ops or dispatch.ops()) - {c.op for c in cases})
     if missing:
-        raise ValueError(f"registered op(s) {missing} have no benchmark case in wiola_kernels/bench/cases.py")
+        raise ValueError(f"registered op(s) {missing} have no benchmark case (bench_cases of wiola_kernels/ops/<op>.py)")
     full = plan == "full"
     return BenchPlan(name=plan, cases=cases, passes=tuple(p for p in PASSES if p in tuple(passes)),
                      compile=compile, repeats=repeats or (10 if full else 5), budget_s=budget_s,

@@ -1,15 +1,19 @@
-"""The op layer (CONTRIBUTING.md, "The op pattern"): per op, the Python half of its registered
-ops ``wiola::<op>`` / ``wiola::<op>_backward`` (declared in csrc/wiola_ops.cpp: the fakes and
-the CUDA kernels written in Python), the ``torch.autograd.Function`` that drives them, and the
-public function. Shared helpers for those files live here."""
+"""The op layer (CONTRIBUTING.md, "The op pattern"): per op, a module ``ops/<op>.py`` with the
+Python half of its registered ops ``wiola::<op>`` / ``wiola::<op>_backward`` (declared beside
+its CPU kernels in csrc/cpu/<op>.cpp: the fakes and the CUDA kernels written in Python), its
+argument checks ``check_<op>``, the ``torch.autograd.Function`` that drives them, the public
+function, and its benchmark cases. Shared helpers for those files live here; :func:`op_modules`
+finds them (the package and the bench read the op list from there, not from a list of names)."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
+import importlib
+import pkgutil
+from types import ModuleType, SimpleNamespace
 
 import torch
 
-from .. import _extension
+from .. import _extension, dispatch
 
 
 def have_registered_ops() -> bool:
@@ -51,7 +55,7 @@ def _declared(qualname: str) -> bool:
 
 def register_fake(qualname: str):
     """``torch.library.register_fake(qualname)`` as a decorator, to be applied in the op module
-    that csrc/wiola_ops.cpp names in ``set_python_module`` (torch checks that the fake comes
+    that csrc/cpu/<op>.cpp names in ``set_python_module`` (torch checks that the fake comes
     from there); nothing when the op is not declared (no extension, no emulation)."""
     def decorate(fn):
         if _declared(qualname):
@@ -72,7 +76,7 @@ def registered_ops(*names: str) -> SimpleNamespace:
 def registered(namespace: str, name: str, check):
     """``torch.ops.<namespace>.<name>`` as a plain function, looked up when called (a forced
     backend's kernel). A call the schema's argument parser refuses (a list for a tensor, a str
-    for a float) is re-checked by ``check`` (the op's validation.py function) so the error names
+    for a float) is re-checked by ``check`` (the op's ``check_<op>``) so the error names
     the argument as every other path does."""
     def call(*args):
         try:
@@ -108,3 +112,12 @@ def needs_grad(*tensors: object) -> bool:
         if isinstance(t, torch.Tensor) and t.requires_grad:
             return True
     return False
+
+
+def op_modules() -> dict[str, ModuleType]:
+    """``{op: its module}`` for every registered op (:func:`wiola_kernels.dispatch.ops`, in
+    that order). Imports every module of this package first: importing ``ops/<op>.py`` is what
+    registers the op, so a new op module is found without being named anywhere."""
+    modules = [importlib.import_module(f"{__name__}.{found.name}") for found in pkgutil.iter_modules(__path__)]
+    by_op = {module.OP: module for module in modules if hasattr(module, "OP")}
+    return {op: by_op[op] for op in dispatch.ops() if op in by_op}

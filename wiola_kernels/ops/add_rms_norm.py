@@ -1,7 +1,7 @@
-"""Residual add + WiolaRMSNorm (SPEC §10.3): :func:`add_rms_norm`, the
+"""Residual add + WiolaRMSNorm in one pass (SPEC §10.3): :func:`add_rms_norm`, the
 :class:`AddRMSNormFunction` that drives its registered ops, and their kernels written in Python.
 
-Registered ops (declared in csrc/wiola_ops.cpp):
+Registered ops (declared in csrc/cpu/add_rms_norm.cpp):
 
 * ``wiola::add_rms_norm(x, residual, weight, shift | None, eps, hf_order) -> (y, s, rstd)``
 * ``wiola::add_rms_norm_backward(grad_y, grad_s | None, s, weight, shift, rstd) -> (grad_x, grad_weight, grad_shift)``
@@ -22,15 +22,35 @@ from types import SimpleNamespace
 import torch
 from torch import Tensor
 
-from .. import dispatch
+from .. import dispatch, reference, shapes
 from ..dtypes import compute_dtype
 from ..reference.add_rms_norm import add_rms_norm_backward as _reference_backward
 from ..reference.add_rms_norm import add_rms_norm_forward as _reference_forward
-from ..validation import check_add_rms_norm
+from ..validation import check_rank, check_same_device, check_same_dtype, check_tensor
 from . import distinct, needs_grad, register_fake, register_triton_cuda, registered, registered_ops
+from .rms_norm import check_rms_norm
+
+__all__ = ["AddRMSNormFunction", "add_rms_norm"]  # exported by wiola_kernels
 
 OP = "add_rms_norm"
 _ops = registered_ops("add_rms_norm", "add_rms_norm_backward")
+
+
+# --- argument checks ------------------------------------------------------------------------------
+# What the kernels written in Python and the fakes check at entry, in the words of the C++
+# kernels' checks::add_rms_norm (csrc/include/wiola/checks.h).
+
+def check_add_rms_norm(x: object, residual: object, weight: object, shift: object, eps: object,
+                       hf_order: object) -> float:
+    """Arguments of :func:`wiola_kernels.add_rms_norm`; returns ``eps`` as a float."""
+    check_tensor("x", x)
+    check_tensor("residual", residual)
+    check_rank("x", x, range(1, 64), "(..., d)")
+    if tuple(residual.shape) != tuple(x.shape):
+        raise ValueError(f"residual must have the shape of x (..., d) = {tuple(x.shape)}, got {tuple(residual.shape)}")
+    check_same_dtype(x=x, residual=residual)
+    check_same_device(x=x, residual=residual)
+    return check_rms_norm(x, weight, shift, eps, hf_order)
 
 
 # --- kernels written in Python (the registry's backends; Triton is also the CUDA kernel) ---------
@@ -166,3 +186,36 @@ def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, shift: Tensor | No
         return AddRMSNormFunction.apply(x, residual, weight, shift, eps, hf_order)
     y, s, _, _ = _forward(x, residual, weight, shift, eps, hf_order)
     return y, s
+
+
+# --- benchmark cases (wiola_kernels.bench: python -m wiola_kernels bench [--overhead]) -------------
+
+def bench_cases(device: torch.device, size: str) -> list[dict]:
+    """This op's benchmark cases at ``size`` (:data:`~wiola_kernels.shapes.BENCH_SIZES`; shapes
+    in :mod:`wiola_kernels.shapes`), as keyword arguments of ``wiola_kernels.bench.BenchCase``:
+    the residual add before each norm of a layer (x: the attention or DSFF output), as
+    rms_norm's; ``"tiny"`` (one decoding step's rows) is what ``bench --overhead`` times."""
+    rows, d = shapes.bench_shape(OP, shapes.ADD_RMS_NORM_BENCH, device, size)
+
+    def min_bytes(pass_, inputs, outputs, diff):
+        # Read x, residual, γ, δ; write y, s. The backward reads ∂L/∂y, ∂L/∂s and s again and
+        # writes one tensor, ∂L/∂x = ∂L/∂residual, plus ∂γ, ∂δ.
+        x, residual, weight, shift = inputs
+        row_tensor, params = x.numel() * x.element_size(), 2 * weight.numel() * weight.element_size()
+        fwd = 4 * row_tensor + params
+        return fwd if pass_ == "fwd" else fwd + 4 * row_tensor + params
+
+    def case(dtype: torch.dtype) -> dict:
+        def make_inputs():
+            g = torch.Generator(device="cpu").manual_seed(0)
+            x = torch.randn(rows, d, generator=g).to(device=device, dtype=dtype)
+            residual = torch.randn(rows, d, generator=g).to(device=device, dtype=dtype)
+            weight = (torch.rand(d, generator=g) + 0.5).to(device=device, dtype=dtype)
+            shift = (0.1 * torch.randn(d, generator=g)).to(device=device, dtype=dtype)
+            return x, residual, weight, shift
+
+        return dict(op=OP, shape=f"x, residual ({rows}, {d})", dtype=dtype, make_inputs=make_inputs,
+                    fused=lambda x, r, w, s: add_rms_norm(x, r, w, s, 1e-6),
+                    eager=lambda x, r, w, s: reference.add_rms_norm(x, r, w, s, 1e-6), min_bytes=min_bytes)
+
+    return [case(dtype) for dtype in shapes.bench_dtypes(device, size)]

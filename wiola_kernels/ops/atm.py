@@ -1,8 +1,8 @@
-"""ATM greedy adjacent merge / unmerge (SPEC §6): :func:`atm_merge` / :func:`atm_unmerge`, the
-:class:`ATMMergeFunction` / :class:`ATMUnmergeFunction` that drive their registered ops, and
-their kernels written in Python.
+"""ATM greedy adjacent token merging, merge / unmerge (SPEC §6): :func:`atm_merge` /
+:func:`atm_unmerge`, the :class:`ATMMergeFunction` / :class:`ATMUnmergeFunction` that drive their
+registered ops, and their kernels written in Python.
 
-Registered ops (declared in csrc/wiola_ops.cpp from wiola/cuda_schemas.h):
+Registered ops (declared in csrc/cpu/atm.cpp from wiola/cuda_schemas.h):
 
 * ``wiola::atm_merge(x, position_ids, threshold, lengths) -> (merged, merged_position_ids,
   merged_lengths, index_map)`` and ``wiola::atm_merge_backward(grad_merged, index_map,
@@ -28,16 +28,74 @@ from types import SimpleNamespace
 import torch
 from torch import Tensor
 
-from .. import dispatch
+from .. import dispatch, reference, shapes
 from ..reference import atm as ref
-from ..validation import CUDA_KERNEL_DTYPES, Limits, check_atm_merge, check_atm_tokens, check_atm_unmerge
+from ..validation import (CUDA_KERNEL_DTYPES, Limits, can_read_values, check_lengths, check_position_ids,
+                          check_rank, check_real, check_same_device, check_tensor)
 from . import distinct, needs_grad, register_fake, registered, registered_ops
 
+
+__all__ = ["ATMMergeFunction", "ATMUnmergeFunction", "atm_merge", "atm_unmerge"]  # exported by wiola_kernels
 
 OP = "atm"
 # The registered ops' overloads, looked up once: a call skips the overload resolution of
 # ``torch.ops.wiola.<name>(...)``.
 _ops = registered_ops("atm_merge", "atm_merge_backward", "atm_unmerge", "atm_unmerge_backward")
+
+
+# --- argument checks ------------------------------------------------------------------------------
+# What the kernels written in Python and the fakes check at entry, in the words of the C++
+# kernels' checks::atm (csrc/include/wiola/checks.h).
+
+def check_index_map(index_map: object, b: int, t: int, *, like: str) -> torch.Tensor:
+    """An ATM ``index_map``: int64 ``(B, T)`` matching ``like``'s first two dims, values in ``[0, T)``."""
+    check_tensor("index_map", index_map, dtypes=(torch.int64,))
+    if tuple(index_map.shape) != (b, t):
+        raise ValueError(f"index_map must have shape (B, T) = ({b}, {t}) to match {like}, "
+                         f"got {tuple(index_map.shape)}")
+    check_index_map_values(index_map, t)
+    return index_map
+
+
+def check_index_map_values(index_map: torch.Tensor, t: int) -> None:
+    """``index_map`` values lie in ``[0, T)`` (checked on CPU tensors only)."""
+    if can_read_values(index_map):
+        lo, hi = int(index_map.min()), int(index_map.max())
+        if lo < 0 or hi >= t:
+            raise ValueError(f"index_map values must lie in [0, T) = [0, {t}), got values in [{lo}, {hi}]")
+
+
+def check_atm_tokens(name: str, x: object) -> tuple[int, int, int]:
+    """ATM's ``(B, T, d)`` tokens (``x``, ``y`` or a gradient: ``name``) with ``d > 0``."""
+    check_tensor(name, x)
+    check_rank(name, x, 3, "(B, T, d)")
+    b, t, d = x.shape
+    if d == 0:
+        raise ValueError(f"{name} must have a non-empty last dimension d, got shape {tuple(x.shape)}")
+    return b, t, d
+
+
+def check_atm_merge(x: object, position_ids: object, threshold: object, lengths: object
+                    ) -> tuple[torch.Tensor, float, torch.Tensor]:
+    """Arguments of :func:`wiola_kernels.atm_merge`; returns int64 ``(B, T)`` positions, the
+    threshold as a float and int64 ``(B,)`` lengths (``T`` for every row when None)."""
+    b, t, _ = check_atm_tokens("x", x)
+    check_same_device(x=x, position_ids=position_ids, lengths=lengths)
+    positions = check_position_ids(position_ids, b, t)
+    threshold = check_real("threshold", threshold)
+    if not -1.0 <= threshold <= 1.0:
+        raise ValueError(f"threshold must lie in [-1, 1] (a cosine similarity), got {threshold!r}")
+    lengths = check_lengths(lengths, b, t)
+    if lengths is None:
+        lengths = torch.full((b,), t, dtype=torch.int64, device=x.device)
+    return positions, threshold, lengths
+
+
+def check_atm_unmerge(y: object, index_map: object, name: str = "y") -> None:
+    """Arguments of :func:`wiola_kernels.atm_unmerge` (``name``: what to call ``y``)."""
+    b, t, _ = check_atm_tokens(name, y)
+    check_index_map(index_map, b, t, like=name)
+    check_same_device(**{name: y}, index_map=index_map)
 
 
 # --- kernels ---------------------------------------------------------------------------------------
@@ -252,3 +310,56 @@ def atm_unmerge(y: Tensor, index_map: Tensor) -> Tensor:
     if needs_grad(y):
         return ATMUnmergeFunction.apply(y, index_map)
     return _unmerge(y, index_map)[0]
+
+
+# --- benchmark cases (wiola_kernels.bench: python -m wiola_kernels bench [--overhead]) -------------
+
+def bench_cases(device: torch.device, size: str) -> list[dict]:
+    """This op's benchmark cases at ``size`` (:data:`~wiola_kernels.shapes.BENCH_SIZES`; shapes
+    in :mod:`wiola_kernels.shapes`), as keyword arguments of ``wiola_kernels.bench.BenchCase``:
+    merge + unmerge at τ = 0.92 on random tokens with ~10% of adjacent pairs planted as
+    near-duplicates (cos ≈ 0.998; unplanted pairs have |cos| ≈ 0.03 at d = 1024). ``"tiny"``
+    (8 tokens) is what ``bench --overhead`` times call by call: one case per public function,
+    named after it."""
+    b, t, d = shapes.bench_shape(OP, shapes.ATM_BENCH, device, size)
+    dtype = torch.float32 if device.type == "cpu" else shapes.bench_dtype(device, size)
+    tau, planted = 0.92, 0.10
+    notes: dict = {"tau": tau, "planted_pair_rate": planted}
+
+    def tokens():
+        g = torch.Generator(device="cpu").manual_seed(0)
+        copy_prev = torch.rand(b, t, generator=g) < planted           # token t repeats token t-1
+        copy_prev[:, 0] = False
+        group = torch.cumsum(~copy_prev, dim=1) - 1                    # (B, T) source token
+        base = torch.randn(b, t, d, generator=g)
+        x = base.gather(1, group.unsqueeze(-1).expand(b, t, d)) + 0.05 * torch.randn(b, t, d, generator=g)
+        return x.to(device=device, dtype=dtype), torch.arange(t, device=device).expand(b, t).contiguous()
+
+    def make_inputs():
+        x, positions = tokens()
+        with torch.no_grad():
+            merged_len = reference.atm_merge(x, positions, tau)[2].double()
+        # Attention FLOPs scale with T² per row (a causal mask halves both sides alike).
+        notes["merged_token_pct"] = round(100.0 * float(1 - merged_len.sum() / (b * t)), 2)
+        notes["attention_flops_saved_pct"] = round(100.0 * float(1 - (merged_len ** 2).sum() / (b * t * t)), 2)
+        return x, positions
+
+    def fused(x, positions):
+        merged, _, _, index_map = atm_merge(x, positions, tau)
+        return atm_unmerge(merged, index_map)
+
+    def eager(x, positions):
+        merged, _, _, index_map = reference.atm_merge(x, positions, tau)
+        return reference.atm_unmerge(merged, index_map)
+
+    if size == "tiny":
+        def unmerge_inputs():
+            x, positions = tokens()
+            return x, reference.atm_merge(x, positions, tau)[3]
+
+        return [dict(op="atm_merge", shape=f"x ({b}, {t}, {d})", dtype=dtype, make_inputs=tokens,
+                     fused=lambda x, p: atm_merge(x, p, tau), eager=lambda x, p: reference.atm_merge(x, p, tau)),
+                dict(op="atm_unmerge", shape=f"y ({b}, {t}, {d})", dtype=dtype, make_inputs=unmerge_inputs,
+                     fused=atm_unmerge, eager=reference.atm_unmerge)]
+    return [dict(op=OP, shape=f"x ({b}, {t}, {d}), merge+unmerge", dtype=dtype, make_inputs=make_inputs,
+                 fused=fused, eager=eager, differentiable=(0,), notes=notes)]

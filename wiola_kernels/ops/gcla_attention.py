@@ -1,10 +1,11 @@
-"""GCLA summary-augmented attention (SPEC §5.5): :func:`gcla_attention`, the
-:class:`GCLAAttentionFunction` that drives its registered ops, and their kernels written in Python.
+"""GCLA summary-augmented causal attention (SPEC §5.5): :func:`gcla_attention`, the
+:class:`GCLAAttentionFunction` that drives its registered ops, and their kernels written in
+Python.
 
 ``O = softmax_causal(q̃ k̃ᵀ/√d_h) v + σ(g) · softmax_λ(q kcᵀ/√d_h) vc`` per head, with kv
 group ``h mod H_kv``; see :mod:`wiola_kernels.reference.gcla_attention` for the maths.
 
-Registered ops (declared in csrc/wiola_ops.cpp):
+Registered ops (declared in csrc/cpu/gcla_attention.cpp):
 
 * ``wiola::gcla_attention(q_rot, k_rot, v, q, kc, vc, gate, lengths) -> (out, lse)``
 * ``wiola::gcla_attention_backward(grad_out, q_rot, k_rot, v, q, kc, vc, gate, lengths, out, lse)
@@ -37,21 +38,62 @@ from types import SimpleNamespace
 import torch
 from torch import Tensor
 
-from .. import dispatch
+from .. import dispatch, reference, shapes
 from ..dtypes import compute_dtype
 from ..outputs import in_layout_of, unit_last_stride
 from ..reference.gcla_attention import gcla_attention_backward as _reference_backward
 from ..reference.gcla_attention import gcla_attention_forward as _reference_forward
-from ..validation import (CUDA_GCLA_HEAD_DIMS, CUDA_KERNEL_DTYPES, TRITON_GCLA_FP32_MAX_HEAD_DIM,
-                          TRITON_GCLA_MAX_HEAD_DIM, Limits, check_gcla_attention)
+from ..validation import (CUDA_KERNEL_DTYPES, INDEX_DTYPES, TRITON_GCLA_FP32_MAX_HEAD_DIM,
+                          TRITON_GCLA_MAX_HEAD_DIM, Limits, bthd_hint, check_lengths, check_query_key,
+                          check_rank, check_same_device, check_same_dtype, check_shape, check_tensor)
 from . import distinct, gcla_attention_cuda, needs_grad, register_kernel, register_fake, registered, registered_ops
 
+
+__all__ = ["GCLAAttentionFunction", "gcla_attention"]  # exported by wiola_kernels
 
 OP = "gcla_attention"
 # The registered ops' overloads, looked up once: a call skips the overload resolution of
 # ``torch.ops.wiola.<name>(...)``.
 _ops = registered_ops("gcla_attention", "gcla_attention_backward")
 CUDA_KERNELS = ("cuda", "triton")
+
+
+# --- argument checks ------------------------------------------------------------------------------
+# What the kernels written in Python and the fakes check at entry, in the words of the C++
+# kernels' checks::gcla_attention (csrc/include/wiola/checks.h).
+
+#: Head widths the CUDA GCLA summary kernels are instantiated for (csrc/cuda/gcla_attention.cu).
+CUDA_GCLA_HEAD_DIMS = (64, 128)
+
+
+def check_gcla_attention(q_rot: object, k_rot: object, v: object, q: object, kc: object, vc: object, gate: object,
+                         lengths: object) -> torch.Tensor | None:
+    """Arguments of :func:`wiola_kernels.gcla_attention`; returns ``lengths`` as int64 (or None)."""
+    for name, t in (("q_rot", q_rot), ("k_rot", k_rot), ("v", v), ("q", q), ("kc", kc), ("vc", vc),
+                    ("gate", gate)):
+        check_tensor(name, t)
+    B, H, H_kv, T, dh = check_query_key("q_rot", q_rot, "k_rot", k_rot)
+    # With H = H_kv the four tensors agree in either layout; kc/gate give a transposed call away.
+    transposed = bthd_hint(q_rot, k_rot, v, q)
+    check_shape("v", v, (B, H_kv, T, dh), "(B, H_kv, T, d_h)")
+    check_shape("q", q, (B, H, T, dh), "(B, H, T, d_h)")
+    check_rank("kc", kc, 5, "(B, H, S, Λ', d_h)")
+    if kc.shape[0] != B or kc.shape[1] != H or kc.shape[4] != dh or kc.shape[2] not in (1, T):
+        hint = transposed if kc.shape[1] == T and kc.shape[2] in (1, H) else ""
+        raise ValueError(f"kc must have shape (B, H, S, Λ', d_h) = ({B}, {H}, S, Λ', {dh}) with S in "
+                         f"{{1, T = {T}}}, got {tuple(kc.shape)}{hint}")
+    check_rank("vc", vc, 5, "(B, H, S, Λ', d_h)")
+    if tuple(vc.shape) != tuple(kc.shape):
+        raise ValueError(f"vc must have the shape of kc (B, H, S, Λ', d_h) = {tuple(kc.shape)} (same S and Λ'), "
+                         f"got {tuple(vc.shape)}")
+    if tuple(gate.shape) != (H,):
+        hint = transposed if tuple(gate.shape) == (T,) else ""
+        raise ValueError(f"gate must have shape (H,) = ({H},), got {tuple(gate.shape)}{hint}")
+    check_same_dtype(q_rot=q_rot, k_rot=k_rot, v=v, q=q, kc=kc, vc=vc)
+    if lengths is not None:
+        check_tensor("lengths", lengths, dtypes=INDEX_DTYPES)
+    check_same_device(q_rot=q_rot, k_rot=k_rot, v=v, q=q, kc=kc, vc=vc, gate=gate, lengths=lengths)
+    return check_lengths(lengths, B, T)
 
 
 def _grad_layouts(q_rot, k_rot, v, q, kc, vc, gate) -> tuple[Tensor, ...]:
@@ -250,3 +292,32 @@ def gcla_attention(q_rot: Tensor, k_rot: Tensor, v: Tensor, q: Tensor, kc: Tenso
     if needs_grad(q_rot, k_rot, v, q, kc, vc, gate):
         return GCLAAttentionFunction.apply(q_rot, k_rot, v, q, kc, vc, gate, lengths)
     return _forward(q_rot, k_rot, v, q, kc, vc, gate, lengths)[0]
+
+
+# --- benchmark cases (wiola_kernels.bench: python -m wiola_kernels bench [--overhead]) -------------
+
+def bench_cases(device: torch.device, size: str) -> list[dict]:
+    """This op's benchmark cases at ``size`` (:data:`~wiola_kernels.shapes.BENCH_SIZES`; shapes
+    in :mod:`wiola_kernels.shapes`), as keyword arguments of ``wiola_kernels.bench.BenchCase``:
+    wiola-360m attention (H 16, H_kv 4, d_h 64) with Λ' = 2 causal (prefix-mean) summaries;
+    ``"tiny"`` (one decoding token, one slot) is what ``bench --overhead`` times call by call."""
+    full = shapes.GCLA_BENCH if device.type == "cuda" else shapes.GCLA_BENCH_CPU
+    shape = shapes.bench_shape(OP, {"small": shapes.GCLA_BENCH_SMALL, "full": full}, device, size)
+    b, h, h_kv, t, lam = (shape[k] for k in ("B", "H", "H_kv", "T", "L"))
+    dh = shapes.GCLA_BENCH_HEAD_DIMS[0]
+    dtype = shapes.bench_dtype(device, size)
+
+    def make_inputs():
+        g = torch.Generator(device="cpu").manual_seed(0)
+
+        def r(*shape):
+            return torch.randn(*shape, generator=g).to(device=device, dtype=dtype)
+
+        gate = (-3.0 + 0.5 * torch.randn(h, generator=g)).to(device)
+        return r(b, h, t, dh), r(b, h_kv, t, dh), r(b, h_kv, t, dh), r(b, h, t, dh), r(b, h, t, lam, dh), \
+            r(b, h, t, lam, dh), gate
+
+    return [dict(op=OP, shape=f"q ({b}, {h}, {t}, {dh}), kv heads {h_kv}, Λ' {lam} causal", dtype=dtype,
+                 make_inputs=make_inputs, fused=gcla_attention, eager=reference.gcla_attention,
+                 tolerance_kind="attention",
+                 backward_rereads=tuple(range(7)))]  # attention's backward recomputes from every input

@@ -1,7 +1,7 @@
-"""Gated activations (SPEC §10.2): :func:`glu`, the :class:`GLUFunction` that drives its
-registered ops, and their kernels written in Python.
+"""Gated activations SiLU / GELU_tanh, DSFF's streams (SPEC §10.2): :func:`glu`, the
+:class:`GLUFunction` that drives its registered ops, and their kernels written in Python.
 
-Registered ops (declared in csrc/wiola_ops.cpp):
+Registered ops (declared in csrc/cpu/glu.cpp):
 
 * ``wiola::glu(a (..., n), b (..., n) | None, activation) -> y (..., n)``
 * ``wiola::glu_backward(grad_y, a, b, activation) -> (grad_a, grad_b)``
@@ -24,14 +24,45 @@ from types import SimpleNamespace
 import torch
 from torch import Tensor
 
-from .. import dispatch
+from .. import dispatch, reference, shapes
 from ..reference.glu import glu_backward as _reference_backward
 from ..reference.glu import glu_forward as _reference_forward
-from ..validation import check_glu
+from ..validation import check_rank, check_same_device, check_same_dtype, check_tensor
 from . import distinct, needs_grad, register_fake, register_triton_cuda, registered, registered_ops
+
+__all__ = ["GLUFunction", "glu"]  # exported by wiola_kernels
 
 OP = "glu"
 _ops = registered_ops("glu", "glu_backward")
+
+
+# --- argument checks ------------------------------------------------------------------------------
+# What the kernels written in Python and the fakes check at entry, in the words of the C++
+# kernels' checks::glu (csrc/include/wiola/checks.h).
+
+#: The activations of :func:`wiola_kernels.glu`.
+GLU_ACTIVATIONS = ("silu", "gelu_tanh")
+
+
+def check_glu(a: object, b: object, activation: object) -> str:
+    """Arguments of :func:`wiola_kernels.glu` (``b`` None: ``a`` holds ``[a | b]``); returns
+    the activation."""
+    check_tensor("a", a)
+    if b is not None:
+        check_tensor("b", b)
+    check_rank("a", a, range(1, 64), "(..., n)" if b is not None else "(..., 2n)")
+    if b is not None:
+        if tuple(b.shape) != tuple(a.shape):
+            raise ValueError(f"b must have the shape of a (..., n) = {tuple(a.shape)}, got {tuple(b.shape)}")
+        check_same_dtype(a=a, b=b)
+        check_same_device(a=a, b=b)
+    elif a.shape[-1] % 2:
+        raise ValueError(f"a must have an even last dimension 2n when b is None (a holds [a | b]), got {a.shape[-1]}")
+    if not isinstance(activation, str):
+        raise TypeError(f"activation must be a str, got {type(activation).__name__}")
+    if activation not in GLU_ACTIVATIONS:
+        raise ValueError(f"activation must be 'silu' or 'gelu_tanh', got {activation!r}")
+    return activation
 
 
 # --- kernels written in Python (the registry's backends; Triton is also the CUDA kernel) ---------
@@ -155,3 +186,29 @@ def glu(a: Tensor, b: Tensor | None = None, activation: str = "silu") -> Tensor:
     if needs_grad(a, b):
         return GLUFunction.apply(a, b, activation)
     return _forward(a, b, activation)[0]
+
+
+# --- benchmark cases (wiola_kernels.bench: python -m wiola_kernels bench [--overhead]) -------------
+
+def bench_cases(device: torch.device, size: str) -> list[dict]:
+    """This op's benchmark cases at ``size`` (:data:`~wiola_kernels.shapes.BENCH_SIZES`; shapes
+    in :mod:`wiola_kernels.shapes`), as keyword arguments of ``wiola_kernels.bench.BenchCase``:
+    DSFF's narrow (SiLU, n) and wide (GELU_tanh, w) streams, u = x·[W1; W3]ᵀ of width 2n, one
+    projection's output, given to glu whole (the packed form: its gradient is one tensor);
+    ``"tiny"`` (one decoding token's) is what ``bench --overhead`` times call by call."""
+    dtype = shapes.bench_dtype(device, size)
+
+    def case(tokens: int, n: int, activation: str) -> dict:
+        def make_inputs():
+            g = torch.Generator(device="cpu").manual_seed(0)
+            return (torch.randn(tokens, 2 * n, generator=g).to(device=device, dtype=dtype),)
+
+        return dict(op=OP, shape=f"u ({tokens}, 2·{n}), {activation}", dtype=dtype, make_inputs=make_inputs,
+                    fused=lambda u: glu(u, None, activation), eager=lambda u: reference.glu(u, None, activation),
+                    backward_rereads=(0,))  # ∂a, ∂b recompute act(a) from u
+
+    if size in ("default", "tiny"):  # one stream: the narrow one
+        streams = [shapes.bench_shape(OP, {"full": shapes.GLU_BENCH["full"][0]}, device, size)]
+    else:
+        streams = shapes.GLU_BENCH[size]
+    return [case(*stream) for stream in streams]

@@ -1,8 +1,8 @@
-"""Linear cross-entropy (SPEC §10.1): :func:`linear_cross_entropy`, the
-:class:`LinearCrossEntropyFunction` that drives its registered ops, and their kernels written
-in Python.
+"""Linear cross-entropy, the head's loss without the logits tensor (SPEC §10.1):
+:func:`linear_cross_entropy`, the :class:`LinearCrossEntropyFunction` that drives its registered
+ops, and their kernels written in Python.
 
-Registered ops (declared in csrc/wiola_ops.cpp):
+Registered ops (declared in csrc/cpu/linear_cross_entropy.cpp):
 
 * ``wiola::linear_cross_entropy(h, W, labels, ignore_index, reduction, label_smoothing,
   softcap, z_loss, num_items, grad_mask) -> (loss, lse, grad_h, grad_W)``
@@ -29,21 +29,96 @@ from types import SimpleNamespace
 import torch
 from torch import Tensor
 
-from .. import dispatch
+from .. import dispatch, reference, shapes
 from ..dtypes import compute_dtype
 from ..outputs import empty_output
 from ..reference.linear_cross_entropy import denominator as _denominator
 from ..reference.linear_cross_entropy import linear_cross_entropy_backward as _reference_backward_formula
 from ..reference.linear_cross_entropy import linear_cross_entropy_forward as _reference_forward_formula
-from ..validation import check_linear_cross_entropy, check_num_items
+from ..validation import (INDEX_DTYPES, can_read_values, check_positive, check_rank, check_real,
+                          check_same_device, check_same_dtype, check_tensor, dtype_name)
 from . import distinct, needs_grad, register_fake, register_kernel, registered, registered_ops
 
+
+__all__ = ["LinearCrossEntropyFunction", "linear_cross_entropy"]  # exported by wiola_kernels
 
 OP = "linear_cross_entropy"
 # The registered ops' overloads, looked up once: a call skips the overload resolution of
 # ``torch.ops.wiola.<name>(...)``.
 _ops = registered_ops("linear_cross_entropy", "linear_cross_entropy_backward")
 _NO_GRAD = (False, False)
+
+
+# --- argument checks ------------------------------------------------------------------------------
+# What the kernels written in Python and the fakes check at entry, in the words of the C++
+# kernels' checks::linear_cross_entropy (csrc/include/wiola/checks.h).
+
+#: ``reduction`` values of :func:`wiola_kernels.linear_cross_entropy`.
+LCE_REDUCTIONS = ("mean", "sum", "none")
+
+
+def check_linear_cross_entropy(h: object, W: object, labels: object, ignore_index: object, reduction: object,
+                               label_smoothing: object, softcap: object, z_loss: object, num_items: object
+                               ) -> tuple[int, float, float | None, float]:
+    """Arguments of :func:`wiola_kernels.linear_cross_entropy`; returns ``(N, label_smoothing,
+    softcap, z_loss)`` with the numbers as floats. Label values (in ``[0, V)`` or
+    ``ignore_index``) and a ``num_items`` tensor's value (> 0) are checked on CPU tensors."""
+    check_tensor("h", h)
+    check_tensor("W", W)
+    check_rank("h", h, range(2, 64), "(..., d)")
+    d = h.shape[-1]
+    check_rank("W", W, 2, "(V, d)")
+    if W.shape[1] != d:
+        raise ValueError(f"W must have shape (V, d) = (V, {d}) to match h, got {tuple(W.shape)}")
+    if d == 0:
+        raise ValueError("h must have a non-empty last dimension d, got d = 0")
+    if W.shape[0] == 0:
+        raise ValueError(f"W must have at least one row (V >= 1), got shape {tuple(W.shape)}")
+    check_same_dtype(h=h, W=W)
+    check_tensor("labels", labels, dtypes=INDEX_DTYPES)
+    n = h.numel() // d
+    if tuple(labels.shape) not in (tuple(h.shape[:-1]), (n,)):
+        raise ValueError(f"labels must have shape h.shape[:-1] = {tuple(h.shape[:-1])} or (N,) = ({n},), "
+                         f"got {tuple(labels.shape)}")
+    check_same_device(h=h, W=W, labels=labels)
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+        raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
+    if reduction not in LCE_REDUCTIONS:
+        raise ValueError(f"reduction must be one of 'mean', 'sum', 'none', got {reduction!r}")
+    label_smoothing = check_real("label_smoothing", label_smoothing)
+    if not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"label_smoothing must lie in [0, 1], got {label_smoothing!r}")
+    softcap = None if softcap is None else check_positive("softcap", softcap)
+    z_loss = check_positive("z_loss", z_loss, allow_zero=True)
+    check_num_items(num_items, h.device)
+    if can_read_values(labels):
+        counted = labels[labels != ignore_index]
+        if counted.numel():
+            lo, hi = int(counted.min()), int(counted.max())
+            if lo < 0 or hi >= W.shape[0]:
+                bad = lo if lo < 0 else hi
+                raise ValueError(f"labels must lie in [0, V) = [0, {W.shape[0]}) or equal ignore_index = "
+                                 f"{ignore_index}, got {bad}")
+    return n, label_smoothing, softcap, z_loss
+
+
+def check_num_items(num_items: object, device: torch.device) -> None:
+    """``num_items`` of a mean: None, a number > 0, or a tensor of one element on ``device``
+    or the CPU (its value, > 0, checked on the CPU)."""
+    if num_items is None:
+        return
+    if isinstance(num_items, torch.Tensor):
+        if num_items.numel() != 1 or num_items.dtype == torch.bool or num_items.is_complex():
+            raise ValueError(f"num_items must be a number > 0 or a real tensor of one element, got a tensor of "
+                             f"shape {tuple(num_items.shape)} and dtype {dtype_name(num_items.dtype)}")
+        if num_items.device != device and num_items.device.type != "cpu":
+            raise ValueError(f"num_items must be on {device} like h (or on the CPU), got {num_items.device}")
+        if can_read_values(num_items):
+            value = float(num_items)
+            if not value > 0.0 or value == float("inf"):
+                raise ValueError(f"num_items must be a finite number > 0, got {value!r}")
+        return
+    check_positive("num_items", num_items)
 
 
 def _check_grad_mask(grad_mask, reduction) -> tuple[bool, bool]:
@@ -315,3 +390,31 @@ def linear_cross_entropy(h: Tensor, W: Tensor, labels: Tensor, ignore_index: int
                                                 z_loss, num_items)
     return _forward(h, W, labels, ignore_index, reduction, label_smoothing, softcap, z_loss,
                     _num_items(num_items, h.device if isinstance(h, Tensor) else torch.device("cpu")), _NO_GRAD)[0]
+
+
+# --- benchmark cases (wiola_kernels.bench: python -m wiola_kernels bench [--overhead]) -------------
+
+def bench_cases(device: torch.device, size: str) -> list[dict]:
+    """This op's benchmark cases at ``size`` (:data:`~wiola_kernels.shapes.BENCH_SIZES`; shapes
+    in :mod:`wiola_kernels.shapes`), as keyword arguments of ``wiola_kernels.bench.BenchCase``:
+    the wiola-360m head (tied embedding, V = 32000, d = 1024) on N = 4096 tokens, 5% of them
+    padding (ignore_index), float32 and bfloat16 on the CPU; ``"tiny"`` (one decoding step's
+    loss: 4 tokens, a 128-word head) is what ``bench --overhead`` times call by call."""
+    n, d, V = shapes.bench_shape(OP, shapes.LCE_BENCH, device, size)
+
+    def case(dtype: torch.dtype) -> dict:
+        def make_inputs():
+            g = torch.Generator(device="cpu").manual_seed(0)
+            h = torch.randn(n, d, generator=g).to(device=device, dtype=dtype)
+            W = (torch.randn(V, d, generator=g) * d ** -0.5).to(device=device, dtype=dtype)
+            labels = torch.randint(0, V, (n,), generator=g)
+            labels[torch.rand(n, generator=g) < 0.05] = -100
+            return h, W, labels.to(device)
+
+        return dict(op=OP, shape=f"h ({n}, {d}), W ({V}, {d})", dtype=dtype, make_inputs=make_inputs,
+                    fused=lambda h, W, y: linear_cross_entropy(h, W, y),
+                    eager=lambda h, W, y: reference.linear_cross_entropy(h, W, y),
+                    differentiable=(0, 1), backward_rereads=(0, 1, 2), tolerance_kind="attention",
+                    peak_memory=True, compute_bound=True)
+
+    return [case(dtype) for dtype in shapes.bench_dtypes(device, size)]

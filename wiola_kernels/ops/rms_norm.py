@@ -1,7 +1,7 @@
 """WiolaRMSNorm (SPEC §3): :func:`rms_norm`, the :class:`RMSNormFunction` that drives its
 registered ops, and their kernels written in Python.
 
-Registered ops (declared in csrc/wiola_ops.cpp):
+Registered ops (declared in csrc/cpu/rms_norm.cpp):
 
 * ``wiola::rms_norm(x (..., d), weight (d,), shift (d,) | None, eps, hf_order) -> (y, rstd)``
 * ``wiola::rms_norm_backward(grad_y, x, weight, shift, rstd) -> (grad_x, grad_weight, grad_shift)``
@@ -22,18 +22,44 @@ from types import SimpleNamespace
 import torch
 from torch import Tensor
 
-from .. import dispatch
+from .. import dispatch, reference, shapes
 from ..dtypes import compute_dtype
 from ..reference.rms_norm import rms_norm_backward as _reference_backward
 from ..reference.rms_norm import rms_norm_forward as _reference_forward
-from ..validation import check_rms_norm
+from ..validation import check_positive, check_rank, check_same_device, check_shape, check_tensor
 from . import distinct, needs_grad, register_fake, register_triton_cuda, registered, registered_ops
 
+
+__all__ = ["RMSNormFunction", "rms_norm"]  # exported by wiola_kernels
 
 OP = "rms_norm"
 # The registered ops' overloads, looked up once: a call skips the overload resolution of
 # ``torch.ops.wiola.<name>(...)``.
 _ops = registered_ops("rms_norm", "rms_norm_backward")
+
+
+# --- argument checks ------------------------------------------------------------------------------
+# What the kernels written in Python and the fakes check at entry, in the words of the C++
+# kernels' checks::rms_norm (csrc/include/wiola/checks.h).
+
+def check_rms_norm(x: object, weight: object, shift: object, eps: object, hf_order: object) -> float:
+    """Arguments of :func:`wiola_kernels.rms_norm`; returns ``eps`` as a float."""
+    check_tensor("x", x)
+    check_tensor("weight", weight)
+    if shift is not None:
+        check_tensor("shift", shift)
+    check_rank("x", x, range(1, 64), "(..., d)")
+    d = x.shape[-1]
+    check_shape("weight", weight, (d,), "(d,)")
+    if shift is not None:
+        check_shape("shift", shift, (d,), "(d,)")
+    check_same_device(x=x, weight=weight, shift=shift)
+    eps = check_positive("eps", eps)
+    if not isinstance(hf_order, bool):
+        raise TypeError(f"hf_order must be a bool, got {type(hf_order).__name__}")
+    if d == 0:
+        raise ValueError("x must have a non-empty last dimension d, got d = 0")
+    return eps
 
 
 # --- kernels written in Python (the registry's backends; Triton is also the CUDA kernel) ---------
@@ -162,3 +188,27 @@ def rms_norm(x: Tensor, weight: Tensor, shift: Tensor | None = None, eps: float 
     if needs_grad(x, weight, shift):
         return RMSNormFunction.apply(x, weight, shift, eps, hf_order)
     return _forward(x, weight, shift, eps, hf_order)[0]
+
+
+# --- benchmark cases (wiola_kernels.bench: python -m wiola_kernels bench [--overhead]) -------------
+
+def bench_cases(device: torch.device, size: str) -> list[dict]:
+    """This op's benchmark cases at ``size`` (:data:`~wiola_kernels.shapes.BENCH_SIZES`; shapes
+    in :mod:`wiola_kernels.shapes`), as keyword arguments of ``wiola_kernels.bench.BenchCase``;
+    ``"tiny"`` (one decoding step's rows) is what ``bench --overhead`` times call by call."""
+    rows, d = shapes.bench_shape(OP, shapes.RMS_NORM_BENCH, device, size)
+
+    def case(dtype: torch.dtype) -> dict:
+        def make_inputs():
+            g = torch.Generator(device="cpu").manual_seed(0)
+            x = torch.randn(rows, d, generator=g).to(device=device, dtype=dtype)
+            weight = (torch.rand(d, generator=g) + 0.5).to(device=device, dtype=dtype)
+            shift = (0.1 * torch.randn(d, generator=g)).to(device=device, dtype=dtype)
+            return x, weight, shift
+
+        return dict(op=OP, shape=f"x ({rows}, {d})", dtype=dtype, make_inputs=make_inputs,
+                    fused=lambda x, w, s: rms_norm(x, w, s, 1e-6),
+                    eager=lambda x, w, s: reference.rms_norm(x, w, s, 1e-6),
+                    backward_rereads=(0, 1, 2))  # ∂x needs z = x + δ and γ
+
+    return [case(dtype) for dtype in shapes.bench_dtypes(device, size)]

@@ -1,7 +1,7 @@
-"""SRPE (SPEC §4): :func:`srpe`, the :class:`SRPEFunction` that drives its registered ops, and
-their kernels written in Python.
+"""SRPE, the spiral rotary position encoding of Q and K (SPEC §4): :func:`srpe`, the
+:class:`SRPEFunction` that drives its registered ops, and their kernels written in Python.
 
-Registered ops (declared in csrc/wiola_ops.cpp):
+Registered ops (declared in csrc/cpu/srpe.cpp):
 
 * ``wiola::srpe(q, k, position_ids, theta, spiral_divisor, radial_amplitude, radial_frequency,
   inv_freq=None, scale=1.0) -> (m R(p) q, m R(p) k)``
@@ -29,20 +29,101 @@ from types import SimpleNamespace
 import torch
 from torch import Tensor
 
-from .. import dispatch
+from .. import dispatch, reference, shapes
 from ..outputs import in_layout_of, unit_last_stride
 from ..reference.srpe import srpe as _reference_srpe
 from ..reference.srpe import srpe_backward as _reference_srpe_backward
-from ..validation import check_srpe, srpe_max_position
+from ..validation import (bthd_hint, can_read_values, check_position_ids, check_positive, check_query_key,
+                          check_real, check_same_device, check_same_dtype, check_tensor)
 from . import distinct, needs_grad, register_fake, register_triton_cuda, registered, registered_ops
 
+
+__all__ = ["SRPEFunction", "srpe"]  # exported by wiola_kernels
 
 OP = "srpe"
 # The registered ops' overloads, looked up once: a call skips the overload resolution of
 # ``torch.ops.wiola.<name>(...)``.
 _ops = registered_ops("srpe", "srpe_backward")
 
-#: The largest ``|p|`` float32 outputs are accurate at (see :func:`validation.srpe_max_position`).
+
+# --- argument checks ------------------------------------------------------------------------------
+# What the kernels written in Python and the fakes check at entry, in the words of the C++
+# kernels' checks::srpe (csrc/include/wiola/checks.h).
+
+def check_position_range(positions: torch.Tensor, limit: int, why: str) -> None:
+    """``|position_ids| ≤ limit`` (checked on CPU tensors only); ``why`` says what breaks beyond."""
+    if can_read_values(positions):
+        largest = int(positions.abs().max())
+        if largest > limit:
+            raise ValueError(f"position_ids must lie within ±{limit} ({why}), got |p| = {largest}")
+
+
+def srpe_max_position(spiral_divisor: float, max_frequency: float = 1.0) -> int:
+    """Largest ``|p|`` at which float32 SRPE outputs still meet SPEC §9's 1e-5.
+
+    Every backend forms ``p·ω_j·(1 + 1/k_s)`` in float64, whose rounding error is about
+    ``p·ω_j·(1 + 1/k_s)·2^-52`` radians; a pair rotated by a wrong angle δ has relative
+    error ≈ δ. With ``max_frequency = max_j |ω_j|`` (1 for ``θ₀^(−2j/d_h)``, ``ω_0 = 1``; a
+    given ``inv_freq``'s largest value otherwise) that is ``p ≤ 1e-5·2^52/(|1 + 1/k_s|·max_j|ω_j|)``:
+    about 2^35 for the default ``k_s = 8``, 2^34 for any ``k_s ≥ 1`` (derivation and mpmath
+    checks in tests/test_srpe.py). Capped at 2^53, where int64 → float64 stops being exact.
+    """
+    factor = abs(1.0 + 1.0 / spiral_divisor) * max_frequency
+    return 2**53 if factor == 0.0 else min(2**53, int(1e-5 * 2.0**52 / factor))
+
+
+def check_srpe_inv_freq(inv_freq: object, dh: int, q_name: str, q: torch.Tensor) -> float:
+    """SRPE's given frequencies (SPEC §4): a floating ``(d_h/2,)`` tensor on ``q``'s device,
+    finite (values read on CPU tensors only). Returns ``max_j |ω_j|`` (1.0 when the values are
+    not read)."""
+    check_tensor("inv_freq", inv_freq)
+    if tuple(inv_freq.shape) != (dh // 2,):
+        got = "a 0-d tensor (a scalar)" if inv_freq.dim() == 0 else str(tuple(inv_freq.shape))
+        raise ValueError(f"inv_freq must have shape (d_h/2,) = ({dh // 2},), got {got}")
+    check_same_device(**{q_name: q, "inv_freq": inv_freq})
+    if not can_read_values(inv_freq):
+        return 1.0
+    w = inv_freq.double()
+    bad = (~torch.isfinite(w)).nonzero()
+    if len(bad):
+        j = int(bad[0, 0])
+        raise ValueError(f"inv_freq must hold finite frequencies, got {float(w[j])!r} at pair {j}")
+    return float(w.abs().max())
+
+
+def check_srpe(q: object, k: object, position_ids: object, theta: object, spiral_divisor: object,
+               radial_amplitude: object, radial_frequency: object, inv_freq: object = None, scale: object = 1.0,
+               names: tuple[str, str] = ("q", "k")
+               ) -> tuple[torch.Tensor, tuple[float, float, float, float], torch.Tensor | None, float]:
+    """Arguments of :func:`wiola_kernels.srpe` (``names``: what to call q and k); returns the
+    int64 ``(B, T)`` positions, the four parameters as floats, ``inv_freq`` (or None) and
+    ``scale`` as a float."""
+    q_name, k_name = names
+    check_tensor(q_name, q)
+    check_tensor(k_name, k)
+    check_same_dtype(**{q_name: q, k_name: k})
+    b, _h, _h_kv, t, dh = check_query_key(q_name, q, k_name, k)
+    check_same_device(**{q_name: q, k_name: k}, position_ids=position_ids)
+    hint = bthd_hint(q, k, t=position_ids.shape[-1]) if position_ids.dim() in (1, 2) else ""
+    positions = check_position_ids(position_ids, b, t, hint=hint)
+    theta = check_positive("theta", theta)
+    if isinstance(spiral_divisor, float) and spiral_divisor in (float("inf"), float("-inf")):
+        spiral_divisor = float(spiral_divisor)  # 1/k_s = 0: the plain RoPE angle p·ω_j
+    else:
+        spiral_divisor = check_real("spiral_divisor", spiral_divisor)
+    if spiral_divisor == 0.0:
+        raise ValueError("spiral_divisor must be non-zero (the angle uses 1 + 1/k_s)")
+    params = (theta, spiral_divisor, check_real("radial_amplitude", radial_amplitude),
+              check_real("radial_frequency", radial_frequency))
+    max_frequency = 1.0 if inv_freq is None else check_srpe_inv_freq(inv_freq, dh, q_name, q)
+    scale = check_real("scale", scale)
+    given = "" if inv_freq is None else f" and max |inv_freq| = {max_frequency!r}"
+    why = f"float32 SRPE outputs lose SPEC accuracy beyond it for spiral_divisor={spiral_divisor}{given}"
+    check_position_range(positions, srpe_max_position(spiral_divisor, max_frequency), why)
+    return positions, params, inv_freq, scale
+
+
+#: The largest ``|p|`` float32 outputs are accurate at (see :func:`srpe_max_position`).
 max_accurate_position = srpe_max_position
 
 
@@ -211,3 +292,26 @@ def srpe(q: Tensor, k: Tensor, position_ids: Tensor, theta: float = 10000.0, spi
                                   inv_freq, scale)
     return _forward(q, k, position_ids, theta, spiral_divisor, radial_amplitude, radial_frequency, inv_freq,
                     scale)[:2]
+
+
+# --- benchmark cases (wiola_kernels.bench: python -m wiola_kernels bench [--overhead]) -------------
+
+def bench_cases(device: torch.device, size: str) -> list[dict]:
+    """This op's benchmark cases at ``size`` (:data:`~wiola_kernels.shapes.BENCH_SIZES`; shapes
+    in :mod:`wiola_kernels.shapes`), as keyword arguments of ``wiola_kernels.bench.BenchCase``:
+    wiola-360m attention shapes (H = 16, H_kv = 4, d_h = 64); ``"tiny"`` (one decoding token)
+    is what ``bench --overhead`` times call by call."""
+    b, h, h_kv, t, dh = shapes.bench_shape(OP, shapes.SRPE_BENCH, device, size)
+    dtype = shapes.bench_dtype(device, size)
+
+    def make_inputs():
+        g = torch.Generator(device="cpu").manual_seed(0)
+        q = torch.randn(b, h, t, dh, generator=g).to(device=device, dtype=dtype)
+        k = torch.randn(b, h_kv, t, dh, generator=g).to(device=device, dtype=dtype)
+        positions = torch.arange(t, device=device).expand(b, t).contiguous()
+        return q, k, positions
+
+    return [dict(op=OP, shape=f"q ({b}, {h}, {t}, {dh}), k ({b}, {h_kv}, {t}, {dh})", dtype=dtype,
+                 make_inputs=make_inputs, fused=lambda q, k, p: srpe(q, k, p),
+                 eager=lambda q, k, p: reference.srpe(q, k, p),
+                 backward_rereads=(2,))]  # the rotation is linear: its backward needs the positions, not q or k

@@ -1,20 +1,24 @@
 """Plain-PyTorch implementations of every Wiola component, exactly as SPEC defines
-them: the oracle that every kernel is tested against."""
+them: the oracle that every kernel is tested against.
 
-from .add_rms_norm import add_rms_norm, add_rms_norm_backward, add_rms_norm_forward
-from .atm import atm_merge, atm_merge_backward, atm_unmerge, atm_unmerge_backward
-from .dsff import dsff
-from .glu import glu, glu_backward, glu_forward
-from .gcla_attention import (gcla_attention, gcla_attention_backward, gcla_attention_forward, gcla_context_kv,
-                             gcla_cross_attention, gcla_summary)
-from .linear_cross_entropy import (linear_cross_entropy, linear_cross_entropy_backward,
-                                   linear_cross_entropy_forward)
-from .rms_norm import rms_norm, rms_norm_backward, rms_norm_forward
-from .srpe import srpe, srpe_backward, srpe_cos_sin, srpe_frequencies
+Each module of this package (one per op, plus the model's blocks such as ``dsff``) lists its
+public functions in ``__all__``; the package exports them all, so a new module is exported
+without an edit here."""
 
-__all__ = ["add_rms_norm", "add_rms_norm_backward", "add_rms_norm_forward", "atm_merge", "atm_merge_backward",
-           "atm_unmerge", "atm_unmerge_backward", "dsff", "gcla_attention", "gcla_attention_backward",
-           "gcla_attention_forward", "gcla_context_kv", "gcla_cross_attention", "gcla_summary", "glu",
-           "glu_backward", "glu_forward", "linear_cross_entropy", "linear_cross_entropy_backward",
-           "linear_cross_entropy_forward", "rms_norm", "rms_norm_backward", "rms_norm_forward", "srpe",
-           "srpe_backward", "srpe_cos_sin", "srpe_frequencies"]
+import importlib as _importlib
+import pkgutil as _pkgutil
+
+
+def _export_modules() -> list[str]:
+    # Import every module first, then bind the names: importing ``.rms_norm`` binds the package
+    # attribute ``rms_norm`` to the module, which the function of that name must then replace.
+    modules = [_importlib.import_module(f"{__name__}.{m.name}") for m in _pkgutil.iter_modules(__path__)]
+    names = []
+    for module in modules:
+        for name in module.__all__:
+            globals()[name] = getattr(module, name)
+            names.append(name)
+    return sorted(names)
+
+
+__all__ = _export_modules()

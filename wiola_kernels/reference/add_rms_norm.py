@@ -24,6 +24,8 @@ from .rms_norm import rms_norm as _rms_norm
 from .rms_norm import rms_norm_backward as _rms_norm_backward
 from .rms_norm import rms_norm_forward as _rms_norm_forward
 
+__all__ = ["add_rms_norm", "add_rms_norm_backward", "add_rms_norm_forward"]
+
 
 def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, shift: Tensor | None, eps: float = 1e-6,
                  hf_order: bool = False) -> tuple[Tensor, Tensor]:

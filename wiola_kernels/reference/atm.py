@@ -62,6 +62,8 @@ from torch import Tensor
 
 from ..dtypes import compute_dtype
 
+__all__ = ["atm_merge", "atm_merge_backward", "atm_unmerge", "atm_unmerge_backward"]
+
 
 def _pow2(k: Tensor) -> Tensor:
     """``2^k`` exactly as float64, for int64 ``k ∈ [−1022, 1023]`` (built from its bits)."""

@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+__all__ = ["dsff"]
+
 
 def dsff(x: Tensor, w_n1: Tensor, w_n3: Tensor, w_n2: Tensor, w_w1: Tensor, w_w3: Tensor, w_w2: Tensor,
          beta: Tensor) -> Tensor:

@@ -42,6 +42,9 @@ from torch import Tensor
 
 from ..dtypes import compute_dtype
 
+__all__ = ["gcla_attention", "gcla_attention_backward", "gcla_attention_forward", "gcla_context_kv",
+           "gcla_cross_attention", "gcla_summary"]
+
 
 def _group_index(num_heads: int, num_kv_heads: int, device: torch.device) -> Tensor:
     """kv group of every query head: ``h mod H_kv`` (SPEC §5.2)."""

@@ -27,6 +27,8 @@ from torch import Tensor
 
 from ..dtypes import compute_dtype
 
+__all__ = ["glu", "glu_backward", "glu_forward"]
+
 ACTIVATIONS = ("silu", "gelu_tanh")
 GELU_K = math.sqrt(2.0 / math.pi)
 GELU_C = 0.044715

@@ -37,6 +37,8 @@ from torch import Tensor
 
 from ..dtypes import compute_dtype
 
+__all__ = ["linear_cross_entropy", "linear_cross_entropy_backward", "linear_cross_entropy_forward"]
+
 REDUCTIONS = ("mean", "sum", "none")
 
 

@@ -40,6 +40,8 @@ from torch import Tensor
 
 from ..dtypes import compute_dtype
 
+__all__ = ["rms_norm", "rms_norm_backward", "rms_norm_forward"]
+
 
 def overflow_scale(z: Tensor, mean_sq: Tensor) -> Tensor:
     """Per-row power of two ``s`` (shape ``(..., 1)``, a constant for autograd): 2^(2−e)

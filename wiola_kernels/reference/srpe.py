@@ -23,6 +23,8 @@ from torch import Tensor
 
 from ..dtypes import compute_dtype
 
+__all__ = ["srpe", "srpe_backward", "srpe_cos_sin", "srpe_frequencies"]
+
 
 def srpe_frequencies(head_dim: int, theta: float, spiral_divisor: float, radial_frequency: float,
                      device: torch.device | str = "cpu", inv_freq: Tensor | None = None) -> tuple[Tensor, Tensor]:

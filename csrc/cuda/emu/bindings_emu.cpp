@@ -7,8 +7,9 @@
 #include "../gcla_attention_binding.cpp"
 #include "wiola/cuda_schemas.h"
 
-// The same schemas as csrc/wiola_ops.cpp declares in wiola (one source: wiola/cuda_schemas.h),
-// with their fakes in the same Python modules (torch.compile of a use_backend("cuda_emu") block).
+// The same schemas as csrc/cpu/atm.cpp and csrc/wiola_ops.cpp declare in wiola (one source:
+// wiola/cuda_schemas.h), with their fakes in the same Python modules (torch.compile of a
+// use_backend("cuda_emu") block).
 TORCH_LIBRARY(wiola_cuda_emu, m) {
   m.set_python_module("wiola_kernels.ops.gcla_attention_cuda");
   m.def(wiola::schema::kGclaSummaryFwd);

@@ -1,8 +1,8 @@
 // Argument checks at the kernels' entries: every C++ kernel of a public op (csrc/cpu/*.cpp,
 // csrc/cuda/*_binding.cpp) validates its inputs here, once per call, and nowhere else on its
 // path. Failures raise c10::ValueError / c10::TypeError (Python ValueError / TypeError) whose
-// messages name the argument and the expected shape — the same words as
-// wiola_kernels/validation.py, which checks the kernels written in Python (reference, Triton,
+// messages name the argument and the expected shape — the same words as each op's check_<op>
+// (wiola_kernels/ops/<op>.py), which checks the kernels written in Python (reference, Triton,
 // the fakes), so every backend refuses a bad input alike (tests/test_op_layer.py compares them).
 // Host code with ATen; never included by a .cu file.
 #pragma once
@@ -285,7 +285,7 @@ inline GluActivation glu(const at::Tensor& a, const std::optional<at::Tensor>& b
 
 // Largest |p| at which float32 SRPE outputs still meet SPEC §9's 1e-5: the float64 angle
 // p·ω_j·(1 + 1/k_s) carries ~p·max_j ω_j·|1 + 1/k_s|·2^-52 rad of rounding
-// (wiola_kernels.srpe_max_position). max_frequency: max_j |ω_j| (1 for θ₀^(−2j/d_h)).
+// (wiola_kernels.ops.srpe.srpe_max_position). max_frequency: max_j |ω_j| (1 for θ₀^(−2j/d_h)).
 inline int64_t srpe_max_position(double spiral_divisor, double max_frequency = 1.0) {
   const double factor = std::abs(1.0 + 1.0 / spiral_divisor) * max_frequency;
   constexpr double kExact = 9007199254740992.0;  // 2^53: int64 -> float64 exact below it

@@ -1,6 +1,7 @@
-// The schemas of the ops that have CUDA C++ kernels, written once: csrc/wiola_ops.cpp
-// declares them in the wiola namespace, the SIMT emulation's bindings
-// (csrc/cuda/emu/bindings_emu.cpp) in wiola_cuda_emu, so the two cannot drift apart.
+// The schemas of the ops that have CUDA C++ kernels, written once: csrc/cpu/atm.cpp (ATM) and
+// csrc/wiola_ops.cpp (GCLA's summary kernels) declare them in the wiola namespace, the SIMT
+// emulation's bindings (csrc/cuda/emu/bindings_emu.cpp) in wiola_cuda_emu, so the two cannot
+// drift apart.
 #pragma once
 
 namespace wiola::schema {
