@@ -60,10 +60,10 @@ def _check_environment() -> None:
 
 
 def cmd_bench_hf(args: argparse.Namespace) -> int:
-    """``bench --hf llama``: training step of a Hugging Face model, unpatched and patched, eager and compiled."""
+    """``bench --hf FAMILY|all``: training step of Hugging Face models, unpatched and patched, eager and compiled."""
     from tqdm import tqdm
 
-    from .bench.hf import (DEFAULT_VARIANTS, DEFAULT_VARIANTS_CUDA, VARIANTS, format_hf_header, format_hf_records,
+    from .bench.hf import (DEFAULT_VARIANTS, DEFAULT_VARIANTS_CUDA, format_hf_header, format_hf_records,
                            format_hf_row, hf_case, run_hf_bench)
 
     if args.hf == "rope":
@@ -76,19 +76,18 @@ def cmd_bench_hf(args: argparse.Namespace) -> int:
                 json.dump([dict(op="hf_rope_accuracy", **r) for r in rows], f, indent=2)
         return 0
     device = _device(args.device)
+    if args.hf == "all":
+        return _bench_hf_all(args, device)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     repeats = args.repeats or 10
     try:
-        case = hf_case(args.hf, device, small=args.small, size=args.size)
+        case = hf_case(args.hf, device, small=args.small, size=args.size, dtype=args.dtype)
     except ValueError as exc:
         raise CommandError(str(exc)) from None
     case.sequential = case.sequential or args.sequential
-    variants = [v.strip() for v in args.variants.split(",") if v.strip()] if args.variants else \
-        list(DEFAULT_VARIANTS_CUDA if device.type == "cuda" else DEFAULT_VARIANTS)
-    unknown = [v for v in variants if v not in VARIANTS]
-    if unknown:
-        raise CommandError(f"--variants: unknown {unknown}; choose from {', '.join(VARIANTS)}")
+    variants = _hf_variants(args, list(DEFAULT_VARIANTS_CUDA if device.type == "cuda" and args.hf == "llama"
+                                       else DEFAULT_VARIANTS))
     print(f"device: {device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}), "
           f"threads: {torch.get_num_threads()}, torch {torch.__version__}", flush=True)
     if case.sequential:  # rows come one by one (a timeout still leaves the finished ones)
@@ -110,6 +109,53 @@ def cmd_bench_hf(args: argparse.Namespace) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(records, f, indent=2)
+        print(f"wrote {args.json}")
+    return 0
+
+
+def _hf_variants(args: argparse.Namespace, default: list[str]) -> list[str]:
+    from .bench.hf import VARIANTS
+
+    variants = [v.strip() for v in args.variants.split(",") if v.strip()] if args.variants else default
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown:
+        raise CommandError(f"--variants: unknown {unknown}; choose from {', '.join(VARIANTS)}")
+    return variants
+
+
+def _bench_hf_all(args: argparse.Namespace, device: torch.device) -> int:
+    """``bench --hf all``: every family's step, one family after another, each within --family-budget,
+    its rows printed (and saved) as the family completes."""
+    from .bench.hf import (ALL_REPEATS, ALL_VARIANTS, FAMILIES, format_hf_all_header, format_hf_all_row,
+                           format_hf_all_summary, run_hf_all)
+
+    if args.size != "default":
+        raise CommandError(f"--size {args.size}: only with --hf llama")
+    if args.sequential:
+        raise CommandError("--sequential: not with --hf all (families run one after another, the variants of "
+                           "each in rotation)")
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    repeats = args.repeats or ALL_REPEATS
+    variants = _hf_variants(args, list(ALL_VARIANTS))
+    print(f"device: {device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}), "
+          f"threads: {torch.get_num_threads()}, torch {torch.__version__}", flush=True)
+    print(format_hf_all_header(device, repeats, args.backend, args.family_budget, small=args.small,
+                               dtype=args.dtype), flush=True)
+    done: list[dict] = []
+
+    def on_record(r: dict) -> None:
+        done.append(r)
+        print(format_hf_all_row(r), flush=True)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(done, f, indent=2)
+
+    records = run_hf_all(device, variants=variants, repeats=repeats, backend=args.backend,
+                         budget_s=args.family_budget, small=args.small, dtype=args.dtype, families=FAMILIES,
+                         on_record=on_record)
+    print(format_hf_all_summary(records))
+    if args.json:
         print(f"wrote {args.json}")
     return 0
 
@@ -240,6 +286,7 @@ def cmd_backends(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from .bench.hf import DEFAULT_FAMILY_BUDGET_S, FAMILIES as HF_FAMILIES
     from .bench.runner import DEFAULT_BUDGET_S
     from .dispatch import BACKEND_NAMES
 
@@ -269,11 +316,21 @@ def main(argv: list[str] | None = None) -> int:
                        help="force a backend for the fused op (an op without it keeps its default)")
     bench.add_argument("--passes", default="all", choices=["all", "fwd", "fwd+bwd"], help="which passes to time")
     bench.add_argument("--repeats", type=positive_int,
-                       help="timed runs per measurement (median); default: 5, with --full, --hf or --overhead 10")
+                       help="timed runs per measurement (median); default: 5, with --full, --hf FAMILY or "
+                            "--overhead 10, with --hf all 3")
     bench.add_argument("--threads", type=positive_int, help="CPU threads (torch.set_num_threads); default: torch's")
-    bench.add_argument("--hf", choices=["llama", "rope"],
-                       help="instead of the ops: llama = a training step of a Hugging Face Llama, unpatched and "
-                            "patched by wiola_kernels.patch_hf, each eager and torch.compile'd; rope = RoPE error at large positions, ours vs HF's")
+    bench.add_argument("--hf", choices=["all", *HF_FAMILIES, "rope"], metavar="{all,FAMILY,rope}",
+                       help="instead of the ops: FAMILY (" + ", ".join(HF_FAMILIES) + ") = a training step (AdamW) "
+                            "of a small random Hugging Face model of that family, unpatched and patched by "
+                            "wiola_kernels.patch_hf, each eager and torch.compile'd; all = every family in one "
+                            "table, eager only unless --variants, each family within --family-budget; rope = RoPE "
+                            "error at large positions, ours vs HF's")
+    bench.add_argument("--dtype", choices=("float32", "bfloat16"),
+                       help="with --hf: the models' dtype (default: bfloat16 on CUDA, float32 on the CPU)")
+    bench.add_argument("--family-budget", type=positive_float, default=DEFAULT_FAMILY_BUDGET_S, metavar="SECONDS",
+                       help="with --hf all: seconds per family, building, warm-up (compiling) and the peak-memory "
+                            "step included; of the timed rounds (--repeats, default 3) as many run as fit, at "
+                            "least one; a family whose warm-up does not finish in time is reported as skipped")
     bench.add_argument("--overhead", action="store_true",
                        help="instead of the ops' kernels: the cost of one call of each op on a tiny input "
                             "(the op layer) vs F.rms_norm, and the first call after import in a fresh process")
@@ -284,10 +341,11 @@ def main(argv: list[str] | None = None) -> int:
                        help="with --hf llama: the model; 1b = Llama-3.2-1B's shapes (d 2048, L 16, H 32, H_kv 8, "
                             "V 128256, tied head), B 4 x T 2048, variants one after another")
     bench.add_argument("--variants", metavar="V[,V...]",
-                       help="with --hf llama: which variants (unpatched_eager, unpatched_compile, patched_eager, "
-                            "patched_compile, liger_eager, liger_compile); default: the first four, and Liger's on CUDA")
+                       help="with --hf: which variants (unpatched_eager, unpatched_compile, patched_eager, "
+                            "patched_compile, liger_eager, liger_compile); default: the first four, and Liger's on "
+                            "CUDA with --hf llama; with --hf all the two eager ones")
     bench.add_argument("--sequential", action="store_true",
-                       help="with --hf llama: the variants one after another, each row printed as it completes "
+                       help="with --hf FAMILY: the variants one after another, each row printed as it completes "
                             "(default for --size 1b), instead of in rotation")
     bench.add_argument("--small", action="store_true", help="small shapes, both dtypes (seconds; for smoke tests)")
     bench.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline")
