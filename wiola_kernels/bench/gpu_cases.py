@@ -364,7 +364,7 @@ def run_group(group: GpuCase, device: torch.device, *, replays: int = 10,
         run here, with the reason) or ``error`` (an implementation that failed).
     """
     from . import device_time as dt
-    from .hf import peak_mb
+    from .memory import peak_mb
     from .cases import min_bytes
 
     case = group.case

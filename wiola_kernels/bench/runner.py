@@ -81,7 +81,7 @@ import torch
 from .. import dispatch
 from . import device_time
 from .cases import BenchCase, _differentiable, _nbytes, _tensors, all_cases, min_bytes
-from .hf import peak_mb
+from .memory import peak_mb
 
 PASSES = ("fwd", "fwd+bwd")
 VARIANTS = ("fused", "eager", "compile")

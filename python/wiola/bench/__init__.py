@@ -258,7 +258,7 @@ def _in_process(args: dict, backend: str, atm: bool, budget_s: float) -> dict:
     steps within ``budget_s`` (wiola_kernels' ``time_pass``) under the peak-memory probe."""
     import torch
 
-    from wiola_kernels.bench.hf import peak_mb
+    from wiola_kernels.bench.memory import peak_mb
     from wiola_kernels.bench.runner import BudgetExceeded, time_pass
 
     cpu = torch.device("cpu")
