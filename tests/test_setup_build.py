@@ -131,3 +131,34 @@ def test_the_extension_uses_the_process_libstdcxx():
     defined = subprocess.run([nm, "-C", "--defined-only", extension.__file__], capture_output=True, text=True,
                              timeout=120, check=True).stdout
     assert "std::codecvt" not in defined and "std::locale::classic" not in defined
+
+
+def test_the_precompiled_header_is_compiled_with_the_sources_flags(setup_py, tmp_path):
+    """GCC uses a precompiled header only when it was built with the flags of the source that
+    reads it: the command keeps every flag the sources get, in their order, around the header."""
+    cflags, post = ["-DNDEBUG", "-O3", "-fPIC", "-I/x"], ["-std=c++20", "-march=x86-64-v3", "-g0"]
+    header = str(tmp_path / "torch_headers.h")
+    cmd = setup_py.precompiled_header_command("c++", cflags, post, header)
+    assert cmd == ["c++", *cflags, "-x", "c++-header", header, "-o", header + ".gch", *post]
+    assert (ROOT / setup_py.PCH_HEADER).is_file()
+
+
+@pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler")
+def test_a_source_reads_the_precompiled_header_it_was_built_for(setup_py, tmp_path):
+    """The mechanism setup.py relies on, with a stand-in header: built and read with the same
+    flags, the precompiled header is used (GCC says nothing with -Winvalid-pch); with another
+    -O it is refused, and said so, which is why setup.py derives one from the other."""
+    if not setup_py._is_gcc("c++"):
+        pytest.skip("setup.py precompiles headers with GCC only")
+    header = tmp_path / "torch_headers.h"
+    header.write_text("#pragma once\n#include <vector>\ninline int answer() { return 42; }\n")
+    source = tmp_path / "use.cpp"
+    source.write_text("int f() { return answer(); }\n")
+    flags = ["-O2", "-fPIC", "-std=c++20"]
+    subprocess.run(setup_py.precompiled_header_command("c++", flags, [], str(header)), check=True, timeout=120)
+    same = subprocess.run(["c++", *flags, "-Winvalid-pch", "-include", str(header), "-c", str(source),
+                           "-o", str(tmp_path / "a.o")], capture_output=True, text=True, timeout=120)
+    assert same.returncode == 0 and "not used" not in same.stderr, same.stderr
+    other = subprocess.run(["c++", "-O0", "-fPIC", "-std=c++20", "-Winvalid-pch", "-include", str(header), "-c",
+                            str(source), "-o", str(tmp_path / "b.o")], capture_output=True, text=True, timeout=120)
+    assert other.returncode == 0 and "not used" in other.stderr, other.stderr
