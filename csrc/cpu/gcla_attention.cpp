@@ -44,6 +44,7 @@
 #include "common.h"
 #include "tile_gemm.h"
 #include "wiola/checks.h"
+#include "wiola/cuda_schemas.h"
 
 namespace wiola::cpu {
 namespace {
@@ -1032,18 +1033,21 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
 
 }  // namespace
 
-// The op's schemas, declared once, here beside its CPU kernels: every build of the op compiles this file.
-// set_python_module names the module that registers the op's fakes and Python kernels.
+// The op's schemas, declared once, here beside its CPU kernels: every build of the op compiles this file
+// (the strings are in wiola/cuda_schemas.h, which the CUDA kernels' emulation declares again in
+// wiola_cuda_emu). set_python_module names the module that registers the op's fakes and Python kernels.
 TORCH_LIBRARY_FRAGMENT(wiola, m) {
   m.set_python_module("wiola_kernels.ops.gcla_attention");
-  // q_rot, q (B, H, T, d_h); k_rot, v (B, H_kv, T, d_h); kc, vc (B, H, S, Λ', d_h), S in {1, T};
-  // gate (H,); lengths (B,) or None. out like q_rot; lse (B, H, T) float32 (float64 for double).
-  // Gradients in their inputs' layouts (d kc, d vc contiguous for S = 1).
-  m.def("gcla_attention(Tensor q_rot, Tensor k_rot, Tensor v, Tensor q, Tensor kc, Tensor vc, Tensor gate,"
-        " Tensor? lengths=None) -> (Tensor out, Tensor lse)");
-  m.def("gcla_attention_backward(Tensor grad_out, Tensor q_rot, Tensor k_rot, Tensor v, Tensor q, Tensor kc,"
-        " Tensor vc, Tensor gate, Tensor? lengths, Tensor out, Tensor lse) -> (Tensor grad_q_rot,"
-        " Tensor grad_k_rot, Tensor grad_v, Tensor grad_q, Tensor grad_kc, Tensor grad_vc, Tensor grad_gate)");
+  m.def(wiola::schema::kGclaAttention);
+  m.def(wiola::schema::kGclaAttentionBackward);
+  // The Triton kernels (or, for an input they do not take, the next backend in line), registered
+  // from Python for CUDA: what the CUDA kernel (csrc/cuda/gcla_attention_binding.cpp) runs for a
+  // call outside its limits or under WIOLA_GCLA_CUDA_KERNEL=triton.
+  m.def(wiola::schema::kTritonGclaAttention);
+  m.def(wiola::schema::kTritonGclaAttentionBackward);
+  // The CUDA composite's summary kernels (csrc/cuda/gcla_attention.cu), not public ops.
+  m.def(wiola::schema::kGclaSummaryFwd);
+  m.def(wiola::schema::kGclaSummaryBwd);
 }
 
 TORCH_LIBRARY_IMPL(wiola, CPU, m) {
