@@ -149,6 +149,9 @@ PYBIND11_MODULE(_C, m) {
   m.attr("TRITON_CUDA_OPS") = std::vector<std::string>{"glu",          "glu_backward",          "rms_norm",
                                                             "rms_norm_backward", "add_rms_norm", "add_rms_norm_backward",
                                                             "srpe",         "srpe_backward"};
+  // The ops whose CUDA kernel is a C++ composite of PyTorch's kernels and ours, which runs the
+  // Python kernel wiola::_triton_<op> for the inputs it does not take (csrc/cuda/gcla_attention_binding.cpp).
+  m.attr("COMPOSITE_CUDA_OPS") = std::vector<std::string>{"gcla_attention", "gcla_attention_backward"};
   // The cubin table of this build: (Triton version or None, why there is none or None, entries).
   m.def("cubin_table", [] {
     const auto& t = wiola::triton::table();
@@ -160,6 +163,7 @@ PYBIND11_MODULE(_C, m) {
 #else
   m.attr("WITH_CUDA") = false;
   m.attr("TRITON_CUDA_OPS") = std::vector<std::string>{};
+  m.attr("COMPOSITE_CUDA_OPS") = std::vector<std::string>{};
 #endif
   def_runtime_table(m);
   // The run-time ISA level of the CPU kernels' hot loops (csrc/cpu/isa.h).

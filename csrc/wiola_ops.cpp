@@ -16,8 +16,6 @@
 // and requires the fakes to come from there).
 #include <torch/library.h>
 
-#include "wiola/cuda_schemas.h"
-
 TORCH_LIBRARY(wiola, m) {
   // --- pieces of one backend, not public ops ---
   // Batch-1 decoding GEMV (csrc/cpu/decode_gemv.cpp; wiola_kernels/decode_gemv.py): x (..., K) with
@@ -53,12 +51,3 @@ TORCH_LIBRARY(wiola, m) {
   // The benchmark's copy baseline: a copy allocated like every kernel's output.
   m.def("_copy(Tensor x) -> Tensor");
 }
-
-TORCH_LIBRARY_FRAGMENT(wiola, m) {
-  // The cuda backend of GCLA: summary kernels around PyTorch's fused self-attention
-  // (CUDA, and emulated as wiola_cuda_emu); not a public op.
-  m.set_python_module("wiola_kernels.ops.gcla_attention_cuda");
-  m.def(wiola::schema::kGclaSummaryFwd);
-  m.def(wiola::schema::kGclaSummaryBwd);
-}
-

@@ -43,6 +43,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+import wiola_kernels as wk
 from wiola_kernels.triton import aot, cubin_table
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -366,25 +367,36 @@ def test_parse_archs_and_scratch_pointers():
     assert [cubin_table.trailing_scratch_pointers(v) for v in ("3.2.0", "3.3.1", "3.6.0", "3.9.0")] == [0, 1, 2, 2]
 
 
-def _cpp_triton_ops() -> set[str]:
-    """The ops csrc/python_module.cpp lists as launched from C++ (TRITON_CUDA_OPS)."""
+def _module_ops(attr: str) -> set[str]:
+    """The ops csrc/python_module.cpp lists in ``attr`` for the CUDA build."""
     src = (ROOT / "csrc" / "python_module.cpp").read_text()
-    m = re.search(r'"TRITON_CUDA_OPS"\) = std::vector<std::string>\{([^}]*)\}', src)
-    assert m, "TRITON_CUDA_OPS not found in csrc/python_module.cpp"
+    m = re.search(rf'"{attr}"\) = std::vector<std::string>\{{([^}}]*)\}}', src)
+    assert m, f"{attr} not found in csrc/python_module.cpp"
     return set(re.findall(r'"(\w+)"', m.group(1)))
 
 
+def _cpp_triton_ops() -> set[str]:
+    """The ops csrc/python_module.cpp lists as launched from C++ (TRITON_CUDA_OPS)."""
+    return _module_ops("TRITON_CUDA_OPS")
+
+
+def _cpp_composite_ops() -> set[str]:
+    """The ops whose CUDA kernel is a C++ composite (COMPOSITE_CUDA_OPS)."""
+    return _module_ops("COMPOSITE_CUDA_OPS")
+
+
 def test_no_wired_op_registers_a_python_cuda_kernel():
-    """Each op the C++ launches has a C++ CUDA kernel (TORCH_LIBRARY_IMPL(wiola, CUDA)) and no
-    ``register_kernel("<op>", "CUDA", ...)`` in the Python sources; its Python launcher is
-    only the fallback op ``_triton_<op>``."""
-    wired = _cpp_triton_ops()
+    """Each op the C++ launches, or composes, has a C++ CUDA kernel (``TORCH_LIBRARY_IMPL(wiola,
+    CUDA)``, or ``WIOLA_CUDA_KERNELS_IMPL`` of a CUDA kernel's binding) and no
+    ``register_kernel("<op>", "CUDA", ...)`` in the Python sources; its Python kernel is only
+    the fallback op ``_triton_<op>``."""
+    wired = _cpp_triton_ops() | _cpp_composite_ops()
     assert {"glu", "glu_backward", "rms_norm", "rms_norm_backward", "add_rms_norm", "add_rms_norm_backward", "srpe",
-            "srpe_backward"} <= wired
+            "srpe_backward", "gcla_attention", "gcla_attention_backward"} <= wired
     impl = {}
-    for path in (ROOT / "csrc" / "cuda").glob("triton_*_binding.cpp"):
+    for path in (ROOT / "csrc" / "cuda").glob("*_binding.cpp"):
         text = path.read_text()
-        block = re.search(r"TORCH_LIBRARY_IMPL\(wiola, CUDA, m\) \{(.*?)\n\}", text, re.S)
+        block = re.search(r"(?:TORCH_LIBRARY_IMPL\(wiola, CUDA, m\)|WIOLA_CUDA_KERNELS_IMPL\(m\)) \{(.*?)\n\}", text, re.S)
         if block:
             impl.update({name: path.name for name in re.findall(r'm\.impl\("(\w+)"', block.group(1))})
     assert wired <= set(impl), f"no C++ CUDA kernel for {wired - set(impl)}"
@@ -413,6 +425,16 @@ def test_fallback_op_schemas_parse_and_mirror_the_ops():
         assert [(a.name, str(a.type)) for a in fallback.arguments] == [(a.name, str(a.type))
                                                                       for a in defs[op].arguments], op
         assert [str(r.type) for r in fallback.returns] == [str(r.type) for r in defs[op].returns], op
+    # The composites' schemas are shared with their emulation (wiola/cuda_schemas.h): read them
+    # from the dispatcher.
+    if not wk.ops.have_registered_ops():
+        pytest.skip("the extension is not loaded")
+    for op in _cpp_composite_ops():
+        op_schema = getattr(torch.ops.wiola, op).default._schema
+        fallback = getattr(torch.ops.wiola, f"_triton_{op}").default._schema
+        assert [(a.name, str(a.type)) for a in fallback.arguments] == [(a.name, str(a.type))
+                                                                      for a in op_schema.arguments], op
+        assert [str(r.type) for r in fallback.returns] == [str(r.type) for r in op_schema.returns], op
 
 
 # ---- the runtime table: what the Python launcher compiles for a call the table lacks --------------

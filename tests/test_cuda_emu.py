@@ -18,8 +18,8 @@ CPU = torch.device("cpu")
 _REASON = dispatch.BACKENDS["cuda_emu"].unavailable_reason(CPU)
 pytestmark = pytest.mark.skipif(_REASON is not None, reason=f"cuda_emu unavailable: {_REASON}")
 
-OPS = ["_gcla_summary_fwd", "_gcla_summary_bwd", "atm_merge", "atm_merge_backward", "atm_unmerge",
-       "atm_unmerge_backward"]
+OPS = ["gcla_attention", "gcla_attention_backward", "_gcla_summary_fwd", "_gcla_summary_bwd", "atm_merge",
+       "atm_merge_backward", "atm_unmerge", "atm_unmerge_backward"]
 
 
 @pytest.mark.parametrize("name", OPS)

@@ -7,7 +7,8 @@ shares in tests/test_op_layer.py. The oracle is tests/oracles.py's ``gcla_oracle
 alone, not ``wiola_kernels.reference``, which is one backend under test).
 
 Backends here: reference, cpu (C++), triton (its CPU interpreter) and cuda_emu (the CUDA
-backend's orchestration with its kernels run by the SIMT emulator; d_h 64 or 128, no float64).
+kernel's C++ composite on CPU tensors: PyTorch's CPU flash attention and the summary kernels run
+by the SIMT emulator; d_h 64 or 128, no float64).
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ from hypothesis import strategies as st
 
 import wiola_kernels as wk
 from wiola_kernels import dispatch, shapes
-from wiola_kernels.ops import gcla_attention_cuda as gc
 from wiola_kernels.ops.gcla_attention import GCLAAttentionFunction
 from wiola_kernels.reference.gcla_attention import gcla_context_kv, gcla_summary
 from wiola_kernels.testing import CopyCounter, assert_close_rel, available_backends, tolerance
@@ -771,28 +771,23 @@ def check_against_oracle(out, lse, grads, ins, lengths, grad, dtype, ref=None, w
 
 
 def emulated_kernels():
-    """torch.ops.wiola_cuda_emu (the CUDA kernels run by the SIMT emulator) when the extension
-    was built with them, else None."""
+    """torch.ops.wiola_cuda_emu (the CUDA composite and kernels, the kernels run by the SIMT
+    emulator) when the extension was built with them, else None."""
     try:
         ops = torch.ops.wiola_cuda_emu
-        ops._gcla_summary_fwd  # noqa: B018 - resolving the op is the probe
+        ops.gcla_attention  # noqa: B018 - resolving the op is the probe
         return ops
     except (AttributeError, RuntimeError):
         return None
 
 
-def kernel_sets():
-    """(name, kernels) to run the orchestration with on CPU: the PyTorch model always, the
-    emulated CUDA kernels when built."""
-    emu = emulated_kernels()
-    return [("model: ", MODEL)] + ([("cuda_emu: ", emu)] if emu is not None else [])
+needs_emu = pytest.mark.skipif(emulated_kernels() is None, reason="the extension was built without the emulated CUDA kernels")
 
 
-def check_kernel_sets(ins, lengths, grad, dtype):
-    ref = cuda_oracle(ins, lengths, grad)
-    for who, kernels in kernel_sets():
-        out, lse, grads = run_orchestration(ins, lengths, grad, kernels)
-        check_against_oracle(out, lse, grads, ins, lengths, grad, dtype, ref=ref, who=who)
+def check_composite(ins, lengths, grad, dtype):
+    """The CUDA composite (emulated, on CPU tensors) against the float64 oracle."""
+    out, lse, grads = run_composite(ins, lengths, grad)
+    check_against_oracle(out, lse, grads, ins, lengths, grad, dtype)
 
 
 def _cuda_lengths(T, with_len, device="cpu"):
@@ -830,92 +825,92 @@ def deterministic():
         torch.use_deterministic_algorithms(was)
 
 
-def run_orchestration(ins, lengths, grad, kernels):
-    """The cuda backend's forward and backward on CPU tensors with ``kernels``."""
-    ins = [x.contiguous() for x in ins]
-    out, lse = gc.forward(*ins, lengths, kernels=kernels)
-    grads = gc.backward(grad.to(ins[0].dtype), *ins, lengths, out, lse, kernels=kernels)
+def run_composite(ins, lengths, grad):
+    """The CUDA kernel's forward and backward (``wiola::gcla_attention(_backward)``): on CUDA
+    tensors the real one, on CPU tensors its emulation (``wiola_cuda_emu``)."""
+    ops = torch.ops.wiola if ins[0].is_cuda else torch.ops.wiola_cuda_emu
+    out, lse = ops.gcla_attention(*ins, lengths)
+    grads = ops.gcla_attention_backward(grad.to(ins[0].device, ins[0].dtype), *ins, lengths, out, lse)
     return out, lse, grads
 
 
+def kv_order(H, H_kv):
+    """``perm_kv`` of the summary kernels beside a GQA-native fused kernel."""
+    return H_kv if 1 < H_kv < H else 1
+
+
+def to_self_order(x, P):
+    """Natural heads → the fused kernel's order p(h), as a (B, H, T, d) view of (B, T, H, d) memory."""
+    B, H, T, d = x.shape
+    y = torch.empty(B, T, H, d, dtype=x.dtype, device=x.device).transpose(1, 2)
+    y[:, SummaryKernelModel.self_head(H, P).to(x.device)] = x
+    return y
+
+
 # ---------------------------------------------------------------------------------------
-# CPU: orchestration + kernel model
+# CPU: the composite, emulated
 # ---------------------------------------------------------------------------------------
 def test_head_permutation_maps_to_paper_groups():
-    """p(h) // G = h mod H_kv for every (H, H_kv), and to/from_self_order are that map."""
+    """p(h) // G = h mod H_kv for every (H, H_kv): the order the summary kernels assume."""
     for H, H_kv in ((4, 1), (4, 4), (4, 2), (6, 3), (16, 4), (8, 2)):
-        P = gc.kv_order(H, H_kv)
-        ps = SummaryKernelModel.self_head(H, P)
+        ps = SummaryKernelModel.self_head(H, kv_order(H, H_kv))
         assert sorted(ps.tolist()) == list(range(H))
         assert ((ps // (H // H_kv)) == torch.arange(H) % H_kv).all(), (H, H_kv)
-        x = torch.randn(2, H, 3, 8, generator=gen(H))
-        y = gc.to_self_order(x, P) if P > 1 else x
-        assert torch.equal(y[:, ps], x)
-        assert torch.equal(gc.from_self_order(y, P) if P > 1 else y, x)
 
 
 # The cuda_emu backend through the public op: tests/test_all_ops.py (its shapes). Here the
-# orchestration with both kernel sets: T ∈ {1, 7, 257} in float32, d_h 128 and the 16-bit types on subsets.
+# composite itself: T ∈ {1, 7, 257} in float32 over GQA ratios 1, 2 and H, with and without
+# lengths, both summary modes; d_h 128 and the 16-bit types on subsets.
 ORCHESTRATION_CASES = ([(c, 64, torch.float32) for c in CUDA_CASES[::2]] + [(CUDA_CASES[1], 128, torch.float32)]
                        + [(c, 64, dt) for c, dt in zip(CUDA_CASES[3::4], (torch.bfloat16, torch.float16, torch.bfloat16))])
-cpu_only = pytest.mark.skipif(HAS_CUDA, reason="CPU check of the orchestration; a GPU runs the kernels themselves")
+cpu_only = pytest.mark.skipif(HAS_CUDA, reason="CPU check of the composite; a GPU runs the kernels themselves")
 
 
 @cpu_only
+@needs_emu
 @pytest.mark.parametrize("case, dh, dtype", ORCHESTRATION_CASES,
                          ids=lambda x: _cuda_ids(x) if isinstance(x, tuple) else str(x).replace("torch.", ""))
-def test_model_orchestration_matches_oracle(case, dh, dtype):
+def test_emulated_composite_matches_oracle(case, dh, dtype):
     T, mode, with_len, L, H, H_kv = case
     ins = inputs(2, H, H_kv, T, dh, 1 if mode == "paper" else T, L, dtype, seed=T + L + H)
     grad = torch.randn(2, H, T, dh, generator=gen(1), dtype=torch.float64)
-    check_kernel_sets(ins, _cuda_lengths(T, with_len), grad, dtype)
-
-
-class _ExpandedCpuAttention(gc._SelfAttention):
-    """The float32 CUDA path's structure on CPU: no native GQA (K/V expanded), lse rows padded
-    to 32 columns — computed by the CPU flash kernel on the expanded heads."""
-
-    def forward(self, q, k, v):
-        assert k.shape[1] == q.shape[1], "the efficient path must see K/V expanded to H heads"
-        o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True, scale=self.scale)
-        T = q.shape[2]
-        padded = torch.full((*lse.shape[:2], self.lse_columns(T)), math.nan)
-        padded[..., :T] = lse
-        return o, padded
-
-    def backward(self, do, q, k, v, o, lse):
-        assert k.shape[1] == q.shape[1]
-        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            do, q, k, v, o, lse[..., :q.shape[2]].contiguous(), 0.0, True, scale=self.scale)
+    check_composite(ins, _cuda_lengths(T, with_len), grad, dtype)
 
 
 @cpu_only
+@needs_emu
 @pytest.mark.parametrize("case", [CUDA_CASES[4], CUDA_CASES[8], CUDA_CASES[10]], ids=_cuda_ids)
-def test_model_expanded_kv_path_matches_oracle(case, monkeypatch):
+def test_emulated_expanded_kv_path_matches_oracle(case, monkeypatch):
     """float32 on CUDA: the memory-efficient kernel has no GQA, so heads stay natural, K/V are
-    repeated (head j·H_kv + g reads g) and dK/dV summed back over the group."""
+    repeated (head j·H_kv + g reads g), dK/dV summed back over the group, and its lse rows are
+    padded to 32 columns (NaN here: never read). WIOLA_EMU_GCLA_SELF=efficient gives the
+    emulated composite that structure around the CPU flash kernel."""
     T, mode, with_len, L, H, H_kv = case
-    monkeypatch.setattr(gc, "self_attention_kernel", lambda device, dtype: "efficient")
-    monkeypatch.setattr(gc, "_SelfAttention", _ExpandedCpuAttention)
+    monkeypatch.setenv("WIOLA_EMU_GCLA_SELF", "efficient")
     S = 1 if mode == "paper" else T
     ins = inputs(2, H, H_kv, T, 64, S, L, torch.float32, seed=3)
     lengths = _cuda_lengths(T, with_len)
     grad = torch.randn(2, H, T, 64, generator=gen(4), dtype=torch.float64)
-    check_kernel_sets(ins, lengths, grad, torch.float32)
+    check_composite(ins, lengths, grad, torch.float32)
+    monkeypatch.setenv("WIOLA_EMU_GCLA_SELF", "sideways")
+    with pytest.raises(ValueError, match="^WIOLA_EMU_GCLA_SELF must be flash or efficient, got 'sideways'"):
+        run_composite(ins, lengths, grad)
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-def test_padding_garbage_never_read(device):
+@pytest.mark.parametrize("self_kernel", ["flash", "efficient"])
+def test_padding_garbage_never_read(device, self_kernel, monkeypatch):
     """NaN in q_rot, k_rot, v, q, kc, vc (S = T) and dO past the lengths changes nothing: the
     padding is zeroed before the fused kernel multiplies masked zeros by whole key blocks.
-    CPU: the model and the emulated kernels; CUDA: the real ones with flash attention."""
+    CPU: the emulated composite (both fused kernels' structures); CUDA: the real one (bf16:
+    flash attention; the efficient kernel is float32's, tested by test_cuda_matches_oracle)."""
     if (device == "cuda") != HAS_CUDA:
         pytest.skip("the CPU variant runs without a GPU, the CUDA one with it")
-    for who, kernels in (kernel_sets() if device == "cpu" else [("cuda: ", None)]):
-        _check_padding_garbage(device, kernels, who)
-
-
-def _check_padding_garbage(device, kernels, who):
+    if device == "cpu" and emulated_kernels() is None:
+        pytest.skip("the extension was built without the emulated CUDA kernels")
+    if device == "cuda" and self_kernel == "efficient":
+        pytest.skip("bf16 on a GPU runs flash")
+    monkeypatch.setenv("WIOLA_EMU_GCLA_SELF", self_kernel)
     T, H, H_kv = 70, 4, 2
     ins = inputs(2, H, H_kv, T, 64, T, 2, torch.bfloat16, device=device, seed=5)
     lengths = torch.tensor([70, 33], device=device)
@@ -926,27 +921,23 @@ def _check_padding_garbage(device, kernels, who):
     dirty_grad = grad.clone()
     dirty_grad[1, :, 33:] = math.nan
     with deterministic():  # flash's backward adds dq with atomics unless asked not to
-        clean = run_orchestration(ins, lengths, grad, kernels)
-        dirty = run_orchestration(dirty_ins, lengths, dirty_grad, kernels)
+        clean = run_composite(ins, lengths, grad)
+        dirty = run_composite(dirty_ins, lengths, dirty_grad)
     assert torch.equal(clean[0], dirty[0]) and torch.equal(clean[1], dirty[1])
     for name, a, b in zip(NAMES, clean[2], dirty[2]):
-        assert torch.equal(a, b), f"{who}grad {name} depends on the padding"
+        assert torch.equal(a, b), f"grad {name} depends on the padding"
 
 
 @cpu_only
-def test_model_and_emulation_are_deterministic():
+@needs_emu
+def test_emulated_composite_is_deterministic():
     ins = inputs(2, 6, 3, 130, 64, 1, 2, torch.bfloat16, seed=8)
     lengths = torch.tensor([130, 61])
     grad = torch.randn(2, 6, 130, 64, generator=gen(9), dtype=torch.float64)
-    for who, kernels in kernel_sets():
-        a = run_orchestration(ins, lengths, grad, kernels)
-        b = run_orchestration(ins, lengths, grad, kernels)
-        for x, y in zip((a[0], a[1], *a[2]), (b[0], b[1], *b[2])):
-            assert torch.equal(x, y), who
-
-
-def test_self_attention_kernel_choice_on_cpu():
-    assert gc.self_attention_kernel(torch.device("cpu"), torch.float32) == "cpu_flash"
+    a = run_composite(ins, lengths, grad)
+    b = run_composite(ins, lengths, grad)
+    for x, y in zip((a[0], a[1], *a[2]), (b[0], b[1], *b[2])):
+        assert torch.equal(x, y)
 
 
 # ---------------------------------------------------------------------------------------
@@ -1050,27 +1041,32 @@ def test_cuda_kernel_rejects_bad_arguments():
                                           ins[4], ins[5], ins[6], None, 3)
 
 
-@pytest.mark.usefixtures("cuda_kernels")
-@pytest.mark.gpu
-@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
-def test_cuda_summary_kernels_match_model():
-    """The real kernels against the PyTorch model on the same inputs (permuted order, S = 1
-    and S = T, lengths) — isolates the kernels from the fused attention."""
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_summary_kernels_match_model(device):
+    """The summary kernels (CPU: emulated) against the PyTorch model on the same inputs
+    (permuted order, S = 1 and S = T, lengths) — isolates them from the fused attention."""
+    if device == "cuda":
+        reason = "needs a CUDA device" if not HAS_CUDA else dispatch.BACKENDS["cuda"].unavailable_reason(torch.device("cuda"))
+    else:
+        reason = None if emulated_kernels() is not None else "the extension was built without the emulated CUDA kernels"
+    if reason is not None:
+        pytest.skip(reason)
+    ops = torch.ops.wiola if device == "cuda" else torch.ops.wiola_cuda_emu
     for S_T, (H, H_kv) in ((False, (6, 3)), (True, (4, 2))):
         B, T, dh, L = 2, 100, 64, 2
-        ins = inputs(B, H, H_kv, T, dh, T if S_T else 1, L, torch.bfloat16, device="cuda", seed=13)
-        lengths = torch.tensor([100, 41], device="cuda")
-        P = gc.kv_order(H, H_kv)
-        o_self = gc.to_self_order(torch.randn(B, H, T, dh, device="cuda", dtype=torch.bfloat16), P)
-        lse_self = torch.randn(B, H, T, device="cuda")
+        ins = inputs(B, H, H_kv, T, dh, T if S_T else 1, L, torch.bfloat16, device=device, seed=13)
+        lengths = torch.tensor([100, 41], device=device)
+        P = kv_order(H, H_kv)
+        o_self = to_self_order(torch.randn(B, H, T, dh, generator=gen(14)).to(device, torch.bfloat16), P)
+        lse_self = torch.randn(B, H, T, generator=gen(15)).to(device)
         q, kc, vc, gate = ins[3], ins[4], ins[5], ins[6]
-        got = torch.ops.wiola._gcla_summary_fwd(o_self, lse_self, q, kc, vc, gate, lengths, P)
+        got = ops._gcla_summary_fwd(o_self, lse_self, q, kc, vc, gate, lengths, P)
         want = MODEL._gcla_summary_fwd(*[x.cpu() for x in (o_self, lse_self, q, kc, vc, gate, lengths)], P)
         for a, b in zip(got, want):
             close_floored(a, b, tolerance(torch.bfloat16), "summary forward")
-        grad = torch.randn(B, H, T, dh, device="cuda", dtype=torch.bfloat16)
+        grad = torch.randn(B, H, T, dh, generator=gen(16)).to(device, torch.bfloat16)
         args = (grad, got[0], got[1], ins[0], q, kc, vc, gate, lengths)
-        got_b = torch.ops.wiola._gcla_summary_bwd(*args, P, T, True)
+        got_b = ops._gcla_summary_bwd(*args, P, T, True)
         want_b = MODEL._gcla_summary_bwd(*[x.cpu() for x in args], P, T, True)
         for i, (a, b) in enumerate(zip(got_b, want_b)):
             assert a.shape == b.shape and a.stride() == b.stride(), f"output {i}: layout"

@@ -33,8 +33,7 @@ def _schemas_and_cpu_kernel(op, fns):
     text = _read(f"csrc/cpu/{op}.cpp")
     assert text.count('m.set_python_module("wiola_kernels.ops.') == 1, f"csrc/cpu/{op}.cpp: one schema block"
     assert f'm.set_python_module("wiola_kernels.ops.{op}")' in text, op
-    assert not re.search(r"set_python_module\(\"wiola_kernels\.ops\.(?!gcla_attention_cuda\b)",
-                         _read("csrc/wiola_ops.cpp")), "a public op's schemas in csrc/wiola_ops.cpp"
+    assert "m.set_python_module(" not in _read("csrc/wiola_ops.cpp"), "a public op's schemas in csrc/wiola_ops.cpp"
     if wk.ops.have_registered_ops():
         for fn in fns:
             for name in (fn, f"{fn}_backward"):

@@ -67,6 +67,15 @@ def triton_cuda_ops() -> frozenset[str]:
     return frozenset(getattr(module, "TRITON_CUDA_OPS", ()) if module is not None else ())
 
 
+def cpp_cuda_ops() -> frozenset[str]:
+    """The ops whose CUDA kernel in this build is C++ with a Python kernel registered as
+    ``wiola::_triton_<op>`` for the calls it does not launch itself: :func:`triton_cuda_ops` and
+    GCLA's composite of fused attention and summary kernels (csrc/cuda/gcla_attention_binding.cpp)."""
+    module = _load()[0]
+    composite = getattr(module, "COMPOSITE_CUDA_OPS", ()) if module is not None else ()
+    return triton_cuda_ops() | frozenset(composite)
+
+
 def cubin_table() -> dict | None:
     """This build's cubin table: ``{"triton_version", "missing_reason", "entries",
     "registered"}`` (the Triton that compiled it, why the build has none, how many variants, and

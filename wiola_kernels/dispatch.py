@@ -14,12 +14,13 @@ registered here with :func:`register`:
 
 * ``reference`` — the plain-PyTorch oracle (every op, every input);
 * ``cpu`` / ``cuda`` — the dispatcher's kernels of that device (``cuda`` on CPU tensors is
-  an error, and so on); GCLA's ``cuda`` is its composite of PyTorch's fused attention and
-  our summary kernels;
+  an error, and so on); GCLA's ``cuda`` is its C++ composite of PyTorch's fused attention
+  and our summary kernels;
 * ``triton`` — the Triton launchers, also on CPU tensors in Triton's interpreter
   (``TRITON_INTERPRET=1`` set before import);
 * ``cuda_emu`` — the CUDA C++ kernels run on CPU tensors by the SIMT emulator
-  (``csrc/cuda/emu``); a test backend, never chosen by default.
+  (``csrc/cuda/emu``; GCLA's C++ composite too, around PyTorch's CPU flash attention); a test
+  backend, never chosen by default.
 
 An op that does not implement the forced backend keeps its default (``use_backend("cuda")``
 still runs RMSNorm on its Triton kernel), so one override can steer a whole model. A forced

@@ -44,6 +44,7 @@
 #include "common.h"
 #include "tile_gemm.h"
 #include "wiola/checks.h"
+#include "wiola/cuda_schemas.h"
 
 namespace wiola::cpu {
 namespace {
@@ -903,10 +904,10 @@ struct CheckedInputs {
   std::optional<at::Tensor> lengths;
 };
 
-CheckedInputs check_inputs(const at::Tensor& q_rot, const at::Tensor& k_rot, const at::Tensor& v, const at::Tensor& q,
-                           const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& gate,
-                           const std::optional<at::Tensor>& lengths) {
-  std::optional<at::Tensor> len = checks::gcla_attention(q_rot, k_rot, v, q, kc, vc, gate, lengths);
+// The inputs of a call that passed checks::gcla_attention(_backward), which returned `len`.
+CheckedInputs checked_inputs(const at::Tensor& q_rot, const at::Tensor& k_rot, const at::Tensor& v, const at::Tensor& q,
+                             const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& gate,
+                             std::optional<at::Tensor> len) {
   using checks::unit_last_stride;
   const Shape d{q_rot.size(0), q_rot.size(1), k_rot.size(1), q_rot.size(2), q_rot.size(3), kc.size(2), kc.size(3)};
   return {d,
@@ -940,7 +941,8 @@ std::tuple<at::Tensor, at::Tensor> gcla_attention_fwd(const at::Tensor& q_rot, c
                                                       const at::Tensor& v, const at::Tensor& q, const at::Tensor& kc,
                                                       const at::Tensor& vc, const at::Tensor& gate,
                                                       const std::optional<at::Tensor>& lengths) {
-  const CheckedInputs in = check_inputs(q_rot, k_rot, v, q, kc, vc, gate, lengths);
+  const CheckedInputs in =
+      checked_inputs(q_rot, k_rot, v, q, kc, vc, gate, checks::gcla_attention(q_rot, k_rot, v, q, kc, vc, gate, lengths));
   at::Tensor out = empty_output_like(in.q_rot);  // q_rot's layout: (B, T, H, d_h) order for the model's views
   at::Tensor lse = empty_output({in.d.B, in.d.H, in.d.T}, in.q_rot.options().dtype(acc_scalar_type(in.q_rot)));
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, in.q_rot.scalar_type(), "wiola_gcla_attention_fwd", [&] {
@@ -950,26 +952,6 @@ std::tuple<at::Tensor, at::Tensor> gcla_attention_fwd(const at::Tensor& q_rot, c
     forward_impl(p);
   });
   return {out, lse};
-}
-
-// grad_out and out like q_rot; lse the forward's (B, H, T) in the accumulation type.
-void check_backward_extras(const CheckedInputs& in, const at::Tensor& grad_out, const at::Tensor& out,
-                           const at::Tensor& lse) {
-  const at::Tensor& q_rot = in.q_rot;
-  const Shape& d = in.d;
-  const auto acc = acc_scalar_type(q_rot);
-  for (const auto& [name, t] : {std::pair<const char*, const at::Tensor*>{"grad_out", &grad_out}, {"out", &out}}) {
-    TORCH_CHECK_VALUE(t->sizes() == q_rot.sizes() && t->scalar_type() == q_rot.scalar_type() &&
-                          t->device() == q_rot.device(),
-                      name, " must have the shape and dtype of q_rot ", checks::shape_str(q_rot.sizes()), " ",
-                      checks::dtype_name(q_rot.scalar_type()), ", got ", checks::shape_str(t->sizes()), " ",
-                      checks::dtype_name(t->scalar_type()));
-  }
-  TORCH_CHECK_VALUE(lse.dim() == 3 && lse.size(0) == d.B && lse.size(1) == d.H && lse.size(2) == d.T &&
-                        lse.scalar_type() == acc && lse.device() == q_rot.device(),
-                    "lse must be the forward's (B, H, T) = ", checks::shape_str({d.B, d.H, d.T}), " ",
-                    checks::dtype_name(acc), " tensor, got ", checks::shape_str(lse.sizes()), " ",
-                    checks::dtype_name(lse.scalar_type()));
 }
 
 // The backward's outputs, each in its input's layout (autograd hands it back through the
@@ -1029,8 +1011,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
     const at::Tensor& grad_out, const at::Tensor& q_rot, const at::Tensor& k_rot, const at::Tensor& v,
     const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& gate,
     const std::optional<at::Tensor>& lengths, const at::Tensor& out, const at::Tensor& lse) {
-  const CheckedInputs in = check_inputs(q_rot, k_rot, v, q, kc, vc, gate, lengths);
-  check_backward_extras(in, grad_out, out, lse);
+  const CheckedInputs in = checked_inputs(q_rot, k_rot, v, q, kc, vc, gate,
+                                          checks::gcla_attention_backward(grad_out, q_rot, k_rot, v, q, kc, vc, gate,
+                                                                        lengths, out, lse));
   const Shape& d = in.d;
   BackwardTensors t = backward_tensors(in, grad_out, out, lse);
   if (d.B * d.H * d.T * d.dh > 0) {
@@ -1050,18 +1033,21 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
 
 }  // namespace
 
-// The op's schemas, declared once, here beside its CPU kernels: every build of the op compiles this file.
-// set_python_module names the module that registers the op's fakes and Python kernels.
+// The op's schemas, declared once, here beside its CPU kernels: every build of the op compiles this file
+// (the strings are in wiola/cuda_schemas.h, which the CUDA kernels' emulation declares again in
+// wiola_cuda_emu). set_python_module names the module that registers the op's fakes and Python kernels.
 TORCH_LIBRARY_FRAGMENT(wiola, m) {
   m.set_python_module("wiola_kernels.ops.gcla_attention");
-  // q_rot, q (B, H, T, d_h); k_rot, v (B, H_kv, T, d_h); kc, vc (B, H, S, Λ', d_h), S in {1, T};
-  // gate (H,); lengths (B,) or None. out like q_rot; lse (B, H, T) float32 (float64 for double).
-  // Gradients in their inputs' layouts (d kc, d vc contiguous for S = 1).
-  m.def("gcla_attention(Tensor q_rot, Tensor k_rot, Tensor v, Tensor q, Tensor kc, Tensor vc, Tensor gate,"
-        " Tensor? lengths=None) -> (Tensor out, Tensor lse)");
-  m.def("gcla_attention_backward(Tensor grad_out, Tensor q_rot, Tensor k_rot, Tensor v, Tensor q, Tensor kc,"
-        " Tensor vc, Tensor gate, Tensor? lengths, Tensor out, Tensor lse) -> (Tensor grad_q_rot,"
-        " Tensor grad_k_rot, Tensor grad_v, Tensor grad_q, Tensor grad_kc, Tensor grad_vc, Tensor grad_gate)");
+  m.def(wiola::schema::kGclaAttention);
+  m.def(wiola::schema::kGclaAttentionBackward);
+  // The Triton kernels (or, for an input they do not take, the next backend in line), registered
+  // from Python for CUDA: what the CUDA kernel (csrc/cuda/gcla_attention_binding.cpp) runs for a
+  // call outside its limits or under WIOLA_GCLA_CUDA_KERNEL=triton.
+  m.def(wiola::schema::kTritonGclaAttention);
+  m.def(wiola::schema::kTritonGclaAttentionBackward);
+  // The CUDA composite's summary kernels (csrc/cuda/gcla_attention.cu), not public ops.
+  m.def(wiola::schema::kGclaSummaryFwd);
+  m.def(wiola::schema::kGclaSummaryBwd);
 }
 
 TORCH_LIBRARY_IMPL(wiola, CPU, m) {

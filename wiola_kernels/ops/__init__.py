@@ -38,13 +38,14 @@ def register_kernel(name: str, dispatch_key: str, kernel) -> None:
 
 def register_triton_cuda(name: str, kernel) -> None:
     """``kernel``, the Python Triton launcher of ``wiola::<name>``, for the op whose CUDA kernel
-    is C++ launching the cubin table (csrc/cuda/triton_<op>_binding.cpp): registered as
-    ``wiola::_triton_<name>``'s CUDA kernel, which the C++ kernel runs where the table has no
-    variant for a call; and as ``wiola::<name>``'s own only when this build has no C++ CUDA
-    kernel for it (an extension built without CUDA, on a CUDA torch)."""
+    is C++ (launching the cubin table, csrc/cuda/triton_<op>_binding.cpp; GCLA's composite,
+    csrc/cuda/gcla_attention_binding.cpp): registered as ``wiola::_triton_<name>``'s CUDA
+    kernel, which the C++ kernel runs for a call it does not launch itself (no variant in the
+    table; an input outside the composite's limits); and as ``wiola::<name>``'s own only when
+    this build has no C++ CUDA kernel for it (an extension built without CUDA, on a CUDA torch)."""
     if _declared(f"wiola::_triton_{name}"):
         register_kernel(f"_triton_{name}", "CUDA", kernel)
-    if name not in _extension.triton_cuda_ops():
+    if name not in _extension.cpp_cuda_ops():
         register_kernel(name, "CUDA", kernel)
 
 

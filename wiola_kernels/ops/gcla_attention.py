@@ -18,16 +18,21 @@ of ``torch.empty_like`` of the matching input (``d kc``/``d vc`` contiguous for 
 where they are sums over positions). The C++ and Triton kernels write these layouts directly;
 the reference's and the cuda composite's results are copied into them.
 
-Kernels: CPU — csrc/cpu/gcla_attention.cpp; Meta — the fakes below; CUDA — one of two,
-chosen once, when the package is imported, by ``WIOLA_GCLA_CUDA_KERNEL``:
+Kernels: CPU — csrc/cpu/gcla_attention.cpp; Meta — the fakes below; CUDA — C++, one of two,
+chosen once, when the extension loads, by ``WIOLA_GCLA_CUDA_KERNEL`` (checked here at import):
 
-* ``cuda`` (default): PyTorch's fused attention for the self part and our summary kernels
-  (:mod:`.gcla_attention_cuda`), for float32/float16/bfloat16 and ``d_h ∈ {64, 128}``; any
-  other input runs the Triton kernels, with a one-time warning;
+* ``cuda`` (default): PyTorch's fused attention for the self part and our summary kernels,
+  composed in C++ (csrc/cuda/gcla_attention_binding.cpp), for float32/float16/bfloat16 and
+  ``d_h ∈ {64, 128}``; any other input runs the Triton kernels, with a one-time warning;
 * ``triton``: the fused FlashAttention-2-style Triton kernels (triton/gcla_attention.py),
   even ``d_h`` up to 256.
 
-Forced backends: ``reference``, ``cpu``, ``cuda``, ``triton``, ``cuda_emu``.
+Either way the C++ kernel hands what it does not run itself to ``wiola::_triton_gcla_attention``
+(``_backward``), whose CUDA kernel is the Python one below.
+
+Forced backends: ``reference``, ``cpu``, ``cuda``, ``triton``, ``cuda_emu`` (the CUDA composite
+itself on CPU tensors: PyTorch's CPU flash attention and the summary kernels run by the SIMT
+emulator, ``torch.ops.wiola_cuda_emu``).
 """
 
 from __future__ import annotations
@@ -46,7 +51,7 @@ from ..reference.gcla_attention import gcla_attention_forward as _reference_forw
 from ..validation import (CUDA_KERNEL_DTYPES, INDEX_DTYPES, TRITON_GCLA_FP32_MAX_HEAD_DIM,
                           TRITON_GCLA_MAX_HEAD_DIM, Limits, bthd_hint, check_lengths, check_query_key,
                           check_rank, check_same_device, check_same_dtype, check_shape, check_tensor)
-from . import distinct, gcla_attention_cuda, needs_grad, register_kernel, register_fake, registered, registered_ops
+from . import distinct, needs_grad, register_fake, register_triton_cuda, registered, registered_ops
 
 
 __all__ = ["GCLAAttentionFunction", "gcla_attention"]  # exported by wiola_kernels
@@ -140,26 +145,24 @@ def _triton_backward(*args):
     return tk.gcla_attention_bwd(*args)
 
 
-def _emu_forward(*args):
-    return gcla_attention_cuda.forward(*args, kernels=torch.ops.wiola_cuda_emu)
-
-
-def _emu_backward(*args):
-    return gcla_attention_cuda.backward(*args, kernels=torch.ops.wiola_cuda_emu)
+def _registered_kernels(namespace: str) -> SimpleNamespace:
+    """The registered ops of ``namespace`` (``wiola``: the dispatcher's kernels; ``wiola_cuda_emu``:
+    the CUDA composite on CPU tensors, its summary kernels emulated), looked up when called."""
+    return SimpleNamespace(forward=registered(namespace, "gcla_attention", check_gcla_attention),
+                           backward=registered(namespace, "gcla_attention_backward",
+                                               lambda grad_out, *a: check_gcla_attention(*a[:8])))
 
 
 # The CUDA C++ summary kernels exist for fp32/fp16/bf16 and d_h ∈ {64, 128} only; cuda_emu runs
-# the same kernels in the SIMT emulator, on CPU tensors.
+# the same composite and kernels (the SIMT emulator) on CPU tensors.
 _CUDA_LIMITS = Limits(dtypes=CUDA_KERNEL_DTYPES, head_dims=CUDA_GCLA_HEAD_DIMS)
 dispatch.register(OP, "reference", _python_kernels(_reference_forward, _reference_backward))
-dispatch.register(OP, "cpu", SimpleNamespace(forward=registered("wiola", "gcla_attention", check_gcla_attention),
-                                             backward=registered("wiola", "gcla_attention_backward",
-                                                                 lambda grad_out, *a: check_gcla_attention(*a[:8]))))
-dispatch.register(OP, "cuda", _python_kernels(gcla_attention_cuda.forward, gcla_attention_cuda.backward), _CUDA_LIMITS)
+dispatch.register(OP, "cpu", _registered_kernels("wiola"))
+dispatch.register(OP, "cuda", _registered_kernels("wiola"), _CUDA_LIMITS)
 dispatch.register(OP, "triton", _python_kernels(_triton_forward, _triton_backward),
                   Limits(max_head_dim=TRITON_GCLA_MAX_HEAD_DIM,
                          dtype_max_head_dims=((torch.float32, TRITON_GCLA_FP32_MAX_HEAD_DIM),)))
-dispatch.register(OP, "cuda_emu", _python_kernels(_emu_forward, _emu_backward), _CUDA_LIMITS)
+dispatch.register(OP, "cuda_emu", _registered_kernels("wiola_cuda_emu"), _CUDA_LIMITS)
 
 
 def cuda_kernel() -> str:
@@ -176,27 +179,29 @@ dispatch.register_default(OP, "cpu", "cpu")
 dispatch.register_default(OP, "cuda", _CUDA_KERNEL)
 
 
-def _cuda_backend(q_rot: Tensor) -> str:
-    """The configured CUDA kernel, or the next one in line for an input outside its limits."""
-    head_dim = q_rot.shape[-1] if q_rot.dim() else None  # (a bad rank is the kernel's check to report)
-    if dispatch.limits(OP, _CUDA_KERNEL).reason(q_rot.dtype, head_dim) is None:
-        return _CUDA_KERNEL
-    return dispatch.resolve(OP, _CUDA_KERNEL, q_rot.device, q_rot.dtype, head_dim)
+def _fallback_backend(q_rot: Tensor) -> str:
+    """The Python backend that runs a CUDA call the C++ kernel hands over: the configured one
+    when it is Triton, else the next in line for an input outside the composite's limits
+    (with a one-time warning naming why)."""
+    head_dim = q_rot.shape[-1] if q_rot.dim() else None
+    backend = dispatch.resolve(OP, _CUDA_KERNEL, q_rot.device, q_rot.dtype, head_dim)
+    return "triton" if backend == "cuda" else backend  # (the C++ kernel runs what "cuda" takes)
 
 
 def _forward_on_cuda(q_rot, *args):
-    return dispatch.kernels(OP, _cuda_backend(q_rot)).forward(q_rot, *args)
+    return dispatch.kernels(OP, _fallback_backend(q_rot)).forward(q_rot, *args)
 
 
 def _backward_on_cuda(grad_out, q_rot, *args):
-    return dispatch.kernels(OP, _cuda_backend(q_rot)).backward(grad_out, q_rot, *args)
+    return dispatch.kernels(OP, _fallback_backend(q_rot)).backward(grad_out, q_rot, *args)
 
 
-register_kernel("gcla_attention", "CUDA", _forward_on_cuda)
-register_kernel("gcla_attention_backward", "CUDA", _backward_on_cuda)
+# wiola::_triton_gcla_attention(_backward), which the C++ CUDA kernel runs for what it does not
+# take; wiola::gcla_attention's own CUDA kernel only in a build without the CUDA kernels.
+register_triton_cuda("gcla_attention", _forward_on_cuda)
+register_triton_cuda("gcla_attention_backward", _backward_on_cuda)
 
 
-@register_fake("wiola::gcla_attention")
 def _gcla_attention_fake(q_rot, k_rot, v, q, kc, vc, gate, lengths=None):
     check_gcla_attention(q_rot, k_rot, v, q, kc, vc, gate, lengths)
     B, H, T, _ = q_rot.shape
@@ -204,10 +209,39 @@ def _gcla_attention_fake(q_rot, k_rot, v, q, kc, vc, gate, lengths=None):
             q_rot.new_empty((B, H, T), dtype=compute_dtype(q_rot.dtype)))
 
 
-@register_fake("wiola::gcla_attention_backward")
 def _gcla_attention_backward_fake(grad_out, q_rot, k_rot, v, q, kc, vc, gate, lengths, out, lse):
     likes = _grad_layouts(*map(unit_last_stride, (q_rot, k_rot, v, q, kc, vc)), gate)
     return tuple(torch.empty_like(t, device=q_rot.device) for t in likes)
+
+
+# The CUDA composite's summary kernels (csrc/cuda/gcla_attention.cu): o_self / lse_self and the
+# self tensors of the backward are in the fused kernel's head order and (B, T, H, d_h) memory
+# (the binding's empty_self), everything else natural and contiguous.
+def _summary_fwd_fake(o_self, lse_self, q, kc, vc, gate, lengths, perm_kv):
+    B, H, T, _ = q.shape
+    return torch.empty(q.shape, dtype=q.dtype, device=q.device), q.new_empty((B, H, T), dtype=torch.float32)
+
+
+def _summary_bwd_fake(grad_out, out, lse, q_rot, q, kc, vc, gate, lengths, perm_kv, lse_columns, write_q_self):
+    B, H, T, dh = q.shape
+
+    def self_order():  # (B, H, T, d_h) view of (B, T, H, d_h) memory, as the binding's empty_self
+        return q.new_empty((B, T, H, dh)).transpose(1, 2)
+
+    identity = perm_kv == 1 or perm_kv == H
+    q_self = q.new_empty((0,)) if not write_q_self else (q.new_empty(q.shape) if identity else self_order())
+    return (q.new_empty(q.shape), kc.new_empty(kc.shape), vc.new_empty(vc.shape),
+            q.new_empty((H,), dtype=torch.float32), self_order(), self_order(), q_self,
+            q.new_empty((B, H, lse_columns), dtype=torch.float32))
+
+
+for _ns in ("wiola", "wiola_cuda_emu"):
+    register_fake(f"{_ns}::gcla_attention")(_gcla_attention_fake)
+    register_fake(f"{_ns}::gcla_attention_backward")(_gcla_attention_backward_fake)
+    register_fake(f"{_ns}::_gcla_summary_fwd")(_summary_fwd_fake)
+    register_fake(f"{_ns}::_gcla_summary_bwd")(_summary_bwd_fake)
+register_fake("wiola::_triton_gcla_attention")(_gcla_attention_fake)
+register_fake("wiola::_triton_gcla_attention_backward")(_gcla_attention_backward_fake)
 
 
 # --- autograd --------------------------------------------------------------------------------------

@@ -396,6 +396,32 @@ inline std::optional<at::Tensor> gcla_attention(const at::Tensor& q_rot, const a
   return checks::lengths(lengths, d.B, d.T);
 }
 
+// wiola::gcla_attention_backward: the forward's checks, then grad_out and out with q_rot's
+// shape, dtype and device, and lse the forward's (B, H, T) in the accumulation type (float64
+// for float64, else float32). Returns int64 lengths (or nullopt).
+inline std::optional<at::Tensor> gcla_attention_backward(const at::Tensor& grad_out, const at::Tensor& q_rot,
+                                                         const at::Tensor& k_rot, const at::Tensor& v,
+                                                         const at::Tensor& q, const at::Tensor& kc,
+                                                         const at::Tensor& vc, const at::Tensor& gate,
+                                                         const std::optional<at::Tensor>& lengths,
+                                                         const at::Tensor& out, const at::Tensor& lse) {
+  std::optional<at::Tensor> l = gcla_attention(q_rot, k_rot, v, q, kc, vc, gate, lengths);
+  for (const auto& [name, t] : {std::pair<const char*, const at::Tensor*>{"grad_out", &grad_out}, {"out", &out}}) {
+    TORCH_CHECK_VALUE(t->sizes() == q_rot.sizes() && t->scalar_type() == q_rot.scalar_type() &&
+                          t->device() == q_rot.device(),
+                      name, " must have the shape and dtype of q_rot ", shape_str(q_rot.sizes()), " ",
+                      dtype_name(q_rot.scalar_type()), ", got ", shape_str(t->sizes()), " ",
+                      dtype_name(t->scalar_type()));
+  }
+  const int64_t B = q_rot.size(0), H = q_rot.size(1), T = q_rot.size(2);
+  const auto acc = q_rot.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  TORCH_CHECK_VALUE(lse.dim() == 3 && lse.size(0) == B && lse.size(1) == H && lse.size(2) == T &&
+                        lse.scalar_type() == acc && lse.device() == q_rot.device(),
+                    "lse must be the forward's (B, H, T) = ", shape_str({B, H, T}), " ", dtype_name(acc),
+                    " tensor, got ", shape_str(lse.sizes()), " ", dtype_name(lse.scalar_type()));
+  return l;
+}
+
 struct AtmMergeArgs {
   at::Tensor positions;  // int64 (B, T)
   at::Tensor lengths;    // int64 (B,), T when not given

@@ -1,10 +1,31 @@
 // The schemas of the ops that have CUDA C++ kernels, written once: csrc/cpu/atm.cpp (ATM) and
-// csrc/wiola_ops.cpp (GCLA's summary kernels) declare them in the wiola namespace, the SIMT
-// emulation's bindings (csrc/cuda/emu/bindings_emu.cpp) in wiola_cuda_emu, so the two cannot
-// drift apart.
+// csrc/cpu/gcla_attention.cpp (GCLA and its summary kernels) declare them in the wiola
+// namespace, the SIMT emulation's bindings (csrc/cuda/emu/bindings_emu.cpp) in wiola_cuda_emu,
+// so the two cannot drift apart.
 #pragma once
 
 namespace wiola::schema {
+
+// --- GCLA summary-augmented attention (SPEC §5.5): the public op, its CUDA kernel the composite
+// of csrc/cuda/gcla_attention_binding.cpp, and the Python kernel that composite runs for the
+// calls it does not take (wiola::_triton_gcla_attention*, the same arguments) ---
+// q_rot, q (B, H, T, d_h); k_rot, v (B, H_kv, T, d_h); kc, vc (B, H, S, Λ', d_h), S in {1, T};
+// gate (H,); lengths (B,) or None. out like q_rot; lse (B, H, T) float32 (float64 for double).
+// Gradients in their inputs' layouts (d kc, d vc contiguous for S = 1).
+#define WIOLA_GCLA_ATTENTION_SCHEMA                                                                    \
+  "(Tensor q_rot, Tensor k_rot, Tensor v, Tensor q, Tensor kc, Tensor vc, Tensor gate,"              \
+  " Tensor? lengths=None) -> (Tensor out, Tensor lse)"
+#define WIOLA_GCLA_ATTENTION_BACKWARD_SCHEMA                                                           \
+  "(Tensor grad_out, Tensor q_rot, Tensor k_rot, Tensor v, Tensor q, Tensor kc, Tensor vc, Tensor gate," \
+  " Tensor? lengths, Tensor out, Tensor lse) -> (Tensor grad_q_rot, Tensor grad_k_rot, Tensor grad_v,"   \
+  " Tensor grad_q, Tensor grad_kc, Tensor grad_vc, Tensor grad_gate)"
+inline constexpr const char* kGclaAttention = "gcla_attention" WIOLA_GCLA_ATTENTION_SCHEMA;
+inline constexpr const char* kGclaAttentionBackward = "gcla_attention_backward" WIOLA_GCLA_ATTENTION_BACKWARD_SCHEMA;
+inline constexpr const char* kTritonGclaAttention = "_triton_gcla_attention" WIOLA_GCLA_ATTENTION_SCHEMA;
+inline constexpr const char* kTritonGclaAttentionBackward =
+    "_triton_gcla_attention_backward" WIOLA_GCLA_ATTENTION_BACKWARD_SCHEMA;
+#undef WIOLA_GCLA_ATTENTION_SCHEMA
+#undef WIOLA_GCLA_ATTENTION_BACKWARD_SCHEMA
 
 // GCLA's summary kernels around a fused self-attention (CUDA; wiola/gcla_attention.h):
 // o_self / lse_self are the fused attention's output and log-sum-exp with the query heads

@@ -1,6 +1,6 @@
 // GCLA summary-augmented attention (SPEC §5.5) on CUDA: torch-free parameters and launchers
 // of the summary kernels in csrc/cuda/gcla_attention.cu (binding:
-// csrc/cuda/gcla_attention_binding.cpp; orchestration: wiola_kernels/ops/gcla_attention_cuda.py).
+// csrc/cuda/gcla_attention_binding.cpp, which also composes them with the fused self-attention).
 //
 //   O_i = O^self_i + σ(g_h) Σ_λ softmax_λ(c q_i·kc_{s(i)λ}) vc_{s(i)λ},  c = 1/√d_h
 //
