@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import io
 import json
-import subprocess
-import sys
 import time
 
 import pytest
@@ -73,37 +71,38 @@ def test_extension_copy_is_exact():
     assert torch.equal(torch.ops.wiola._copy(x), x)
 
 
-def test_bench_command_writes_json_and_plot(tmp_path):
+def test_bench_command_writes_json_and_plot(tmp_path, capsys):
+    # The command's main, as `python -m wiola_kernels bench` runs it (tests/test_cli.py runs the
+    # real command lines in a process of their own).
+    import wiola_kernels.__main__ as cli
+
     out_json, out_png = tmp_path / "b.json", tmp_path / "b.png"
-    cmd = [sys.executable, "-m", "wiola_kernels", "bench", "--small", "--ops", "rms_norm,atm", "--repeats", "1",
-           "--no-compile", "--json", str(out_json), "--plot", str(out_png)]
-    run = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stderr[-2000:]
+    assert cli.main(["bench", "--small", "--ops", "rms_norm,atm", "--repeats", "1", "--no-compile", "--json",
+                     str(out_json), "--plot", str(out_png)]) == 0
+    stdout = capsys.readouterr().out
     records = json.loads(out_json.read_text())
     assert {(r["op"], r["pass"]) for r in records} == {(o, p) for o in ("rms_norm", "atm") for p in ("fwd", "fwd+bwd")}
     for r in records:
         assert REQUIRED_KEYS <= set(r)
         assert r["ms"] > 0 and r["gbps"] > 0 and r["ms_compile"] is None
     assert out_png.stat().st_size > 1000
-    assert "x eager" in run.stdout and "% copy" in run.stdout
+    assert "x eager" in stdout and "% copy" in stdout
 
 
-def test_bench_rejects_unknown_op():
-    run = subprocess.run([sys.executable, "-m", "wiola_kernels", "bench", "--ops", "nope"], capture_output=True,
-                         text=True, timeout=120)
-    assert run.returncode != 0 and "unknown op" in run.stderr
+def test_bench_rejects_unknown_op(capsys):
+    import wiola_kernels.__main__ as cli
+
+    assert cli.main(["bench", "--ops", "nope"]) == 2
+    assert "unknown op 'nope'" in capsys.readouterr().err
 
 
-def test_check_command_passes():
+def test_check_command_passes(capsys):
     # The command end to end on two ops (an elementwise one and the loss with its 16-bit GEMM
     # path): every op × backend against the oracle is tests/test_all_ops.py's job, and the
     # whole `check` took 105 s of CI's 30 minutes.
-    run = subprocess.run([sys.executable, "-m", "wiola_kernels", "check", "--device", "cpu", "--ops",
-                          "rms_norm,linear_cross_entropy"], capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
-    lines = [ln for ln in run.stdout.splitlines() if ln.startswith(("PASS", "FAIL"))]
-    assert lines and all(ln.startswith("PASS") for ln in lines)
-    assert run.stdout.strip().endswith("all checks passed")
+    status, lines = _check(capsys, "--ops", "rms_norm,linear_cross_entropy")
+    assert status == 0 and lines and all(ln.startswith("PASS") for ln in lines), lines
+    assert {ln.split()[1] for ln in lines} == {"rms_norm", "linear_cross_entropy"}
 
 
 # ---- `check` compares with the float64 oracle ----------------------------------------------

@@ -6,18 +6,13 @@ wiola-360m GPU step's same-size Llama (python/wiola/bench/gpu.py)."""
 from __future__ import annotations
 
 import math
-import subprocess
-import sys
 import types
-from pathlib import Path
 
 import pytest
 import torch
 
 from wiola_kernels.bench import device_time as dt
 from wiola_kernels.bench import gpu_cases, peers
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 class StubTimer:
@@ -332,19 +327,15 @@ def test_real_rows_move_at_least_256_mb_a_pass():
     assert gpu_cases.GCLA_REAL == dict(B=4, H=16, H_kv=4, T=4096, L=2) and gpu_cases.GCLA_REAL_HEAD_DIMS == (64, 128)
 
 
-def test_the_plan_lists_every_row_group_without_a_gpu():
-    out = subprocess.run([sys.executable, "-m", "wiola_kernels.bench.gpu_cases", "--list"],
-                         capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert out.returncode == 0, out.stderr[-2000:]
-    lines = out.stdout.splitlines()
+def test_the_plan_lists_every_row_group_without_a_gpu(capsys):
+    assert gpu_cases.main(["--list"]) == 0
+    lines = capsys.readouterr().out.splitlines()
     real = [ln for ln in lines if " real " in ln]
     assert {ln.split()[0] for ln in real} == set(gpu_cases.REAL_FACTORIES)
     assert any(ln.startswith("linear_cross_entropy") and "liger" in ln and "cce" in ln for ln in real)
     assert any(" today " in ln for ln in lines)
     if not torch.cuda.is_available():
-        out = subprocess.run([sys.executable, "-m", "wiola_kernels.bench.gpu_cases"], capture_output=True,
-                             text=True, timeout=300, cwd=ROOT)
-        assert out.returncode == 2 and "needs a CUDA device" in out.stderr
+        assert gpu_cases.main([]) == 2 and "needs a CUDA device" in capsys.readouterr().err
 
 
 # ------------------------------------------------------------------------------ HF and wiola steps
@@ -406,9 +397,10 @@ def test_wiola_gpu_step_compares_with_a_llama_of_the_same_size():
     assert split_device(["--decode"]) == ("cpu", ["--decode"])
 
 
-def test_wiola_gpu_step_refuses_without_a_gpu():
+def test_wiola_gpu_step_refuses_without_a_gpu(capsys):
     if torch.cuda.is_available():
         pytest.skip("a GPU is here")
-    out = subprocess.run([sys.executable, "-m", "wiola", "bench", "--device", "cuda"], capture_output=True,
-                         text=True, timeout=300, cwd=ROOT)
-    assert out.returncode == 2 and "needs a CUDA device" in out.stderr
+    import wiola.__main__ as wiola_cli
+
+    assert wiola_cli.main(["bench", "--device", "cuda"]) == 2
+    assert "needs a CUDA device" in capsys.readouterr().err

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
 import time
 
 import pytest
@@ -144,13 +142,12 @@ def test_cli_takes_every_family_and_all(monkeypatch, capsys):
     assert "argument --hf: invalid choice: 'bloom'" in capsys.readouterr().err
 
 
-def test_bench_hf_all_prints_every_familys_rows_and_writes_them(tmp_path):
-    # One process, as a user runs it: every family, one tiny step each way; no timing asserted.
+def test_bench_hf_all_prints_every_familys_rows_and_writes_them(tmp_path, capsys):
+    # Every family, one tiny step each way, through the command's main; no timing asserted.
     out = tmp_path / "all.json"
-    cmd = [sys.executable, "-m", "wiola_kernels", "bench", "--hf", "all", "--small", "--repeats", "1",
-           "--threads", "1", "--device", "cpu", "--json", str(out)]
-    run = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
-    assert run.returncode == 0, run.stderr[-3000:]
+    assert kernels_cli.main(["bench", "--hf", "all", "--small", "--repeats", "1", "--device", "cpu", "--json",
+                             str(out)]) == 0
+    stdout = capsys.readouterr().out
     records = json.loads(out.read_text())
     assert [(r["family"], r["variant"]) for r in records] == \
         [(f, v) for f in bench_hf.FAMILIES for v in ("unpatched_eager", "patched_eager")]
@@ -158,6 +155,6 @@ def test_bench_hf_all_prints_every_familys_rows_and_writes_them(tmp_path):
         assert "skipped" not in r, r
         assert r["op"] == f"hf_{r['family']}_step" and r["dtype"] == "float32" and r["tokens_per_s"] > 0
     for family in bench_hf.FAMILIES:
-        assert f"  {family:<12} patched_eager " in run.stdout
-        assert f"  {family:<12} {bench_hf.FAMILY_QUIRKS[family]}" in run.stdout
-    assert "patched eager vs unpatched eager, per family" in run.stdout
+        assert f"  {family:<12} patched_eager " in stdout
+        assert f"  {family:<12} {bench_hf.FAMILY_QUIRKS[family]}" in stdout
+    assert "patched eager vs unpatched eager, per family" in stdout

@@ -23,7 +23,8 @@ from wiola_kernels import hf
 from wiola_kernels.hf import ROPE_TYPES, FusedRotaryEmbedding, rope_srpe_arguments
 from wiola_kernels.testing import rel_err, tolerance
 
-from hf_helpers import VOCAB, loss_and_grads, model, transformers  # noqa: F401  (skips without transformers)
+from hf_helpers import (  # noqa: F401  (transformers: skips without it)
+    VOCAB, assert_compiled_step_matches_eager, loss_and_grads, model, transformers)
 
 TOL = tolerance(torch.float32, "attention")
 ORIGINAL = 16  # original_max_position_embeddings of the small configs; batches run to 24 positions
@@ -204,20 +205,8 @@ def test_rope_srpe_arguments_apply_hfs_rope(name):
 
 @pytest.mark.parametrize("name", ["llama3", "yarn"])
 def test_patched_rope_type_compiles_without_graph_breaks(name):
-    torch._dynamo.reset()
     m = wk.patch_hf(rope_model(name, seed=65)).train()
-    data = batch(24, "right", seed=66)
-    want = loss_and_grads(m, **data)
-    explained = torch._dynamo.explain(m)(**data)
-    assert explained.graph_break_count == 0, explained.break_reasons
-    torch._dynamo.reset()
-    compiled = torch.compile(m, fullgraph=True, backend="aot_eager")
-    loss, _, grads = loss_and_grads(compiled, **data)
-    assert rel_err(loss, want[0]) <= 1e-6
-    for n, grad in grads.items():
-        assert rel_err(grad, want[2][n.removeprefix("_orig_mod.")]) <= 1e-5, n
-    del compiled
-    torch._dynamo.reset()
+    assert_compiled_step_matches_eager(m, batch(24, "right", seed=66))
     wk.unpatch_hf(m)
 
 
