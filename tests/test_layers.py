@@ -1,7 +1,7 @@
 """The package's import layers: every import of ``wiola_kernels`` (module level or inside a
 function: the AST of every module) goes down a layer or stays in its own, never up.
 
-    0 leaves    shapes, dtypes, outputs, validation, srpe_tables, _extension, cli
+    0 leaves    shapes, dtypes, outputs, validation, _extension, cli
     1 dispatch  dispatch
     2 kernels   triton/*, reference/*
     3 ops       ops/*, decode/*
@@ -24,8 +24,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "wiola_kernels"
 
 LAYERS = {
-    "shapes": 0, "dtypes": 0, "outputs": 0, "validation": 0, "srpe_tables": 0, "_extension": 0,
-    "cli": 0,
+    "shapes": 0, "dtypes": 0, "outputs": 0, "validation": 0, "_extension": 0, "cli": 0,
     "dispatch": 1,
     "triton": 2, "reference": 2,
     "ops": 3, "decode": 3,

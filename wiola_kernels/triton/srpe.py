@@ -40,7 +40,6 @@ import triton
 import triton.language as tl
 
 from ..outputs import empty_output_as
-from ..srpe_tables import kernel_omega
 from . import cdiv, next_power_of_2, sm_count
 from .runtime_table import run
 
@@ -131,6 +130,18 @@ def _srpe_kernel(
                   HEADS_PER_STEP)
     _rotate_heads(k_ptr, k_out_ptr, c, s, b, t, j, mask, H_KV, HALF, k_sb, k_sh, k_st, ko_sb, ko_sh, ko_st,
                   HEADS_PER_STEP)
+
+
+def kernel_omega(head_dim: int, theta: float, device: torch.device | str = "cpu") -> torch.Tensor:
+    """float64 ``ω_j = θ^(−2j/d_h)`` for pairs ``j < d_h/2`` (SPEC §4); the kernel forms
+    ``ω_j·(1 + 1/k_s)`` and ``f_s·ω_j`` from it, as it does from given frequencies. Written apart
+    from the oracle's (``reference.srpe``) on purpose: a wrong table here cannot pass the tests by
+    also being the one the oracle uses (the C++ kernels form theirs in csrc/cpu/srpe_rotation.h)."""
+    # Python's float pow is C's pow, the CPU kernel's std::pow: the same ω_j bit for bit on
+    # every backend (torch.pow's vectorised pow differs from it by an ulp for some j).
+    theta = float(theta)
+    return torch.tensor([theta ** (j * (-2.0 / head_dim)) for j in range(head_dim // 2)], dtype=torch.float64,
+                        device=device)
 
 
 def _build_constants(spiral_divisor: float, radial_frequency: float, radial_amplitude: float, scale: float,
