@@ -148,7 +148,8 @@ PYBIND11_MODULE(_C, m) {
   // The ops whose CUDA kernel is C++ launching the cubin table (csrc/cuda/triton_*_binding.cpp).
   m.attr("TRITON_CUDA_OPS") = std::vector<std::string>{"glu",          "glu_backward",          "rms_norm",
                                                             "rms_norm_backward", "add_rms_norm", "add_rms_norm_backward",
-                                                            "srpe",         "srpe_backward"};
+                                                            "srpe",         "srpe_backward",
+                                                            "linear_cross_entropy", "linear_cross_entropy_backward"};
   // The cubin table of this build: (Triton version or None, why there is none or None, entries).
   m.def("cubin_table", [] {
     const auto& t = wiola::triton::table();
