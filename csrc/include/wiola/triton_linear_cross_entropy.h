@@ -61,7 +61,8 @@ inline Config launch_config(int64_t V, const std::string& dtype, int64_t chunk_o
   Config c{};
   c.ew_m = 16, c.ew_n = 256, c.ew_warps = 8;
   if (f64) {
-    c.logits = c.dw = Tiles{32, 32, 16, 4, 1};
+    c.logits = Tiles{32, 32, 16, 8, 1};
+    c.dw = Tiles{32, 32, 16, 4, 1};
     c.ew_m = 8, c.ew_n = 128, c.ew_warps = 4;
   } else if (f32) {  // FMA products ("ieee"): register tiles, no tensor cores
     c.logits = c.dw = Tiles{64, 64, 16, 8, 2};
