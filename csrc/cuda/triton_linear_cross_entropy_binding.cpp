@@ -145,9 +145,9 @@ struct Chunks {
     for (int64_t row0 = 0; row0 < call.n; row0 += plan.rows_max) {
       const int64_t rows = std::min(plan.rows_max, call.n - row0);
       const lce::Split& s = rows == plan.rows_max ? plan.full : plan.last;
-      k.triton(lce::logits(p, cfg, s, ptr(buf), stats, row0, rows, want_sum && !backward));
+      k.triton(lce::logits(p, cfg, s, true, ptr(buf), stats, row0, rows, want_sum && !backward));
       if (!backward) k.triton(lce::rows(p, cfg, s.splits, stats, ptr(lse), ptr(loss), row0, rows, stages));
-      k.triton(lce::dlogits(p, cfg, ptr(buf), ptr(dz), ptr(lse), maybe(g, p.acc), row0, rows, stages));
+      k.triton(lce::dlogits(p, cfg, ptr(buf), ptr(dz), ptr(lse), g.defined(), maybe(g, p.acc), row0, rows, stages));
       if (grad_h != nullptr) {
         k.aten([&] {
           at::Tensor out = grad_h->narrow(0, row0, rows);
@@ -216,15 +216,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> lce_fwd(
       if (want_W) k.aten([&] { grad_W.zero_(); });
     } else if (!chunked) {  // the loss alone: one launch over every row, nothing stored
       const Ptr stats = ptr(ws.view(c.acc));
-      k.triton(lce::logits(c.problem, plan.cfg, plan.full, {nullptr, c.problem.acc}, stats, 0, n, want_sum));
+      k.triton(lce::logits(c.problem, plan.cfg, plan.full, false, stats, stats, 0, n, want_sum));
       k.triton(lce::rows(c.problem, plan.cfg, plan.full.splits, stats, ptr(lse), ptr(rows_loss), 0, n, stages));
     } else {
       Chunks(c, plan, ws)(k, lse, rows_loss, at::Tensor(), want_h ? &grad_h : nullptr, want_W ? &grad_W : nullptr,
                           want_sum);
     }
     if (!none) {  // one launch, the divisor read on the device
-      k.triton(lce::reduce(ptr(rows_loss), ptr(c.y), maybe(items, "fp64"), {nullptr, c.problem.acc}, ptr(loss), n,
-                           ignore_index, mean, stages));
+      k.triton(lce::reduce(ptr(rows_loss), ptr(c.y), items.defined(), maybe(items, "fp64"), false, ptr(loss),
+                           ptr(loss), n, ignore_index, mean, stages));
     }
   });
   if (ok) return {loss, lse, grad_h, grad_W};
@@ -287,8 +287,8 @@ void lce_bwd(const at::Tensor& grad_loss, const at::Tensor& h, const at::Tensor&
       }
     }
     if (!none) {  // grad_loss (÷ n) in one launch, applied to both gradients in one more
-      k.triton(lce::reduce(ptr(c.y), ptr(c.y), maybe(items, "fp64"), ptr(grad_loss), ptr(scale), n, ignore_index,
-                           mean, stages));
+      k.triton(lce::reduce(ptr(c.y), ptr(c.y), items.defined(), maybe(items, "fp64"), true, ptr(grad_loss),
+                           ptr(scale), n, ignore_index, mean, stages));
       k.aten([&] {
         std::vector<at::Tensor> grads;
         if (want_h) grads.push_back(grad_h);

@@ -168,11 +168,11 @@ struct Problem {
   int64_t ignore_index;
 };
 
-// _logits_launch: rows [row0, row0 + rows); `logits` null: the loss alone (the statistics stand in).
-inline Launch logits(const Problem& p, const Config& c, const Split& s, Ptr logits, Ptr stats, int64_t row0,
-                     int64_t rows, bool want_sum) {
+// _logits_launch: rows [row0, row0 + rows); `store` false: the loss alone (the statistics stand in
+// for the logits).
+inline Launch logits(const Problem& p, const Config& c, const Split& s, bool store, Ptr logits, Ptr stats,
+                     int64_t row0, int64_t rows, bool want_sum) {
   const Tiles& t = c.logits;
-  const bool store = logits.p != nullptr;
   Launch l{"_lce_logits_kernel",
            {ptr_arg("h_ptr", p.h), ptr_arg("w_ptr", p.W), ptr_arg("y_ptr", p.y),
             ptr_arg("logits_ptr", store ? logits : stats), ptr_arg("stats_ptr", stats), Arg::integer("row0", row0),
@@ -203,16 +203,16 @@ inline Launch rows(const Problem& p, const Config& c, int64_t splits, Ptr stats,
 }
 
 // _chunk_grads' first launch: dz (in h's dtype) of rows [row0, row0 + rows) from the chunk's
-// logits; `g` null: every row weighted 1 (lse stands in).
-inline Launch dlogits(const Problem& p, const Config& c, Ptr logits, Ptr dz, Ptr lse, Ptr g, int64_t row0,
-                      int64_t rows, int num_stages) {
+// logits; `has_row_grad` false: every row weighted 1 (lse stands in for g).
+inline Launch dlogits(const Problem& p, const Config& c, Ptr logits, Ptr dz, Ptr lse, bool has_row_grad, Ptr g,
+                      int64_t row0, int64_t rows, int num_stages) {
   Launch l{"_lce_dlogits_kernel",
            {ptr_arg("logits_ptr", logits), ptr_arg("dz_ptr", dz), ptr_arg("y_ptr", p.y), ptr_arg("lse_ptr", lse),
-            ptr_arg("g_ptr", g.p != nullptr ? g : lse), Arg::integer("row0", row0), Arg::integer("rows", rows),
+            ptr_arg("g_ptr", has_row_grad ? g : lse), Arg::integer("row0", row0), Arg::integer("rows", rows),
             Arg::integer("V", p.V), Arg::integer("stride_l", p.V), Arg::real("cap", p.has_cap ? p.cap : 1.0),
             Arg::integer("ignore_index", p.ignore_index), Arg::real("eps", p.eps), Arg::real("z_loss", p.z_loss),
             Arg::constexpr_int("BLOCK_M", c.ew_m), Arg::constexpr_int("BLOCK_N", c.ew_n),
-            Arg::constexpr_bool("HAS_CAP", p.has_cap), Arg::constexpr_bool("HAS_ROW_GRAD", g.p != nullptr)},
+            Arg::constexpr_bool("HAS_CAP", p.has_cap), Arg::constexpr_bool("HAS_ROW_GRAD", has_row_grad)},
            c.ew_warps, num_stages, cdiv(rows, c.ew_m)};
   l.grid_y = cdiv(p.V, c.ew_n);
   return l;
@@ -233,14 +233,14 @@ inline Launch dw(const Problem& p, const Config& c, Ptr dz, Ptr acc, int64_t row
   return l;
 }
 
-// lce_reduce: the forward's Σ rows (÷ the mean's divisor), or with `grad` (BACKWARD) grad ÷ that
-// divisor, into `out`; `items` null: the divisor is the counted labels (the output stands in).
-inline Launch reduce(Ptr rows_or_null, Ptr y, Ptr items, Ptr grad, Ptr out, int64_t n, int64_t ignore_index,
-                     bool mean, int num_stages) {
-  const bool backward = grad.p != nullptr;
-  const bool has_items = mean && items.p != nullptr;
+// lce_reduce: the forward's Σ rows (÷ the mean's divisor), or (`backward`) grad ÷ that divisor,
+// into `out`; without `has_items` the divisor is the counted labels (the output stands in for
+// items; a sum has none), the backward's `rows` is y, the forward's `grad` is out.
+inline Launch reduce(Ptr rows, Ptr y, bool has_items, Ptr items, bool backward, Ptr grad, Ptr out, int64_t n,
+                     int64_t ignore_index, bool mean, int num_stages) {
+  has_items = has_items && mean;
   return Launch{"_lce_reduce_kernel",
-                {ptr_arg("rows_ptr", backward ? y : rows_or_null), ptr_arg("y_ptr", y),
+                {ptr_arg("rows_ptr", backward ? y : rows), ptr_arg("y_ptr", y),
                  ptr_arg("items_ptr", has_items ? items : out), ptr_arg("g_ptr", backward ? grad : out),
                  ptr_arg("out_ptr", out), Arg::integer("n", n), Arg::integer("ignore_index", ignore_index),
                  Arg::constexpr_int("BLOCK", kReduceBlock), Arg::constexpr_bool("MEAN", mean),

@@ -137,8 +137,7 @@ inline std::string lce_answer(const std::string& cmd, std::istringstream& in, bo
     const lce::Problem pr = lce_problem(p[0], p[1], p[2], p[4].dtype, V, d, s_hn, s_hd, s_wv, s_wd, has_cap != 0, -100);
     const lce::Config c = lce::launch_config(V, p[0].dtype, 0);
     const lce::Split s = lce::splits(rows, V, c.logits, sms);
-    return report(lce::logits(pr, c, s, store ? lce_ptr(p[3]) : lce::Ptr{nullptr, p[3].dtype}, lce_ptr(p[4]), row0,
-                              rows, want_sum != 0),
+    return report(lce::logits(pr, c, s, store != 0, lce_ptr(p[3]), lce_ptr(p[4]), row0, rows, want_sum != 0),
                   arch, drop_last);
   }
   if (cmd == "lce_rows") {
@@ -159,8 +158,8 @@ inline std::string lce_answer(const std::string& cmd, std::istringstream& in, bo
     read_typed(in, p);
     const lce::Problem pr = lce_problem(p[1], p[1], p[2], p[3].dtype, V, 1, 1, 1, 1, 1, has_cap != 0, ignore);
     const lce::Config c = lce::launch_config(V, p[1].dtype, 0);
-    return report(lce::dlogits(pr, c, lce_ptr(p[0]), lce_ptr(p[1]), lce_ptr(p[3]),
-                               has_row_grad ? lce_ptr(p[4]) : lce::Ptr{nullptr, p[4].dtype}, row0, rows, stages),
+    return report(lce::dlogits(pr, c, lce_ptr(p[0]), lce_ptr(p[1]), lce_ptr(p[3]), has_row_grad != 0, lce_ptr(p[4]),
+                               row0, rows, stages),
                   arch, drop_last);
   }
   if (cmd == "lce_dw") {
@@ -179,9 +178,8 @@ inline std::string lce_answer(const std::string& cmd, std::istringstream& in, bo
     in >> n >> ignore >> mean >> has_items >> backward >> arch;
     rms_norm::Ptr p[5];
     read_typed(in, p);
-    return report(lce::reduce(lce_ptr(p[0]), lce_ptr(p[1]), has_items ? lce_ptr(p[2]) : lce::Ptr{nullptr, p[2].dtype},
-                              backward ? lce_ptr(p[3]) : lce::Ptr{nullptr, p[3].dtype}, lce_ptr(p[4]), n, ignore,
-                              mean != 0, stages),
+    return report(lce::reduce(lce_ptr(p[0]), lce_ptr(p[1]), has_items != 0, lce_ptr(p[2]), backward != 0,
+                              lce_ptr(p[3]), lce_ptr(p[4]), n, ignore, mean != 0, stages),
                   arch, drop_last);
   }
   ok = false;
