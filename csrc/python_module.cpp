@@ -148,7 +148,8 @@ PYBIND11_MODULE(_C, m) {
   // The ops whose CUDA kernel is C++ launching the cubin table (csrc/cuda/triton_*_binding.cpp).
   m.attr("TRITON_CUDA_OPS") = std::vector<std::string>{"glu",          "glu_backward",          "rms_norm",
                                                             "rms_norm_backward", "add_rms_norm", "add_rms_norm_backward",
-                                                            "srpe",         "srpe_backward"};
+                                                            "srpe",         "srpe_backward",
+                                                            "linear_cross_entropy", "linear_cross_entropy_backward"};
   // The ops whose CUDA kernel is a C++ composite of PyTorch's kernels and ours, which runs the
   // Python kernel wiola::_triton_<op> for the inputs it does not take (csrc/cuda/gcla_attention_binding.cpp).
   m.attr("COMPOSITE_CUDA_OPS") = std::vector<std::string>{"gcla_attention", "gcla_attention_backward"};

@@ -44,6 +44,7 @@ import pytest
 import torch
 
 import wiola_kernels as wk
+from wiola_kernels.dtypes import compute_dtype
 from wiola_kernels.triton import aot, cubin_table
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -53,7 +54,7 @@ ARCHS = (90, 80)
 
 #: Triton's element type names (the C++ dtype_name) of the dtypes the kernels take.
 TRITON_DTYPE = {torch.float32: "fp32", torch.float64: "fp64", torch.bfloat16: "bf16", torch.float16: "fp16",
-                torch.int64: "i64"}
+                torch.int64: "i64", torch.int32: "i32"}
 #: PTX parameter types by size in bytes.
 PTX_SIZES = {"u8": 1, "s8": 1, "b8": 1, "u16": 2, "s16": 2, "b16": 2, "f16": 2, "u32": 4, "s32": 4, "b32": 4,
              "f32": 4, "u64": 8, "s64": 8, "b64": 8, "f64": 8}
@@ -126,12 +127,14 @@ def _is_pointer(a) -> bool:
 
 
 def _line(launch: aot.Launch, arch: int, sms: int) -> str:
-    """The driver's input line for a launch (glu's, rms_norm's or srpe's kernels; pointers as
-    DevicePointer stand-ins or the tensors a launcher passed)."""
+    """The driver's input line for a launch (glu's, rms_norm's, srpe's or linear_cross_entropy's
+    kernels; pointers as DevicePointer stand-ins or the tensors a launcher passed)."""
     c = launch.constexprs
     dtype = TRITON_DTYPE[launch.args[0].dtype]
     ptrs = [a.data_ptr() for a in launch.args if _is_pointer(a)]
     ints = [a for a in launch.args if not _is_pointer(a)]
+    if launch.name.startswith("_lce_"):
+        return _lce_line(launch, arch, sms, ints)
     if launch.name == "_glu_fwd_kernel":
         return " ".join(map(str, ["glu_fwd", dtype, c["ACT"], *ints, *ptrs, sms, arch]))
     if launch.name == "_glu_bwd_kernel":
@@ -155,6 +158,30 @@ def _line(launch: aot.Launch, arch: int, sms: int) -> str:
     return " ".join(map(str, ["rms_sum", programs, d, flag[c["HAS_SHIFT"]], arch, *typed]))
 
 
+def _lce_line(launch: aot.Launch, arch: int, sms: int, ints: list) -> str:
+    """The driver's line for a launch of linear_cross_entropy's kernels (wiola/triton_plan.h)."""
+    c = launch.constexprs
+    typed = [f"{TRITON_DTYPE[a.dtype]}:{a.data_ptr()}" for a in launch.args if _is_pointer(a)]
+    if launch.name == "_lce_logits_kernel":
+        row0, rows, V, d, s_hn, s_hd, s_wv, s_wd, _, _, _ = ints
+        words = ["lce_logits", row0, rows, V, d, s_hn, s_hd, s_wv, s_wd, int(c["HAS_CAP"]), int(c["STORE_LOGITS"]),
+                 int(c["WANT_SUM"]), sms, arch]
+    elif launch.name == "_lce_rows_kernel":
+        row0, rows, splits, V, ignore, _, _ = ints
+        words = ["lce_rows", row0, rows, splits, V, ignore, arch]
+    elif launch.name == "_lce_dlogits_kernel":
+        row0, rows, V, _, _, ignore, _, _ = ints
+        words = ["lce_dlogits", row0, rows, V, ignore, int(c["HAS_CAP"]), int(c["HAS_ROW_GRAD"]), arch]
+    elif launch.name == "_lce_dw_kernel":
+        row0, rows, V, d, _, s_hn, s_hd = ints
+        words = ["lce_dw", row0, rows, V, d, s_hn, s_hd, int(c["FIRST"]), arch]
+    else:
+        assert launch.name == "_lce_reduce_kernel", launch.name
+        n, ignore = ints
+        words = ["lce_reduce", n, ignore, int(c["MEAN"]), int(c["HAS_ITEMS"]), int(c["BACKWARD"]), arch]
+    return " ".join(map(str, words + typed))
+
+
 def _launches(arch: int):
     gpu = cubin_table._gpu(arch)
     for mod_name in cubin_table.MODULES:
@@ -164,11 +191,15 @@ def _launches(arch: int):
 
 
 def _parse(out: str) -> dict:
+    """The driver's answer: ``grid`` counts every program (a 2-D grid's x·y, as ``aot.Launch.grid``),
+    ``grid_xy`` is the grid as launched."""
     key, index, *rest = out.split(" ")
     fields = dict(f.split("=", 1) for f in rest)
     sizes = [int(s) for s in fields["sizes"].split(",")] if fields.get("sizes") else []
-    return {"key": key, "index": int(index), "grid": int(fields["grid"]), "warps": int(fields["warps"]),
-            "sizes": sizes, "error": fields.get("error"), "runtime": fields.get("runtime") == "1"}
+    grid_xy = (int(fields["grid"]), int(fields.get("grid_y", 1)))
+    return {"key": key, "index": int(index), "grid": grid_xy[0] * grid_xy[1], "grid_xy": grid_xy,
+            "warps": int(fields["warps"]), "sizes": sizes, "error": fields.get("error"),
+            "runtime": fields.get("runtime") == "1"}
 
 
 def _choices(exe: Path, *flags: str):
@@ -392,7 +423,8 @@ def test_no_wired_op_registers_a_python_cuda_kernel():
     the fallback op ``_triton_<op>``."""
     wired = _cpp_triton_ops() | _cpp_composite_ops()
     assert {"glu", "glu_backward", "rms_norm", "rms_norm_backward", "add_rms_norm", "add_rms_norm_backward", "srpe",
-            "srpe_backward", "gcla_attention", "gcla_attention_backward"} <= wired
+            "srpe_backward", "gcla_attention", "gcla_attention_backward", "linear_cross_entropy",
+            "linear_cross_entropy_backward"} <= wired
     impl = {}
     for path in (ROOT / "csrc" / "cuda").glob("*_binding.cpp"):
         text = path.read_text()
@@ -458,6 +490,7 @@ def _outside_cases() -> dict:
     from wiola_kernels import dispatch
     from wiola_kernels.ops import add_rms_norm as oa
     from wiola_kernels.ops import glu as og
+    from wiola_kernels.ops import linear_cross_entropy as ol
     from wiola_kernels.ops import rms_norm as orn
 
     g = torch.Generator().manual_seed(0)
@@ -476,7 +509,40 @@ def _outside_cases() -> dict:
     q16, k16 = t(3, 2, 5, 256, dtype=torch.float16), t(3, 1, 5, 256, dtype=torch.float16)
     pos = torch.arange(15, dtype=torch.int32).view(3, 5)
     srpe_fwd, srpe_bwd = dispatch.kernels("srpe", "triton").forward, dispatch.kernels("srpe", "triton").backward
+
+    def lce(n, d, V, dtype, backward=False, **kw):
+        """linear_cross_entropy's Python launcher on meta tensors (nothing computed: the launches are
+        recorded, the GEMMs shape-only), forward with gradients unless "none", or the backward."""
+        m = dict(device="meta")
+        h, W, y = torch.empty(n, d, dtype=dtype, **m), torch.empty(V, d, dtype=dtype, **m), torch.zeros(n, dtype=torch.int64, **m)
+        opts = [kw.get("ignore_index", -100), kw.get("reduction", "mean"), kw.get("label_smoothing", 0.0),
+                kw.get("softcap"), kw.get("z_loss", 0.0), kw.get("num_items")]
+        if not backward:
+            want = (False, False) if opts[1] == "none" or kw.get("loss_only") else (True, True)
+            return lambda: ol._triton_forward(h, W, y, *opts, want)
+        g = torch.empty((n,) if opts[1] == "none" else (), dtype=compute_dtype(dtype), **m)
+        lse = torch.empty(n, dtype=compute_dtype(dtype), **m)
+        gh, gw = torch.empty(n, d, dtype=dtype, **m), torch.empty(V, d, dtype=dtype, **m)
+        return lambda: ol._triton_backward(g, h, W, y, lse, opts[5], gh, gw, *opts[:5], kw.get("precomputed", False))
+
+    f32, bf16 = torch.float32, torch.bfloat16
+    items32 = torch.ones((), dtype=torch.int32, device="meta")
     return {
+        "linear_cross_entropy fp32 V=1001 d=100 (d and V tails), mean": lce(37, 100, 1001, f32),
+        "linear_cross_entropy bf16 V=333 d=40, softcap, smoothing, sum": lce(21, 40, 333, bf16, reduction="sum",
+                                                                           softcap=3.0, label_smoothing=0.1),
+        "linear_cross_entropy fp32 loss alone, none, V=50000": lce(3, 24, 50000, f32, reduction="none"),
+        "linear_cross_entropy bf16 loss alone, mean, int32 num_items": lce(5, 24, 999, bf16, loss_only=True,
+                                                                          num_items=items32),
+        "linear_cross_entropy bf16 V=128256: chunks of 256, a shorter last": lce(600, 72, 128256, bf16,
+                                                                                 label_smoothing=0.2),
+        "linear_cross_entropy float64 V=77, d=20, softcap": lce(9, 20, 77, torch.float64, softcap=2.0),
+        "linear_cross_entropy_backward bf16 none: recomputed, row gradients": lce(37, 40, 1001, bf16, True,
+                                                                                 reduction="none", softcap=3.0),
+        "linear_cross_entropy_backward fp32 mean precomputed, int32 num_items": lce(7, 48, 300, f32, True,
+                                                                                   num_items=items32,
+                                                                                   precomputed=True),
+
         "glu packed bf16 n=333": lambda: og._triton_forward(u, None, "silu"),
         "glu_backward packed bf16 n=333": lambda: og._triton_backward(gu, u, None, "silu"),
         "glu fp32 separate gelu_tanh": lambda: og._triton_forward(a, b, "gelu_tanh"),
@@ -499,46 +565,127 @@ def _recorded(call, setattr_) -> list[aot.Launch]:
     """The launches ``call`` makes through ``runtime_table.run`` (recorded, not run), with their
     real tensors, on an H200 (its SM count)."""
     from wiola_kernels.triton import glu as tg
+    from wiola_kernels.triton import linear_cross_entropy as tl
     from wiola_kernels.triton import rms_norm as tr
     from wiola_kernels.triton import srpe as ts
 
     launches = []
 
-    def record(kernel, grid, *args, num_warps, **constexprs):
-        launches.append(aot.Launch(kernel, args, constexprs, num_warps, aot.DEFAULT_NUM_STAGES, grid, "runtime"))
+    def record(kernel, grid, *args, num_warps, num_stages=None, **constexprs):
+        xy = grid if isinstance(grid, tuple) else (grid, 1)
+        launches.append(aot.Launch(kernel, args, constexprs, num_warps,
+                                   aot.DEFAULT_NUM_STAGES if num_stages is None else num_stages, xy[0] * xy[-1],
+                                   "runtime", case_grids={"runtime": xy}))
 
-    for mod in (tg, tr, ts):
+    for mod in (tg, tr, ts, tl):
         setattr_(mod, "run", record)
         setattr_(mod, "sm_count", lambda device: aot.GPUS["sm_90"].sms)
     call()
     return launches
 
 
-@pytest.mark.parametrize("case", list(_outside_cases()))
+def _table_cases() -> dict:
+    """Calls of linear_cross_entropy's Python launcher (on meta tensors) at the GPU test and bench
+    shapes with the options the tests and the bench pass: every variant they launch is in the
+    table (aot_launches enumerates them by hand, which this checks against the launcher)."""
+    from wiola_kernels import shapes
+    from wiola_kernels.ops import linear_cross_entropy as ol
+
+    def lce(n, d, V, dtype, reduction="mean", eps=0.0, cap=None, num_items=None):
+        m = dict(device="meta")
+        h, W, y = torch.empty(n, d, dtype=dtype, **m), torch.empty(V, d, dtype=dtype, **m), torch.zeros(n, dtype=torch.int64, **m)
+        acc = compute_dtype(dtype)
+        opts = (-100, reduction, eps, cap, 0.01, num_items)
+        g = torch.empty((n,) if reduction == "none" else (), dtype=acc, **m)
+        lse, gh, gw = torch.empty(n, dtype=acc, **m), torch.empty(n, d, dtype=dtype, **m), torch.empty(V, d, dtype=dtype, **m)
+
+        def call():
+            want = (False, False) if reduction == "none" else (True, True)
+            ol._triton_forward(h, W, y, *opts, want)
+            if reduction != "none":
+                ol._triton_forward(h, W, y, *opts, (False, False))  # without gradients (inference)
+            ol._triton_backward(g, h, W, y, lse, num_items, gh, gw, *opts[:5], reduction != "none")
+        return call
+
+    items = torch.ones((), dtype=torch.float64, device="meta")  # the op layer's number (or CPU tensor)
+    cases = {}
+    for n, d, V, dtype in shapes.LCE_GPU_TESTS:  # tests/test_linear_cross_entropy.py::test_triton_on_gpu
+        cases[f"linear_cross_entropy test {n, d, V} {dtype} all"] = lce(n, d, V, dtype, eps=0.2, cap=2.0,
+                                                                       num_items=items)
+        cases[f"linear_cross_entropy test {n, d, V} {dtype} all_none"] = lce(n, d, V, dtype, "none", 0.2, 2.0)
+    for size, (n, d, V) in shapes.LCE_BENCH.items():  # the bench's call: every option at its default
+        for dtype in (torch.bfloat16, torch.float32):
+            cases[f"linear_cross_entropy bench {size} {dtype}"] = lce(n, d, V, dtype)
+            cases[f"linear_cross_entropy bench {size} {dtype} sum"] = lce(n, d, V, dtype, "sum")
+    return cases
+
+
+def _lce_plan_matches(cpp, launches, sms: int) -> None:
+    """The chunking and workspace the C++ plans (wiola/triton_linear_cross_entropy.h ``plan``, through
+    the driver's lce_plan) are the Python launcher's: the rows of each logits launch, its vocabulary
+    split, and the offsets of dz, the statistics and the ∂W accumulator from the logits buffer
+    (of the first pass over the rows the launches make)."""
+    starts = [i for i, l in enumerate(launches) if l.name == "_lce_logits_kernel" and l.args[5] == 0]
+    launches = launches[:starts[1]] if len(starts) > 1 else launches
+    logits = [l for l in launches if l.name == "_lce_logits_kernel"]
+    chunked = bool(logits[0].constexprs["STORE_LOGITS"])
+    n = sum(l.args[6] for l in logits) if chunked else logits[0].args[6]
+    V, d, dtype = logits[0].args[7], logits[0].args[8], logits[0].args[0].dtype
+    dws = [l for l in launches if l.name == "_lce_dw_kernel"]
+    out = cpp._triton_plan(f"lce_plan {n} {V} {d} {TRITON_DTYPE[dtype]} {sms} {int(chunked)} {int(bool(dws))} 0")
+    chunk, rows_max, last_rows, chunks, splits, per, last_splits, last_per, dz_off, stats_off, dw_off, total = \
+        map(int, out.split())
+    want_rows = [rows_max] * (chunks - 1) + [last_rows]
+    assert [l.args[6] for l in logits] == want_rows
+    for i, l in enumerate(logits):
+        full = l.args[6] == rows_max
+        assert (l.case_grids["runtime"][1], l.args[15]) == ((splits, per) if full else (last_splits, last_per))
+        assert l.args[5] == i * rows_max  # row0
+    if not chunked:
+        return
+    base = logits[0].args[3].data_ptr()  # the logits buffer: the workspace's start
+    dl = next(l for l in launches if l.name == "_lce_dlogits_kernel")
+    assert dl.args[1].data_ptr() - base == dz_off and logits[0].args[4].data_ptr() - base == stats_off
+    assert logits[0].args[4].untyped_storage().nbytes() == total
+    if dws:
+        assert dws[0].args[2].data_ptr() - base == dw_off
+    else:
+        assert dw_off == -1
+
+
+@pytest.mark.parametrize("case", [*_outside_cases(), *_table_cases()])
 def test_runtime_keys_match_cpp_outside_the_table(table, monkeypatch, case):
     """For calls whose variants the table lacks, the key the Python launcher registers under
     (Triton's binder on the launcher's real arguments, runtime_table.launch_key) is the key C++
     builds for the same arguments (the binding's launch builders and key(), through the extension),
-    with the same grid and warps."""
+    with the same grid and warps; linear_cross_entropy's chunking and workspace are planned alike.
+    At the test and bench shapes (the table's cases), every launch's key is in the table."""
     from wiola_kernels.triton import runtime_table
 
     _, manifest, _ = table
     cpp = _extension_hooks()
     gpu = aot.GPUS["sm_90"]
     static = {e["key"] for e in manifest["entries"] if e["arch"] == gpu.capability}
-    launches = _recorded(_outside_cases()[case], monkeypatch.setattr)
+    outside = case in _outside_cases()
+    launches = _recorded((_outside_cases() if outside else _table_cases())[case], monkeypatch.setattr)
     assert launches
     assert launches[0].name != "_norm_partials_sum_kernel"
+    keys = []
     for launch in launches:
         _, _, key = runtime_table.launch_key(launch.kernel, launch.args, launch.constexprs, launch.num_warps,
-                                             gpu.capability)
+                                             gpu.capability, launch.num_stages)
         got = _parse(cpp._triton_plan(_line(launch, gpu.capability, gpu.sms)))
         assert got["key"] == key, case
         assert (got["grid"], got["warps"]) == (launch.grid, launch.num_warps), case
+        assert got["grid_xy"] == launch.case_grids["runtime"], case
+        keys.append(key)
+    if launches[0].name.startswith("_lce_") and any(l.name == "_lce_logits_kernel" for l in launches):
+        _lce_plan_matches(cpp, launches, gpu.sms)
+    if not outside:
+        assert not [k for k in keys if k not in static], case
+        return
     # The call's first kernel is outside the table (its sums kernel may share a variant with one in it).
-    _, _, first = runtime_table.launch_key(launches[0].kernel, launches[0].args, launches[0].constexprs,
-                                           launches[0].num_warps, gpu.capability)
-    assert first not in static, f"{case}: {first} is in the table; pick a shape outside it"
+    assert keys[0] not in static, f"{case}: {keys[0]} is in the table; pick a shape outside it"
 
 
 # Runs without TRITON_INTERPRET (compiling needs the real JITFunctions) and with the extension:
@@ -567,9 +714,10 @@ for name, launch in launches.items():
     compiled = aot.compile_launch(launch, gpu)
     args = (launch.kernel, compiled, launch.args, launch.constexprs, launch.num_warps)
     wrong = before["key"].replace("/16", "", 1) if "/16" in before["key"] else before["key"].replace("]", ",x]")
-    refused = runtime_table.register(*args, wrong, gpu.capability)
-    reason = runtime_table.register(*args, before["key"], gpu.capability)
-    again = runtime_table.register(*args, before["key"], gpu.capability)
+    stages = dict(num_stages=launch.num_stages)
+    refused = runtime_table.register(*args, wrong, gpu.capability, **stages)
+    reason = runtime_table.register(*args, before["key"], gpu.capability, **stages)
+    again = runtime_table.register(*args, before["key"], gpu.capability, **stages)
     after = T._parse(cpp._triton_plan(line))
     _, sizes, _ = T._ptx_entry(compiled.asm["ptx"])
     out[name] = {"before": before, "after": after, "refused": refused, "wrong": wrong, "reason": reason,
@@ -647,7 +795,8 @@ def test_registered_variant_is_found_and_packs_as_the_static_generator(table, re
         else:
             assert before["key"] not in {k for _, k in static} or name.endswith("#1"), name
     assert kernels == {"_glu_fwd_kernel", "_glu_bwd_kernel", "_rms_norm_fwd_kernel", "_rms_norm_bwd_kernel",
-                       "_norm_partials_sum_kernel", "_srpe_kernel"}
+                       "_norm_partials_sum_kernel", "_srpe_kernel", "_lce_logits_kernel", "_lce_rows_kernel",
+                       "_lce_dlogits_kernel", "_lce_dw_kernel", "_lce_reduce_kernel"}
 
 
 def test_runtime_table_is_thread_safe_and_refuses_what_it_cannot_launch(table):
@@ -754,6 +903,26 @@ def _gpu_cases():
     out["srpe"] = (lambda: ops.srpe(q, k, pos, *params), lambda: ops._triton_srpe(q, k, pos, *params))
     out["srpe_backward"] = (lambda: ops.srpe_backward(q, k, pos, *params),
                             lambda: ops._triton_srpe_backward(q, k, pos, *params))
+    # linear_cross_entropy at its test shape with every option (as test_triton_on_gpu): the forward
+    # with gradients (chunk loop, GEMMs, the mean over num_items), and "none"'s recomputing backward.
+    hl, Wl = t(37, 64), t(1000, 64)
+    yl = torch.randint(0, 1000, (37,), generator=g, device="cuda")
+    yl[::5] = -100
+    items = torch.tensor(33.0, dtype=torch.float64, device="cuda")
+    lce = (hl, Wl, yl, -100, "mean", 0.2, 2.0, 0.01, items, [True, True])
+    out["linear_cross_entropy"] = (lambda: ops.linear_cross_entropy(*lce), lambda: ops._triton_linear_cross_entropy(*lce))
+    _, lse_l, _, _ = ops._triton_linear_cross_entropy(hl, Wl, yl, -100, "none", 0.2, 2.0, 0.01, None, [False, False])
+    gl = t(37, dtype=torch.float32)
+
+    def lce_backward(op):
+        def call():
+            gh, gw = torch.empty_like(hl), torch.empty_like(Wl)
+            op(gl, hl, Wl, yl, lse_l, None, gh, gw, -100, "none", 0.2, 2.0, 0.01, False)
+            return gh, gw
+        return call
+
+    out["linear_cross_entropy_backward"] = (lce_backward(ops.linear_cross_entropy_backward),
+                                            lce_backward(ops._triton_linear_cross_entropy_backward))
     return out
 
 
@@ -764,7 +933,8 @@ def _tensors(out) -> list:
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("op", ["glu", "rms_norm", "add_rms_norm", "rms_norm_backward", "rms_norm_backward no shift",
-                                "add_rms_norm_backward", "srpe", "srpe_backward"])
+                                "add_rms_norm_backward", "srpe", "srpe_backward", "linear_cross_entropy",
+                                "linear_cross_entropy_backward"])
 def test_gpu_launch_from_the_table_equals_the_python_launcher(op):
     """The C++ launches give the Python Triton launcher's result bit for bit (same cubins, same
     arguments; the backward's two launches and their partials buffer), without the fallback
@@ -797,7 +967,7 @@ def test_gpu_launch_from_the_table_equals_the_python_launcher(op):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_gpu_runtime_table_launches_shapes_outside_the_table_from_cpp(monkeypatch):
     """Calls outside the table (bf16 x with float32 γ/δ at d = 777, a packed glu at n = 333, srpe
-    on transposed views with given frequencies):
+    on transposed views with given frequencies, linear_cross_entropy at d = 100, V = 1001):
     the first runs the Python launcher, which registers its variants without a warning; the next
     launches from C++ (the Python launcher is not called) with its result bit for bit; a CUDA
     graph then captures the C++ launches and replays them."""
@@ -805,6 +975,7 @@ def test_gpu_runtime_table_launches_shapes_outside_the_table_from_cpp(monkeypatc
 
     from wiola_kernels import _extension
     from wiola_kernels.triton import glu as tg
+    from wiola_kernels.triton import linear_cross_entropy as tl
     from wiola_kernels.triton import rms_norm as tr
     from wiola_kernels.triton import srpe as ts
 
@@ -819,6 +990,10 @@ def test_gpu_runtime_table_launches_shapes_outside_the_table_from_cpp(monkeypatc
     kv = torch.randn(2, 37, 2, 96, generator=g, device="cuda").to(torch.bfloat16).transpose(1, 2)
     tpos = torch.arange(37, device="cuda")
     params = (10000.0, 8.0, 0.1, 0.01, torch.rand(48, generator=g, device="cuda"), 0.5)
+    # linear_cross_entropy in float32 with d and V tails (d = 100, V = 1001), a sum with gradients.
+    hx, Wx = torch.randn(7, 100, generator=g, device="cuda"), torch.randn(1001, 100, generator=g, device="cuda")
+    lce = (hx, Wx, torch.randint(0, 1001, (7,), generator=g, device="cuda"), -100, "sum", 0.0, None, 0.0, None,
+           [True, True])
     ops = torch.ops.wiola
     _, rstd = ops._triton_rms_norm(x, w, s, 1e-6, False)
     cases = {
@@ -827,6 +1002,7 @@ def test_gpu_runtime_table_launches_shapes_outside_the_table_from_cpp(monkeypatc
                               lambda: ops._triton_rms_norm_backward(gy, x, w, s, rstd)),
         "glu": (lambda: ops.glu(u, None, "silu"), lambda: ops._triton_glu(u, None, "silu")),
         "srpe": (lambda: ops.srpe(qv, kv, tpos, *params), lambda: ops._triton_srpe(qv, kv, tpos, *params)),
+        "linear_cross_entropy": (lambda: ops.linear_cross_entropy(*lce), lambda: ops._triton_linear_cross_entropy(*lce)),
     }
     for op, (call, python_call) in cases.items():
         registered = _extension.cubin_table()["registered"]
@@ -836,7 +1012,7 @@ def test_gpu_runtime_table_launches_shapes_outside_the_table_from_cpp(monkeypatc
             call()
         assert _extension.cubin_table()["registered"] > registered, op
         python_runs = []
-        for mod in (tg, tr, ts):
+        for mod in (tg, tr, ts, tl):
             monkeypatch.setattr(mod, "run", lambda *a, **kw: python_runs.append(a[0]))
         got = call()
         monkeypatch.undo()

@@ -755,6 +755,16 @@ TORCH_LIBRARY_FRAGMENT(wiola, m) {
   m.def("linear_cross_entropy_backward(Tensor grad_loss, Tensor h, Tensor W, Tensor labels, Tensor lse,"
         " Tensor? num_items, Tensor(a!)? grad_h, Tensor(b!)? grad_W, int ignore_index, str reduction,"
         " float label_smoothing, float? softcap, float z_loss, bool precomputed) -> ()");
+  // The Python Triton launchers of the op (CUDA only, registered from Python): where the cubin
+  // tables have no variant for a call, the C++ CUDA kernel
+  // (csrc/cuda/triton_linear_cross_entropy_binding.cpp) runs these.
+  m.def("_triton_linear_cross_entropy(Tensor h, Tensor W, Tensor labels, int ignore_index=-100,"
+        " str reduction=\"mean\", float label_smoothing=0.0, float? softcap=None, float z_loss=0.0,"
+        " Tensor? num_items=None, bool[2] grad_mask=[False, False])"
+        " -> (Tensor loss, Tensor lse, Tensor grad_h, Tensor grad_W)");
+  m.def("_triton_linear_cross_entropy_backward(Tensor grad_loss, Tensor h, Tensor W, Tensor labels, Tensor lse,"
+        " Tensor? num_items, Tensor(a!)? grad_h, Tensor(b!)? grad_W, int ignore_index, str reduction,"
+        " float label_smoothing, float? softcap, float z_loss, bool precomputed) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(wiola, CPU, m) {

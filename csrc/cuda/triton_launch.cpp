@@ -229,6 +229,9 @@ const char* dtype_name(const at::Tensor& t) {
     case at::kHalf: return "fp16";
     case at::kLong: return "i64";
     case at::kInt: return "i32";
+    case at::kShort: return "i16";
+    case at::kChar: return "i8";
+    case at::kByte: return "u8";
     default: return "unsupported";
   }
 }
@@ -265,13 +268,14 @@ bool launch(const Kernel& kernel, const Launch& l, int device, std::string& why)
   pack(v, l.args, packed);
   TORCH_CHECK(packed.error == nullptr, "wiola: packing the arguments of ", v.key, ": ", packed.error);
   TORCH_CHECK(v.num_ctas == 1 && !v.cooperative, "wiola: ", v.key, " needs a cluster or cooperative launch");
-  TORCH_CHECK(l.grid > 0 && l.grid <= INT32_MAX, "wiola: grid of ", l.grid, " programs for ", v.key);
+  TORCH_CHECK(l.grid > 0 && l.grid <= INT32_MAX && l.grid_y > 0 && l.grid_y <= 65535, "wiola: grid of (", l.grid,
+              ", ", l.grid_y, ") programs for ", v.key);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device)).stream();
   const Driver& d = driver();
   set_context(d, info);
   const CUfunction f = load(kernel, device, stream, why);
   if (f == nullptr) return false;
-  const CUresult rc = d.launch_kernel(f, static_cast<unsigned>(l.grid), 1, 1, 32 * v.num_warps, 1, 1, v.shared,
+  const CUresult rc = d.launch_kernel(f, static_cast<unsigned>(l.grid), static_cast<unsigned>(l.grid_y), 1, 32 * v.num_warps, 1, 1, v.shared,
                                       reinterpret_cast<CUstream>(stream), packed.params, nullptr);
   TORCH_CHECK(rc == CUDA_SUCCESS, "wiola: launching ", v.key, " failed: ", driver_error(rc));
   return true;

@@ -18,7 +18,9 @@ them in place by ``grad_loss`` (÷ n for a mean). ``"none"`` weights row i by
 used the forward's gradients up: retain_graph, gradcheck), with the same bits.
 
 Kernels: CPU — csrc/cpu/linear_cross_entropy.cpp; CUDA — the Triton kernels
-(triton/linear_cross_entropy.py, registered below); Meta — the fakes below. Forced backends
+(triton/linear_cross_entropy.py) launched from C++ (csrc/cuda/triton_linear_cross_entropy_binding.cpp),
+which runs the Python launchers below (``wiola::_triton_linear_cross_entropy(_backward)``) where
+the cubin tables lack a call's variants; Meta — the fakes below. Forced backends
 (:mod:`wiola_kernels.dispatch`): ``reference``, ``cpu``, ``triton``.
 """
 
@@ -37,7 +39,7 @@ from ..reference.linear_cross_entropy import linear_cross_entropy_backward as _r
 from ..reference.linear_cross_entropy import linear_cross_entropy_forward as _reference_forward_formula
 from ..validation import (INDEX_DTYPES, can_read_values, check_positive, check_rank, check_real,
                           check_same_device, check_same_dtype, check_tensor, dtype_name)
-from . import distinct, needs_grad, register_fake, register_kernel, registered, registered_ops
+from . import distinct, needs_grad, register_fake, register_triton_cuda, registered, registered_ops
 
 
 __all__ = ["LinearCrossEntropyFunction", "linear_cross_entropy"]  # exported by wiola_kernels
@@ -198,6 +200,7 @@ def _triton_forward(h, W, labels, ignore_index=-100, reduction="mean", label_smo
     rows, lse, gh, gw = tk.lce_forward(h2, W, y, ignore_index, eps, cap, zl, want)
     # "mean"/"sum": one launch, the divisor read on the device (no host sync, graph-safe).
     loss = rows if reduction == "none" else tk.lce_reduce(rows, y, ignore_index, num_items, reduction == "mean")
+    tk.sweep()
     return loss, lse, gh if want[0] else h.new_empty((0,)), gw if want[1] else W.new_empty((0,))
 
 
@@ -219,6 +222,7 @@ def _triton_backward(grad_loss, h, W, labels, lse, num_items, grad_h, grad_W, ig
         # grad_loss (÷ n) in one launch, applied to both gradients in one more (no host sync).
         s = tk.lce_reduce(None, y, ignore_index, num_items, reduction == "mean", grad=grad_loss, dtype=lse.dtype)
         torch._foreach_mul_(grads, s)
+    tk.sweep()
 
 
 dispatch.register_default(OP, "cpu", "cpu")
@@ -228,8 +232,10 @@ dispatch.register(OP, "cpu", SimpleNamespace(forward=registered("wiola", "linear
                                              backward=registered("wiola", "linear_cross_entropy_backward",
                                                                  _check_backward)))
 dispatch.register(OP, "triton", SimpleNamespace(forward=_triton_forward, backward=_triton_backward))
-register_kernel("linear_cross_entropy", "CUDA", _triton_forward)
-register_kernel("linear_cross_entropy_backward", "CUDA", _triton_backward)
+# The C++ CUDA kernels (csrc/cuda/triton_linear_cross_entropy_binding.cpp) run these where the
+# cubin tables lack a call's variants.
+register_triton_cuda("linear_cross_entropy", _triton_forward)
+register_triton_cuda("linear_cross_entropy_backward", _triton_backward)
 
 
 @register_fake("wiola::linear_cross_entropy")

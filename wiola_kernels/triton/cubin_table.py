@@ -33,7 +33,7 @@ import re
 import sys
 
 #: Kernel modules whose variants the table holds: the ops launched from C++.
-MODULES = ("glu", "rms_norm", "add_rms_norm", "srpe")
+MODULES = ("glu", "rms_norm", "add_rms_norm", "srpe", "linear_cross_entropy")
 
 #: The C++ kind of each compiled-signature type (csrc/include/wiola/triton_table.h ParamKind).
 #: (Narrower scalars would need their own widths: none of the kernels takes one.)

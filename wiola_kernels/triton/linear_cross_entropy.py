@@ -51,6 +51,8 @@ import triton.language as tl
 from ..dtypes import compute_dtype
 from ..outputs import empty_output
 from . import cdiv, sm_count
+from .runtime_table import run, several_variants
+from .runtime_table import sweep as runtime_sweep
 
 
 @triton.jit
@@ -336,8 +338,8 @@ def _launch_config(n: int, V: int, d: int, dtype: torch.dtype, sms: int | None) 
         return LaunchConfig(t, Tiles(32, 16, 16, 1, 1), 16, 32, 1, 16, _INTERPRETER_CHUNK_ROWS, precision,
                             upcast=dtype == torch.bfloat16)
     ew_m, ew_n, ew_warps = 16, 256, 8
-    if dtype == torch.float64:
-        logits, dw = Tiles(32, 32, 16, 4, 1), Tiles(32, 32, 16, 4, 1)
+    if dtype == torch.float64:  # 8 warps: with 4, the logits tile without Σs spills on sm_90 (Triton 3.6)
+        logits, dw = Tiles(32, 32, 16, 8, 1), Tiles(32, 32, 16, 4, 1)
         ew_m, ew_n, ew_warps = 8, 128, 4
     elif dtype == torch.float32:  # FMA products ("ieee"): register tiles, no tensor cores
         logits, dw = Tiles(64, 64, 16, 8, 2), Tiles(64, 64, 16, 8, 2)
@@ -367,7 +369,7 @@ def _splits(rows: int, V: int, tiles: Tiles, sms: int | None) -> tuple[int, int]
 def _logits_launch(h2, W, y, logits, stats, row0, rows, cfg: LaunchConfig, splits, per, cap, want_sum):
     t = cfg.logits
     V, d = W.shape
-    _lce_logits_kernel[(cdiv(rows, t.block_m), splits)](
+    run(_lce_logits_kernel, (cdiv(rows, t.block_m), splits),
         h2, W, y, stats if logits is None else logits, stats, row0, rows, V, d,
         h2.stride(0), h2.stride(1), W.stride(0), W.stride(1), 0 if logits is None else logits.stride(0),
         1.0 if cap is None else cap, per,
@@ -377,16 +379,16 @@ def _logits_launch(h2, W, y, logits, stats, row0, rows, cfg: LaunchConfig, split
 
 
 def _rows_launch(stats, y, lse, loss, row0, rows, splits, V, cfg, ignore_index, eps, z_loss):
-    _lce_rows_kernel[(cdiv(rows, cfg.rows_block),)](
+    run(_lce_rows_kernel, cdiv(rows, cfg.rows_block),
         stats, y, lse, loss, row0, rows, splits, V, ignore_index, eps, z_loss,
-        BLOCK_R=cfg.rows_block, F64=lse.dtype == torch.float64)
+        BLOCK_R=cfg.rows_block, F64=lse.dtype == torch.float64, num_warps=_DEFAULT_WARPS)
 
 
 def _chunk_grads(h2, W, y, lse, g, row0, rows, cfg, buf, dz, grad_h, grad_W, dW_acc, first, ignore_index, eps, cap,
                  z_loss):
     """∂h rows and the chunk's share of ∂W from the chunk's logits in ``buf``."""
     V = W.shape[0]
-    _lce_dlogits_kernel[(cdiv(rows, cfg.ew_m), cdiv(V, cfg.ew_n))](
+    run(_lce_dlogits_kernel, (cdiv(rows, cfg.ew_m), cdiv(V, cfg.ew_n)),
         buf, dz, y, lse, lse if g is None else g, row0, rows, V, buf.stride(0), 1.0 if cap is None else cap,
         ignore_index, eps, z_loss, BLOCK_M=cfg.ew_m, BLOCK_N=cfg.ew_n, HAS_CAP=cap is not None,
         HAS_ROW_GRAD=g is not None, num_warps=cfg.ew_warps)
@@ -404,30 +406,47 @@ def _chunk_grads(h2, W, y, lse, g, row0, rows, cfg, buf, dz, grad_h, grad_W, dW_
         return
     t = cfg.dw
     d = h2.shape[1]
-    _lce_dw_kernel[(cdiv(V, t.block_m), cdiv(d, t.block_n))](
+    run(_lce_dw_kernel, (cdiv(V, t.block_m), cdiv(d, t.block_n)),
         dz, h2, dW_acc, row0, rows, V, d, dz.stride(0), h2.stride(0), h2.stride(1), FIRST=first,
         BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, UPCAST=cfg.upcast, num_warps=t.num_warps,
         num_stages=t.num_stages)
 
 
-def _workspace(rows: int, V: int, dtype: torch.dtype, acc: torch.dtype, stats_numel: int, device):
+def _workspace(rows: int, V: int, dtype: torch.dtype, acc: torch.dtype, stats_numel: int, device,
+               dw_numel: int = 0):
     """One allocation per call for the chunks' temporaries: the logits buffer ``(rows, V)`` in
-    the accumulation dtype, its ``dz`` in ``dtype`` (the same tensor when the dtypes agree) and
-    the statistics, each 256-byte aligned (as a fresh tensor would be)."""
+    the accumulation dtype, its ``dz`` in ``dtype`` (the same tensor when the dtypes agree), the
+    statistics and (``dw_numel``: bf16/fp16 ``∂W``) the float32 ``∂W`` accumulator, each 256-byte
+    aligned (as a fresh tensor would be); the C++ kernel lays it out alike
+    (csrc/include/wiola/triton_linear_cross_entropy.h ``plan``)."""
     def nbytes(numel, dt):
         return (numel * dt.itemsize + 255) // 256 * 256
 
-    sizes = [nbytes(rows * V, acc), 0 if dtype == acc else nbytes(rows * V, dtype), nbytes(stats_numel, acc)]
+    sizes = [nbytes(rows * V, acc), 0 if dtype == acc else nbytes(rows * V, dtype), nbytes(stats_numel, acc),
+             nbytes(dw_numel, torch.float32)]
     ws = torch.empty(sum(sizes), dtype=torch.uint8, device=device)
     buf = ws[:rows * V * acc.itemsize].view(acc).view(rows, V)
     at = sizes[0]
     dz = buf if dtype == acc else ws[at:at + rows * V * dtype.itemsize].view(dtype).view(rows, V)
     at += sizes[1]
     stats = ws[at:at + stats_numel * acc.itemsize].view(acc)
-    return buf, dz, stats
+    at += sizes[2]
+    dw_acc = ws[at:at + dw_numel * 4].view(torch.float32) if dw_numel else None
+    return buf, dz, stats, dw_acc
 
 
 _REDUCE_BLOCK = 1024
+_DEFAULT_WARPS = 4  # Triton's default num_warps, named so that the C++ launches name the same
+
+
+def device_num_items(num_items: torch.Tensor | None, device) -> torch.Tensor | None:
+    """``num_items`` where the reduction kernel reads it: a tensor on ``device`` as it is; a CPU
+    tensor's value (read on the host: no device sync) written into a float64 device scalar by a fill
+    kernel whose launch carries it, as a number's is (no copy from host memory, which a CUDA graph
+    cannot capture). The C++ kernel does the same."""
+    if num_items is None or num_items.device == device:
+        return num_items
+    return torch.full((), float(num_items), dtype=torch.float64, device=device)
 
 
 def lce_reduce(rows: torch.Tensor | None, y: torch.Tensor, ignore_index: int, num_items: torch.Tensor | None,
@@ -435,16 +454,16 @@ def lce_reduce(rows: torch.Tensor | None, y: torch.Tensor, ignore_index: int, nu
     """One launch: the forward's ``Σ rows`` (÷ the mean's divisor when ``mean``), or with
     ``grad`` (the backward's incoming 0-d gradient) ``grad ÷`` that divisor; a 0-d tensor in
     ``rows``' dtype (the backward: ``dtype``). The divisor is ``num_items`` (one element, any
-    real dtype; a CPU tensor is copied to the device first) or the number of labels ``y (n,)``
-    that are not ``ignore_index`` (at least 1), read on the device, never on the host."""
+    real dtype; a CPU tensor's value goes to the device through a fill, device_num_items) or the
+    number of labels ``y (n,)`` that are not ``ignore_index`` (at least 1), read on the device,
+    never on the host. ``num_items`` is not read for a sum."""
     backward = grad is not None
     out = torch.empty((), dtype=dtype if backward else rows.dtype, device=y.device)
-    if num_items is not None and num_items.device != y.device:
-        num_items = num_items.to(y.device, non_blocking=True)
-    _lce_reduce_kernel[(1,)](
+    num_items = device_num_items(num_items, y.device) if mean else None
+    run(_lce_reduce_kernel, 1,
         y if backward else rows, y, out if num_items is None else num_items, grad if backward else out, out,
         y.shape[0], ignore_index, BLOCK=_REDUCE_BLOCK, MEAN=bool(mean), HAS_ITEMS=num_items is not None,
-        BACKWARD=backward, num_warps=4)
+        BACKWARD=backward, num_warps=_DEFAULT_WARPS)
     return out
 
 
@@ -488,9 +507,9 @@ def lce_forward(h2: torch.Tensor, W: torch.Tensor, y: torch.Tensor, ignore_index
     rows_max = min(n, cfg.chunk)
     # Every chunk's split (the last, shorter chunk may split the vocabulary more ways).
     split_of = {rows: _splits(rows, V, cfg.logits, sms) for rows in {rows_max, n - (n - 1) // rows_max * rows_max}}
-    buf, dz, stats_all = _workspace(rows_max, V, h2.dtype, acc, max(4 * sp * r for r, (sp, _) in split_of.items()),
-                                    device)
-    dW_acc = torch.empty((V, d), dtype=torch.float32, device=device) if want_W and W.dtype != acc else None
+    dw_numel = V * d if want_W and W.dtype != acc else 0  # bf16 / fp16: a float32 accumulator
+    buf, dz, stats_all, dW_acc = _workspace(rows_max, V, h2.dtype, acc,
+                                            max(4 * sp * r for r, (sp, _) in split_of.items()), device, dw_numel)
     for row0 in range(0, n, rows_max):
         rows = min(rows_max, n - row0)
         splits, per = split_of[rows]
@@ -501,55 +520,77 @@ def lce_forward(h2: torch.Tensor, W: torch.Tensor, y: torch.Tensor, ignore_index
         _chunk_grads(h2, W, y, lse, row_grad, row0, rows, cfg, buf, dz, grad_h if want_h else None,
                      grad_W if want_W else None, dW_acc, row0 == 0, ignore_index, eps, cap, z_loss)
     if dW_acc is not None:
-        grad_W.copy_(dW_acc)
+        grad_W.copy_(dW_acc.view(V, d))
     return loss, lse, grad_h, grad_W
 
 
+_KERNELS = (_lce_logits_kernel, _lce_rows_kernel, _lce_dlogits_kernel, _lce_dw_kernel, _lce_reduce_kernel)
+several_variants(*_KERNELS)  # a call launches each in several variants (chunks, first and later)
+
+
+def sweep() -> None:
+    """After the op's Python launcher ran for a C++ miss: warns once about a missed key no launch
+    had (runtime_table.sweep)."""
+    runtime_sweep(*_KERNELS)
+
+
 def aot_launches(sms: int):
-    """Every launch of the four kernels at the GPU test and bench shapes on a GPU with ``sms``
-    SMs, loss-only and with gradients (see ``wiola_kernels/triton/aot.py``)."""
+    """Every launch of the five kernels at the GPU test and bench shapes on a GPU with ``sms``
+    SMs (see ``wiola_kernels/triton/aot.py``): the loss alone and with gradients (each chunk's
+    rows), with and without softcap and label smoothing, the backward's recomputation (per-row
+    gradients, no Σs), and the reductions (counted rows, a ``num_items`` as the op layer passes
+    it: float64 on the device, the backward's factor)."""
     from ..shapes import LCE_BENCH, LCE_GPU_TESTS
     from .aot import DEFAULT_NUM_STAGES, DevicePointer as P, Launch
 
     cases = [(f"test (n, d, V) ({n}, {d}, {V}) {dtype}", n, d, V, dtype) for n, d, V, dtype in LCE_GPU_TESTS]
     cases += [(f"bench {size} (n, d, V) {shape} {dtype}", *shape, dtype)
               for size, shape in LCE_BENCH.items() for dtype in (torch.bfloat16, torch.float32)]
+    flags = ((False, False), (False, True), (True, False), (True, True))
     for case, n, d, V, dtype in cases:
         cfg = _launch_config(n, V, d, dtype, sms)
         acc = compute_dtype(dtype)
         t = cfg.logits
         f64 = dtype == torch.float64
-        for store, rows in ((False, n), (True, min(n, cfg.chunk))):
+        rows_max = min(n, cfg.chunk)
+        chunk_rows = sorted({rows_max, n - (n - 1) // rows_max * rows_max}, reverse=True)
+        for store, rows in [(False, n)] + [(True, r) for r in chunk_rows]:
             splits, per = _splits(rows, V, t, sms)
-            for cap in (False, True):
+            what = f"{case}{' chunk of ' + str(rows) if store else ''}"
+            for cap, want_sum in flags:
                 yield Launch(_lce_logits_kernel,
                              (P(dtype), P(dtype), P(torch.int64), P(acc), P(acc), 0, rows, V, d, d, 1, d, 1,
                               V if store else 0, 30.0, per),
                              dict(BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, HAS_CAP=cap,
-                                  STORE_LOGITS=store, WANT_SUM=True, F64=f64, PRECISION=cfg.precision, UPCAST=False),
+                                  STORE_LOGITS=store, WANT_SUM=want_sum, F64=f64, PRECISION=cfg.precision,
+                                  UPCAST=False),
                              t.num_warps, t.num_stages, cdiv(rows, t.block_m) * splits,
-                             f"{case}{' chunk' if store else ''}{' softcap' if cap else ''}", memory_bound=False)
-            yield Launch(_lce_rows_kernel, (P(acc), P(torch.int64), P(acc), P(acc), 0, rows, splits, V, -100, 0.1, 1e-4),
-                         dict(BLOCK_R=cfg.rows_block, F64=f64), 4, 3, cdiv(rows, cfg.rows_block), case,
-                         memory_bound=False)
+                             f"{what}{' softcap' if cap else ''}{' smoothing' if want_sum else ''}",
+                             memory_bound=False)
+            yield Launch(_lce_rows_kernel, (P(acc), P(torch.int64), P(acc), P(acc), 0, rows, splits, V, -100, 0.1,
+                                            1e-4),
+                         dict(BLOCK_R=cfg.rows_block, F64=f64), _DEFAULT_WARPS, DEFAULT_NUM_STAGES,
+                         cdiv(rows, cfg.rows_block), what, memory_bound=False)
+            if not store:
+                continue
+            for cap, row_grad in flags:
+                yield Launch(_lce_dlogits_kernel,
+                             (P(acc), P(dtype), P(torch.int64), P(acc), P(acc), 0, rows, V, V, 30.0, -100, 0.1, 1e-4),
+                             dict(BLOCK_M=cfg.ew_m, BLOCK_N=cfg.ew_n, HAS_CAP=cap, HAS_ROW_GRAD=row_grad),
+                             cfg.ew_warps, DEFAULT_NUM_STAGES, cdiv(rows, cfg.ew_m) * cdiv(V, cfg.ew_n), what,
+                             memory_bound=False)
+            if dtype in (torch.bfloat16, torch.float16):
+                w = cfg.dw
+                for first in (True, False):
+                    yield Launch(_lce_dw_kernel, (P(dtype), P(dtype), P(torch.float32), 0, rows, V, d, V, d, 1),
+                                 dict(FIRST=first, BLOCK_M=w.block_m, BLOCK_N=w.block_n, BLOCK_K=w.block_k,
+                                      UPCAST=False),
+                                 w.num_warps, w.num_stages, cdiv(V, w.block_m) * cdiv(d, w.block_n), what,
+                                 memory_bound=False)
         for mean, items, backward in ((True, False, False), (True, True, False), (False, False, False),
                                       (True, False, True), (True, True, True), (False, False, True)):
             yield Launch(_lce_reduce_kernel,
                          (P(torch.int64 if backward else acc), P(torch.int64), P(torch.float64 if items else acc), P(acc),
                           P(acc), n, -100),
-                         dict(BLOCK=_REDUCE_BLOCK, MEAN=mean, HAS_ITEMS=items, BACKWARD=backward), 4,
+                         dict(BLOCK=_REDUCE_BLOCK, MEAN=mean, HAS_ITEMS=items, BACKWARD=backward), _DEFAULT_WARPS,
                          DEFAULT_NUM_STAGES, 1, case, memory_bound=False)
-        rows = min(n, cfg.chunk)
-        for row_grad in (False, True):
-            yield Launch(_lce_dlogits_kernel,
-                         (P(acc), P(dtype), P(torch.int64), P(acc), P(acc), 0, rows, V, V, 30.0, -100, 0.1, 1e-4),
-                         dict(BLOCK_M=cfg.ew_m, BLOCK_N=cfg.ew_n, HAS_CAP=True, HAS_ROW_GRAD=row_grad),
-                         cfg.ew_warps, 3, cdiv(rows, cfg.ew_m) * cdiv(V, cfg.ew_n), case,
-                         memory_bound=False)
-        if dtype in (torch.bfloat16, torch.float16):
-            w = cfg.dw
-            for first in (True, False):
-                yield Launch(_lce_dw_kernel, (P(dtype), P(dtype), P(torch.float32), 0, rows, V, d, V, d, 1),
-                             dict(FIRST=first, BLOCK_M=w.block_m, BLOCK_N=w.block_n, BLOCK_K=w.block_k, UPCAST=False),
-                             w.num_warps, w.num_stages, cdiv(V, w.block_m) * cdiv(d, w.block_n), case,
-                             memory_bound=False)

@@ -42,18 +42,48 @@ def _pending_misses():
     return () if _pending is None else _pending()
 
 
-def run(kernel, grid: int, *args, num_warps: int, **constexprs):
-    """``kernel[(grid,)](*args, num_warps=num_warps, **constexprs)``; then, when the op's C++
-    kernel missed this kernel's variant on this call, registers what the JIT compiled."""
-    compiled = kernel[(grid,)](*args, num_warps=num_warps, **constexprs)
+def run(kernel, grid: int | tuple, *args, num_warps: int, num_stages: int | None = None, **constexprs):
+    """``kernel[(grid,)](*args, num_warps=num_warps, **constexprs)`` (``grid`` a tuple: that grid;
+    ``num_stages`` passed when given); then, when the op's C++ kernel missed this kernel's variant
+    on this call, registers what the JIT compiled. A kernel launched in several variants per call
+    (:func:`several_variants`) registers a launch only under the pending key that equals its own."""
+    stages = {} if num_stages is None else {"num_stages": num_stages}
+    compiled = kernel[grid if isinstance(grid, tuple) else (grid,)](*args, num_warps=num_warps, **stages,
+                                                                     **constexprs)
     misses = _pending_misses()
     if misses:
         name = _kernel_name(kernel)
-        for miss_kernel, key, arch, device in misses:
-            if miss_kernel == name and (arch, key) not in _done:
-                _register_miss(kernel, compiled, args, constexprs, num_warps, key, arch, device)
-                break
+        todo = [(key, arch, device) for miss_kernel, key, arch, device in misses
+                if miss_kernel == name and (arch, key) not in _done]
+        if todo and name in _several:
+            _, _, ours = launch_key(kernel, args, constexprs, num_warps, todo[0][1], num_stages)
+            todo = [m for m in todo if m[0] == ours]
+        if todo:
+            _register_miss(kernel, compiled, args, constexprs, num_warps, num_stages, *todo[0])
     return compiled
+
+
+_several: set[str] = set()  # kernels launched in several variants per call
+
+
+def several_variants(*kernels) -> None:
+    """Declares kernels that one op call launches in several variants (linear_cross_entropy's
+    chunks: the first and the others, a shorter last one): :func:`run` matches each launch to the
+    pending miss of its own key, and :func:`sweep` warns about misses no launch matched."""
+    _several.update(_kernel_name(k) for k in kernels)
+
+
+def sweep(*kernels) -> None:
+    """After an op's Python launcher ran: a pending miss of ``kernels`` that no launch matched
+    (another Triton than the one the C++ keys follow specialises differently) is tried once and
+    warned about once per kernel, as a refused registration is."""
+    misses = _pending_misses()
+    names = {_kernel_name(k) for k in kernels}
+    for miss_kernel, key, arch, _ in misses:
+        if miss_kernel in names and (arch, key) not in _done:
+            _done.add((arch, key))
+            _warn(miss_kernel, key, arch, f"no launch of the Python launcher (Triton {_triton_version()}) has the "
+                                          "key the C++ launcher built")
 
 
 def _kernel_name(kernel) -> str:
@@ -64,24 +94,31 @@ class _Retry(Exception):
     """Nothing registered, nothing to warn: the next miss registers."""
 
 
-def _register_miss(kernel, compiled, args, constexprs, num_warps, key, arch, device) -> None:
+def _register_miss(kernel, compiled, args, constexprs, num_warps, num_stages, key, arch, device) -> None:
     try:
-        reason = register(kernel, compiled, args, constexprs, num_warps, key, arch, device)
+        if num_stages is None:
+            reason = register(kernel, compiled, args, constexprs, num_warps, key, arch, device)
+        else:
+            reason = register(kernel, compiled, args, constexprs, num_warps, key, arch, device, num_stages)
     except _Retry:
         return
     except Exception as exc:  # never fail the launch that already ran
         reason = f"{type(exc).__name__}: {exc}"
     _done.add((arch, key))
-    name = _kernel_name(kernel)
-    if reason is not None and name not in _warned:
+    if reason is not None:
+        _warn(_kernel_name(kernel), key, arch, reason)
+
+
+def _warn(name: str, key: str, arch: int, reason: str) -> None:
+    if name not in _warned:
         _warned.add(name)
         warnings.warn(f"wiola: {name} compiled by the Python Triton launcher for a call the cubin table lacks "
                       f"({key}, sm_{arch}) cannot be launched from C++: {reason}. Calls with this "
-                      "specialisation keep running the Python launcher.", stacklevel=4)
+                      "specialisation keep running the Python launcher.", stacklevel=5)
 
 
-def register(kernel, compiled, args, constexprs: dict, num_warps: int, key: str, arch: int, device: int = -1
-             ) -> str | None:
+def register(kernel, compiled, args, constexprs: dict, num_warps: int, key: str, arch: int, device: int = -1,
+             num_stages: int | None = None) -> str | None:
     """Registers ``compiled`` (what ``kernel[grid](*args, num_warps=..., **constexprs)`` returned)
     in the C++ runtime table under ``key``, the key the C++ kernel built for this launch on an
     ``arch`` GPU, and loads it on ``device`` (-1: on its first launch). Returns None, or why it
@@ -100,7 +137,7 @@ def register(kernel, compiled, args, constexprs: dict, num_warps: int, key: str,
     target = getattr(compiled.metadata, "target", None)
     if target is not None and getattr(target, "arch", arch) != arch:
         return f"the kernel was compiled for sm_{target.arch}, the device is sm_{arch}"
-    launch, gpu, ours = launch_key(kernel, args, constexprs, num_warps, arch)
+    launch, gpu, ours = launch_key(kernel, args, constexprs, num_warps, arch, num_stages)
     if ours != key:
         return (f"Triton {_triton_version()} specialises it as {ours}, the C++ launcher keyed it {key} "
                 "(another Triton than the one that built the cubin table?)")
@@ -113,14 +150,15 @@ def register(kernel, compiled, args, constexprs: dict, num_warps: int, key: str,
         cooperative=entry["cooperative"], device=device)
 
 
-def launch_key(kernel, args, constexprs: dict, num_warps: int, arch: int):
-    """``(launch, gpu, key)``: the launch as ``aot`` describes it (the JIT's default num_stages,
-    as the launchers set none), the GPU of ``arch`` and the variant id Triton's binder gives it
-    (``aot.variant_id``), which the C++ key of the same launch must equal."""
+def launch_key(kernel, args, constexprs: dict, num_warps: int, arch: int, num_stages: int | None = None):
+    """``(launch, gpu, key)``: the launch as ``aot`` describes it (``num_stages``, or the JIT's
+    default where the launcher sets none), the GPU of ``arch`` and the variant id Triton's binder
+    gives it (``aot.variant_id``), which the C++ key of the same launch must equal."""
     from . import aot, cubin_table
 
     gpu = cubin_table._gpu(arch)
-    launch = aot.Launch(kernel, tuple(args), dict(constexprs), num_warps, aot.DEFAULT_NUM_STAGES, 0, "runtime")
+    stages = aot.DEFAULT_NUM_STAGES if num_stages is None else num_stages
+    launch = aot.Launch(kernel, tuple(args), dict(constexprs), num_warps, stages, 0, "runtime")
     return launch, gpu, aot.variant_id(launch, gpu)
 
 

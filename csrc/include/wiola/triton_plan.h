@@ -11,10 +11,19 @@
 //   rms_layout PROGRAMS D HAS_SHIFT  (prints the partials' size, ds_offset and total)
 //   srpe DTYPE TRANSPOSE B T H H_KV HALF POS_SB POS_ST Q_S x3 K_S x3 QO_S x3 KO_S x3 SMS ARCH
 //        Q K POSITIONS OMEGA CONSTANTS Q_OUT K_OUT
+//   lce_logits ROW0 ROWS V D S_HN S_HD S_WV S_WD HAS_CAP STORE WANT_SUM SMS ARCH DT:PTR x5 (h W y logits stats)
+//   lce_rows ROW0 ROWS SPLITS V IGNORE ARCH DT:PTR x4  (stats y lse loss)
+//   lce_dlogits ROW0 ROWS V IGNORE HAS_CAP HAS_ROW_GRAD ARCH DT:PTR x5  (logits dz y lse g)
+//   lce_dw ROW0 ROWS V D S_HN S_HD FIRST ARCH DT:PTR x3  (dz h acc)
+//   lce_reduce N IGNORE MEAN HAS_ITEMS BACKWARD ARCH DT:PTR x5  (rows y items g out)
+//   lce_plan N V D DTYPE SMS CHUNKED DW_ACC CHUNK_OVERRIDE  (prints the chunking and workspace:
+//        chunk rows_max last_rows chunks splits per last_splits last_per dz_offset stats_offset
+//        dw_acc_offset total)
 //   table                        (every entry: index, arch, key, num_warps, shared)
 //
 // (pointers as integers). The answer to a launch is one line: the key the C++ chooser builds,
-// the index of the static table's entry (-1 for none), the grid, num_warps, `runtime=1` when the
+// the index of the static table's entry (-1 for none), the grid (and `grid_y=` for a 2-D grid),
+// num_warps, `runtime=1` when the
 // runtime table (variants registered by the Python launcher) has the key instead, and the byte
 // size of each packed parameter of the variant found ("sizes=8,8,8,4,4,8,8"). With drop_last,
 // the packing leaves out the last kernel parameter (the planted mismatch the test must catch).
@@ -25,6 +34,7 @@
 #include <string>
 
 #include "wiola/triton_glu.h"
+#include "wiola/triton_linear_cross_entropy.h"
 #include "wiola/triton_rms_norm.h"
 #include "wiola/triton_srpe.h"
 #include "wiola/triton_table.h"
@@ -38,7 +48,7 @@ inline int element_size(const std::string& dtype) {
 }
 
 inline const char* interned(const std::string& dtype) {
-  for (const char* d : {"fp64", "fp32", "bf16", "fp16"}) {
+  for (const char* d : {"fp64", "fp32", "bf16", "fp16", "i64", "i32", "i16", "i8", "u8"}) {
     if (dtype == d) return d;
   }
   return "unknown";
@@ -68,8 +78,9 @@ inline std::string report(const Launch& launch, int arch, bool drop_last) {
   const Variant* v = find(t, arch, k);
   const RuntimeVariant* r = v == nullptr ? runtime_table().find(arch, k) : nullptr;
   std::ostringstream out;
-  out << k << " " << (v ? static_cast<long>(v - t.variants) : -1L) << " grid=" << launch.grid
-      << " warps=" << launch.num_warps;
+  out << k << " " << (v ? static_cast<long>(v - t.variants) : -1L) << " grid=" << launch.grid;
+  if (launch.grid_y != 1) out << " grid_y=" << launch.grid_y;
+  out << " warps=" << launch.num_warps;
   if (r != nullptr) {
     out << " runtime=1";
     v = &r->variant;
@@ -88,6 +99,91 @@ inline std::string report(const Launch& launch, int arch, bool drop_last) {
     }
   }
   return out.str();
+}
+
+// A linear_cross_entropy problem for the launch builders: the dtypes of h (and W) and of the
+// accumulation, the shape and strides; the float options do not enter a launch's variant.
+inline lce::Problem lce_problem(rms_norm::Ptr h, rms_norm::Ptr W, rms_norm::Ptr y, const char* acc, int64_t V,
+                                int64_t d, int64_t s_hn, int64_t s_hd, int64_t s_wv, int64_t s_wd, bool has_cap,
+                                int64_t ignore_index) {
+  return {{h.p, h.dtype}, {W.p, W.dtype}, {y.p, y.dtype}, acc, V, d, s_hn, s_hd, s_wv, s_wd, has_cap, 30.0, 0.1,
+          1e-4, ignore_index};
+}
+
+inline lce::Ptr lce_ptr(const rms_norm::Ptr& p) { return {p.p, p.dtype}; }
+
+// The lce_* lines (see the top of this file).
+inline std::string lce_answer(const std::string& cmd, std::istringstream& in, bool drop_last, bool& ok) {
+  const int stages = default_num_stages();
+  int arch = 0;
+  if (cmd == "lce_plan") {
+    int64_t n, V, d, sms, override_rows;
+    int chunked, dw_acc;
+    std::string dtype;
+    in >> n >> V >> d >> dtype >> sms >> chunked >> dw_acc >> override_rows;
+    const lce::Plan p = lce::plan(n, V, d, dtype, element_size(dtype), sms, chunked != 0, dw_acc != 0, override_rows);
+    std::ostringstream out;
+    out << p.cfg.chunk << " " << p.rows_max << " " << p.last_rows << " " << p.chunks << " " << p.full.splits << " "
+        << p.full.per << " " << p.last.splits << " " << p.last.per << " " << p.dz_offset << " " << p.stats_offset
+        << " " << p.dw_acc_offset << " " << p.total;
+    return out.str();
+  }
+  if (cmd == "lce_logits") {
+    int64_t row0, rows, V, d, s_hn, s_hd, s_wv, s_wd, sms;
+    int has_cap, store, want_sum;
+    in >> row0 >> rows >> V >> d >> s_hn >> s_hd >> s_wv >> s_wd >> has_cap >> store >> want_sum >> sms >> arch;
+    rms_norm::Ptr p[5];
+    read_typed(in, p);
+    const lce::Problem pr = lce_problem(p[0], p[1], p[2], p[4].dtype, V, d, s_hn, s_hd, s_wv, s_wd, has_cap != 0, -100);
+    const lce::Config c = lce::launch_config(V, p[0].dtype, 0);
+    const lce::Split s = lce::splits(rows, V, c.logits, sms);
+    return report(lce::logits(pr, c, s, store != 0, lce_ptr(p[3]), lce_ptr(p[4]), row0, rows, want_sum != 0),
+                  arch, drop_last);
+  }
+  if (cmd == "lce_rows") {
+    int64_t row0, rows, splits, V, ignore;
+    in >> row0 >> rows >> splits >> V >> ignore >> arch;
+    rms_norm::Ptr p[4];
+    read_typed(in, p);
+    const lce::Problem pr = lce_problem(p[1], p[1], p[1], p[0].dtype, V, 1, 1, 1, 1, 1, false, ignore);
+    const lce::Config c = lce::launch_config(V, p[0].dtype, 0);
+    return report(lce::rows(pr, c, splits, lce_ptr(p[0]), lce_ptr(p[2]), lce_ptr(p[3]), row0, rows, stages), arch,
+                  drop_last);
+  }
+  if (cmd == "lce_dlogits") {
+    int64_t row0, rows, V, ignore;
+    int has_cap, has_row_grad;
+    in >> row0 >> rows >> V >> ignore >> has_cap >> has_row_grad >> arch;
+    rms_norm::Ptr p[5];
+    read_typed(in, p);
+    const lce::Problem pr = lce_problem(p[1], p[1], p[2], p[3].dtype, V, 1, 1, 1, 1, 1, has_cap != 0, ignore);
+    const lce::Config c = lce::launch_config(V, p[1].dtype, 0);
+    return report(lce::dlogits(pr, c, lce_ptr(p[0]), lce_ptr(p[1]), lce_ptr(p[3]), has_row_grad != 0, lce_ptr(p[4]),
+                               row0, rows, stages),
+                  arch, drop_last);
+  }
+  if (cmd == "lce_dw") {
+    int64_t row0, rows, V, d, s_hn, s_hd;
+    int first;
+    in >> row0 >> rows >> V >> d >> s_hn >> s_hd >> first >> arch;
+    rms_norm::Ptr p[3];
+    read_typed(in, p);
+    const lce::Problem pr = lce_problem(p[1], p[1], p[1], "fp32", V, d, s_hn, s_hd, d, 1, false, -100);
+    const lce::Config c = lce::launch_config(V, p[1].dtype, 0);
+    return report(lce::dw(pr, c, lce_ptr(p[0]), lce_ptr(p[2]), row0, rows, first != 0), arch, drop_last);
+  }
+  if (cmd == "lce_reduce") {
+    int64_t n, ignore;
+    int mean, has_items, backward;
+    in >> n >> ignore >> mean >> has_items >> backward >> arch;
+    rms_norm::Ptr p[5];
+    read_typed(in, p);
+    return report(lce::reduce(lce_ptr(p[0]), lce_ptr(p[1]), has_items != 0, lce_ptr(p[2]), backward != 0,
+                              lce_ptr(p[3]), lce_ptr(p[4]), n, ignore, mean != 0, stages),
+                  arch, drop_last);
+  }
+  ok = false;
+  return "";
 }
 
 // The answer to one line (several lines for "table"; empty for an empty line); false in `ok`
@@ -172,6 +268,7 @@ inline std::string answer(const std::string& line, bool drop_last, bool& ok) {
     c.q_out = ptr(p[5]), c.k_out = ptr(p[6]);
     return report(srpe::launch(c, sms, default_num_stages()), arch, drop_last);
   }
+  if (cmd.rfind("lce_", 0) == 0) return lce_answer(cmd, in, drop_last, ok);
   if (cmd == "rms_layout") {
     int64_t programs, d;
     int has_shift;

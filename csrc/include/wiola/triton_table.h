@@ -89,13 +89,15 @@ struct Arg {
   }
 };
 
-// A launch as the Python launcher makes it.
+// A launch as the Python launcher makes it: `grid` programs along axis 0, `grid_y` along axis 1
+// (a 2-D grid, Triton's (grid, grid_y)).
 struct Launch {
   const char* kernel;
   std::vector<Arg> args;
   int num_warps;
   int num_stages;
   int64_t grid;
+  int64_t grid_y = 1;
 };
 
 // Triton's name of an integer argument's type: i32 within int32, else i64 (u64 past int64
