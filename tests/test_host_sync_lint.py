@@ -35,6 +35,10 @@ PENDING: dict[tuple[str, str, str], str] = {
         "the kernel's 6 float64 scalars copied to the device: cached per configuration and device "
         "(functools.lru_cache around it) outside a capture, but built anew while a CUDA graph is "
         "captured, which is not graph-safe; pass them as launch arguments instead",
+    ("triton/srpe.py", "kernel_omega", "torch.tensor(device=)"):
+        "the default frequencies ω copied to the device: the same as _build_constants (cached per "
+        "configuration and device outside a capture, built anew inside one; it lived in "
+        "srpe_tables.py, outside this scan, until it was folded into its one user)",
 }
 
 
