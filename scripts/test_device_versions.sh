@@ -48,11 +48,12 @@ kernels=(tests/test_rms_norm.py tests/test_srpe.py tests/test_gcla_attention.py 
          tests/test_op_layer.py tests/test_all_ops.py tests/test_triton_interpreter.py)
 part "interpreter tests (Triton 3.6)" "$PYTHON" -m pytest -q -p no:cacheprovider $XDIST "${kernels[@]}" \
   tests/test_cuda_emu.py -k "triton or test_cuda_emu" "$@"
-# Not here: the slow compile-per-family tests and FSDP2 (torch's sharding, the same on either
-# transformers); the main run has them.
+# Not here: the slow compile-per-family tests, FSDP2 (torch's sharding, the same on either
+# transformers) and the fused step's arithmetic (tests/test_model_fused_step.py: our ops on
+# tensors; the model's transformers glue is test_model_hf.py's); the main run has them.
 part "patch_hf + model tests (transformers 5.17)" "$PYTHON" -m pytest -q -p no:cacheprovider $XDIST -m "not slow" \
   tests/test_hf*.py --ignore=tests/test_hf_distributed.py tests/test_model.py tests/test_model_hf.py \
-  tests/test_model_decode.py tests/test_model_fused_step.py tests/test_model_loss.py "$@"
+  tests/test_model_decode.py tests/test_model_loss.py "$@"
 part "AOT spill check (Triton 3.6, sm_90)" env WIOLA_AOT_ARCHS=sm_90 "$PYTHON" -m pytest -q -p no:cacheprovider \
   tests/test_triton_aot.py "$@"
 dry() { OUT=$(mktemp -d) WIOLA_DEVICE_ENV=0 bash scripts/gpu_check.sh --dry-run; }
