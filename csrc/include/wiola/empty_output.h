@@ -34,11 +34,15 @@ inline void advise_huge_pages(const at::Tensor& t) {
 #endif
 }
 
-// Fills a fresh output with NaN (floats) or -1 (integers) when the environment sets
-// WIOLA_POISON_OUTPUTS=1, so a test sees any element a kernel skips.
+// Fills a fresh output with NaN (floats) or -1 (integers) when the environment set
+// WIOLA_POISON_OUTPUTS=1 at the first allocation (read once, as wiola_kernels/outputs.py reads
+// it at import: no environment lookup per call), so a test sees any element a kernel skips.
 inline void poison_if_requested(at::Tensor& out) {
-  const char* flag = std::getenv("WIOLA_POISON_OUTPUTS");
-  if (flag != nullptr && flag[0] != '\0' && std::strcmp(flag, "0") != 0) {
+  static const bool poison = [] {
+    const char* flag = std::getenv("WIOLA_POISON_OUTPUTS");
+    return flag != nullptr && flag[0] != '\0' && std::strcmp(flag, "0") != 0;
+  }();
+  if (poison) {
     if (at::isFloatingType(out.scalar_type())) {
       out.fill_(std::numeric_limits<double>::quiet_NaN());
     } else {
