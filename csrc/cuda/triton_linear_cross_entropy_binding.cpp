@@ -240,23 +240,14 @@ void lce_bwd(const at::Tensor& grad_loss, const at::Tensor& h, const at::Tensor&
              const std::optional<at::Tensor>& grad_h_opt, const std::optional<at::Tensor>& grad_W_opt,
              int64_t ignore_index, c10::string_view reduction, double label_smoothing, std::optional<double> softcap,
              double z_loss, bool precomputed) {
-  const checks::LinearCrossEntropyArgs a =
-      checks::linear_cross_entropy(h, W, labels, ignore_index, reduction, label_smoothing, softcap, z_loss, num_items);
+  const checks::LinearCrossEntropyArgs a = checks::linear_cross_entropy_backward(
+      grad_loss, h, W, labels, lse_in, num_items, grad_h_opt, grad_W_opt, ignore_index, reduction, label_smoothing,
+      softcap, z_loss, precomputed);
   const int64_t d = h.size(-1), V = W.size(0), n = a.n;
   const at::ScalarType acc = h.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
   const bool none = reduction == "none", mean = reduction == "mean";
-  TORCH_CHECK_VALUE(none ? grad_loss.numel() == n : grad_loss.numel() == 1, "grad_loss must have ",
-                    none ? "n" : "1", " element(s) (the loss's shape), got shape ", checks::shape_str(grad_loss.sizes()));
-  TORCH_CHECK_VALUE(grad_loss.device() == h.device(), "grad_loss must be on ", h.device(), " like h, got ",
-                    grad_loss.device());
-  TORCH_CHECK_VALUE(lse_in.sizes() == at::IntArrayRef{n} && lse_in.scalar_type() == acc && lse_in.device() == h.device(),
-                    "lse must have shape (N,) = (", n, ",) and dtype ", checks::dtype_name(acc), " (the forward's), got ",
-                    checks::shape_str(lse_in.sizes()), " ", checks::dtype_name(lse_in.scalar_type()));
   const bool want_h = grad_h_opt.has_value() && grad_h_opt->defined();
   const bool want_W = grad_W_opt.has_value() && grad_W_opt->defined();
-  if (want_h) checks::shape("grad_h", *grad_h_opt, {n, d}, "(N, d)");
-  if (want_W) checks::shape("grad_W", *grad_W_opt, {V, d}, "(V, d)");
-  TORCH_CHECK_VALUE(!precomputed || !none, "precomputed gradients exist for reduction 'mean' or 'sum' only");
   if (!want_h && !want_W) return;
   const bool recompute = !precomputed;
   if (recompute) {

@@ -528,4 +528,31 @@ inline LinearCrossEntropyArgs linear_cross_entropy(const at::Tensor& h, const at
   return {n, y, items};
 }
 
+// wiola::linear_cross_entropy_backward: the forward's checks, then grad_loss with the loss's
+// element count (N for "none", else 1), lse the forward's (N,) in the accumulation type
+// (float64 for float64, else float32), both on h's device, and the gradient buffers given
+// (grad_h (N, d), grad_W (V, d)); precomputed gradients only for "mean" / "sum".
+inline LinearCrossEntropyArgs linear_cross_entropy_backward(
+    const at::Tensor& grad_loss, const at::Tensor& h, const at::Tensor& W, const at::Tensor& labels,
+    const at::Tensor& lse, const std::optional<at::Tensor>& num_items, const std::optional<at::Tensor>& grad_h,
+    const std::optional<at::Tensor>& grad_W, int64_t ignore_index, c10::string_view reduction,
+    double label_smoothing, std::optional<double> softcap, double z_loss, bool precomputed) {
+  LinearCrossEntropyArgs a =
+      linear_cross_entropy(h, W, labels, ignore_index, reduction, label_smoothing, softcap, z_loss, num_items);
+  const int64_t n = a.n, d = h.size(-1);
+  const at::ScalarType acc = h.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  const bool none = reduction == "none";
+  TORCH_CHECK_VALUE(none ? grad_loss.numel() == n : grad_loss.numel() == 1, "grad_loss must have ",
+                    none ? "n" : "1", " element(s) (the loss's shape), got shape ", shape_str(grad_loss.sizes()));
+  TORCH_CHECK_VALUE(grad_loss.device() == h.device(), "grad_loss must be on ", h.device(), " like h, got ",
+                    grad_loss.device());
+  TORCH_CHECK_VALUE(lse.sizes() == at::IntArrayRef{n} && lse.scalar_type() == acc && lse.device() == h.device(),
+                    "lse must have shape (N,) = (", n, ",) and dtype ", dtype_name(acc), " (the forward's), got ",
+                    shape_str(lse.sizes()), " ", dtype_name(lse.scalar_type()));
+  if (grad_h.has_value() && grad_h->defined()) shape("grad_h", *grad_h, {n, d}, "(N, d)");
+  if (grad_W.has_value() && grad_W->defined()) shape("grad_W", *grad_W, {W.size(0), d}, "(V, d)");
+  TORCH_CHECK_VALUE(!precomputed || !none, "precomputed gradients exist for reduction 'mean' or 'sum' only");
+  return a;
+}
+
 }  // namespace wiola::checks
