@@ -49,6 +49,7 @@ logs=$(mktemp -d)
 cp csrc/include/wiola/torch_headers.h "$logs/torch_headers.h"
 pch_flags=()
 for f in "${flags[@]}"; do [ "$f" = -fsyntax-only ] || pch_flags+=("$f"); done
+t_pch=$SECONDS
 if c++ "${pch_flags[@]}" -x c++-header "$logs/torch_headers.h" -o "$logs/torch_headers.h.gch" 2> "$logs/pch.log"; then
   flags+=(-include "$logs/torch_headers.h")
 else
@@ -67,9 +68,11 @@ EOF
   sources+=(csrc/cuda/*.cpp "$logs/gen/build/generated/wiola_cubin_table.cpp")
 fi
 export logs
+t_cxx=$SECONDS
 printf '%s\n' "${sources[@]}" | xargs -P "$(nproc)" -I{} sh -c \
   'log="$logs/$(echo {} | tr / _).log"; if c++ "$@" {} > "$log" 2>&1; then echo "OK   {}"; else echo "FAIL {}"; fi' \
   _ "${flags[@]}" | sort -k2 > "$logs/summary"
+t_nvcc=$SECONDS
 if [ -n "$cuda_include" ]; then
   # nvcc as that torch's BuildExtension runs it: its COMMON_NVCC_FLAGS (read from its
   # cpp_extension.py), the C++ standard it adds when none is named, and setup.py's flags.
@@ -101,6 +104,7 @@ EOF
   cat "$logs"/csrc_cuda_*.cu.result >> "$logs/summary"
   sources+=(csrc/cuda/*.cu)
 fi
+echo "(times: precompiled header and setup $((t_cxx - t_pch)) s, C++ sources $((t_nvcc - t_cxx)) s, nvcc $((SECONDS - t_nvcc)) s)"
 rm -f "$logs/torch_headers.h.gch"  # ~0.4 GB
 cat "$logs/summary"
 if grep -q "^FAIL" "$logs/summary"; then
