@@ -77,6 +77,7 @@ def test_supported_table_lists_every_family_and_what_is_swapped():
     allowed = {"norms": {"gamma_rounded", "gamma_fp32", "one_plus_gamma_fp32"},
                "qk_norms": {None, "per_head", "whole_projection"},
                "rope": {"all_layers", "per_layer_type", "no_rope_layers"},
+               "partial_rotary": {True, False},
                "mlp": {"silu", "gelu_tanh", "packed_silu"},
                "loss": {"linear_cross_entropy", "linear_cross_entropy_softcap"}}
     for model_type, row in table.items():
@@ -86,6 +87,7 @@ def test_supported_table_lists_every_family_and_what_is_swapped():
     assert table["gemma2"]["norms"] == table["gemma3_text"]["norms"] == "one_plus_gamma_fp32"
     assert table["olmo2"]["qk_norms"] == "whole_projection" and table["qwen3"]["qk_norms"] == "per_head"
     assert table["phi3"]["mlp"] == "packed_silu" and table["smollm3"]["rope"] == "no_rope_layers"
+    assert [t for t, row in table.items() if row["partial_rotary"]] == ["phi3"]  # the one apply that slices
     table["llama"]["mlp"] = "changed"  # a copy: the patch's own table is untouched
     assert wk.hf.supported()["llama"]["mlp"] == "silu"
 
@@ -382,6 +384,55 @@ def test_scaled_rope_types_are_swapped_in_the_families(case, monkeypatch, recwar
     if family == "gemma3_text":
         assert rotary.buffer_check == "fused"
     wk.unpatch_hf(m)
+
+
+# ---- partial rotary (Phi-3's partial_rotary_factor; Phi-4-mini: 0.75 with longrope) ------------
+
+_PARTIAL_ROPES = {
+    "default": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.75},
+    "longrope": {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+                 "original_max_position_embeddings": 4,
+                 "short_factor": [1.0, 1.5, 2.0, 3.0, 4.0, 6.0], "long_factor": [1.0, 2.0, 4.0, 8.0, 12.0, 16.0]},
+}
+
+
+@pytest.mark.parametrize("rope", list(_PARTIAL_ROPES))
+def test_phi3_partial_rotary_is_swapped(rope, monkeypatch, recwarn):
+    """Phi-3 with ``partial_rotary_factor`` 0.75 (d_h 16: 12 features rotated, 4 passed
+    through): srpe rotates the first 12 features (θ₀^(−2j/12), or longrope's 6 frequencies
+    and attention factor), the last 4 come through unchanged, and the patched float32 model
+    matches the unpatched one in float64, past the original length."""
+    m = model("phi3", seed=61, max_position_embeddings=16, rope_parameters=dict(_PARTIAL_ROPES[rope])).train()
+    assert m.model.rotary_emb.inv_freq.shape == (6,)  # HF's own rotary covers 12 of 16 features
+    reference = copy.deepcopy(m).double()
+    wk.patch_hf(m)
+    assert not [w for w in recwarn if "wiola" in str(w.message)], [str(w.message) for w in recwarn]
+    rotary = m.model.rotary_emb
+    assert isinstance(rotary, FusedRotaryEmbedding) and rotary.head_dim == 12
+    widths = []
+    srpe = hf.srpe
+    monkeypatch.setattr(hf, "srpe", lambda q, k, *a, **kw: widths.append((q.shape[-1], k.shape[-1])) or srpe(q, k, *a, **kw))
+    for case in ("ignore_index", "right_padding"):  # 10 positions: past longrope's original 4
+        widths.clear()
+        data = training_batch(case, seed=62)
+        _assert_matches(loss_and_grads(m, **data), loss_and_grads(reference, **data), f"{rope} {case}")
+        assert widths == [(12, 12)] * len(m.model.layers)
+    if rope == "default":
+        assert rotary.buffer_check == "fused"  # θ₀^(−2j/12), checked against HF's 6-entry buffer
+    # The pass-through features: a query whose rotated part is zero comes back as it went in.
+    pos = _rotary_positions(rotary)
+    q, k = torch.zeros(1, 4, 5, 16), torch.zeros(1, 2, 5, 16)
+    q[..., 12:], k[..., 12:] = torch.randn(1, 4, 5, 4), torch.randn(1, 2, 5, 4)
+    q_out, k_out = pos.apply(q, k)
+    assert torch.equal(q_out, q) and torch.equal(k_out, k)
+    wk.unpatch_hf(m)
+    assert type(m.model.rotary_emb).__name__ == "Phi3RotaryEmbedding"
+
+
+def _rotary_positions(rotary):
+    """The RotaryPositions a fused rotary embedding attaches to its cos table at positions 0..4."""
+    cos, _ = rotary(torch.zeros(1), torch.arange(5)[None])
+    return getattr(cos, hf._ROPE_ATTR)
 
 
 # ---- generate through the kept signature ---------------------------------------------------

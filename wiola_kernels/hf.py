@@ -98,8 +98,9 @@ scale (SPEC §4, "Given frequencies"). For ``dynamic`` and ``longrope`` it first
 Face's own per-call update (``transformers.modeling_rope_utils.dynamic_rope_update``,
 with its condition on the sequence length ``max(position_ids) + 1``), so the frequencies
 are recomputed, grown, reset or switched exactly when the unpatched model's would be.
-Another rope type, and partial rotary embeddings, keep HF's rotary embedding, with a
-warning that names the type (RMSNorm is still swapped). Models of other architectures
+Another rope type, and partial rotary embeddings outside the families whose RoPE
+function takes them (Phi-3), keep HF's rotary embedding, with a warning that names the
+type (RMSNorm is still swapped). Models of other architectures
 (Gemma 3's multimodal ``gemma3`` models included) are left untouched, with a warning
 naming them.
 
@@ -148,10 +149,13 @@ class _Family:
     rope: str = "all_layers"
     mlp: str = "silu"
     loss: str = "linear_cross_entropy"
+    # Whether the family's apply_rotary_pos_emb rotates only the first cos.shape[-1] features
+    # of a head and passes the rest (Phi-3: config's partial_rotary_factor, Phi-4-mini's 0.75).
+    partial_rotary: bool = False
 
     def row(self) -> dict:
         return {"classes": f"{self.prefix}*", "norms": self.norms, "qk_norms": self.qk_norms, "rope": self.rope,
-                "mlp": self.mlp, "loss": self.loss}
+                "partial_rotary": self.partial_rotary, "mlp": self.mlp, "loss": self.loss}
 
 
 # model_type (config.model_type) -> what is swapped. Llama, Mistral, Qwen2, Qwen3, Phi-3 and
@@ -166,7 +170,7 @@ _FAMILIES: dict[str, _Family] = {
                       loss="linear_cross_entropy_softcap"),
     "gemma3_text": _Family("gemma3", "Gemma3", norms="one_plus_gamma_fp32", qk_norms="per_head",
                            rope="per_layer_type", mlp="gelu_tanh", loss="linear_cross_entropy_softcap"),
-    "phi3": _Family("phi3", "Phi3", mlp="packed_silu"),
+    "phi3": _Family("phi3", "Phi3", mlp="packed_silu", partial_rotary=True),
     "olmo2": _Family("olmo2", "Olmo2", norms="gamma_fp32", qk_norms="whole_projection"),
     "smollm3": _Family("smollm3", "SmolLM3", rope="no_rope_layers"),
 }
@@ -194,6 +198,9 @@ def supported() -> dict[str, dict]:
       Face's, with a warning): ``"all_layers"``; ``"per_layer_type"`` (Gemma 3: one θ₀ or
       rope type per attention layer type, sliding and full); ``"no_rope_layers"``
       (SmolLM3: the layers ``config.no_rope_layers`` marks 0 apply none, as in HF).
+    * ``partial_rotary`` — whether a rotary embedding over the first
+      ``partial_rotary_factor · d_h`` features of each head is swapped too (Phi-3 and
+      Phi-4-mini: ``srpe`` rotates those features, the rest pass through, as in HF).
     * ``mlp`` — the gated MLP's product through :func:`wiola_kernels.glu`: ``"silu"``
       (``down(SiLU(gate(x)) ⊙ up(x))``), ``"gelu_tanh"`` (GeGLU, Gemma's
       ``gelu_pytorch_tanh``), ``"packed_silu"`` (Phi-3's fused ``gate_up_proj``, whose two
@@ -208,7 +215,7 @@ def supported() -> dict[str, dict]:
     dropouts, and Gemma's embedding scale.
 
     Returns:
-        ``{model_type: {"classes", "norms", "qk_norms", "rope", "mlp", "loss"}}``.
+        ``{model_type: {"classes", "norms", "qk_norms", "rope", "partial_rotary", "mlp", "loss"}}``.
     """
     return {model_type: family.row() for model_type, family in _FAMILIES.items()}
 
@@ -394,18 +401,26 @@ class RotaryPositions:
     scale) that the fused rotary embedding attaches to its ``cos`` table; :meth:`apply`
     rotates Q and K with :func:`wiola_kernels.srpe`."""
 
-    __slots__ = ("position_ids", "theta", "inv_freq", "scale")
+    __slots__ = ("position_ids", "theta", "inv_freq", "scale", "rotary_dim")
 
     def __init__(self, position_ids: Tensor, theta: float = 10000.0, inv_freq: Tensor | None = None,
-                 scale: float = 1.0) -> None:
+                 scale: float = 1.0, rotary_dim: int | None = None) -> None:
         self.position_ids = position_ids
         self.theta = theta
         self.inv_freq = inv_freq
         self.scale = scale
+        self.rotary_dim = rotary_dim  # None: all of d_h; else the first rotary_dim features
 
     def apply(self, q: Tensor, k: Tensor, unsqueeze_dim: int = 1) -> tuple[Tensor, Tensor]:
         """RoPE of ``q``, ``k`` laid out ``(B, H, T, d_h)`` (``unsqueeze_dim=1``) or
-        ``(B, T, H, d_h)`` (``unsqueeze_dim=2``)."""
+        ``(B, T, H, d_h)`` (``unsqueeze_dim=2``); with ``rotary_dim < d_h``, of their first
+        ``rotary_dim`` features, the rest passed through (HF's partial rotary)."""
+        if self.rotary_dim is not None and self.rotary_dim < q.shape[-1]:
+            # srpe reads the strided slices in place; the concatenation is HF's own.
+            r = self.rotary_dim
+            q_rot, k_rot = RotaryPositions(self.position_ids, self.theta, self.inv_freq, self.scale).apply(
+                q[..., :r], k[..., :r], unsqueeze_dim)
+            return torch.cat((q_rot, q[..., r:]), dim=-1), torch.cat((k_rot, k[..., r:]), dim=-1)
         if unsqueeze_dim == 2:
             q_rot, k_rot = self.apply(q.transpose(1, 2), k.transpose(1, 2))
             return q_rot.transpose(1, 2), k_rot.transpose(1, 2)
@@ -462,6 +477,10 @@ class FusedRotaryEmbedding(nn.Module):
     ``forward(x, position_ids, layer_type)``, with one ``<layer_type>_inv_freq`` buffer,
     θ₀ and rope type per type) is served alike: ``theta`` is then ``{layer_type: θ₀}``
     (θ₀ is used only by the layer types whose rope type is ``default``).
+
+    ``head_dim`` is the number of features RoPE rotates: the head size, or with a partial
+    rotary embedding (Phi-3's ``partial_rotary_factor``) its first part, which is also the
+    width of ``(cos, sin)`` (as HF's) and the ``d_h`` of its ``θ₀^(−2j/d_h)``.
     """
 
     def __init__(self, hf_rotary: nn.Module, theta: float | dict, head_dim: int, modeling: str) -> None:
@@ -487,11 +506,11 @@ class FusedRotaryEmbedding(nn.Module):
         theta = self.thetas[layer_type]
         if self.rope_types[layer_type] == "default":
             cos, sin = rope_tables(position_ids, theta, self.head_dim, x.dtype)
-            setattr(cos, _ROPE_ATTR, RotaryPositions(position_ids, theta))
+            setattr(cos, _ROPE_ATTR, RotaryPositions(position_ids, theta, rotary_dim=self.head_dim))
             return cos, sin
         args = rope_srpe_arguments(self.hf_rotary, x, position_ids, layer_type)
         cos, sin = rope_tables(position_ids, theta, self.head_dim, x.dtype, args["inv_freq"], args["scale"])
-        setattr(cos, _ROPE_ATTR, RotaryPositions(position_ids, theta, args["inv_freq"], args["scale"]))
+        setattr(cos, _ROPE_ATTR, RotaryPositions(position_ids, theta, args["inv_freq"], args["scale"], self.head_dim))
         return cos, sin
 
     def _eager_checks(self) -> None:
@@ -615,16 +634,23 @@ def _rope_theta(config, layer_type: str | None = None):
     return params.get("rope_theta", getattr(config, "rope_theta", None))
 
 
-def _rope_supported(rotary: nn.Module, config, head_dim: int, layer_type: str | None = None) -> str | None:
+def _rope_supported(rotary: nn.Module, config, head_dim: int, layer_type: str | None = None,
+                    partial: bool = False) -> str | None:
     """None when ``rotary`` is RoPE of a type in :data:`ROPE_TYPES` we can reproduce (for
-    ``layer_type``, in a rotary module serving several), else why not. Reads only the config
-    and metadata (never tensor values), so meta-device modules are judged alike."""
+    ``layer_type``, in a rotary module serving several), else why not. With ``partial`` its
+    frequencies may cover fewer than ``head_dim`` features (an even number: the rotated part).
+    Reads only the config and metadata (never tensor values), so meta-device modules are
+    judged alike."""
     rope_type = _rope_type(rotary, layer_type)
     if rope_type not in ROPE_TYPES:
         return f"rope type {rope_type!r}" + ("" if layer_type is None else f" ({layer_type} layers)")
     inv_freq = getattr(rotary, _rotary_attr_name("inv_freq", layer_type), None)
-    if not isinstance(inv_freq, Tensor) or inv_freq.dim() != 1 or inv_freq.shape[0] * 2 != head_dim:
-        return "a partial or non-standard rotary embedding"
+    if not isinstance(inv_freq, Tensor) or inv_freq.dim() != 1 or inv_freq.shape[0] == 0:
+        return "a non-standard rotary embedding"
+    rotated = inv_freq.shape[0] * 2
+    if rotated > head_dim or (rotated < head_dim and not partial):
+        return f"a partial rotary embedding ({rotated} of {head_dim} features)" if rotated < head_dim \
+            else "a non-standard rotary embedding"
     if rope_type != "default":
         return None  # srpe reads the module's own inv_freq and attention_scaling
     scaling = getattr(rotary, _rotary_attr_name("attention_scaling", layer_type), 1.0)
@@ -632,7 +658,7 @@ def _rope_supported(rotary: nn.Module, config, head_dim: int, layer_type: str | 
         return f"attention scaling {scaling}"
     theta = _rope_theta(config, layer_type)
     if not isinstance(theta, (int, float)) or not theta > 0:
-        return "a partial or non-standard rotary embedding"
+        return "a non-standard rotary embedding"
     return None
 
 
@@ -645,14 +671,16 @@ def _fused_rotary(rotary: nn.Module, config, head_dim: int, modeling, family: _F
     if not layer_types:
         return "a rotary embedding without layer types"
     for layer_type in layer_types:
-        why = _rope_supported(rotary, config, head_dim, layer_type)
+        why = _rope_supported(rotary, config, head_dim, layer_type, partial=family.partial_rotary)
         if why is not None:
             return why
+    # The features RoPE rotates: head_dim, or its first part (partial rotary: Phi-3's factor).
+    rotated = getattr(rotary, _rotary_attr_name("inv_freq", layer_types[0])).shape[0] * 2
     thetas = {layer_type: _rope_theta(config, layer_type) for layer_type in layer_types}
     # θ₀ of the default type (checked above); the other types read their inv_freq instead.
     thetas = {layer_type: float(theta) if isinstance(theta, (int, float)) and theta > 0 else 10000.0
               for layer_type, theta in thetas.items()}
-    return FusedRotaryEmbedding(rotary, thetas if layer_types != [None] else thetas[None], head_dim,
+    return FusedRotaryEmbedding(rotary, thetas if layer_types != [None] else thetas[None], rotated,
                                 modeling.__name__)
 
 
