@@ -43,12 +43,7 @@ FAST_K = ("test_training_gradient_checkpointing or test_save_load or test_causal
 
 # Failures that are expected only when patched: (test id pattern, fnmatch syntax) -> why.
 # Keep minimal; each entry must say why the difference is by design.
-EXPECTED: dict[str, str] = {
-    "*::test_model_rope_scaling_frequencies": (
-        "builds fresh rotary modules as type(model.rotary_emb)(config=...); patch_hf swapped that module for "
-        "FusedRotaryEmbedding, which wraps the model's own HF rotary module and is not built from a config "
-        "(HF's class is untouched: the unpatched run tests it; the patched RoPE is tested by the model tests)"),
-}
+EXPECTED: dict[str, str] = {}
 
 
 @dataclass

@@ -498,7 +498,7 @@ class FusedRotaryEmbedding(nn.Module):
                                                                                               layer_type)
         if layer_type not in self.thetas:  # as HF's: a module serving several layer types needs one of them
             raise TypeError(f"{type(self).__name__}.forward: layer_type must be one of "
-                            f"{sorted(map(repr, self.thetas))}, got {layer_type!r}")
+                            f"{', '.join(sorted(map(repr, self.thetas)))}, got {layer_type!r}")
         theta = self.thetas[layer_type]
         if self.rope_types[layer_type] == "default":
             cos, sin = rope_tables(position_ids, theta, self.head_dim, x.dtype)
