@@ -25,6 +25,7 @@ import subprocess
 import sys
 import tempfile
 import xml.etree.ElementTree as ET
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -181,6 +182,8 @@ def main(argv=None) -> int:
     parser.add_argument("--timeout", type=float, default=3600, help="seconds per pytest run (default 3600)")
     parser.add_argument("--keep", metavar="DIR", help="write the JUnit XML files here (default: a temp dir)")
     parser.add_argument("--python", default=sys.executable, help="interpreter that runs pytest")
+    parser.add_argument("--jobs", type=int, default=1,
+                        help="pytest processes at once, each one worker (default 1: a shared 2-core machine)")
     args = parser.parse_args(argv)
     try:
         root = tests_root(args.tests)
@@ -196,13 +199,17 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="hf_suite_") as tmp:
         workdir = Path(args.keep) if args.keep else Path(tmp)
         workdir.mkdir(parents=True, exist_ok=True)
-        results = {}
-        for family in families:
-            runs = tuple(run_family(root, FAMILIES[family], patched, k, workdir, args.timeout, args.python)
-                         for patched in (False, True))
-            results[family] = runs
-            print(f"hf_suite: {family} done", file=sys.stderr, flush=True)
-        return report(results)
+        tasks = [(family, patched) for family in families for patched in (False, True)]
+
+        def run(task):
+            family, patched = task
+            result = run_family(root, FAMILIES[family], patched, k, workdir, args.timeout, args.python)
+            print(f"hf_suite: {family} {'patched' if patched else 'unpatched'} done", file=sys.stderr, flush=True)
+            return result
+
+        with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
+            done = dict(zip(tasks, pool.map(run, tasks)))
+        return report({family: (done[family, False], done[family, True]) for family in families})
 
 
 if __name__ == "__main__":
