@@ -235,3 +235,44 @@ def test_an_unknown_rope_type_keeps_hf_rope_with_a_warning():
     assert m.model.rotary_emb is rotary and modeling.apply_rotary_pos_emb is original_apply
     assert isinstance(m.model.norm, wk.RMSNorm)  # the norms are still fused
     wk.unpatch_hf(m)
+
+
+@pytest.mark.parametrize("name", ["default", "linear", "dynamic", "yarn", "longrope"])
+def test_patched_rotary_class_builds_from_a_config_like_hfs(name):
+    """transformers' own RoPE tests build fresh rotary modules as ``type(model.rotary_emb)(config=...)``
+    and read ``.inv_freq``: on a patched model that class is FusedRotaryEmbedding, which then
+    builds one of the config's family, returning HF's tables and exposing HF's buffers (issue 38)."""
+    m = rope_model(name, seed=69)
+    cfg = m.config
+    wk.patch_hf(m)
+    fused = type(m.model.rotary_emb)(config=cfg)
+    reference = type(fused.hf_rotary)(config=cfg)  # HF's own module of the same config
+    assert isinstance(fused, FusedRotaryEmbedding) and type(fused.hf_rotary).__name__ == "LlamaRotaryEmbedding"
+    x = torch.zeros(1, 5, 64)
+    for pos in (torch.arange(10)[None], torch.arange(100)[None], torch.arange(10)[None]):  # dynamic: grows, resets
+        for got, want in zip(fused(x, pos), reference(x, pos)):
+            assert got.shape == want.shape and got.dtype == want.dtype
+            assert rel_err(got, want) <= tolerance(torch.float32), name
+        assert torch.equal(fused.inv_freq, reference.inv_freq)  # HF's buffer, read through
+    assert fused.inv_freq is fused.hf_rotary.inv_freq and fused.attention_scaling == reference.attention_scaling
+    assert m.model.rotary_emb.inv_freq is m.model.rotary_emb.hf_rotary.inv_freq
+    with pytest.raises(AttributeError, match="FusedRotaryEmbedding"):
+        fused.not_an_attribute
+    with pytest.raises(TypeError, match="config="):
+        FusedRotaryEmbedding()
+    wk.unpatch_hf(m)
+
+
+def test_patched_gemma3_rotary_needs_a_layer_type():
+    """Gemma 3's rotary module serves each layer type; called without one (as HF's, which then fails
+    on its missing argument) the fused one says which types it has."""
+    from hf_helpers import config as family_config
+
+    fused = FusedRotaryEmbedding(config=family_config("gemma3_text"))
+    x, pos = torch.zeros(1, 4, 64), torch.arange(4)[None]
+    with pytest.raises(TypeError, match="full_attention"):
+        fused(x, pos)
+    hf_rotary = fused.hf_rotary
+    for layer_type in ("sliding_attention", "full_attention"):
+        for got, want in zip(fused(x, pos, layer_type), hf_rotary(x, pos, layer_type)):
+            assert rel_err(got, want) <= tolerance(torch.float32)

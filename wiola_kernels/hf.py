@@ -483,8 +483,20 @@ class FusedRotaryEmbedding(nn.Module):
     width of ``(cos, sin)`` (as HF's) and the ``d_h`` of its ``θ₀^(−2j/d_h)``.
     """
 
-    def __init__(self, hf_rotary: nn.Module, theta: float | dict, head_dim: int, modeling: str) -> None:
+    def __init__(self, hf_rotary: nn.Module | None = None, theta: float | dict | None = None,
+                 head_dim: int | None = None, modeling: str | None = None, *, config=None, device=None) -> None:
         super().__init__()
+        if hf_rotary is None:
+            # HF's own constructor form, RotaryEmbedding(config=..., device=...): code that builds a
+            # fresh rotary module as type(model.rotary_emb)(config=...) gets a fused one of the
+            # config's family (transformers' RoPE tests do; see scripts/hf_suite.py).
+            if config is None:
+                raise TypeError("FusedRotaryEmbedding takes hf_rotary, theta, head_dim and modeling, or config=")
+            built = _fused_rotary_for_config(config, device)
+            hf_rotary, head_dim, modeling = built.hf_rotary, built.head_dim, built.modeling
+            theta = built.theta if list(built.thetas) == [None] else built.thetas
+        elif theta is None or head_dim is None or modeling is None:
+            raise TypeError("FusedRotaryEmbedding(hf_rotary, ...) needs theta, head_dim and modeling")
         self.hf_rotary = hf_rotary
         # layer type -> θ₀; the key None: a rotary module with one type (forward(x, position_ids))
         self.thetas = {k: float(v) for k, v in theta.items()} if isinstance(theta, dict) else {None: float(theta)}
@@ -503,6 +515,9 @@ class FusedRotaryEmbedding(nn.Module):
         if self.buffer_check == "hf":
             return self.hf_rotary(x, position_ids) if layer_type is None else self.hf_rotary(x, position_ids,
                                                                                               layer_type)
+        if layer_type not in self.thetas:  # as HF's: a module serving several layer types needs one of them
+            raise TypeError(f"{type(self).__name__}.forward: layer_type must be one of "
+                            f"{', '.join(sorted(map(repr, self.thetas)))}, got {layer_type!r}")
         theta = self.thetas[layer_type]
         if self.rope_types[layer_type] == "default":
             cos, sin = rope_tables(position_ids, theta, self.head_dim, x.dtype)
@@ -534,6 +549,18 @@ class FusedRotaryEmbedding(nn.Module):
                     self.buffer_check = "hf"
                     return
             self.buffer_check = "fused"
+
+    def __getattr__(self, name: str):
+        # What HF's rotary module holds and this one does not (inv_freq, original_inv_freq,
+        # attention_scaling, config, ...) is read from it: code reading model.rotary_emb.inv_freq
+        # keeps working on a patched model.
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            hf_rotary = self.__dict__.get("_modules", {}).get("hf_rotary")
+            if hf_rotary is None or not hasattr(hf_rotary, name):
+                raise
+            return getattr(hf_rotary, name)
 
     def extra_repr(self) -> str:
         if list(self.thetas) == [None]:
@@ -682,6 +709,22 @@ def _fused_rotary(rotary: nn.Module, config, head_dim: int, modeling, family: _F
               for layer_type, theta in thetas.items()}
     return FusedRotaryEmbedding(rotary, thetas if layer_types != [None] else thetas[None], rotated,
                                 modeling.__name__)
+
+
+def _fused_rotary_for_config(config, device=None) -> FusedRotaryEmbedding:
+    """A :class:`FusedRotaryEmbedding` around a new HF rotary module of ``config``'s family."""
+    model_type = getattr(config, "model_type", None)
+    if model_type not in _FAMILIES:
+        raise ValueError(f"config has model_type {model_type!r}; the fused RoPE serves {', '.join(_FAMILIES)}")
+    family = _FAMILIES[model_type]
+    modeling = importlib.import_module(_modeling_name(model_type))
+    rotary = getattr(modeling, f"{family.prefix}RotaryEmbedding")(config=config)  # some take no device=
+    if device is not None:
+        rotary = rotary.to(device)
+    fused = _fused_rotary(rotary, config, _head_dim(config), modeling, family)
+    if isinstance(fused, str):
+        raise ValueError(f"{type(rotary).__name__} uses {fused}, which the fused RoPE does not implement")
+    return fused
 
 
 def _inv_freq_mismatch(inv_freq: Tensor, theta: float, head_dim: int) -> str | None:

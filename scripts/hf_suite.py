@@ -1,0 +1,216 @@
+"""Run transformers' own model tests for every patch_hf family twice — as they are, and with
+wiola_kernels.patch_hf applied to every model they build — and report what fails only when
+patched (issue 38).
+
+    python scripts/hf_suite.py --tests DIR [--families llama,qwen3] [-k EXPR] [--fast]
+
+DIR is a transformers checkout (or its tests/ folder) at the commit of the installed release
+(``git clone https://github.com/huggingface/transformers && git checkout v<version>``; the
+wheel ships no tests). ``WIOLA_HF_TESTS_DIR`` stands in for ``--tests``. Each family's
+``tests/models/<family>/test_modeling_<family>.py`` runs in its own pytest process per mode
+(one worker, ``-p no:cacheprovider``, RUN_SLOW unset), results read from JUnit XML. The patched
+run loads scripts/hf_suite_plugin.py, which counts the patched models per test: a family whose
+patched run built no patched model is reported as NOT PATCHED, never as a pass.
+
+Exit status: 0 when no family has a failure the unpatched run lacks (beyond EXPECTED) and every
+patched run patched something; 1 otherwise; 2 for a usage error (no tests directory, ...).
+"""
+
+from __future__ import annotations
+
+import argparse
+import fnmatch
+import os
+import subprocess
+import sys
+import tempfile
+import xml.etree.ElementTree as ET
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+SCRIPTS = Path(__file__).resolve().parent
+REPO = SCRIPTS.parent
+
+# model_type -> the folder of transformers' tests (Gemma 3's text model is tested in gemma3's).
+FAMILIES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2",
+            "gemma3_text": "gemma3", "phi3": "phi3", "olmo2": "olmo2", "smollm3": "smollm3"}
+
+# --fast: a few seconds per family that still build, run, train, save/load and compile
+# patched models (CI's subset; the full files take minutes each).
+FAST_K = ("test_training_gradient_checkpointing or test_save_load or test_causal_lm_can_accept_training_kwargs "
+          "or test_model_rope_scaling_from_config or test_sequence_classification_model_for_single_label "
+          "or test_left_padding_compatibility or test_batching_equivalence")
+
+# Failures that are expected only when patched: (test id pattern, fnmatch syntax) -> why.
+# Keep minimal; each entry must say why the difference is by design.
+EXPECTED: dict[str, str] = {}
+
+
+@dataclass
+class Run:
+    outcomes: dict = field(default_factory=dict)   # test id -> "passed" / "failed" / "skipped"
+    patched: int = 0                               # patched models built, over all tests
+    escaped: int = 0                               # family models built but not patched
+    returncode: int = 0
+    error: str = ""                                # why the run produced no results
+
+    def count(self, outcome: str) -> int:
+        return sum(1 for o in self.outcomes.values() if o == outcome)
+
+
+def tests_root(path: str | None) -> Path:
+    """The folder holding ``tests/models``, or SystemExit(2) saying where to get it."""
+    hint = ("transformers' tests are not in its wheel: clone https://github.com/huggingface/transformers at the "
+            "installed release's tag (v{v}) and pass --tests PATH (or set WIOLA_HF_TESTS_DIR)")
+    try:
+        import transformers
+        version = transformers.__version__
+    except ImportError:
+        version = "?"
+    if not path:
+        raise SystemExit(f"hf_suite: no tests directory given; {hint.format(v=version)}")
+    root = Path(path).expanduser().resolve()
+    if (root / "models").is_dir() and root.name == "tests":
+        root = root.parent
+    if not (root / "tests" / "models").is_dir():
+        raise SystemExit(f"hf_suite: {path} has no tests/models folder; {hint.format(v=version)}")
+    return root
+
+
+def parse_junit(path: Path) -> Run:
+    run = Run()
+    for case in ET.parse(path).getroot().iter("testcase"):
+        test_id = f"{case.get('classname', '')}::{case.get('name', '')}"
+        if case.find("failure") is not None or case.find("error") is not None:
+            outcome = "failed"
+        elif case.find("skipped") is not None:
+            outcome = "skipped"
+        else:
+            outcome = "passed"
+        # a test reported twice (an error in teardown) keeps its worst outcome
+        if run.outcomes.get(test_id) != "failed":
+            run.outcomes[test_id] = outcome
+        for prop in case.iter("property"):
+            if prop.get("name") == "wiola_patched":
+                run.patched += int(prop.get("value", 0))
+            elif prop.get("name") == "wiola_unpatched":
+                run.escaped += int(prop.get("value", 0))
+    return run
+
+
+def run_family(root: Path, folder: str, patched: bool, k: str | None, workdir: Path, timeout: float,
+               python: str) -> Run:
+    test_file = root / "tests" / "models" / folder / f"test_modeling_{folder}.py"
+    if not test_file.is_file():
+        return Run(error=f"no {test_file.relative_to(root)}")
+    xml = workdir / f"{folder}-{'patched' if patched else 'unpatched'}.xml"
+    env = dict(os.environ)
+    env["WIOLA_HF_SUITE_PATCH"] = "1" if patched else "0"
+    env.pop("RUN_SLOW", None)
+    env["PYTHONPATH"] = os.pathsep.join([str(SCRIPTS), str(REPO), str(REPO / "python"),
+                                        *filter(None, [env.get("PYTHONPATH")])])
+    cmd = [python, "-m", "pytest", "-p", "no:cacheprovider", "-p", "hf_suite_plugin", "-q", "--tb=no",
+           "-W", "ignore::pytest.PytestUnknownMarkWarning", f"--junitxml={xml}", "-o", "junit_family=xunit1",
+           "--rootdir", str(root), str(test_file)]
+    if k:
+        cmd += ["-k", k]
+    try:
+        proc = subprocess.run(cmd, cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return Run(error=f"timed out after {timeout:.0f} s")
+    if not xml.is_file():
+        tail = proc.stdout.strip().splitlines()[-5:]
+        return Run(returncode=proc.returncode, error="pytest wrote no report: " + " | ".join(tail))
+    run = parse_junit(xml)
+    run.returncode = proc.returncode
+    if not run.outcomes:
+        run.error = "no tests collected" + (f" (-k {k!r})" if k else "")
+    return run
+
+
+def expected_reason(test_id: str) -> str | None:
+    for pattern, reason in EXPECTED.items():
+        if fnmatch.fnmatchcase(test_id, pattern):
+            return reason
+    return None
+
+
+def report(results: dict[str, tuple[Run, Run]], out=None) -> int:
+    """Print the table and the patched-only failures; return the exit status."""
+    out = out or sys.stdout
+    bad = False
+    print(f"{'family':<12} {'unpatched p/f/s':>17} {'patched p/f/s':>17} {'models patched':>15}  verdict", file=out)
+    details = []
+    for family, (plain, fused) in results.items():
+        cells = [f"{r.count('passed')}/{r.count('failed')}/{r.count('skipped')}" for r in (plain, fused)]
+        new = sorted(t for t, o in fused.outcomes.items() if o == "failed" and plain.outcomes.get(t) != "failed")
+        unexpected = [t for t in new if expected_reason(t) is None]
+        if plain.error or fused.error:
+            verdict = "ERROR: " + (fused.error or plain.error)
+            bad = True
+        elif fused.patched == 0:
+            verdict = "NOT PATCHED (no model of the family was patched)"
+            bad = True
+        elif unexpected:
+            verdict = f"{len(unexpected)} fail only when patched"
+            bad = True
+        else:
+            verdict = "ok" + (f" ({len(new)} expected differences)" if new else "")
+        if fused.escaped:
+            verdict += f"; {fused.escaped} family models escaped the patch"
+            bad = True
+        print(f"{family:<12} {cells[0]:>17} {cells[1]:>17} {fused.patched:>15}  {verdict}", file=out)
+        details += [(family, t, expected_reason(t)) for t in new]
+    if details:
+        print("\nfailing only when patched:", file=out)
+        for family, test_id, reason in details:
+            print(f"  [{family}] {test_id}" + (f"  (expected: {reason})" if reason else ""), file=out)
+    return 1 if bad else 0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tests", default=os.environ.get("WIOLA_HF_TESTS_DIR"),
+                        help="transformers checkout or its tests/ folder (default: $WIOLA_HF_TESTS_DIR)")
+    parser.add_argument("--families", default=",".join(FAMILIES),
+                        help=f"comma-separated model types (default: all: {','.join(FAMILIES)})")
+    parser.add_argument("-k", dest="k", default=None, help="pytest -k expression, applied to both runs")
+    parser.add_argument("--fast", action="store_true", help=f"CI's subset: -k {FAST_K!r}")
+    parser.add_argument("--timeout", type=float, default=3600, help="seconds per pytest run (default 3600)")
+    parser.add_argument("--keep", metavar="DIR", help="write the JUnit XML files here (default: a temp dir)")
+    parser.add_argument("--python", default=sys.executable, help="interpreter that runs pytest")
+    parser.add_argument("--jobs", type=int, default=1,
+                        help="pytest processes at once, each one worker (default 1: a shared 2-core machine)")
+    args = parser.parse_args(argv)
+    try:
+        root = tests_root(args.tests)
+    except SystemExit as e:
+        print(e, file=sys.stderr)
+        return 2
+    families = [f.strip() for f in args.families.split(",") if f.strip()]
+    unknown = [f for f in families if f not in FAMILIES]
+    if unknown:
+        print(f"hf_suite: unknown families {', '.join(unknown)} (known: {', '.join(FAMILIES)})", file=sys.stderr)
+        return 2
+    k = args.k if not args.fast else (f"({FAST_K}) and ({args.k})" if args.k else FAST_K)
+    with tempfile.TemporaryDirectory(prefix="hf_suite_") as tmp:
+        workdir = Path(args.keep) if args.keep else Path(tmp)
+        workdir.mkdir(parents=True, exist_ok=True)
+        tasks = [(family, patched) for family in families for patched in (False, True)]
+
+        def run(task):
+            family, patched = task
+            result = run_family(root, FAMILIES[family], patched, k, workdir, args.timeout, args.python)
+            print(f"hf_suite: {family} {'patched' if patched else 'unpatched'} done", file=sys.stderr, flush=True)
+            return result
+
+        with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
+            done = dict(zip(tasks, pool.map(run, tasks)))
+        return report({family: (done[family, False], done[family, True]) for family in families})
+
+
+if __name__ == "__main__":
+    sys.exit(main())
