@@ -353,6 +353,24 @@ def test_cpu_16bit_paths_match_oracle_over_many_blocks(dtype, monkeypatch):
 
 
 @needs_cpu_extension
+@pytest.mark.parametrize("d", [20, 512, 600, 1100])
+def test_cpu_float32_grad_h_column_slabs(d, monkeypatch):
+    """∂h is computed in an even number of equal column slabs (multiples of 16, at most 512
+    wide: d 20 → 16 + 4, 512 → 2 × 256, 600 → 304 + 296, 1100 → 3 × 288 + 236), the last one
+    partial: within 1e-4 of float64, and the same bits at 1 and 2 threads."""
+    monkeypatch.setenv("WIOLA_LCE_CHUNK_ROWS", "32")
+    h, W, y = make(70, d, 300, seed=23)
+    want = oracle(h, W, y, loss_grad(70, OPTIONS["all"].get("reduction", "mean")), **OPTIONS["all"])
+    with threads(1):
+        one = run("cpu", h, W, y, **OPTIONS["all"])
+    with threads(2):
+        two = run("cpu", h, W, y, **OPTIONS["all"])
+    assert_matches(one, want, TOL[torch.float32], f"cpu d={d}")
+    for a, b in zip(one, two):
+        assert torch.equal(a, b), f"cpu d={d}: depends on the thread count"
+
+
+@needs_cpu_extension
 def test_cpu_float32_gemm_spans(monkeypatch):
     """float32 with 512-row chunks (two, the second partial) and V = 9000: the logits and ∂W
     GEMMs run over spans of 4096 columns (8–32 L2-sized blocks each), the last span partial

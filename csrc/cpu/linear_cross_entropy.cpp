@@ -77,9 +77,17 @@ constexpr int64_t kMaxChunkRows = 512;
 // 4096-column calls run as fast as one GEMM over all of V). 8 tasks at V = 32000. The
 // block epilogues then read the span from L3/memory rather than L2: one more read of it.
 constexpr int64_t kSpanCols = 4096;
-// Columns of ∂h per phase-4 task: 2 tasks at d = 1024 (one per thread on 2 cores); each task
-// reads all of the chunk's dz, so fewer, wider slabs read it fewer times.
+// Columns of ∂h per phase-4 task, at most kGradHCols: each task reads all of the chunk's dz, so
+// fewer, wider slabs read it fewer times; but an even number of slabs, at least 2, of equal
+// width (a multiple of 16), so that two threads share the GEMM evenly — one 512-column slab at
+// d = 512 left a core idle for a third of a fwd+bwd. A function of d alone (not of the thread
+// count), so that the bits are too.
 constexpr int64_t kGradHCols = 512;
+int64_t grad_h_slab_cols(int64_t d) {
+  int64_t slabs = std::max<int64_t>(2, (d + kGradHCols - 1) / kGradHCols);
+  slabs += slabs % 2;
+  return std::max<int64_t>(16, ((d + slabs - 1) / slabs + 15) / 16 * 16);
+}
 // The widened path's phase 3-4 tasks: ∂h_c = Σ_g dz[:, group g] W[group g] over this many
 // fixed groups of vocabulary blocks, each into its own (R, d) float partial, summed in group
 // order (so the bits do not depend on which thread ran a group); each W block is widened
@@ -556,10 +564,11 @@ void chunk_gradients(const Problem<scalar_t>& P, const at::Tensor& hc, at::Tenso
   });
   if (G.grad_h == nullptr) return;
   const at::Tensor dz = L.narrow(0, 0, rows);
-  const int64_t tasks = (P.d + kGradHCols - 1) / kGradHCols;
+  const int64_t slab = grad_h_slab_cols(P.d);
+  const int64_t tasks = (P.d + slab - 1) / slab;
   parallel_tasks(tasks, [&](const auto& next) {
     for (int64_t t; (t = next()) >= 0;) {
-      const int64_t c0 = t * kGradHCols, nc = std::min(kGradHCols, P.d - c0);
+      const int64_t c0 = t * slab, nc = std::min(slab, P.d - c0);
       at::Tensor out = G.grad_h->narrow(0, r0, rows).narrow(1, c0, nc);
       at::mm_out(out, dz, P.W.narrow(1, c0, nc));
     }
