@@ -85,13 +85,18 @@ def test_one_tiny_step_of_each_family_runs_unpatched_and_patched(family, dtype, 
     assert {"FusedGatedMLP", "FusedPackedGatedMLP"} & patched[0]
     for r in records:
         assert "skipped" not in r and r["family"] == family and r["dtype"] == dtype and r["repeats"] == 1
-        for key in ("tokens_per_s", "ms", "cpu_ms", "peak_mb", "loss", "speedup_vs_unpatched_eager"):
+        for key in ("tokens_per_s", "ms", "cpu_ms", "peak_mb", "loss", "speedup_vs_unpatched_eager",
+                    "wall_speedup_vs_unpatched_eager"):
             assert isinstance(r[key], float) and math.isfinite(r[key]), (r["variant"], key)
-    assert records[0]["speedup_vs_unpatched_eager"] == 1.0
+    assert records[0]["speedup_vs_unpatched_eager"] == records[0]["wall_speedup_vs_unpatched_eager"] == 1.0
+    assert records[1]["wall_speedup_vs_unpatched_eager"] == records[0]["ms"] / records[1]["ms"]
     # The same weights and batch: the first losses agree (fp32 closely; bf16 rounds differently).
     tol = 1e-4 if dtype == "float32" else 2e-2
     assert abs(records[0]["loss"] - records[1]["loss"]) <= tol * records[0]["loss"], records
     assert f"{family:<12} patched_eager" in bench_hf.format_hf_all_row(records[1])
+    r = records[1]
+    assert (f"{family:<12} {r['speedup_vs_unpatched_eager']:.3f}x tokens/s "
+            f"({r['wall_speedup_vs_unpatched_eager']:.3f}x by wall time)") in bench_hf.format_hf_all_summary(records)
 
 
 def test_a_family_past_its_budget_is_skipped_with_the_reason():
