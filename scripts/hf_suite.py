@@ -12,14 +12,13 @@ wheel ships no tests). ``WIOLA_HF_TESTS_DIR`` stands in for ``--tests``. Each fa
 run loads scripts/hf_suite_plugin.py, which counts the patched models per test: a family whose
 patched run built no patched model is reported as NOT PATCHED, never as a pass.
 
-Exit status: 0 when no family has a failure the unpatched run lacks (beyond EXPECTED) and every
+Exit status: 0 when no family has a failure the unpatched run lacks and every
 patched run patched something; 1 otherwise; 2 for a usage error (no tests directory, ...).
 """
 
 from __future__ import annotations
 
 import argparse
-import fnmatch
 import os
 import subprocess
 import sys
@@ -29,23 +28,20 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from wiola_kernels.hf import _FAMILIES
+
 SCRIPTS = Path(__file__).resolve().parent
 REPO = SCRIPTS.parent
 
-# model_type -> the folder of transformers' tests (Gemma 3's text model is tested in gemma3's).
-FAMILIES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2",
-            "gemma3_text": "gemma3", "phi3": "phi3", "olmo2": "olmo2", "smollm3": "smollm3"}
+# model_type -> the folder of transformers' tests, which is the family's transformers package
+# (patch_hf's own table: Gemma 3's text model lives, and is tested, in gemma3's).
+FAMILIES = {model_type: family.module for model_type, family in _FAMILIES.items()}
 
 # --fast: a few seconds per family that still build, run, train, save/load and compile
 # patched models (CI's subset; the full files take minutes each).
 FAST_K = ("test_training_gradient_checkpointing or test_save_load or test_causal_lm_can_accept_training_kwargs "
           "or test_model_rope_scaling_from_config or test_sequence_classification_model_for_single_label "
           "or test_left_padding_compatibility or test_batching_equivalence")
-
-# Failures that are expected only when patched: (test id pattern, fnmatch syntax) -> why.
-# Keep minimal; each entry must say why the difference is by design.
-EXPECTED: dict[str, str] = {}
-
 
 @dataclass
 class Run:
@@ -130,13 +126,6 @@ def run_family(root: Path, folder: str, patched: bool, k: str | None, workdir: P
     return run
 
 
-def expected_reason(test_id: str) -> str | None:
-    for pattern, reason in EXPECTED.items():
-        if fnmatch.fnmatchcase(test_id, pattern):
-            return reason
-    return None
-
-
 def report(results: dict[str, tuple[Run, Run]], out=None) -> int:
     """Print the table and the patched-only failures; return the exit status."""
     out = out or sys.stdout
@@ -146,27 +135,26 @@ def report(results: dict[str, tuple[Run, Run]], out=None) -> int:
     for family, (plain, fused) in results.items():
         cells = [f"{r.count('passed')}/{r.count('failed')}/{r.count('skipped')}" for r in (plain, fused)]
         new = sorted(t for t, o in fused.outcomes.items() if o == "failed" and plain.outcomes.get(t) != "failed")
-        unexpected = [t for t in new if expected_reason(t) is None]
         if plain.error or fused.error:
             verdict = "ERROR: " + (fused.error or plain.error)
             bad = True
         elif fused.patched == 0:
             verdict = "NOT PATCHED (no model of the family was patched)"
             bad = True
-        elif unexpected:
-            verdict = f"{len(unexpected)} fail only when patched"
+        elif new:
+            verdict = f"{len(new)} fail only when patched"
             bad = True
         else:
-            verdict = "ok" + (f" ({len(new)} expected differences)" if new else "")
+            verdict = "ok"
         if fused.escaped:
             verdict += f"; {fused.escaped} family models escaped the patch"
             bad = True
         print(f"{family:<12} {cells[0]:>17} {cells[1]:>17} {fused.patched:>15}  {verdict}", file=out)
-        details += [(family, t, expected_reason(t)) for t in new]
+        details += [(family, t) for t in new]
     if details:
         print("\nfailing only when patched:", file=out)
-        for family, test_id, reason in details:
-            print(f"  [{family}] {test_id}" + (f"  (expected: {reason})" if reason else ""), file=out)
+        for family, test_id in details:
+            print(f"  [{family}] {test_id}", file=out)
     return 1 if bad else 0
 
 

@@ -418,8 +418,7 @@ class RotaryPositions:
         if self.rotary_dim is not None and self.rotary_dim < q.shape[-1]:
             # srpe reads the strided slices in place; the concatenation is HF's own.
             r = self.rotary_dim
-            q_rot, k_rot = RotaryPositions(self.position_ids, self.theta, self.inv_freq, self.scale).apply(
-                q[..., :r], k[..., :r], unsqueeze_dim)
+            q_rot, k_rot = self.apply(q[..., :r], k[..., :r], unsqueeze_dim)
             return torch.cat((q_rot, q[..., r:]), dim=-1), torch.cat((k_rot, k[..., r:]), dim=-1)
         if unsqueeze_dim == 2:
             q_rot, k_rot = self.apply(q.transpose(1, 2), k.transpose(1, 2))
@@ -675,9 +674,10 @@ def _rope_supported(rotary: nn.Module, config, head_dim: int, layer_type: str | 
     if not isinstance(inv_freq, Tensor) or inv_freq.dim() != 1 or inv_freq.shape[0] == 0:
         return "a non-standard rotary embedding"
     rotated = inv_freq.shape[0] * 2
-    if rotated > head_dim or (rotated < head_dim and not partial):
-        return f"a partial rotary embedding ({rotated} of {head_dim} features)" if rotated < head_dim \
-            else "a non-standard rotary embedding"
+    if rotated > head_dim:
+        return "a non-standard rotary embedding"
+    if rotated < head_dim and not partial:
+        return f"a partial rotary embedding ({rotated} of {head_dim} features)"
     if rope_type != "default":
         return None  # srpe reads the module's own inv_freq and attention_scaling
     scaling = getattr(rotary, _rotary_attr_name("attention_scaling", layer_type), 1.0)
