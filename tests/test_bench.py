@@ -190,6 +190,18 @@ def test_full_plan_is_every_case():
     assert {c.dtype for c in plan.cases} == {torch.float32, torch.bfloat16}
 
 
+def test_a_dtype_keeps_only_that_dtypes_cases():
+    from wiola_kernels.bench.runner import make_plan
+
+    plan = make_plan("cpu", "full", dtypes=[torch.float32])
+    full = [(c.op, c.shape) for c in all_cases("cpu") if c.dtype == torch.float32]
+    assert [(c.op, c.shape) for c in plan.cases] == full and {c.dtype for c in plan.cases} == {torch.float32}
+    assert "plan full: every shape — " in plan.describe() and "in float32;" in plan.describe()
+    assert "every shape and dtype" in make_plan("cpu", "full").describe()
+    with pytest.raises(ValueError, match=r"dtype: no default case in bfloat16 \(this plan has float32; --full"):
+        make_plan("cpu", dtypes=[torch.bfloat16])
+
+
 def test_a_registered_op_without_a_case_is_refused(monkeypatch):
     from wiola_kernels import dispatch
     from wiola_kernels.bench.runner import make_plan

@@ -95,6 +95,15 @@ def test_wiola_mistakes_are_one_line_before_any_work(argv, message, capsys, monk
     assert message in _one_line_error(capsys.readouterr().err, f"python -m wiola {argv[0]}")
 
 
+def test_bench_dtype_that_leaves_no_case_is_one_line_before_any_work(monkeypatch, capsys):
+    import wiola_kernels.bench.runner as runner
+
+    monkeypatch.setattr(runner, "run_plan", lambda *a, **k: pytest.fail("a benchmark ran"))
+    assert kernels_cli.main(["bench", "--ops", "rms", "--dtype", "bfloat16", "--device", "cpu"]) == 2
+    err = _one_line_error(capsys.readouterr().err, "wiola-kernels")
+    assert "--dtype: no default case in bfloat16" in err and "--full has every dtype" in err
+
+
 def test_ops_accepts_the_readme_names():
     from wiola_kernels import dispatch
 

@@ -231,9 +231,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
         require_matplotlib()
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    plan = make_plan(device, "full" if args.full else "small" if args.small else "default", ops=ops,
-                     passes=[p for p in ("fwd", "fwd+bwd") if args.passes in ("all", p)],
-                     compile=not args.no_compile, repeats=args.repeats, budget_s=args.budget)
+    try:
+        plan = make_plan(device, "full" if args.full else "small" if args.small else "default", ops=ops,
+                         passes=[p for p in ("fwd", "fwd+bwd") if args.passes in ("all", p)],
+                         compile=not args.no_compile, repeats=args.repeats, budget_s=args.budget,
+                         dtypes=None if args.dtype is None else [getattr(torch, args.dtype)])
+    except ValueError as exc:
+        raise CommandError(f"--{exc}" if str(exc).startswith("dtype:") else str(exc)) from None
     print(_device_line(device))
     print(plan.describe(), flush=True)
     with dispatch.use_backend(args.backend):
@@ -326,7 +330,8 @@ def main(argv: list[str] | None = None) -> int:
                             "table, eager only unless --variants, each family within --family-budget; rope = RoPE "
                             "error at large positions, ours vs HF's")
     bench.add_argument("--dtype", choices=("float32", "bfloat16"),
-                       help="with --hf: the models' dtype (default: bfloat16 on CUDA, float32 on the CPU)")
+                       help="with --hf: the models' dtype (default: bfloat16 on CUDA, float32 on the CPU); "
+                            "with the ops: only their cases of this dtype (e.g. --full --dtype float32)")
     bench.add_argument("--family-budget", type=positive_float, default=DEFAULT_FAMILY_BUDGET_S, metavar="SECONDS",
                        help="with --hf all: seconds per family, building, warm-up (compiling) and the peak-memory "
                             "step included; of the timed rounds (--repeats, default 3) as many run as fit, at "

@@ -680,7 +680,8 @@ class BenchPlan:
         """The header line: what runs, in which dtype(s), and what ``--full`` adds."""
         ops = list(dict.fromkeys(c.op for c in self.cases))
         dtypes = ", ".join(dict.fromkeys(str(c.dtype).replace("torch.", "") for c in self.cases))
-        what = {"default": "one shape per op", "full": "every shape and dtype", "small": "small shapes"}[self.name]
+        what = {"default": "one shape per op", "full": "every shape" + (" and dtype" if ", " in dtypes else ""),
+                "small": "small shapes"}[self.name]
         variants = "fused / eager (wiola_kernels.reference)" + (" / torch.compile(reference)" if self.compile else "")
         budget = "none" if self.budget_s is None else f"{self.budget_s:g} s"
         line = (f"plan {self.name}: {what} — {len(self.cases)} case(s) of {len(ops)} op(s) in {dtypes}; "
@@ -692,15 +693,15 @@ class BenchPlan:
 
 def make_plan(device: torch.device | str, plan: str = "default", *, ops: Iterable[str] | None = None,
               passes: Iterable[str] = PASSES, compile: bool = True, repeats: int | None = None,
-              budget_s: float | None = DEFAULT_BUDGET_S) -> BenchPlan:
+              budget_s: float | None = DEFAULT_BUDGET_S, dtypes: Iterable[torch.dtype] | None = None) -> BenchPlan:
     """The plan named ``plan`` (one of :data:`PLANS`) on ``device``.
 
     ``default``: one case per op of the registry (:func:`wiola_kernels.dispatch.ops`), in
     the default dtype (float32 on the CPU, bfloat16 on CUDA), 5 timed runs, the ``warm``
     page policy; ``full``: every case, 10 runs, both page policies; ``small``: the small
-    cases (smoke tests). ``ops`` restricts any plan to those ops; ``repeats`` overrides
-    the runs. Raises ``ValueError`` for an unknown plan or op, or a registered op without
-    a benchmark case.
+    cases (smoke tests). ``ops`` restricts any plan to those ops, ``dtypes`` to cases of
+    those dtypes; ``repeats`` overrides the runs. Raises ``ValueError`` for an unknown plan
+    or op, a registered op without a benchmark case, or ``dtypes`` that leave no case.
     """
     if plan not in PLANS:
         raise ValueError(f"plan must be one of {PLANS}, got {plan!r}")
@@ -710,6 +711,14 @@ def make_plan(device: torch.device | str, plan: str = "default", *, ops: Iterabl
     missing = sorted(set(ops or dispatch.ops()) - {c.op for c in cases})
     if missing:
         raise ValueError(f"registered op(s) {missing} have no benchmark case (bench_cases of wiola_kernels/ops/<op>.py)")
+    if dtypes is not None:
+        wanted = tuple(dtypes)
+        kept = [c for c in cases if c.dtype in wanted]
+        if not kept:
+            have = ", ".join(dict.fromkeys(str(c.dtype).replace("torch.", "") for c in cases))
+            raise ValueError(f"dtype: no {plan} case in {', '.join(str(d).replace('torch.', '') for d in wanted)} "
+                             f"(this plan has {have}{'' if plan == 'full' else '; --full has every dtype'})")
+        cases = kept
     full = plan == "full"
     return BenchPlan(name=plan, cases=cases, passes=tuple(p for p in PASSES if p in tuple(passes)),
                      compile=compile, repeats=repeats or (10 if full else 5), budget_s=budget_s,
