@@ -252,6 +252,38 @@ def test_a_timing_past_its_budget_is_skipped_and_the_run_goes_on(autograd_warm):
     assert any(r.startswith("slow") and "> 0.3 s, skipped (the first run unfinished at 0.3 s)" in r for r in rows)
 
 
+def test_every_variant_is_timed_under_the_warm_page_policy(monkeypatch):
+    """The ``ms`` of each variant, not only the op/copy pairs, is taken with freed memory kept:
+    a process's first cases once paid for fresh pages (a 10x spread in one row)."""
+    import contextlib
+
+    import wiola_kernels.bench.runner as runner
+    from wiola_kernels.bench.runner import BenchPlan, run_plan
+
+    active, seen = [], []
+    real = runner.page_policy
+
+    @contextlib.contextmanager
+    def recording(policy, device):
+        active.append(policy)
+        try:
+            with real(policy, device) as before:
+                yield before
+        finally:
+            active.pop()
+
+    def timer(run, device, repeats, budget_s):
+        seen.append(tuple(active))
+        run()
+        return 1.0
+
+    monkeypatch.setattr(runner, "page_policy", recording)
+    plan = BenchPlan(name="small", cases=[_fake_case("a")], passes=("fwd",), compile=False, repeats=3,
+                     budget_s=None, page_policies=("warm",), copy_pairs=3)
+    run_plan(plan, "cpu", out=io.StringIO(), timer=timer)
+    assert seen == [("warm",), ("warm",)]  # fused, eager
+
+
 def test_a_variant_that_raises_is_reported_and_the_run_goes_on(autograd_warm):
     """An Inductor compile error in a baseline (ATM's reference on AVX2, torch 2.13) fails its
     cell, not the run; the later pass does not try it again."""

@@ -461,7 +461,11 @@ def _time_variant(label: str, run: Callable[[], object], device: torch.device, r
                   budget_s: float | None, timer: PassTimer, result: _PassResult) -> BudgetExceeded | None:
     """Time one variant into ``result``; the :class:`BudgetExceeded` when it was skipped."""
     try:
-        ms = timer(run, device, repeats, budget_s)
+        # The warm page policy, as for the op/copy pairs and the alternating timings: otherwise
+        # the first cases of a process pay for fresh pages while glibc's threshold settles
+        # (add_rms_norm's fwd read 3 to 37 ms from one run of the default bench to the next).
+        with page_policy("warm", device):
+            ms = timer(run, device, repeats, budget_s)
     except BudgetExceeded as exc:
         _skip(label, exc, result)
         return exc
@@ -489,7 +493,8 @@ def _alternating(runs: dict, device: torch.device, repeats: int, budget_s: float
     kept, skipped = {}, {}
     for label, run in runs.items():
         try:
-            warm_up(run, device, 2, repeats, budget_s)
+            with page_policy("warm", device):  # the pages the timed rounds will reuse
+                warm_up(run, device, 2, repeats, budget_s)
             kept[label] = run
         except BudgetExceeded as exc:
             _skip(label, exc, result)
