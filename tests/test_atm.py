@@ -445,6 +445,28 @@ def test_inductor_around_the_cpu_kernels():
     assert_close_rel(gx, torch.autograd.grad(want.sum(), x64)[0], tolerance(torch.float32), "grad x")
 
 
+def test_reference_exponent_is_frexps_and_the_reference_compiles():
+    """The reference's exponents (read from the float64 bits) are ``math.frexp``'s at every
+    magnitude, subnormals included; and Inductor compiles the reference (the bench's
+    ``torch.compile`` baseline, which ``torch.frexp`` on float64 broke) with its decisions."""
+    from wiola_kernels.reference.atm import _exponent
+
+    g = gen(3)
+    m = torch.cat([torch.tensor([5e-324, 1e-320, 2.0 ** -1022, 0.75 * 2.0 ** -1022, 0.5, 1.0, 3.0,
+                                 1.7976931348623157e308, 0.0, -0.0, -2.0, math.inf, math.nan], dtype=torch.float64),
+                   torch.exp(torch.randn(2000, generator=g, dtype=torch.float64) * 300),
+                   torch.rand(200, generator=g, dtype=torch.float64) * 2.0 ** -1022])
+    want = [math.frexp(v)[1] if math.isfinite(v) and v > 0 else 0 for v in m.tolist()]
+    assert _exponent(m).tolist() == want
+    assert _exponent(m.float()).tolist() == [math.frexp(v)[1] if math.isfinite(v) and v > 0 else 0
+                                             for v in m.float().double().tolist()]
+    x, pos = _tokens(2, 12, 8, 6).float(), torch.arange(12)
+    torch._dynamo.reset()
+    compiled = torch.compile(reference.atm_merge, fullgraph=True, backend="inductor")
+    for got, exp in zip(compiled(x, pos, 0.5), reference.atm_merge(x, pos, 0.5)):
+        assert torch.equal(got, exp)
+
+
 # --- the CUDA kernels: their block edges, alignment, and on a GPU opcheck and compile ----------
 
 # 1100 tokens: two select tiles of 1024; d = 1032: rows of several 16-byte-chunk steps, the last partial

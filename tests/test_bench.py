@@ -285,8 +285,8 @@ def test_every_variant_is_timed_under_the_warm_page_policy(monkeypatch):
 
 
 def test_a_variant_that_raises_is_reported_and_the_run_goes_on(autograd_warm):
-    """An Inductor compile error in a baseline (ATM's reference on AVX2, torch 2.13) fails its
-    cell, not the run; the later pass does not try it again."""
+    """An Inductor compile error in a baseline (as ATM's reference's ``torch.frexp`` once gave
+    on AVX2) fails its cell, not the run; the later pass does not try it again."""
     from wiola_kernels.bench.runner import BenchPlan, run_plan
 
     calls = []
@@ -306,9 +306,11 @@ def test_a_variant_that_raises_is_reported_and_the_run_goes_on(autograd_warm):
     assert records[0].ms is not None and "failed (RuntimeError)" in out.getvalue().splitlines()[2]
 
 
-def test_a_timing_the_warm_up_shows_too_long_is_skipped_before_its_runs(autograd_warm):
+def test_a_timing_the_warm_up_shows_too_long_is_skipped_before_its_runs(autograd_warm, monkeypatch):
+    import wiola_kernels.bench.runner as runner
     from wiola_kernels.bench.runner import BudgetExceeded, time_pass
 
+    monkeypatch.setattr(runner, "WARMUP_S", 0.0)  # the two warm-up calls alone
     calls = []
 
     def run():
@@ -318,6 +320,30 @@ def test_a_timing_the_warm_up_shows_too_long_is_skipped_before_its_runs(autograd
     with pytest.raises(BudgetExceeded, match=r"> 0.5 s, skipped \(one run takes .*: 20 timed runs would end at"):
         time_pass(run, torch.device("cpu"), 20, 0.5)
     assert len(calls) == 2  # the warm-up only
+
+
+def test_a_short_pass_warms_up_for_its_seconds_before_it_is_timed(monkeypatch):
+    """Two calls of a 1 ms pass were not its steady state: the warm-up runs on to WARMUP_S."""
+    import wiola_kernels.bench.runner as runner
+
+    calls, timed_from = [], []
+
+    def run():
+        calls.append(time.perf_counter())
+
+    monkeypatch.setattr(runner, "WARMUP_S", 0.05)
+    start = time.perf_counter()
+    real_deadline = runner.deadline
+
+    def deadline(seconds):  # time_pass enters its timed runs' deadline after the warm-up
+        timed_from.append(len(calls))
+        return real_deadline(seconds)
+
+    monkeypatch.setattr(runner, "deadline", deadline)
+    runner.time_pass(run, torch.device("cpu"), 3, None)
+    warm = timed_from[-1]
+    assert warm > 2 and calls[warm - 1] - start >= 0.05 and len(calls) == warm + 3
+    assert runner.warm_up(run, torch.device("cpu"), 2, 0, None) >= 0 and len(calls) == warm + 5  # default: 2 calls
 
 
 def test_rows_are_printed_as_they_are_measured(autograd_warm):

@@ -183,20 +183,27 @@ def _seconds(s: float) -> str:
     return f"{s:.2g} s" if s < 10 else f"{s:.0f} s"
 
 
+# Least seconds of warm-up runs before a timing: two calls of a 1 ms pass did not reach the
+# steady state (ATM's forward took 7.5 ms for its first four calls, then 1; the bench's median
+# of 5 read 2 to 13 ms from one run to the next).
+WARMUP_S = 0.2
+
+
 def warm_up(run: Callable[[], object], device: torch.device, warmup: int, repeats: int,
-            budget_s: float | None) -> float:
-    """Run ``run()`` ``warmup`` (≥ 1) times; the seconds of the last run. Raises
-    :class:`BudgetExceeded` when a run does not finish within ``budget_s`` or when
-    ``repeats`` more runs of the last one's length would end past it."""
+            budget_s: float | None, min_s: float = 0.0) -> float:
+    """Run ``run()`` ``warmup`` (≥ 1) times, and on until ``min_s`` seconds have passed; the
+    seconds of the last run. Raises :class:`BudgetExceeded` when a run does not finish within
+    ``budget_s`` or when ``repeats`` more runs of the last one's length would end past it."""
     start = time.perf_counter()
-    last = 0.0
+    last, i = 0.0, 0
     try:
         with deadline(budget_s):
-            for i in range(max(1, warmup)):
+            while i < max(1, warmup) or time.perf_counter() - start < min_s:
                 t0 = time.perf_counter()
                 run()
                 _sync(device)
                 last = time.perf_counter() - t0
+                i += 1
     except _Overrun:
         which = "the first run" if i == 0 else f"warm-up run {i + 1}"
         raise BudgetExceeded(budget_s, f"{which} unfinished at {_seconds(budget_s)}", first_run=i == 0) from None
@@ -214,9 +221,11 @@ class PassTimer(Protocol):
                  budget_s: float | None) -> float: ...
 
 
-def time_pass(run: Callable[[], object], device: torch.device, repeats: int, budget_s: float | None) -> float:
+def time_pass(run: Callable[[], object], device: torch.device, repeats: int, budget_s: float | None, *,
+              warmup_s: float | None = None) -> float:
     """Median wall time in milliseconds of ``repeats`` calls of ``run()`` (one pass of one
-    variant), after two warm-up calls — the function that times a pass (:data:`PassTimer`).
+    variant), after warm-up calls (two, and at least :data:`WARMUP_S` seconds of them) — the
+    function that times a pass (:data:`PassTimer`).
 
     Args:
         run: a zero-argument callable running the pass (:func:`make_pass`); its first call
@@ -224,6 +233,7 @@ def time_pass(run: Callable[[], object], device: torch.device, repeats: int, bud
         device: where ``run`` computes; a CUDA device is synchronized after each call.
         repeats: timed calls behind the median.
         budget_s: seconds the whole timing may take, warm-up included (None: unlimited).
+        warmup_s: least seconds of warm-up (None: :data:`WARMUP_S`; 0: the two calls alone).
 
     Returns:
         The median in milliseconds.
@@ -233,7 +243,7 @@ def time_pass(run: Callable[[], object], device: torch.device, repeats: int, bud
             timed calls would end past it, or they did not.
     """
     start = time.perf_counter()
-    warm_up(run, device, 2, repeats, budget_s)
+    warm_up(run, device, 2, repeats, budget_s, min_s=WARMUP_S if warmup_s is None else warmup_s)
     samples: list[float] = []
     left = None if budget_s is None else budget_s - (time.perf_counter() - start)
     try:
@@ -486,15 +496,15 @@ def _failed(label: str, exc: Exception, result: _PassResult) -> BudgetExceeded:
 
 
 def _alternating(runs: dict, device: torch.device, repeats: int, budget_s: float | None,
-                 result: _PassResult) -> dict[str, BudgetExceeded]:
-    """A compute-bound case on the CPU: each variant warmed up alone (within its budget),
-    then the ones that fit timed in alternation, so that their ratios see the same load.
-    Returns the variants skipped and why."""
+                 result: _PassResult, warmup_s: float = 0.0) -> dict[str, BudgetExceeded]:
+    """A compute-bound case on the CPU: each variant warmed up alone (within its budget, for
+    at least ``warmup_s``), then the ones that fit timed in alternation, so that their ratios
+    see the same load. Returns the variants skipped and why."""
     kept, skipped = {}, {}
     for label, run in runs.items():
         try:
             with page_policy("warm", device):  # the pages the timed rounds will reuse
-                warm_up(run, device, 2, repeats, budget_s)
+                warm_up(run, device, 2, repeats, budget_s, min_s=warmup_s)
             kept[label] = run
         except BudgetExceeded as exc:
             _skip(label, exc, result)
@@ -589,7 +599,7 @@ def run_case(case: BenchCase, device: torch.device, *, repeats: int = 10, compil
             result.cells["compile"], result.skipped["compile"] = compile_skipped
             runs.pop("compile", None)
         alternate = case.compute_bound and device.type == "cpu"
-        skipped = _alternating(runs, device, repeats, budget_s, result) if alternate else {}
+        skipped = _alternating(runs, device, repeats, budget_s, result, WARMUP_S) if alternate else {}
         for label in VARIANTS:
             if label in runs and not alternate:
                 skipped[label] = _time_variant(label, runs[label], device, repeats, budget_s, timer, result)

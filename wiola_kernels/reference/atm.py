@@ -78,8 +78,17 @@ def _times_pow2(x: Tensor, k: Tensor) -> Tensor:
 
 
 def _exponent(m: Tensor) -> Tensor:
-    """``e`` with ``m·2^−e ∈ [0.5, 1)`` for finite ``m > 0``; 0 elsewhere (int64)."""
-    e = torch.frexp(m.to(torch.float64)).exponent.to(torch.int64)
+    """``e`` with ``m·2^−e ∈ [0.5, 1)`` for finite ``m > 0``; 0 elsewhere (int64).
+
+    Read from the float64 bits (``frexp``'s exponent, exactly), not with ``torch.frexp``,
+    whose float64 vectorisation Inductor's CPU code generation fails to compile (torch 2.13,
+    AVX2): with it the bench had no ``torch.compile`` baseline for ATM. A subnormal is first
+    scaled by 2^54 (exact) into the normal range."""
+    m = m.to(torch.float64)
+    subnormal = m < 2.0 ** -1022
+    scaled = torch.where(subnormal, m * 2.0 ** 54, m)
+    biased = torch.bitwise_and(torch.bitwise_right_shift(scaled.view(torch.int64), 52), 0x7FF)
+    e = biased - 1022 - torch.where(subnormal, 54, 0)
     return torch.where(torch.isfinite(m) & (m > 0), e, torch.zeros_like(e))
 
 

@@ -269,7 +269,7 @@ def _in_process(args: dict, backend: str, atm: bool, budget_s: float) -> dict:
         times.append(_step(model, opt, ids))
 
     try:
-        step_peak = peak_mb(lambda: time_pass(run, cpu, args["steps"], budget_s), cpu)
+        step_peak = peak_mb(lambda: time_pass(run, cpu, args["steps"], budget_s, warmup_s=0), cpu)
     except BudgetExceeded as exc:
         record = _record(backend, atm, args, None, str(exc))
     else:
