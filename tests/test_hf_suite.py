@@ -3,8 +3,9 @@ patched (issue 38). The harness is checked on a synthetic transformers-like test
 here: one test that only an unpatched model passes (a planted patched-only failure), one that
 fails in both runs, one skipped, one that passes in both. The harness must report exactly the
 planted test as failing only when patched, count the patched models, and exit non-zero; a run
-that patched nothing must read NOT PATCHED. With ``WIOLA_HF_TESTS_DIR`` (a transformers
-checkout at the installed release), CI's fast subset of every family runs too."""
+that patched nothing must read NOT PATCHED. CI runs transformers' common model tests as the
+installed release ships them (its source archive) on every family, a fast subset; with
+``WIOLA_HF_TESTS_DIR`` (a transformers checkout at that release) the families' own files too."""
 
 from __future__ import annotations
 
@@ -56,12 +57,25 @@ def test_skipped():
 '''
 
 
-def _tree(tmp_path: Path, source: str) -> Path:
-    folder = tmp_path / "tests" / "models" / "llama"
+_SYNTHETIC_MISTRAL = '''
+import torch
+from transformers import MistralConfig, MistralForCausalLM
+
+
+def test_forward():
+    torch.manual_seed(0)
+    model = MistralForCausalLM(MistralConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                             num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2))
+    assert model(torch.tensor([[1, 2, 3]])).logits.shape == (1, 3, 64)
+'''
+
+
+def _tree(tmp_path: Path, source: str, family: str = "llama") -> Path:
+    folder = tmp_path / "tests" / "models" / family
     folder.mkdir(parents=True)
     for init in (tmp_path / "tests", tmp_path / "tests" / "models", folder):
         (init / "__init__.py").write_text("")
-    (folder / "test_modeling_llama.py").write_text(textwrap.dedent(source))
+    (folder / f"test_modeling_{family}.py").write_text(textwrap.dedent(source))
     return tmp_path
 
 
@@ -84,6 +98,24 @@ def test_harness_reports_a_patched_only_failure(tmp_path, capsys):
     assert any(line.startswith("llama") and "1 fail only when patched" in line for line in lines), out
     failing = [line.strip() for line in lines if line.startswith("  [llama]")]
     assert failing == [f"[llama] {planted}"], out  # the test failing in both runs is not listed
+
+
+@pytest.mark.slow  # the harness's own logic: the main run's, not the transformers 5.17 leg's too
+def test_together_splits_one_process_per_mode_by_family(tmp_path, capsys):
+    """--together (CI's form): both families' files in one pytest process per mode, the
+    report split by family as the per-family runs would give it."""
+    root = _tree(tmp_path, _SYNTHETIC)
+    _tree(tmp_path, _SYNTHETIC_MISTRAL, "mistral")
+    status = hf_suite.main(["--tests", str(root), "--families", "llama,mistral", "--together",
+                            "--keep", str(tmp_path / "xml"), "--jobs", "2"])
+    out = capsys.readouterr().out
+    assert status == 1, out
+    assert sorted(p.name for p in (tmp_path / "xml").iterdir()) == ["all-patched.xml", "all-unpatched.xml"]
+    rows = {line.split()[0]: line for line in out.splitlines() if line.startswith(("llama", "mistral"))}
+    assert "2/1/1" in rows["llama"] and "1/2/1" in rows["llama"] and "1 fail only when patched" in rows["llama"]
+    assert rows["mistral"].split()[1:5] == ["1/0/0", "1/0/0", "1", "ok"], out
+    failing = [line.strip() for line in out.splitlines() if line.startswith("  [")]
+    assert failing == ["[llama] tests.models.llama.test_modeling_llama::test_planted_hf_norm_class"], out
 
 
 def test_harness_reports_a_run_that_patched_nothing():
@@ -111,6 +143,24 @@ def test_harness_without_tests_says_where_to_get_them(tmp_path, capsys, monkeypa
     assert hf_suite.main(["--tests", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert "no tests/models folder" in err and "github.com/huggingface/transformers" in err
+
+
+@pytest.mark.slow  # ~40 s; and not in the transformers 5.17 leg, where it would fetch that release too
+def test_transformers_common_tests_as_released_fast_subset_every_family(capsys):
+    """transformers' ModelTesterMixin exactly as the installed release ships it (its source
+    archive from PyPI, cached in .hf-suite/) on a small model of every family, unpatched and
+    patched (hf_suite.py --from-release --fast --together): no failure only when patched,
+    and every family's patched run patched its models."""
+    cache = Path(__file__).resolve().parent.parent / ".hf-suite"
+    try:
+        hf_suite.build_release_tree(cache)
+    except RuntimeError as exc:  # no package index reachable: nothing to run the tests from
+        pytest.skip(str(exc))
+    status = hf_suite.main(["--from-release", str(cache), "--fast", "--together", "--jobs", "2"])
+    out = capsys.readouterr().out
+    assert status == 0, out
+    rows = [line for line in out.splitlines() if line.split()[:1] and line.split()[0] in hf_suite.FAMILIES]
+    assert len(rows) == len(hf_suite.FAMILIES), out
 
 
 @pytest.mark.skipif(not os.environ.get("WIOLA_HF_TESTS_DIR"),
