@@ -213,35 +213,29 @@ def _test_file(root: Path, folder: str) -> Path:
 
 def run_family(root: Path, folder: str, patched: bool, k: str | None, workdir: Path, timeout: float,
                python: str) -> Run:
-    test_file = _test_file(root, folder)
-    if not test_file.is_file():
-        return Run(error=f"no {test_file.relative_to(root)}")
-    xml = workdir / f"{folder}-{'patched' if patched else 'unpatched'}.xml"
-    proc, error = _pytest(root, [test_file], patched, k, xml, timeout, python)
-    if error:
-        return Run(returncode=proc.returncode if proc else 0, error=error)
-    run = parse_junit(xml)
-    run.returncode = proc.returncode
-    if not run.outcomes:
-        run.error = "no tests collected" + (f" (-k {k!r})" if k else "")
-    return run
+    """One family's file in its own pytest process (its report ``<folder>-<mode>.xml``)."""
+    return run_together(root, [folder], patched, k, workdir, timeout, python, name=folder)[folder]
 
 
 def run_together(root: Path, folders: list[str], patched: bool, k: str | None, workdir: Path, timeout: float,
-                 python: str) -> dict[str, Run]:
-    """Every family's file in one pytest process (``--together``: one interpreter start per
-    mode instead of one per family and mode); the results split by family."""
+                 python: str, name: str = "all") -> dict[str, Run]:
+    """The families' files in one pytest process (``--together``: one interpreter start per
+    mode instead of one per family and mode; its report ``<name>-<mode>.xml``); the results
+    split by family."""
     missing = [f for f in folders if not _test_file(root, f).is_file()]
     runs = {f: Run(error=f"no {_test_file(root, f).relative_to(root)}") for f in missing}
     present = [f for f in folders if f not in missing]
     if not present:
         return runs
-    xml = workdir / f"all-{'patched' if patched else 'unpatched'}.xml"
+    xml = workdir / f"{name}-{'patched' if patched else 'unpatched'}.xml"
     proc, error = _pytest(root, [_test_file(root, f) for f in present], patched, k, xml, timeout, python)
     if error:
         return runs | {f: Run(returncode=proc.returncode if proc else 0, error=error) for f in present}
-    by_folder = parse_junit(xml, group=lambda classname: next(
-        (f for f in present if f".models.{f}.test_modeling_{f}" in f".{classname}"), None))
+    if len(present) == 1:  # one file: every test is its family's
+        by_folder = {present[0]: parse_junit(xml)}
+    else:
+        by_folder = parse_junit(xml, group=lambda classname: next(
+            (f for f in present if f".models.{f}.test_modeling_{f}" in f".{classname}"), None))
     for f in present:
         run = by_folder.get(f, Run())
         run.returncode = proc.returncode

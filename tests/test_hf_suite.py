@@ -150,12 +150,17 @@ def test_transformers_common_tests_as_released_fast_subset_every_family(capsys):
     """transformers' ModelTesterMixin exactly as the installed release ships it (its source
     archive from PyPI, cached in .hf-suite/) on a small model of every family, unpatched and
     patched (hf_suite.py --from-release --fast --together): no failure only when patched,
-    and every family's patched run patched its models."""
+    and every family's patched run patched its models. Skipped only with WIOLA_OFFLINE set and
+    no cached archive."""
     cache = Path(__file__).resolve().parent.parent / ".hf-suite"
     try:
         hf_suite.build_release_tree(cache)
-    except RuntimeError as exc:  # no package index reachable: nothing to run the tests from
-        pytest.skip(str(exc))
+    except RuntimeError as exc:
+        # CI reaches PyPI (setup.sh installs from it): a failed download there is a failure.
+        # Only a machine that says it is offline skips.
+        if not os.environ.get("WIOLA_OFFLINE"):
+            raise AssertionError(f"{exc} (set WIOLA_OFFLINE=1 on a machine without a package index)") from None
+        pytest.skip(f"WIOLA_OFFLINE is set and the source archive is not cached: {exc}")
     status = hf_suite.main(["--from-release", str(cache), "--fast", "--together", "--jobs", "2"])
     out = capsys.readouterr().out
     assert status == 0, out
