@@ -97,8 +97,8 @@ def build_release_tree(dest: Path, python: str = sys.executable) -> Path:
                                   stderr=subprocess.STDOUT, text=True)
             archives = list(Path(tmp).glob("transformers-*.tar.gz"))
             if proc.returncode != 0 or not archives:
-                raise RuntimeError(f"pip download of transformers=={version}'s source archive failed: "
-                                   + " | ".join(proc.stdout.strip().splitlines()[-2:]))
+                said = " | ".join(proc.stdout.strip().splitlines()[-2:]) or f"exit {proc.returncode}, no output"
+                raise RuntimeError(f"pip download of transformers=={version}'s source archive failed: {said}")
             tests.mkdir(parents=True, exist_ok=True)
             prefix = f"transformers-{version}/tests/"
             with tarfile.open(archives[0]) as tar:
